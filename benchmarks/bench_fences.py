@@ -1,0 +1,417 @@
+"""Issue 6, parts 3 and 5: frees behind fences, reclaim, and wake-up latency.
+
+* Fenced frees, per row: ``alloc(64)`` then ``free(rows, fence=f)`` with
+  ``f`` still open (a gate holds the host stream), then, once the stream has
+  run past every fence, ``reclaim()`` and one ``await asyncio.sleep(0)`` so
+  the pool's own completion callbacks run too. Timed: the alloc+free loop
+  and the reclaim+sleep; untimed: recording the fences and waiting for the
+  stream. References: the same alloc+free without a fence, and the
+  seed-style pool (which has no fences at all, and so no safety).
+* Reclaim against the number of pending fences P (1 .. 10^4), one row per
+  fence, one stream, each fence behind its own gate. "idle": ``reclaim()``
+  while no fence has completed. "head": open the oldest gate, wait for its
+  fence, time the one ``reclaim()`` that returns its row, then re-free a row
+  behind a new fence at the tail, so P stays constant. Both must stay flat:
+  the ledger checks only the head of each stream's queue.
+* Wake-up latency: a waiter queues on a full pool; its row is freed behind
+  an open fence; the time from the stream reaching the fence to the waiter
+  resuming. Reference (the floor): a bare future resolved with
+  ``call_soon_threadsafe`` from the same fence's completion. Also: the CPU
+  the process burns while a waiter idles on an open fence.
+  :func:`bench_wake_latency` takes ``device`` so ``scripts/gpu_check.sh``
+  can run it on CUDA events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+from .harness import Config, Row, Target, compare, interleave, loop_name, median
+from .naive_pool import NaiveReqToTokenPool
+
+__all__ = ["bench_fenced_free", "bench_reclaim_sweep", "bench_wake_latency"]
+
+RECLAIM_FLAT = Target("<=", 1.5)
+
+
+async def bench_fenced_free(cfg: Config) -> list[Row]:
+    """Free behind an open fence + reclaim, per row."""
+    from asyncpool import AsyncReqToTokenPool, HostStream
+
+    loop = loop_name()
+    k, batches = cfg.batch_k, cfg.fenced_batches
+    size = batches * k + 1
+    ctx = cfg.max_context_len
+    fenced = AsyncReqToTokenPool(size, ctx, device="cpu")
+    plain = AsyncReqToTokenPool(size, ctx, device="cpu")
+    naive = NaiveReqToTokenPool(size, ctx)
+    stream = HostStream(name="bench-fenced")
+    reclaimed = [0]
+
+    async def fenced_sample(n: int) -> int:
+        alloc, free, reclaim = fenced.alloc, fenced.free, fenced.reclaim
+        total = 0
+        for _ in range(n):
+            gate = threading.Event()
+            stream.launch(gate.wait)
+            fences = [stream.record() for _ in range(batches)]
+            t0 = perf_counter_ns()
+            for f in fences:
+                rows = await alloc(k)
+                free(rows, fence=f)
+            t1 = perf_counter_ns()
+            gate.set()
+            stream.synchronize()
+            t2 = perf_counter_ns()
+            reclaimed[0] += reclaim()
+            await asyncio.sleep(0)
+            total += (t1 - t0) + (perf_counter_ns() - t2)
+        return total
+
+    async def plain_sample(n: int) -> int:
+        alloc, free = plain.alloc, plain.free
+        t0 = perf_counter_ns()
+        for _ in range(n):
+            for _ in range(batches):
+                rows = await alloc(k)
+                free(rows)
+        return perf_counter_ns() - t0
+
+    async def naive_sample(n: int) -> int:
+        alloc, free = naive.alloc, naive.free
+        t0 = perf_counter_ns()
+        for _ in range(n):
+            for _ in range(batches):
+                rows = alloc(k)
+                assert rows is not None
+                free(rows)
+        return perf_counter_ns() - t0
+
+    rows_per_call = batches * k
+    try:
+        per_op = await interleave(
+            {"fenced": fenced_sample, "unfenced": plain_sample, "seed-style": naive_sample},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call=dict.fromkeys(("fenced", "unfenced", "seed-style"), rows_per_call),
+            start=1,
+        )
+    finally:
+        stream.synchronize()
+        await fenced.drain()
+        await fenced.close()
+        await plain.close()
+        stream.close()
+    bench = f"fenced free({k} rows) + reclaim, per row"
+    note = f"{batches} batches of {k} rows behind open fences per cycle"
+    return [
+        compare(per_op, bench=bench, loop=loop, subject="fenced", reference="unfenced",
+                unit="ns/row", speedup=False, subject_label="asyncpool, fenced",
+                reference_label="asyncpool alloc+free, no fence", note=note),
+        compare(per_op, bench=bench, loop=loop, subject="fenced", reference="seed-style",
+                unit="ns/row", speedup=True, subject_label="asyncpool, fenced",
+                reference_label="seed-style alloc+free (no fence)", note=note),
+    ]
+
+
+class _GatedPending:
+    """A pool holding exactly ``p`` rows behind ``p`` open fences, one per row.
+
+    Every fence sits behind its own gate on one host stream, so the test
+    opens them one at a time, oldest first.
+    """
+
+    def __init__(self, pool: Any, stream: Any, p: int) -> None:
+        self.pool = pool
+        self.stream = stream
+        self.p = p
+        self.queue: collections.deque[tuple[threading.Event, Any]] = collections.deque()
+
+    async def fill(self) -> None:
+        rows = await self.pool.alloc(self.p)
+        for row in rows:
+            self.push([row])
+
+    def push(self, rows: list[int]) -> None:
+        gate = threading.Event()
+        self.stream.launch(gate.wait)
+        fence = self.stream.record()
+        self.pool.free(rows, fence=fence)
+        self.queue.append((gate, fence))
+
+    async def close(self) -> None:
+        for gate, _ in self.queue:
+            gate.set()
+        self.stream.synchronize()
+        await self.pool.drain()
+        await self.pool.close()
+        self.stream.close()
+
+
+async def bench_reclaim_sweep(cfg: Config) -> list[Row]:
+    """``reclaim()`` cost as the number of pending fences grows."""
+    from asyncpool import AsyncReqToTokenPool, HostStream
+
+    loop = loop_name()
+    ps = cfg.reclaim_pending
+    size = max(ps) + 2
+    holders: dict[int, _GatedPending] = {}
+    try:
+        for p in ps:
+            h = _GatedPending(
+                AsyncReqToTokenPool(size, 16, device="cpu"), HostStream(name=f"bench-p{p}"), p
+            )
+            holders[p] = h
+            await h.fill()
+            assert h.pool.pending_size() == p, (p, h.pool.pending_size())
+
+        def idle_sampler(h: _GatedPending) -> Callable[[int], Any]:
+            async def sample(n: int) -> int:
+                reclaim = h.pool.reclaim
+                t0 = perf_counter_ns()
+                for _ in range(n):
+                    reclaim()
+                return perf_counter_ns() - t0
+
+            return sample
+
+        def head_sampler(h: _GatedPending) -> Callable[[int], Any]:
+            async def sample(n: int) -> int:
+                pool = h.pool
+                total = 0
+                for _ in range(n):
+                    gate, fence = h.queue.popleft()
+                    gate.set()
+                    fence.synchronize()
+                    t0 = perf_counter_ns()
+                    got = pool.reclaim()
+                    total += perf_counter_ns() - t0
+                    assert got == 1, got
+                    # Let the pool's completion callback run (untimed), then
+                    # keep P constant: one row back behind a new open fence.
+                    await asyncio.sleep(0)
+                    rows = pool.try_alloc(1)
+                    assert rows is not None
+                    h.push(rows)
+                return total
+
+            return sample
+
+        idle = await interleave(
+            {f"P={p}": idle_sampler(holders[p]) for p in ps},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+        )
+        head = await interleave(
+            {f"P={p}": head_sampler(holders[p]) for p in ps},
+            rounds=cfg.rounds,
+            target_s=0.0,
+            start=cfg.reclaim_head_samples,
+        )
+        for p in ps:
+            assert holders[p].pool.pending_size() == p
+    finally:
+        for h in holders.values():
+            await h.close()
+
+    base = f"P={ps[0]}"
+    rows: list[Row] = []
+    for label, data, what in (("idle", idle, "nothing completed"),
+                              ("head", head, "oldest fence completed")):
+        for p in ps[1:]:
+            rows.append(compare(
+                data, bench=f"reclaim(), {what}", loop=loop, subject=f"P={p}", reference=base,
+                unit="ns/reclaim", speedup=False,
+                target=RECLAIM_FLAT if p == max(ps) else None,
+                subject_label=f"{p} pending fences", reference_label=f"{ps[0]} pending fence",
+                note=f"sweep:{label}",
+            ))
+    return rows
+
+
+def _stamp(cell: list[int]) -> None:
+    cell[0] = perf_counter_ns()
+
+
+class _CudaGate:
+    """Holds a CUDA stream busy for a while and stamps when a fence completes.
+
+    The host cannot be told the instant an event completes, so a thread spins
+    on ``query()`` (yielding the GIL between polls) and stamps the first True;
+    the figure is therefore an upper bound by the poll period (~µs).
+    """
+
+    def __init__(self, stream: Any, sleep_cycles: int = 2_000_000) -> None:
+        import torch
+
+        self.torch = torch
+        self.stream = stream
+        self.sleep_cycles = sleep_cycles
+
+    def hold_and_record(self, record: Callable[[Any], Any]) -> tuple[Any, list[int]]:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(self.sleep_cycles)
+        fence = record(self.stream)
+        cell = [0]
+
+        def spin() -> None:
+            while not fence.query():
+                time.sleep(0)
+            cell[0] = perf_counter_ns()
+
+        thread = threading.Thread(target=spin, daemon=True)
+        thread.start()
+        self._thread = thread
+        return fence, cell
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
+    """Fence completion → the waiting task resumes, against the bare floor.
+
+    ``device="cpu"``: host fences on a :class:`HostStream`, stamped on the
+    stream's worker just before it reaches the fence. ``device="cuda"``:
+    CUDA events on a side stream held busy by ``torch.cuda._sleep``, stamped
+    by a polling thread (see :class:`_CudaGate`).
+    """
+    from asyncpool import AsyncReqToTokenPool, HostStream, record_fence
+
+    loop_kind = loop_name()
+    loop = asyncio.get_running_loop()
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
+        stream: Any = torch.cuda.Stream(device=device)
+        gate_cuda = _CudaGate(stream)
+    else:
+        stream = HostStream(name="bench-wake")
+    pool = AsyncReqToTokenPool(2, 16, device=device)  # one grantable row
+    held = await pool.alloc(1)
+    pool_lat: list[float] = []
+    floor_lat: list[float] = []
+
+    def open_fence() -> tuple[Any, list[int], threading.Event | None]:
+        if cuda:
+            fence, cell = gate_cuda.hold_and_record(record_fence)
+            return fence, cell, None
+        gate = threading.Event()
+        cell = [0]
+        stream.launch(gate.wait)
+        stream.launch(_stamp, cell)
+        return stream.record(), cell, gate
+
+    async def waiter() -> tuple[list[int], int]:
+        rows = await pool.alloc(1)
+        return rows, perf_counter_ns()
+
+    async def pool_once() -> float:
+        nonlocal held
+        fence, cell, gate = open_fence()
+        pool.free(held, fence=fence)
+        task = asyncio.ensure_future(waiter())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the waiter is queued now
+        if gate is not None:
+            gate.set()
+        held, t1 = await task
+        if cuda:
+            gate_cuda.join()
+        return float(t1 - cell[0])
+
+    async def floor_once() -> float:
+        fence, cell, gate = open_fence()
+        fut: asyncio.Future[int] = loop.create_future()
+
+        def done(_: object = None) -> None:
+            if not fut.done():
+                fut.set_result(perf_counter_ns())
+
+        if cuda:
+            def watch() -> None:
+                fence.synchronize()
+                loop.call_soon_threadsafe(done)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+        else:
+            fence.add_done_callback(lambda: loop.call_soon_threadsafe(done))
+
+        async def resume() -> int:
+            await fut
+            return perf_counter_ns()
+
+        task = asyncio.ensure_future(resume())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if gate is not None:
+            gate.set()
+        t1 = await task
+        if cuda:
+            watcher.join()
+            gate_cuda.join()
+        return float(t1 - cell[0])
+
+    async def idle_cpu() -> float:
+        """CPU seconds per wall second while a waiter idles on an open fence."""
+        nonlocal held
+        gate = threading.Event()
+        if cuda:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(int(gate_cuda.sleep_cycles * 10))
+            fence = record_fence(stream)
+        else:
+            stream.launch(gate.wait)
+            fence = stream.record()
+        pool.free(held, fence=fence)
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0)
+        c0, w0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(cfg.idle_wait_s)
+        c1, w1 = time.process_time(), time.perf_counter()
+        gate.set()
+        held, _ = await task
+        return (c1 - c0) / (w1 - w0)
+
+    try:
+        for _ in range(3):  # warm-up
+            await pool_once()
+            await floor_once()
+        for i in range(cfg.wake_samples):
+            if i % 2:
+                floor_lat.append(await floor_once())
+                pool_lat.append(await pool_once())
+            else:
+                pool_lat.append(await pool_once())
+                floor_lat.append(await floor_once())
+        cpu = await idle_cpu()
+    finally:
+        pool.free(held)
+        await pool.drain()
+        await pool.close()
+        if not cuda:
+            stream.close()
+
+    def p90(xs: list[float]) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+    row = compare(
+        {"pool": pool_lat, "floor": floor_lat}, bench=f"wake-up latency ({device} fences)",
+        loop=loop_kind, subject="pool", reference="floor", unit="ns", speedup=False,
+        subject_label="asyncpool waiter resumes",
+        reference_label="bare future via call_soon_threadsafe",
+        note=(f"p90 pool {p90(pool_lat) / 1e3:.1f} µs, floor {p90(floor_lat) / 1e3:.1f} µs; "
+              f"CPU while a waiter idles on an open fence: {cpu * 100:.1f}% of a core"),
+    )
+    row.samples["idle_cpu_fraction"] = [cpu]
+    row.samples["pool_median_us"] = [median(pool_lat) / 1e3]
+    return [row]

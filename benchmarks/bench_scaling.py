@@ -1,0 +1,138 @@
+"""Issue 6, part 4: cost and memory as the pool grows from 256 to 65,536 rows.
+
+Cost: the uncontended ``await alloc(1)`` + ``free`` cycle at every size,
+all sizes and both pools interleaved round by round; ratios against the
+smallest size (flat is the goal) and against the seed-style pool of the same
+size (whose free-list slice is O(size)).
+
+Memory: the tables (every tensor the pool exposes, exact ``nbytes``) and
+the Python bookkeeping (``tracemalloc``: objects allocated by constructing
+the pool and cycling every row through it once; torch's tensor storage is
+not allocated through Python and so is not counted twice). Tables use a
+short ``max_context_len`` here so 65,536 rows fit a laptop; they grow as
+``size * max_context_len * 4`` bytes in any case.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from time import perf_counter_ns
+from typing import Any
+
+from .harness import Config, Row, compare, interleave, loop_name
+from .naive_pool import NaiveReqToTokenPool
+
+__all__ = ["TABLE_ATTRS", "bench_scaling", "measure_memory"]
+
+TABLE_ATTRS = ("req_to_token", "verified_lens", "alloced_lens", "alloced_lens_cpu")
+
+
+def table_bytes(pool: object) -> int:
+    total = 0
+    for name in TABLE_ATTRS:
+        t = getattr(pool, name, None)
+        if t is not None:
+            total += t.numel() * t.element_size()
+    return total
+
+
+async def _cycle_all(pool: Any, is_async: bool) -> None:
+    cap = pool.available_size()
+    rows = (await pool.alloc(cap)) if is_async else pool.alloc(cap)
+    pool.free(rows)
+
+
+async def measure_memory(size: int, max_context_len: int) -> dict[str, float]:
+    """Bytes of tables and of Python bookkeeping, asyncpool vs seed-style."""
+    from asyncpool import AsyncReqToTokenPool
+
+    out: dict[str, float] = {"size": size}
+    for label, factory, is_async in (
+        ("asyncpool", lambda: AsyncReqToTokenPool(size, max_context_len, device="cpu"), True),
+        ("seed-style", lambda: NaiveReqToTokenPool(size, max_context_len), False),
+    ):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            pool = factory()
+            await _cycle_all(pool, is_async)
+            gc.collect()
+            current, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        out[f"{label}_table_bytes"] = table_bytes(pool)
+        out[f"{label}_bookkeeping_bytes"] = current - base
+        out[f"{label}_bookkeeping_peak_bytes"] = peak - base
+        if is_async:
+            await pool.close()
+        del pool
+    return out
+
+
+async def bench_scaling(
+    cfg: Config, *, memory: bool = True
+) -> tuple[list[Row], list[dict[str, float]]]:
+    """Cycle cost per size (ratios) and memory per size (bytes)."""
+    from asyncpool import AsyncReqToTokenPool
+
+    loop = loop_name()
+    sizes = cfg.scaling_sizes
+    ctx = cfg.scaling_context_len
+    pools = {s: AsyncReqToTokenPool(s, ctx, device="cpu") for s in sizes}
+    naives = {s: NaiveReqToTokenPool(s, ctx) for s in sizes}
+
+    def pool_sampler(pool: Any) -> Any:
+        async def sample(n: int) -> int:
+            alloc, free = pool.alloc, pool.free
+            t0 = perf_counter_ns()
+            for _ in range(n):
+                rows = await alloc(1)
+                free(rows)
+            return perf_counter_ns() - t0
+
+        return sample
+
+    def naive_sampler(naive: NaiveReqToTokenPool) -> Any:
+        async def sample(n: int) -> int:
+            alloc, free = naive.alloc, naive.free
+            t0 = perf_counter_ns()
+            for _ in range(n):
+                rows = alloc(1)
+                assert rows is not None
+                free(rows)
+            return perf_counter_ns() - t0
+
+        return sample
+
+    samplers = {}
+    for s in sizes:
+        samplers[f"pool {s}"] = pool_sampler(pools[s])
+        samplers[f"seed {s}"] = naive_sampler(naives[s])
+    try:
+        per_op = await interleave(samplers, rounds=cfg.rounds, target_s=cfg.sample_s / 2)
+    finally:
+        for p in pools.values():
+            await p.close()
+    rows: list[Row] = []
+    lo = sizes[0]
+    for s in sizes:
+        if s != lo:
+            rows.append(compare(
+                per_op, bench="scaling: alloc(1)+free vs pool size", loop=loop,
+                subject=f"pool {s}", reference=f"pool {lo}", unit="ns/cycle", speedup=False,
+                subject_label=f"asyncpool, {s} rows", reference_label=f"asyncpool, {lo} rows",
+                note="sweep:pool",
+            ))
+        rows.append(compare(
+            per_op, bench="scaling: alloc(1)+free vs pool size", loop=loop,
+            subject=f"pool {s}", reference=f"seed {s}", unit="ns/cycle", speedup=True,
+            subject_label=f"asyncpool, {s} rows", reference_label=f"seed-style, {s} rows",
+            note="sweep:seed",
+        ))
+    mem: list[dict[str, float]] = []
+    if memory:
+        for s in sizes:
+            mem.append(await measure_memory(s, ctx))
+    return rows, mem

@@ -1,0 +1,283 @@
+"""Markdown and JSON output for a benchmark run."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .harness import Config, Row
+
+__all__ = ["machine_info", "render_markdown", "to_json"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    try:
+        import uvloop
+
+        uv = uvloop.__version__
+    except ImportError:  # pragma: no cover
+        uv = "not installed"
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        affinity = os.cpu_count() or 0
+    dirty = _git("status", "--porcelain", "--", "asyncpool", "benchmarks", "scheduler_demo")
+    return {
+        "cpu": _cpu_model(),
+        "cores_usable": affinity,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "uvloop": uv,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(dirty),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _num(x: float) -> str:
+    if isinstance(x, float) and math.isnan(x):
+        return "n/a"
+    return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _ratio(x: float) -> str:
+    if math.isnan(x):
+        return "n/a"
+    if x >= 100:
+        return f"{x:,.0f}x"
+    if x >= 10:
+        return f"{x:.1f}x"
+    return f"{x:.2f}x"
+
+
+def _time(ns: float) -> str:
+    if math.isnan(ns):
+        return "n/a"
+    if ns >= 1e6:
+        return f"{ns / 1e6:.3g} ms"
+    if ns >= 1e3:
+        return f"{ns / 1e3:.3g} µs"
+    return f"{ns:.3g} ns"
+
+
+def _value(v: float, unit: str) -> str:
+    if unit.startswith("ns"):
+        per = unit[2:]
+        return _time(v) + per
+    return f"{_num(v)} {unit}"
+
+
+def _met(row: Row) -> str:
+    met = row.met
+    if met is None:
+        return ""
+    return "**yes**" if met else "**NO**"
+
+
+def _row_line(row: Row) -> str:
+    spread = ""
+    if not (math.isnan(row.ratio_p25) or row.ratio_p25 == row.ratio_p75):
+        spread = f" ({_ratio(row.ratio_p25)} to {_ratio(row.ratio_p75)})"
+    direction = "faster" if row.ratio_label.startswith("speed") else "cost"
+    ctx = f"{_value(row.subject_value, row.unit)} vs {_value(row.reference_value, row.unit)}"
+    return (
+        f"| {row.bench} | {row.loop} | {row.subject} vs {row.reference} | "
+        f"{_ratio(row.ratio)} {direction}{spread} | {row.target or ''} | {_met(row)} | {ctx} |"
+    )
+
+
+_HEADER = (
+    "| Benchmark | Loop | Subject vs reference | Ratio: median of rounds (IQR) | Target "
+    "| Met | Medians, for context |\n"
+    "| --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def _sweep_table(rows: list[Row], tag: str, title: str, col: str) -> list[str]:
+    """One line per subject, one column per loop: the ratio to the base."""
+    chosen = [r for r in rows if r.note == tag]
+    if not chosen:
+        return []
+    loops = sorted({r.loop for r in chosen})
+    by: dict[tuple[str, str], Row] = {(r.subject, r.loop): r for r in chosen}
+    subjects: list[str] = []
+    for r in chosen:
+        if r.subject not in subjects:
+            subjects.append(r.subject)
+    out = [f"**{title}** (reference: {chosen[0].reference})", ""]
+    out.append(f"| {col} | " + " | ".join(f"{lp}: ratio | {lp}: median" for lp in loops) + " |")
+    out.append("| --- |" + " --- | --- |" * len(loops))
+    for s in subjects:
+        cells = []
+        for lp in loops:
+            r = by.get((s, lp))
+            cells.append("n/a | n/a" if r is None
+                         else f"{_ratio(r.ratio)} | {_value(r.subject_value, r.unit)}")
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def render_markdown(
+    rows: list[Row],
+    *,
+    command: str,
+    cfg: Config,
+    machine: dict[str, Any],
+    memory: list[dict[str, float]],
+    unavailable: dict[str, str],
+    elapsed_s: float,
+) -> str:
+    m = machine
+    lines = [
+        "# asyncpool benchmarks",
+        "",
+        "Generated by the command below; do not edit by hand.",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores_usable']} usable cores, {m['platform']}",
+        f"- Python {m['python']} ({m['implementation']}), torch {m['torch']} "
+        f"({m['torch_threads']} threads), uvloop {m['uvloop']}",
+        f"- Commit {m['git_commit'] or 'unknown'}"
+        + (" with uncommitted changes" if m["git_dirty"] else "")
+        + f", {m['date_utc']}; preset `{cfg.name}`, {cfg.rounds} interleaved rounds per "
+        f"comparison, run took {elapsed_s:.0f} s",
+        "",
+        "Every figure is a ratio measured in one process, subject and reference interleaved "
+        "(order rotated each round) on the same event loop; the ratio is the median of the "
+        "per-round ratios, with its interquartile range. Absolute times are context only: "
+        "they move with the machine, the ratios much less.",
+        "",
+        "## Targets",
+        "",
+        _HEADER,
+    ]
+    targeted = [r for r in rows if r.target is not None]
+    lines += [_row_line(r) for r in targeted]
+    met = sum(1 for r in targeted if r.met)
+    lines += ["", f"{met} of {len(targeted)} targets met.", ""]
+    for name, why in unavailable.items():
+        lines.append(f"- **{name}: not available** ({why})")
+    if unavailable:
+        lines.append("")
+
+    lines += ["## Other comparisons", "", _HEADER]
+    lines += [_row_line(r) for r in rows if r.target is None and not r.note.startswith("sweep:")]
+    lines.append("")
+
+    sweeps = [
+        ("sweep:idle", "reclaim() with nothing completed, vs pending fences", "pending fences"),
+        ("sweep:head", "reclaim() of the oldest completed fence, vs pending fences",
+         "pending fences"),
+        ("sweep:pool", "asyncpool alloc(1)+free vs pool size (cost ratio)", "size"),
+        ("sweep:seed", "asyncpool speed-up over the seed-style pool of the same size", "size"),
+    ]
+    sweep_lines: list[str] = []
+    for tag, title, col in sweeps:
+        sweep_lines += _sweep_table(rows, tag, title, col)
+    if sweep_lines:
+        lines += ["## Sweeps", "", *sweep_lines]
+
+    if memory:
+        lines += [
+            "## Memory",
+            "",
+            f"Tables at max_context_len={cfg.scaling_context_len} (they scale with it); "
+            "bookkeeping is Python objects after every row was allocated and freed once "
+            "(tracemalloc).",
+            "",
+            "| size | asyncpool tables | asyncpool bookkeeping | per row "
+            "| seed-style bookkeeping | per row |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for mem in memory:
+            s = mem["size"]
+            ab, nb = mem["asyncpool_bookkeeping_bytes"], mem["seed-style_bookkeeping_bytes"]
+            lines.append(
+                f"| {int(s):,} | {mem['asyncpool_table_bytes'] / 2**20:.2f} MiB "
+                f"| {ab / 1024:,.1f} KiB | {ab / s:.0f} B | {nb / 1024:,.1f} KiB | {nb / s:.0f} B |"
+            )
+        lines.append("")
+
+    lines += [
+        "## Method",
+        "",
+        "- Timer: `time.perf_counter_ns`; each sample batches enough operations to take "
+        f"about {cfg.sample_s * 1e3:g} ms (calibrated, which also warms up), so timer and "
+        "loop overhead is amortised. The garbage collector is off while a micro-benchmark "
+        "sample runs and collects between samples (as `timeit` does); it stays on for the "
+        "contended run.",
+        "- Loops: each benchmark runs on a fresh `asyncio.new_event_loop()` and a fresh "
+        "`uvloop.new_event_loop()` via `loop.run_until_complete`.",
+        "- Seed-style pool: `benchmarks/naive_pool.py`, the seed's algorithm (list free "
+        "list sliced on every alloc, list-indexed zeroing on alloc, per-row zeroing on "
+        "free). It is called without `await` (it has no async API), which only favours it.",
+        "- Uncontended: `rows = await pool.alloc(1); pool.free(rows)` vs "
+        "`await sem.acquire(); sem.release()` in one coroutine loop.",
+        "- Contended: tasks each doing `alloc(1)`, `await asyncio.sleep(0)`, `free` a few "
+        "times, gathered; same with `asyncio.Semaphore`; time per grant.",
+        "- Fenced: frees behind still-open host fences (a gate holds the stream), then the "
+        "stream runs past them and `reclaim()` + one loop turn return the rows.",
+        "- Wake-up: the stream's worker stamps the time just before it reaches the fence; "
+        "the waiter stamps when it resumes. The floor is a bare future resolved with "
+        "`call_soon_threadsafe` from the same fence's done-callback.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row], *, command: str, cfg: Config, machine: dict[str, Any],
+            memory: list[dict[str, float]], unavailable: dict[str, str],
+            extra: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "command": command,
+        "argv": sys.argv,
+        "config": asdict(cfg),
+        "machine": machine,
+        "elapsed_s": elapsed_s,
+        "rows": [r.to_json() for r in rows],
+        "memory": memory,
+        "unavailable": unavailable,
+        "extra": extra,
+        "targets_met": sum(1 for r in rows if r.met),
+        "targets_total": sum(1 for r in rows if r.target is not None),
+    }

@@ -1,0 +1,132 @@
+"""The benchmark entry point: ``python -m benchmarks`` or ``python benchmarks/run.py``.
+
+Runs every benchmark on asyncio and on uvloop, prints a markdown report to
+stdout, writes it to ``docs/benchmarks.md`` (``--md``) and, with
+``--json PATH``, every sample as JSON. ``--quick`` is the short run.
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import PRESETS, Config, Row, loop_factories, run_on
+from benchmarks.report import REPO, machine_info, render_markdown, to_json
+
+BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
+              "demo")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter rounds (about a minute)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default, quick, or smoke (tests)")
+    p.add_argument("--json", metavar="PATH", type=Path, help="write every sample as JSON")
+    p.add_argument("--md", metavar="PATH", type=Path, default=REPO / "docs" / "benchmarks.md",
+                   help="where to write the markdown (default: docs/benchmarks.md)")
+    p.add_argument("--no-md", action="store_true", help="only print the markdown")
+    p.add_argument("--loops", default=",".join(loop_factories()),
+                   help="comma-separated loop kinds (default: asyncio,uvloop)")
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
+    p.add_argument("--rounds", type=int, help="override the interleaved rounds per comparison")
+    return p.parse_args(argv)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    preset = args.preset or ("quick" if args.quick else "default")
+    cfg = PRESETS[preset]
+    if args.rounds:
+        from dataclasses import replace
+
+        cfg = replace(cfg, rounds=args.rounds)
+    loops = [lp for lp in args.loops.split(",") if lp]
+    unknown = [lp for lp in loops if lp not in loop_factories()]
+    if unknown:
+        raise SystemExit(f"unknown loop kind(s): {unknown}; have {list(loop_factories())}")
+    only = [b for b in args.only.split(",") if b]
+    bad = [b for b in only if b not in BENCHMARKS]
+    if bad:
+        raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
+    command = "python -m benchmarks " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+
+    from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
+    from benchmarks.bench_demo import bench_demo
+    from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+    from benchmarks.bench_scaling import bench_scaling
+
+    rows: list[Row] = []
+    memory: list[dict[str, float]] = []
+    unavailable: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    simple: dict[str, Callable[[Config], Coroutine[Any, Any, list[Row]]]] = {
+        "uncontended": bench_uncontended,
+        "batched": bench_batched,
+        "contended": bench_contended,
+        "fenced": bench_fenced_free,
+        "reclaim": bench_reclaim_sweep,
+        "wake": bench_wake_latency,
+    }
+    t_start = time.perf_counter()
+    for name in BENCHMARKS:
+        if name not in only:
+            continue
+        if name == "demo":
+            _log("[demo] running scheduler_demo ...")
+            t0 = time.perf_counter()
+            demo_rows, info = bench_demo(cfg, loops)
+            rows += demo_rows
+            extra["demo"] = info
+            if info.get("unavailable"):
+                unavailable["demo"] = str(info["unavailable"])
+            _log(f"[demo] done in {time.perf_counter() - t0:.1f}s")
+            continue
+        for lp in loops:
+            _log(f"[{name}] on {lp} ...")
+            t0 = time.perf_counter()
+            if name == "scaling":
+                want_mem = lp == loops[0]
+                srows, mem = run_on(lp, lambda m=want_mem: bench_scaling(cfg, memory=m))
+                rows += srows
+                memory += mem
+            else:
+                fn = simple[name]
+                rows += run_on(lp, lambda fn=fn: fn(cfg))  # type: ignore[misc]
+            _log(f"[{name}] on {lp} done in {time.perf_counter() - t0:.1f}s")
+    elapsed = time.perf_counter() - t_start
+    machine = machine_info()
+    md = render_markdown(rows, command=command, cfg=cfg, machine=machine, memory=memory,
+                         unavailable=unavailable, elapsed_s=elapsed)
+    print(md)
+    if not args.no_md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(md, encoding="utf-8")
+        _log(f"markdown written to {args.md}")
+    if args.json:
+        import json
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        data = to_json(rows, command=command, cfg=cfg, machine=machine, memory=memory,
+                       unavailable=unavailable, extra=extra, elapsed_s=elapsed)
+        args.json.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+        _log(f"JSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Smoke test of ``benchmarks/``: every benchmark runs, tiny, on both loops.
+
+No timing assertions: only that each benchmark runs to the end, returns
+well-formed rows, and leaves no stream, pool or task behind (the suite runs
+with ``-W error``). The async tests run on every loop conftest provides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
+from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+from benchmarks.bench_scaling import bench_scaling
+from benchmarks.harness import PRESETS, Row
+from benchmarks.naive_pool import NaiveReqToTokenPool
+
+SMOKE = PRESETS["smoke"]
+
+
+def _check(rows: list[Row]) -> None:
+    assert rows
+    for row in rows:
+        assert row.loop in ("asyncio", "uvloop")
+        assert row.ratio > 0 and math.isfinite(row.ratio), row
+        assert row.subject_value > 0 and row.reference_value > 0, row
+        json.dumps(row.to_json())
+
+
+def test_naive_pool_behaves_like_the_seed() -> None:
+    pool = NaiveReqToTokenPool(8, 4)
+    assert pool.available_size() == 7
+    rows = pool.alloc(3)
+    assert rows == [1, 2, 3]
+    pool.verified_lens[rows] = 5
+    pool.free(rows[0])
+    pool.free(rows[1:])
+    assert pool.verified_lens.sum().item() == 0
+    assert pool.alloc(8) is None
+    assert pool.alloc(7) == [4, 5, 6, 7, 1, 2, 3]  # FIFO by list order, as the seed
+    pool.clear()
+    assert pool.available_size() == 7
+
+
+async def test_uncontended() -> None:
+    _check(await bench_uncontended(SMOKE))
+
+
+async def test_batched() -> None:
+    _check(await bench_batched(SMOKE))
+
+
+async def test_contended() -> None:
+    _check(await bench_contended(SMOKE))
+
+
+async def test_fenced_free() -> None:
+    _check(await bench_fenced_free(SMOKE))
+
+
+async def test_reclaim_sweep() -> None:
+    rows = await bench_reclaim_sweep(SMOKE)
+    _check(rows)
+    assert any(r.target is not None for r in rows)
+
+
+async def test_wake_latency() -> None:
+    rows = await bench_wake_latency(SMOKE, device="cpu")
+    _check(rows)
+    assert 0 <= rows[0].samples["idle_cpu_fraction"][0]
+
+
+async def test_scaling() -> None:
+    rows, memory = await bench_scaling(SMOKE)
+    _check(rows)
+    assert [int(m["size"]) for m in memory] == list(SMOKE.scaling_sizes)
+    for m in memory:
+        assert m["asyncpool_table_bytes"] > 0
+
+
+def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
+    from benchmarks.run import main
+
+    md, js = tmp_path / "bench.md", tmp_path / "bench.json"
+    assert main(["--preset", "smoke", "--md", str(md), "--json", str(js)]) == 0
+    text = md.read_text(encoding="utf-8")
+    assert "| Benchmark |" in text and "## Targets" in text
+    data = json.loads(js.read_text(encoding="utf-8"))
+    assert data["rows"] and data["machine"]["python"]
+    benches = {r["bench"] for r in data["rows"]}
+    assert any("uncontended" in b for b in benches)
+    assert {r["loop"] for r in data["rows"]} >= {"asyncio"}
+    # The demo is either measured or reported as not available, never silently dropped.
+    assert any("demo" in b for b in benches) or "demo" in data["unavailable"]
+
+
+@pytest.mark.parametrize("argv", [["--only", "nope"], ["--loops", "nope"]])
+def test_entry_point_rejects_unknown_names(argv: list[str]) -> None:
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--preset", "smoke", "--no-md", *argv])

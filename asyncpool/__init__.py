@@ -1,0 +1,52 @@
+"""asyncpool: the request-slot pool of an LLM serving engine, for asyncio.
+
+``await pool.alloc(n)`` waits in bounded, prioritised FIFO queues;
+``pool.free(rows)`` defers each row behind the fences of the work that still
+touches it, so a row freed under overlap scheduling is never reused before
+the forward stream has run past every write to it.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CapacityError,
+    DoubleFreeError,
+    FenceError,
+    InvalidSlotError,
+    MemorySaverError,
+    PoolBusyError,
+    PoolClosedError,
+    PoolError,
+    WrongThreadError,
+)
+from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
+from .pool import AsyncReqToTokenPool, Lease
+from .stats import LatencySummary, PoolStats
+from .sync_pool import ReqToTokenPool
+from .tables import ReqToTokenPoolInfo
+
+__all__ = [
+    "AsyncReqToTokenPool",
+    "CapacityError",
+    "CudaFence",
+    "DoubleFreeError",
+    "Fence",
+    "FenceError",
+    "HostFence",
+    "HostStream",
+    "InvalidSlotError",
+    "LatencySummary",
+    "Lease",
+    "MemorySaverError",
+    "OrderedFence",
+    "PoolBusyError",
+    "PoolClosedError",
+    "PoolError",
+    "PoolStats",
+    "ReqToTokenPool",
+    "ReqToTokenPoolInfo",
+    "WrongThreadError",
+    "record_fence",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,130 @@
+"""What the synchronous and the asyncio pool share: ledger + tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .fences import Fence
+from .ledger import Rows, SlotLedger
+from .stats import LatencySummary, PoolStats
+from .tables import ReqToTokenPoolInfo, TokenTables
+
+__all__ = ["PoolCore"]
+
+
+class PoolCore:
+    """Ledger (who owns which row) plus tables (the tensors).
+
+    Subclasses add how allocation waits. The tensors are plain attributes,
+    as in the seed: ``req_to_token``, ``verified_lens``, ``alloced_lens``,
+    ``alloced_lens_cpu``.
+    """
+
+    req_to_token: torch.Tensor
+    verified_lens: torch.Tensor
+    alloced_lens: torch.Tensor
+    alloced_lens_cpu: torch.Tensor
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        enable_memory_saver: bool = False,
+        stream: Any | None = None,
+    ) -> None:
+        self._ledger = SlotLedger(
+            size,
+            on_reset=self._reset_rows,
+            on_pending=self._on_pending,
+            on_fault=self._on_fault,
+        )
+        self._tables = TokenTables(size, max_context_len, device, enable_memory_saver, stream)
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.stream = stream
+        self._bind_tensors()
+
+    def _bind_tensors(self) -> None:
+        tables = self._tables
+        self.req_to_token = tables.req_to_token
+        self.verified_lens = tables.verified_lens
+        self.alloced_lens = tables.alloced_lens
+        self.alloced_lens_cpu = tables.alloced_lens_cpu
+
+    # Hooks from the ledger -------------------------------------------------
+
+    def _reset_rows(self, rows: list[int]) -> None:
+        self._tables.reset_rows(rows)
+
+    def _on_pending(self, fence: Fence) -> None:
+        """A fence started holding rows (the async pool arranges a wake-up)."""
+
+    def _on_fault(self, fence: Fence, error: BaseException) -> None:
+        """A fence faulted and its rows were quarantined."""
+
+    # Shared API ------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows that can be handed out: ``size - 1`` (row 0 is reserved)."""
+        return self._ledger.capacity
+
+    def available_size(self) -> int:
+        """Rows free right now (not counting rows pending behind fences)."""
+        return self._ledger.free_count
+
+    def pending_size(self) -> int:
+        """Rows freed but waiting for their fences to complete."""
+        return self._ledger.pending
+
+    def quarantined_size(self) -> int:
+        """Rows kept out of circulation because their fence faulted."""
+        return self._ledger.quarantined
+
+    def allocated_size(self) -> int:
+        return self._ledger.allocated
+
+    def set_req_pool_info(self, req_pool_idx: int, metadata: ReqToTokenPoolInfo) -> None:
+        """Write a row's lengths and token slots (for chunked prefill)."""
+        row = self._tables.check_row(req_pool_idx)
+        if self._ledger.state_of(row) != "allocated":
+            raise self._ledger._row_error(row, "written")
+        self._tables.set_req_pool_info(row, metadata)
+
+    def write(self, indices: Any, values: Any) -> None:
+        """``req_to_token[indices] = values``, as the seed does."""
+        self._tables.write(indices, values)
+
+    def generation(self, row: int) -> int:
+        """How many times ``row`` has been handed out (for stale-handle checks)."""
+        return self._ledger.generation(row)
+
+    def _record_use(self, rows: Rows, fence: Fence) -> None:
+        self._ledger.record_use(rows, fence)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every bookkeeping invariant holds."""
+        self._ledger.check_invariants()
+
+    def _stats(self, **extra: Any) -> PoolStats:
+        led = self._ledger
+        return PoolStats(
+            capacity=led.capacity,
+            free=led.free_count,
+            allocated=led.allocated,
+            pending=led.pending,
+            quarantined=led.quarantined,
+            allocs=led.allocs,
+            frees=led.frees,
+            deferred_frees=led.deferred_frees,
+            reclaimed=led.reclaimed,
+            peak_allocated=led.peak_allocated,
+            resets=led.resets,
+            fence_errors=led.fence_errors,
+            fence_latency=LatencySummary.of(led.fence_latencies),
+            **extra,
+        )

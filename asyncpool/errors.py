@@ -1,0 +1,81 @@
+"""The exceptions raised by asyncpool.
+
+Every error is a :class:`PoolError`, so ``except PoolError`` catches all of
+them. Several also derive from the builtin that a caller would reach for
+first: a bad size is a ``ValueError``, a closed pool a ``RuntimeError``.
+A call that raises any of these has changed nothing in the pool.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "DoubleFreeError",
+    "FenceError",
+    "InvalidSlotError",
+    "MemorySaverError",
+    "PoolBusyError",
+    "PoolClosedError",
+    "PoolError",
+    "WrongThreadError",
+]
+
+
+class PoolError(Exception):
+    """Base class of every error raised by asyncpool."""
+
+
+class CapacityError(PoolError, ValueError):
+    """A requested row count is not an int in ``1..capacity``.
+
+    Raised at once, never after a wait: a request that can never be met is
+    refused rather than queued forever.
+    """
+
+
+class InvalidSlotError(PoolError, ValueError):
+    """A row id passed to the pool is not one the caller may pass.
+
+    Row 0 (reserved padding), ids outside ``1..size-1``, non-int ids, rows
+    that are not allocated, and the same row twice in one call.
+    """
+
+
+class DoubleFreeError(InvalidSlotError):
+    """A row was freed that is already free or waiting behind a fence."""
+
+
+class PoolClosedError(PoolError, RuntimeError):
+    """The pool was closed; allocation is no longer possible."""
+
+
+class PoolBusyError(PoolError):
+    """The pool refuses the call in its current state.
+
+    ``max_waiters`` waiters already queue (load shedding), or
+    ``release_memory()`` was asked while rows are still allocated.
+    """
+
+
+class FenceError(PoolError):
+    """A fence reported a fault (a faulted stream, or ``query()`` raised).
+
+    Rows behind a faulted fence are quarantined: they never return to
+    circulation, since the work that wrote them may have stopped anywhere.
+    """
+
+
+class MemorySaverError(PoolError, RuntimeError):
+    """The torch-memory-saver region was asked for where it cannot work.
+
+    It needs CUDA; on a machine without it, ``enable_memory_saver=True`` is
+    refused with this error rather than silently ignored.
+    """
+
+
+class WrongThreadError(PoolError, RuntimeError):
+    """A pool was called from a thread other than the one that owns it.
+
+    The pool is not thread-safe, like every asyncio object: call it from its
+    event loop's thread, or hand work over with ``loop.call_soon_threadsafe``.
+    """

@@ -1,0 +1,407 @@
+"""Fences: "has the stream run past this point yet?"
+
+A fence is any object with ``query() -> bool`` (non-blocking: has it
+completed?) and ``synchronize() -> None`` (block until it has). Two kinds are
+built in, and both *know their stream and their place on it*, which is what
+lets the ledger reclaim in O(completed) rather than O(pending):
+
+* :class:`HostFence`, recorded on a :class:`HostStream`, the CPU stand-in for
+  a CUDA stream (one worker thread running launched work in order);
+* :class:`CudaFence`, a small wrapper around a pooled ``torch.cuda.Event``
+  recorded on a ``torch.cuda.Stream``.
+
+:func:`record_fence` records one of either kind on a stream. Any other object
+with ``query()``/``synchronize()`` is accepted by the pool as a fence of
+unknown origin and is polled in full.
+
+Thread rules: a :class:`HostStream` may be used from any thread. Its
+fences' ``query``/``synchronize``/``add_done_callback`` are thread-safe; done
+callbacks run on the stream's worker thread (or on the caller's thread when
+the fence had already completed) and must not block.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .errors import FenceError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CudaFence",
+    "Fence",
+    "HostFence",
+    "HostStream",
+    "OrderedFence",
+    "record_fence",
+]
+
+logger = logging.getLogger(__name__)
+
+# Stream keys are small ints shared by both stream kinds; each stream gets one
+# the first time a fence is recorded on it.
+_stream_keys = itertools.count(1)
+
+
+@runtime_checkable
+class Fence(Protocol):
+    """The fence protocol: a point on some stream that completes once."""
+
+    def query(self) -> bool:
+        """Return True once the fence has completed; never blocks.
+
+        Raises (for a faulted stream) instead of returning True.
+        """
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the fence has completed; raise if it faulted."""
+        ...
+
+
+@runtime_checkable
+class OrderedFence(Fence, Protocol):
+    """A fence that knows its stream and its place on it.
+
+    Fences with the same ``stream_key`` complete in ``seq`` order: when one
+    has completed, so has every fence of that stream with a smaller ``seq``.
+    """
+
+    stream_key: int
+    seq: int
+
+
+_PENDING, _DONE, _FAULTED = 0, 1, 2
+
+
+class HostFence:
+    """A point on a :class:`HostStream`; completes when the worker reaches it.
+
+    If work launched before the fence raised, the stream is faulted and the
+    fence reports that fault: ``query()`` and ``synchronize()`` raise
+    :class:`FenceError` (chained to the work's exception) instead of
+    completing, as a CUDA event on a stream with a sticky error does.
+    """
+
+    __slots__ = ("_callbacks", "_error", "_event", "_lock", "_state", "seq", "stream_key")
+
+    def __init__(self, stream_key: int, seq: int) -> None:
+        self.stream_key = stream_key
+        self.seq = seq
+        self._state = _PENDING
+        self._error: BaseException | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], object]] | None = []
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "faulted")[self._state]
+        return f"<HostFence stream={self.stream_key} seq={self.seq} {state}>"
+
+    def query(self) -> bool:
+        """Return True when completed; raise :class:`FenceError` if faulted."""
+        state = self._state
+        if state == _DONE:
+            return True
+        if state == _FAULTED:
+            raise self._fault()
+        return False
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the fence completes or faults."""
+        self._event.wait()
+        if self._state == _FAULTED:
+            raise self._fault()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Like :meth:`synchronize` with a timeout; False if it ran out."""
+        if not self._event.wait(timeout):
+            return False
+        if self._state == _FAULTED:
+            raise self._fault()
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that faulted the stream, or None."""
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the fence completes or faults.
+
+        Runs on the stream's worker thread, or at once on the caller's thread
+        when the fence is already settled. ``fn`` must be quick and must not
+        raise (an exception is logged and dropped).
+        """
+        with self._lock:
+            callbacks = self._callbacks
+            if callbacks is not None:
+                callbacks.append(fn)
+                return
+        _run_callback(fn)
+
+    def _settle(self, error: BaseException | None) -> None:
+        # Called once, by the stream's worker thread.
+        if error is not None:
+            self._error = error
+            self._state = _FAULTED
+        else:
+            self._state = _DONE
+        self._event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            _run_callback(fn)
+
+    def _fault(self) -> FenceError:
+        err = FenceError(
+            f"HostStream {self.stream_key} faulted before fence {self.seq}: {self._error!r}"
+        )
+        err.__cause__ = self._error
+        return err
+
+
+def _run_callback(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:
+        logger.exception("fence done-callback %r raised", fn)
+
+
+class _Closed:
+    """Sentinel put on a HostStream's queue by close()."""
+
+
+_CLOSE = _Closed()
+
+
+class HostStream:
+    """A CPU stand-in for a CUDA stream: one worker thread, in-order work.
+
+    ``launch(fn, *args)`` queues ``fn(*args)`` and returns at once; the
+    worker runs launched work strictly in launch order. ``record()`` returns a
+    :class:`HostFence` that completes when everything launched before it has
+    run. Work that raises faults the stream (sticky, as a CUDA error is):
+    later work is skipped and every later fence reports the fault.
+
+    ``close()`` lets queued work finish (pass ``cancel_pending=True`` to drop
+    it, faulting the fences still queued), then joins the worker. A stream is
+    also a context manager that closes on exit. All methods are thread-safe.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.key = next(_stream_keys)
+        self.name = name or f"host-stream-{self.key}"
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._cancel = False
+        self._error: BaseException | None = None
+        self._last_fence: HostFence | None = None
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("faulted" if self._error else "open")
+        return f"<HostStream {self.name} {state} fences={self._seq}>"
+
+    def __enter__(self) -> HostStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that faulted the stream, or None."""
+        return self._error
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def launch(self, fn: Callable[..., object], *args: object) -> None:
+        """Queue ``fn(*args)`` to run on the worker after earlier work."""
+        with self._lock:
+            self._check_open()
+            self._queue.put((fn, args))
+
+    def record(self) -> HostFence:
+        """Record a fence after all work launched so far."""
+        with self._lock:
+            self._check_open()
+            self._seq += 1
+            fence = HostFence(self.key, self._seq)
+            self._last_fence = fence
+            self._queue.put(fence)
+        return fence
+
+    def wait(self, fence: Fence) -> None:
+        """Make later work on this stream wait for ``fence`` (cross-stream order).
+
+        If ``fence`` faults, this stream faults too.
+        """
+        self.launch(fence.synchronize)
+
+    def synchronize(self) -> None:
+        """Block until all work launched so far has run; raise if faulted."""
+        self.record().synchronize()
+
+    def close(self, *, cancel_pending: bool = False) -> None:
+        """Stop the worker after the queued work (or dropping it); idempotent."""
+        with self._lock:
+            if self._closed:
+                already = True
+            else:
+                already = False
+                self._closed = True
+                self._cancel = cancel_pending
+                self._queue.put(_CLOSE)
+        if not already and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed; no more work can be launched")
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is _CLOSE:
+                return
+            if item.__class__ is HostFence:
+                if self._cancel and self._error is None:
+                    self._error = RuntimeError(f"{self.name} was closed with this fence queued")
+                item._settle(self._error)
+                continue
+            if self._error is not None or self._cancel:
+                continue  # sticky fault, or cancelled: skip the work
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException as exc:  # a fault of the stream
+                self._error = exc
+                logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
+
+
+class _EventPool:
+    """A free list of ``torch.cuda.Event`` objects, per device.
+
+    Creating CUDA events costs a driver call; PyTorch's allocator pools them
+    and so do we. An event returns to the pool only when the
+    :class:`CudaFence` wrapping it is garbage-collected, so an event that any
+    waiter, ledger entry or user still holds is never re-recorded.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, collections.deque[torch.cuda.Event]] = collections.defaultdict(
+            collections.deque
+        )
+        self.created = 0
+
+    def take(self, device_index: int) -> torch.cuda.Event:
+        free = self._free[device_index]
+        try:
+            return free.pop()
+        except IndexError:
+            import torch
+
+            self.created += 1
+            # blocking=True: synchronize() sleeps in the driver instead of
+            # spinning a core, which is what the pool's watcher thread wants.
+            return torch.cuda.Event(enable_timing=False, blocking=True)  # type: ignore[no-untyped-call]
+
+    def give_back(self, device_index: int, event: torch.cuda.Event) -> None:
+        self._free[device_index].append(event)
+
+
+_event_pool = _EventPool()
+_cuda_stream_keys: dict[tuple[int, int], int] = {}
+_cuda_seqs: dict[int, int] = {}
+_cuda_lock = threading.Lock()
+
+
+class CudaFence:
+    """A pooled ``torch.cuda.Event`` recorded on a CUDA stream, with its place.
+
+    Built by :func:`record_fence`; the event goes back to the pool when this
+    wrapper is collected, never earlier.
+    """
+
+    __slots__ = ("_device_index", "event", "seq", "stream_key")
+
+    def __init__(self, event: torch.cuda.Event, device_index: int, stream_key: int, seq: int):
+        self.event = event
+        self._device_index = device_index
+        self.stream_key = stream_key
+        self.seq = seq
+
+    def __repr__(self) -> str:
+        return f"<CudaFence stream={self.stream_key} seq={self.seq}>"
+
+    def query(self) -> bool:
+        return bool(self.event.query())  # type: ignore[no-untyped-call]
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def __del__(self) -> None:
+        try:
+            _event_pool.give_back(self._device_index, self.event)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _record_cuda(stream: torch.cuda.Stream) -> CudaFence:
+    device_index = stream.device.index or 0
+    ident = (device_index, int(stream.cuda_stream))
+    with _cuda_lock:
+        key = _cuda_stream_keys.get(ident)
+        if key is None:
+            key = _cuda_stream_keys[ident] = next(_stream_keys)
+        seq = _cuda_seqs[key] = _cuda_seqs.get(key, 0) + 1
+        event = _event_pool.take(device_index)
+        event.record(stream)
+    return CudaFence(event, device_index, key, seq)
+
+
+def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
+    """Record a fence on ``stream`` after all work queued on it so far.
+
+    A :class:`HostStream` gives a :class:`HostFence`; a ``torch.cuda.Stream``
+    (or a ``torch.Stream`` of type ``cuda``) gives a :class:`CudaFence` around
+    a pooled event. Both carry ``stream_key`` and ``seq``. Fences of one CUDA
+    stream are ordered by the order of ``record_fence`` calls, so record from
+    one thread per stream (the scheduler's), as a CUDA stream is used anyway.
+    """
+    if isinstance(stream, HostStream):
+        return stream.record()
+    device = getattr(stream, "device", None)
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        if not isinstance(stream, torch.cuda.Stream):
+            stream = torch.cuda.Stream(
+                stream_id=stream.stream_id,
+                device_index=stream.device_index,
+                device_type=stream.device_type,
+            )
+        return _record_cuda(stream)
+    raise TypeError(
+        f"record_fence() needs a HostStream or a CUDA stream, got {type(stream).__name__}"
+    )
+
+
+def is_fence(obj: object) -> bool:
+    """True if ``obj`` has callable ``query`` and ``synchronize``."""
+    return callable(getattr(obj, "query", None)) and callable(getattr(obj, "synchronize", None))

@@ -1,0 +1,647 @@
+"""Pure slot bookkeeping: which row is free, allocated, pending or quarantined.
+
+The ledger knows nothing of tensors or of asyncio. It owns rows
+``1..size-1`` (row 0 is reserved padding, never handed out, never freed) and
+moves each through::
+
+    FREE --take--> ALLOCATED --free--> FREE                 (no open fence)
+                            \\--free--> PENDING --fence done--> FREE
+                                              \\--fence faulted--> QUARANTINED
+
+Invariants (proved by :meth:`SlotLedger.check_invariants`):
+
+* every row is in exactly one state; the counts add up to ``capacity``;
+* the free queue holds exactly the FREE rows, oldest-freed first (FIFO
+  reuse, as tokenspeed's allocator does: reuse as late as possible);
+* the free queue is ``[clean rows..., dirty rows...]``: its first ``_clean``
+  rows were reset, the rows made free since sit behind them. Before a dirty
+  row is handed out, the ``on_reset`` hook is called once with *every* dirty
+  row (one vectorised tensor op for about ``capacity`` frees, not one per
+  free), so a row reads zero lengths when its new owner gets it;
+* pending rows sit in batches ``(fence, rows)``, one queue per stream kept in
+  the stream's record order, so reclaim looks only at each queue's head;
+  fences of unknown origin sit in a side list polled in full.
+
+Every public method is atomic: one that raises has changed nothing.
+Not thread-safe: the owning pool serialises calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .errors import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
+from .fences import Fence
+
+__all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "SlotLedger"]
+
+logger = logging.getLogger(__name__)
+
+FREE, ALLOCATED, PENDING, QUARANTINED, RESERVED = 0, 1, 2, 3, 4
+_CHECKING = 5  # transient mark while one call validates its rows
+STATE_NAMES = ("free", "allocated", "pending", "quarantined", "reserved", "checking")
+
+Rows = int | Sequence[int]
+
+
+class _Batch:
+    """Rows that return to circulation when ``fence`` completes."""
+
+    __slots__ = ("fence", "rows", "seq", "t0")
+
+    def __init__(self, fence: Fence, seq: int, rows: list[int], t0: float) -> None:
+        self.fence = fence
+        self.seq = seq
+        self.rows = rows
+        self.t0 = t0
+
+
+def _stream_key(fence: object) -> int | None:
+    return getattr(fence, "stream_key", None)
+
+
+class SlotLedger:
+    """Bookkeeping for ``size - 1`` rows; see the module docstring.
+
+    ``on_reset(rows)`` is called with every dirty row right before the first
+    of them would be handed out. ``on_pending(fence)`` is called once for each
+    fence that starts holding rows, so the owner can arrange to be told when
+    it completes. ``on_fault(fence, error)`` is called when a fence faults.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        on_reset: Callable[[list[int]], None] | None = None,
+        on_pending: Callable[[Fence], None] | None = None,
+        on_fault: Callable[[Fence, BaseException], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        latency_window: int = 4096,
+    ) -> None:
+        if size.__class__ is not int or size < 2:
+            raise CapacityError(f"a pool needs size >= 2 (row 0 is reserved), got {size!r}")
+        self.size = size
+        self.capacity = size - 1
+        self._free: collections.deque[int] = collections.deque(range(1, size))
+        self._clean = size - 1  # the tables start zeroed
+        self._state = bytearray(size)
+        self._state[0] = RESERVED
+        self._gen = [0] * size
+        self._uses: list[Any] = [None] * size
+        self._more: dict[int, list[Fence]] = {}
+        self._streams: dict[int, collections.deque[_Batch]] = {}
+        self._unordered: list[_Batch] = []
+        self._on_reset = on_reset
+        self._on_pending = on_pending
+        self._on_fault = on_fault
+        self._clock = clock
+        self.pending = 0
+        self.quarantined = 0
+        self.peak_allocated = 0
+        self._returned = 0  # rows given back by put_back (never really allocated)
+        self.deferred_frees = 0
+        self.reclaimed = 0
+        self.resets = 0
+        self.fence_errors = 0
+        self.last_fence_error: BaseException | None = None
+        self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+
+    # ------------------------------------------------------------------ counts
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def allocated(self) -> int:
+        return self.capacity - len(self._free) - self.pending - self.quarantined
+
+    @property
+    def allocs(self) -> int:
+        """Rows handed out over the pool's life (derived: no hot-path counter)."""
+        return sum(self._gen) - self._returned
+
+    @property
+    def frees(self) -> int:
+        """Rows given back over the pool's life (each handed-out row once)."""
+        return self.allocs - self.allocated
+
+    def state_of(self, row: int) -> str:
+        """The state of ``row`` by name (for messages and tests)."""
+        return STATE_NAMES[self._state[row]]
+
+    def generation(self, row: int) -> int:
+        """How many times ``row`` has been handed out."""
+        return self._gen[row]
+
+    # ------------------------------------------------------------------ take
+
+    def take(self, n: int) -> list[int] | None:
+        """Hand out the ``n`` oldest-freed rows, or None when fewer are free.
+
+        ``n`` must already be validated (an int in ``1..capacity``).
+        """
+        free = self._free
+        if n > self._clean:  # short, or dirty rows needed
+            if n > len(free):
+                return None
+            self._reset_dirty()
+        self._clean -= n
+        if n == 1:
+            row = free.popleft()
+            self._state[row] = ALLOCATED
+            self._gen[row] += 1
+            rows = [row]
+        else:
+            state = self._state
+            gen = self._gen
+            pop = free.popleft
+            rows = [pop() for _ in range(n)]
+            for row in rows:
+                state[row] = ALLOCATED
+                gen[row] += 1
+        allocated = self.capacity - len(free) - self.pending - self.quarantined
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+        return rows
+
+    def put_back(self, rows: list[int]) -> None:
+        """Return rows handed out by :meth:`take` but never given to anyone.
+
+        They go back to the head of the free queue, clean, as if never taken
+        (used when a waiter is cancelled after its grant).
+        """
+        state = self._state
+        free = self._free
+        for row in reversed(rows):
+            state[row] = FREE
+            free.appendleft(row)
+        self._clean += len(rows)
+        self._returned += len(rows)
+
+    def _reset_dirty(self) -> None:
+        free = self._free
+        dirty = list(itertools.islice(free, self._clean, None))
+        self._clean = len(free)
+        if not dirty:
+            return
+        self.resets += 1
+        if self._on_reset is not None:
+            self._on_reset(dirty)
+
+    def reset_all(self) -> None:
+        """Mark every free row clean (the caller zeroed the whole table)."""
+        self._clean = len(self._free)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_n(self, n: object) -> int:
+        """Validate a requested row count; raise :class:`CapacityError`."""
+        if n.__class__ is not int:
+            raise CapacityError(
+                f"a row count must be an int, got {n!r} of type {type(n).__name__}"
+            )
+        assert isinstance(n, int)
+        if n < 1:
+            raise CapacityError(f"cannot allocate {n} rows: a request needs at least 1 row")
+        if n > self.capacity:
+            raise CapacityError(
+                f"cannot allocate {n} rows: the pool has only {self.capacity} "
+                "(size - 1, row 0 is reserved)"
+            )
+        return n
+
+    def _row_error(self, row: object, what: str) -> InvalidSlotError:
+        if row.__class__ is not int:
+            return InvalidSlotError(
+                f"row ids must be ints, got {row!r} of type {type(row).__name__}"
+            )
+        assert isinstance(row, int)
+        if row == 0:
+            return InvalidSlotError(f"row 0 is reserved padding and cannot be {what}")
+        if not 0 < row < self.size:
+            return InvalidSlotError(f"row {row} is out of range 1..{self.size - 1}")
+        state = self._state[row]
+        if state == _CHECKING:
+            return InvalidSlotError(f"row {row} appears more than once in one call")
+        if state in (FREE, PENDING):
+            if self._gen[row] == 0:
+                return InvalidSlotError(f"row {row} was never allocated and cannot be {what}")
+            where = "is already free" if state == FREE else "is already pending behind a fence"
+            return DoubleFreeError(f"double free: row {row} {where}")
+        return InvalidSlotError(f"row {row} is {STATE_NAMES[state]} and cannot be {what}")
+
+    def _mark_allocated(self, rows: Sequence[int], what: str) -> None:
+        """Check that ``rows`` are distinct allocated rows; mark them CHECKING.
+
+        On error every mark is undone and the ledger is as before.
+        """
+        state = self._state
+        size = self.size
+        for i, row in enumerate(rows):
+            if row.__class__ is not int or not 0 < row < size or state[row] != ALLOCATED:
+                for done in rows[:i]:
+                    state[done] = ALLOCATED
+                raise self._row_error(row, what)
+            state[row] = _CHECKING
+
+    @staticmethod
+    def as_rows(rows: object) -> Sequence[int]:
+        if rows.__class__ is int:
+            return (rows,)
+        if isinstance(rows, (list, tuple, range)):
+            return rows
+        if isinstance(rows, Iterable) and not isinstance(rows, (str, bytes)):
+            return list(rows)
+        raise InvalidSlotError(
+            f"rows must be an int or a sequence of ints, got {type(rows).__name__}"
+        )
+
+    @staticmethod
+    def check_fence(fence: object, name: str = "fence") -> None:
+        if not (callable(getattr(fence, "query", None)) and callable(
+            getattr(fence, "synchronize", None)
+        )):
+            raise TypeError(
+                f"{name}= must be a fence (an object with query() and synchronize()), "
+                f"got {fence!r} of type {type(fence).__name__}"
+            )
+
+    # ------------------------------------------------------------------ use
+
+    def record_use(self, rows: Rows, fence: Fence) -> None:
+        """Note that ``rows`` are touched by work that completes with ``fence``.
+
+        A later :meth:`free` of a row waits for the newest use recorded on
+        each stream. All rows must be allocated.
+        """
+        seq = self.as_rows(rows)
+        self.check_fence(fence)
+        self._mark_allocated(seq, "used")
+        state = self._state
+        uses = self._uses
+        key = _stream_key(fence)
+        fseq = getattr(fence, "seq", 0)
+        for row in seq:
+            state[row] = ALLOCATED
+            prev = uses[row]
+            if prev is None or prev is fence:
+                uses[row] = fence
+            elif key is not None and _stream_key(prev) == key:
+                if prev.seq <= fseq:
+                    uses[row] = fence
+            else:
+                uses[row] = _merge_uses(prev, fence)
+
+    # ------------------------------------------------------------------ free
+
+    def free(self, rows: Rows, fence: Fence | None = None) -> int:
+        """Return allocated rows; return how many are free at once.
+
+        Each row waits for its newest recorded use and for ``fence``; a row
+        with nothing incomplete to wait for is free at once, the rest become
+        PENDING. Raises (changing nothing) for row 0, out-of-range or
+        non-int ids, rows not allocated, duplicates, and a non-fence.
+        """
+        if fence is None and rows.__class__ is list and len(rows) == 1:
+            # Fast path: one row, no fence, no recorded use.
+            row = rows[0]
+            if (
+                row.__class__ is int
+                and 0 < row < self.size
+                and self._state[row] == ALLOCATED
+                and self._uses[row] is None
+            ):
+                self._state[row] = FREE
+                self._free.append(row)
+                return 1
+        seq = self.as_rows(rows)
+        if fence is not None:
+            self.check_fence(fence)
+        self._mark_allocated(seq, "freed")
+        state = self._state
+        uses = self._uses
+        free = self._free
+        immediate = 0
+        deferred: dict[int, tuple[Fence, list[int]]] | None = None
+        last: object = None
+        last_done = False
+        for row in seq:
+            use = uses[row]
+            if use is None and fence is None:
+                state[row] = FREE
+                free.append(row)
+                immediate += 1
+                continue
+            uses[row] = None
+            if fence is None and use.__class__ is not tuple:
+                # Common case: one recorded use; query each distinct fence once.
+                if use is not last:
+                    last = use
+                    try:
+                        last_done = use.query()
+                    except Exception as exc:  # a faulted stream
+                        self._fault_rows([row], use, exc)
+                        last = None
+                        continue
+                if last_done:
+                    state[row] = FREE
+                    free.append(row)
+                    immediate += 1
+                    continue
+                waits = [use]
+            else:
+                waits_or_none = self._open_fences(row, use, fence)
+                if waits_or_none is None:
+                    continue  # quarantined
+                waits = waits_or_none
+                if not waits:
+                    state[row] = FREE
+                    free.append(row)
+                    immediate += 1
+                    continue
+            head = waits[0]
+            if len(waits) > 1:
+                self._more[row] = waits[1:]
+            state[row] = PENDING
+            if deferred is None:
+                deferred = {}
+            entry = deferred.get(id(head))
+            if entry is None:
+                deferred[id(head)] = (head, [row])
+            else:
+                entry[1].append(row)
+        if deferred:
+            now = self._clock()
+            for head, batch_rows in deferred.values():
+                self.deferred_frees += len(batch_rows)
+                self._defer(head, batch_rows, now)
+        return immediate
+
+    def _open_fences(self, row: int, use: Any, fence: Fence | None) -> list[Fence] | None:
+        """The incomplete fences ``row`` must wait for, newest per stream.
+
+        None if one of them faulted (the row is then quarantined).
+        """
+        candidates: list[Fence] = []
+        if use is not None:
+            candidates.extend(use if use.__class__ is tuple else (use,))
+        if fence is not None:
+            candidates.append(fence)
+        newest: dict[int, Fence] = {}
+        unordered: list[Fence] = []
+        for f in candidates:
+            key = _stream_key(f)
+            if key is None:
+                if f not in unordered:
+                    unordered.append(f)
+            else:
+                cur = newest.get(key)
+                if cur is None or getattr(cur, "seq", 0) < getattr(f, "seq", 0):
+                    newest[key] = f
+        waits = []
+        for f in (*newest.values(), *unordered):
+            try:
+                done = f.query()
+            except Exception as exc:
+                self._fault_rows([row], f, exc)
+                return None
+            if not done:
+                waits.append(f)
+        return waits
+
+    def _defer(self, fence: Fence, rows: list[int], now: float) -> None:
+        self.pending += len(rows)
+        key = _stream_key(fence)
+        if key is None:
+            for batch in self._unordered:
+                if batch.fence is fence:
+                    batch.rows.extend(rows)
+                    return
+            self._unordered.append(_Batch(fence, 0, rows, now))
+        else:
+            fseq: int = getattr(fence, "seq", 0)
+            queue = self._streams.get(key)
+            if queue is None:
+                queue = self._streams[key] = collections.deque()
+            # Keep the queue in record order; frees usually arrive in it, so
+            # scan from the tail (O(1) in the common case).
+            index = len(queue)
+            while index > 0:
+                tail = queue[index - 1]
+                if tail.fence is fence:
+                    tail.rows.extend(rows)
+                    return
+                if tail.seq <= fseq:
+                    break
+                index -= 1
+            queue.insert(index, _Batch(fence, fseq, rows, now))
+        if self._on_pending is not None:
+            self._on_pending(fence)
+
+    # ------------------------------------------------------------------ reclaim
+
+    def reclaim(self) -> int:
+        """Return to circulation every row whose fences have completed.
+
+        Looks only at the head of each stream's queue (fences of one stream
+        complete in order) and at the unordered side list: the cost is
+        O(completed + streams + unordered), never O(pending). Returns the
+        number of rows made FREE. A fence that raises quarantines its rows.
+        """
+        if not self.pending:
+            return 0
+        released = 0
+        empty: list[int] = []
+        for key, queue in self._streams.items():
+            while queue:
+                batch = queue[0]
+                try:
+                    done = batch.fence.query()
+                except Exception as exc:
+                    queue.popleft()
+                    self.pending -= len(batch.rows)
+                    self._fault_batch(batch, exc)
+                    continue
+                if not done:
+                    break
+                queue.popleft()
+                released += self._release(batch)
+            if not queue:
+                empty.append(key)
+        for key in empty:
+            del self._streams[key]
+        if self._unordered:
+            keep: list[_Batch] = []
+            for batch in self._unordered:
+                try:
+                    done = batch.fence.query()
+                except Exception as exc:
+                    self.pending -= len(batch.rows)
+                    self._fault_batch(batch, exc)
+                    continue
+                if done:
+                    released += self._release(batch)
+                else:
+                    keep.append(batch)
+            self._unordered = keep
+        return released
+
+    def _release(self, batch: _Batch) -> int:
+        rows = batch.rows
+        self.pending -= len(rows)
+        self.fence_latencies.append(self._clock() - batch.t0)
+        state = self._state
+        free = self._free
+        more = self._more
+        released = 0
+        for row in rows:
+            if more and row in more:
+                # Still behind another stream's fence: wait for the next one.
+                self._requeue(row, more.pop(row))
+                continue
+            state[row] = FREE
+            free.append(row)
+            released += 1
+        self.reclaimed += released
+        return released
+
+    def _requeue(self, row: int, waits: list[Fence]) -> None:
+        remaining: list[Fence] = []
+        for f in waits:
+            try:
+                done = f.query()
+            except Exception as exc:
+                self._fault_rows([row], f, exc)
+                return
+            if not done:
+                remaining.append(f)
+        if not remaining:
+            self._state[row] = FREE
+            self._free.append(row)
+            self.reclaimed += 1
+            return
+        if len(remaining) > 1:
+            self._more[row] = remaining[1:]
+        self._defer(remaining[0], [row], self._clock())
+
+    def _fault_batch(self, batch: _Batch, exc: BaseException) -> None:
+        self._fault_rows(batch.rows, batch.fence, exc)
+
+    def _fault_rows(self, rows: list[int], fence: Fence, exc: BaseException) -> None:
+        state = self._state
+        for row in rows:
+            state[row] = QUARANTINED
+            self._more.pop(row, None)
+        self.quarantined += len(rows)
+        self.fence_errors += 1
+        err = exc if isinstance(exc, FenceError) else FenceError(f"fence {fence!r} raised {exc!r}")
+        if err is not exc:
+            err.__cause__ = exc
+        self.last_fence_error = err
+        logger.error("fence %r faulted; quarantined rows %s: %s", fence, rows, exc)
+        if self._on_fault is not None:
+            self._on_fault(fence, err)
+
+    # ------------------------------------------------------------------ views
+
+    def pending_fences(self) -> list[Fence]:
+        """The fences that hold rows: each stream's head first, then the rest."""
+        fences = [q[0].fence for q in self._streams.values() if q]
+        fences.extend(b.fence for q in self._streams.values() for b in list(q)[1:])
+        fences.extend(b.fence for b in self._unordered)
+        return fences
+
+    def allocated_rows(self) -> list[int]:
+        state = self._state
+        return [row for row in range(1, self.size) if state[row] == ALLOCATED]
+
+    def free_all_allocated(self) -> int:
+        """Free every allocated row (respecting recorded uses): the seed's flush."""
+        rows = self.allocated_rows()
+        if not rows:
+            return 0
+        return self.free(rows)
+
+    def restore_fresh_order(self) -> None:
+        """Put the free queue in row order and mark it clean.
+
+        Only for a caller that has just zeroed every row (the seed's flush).
+        """
+        ordered = sorted(self._free)
+        self._free.clear()
+        self._free.extend(ordered)
+        self._clean = len(ordered)
+
+    # ------------------------------------------------------------------ proof
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every invariant of the module holds."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"ledger invariant broken: {msg}")
+
+        state = self._state
+        if state[0] != RESERVED:
+            fail("row 0 is not reserved")
+        counts = [0] * 6
+        for row in range(1, self.size):
+            counts[state[row]] += 1
+        if counts[RESERVED] or counts[_CHECKING]:
+            fail(f"rows in impossible states: {counts}")
+        free_rows = list(self._free)
+        if len(set(free_rows)) != len(free_rows):
+            fail("a row is in the free queue twice")
+        if any(state[r] != FREE for r in free_rows) or len(free_rows) != counts[FREE]:
+            fail(f"free queue ({len(free_rows)}) != FREE rows ({counts[FREE]})")
+        if not 0 <= self._clean <= len(free_rows):
+            fail(f"clean count {self._clean} outside 0..{len(free_rows)}")
+        pending_rows: list[int] = []
+        for key, queue in self._streams.items():
+            seqs = [b.seq for b in queue]
+            if seqs != sorted(seqs):
+                fail(f"stream {key} queue out of record order: {seqs}")
+            for b in queue:
+                pending_rows.extend(b.rows)
+        for b in self._unordered:
+            pending_rows.extend(b.rows)
+        if len(set(pending_rows)) != len(pending_rows):
+            fail("a row is pending in two batches")
+        if any(state[r] != PENDING for r in pending_rows) or len(pending_rows) != counts[PENDING]:
+            fail(f"pending batches ({len(pending_rows)}) != PENDING rows ({counts[PENDING]})")
+        if self.pending != counts[PENDING]:
+            fail(f"pending count {self.pending} != {counts[PENDING]}")
+        if self.quarantined != counts[QUARANTINED]:
+            fail(f"quarantined count {self.quarantined} != {counts[QUARANTINED]}")
+        if self.allocated != counts[ALLOCATED]:
+            fail(f"allocated count {self.allocated} != {counts[ALLOCATED]}")
+        if sum(counts[:4]) != self.capacity:
+            fail("states do not add up to capacity")
+        for row in range(1, self.size):
+            if self._uses[row] is not None and state[row] != ALLOCATED:
+                fail(f"row {row} carries a recorded use but is {STATE_NAMES[state[row]]}")
+        for row in self._more:
+            if state[row] != PENDING:
+                fail(f"row {row} waits for more fences but is {STATE_NAMES[state[row]]}")
+
+
+def _merge_uses(prev: Any, fence: Fence) -> tuple[Fence, ...]:
+    """Fold ``fence`` into a row's uses: the newest per stream, all unordered."""
+    fences = [*prev] if prev.__class__ is tuple else [prev]
+    key = _stream_key(fence)
+    if key is not None:
+        for i, f in enumerate(fences):
+            if _stream_key(f) == key:
+                if getattr(f, "seq", 0) <= getattr(fence, "seq", 0):
+                    fences[i] = fence
+                return tuple(fences)
+    elif any(f is fence for f in fences):
+        return tuple(fences)
+    fences.append(fence)
+    return tuple(fences)

@@ -1,0 +1,687 @@
+"""``AsyncReqToTokenPool``: awaitable, fence-safe allocation of request rows.
+
+Allocation waits in bounded, prioritised FIFO queues; frees are deferred
+behind fences; completed fences return rows to waiters without anyone
+calling the pool. The design follows ``asyncio.Semaphore`` (CPython
+``Lib/asyncio/locks.py``) with one change that removes its class of
+lost-wake-up and queue-jumping bugs: **grant at hand-over**. Whoever makes
+rows free (``free``, a completed fence, a cancelled or timed-out head,
+``resume_memory``) runs the grant loop, which takes the rows for the waiters
+at the head of the queues and resolves their futures *with the rows*. A woken
+waiter never re-checks and competes; ``try_alloc`` answers ``None`` while
+anyone waits.
+
+Cancellation contract: if ``alloc`` raises (``CancelledError``,
+``TimeoutError``, ``PoolClosedError``), nothing was allocated to the caller.
+A waiter cancelled after its grant gives the rows back (to the head of the
+free queue, clean) and re-runs the grant loop; a cancelled head that was not
+granted re-runs it too, since smaller waiters behind it may now fit.
+
+Thread rules: the pool is loop-affine like every asyncio object. It binds to
+the first thread that calls a mutating method (and to that thread's running
+loop); calls from another thread raise :class:`WrongThreadError`. Fence
+completions on other threads reach the loop only through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import functools
+import logging
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .base import PoolCore
+from .errors import (
+    DoubleFreeError,
+    PoolBusyError,
+    PoolClosedError,
+    WrongThreadError,
+)
+from .fences import Fence, HostFence, HostStream, record_fence
+from .ledger import ALLOCATED as _ALLOCATED
+from .ledger import FREE as _FREE
+from .ledger import Rows
+from .stats import LatencySummary, PoolStats
+from .watcher import FenceWatcher
+
+__all__ = ["AsyncReqToTokenPool", "Lease"]
+
+logger = logging.getLogger(__name__)
+
+_get_ident = threading.get_ident
+
+
+class _Waiter:
+    """One queued ``alloc``: its size, future, timer and enqueue time."""
+
+    __slots__ = ("fut", "handle", "n", "priority", "queued", "t0")
+
+    def __init__(self, n: int, fut: asyncio.Future[list[int]], priority: int, t0: float) -> None:
+        self.n = n
+        self.fut = fut
+        self.priority = priority
+        self.t0 = t0
+        self.handle: asyncio.TimerHandle | None = None
+        self.queued = True
+
+
+def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Resolve ``fut`` from any thread; a closed loop means nobody waits."""
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
+def _synchronize_quietly(fence: Fence) -> None:
+    try:
+        fence.synchronize()
+    except Exception:  # reclaim quarantines the fence's rows
+        pass
+
+
+class AsyncReqToTokenPool(PoolCore):
+    """A request-row pool whose allocation is awaitable and fence-safe.
+
+    Parameters
+    ----------
+    size, max_context_len, device, enable_memory_saver
+        As the seed's ``ReqToTokenPool``; ``size - 1`` rows can be handed
+        out (row 0 is reserved padding). ``enable_memory_saver=True`` needs
+        CUDA and raises :class:`MemorySaverError` without it.
+    stream
+        The pool's stream: on CUDA, row resets are launched on it.
+    max_waiters
+        At most this many ``alloc`` calls may queue; one more raises
+        :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        enable_memory_saver: bool = False,
+        stream: Any | None = None,
+        max_waiters: int | None = None,
+    ) -> None:
+        if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
+            raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+        super().__init__(size, max_context_len, device, enable_memory_saver, stream)
+        led = self._ledger
+        self._capacity = led.capacity
+        self._take = led.take
+        # The single-row fast paths of alloc() and free() below work on the
+        # ledger's containers directly (a method call costs as much as the
+        # whole operation); they keep the ledger's invariants exactly as
+        # SlotLedger.take and SlotLedger.free do.
+        self._free_q = led._free
+        self._state = led._state
+        self._gen = led._gen
+        self._uses = led._uses
+        self._size = led.size
+        self._owner: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[int, collections.deque[_Waiter]] = {}
+        self._prios: list[int] = []
+        self._nwaiters = 0
+        self._max_waiters = max_waiters
+        self._closed = False
+        self._released = False
+        self._gated = False  # closed or released: no fast path, no grants
+        self._wake_scheduled = False
+        self._watcher: FenceWatcher | None = None
+        self._drain_futs: list[asyncio.Future[None]] = []
+        self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._timeouts = 0
+        self._cancellations = 0
+        self._rejections = 0
+
+    def __repr__(self) -> str:
+        led = self._ledger
+        state = "closed" if self._closed else ("released" if self._released else "open")
+        return (
+            f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
+            f"allocated={led.allocated} pending={led.pending} "
+            f"quarantined={led.quarantined} waiters={self._nwaiters}>"
+        )
+
+    async def __aenter__(self) -> AsyncReqToTokenPool:
+        self._check_thread()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ affinity
+
+    def _check_thread(self) -> None:
+        if self._owner != _get_ident():
+            self._bind_thread()
+
+    def _bind_thread(self) -> None:
+        ident = _get_ident()
+        if self._owner is None:
+            self._owner = ident
+        elif self._owner != ident:
+            raise WrongThreadError(
+                f"AsyncReqToTokenPool is bound to thread {self._owner} and was called from "
+                f"thread {ident}; use loop.call_soon_threadsafe to reach it"
+            )
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    # ------------------------------------------------------------ allocation
+
+    async def alloc(
+        self, n: int, *, priority: int = 0, timeout: float | None = None
+    ) -> list[int]:
+        """Allocate ``n`` rows, waiting until they can all be granted at once.
+
+        Returns at once, without suspending, when nobody is queued and ``n``
+        rows are free. Otherwise waits FIFO within ``priority`` (lower number
+        first; the head of the most urgent queue blocks everyone behind it,
+        so large requests do not starve). Rows that are only pending behind a
+        fence are waited for, not treated as exhaustion.
+
+        Raises :class:`CapacityError` at once for ``n`` that is not an int in
+        ``1..capacity``, :class:`PoolBusyError` when ``max_waiters`` already
+        queue, :class:`PoolClosedError` when the pool is (or gets) closed,
+        ``TimeoutError`` after ``timeout`` seconds. On any exception,
+        cancellation included, nothing was allocated.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        if n.__class__ is not int or not 0 < n <= self._capacity:
+            self._ledger.check_n(n)
+        if not self._nwaiters and not self._gated:
+            led = self._ledger
+            if n == 1 and led._clean:
+                # Inlined SlotLedger.take(1) for a clean row.
+                led._clean -= 1
+                free = self._free_q
+                row = free.popleft()
+                self._state[row] = _ALLOCATED
+                self._gen[row] += 1
+                allocated = self._capacity - len(free) - led.pending - led.quarantined
+                if allocated > led.peak_allocated:
+                    led.peak_allocated = allocated
+                return [row]
+            rows = self._take(n)
+            if rows is not None:
+                return rows
+        return await self._wait(n, priority, timeout)
+
+    async def _wait(self, n: int, priority: int, timeout: float | None) -> list[int]:
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no rows can be allocated")
+        if priority.__class__ is not int:
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if timeout is not None and (
+            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0
+        ):
+            raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        led = self._ledger
+        if not self._nwaiters and not self._gated and led.pending and led.reclaim():
+            rows = self._take(n)
+            if rows is not None:
+                return rows
+        if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
+            self._rejections += 1
+            raise PoolBusyError(
+                f"{self._nwaiters} waiters already queue (max_waiters={self._max_waiters}); "
+                f"refusing to queue a request for {n} rows"
+            )
+        loop = self._running_loop()
+        fut: asyncio.Future[list[int]] = loop.create_future()
+        waiter = _Waiter(n, fut, priority, time.perf_counter())
+        queue = self._queues.get(priority)
+        if queue is None:
+            queue = self._queues[priority] = collections.deque()
+            bisect.insort(self._prios, priority)
+        queue.append(waiter)
+        self._nwaiters += 1
+        if timeout is not None:
+            waiter.handle = loop.call_later(timeout, self._expire, waiter)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancellations += 1
+            if fut.done() and not fut.cancelled():
+                if fut.exception() is None:
+                    # Granted, then cancelled before it could resume: give
+                    # the rows back and let the next waiters have them.
+                    self._ledger.put_back(fut.result())
+            else:
+                self._dequeue(waiter)
+            self._grant()
+            raise
+        finally:
+            if waiter.handle is not None:
+                waiter.handle.cancel()
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        if not waiter.queued:
+            return
+        waiter.queued = False
+        queue = self._queues[waiter.priority]
+        queue.remove(waiter)
+        self._nwaiters -= 1
+        if not queue:
+            del self._queues[waiter.priority]
+            self._prios.remove(waiter.priority)
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.fut.done():
+            return
+        self._dequeue(waiter)
+        self._timeouts += 1
+        waiter.fut.set_exception(
+            TimeoutError(f"no {waiter.n} rows could be granted within the timeout")
+        )
+        self._grant()
+
+    def _grant(self) -> None:
+        """Hand rows to waiters in order until the head does not fit.
+
+        Runs synchronously; resolves each granted waiter's future with its
+        rows, so nobody else can take them in between.
+        """
+        if not self._nwaiters or self._gated:
+            return
+        led = self._ledger
+        queues = self._queues
+        prios = self._prios
+        now = time.perf_counter()
+        while self._nwaiters:
+            prio = prios[0]
+            queue = queues[prio]
+            waiter = queue[0]
+            if waiter.fut.done():  # defensive: settled without dequeuing
+                self._dequeue(waiter)
+                continue
+            rows = led.take(waiter.n)
+            if rows is None:
+                if led.pending and led.reclaim():
+                    continue
+                return
+            queue.popleft()
+            waiter.queued = False
+            self._nwaiters -= 1
+            if not queue:
+                del queues[prio]
+                prios.pop(0)
+            waiter.fut.set_result(rows)
+            self._wait_times.append(now - waiter.t0)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """Allocate ``n`` rows now, or return None; never waits.
+
+        Returns None while anyone is queued (no queue jumping) or while the
+        memory is released; reclaims completed fences before answering None.
+        Raises :class:`CapacityError` for bad ``n`` and
+        :class:`PoolClosedError` after :meth:`close`.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        if n.__class__ is not int or not 0 < n <= self._capacity:
+            led.check_n(n)
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no rows can be allocated")
+        if self._nwaiters or self._released:
+            return None
+        rows = self._take(n)
+        if rows is None and led.pending and led.reclaim():
+            rows = self._take(n)
+        return rows
+
+    # ------------------------------------------------------------ free
+
+    def record_use(self, rows: Rows, fence: Fence) -> None:
+        """Note that ``rows`` are touched by work that completes with ``fence``.
+
+        Call it once per scheduler step, right after launching the step, with
+        the one fence recorded after that launch. A later :meth:`free` of a
+        row then waits for the newest use recorded for it (per stream).
+        Raises, changing nothing, unless every row is allocated.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        self._ledger.record_use(rows, fence)
+
+    def free(
+        self,
+        rows: Rows,
+        *,
+        after: HostStream | Any | None = None,
+        fence: Fence | None = None,
+    ) -> int:
+        """Return rows to the pool; never awaits.
+
+        Each row goes back to circulation once its newest recorded use and
+        ``fence`` (and a fence recorded now on ``after``, when given) have
+        completed; a row with nothing incomplete is free at once and goes to
+        the waiters. Returns the number of rows free at once. Raises,
+        changing nothing, for row 0, out-of-range or non-int ids, rows not
+        allocated (:class:`DoubleFreeError` for one already freed),
+        duplicates, and a ``fence`` that is not a fence. Allowed after
+        :meth:`close`.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
+            # Inlined SlotLedger.free fast path: one row, no fence, no use.
+            row = rows[0]
+            if (
+                row.__class__ is int
+                and 0 < row < self._size
+                and self._state[row] == _ALLOCATED
+                and self._uses[row] is None
+            ):
+                self._state[row] = _FREE
+                self._free_q.append(row)
+                if self._nwaiters:
+                    self._grant()
+                return 1
+        led = self._ledger
+        if after is not None:
+            if fence is not None:
+                led.check_fence(fence)
+            led.record_use(rows, record_fence(after))
+        immediate = led.free(rows, fence)
+        if immediate and self._nwaiters:
+            self._grant()
+        return immediate
+
+    def reclaim(self) -> int:
+        """Return rows whose fences completed; grant waiters; the rows made free."""
+        if self._owner != _get_ident():
+            self._bind_thread()
+        released = self._ledger.reclaim()
+        if released and self._nwaiters:
+            self._grant()
+        if self._drain_futs and not self._ledger.pending:
+            self._wake_drainers()
+        return released
+
+    # ------------------------------------------------------------ fence wake-ups
+
+    def _on_pending(self, fence: Fence) -> None:
+        # Called by the ledger in the loop's thread when a fence starts
+        # holding rows: arrange to be told when it completes.
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop yet: the next call into the pool reclaims
+        if fence.__class__ is HostFence:
+            fence.add_done_callback(self._fence_done_threadsafe)
+            return
+        watcher = self._watcher
+        if watcher is None:
+            watcher = self._watcher = FenceWatcher(self._fence_done_threadsafe)
+        try:
+            watcher.watch(fence)
+        except RuntimeError:
+            pass  # closed: drain() and calls into the pool still reclaim
+
+    def _fence_done_threadsafe(self) -> None:
+        # Any thread. Coalesce a burst of completions into one loop callback.
+        # Benign race: the flag is cleared before reclaim queries the fences,
+        # and a fence is marked done before its callbacks run, so a completion
+        # that sees the flag still set is seen by that reclaim.
+        if self._wake_scheduled:
+            return
+        self._wake_scheduled = True
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_fences_done)
+        except RuntimeError:  # the loop is closed: nobody is left to wake
+            self._wake_scheduled = False
+
+    def _on_fences_done(self) -> None:
+        self._wake_scheduled = False
+        self._ledger.reclaim()
+        self._grant()
+        if self._drain_futs and not self._ledger.pending:
+            self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
+        futs, self._drain_futs = self._drain_futs, []
+        for fut in futs:
+            if not fut.done():
+                fut.set_result(None)
+
+    # ------------------------------------------------------------ leases
+
+    def lease(
+        self,
+        n: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        after: HostStream | Any | None = None,
+    ) -> Lease:
+        """``async with pool.lease(n) as rows:`` allocate, then always free.
+
+        On exit (normal, exception or cancellation) the rows are freed,
+        behind a fence recorded on ``after`` at exit when given. If the body
+        freed the rows itself and they were handed out again, exit raises
+        :class:`DoubleFreeError` instead of freeing another owner's rows.
+        """
+        return Lease(self, n, priority, timeout, after)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def drain(self) -> None:
+        """Wait until no row is pending behind a fence.
+
+        Works before and after :meth:`close`. Rows of faulted fences are
+        quarantined, not waited for. Cancelling ``drain`` changes nothing.
+        """
+        self._check_thread()
+        loop = self._running_loop()
+        led = self._ledger
+        while True:
+            if led.pending:
+                self.reclaim()
+            if not led.pending:
+                return
+            head = led.pending_fences()[0]
+            if isinstance(head, HostFence):
+                fut: asyncio.Future[None] = loop.create_future()
+                head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                await fut
+            else:
+                await loop.run_in_executor(None, _synchronize_quietly, head)
+
+    async def close(self) -> None:
+        """Close the pool: new allocations and current waiters fail.
+
+        Every queued ``alloc`` raises :class:`PoolClosedError`; later
+        ``alloc``/``try_alloc`` calls too. ``free`` still works, and rows
+        pending behind fences stay pending (``drain()`` waits for them). The
+        fence watcher thread, if one was started, is stopped and joined.
+        Idempotent.
+        """
+        self._check_thread()
+        if self._closed:
+            return
+        self._closed = True
+        self._gated = True
+        error = PoolClosedError("the pool was closed while this request waited")
+        for queue in list(self._queues.values()):
+            for waiter in queue:
+                waiter.queued = False
+                if not waiter.fut.done():
+                    waiter.fut.set_exception(error)
+        self._queues.clear()
+        self._prios.clear()
+        self._nwaiters = 0
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            if watcher.running:
+                await asyncio.get_running_loop().run_in_executor(None, watcher.stop)
+            else:
+                watcher.stop()
+        logger.debug("closed %r", self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def release_memory(self) -> None:
+        """Drain fences and release the ``kv_cache`` memory region.
+
+        While released, ``alloc`` waits and ``try_alloc`` returns None.
+        Raises :class:`PoolBusyError` (and stays serving) if rows are still
+        allocated once fences are drained. Without the memory saver the
+        memory step is a no-op and the state machine is the same.
+        """
+        self._check_thread()
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        if self._released:
+            return
+        self._released = self._gated = True
+        try:
+            await self.drain()
+            allocated = self._ledger.allocated
+            if allocated:
+                raise PoolBusyError(
+                    f"cannot release memory while {allocated} rows are allocated; free them first"
+                )
+            self._tables.pause()
+        except BaseException:
+            self._released = False
+            self._gated = self._closed
+            self._grant()
+            raise
+        logger.info("released the kv_cache region of %r", self)
+
+    async def resume_memory(self) -> None:
+        """Restore the memory region, zero the tables, and wake waiters."""
+        self._check_thread()
+        if not self._released:
+            return
+        self._tables.resume()
+        self._ledger.reset_all()
+        self._released = False
+        self._gated = self._closed
+        self._grant()
+        logger.info("resumed the kv_cache region of %r", self)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    # ------------------------------------------------------------ views
+
+    def waiting(self) -> int:
+        """How many ``alloc`` calls are queued."""
+        return self._nwaiters
+
+    def stats(self) -> PoolStats:
+        """A frozen snapshot of counts, totals and latency summaries."""
+        return self._stats(
+            waiters=self._nwaiters,
+            timeouts=self._timeouts,
+            cancellations=self._cancellations,
+            rejections=self._rejections,
+            closed=self._closed,
+            released=self._released,
+            wait_time=LatencySummary.of(self._wait_times),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless ledger and waiter queues are consistent."""
+        super().check_invariants()
+        queued = sum(len(q) for q in self._queues.values())
+        if queued != self._nwaiters:
+            raise AssertionError(f"waiter count {self._nwaiters} != queued {queued}")
+        if sorted(self._queues) != self._prios:
+            raise AssertionError("priority index out of sync with the queues")
+        for queue in self._queues.values():
+            for waiter in queue:
+                if not waiter.queued or waiter.fut.done():
+                    raise AssertionError(f"a settled waiter is still queued: {waiter.n} rows")
+
+
+class Lease:
+    """The async context manager returned by :meth:`AsyncReqToTokenPool.lease`."""
+
+    __slots__ = ("_after", "_gens", "_n", "_pool", "_priority", "_timeout", "rows")
+
+    def __init__(
+        self,
+        pool: AsyncReqToTokenPool,
+        n: int,
+        priority: int,
+        timeout: float | None,
+        after: Any | None,
+    ) -> None:
+        self._pool = pool
+        self._n = n
+        self._priority = priority
+        self._timeout = timeout
+        self._after = after
+        self._gens: list[int] = []
+        self.rows: list[int] = []
+
+    async def __aenter__(self) -> list[int]:
+        pool = self._pool
+        self.rows = await pool.alloc(self._n, priority=self._priority, timeout=self._timeout)
+        self._gens = [pool.generation(r) for r in self.rows]
+        return self.rows
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        pool = self._pool
+        rows = self.rows
+        led = pool._ledger
+        stale = [
+            r
+            for r, g in zip(rows, self._gens, strict=True)
+            if pool.generation(r) != g or led.state_of(r) != "allocated"
+        ]
+        if stale:
+            raise DoubleFreeError(
+                f"lease rows {stale} were freed inside the lease body; "
+                "not freeing them again (they may belong to another request now)"
+            )
+        pool.free(rows, after=self._after)
+

@@ -1,0 +1,116 @@
+"""``ReqToTokenPool``: the seed's synchronous API, made fence-safe.
+
+A drop-in for tokenspeed's ``ReqToTokenPool``: same constructor, ``alloc``
+returning ``None`` when short, ``free``, ``available_size``, ``clear``,
+``set_req_pool_info``, ``write`` and the four tensors. Differences, on
+purpose: ``alloc(0)``, ``alloc(-1)``, a non-int size and ``alloc(n >
+capacity)`` raise :class:`CapacityError` (the seed returns ``[]``, rows, or
+``None``); a double free raises :class:`DoubleFreeError` (the seed corrupts
+its free list). Rows are reset lazily and in bulk rather than one torch op
+per call, and a freed row waits for its recorded uses.
+
+Not thread-safe: call it from one thread (the scheduler's).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .base import PoolCore
+from .fences import Fence, HostStream, record_fence
+from .ledger import Rows
+from .stats import PoolStats
+
+__all__ = ["ReqToTokenPool"]
+
+logger = logging.getLogger(__name__)
+
+class ReqToTokenPool(PoolCore):
+    """A pool of ``size - 1`` request rows (row 0 is reserved padding).
+
+    ``free(rows)`` returns a row at once unless ``record_use`` tied it to an
+    incomplete fence, or ``fence=``/``after=`` name one: then the row is
+    *pending* and comes back through :meth:`reclaim`, which :meth:`alloc` runs
+    before answering ``None``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        enable_memory_saver: bool = False,
+        stream: Any | None = None,
+    ) -> None:
+        super().__init__(size, max_context_len, device, enable_memory_saver, stream)
+
+    def __repr__(self) -> str:
+        led = self._ledger
+        return (
+            f"<ReqToTokenPool size={self.size} free={led.free_count} "
+            f"allocated={led.allocated} pending={led.pending} quarantined={led.quarantined}>"
+        )
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        """Take ``need_size`` rows (oldest-freed first), or None when short.
+
+        Reclaims completed fences before answering None. Raises
+        :class:`CapacityError` for a size that is not an int in
+        ``1..capacity``. The rows read zero lengths.
+        """
+        led = self._ledger
+        if need_size.__class__ is not int or not 0 < need_size <= led.capacity:
+            led.check_n(need_size)
+        rows = led.take(need_size)
+        if rows is None and led.pending and led.reclaim():
+            rows = led.take(need_size)
+        return rows
+
+    def record_use(self, rows: Rows, fence: Fence) -> None:
+        """Tie ``rows`` to work that completes with ``fence`` (see the ledger)."""
+        self._ledger.record_use(rows, fence)
+
+    def free(
+        self,
+        free_index: Rows,
+        fence: Fence | None = None,
+        *,
+        after: HostStream | Any | None = None,
+    ) -> int:
+        """Free rows; each waits for its newest recorded use and for ``fence``.
+
+        ``after=stream`` records a fence on ``stream`` now and waits for it
+        too. Returns how many rows were free at once. Raises, changing
+        nothing, for bad rows or a non-fence.
+        """
+        led = self._ledger
+        if after is not None:
+            if fence is not None:
+                led.check_fence(fence)
+            led.record_use(free_index, record_fence(after))
+        return led.free(free_index, fence)
+
+    def reclaim(self) -> int:
+        """Return rows whose fences completed; the number made free."""
+        return self._ledger.reclaim()
+
+    def clear(self) -> None:
+        """Flush: free every allocated row at once and zero the tables.
+
+        Never releases a row still behind a fence: allocated rows with an
+        incomplete recorded use, and rows already pending, *stay pending*
+        and return through :meth:`reclaim` once their fences complete.
+        """
+        led = self._ledger
+        led.free_all_allocated()
+        led.reclaim()
+        self._tables.reset_all()
+        led.restore_fresh_order()
+
+    def stats(self) -> PoolStats:
+        return self._stats(
+            waiters=0, timeouts=0, cancellations=0, rejections=0, closed=False, released=False
+        )

@@ -1,0 +1,211 @@
+"""The pool's tensors, the memory-saver region, and vectorised row resets.
+
+Knows nothing of waiting or fences. ``verified_lens`` and ``alloced_lens``
+are views into one ``[2, size]`` device tensor (and, on CPU, ``alloced_lens_cpu``
+is a third row of the same buffer), so zeroing a batch of rows is a single
+indexed op: one torch call per about ``capacity`` frees, not per free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InvalidSlotError, MemorySaverError
+
+__all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables"]
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_TAG = "kv_cache"
+
+
+@dataclass
+class ReqToTokenPoolInfo:
+    """A row's lengths and token slots, as set after a chunked prefill."""
+
+    verified_len: int
+    alloced_len: int
+    alloced_slots: torch.Tensor
+
+
+class MemorySaverAdapter:
+    """torch-memory-saver when enabled and CUDA is present; a no-op otherwise.
+
+    ``MemorySaverAdapter.create(enable=True)`` on a machine without CUDA
+    raises :class:`MemorySaverError`: its regions need CUDA, and silently
+    ignoring an explicit request would hide a misconfiguration.
+    """
+
+    def __init__(self, saver: Any | None) -> None:
+        self._saver = saver
+
+    @classmethod
+    def create(cls, enable: bool) -> MemorySaverAdapter:
+        if not enable:
+            return cls(None)
+        if not torch.cuda.is_available():
+            raise MemorySaverError(
+                "enable_memory_saver=True needs CUDA: torch-memory-saver regions "
+                "pause device memory, and this machine has no CUDA device"
+            )
+        try:
+            from torch_memory_saver import torch_memory_saver
+        except ImportError as exc:  # pragma: no cover - a declared dependency
+            raise MemorySaverError("enable_memory_saver=True needs torch-memory-saver") from exc
+        return cls(torch_memory_saver)
+
+    @property
+    def enabled(self) -> bool:
+        return self._saver is not None
+
+    @contextlib.contextmanager
+    def region(self, tag: str) -> Iterator[None]:
+        if self._saver is None:
+            yield
+        else:
+            with self._saver.region(tag=tag, enable_cpu_backup=False):
+                yield
+
+    def pause(self, tag: str) -> None:
+        if self._saver is not None:
+            self._saver.pause(tag)
+
+    def resume(self, tag: str) -> None:
+        if self._saver is not None:
+            self._saver.resume(tag)
+
+
+class TokenTables:
+    """``req_to_token``, ``verified_lens``, ``alloced_lens``, ``alloced_lens_cpu``.
+
+    On CUDA, resets are launched on ``stream`` (the pool's stream) when one is
+    given, else on the current stream, so they are ordered before any later
+    forward on that stream that reads the rows. On CPU they run at once.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        enable_memory_saver: bool = False,
+        stream: Any | None = None,
+    ) -> None:
+        if max_context_len.__class__ is not int or max_context_len < 1:
+            raise ValueError(f"max_context_len must be a positive int, got {max_context_len!r}")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
+        self._on_cuda = self.device.type == "cuda"
+        on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)
+        self._cuda_stream = stream if on_cuda_stream else None
+        self._allocate()
+
+    def _allocate(self) -> None:
+        size, device = self.size, self.device
+        # Tag as "kv_cache": this per-token page state is invalid once KV is
+        # discarded, so it is released and restored with the KV cache.
+        with self.memory_saver.region(KV_CACHE_TAG):
+            self.req_to_token = torch.zeros(
+                (size, self.max_context_len), dtype=torch.int32, device=device
+            )
+            rows = 2 if self._on_cuda else 3
+            self._lens = torch.zeros((rows, size), dtype=torch.int32, device=device)
+        # verified_lens: valid KV length per request (where this step writes);
+        # alloced_lens: allocated KV length, may exceed verified_lens.
+        self.verified_lens = self._lens[0]
+        self.alloced_lens = self._lens[1]
+        if self._on_cuda:
+            self.alloced_lens_cpu = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        else:
+            self.alloced_lens_cpu = self._lens[2]
+
+    # ------------------------------------------------------------------ writes
+
+    def check_row(self, row: object) -> int:
+        if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self.size:
+            raise InvalidSlotError(f"row {row!r} is out of range 0..{self.size - 1}")
+        return row
+
+    def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
+        """Write a row's lengths and its first ``alloced_len`` token slots."""
+        if not 0 <= info.alloced_len <= self.max_context_len:
+            raise ValueError(
+                f"alloced_len {info.alloced_len} for row {row} is outside "
+                f"0..max_context_len ({self.max_context_len})"
+            )
+        if not 0 <= info.verified_len <= info.alloced_len:
+            raise ValueError(
+                f"verified_len {info.verified_len} for row {row} is outside "
+                f"0..alloced_len ({info.alloced_len})"
+            )
+        slots = info.alloced_slots
+        if slots.numel() != info.alloced_len:
+            raise ValueError(
+                f"alloced_slots has {slots.numel()} entries for row {row}, "
+                f"expected alloced_len={info.alloced_len}"
+            )
+        self.verified_lens[row] = info.verified_len
+        self.alloced_lens[row] = info.alloced_len
+        self.alloced_lens_cpu[row] = info.alloced_len
+        self.req_to_token[row, : info.alloced_len] = slots
+
+    def write(self, indices: Any, values: Any) -> None:
+        """``req_to_token[indices] = values`` (the seed's raw write)."""
+        self.req_to_token[indices] = values
+
+    # ------------------------------------------------------------------ resets
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Zero the lengths of ``rows`` with one vectorised op (two on CUDA)."""
+        if not self._on_cuda:
+            index = torch.tensor(rows, dtype=torch.long)
+            self._lens.index_fill_(1, index, 0)
+            return
+        index_cpu = torch.tensor(rows, dtype=torch.long)
+        self.alloced_lens_cpu.index_fill_(0, index_cpu, 0)
+        with self._stream_context():
+            index = index_cpu.to(self.device, non_blocking=True)
+            self._lens.index_fill_(1, index, 0)
+
+    def reset_all(self) -> None:
+        """Zero every length (``clear()`` and ``resume_memory()``)."""
+        with self._stream_context():
+            self._lens.zero_()
+        if self._on_cuda:
+            self.alloced_lens_cpu.zero_()
+
+    def zero_tokens(self) -> None:
+        with self._stream_context():
+            self.req_to_token.zero_()
+
+    def _stream_context(self) -> contextlib.AbstractContextManager[Any]:
+        if self._cuda_stream is not None:
+            return torch.cuda.stream(self._cuda_stream)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ memory
+
+    def pause(self) -> None:
+        """Release the ``kv_cache`` region's memory (no-op without the saver)."""
+        self.memory_saver.pause(KV_CACHE_TAG)
+
+    def resume(self) -> None:
+        """Restore the region's memory and zero it (its content is gone)."""
+        self.memory_saver.resume(KV_CACHE_TAG)
+        self.reset_all()
+        self.zero_tokens()
+
+    def nbytes(self) -> int:
+        return (
+            self.req_to_token.numel() * 4
+            + self._lens.numel() * 4
+            + (self.alloced_lens_cpu.numel() * 4 if self._on_cuda else 0)
+        )

@@ -459,7 +459,9 @@ class SlotLedger:
             return 0
         released = 0
         empty: list[int] = []
-        for key, queue in self._streams.items():
+        # A copy: releasing a row that also waits on another stream requeues
+        # it there, which may add that stream's queue to the dict.
+        for key, queue in list(self._streams.items()):
             while queue:
                 batch = queue[0]
                 try:
@@ -476,7 +478,8 @@ class SlotLedger:
             if not queue:
                 empty.append(key)
         for key in empty:
-            del self._streams[key]
+            if not self._streams[key]:  # a requeue may have refilled it
+                del self._streams[key]
         if self._unordered:
             keep: list[_Batch] = []
             for batch in self._unordered:

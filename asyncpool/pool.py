@@ -415,6 +415,7 @@ class AsyncReqToTokenPool(PoolCore):
         if after is not None:
             if fence is not None:
                 led.check_fence(fence)
+            rows = led.as_rows(rows)  # a one-shot iterator must survive both passes
             led.record_use(rows, record_fence(after))
         immediate = led.free(rows, fence)
         if immediate and self._nwaiters:

@@ -90,6 +90,7 @@ class ReqToTokenPool(PoolCore):
         if after is not None:
             if fence is not None:
                 led.check_fence(fence)
+            free_index = led.as_rows(free_index)  # a one-shot iterator must survive both passes
             led.record_use(free_index, record_fence(after))
         return led.free(free_index, fence)
 

@@ -104,6 +104,9 @@ class SlotLedger:
         self.pending = 0
         self.quarantined = 0
         self.peak_allocated = 0
+        # allocated <= capacity - len(free), so a new peak needs the free
+        # queue shorter than this bound: a one-compare pre-filter per take.
+        self._peak_bound = self.capacity
         self._returned = 0  # rows given back by put_back (never really allocated)
         self.deferred_frees = 0
         self.reclaimed = 0
@@ -166,10 +169,15 @@ class SlotLedger:
             for row in rows:
                 state[row] = ALLOCATED
                 gen[row] += 1
-        allocated = self.capacity - len(free) - self.pending - self.quarantined
+        if len(free) < self._peak_bound:
+            self._note_peak()
+        return rows
+
+    def _note_peak(self) -> None:
+        allocated = self.capacity - len(self._free) - self.pending - self.quarantined
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
-        return rows
+            self._peak_bound = self.capacity - allocated
 
     def put_back(self, rows: list[int]) -> None:
         """Return rows handed out by :meth:`take` but never given to anyone.

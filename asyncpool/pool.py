@@ -46,9 +46,7 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import Fence, HostFence, HostStream, record_fence
-from .ledger import ALLOCATED as _ALLOCATED
-from .ledger import FREE as _FREE
-from .ledger import Rows
+from .ledger import ALLOCATED, FREE, Rows
 from .stats import LatencySummary, PoolStats
 from .watcher import FenceWatcher
 
@@ -133,6 +131,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._gen = led._gen
         self._uses = led._uses
         self._size = led.size
+        assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[int, collections.deque[_Waiter]] = {}
@@ -228,11 +227,10 @@ class AsyncReqToTokenPool(PoolCore):
                 led._clean -= 1
                 free = self._free_q
                 row = free.popleft()
-                self._state[row] = _ALLOCATED
+                self._state[row] = 1  # ALLOCATED
                 self._gen[row] += 1
-                allocated = self._capacity - len(free) - led.pending - led.quarantined
-                if allocated > led.peak_allocated:
-                    led.peak_allocated = allocated
+                if len(free) < led._peak_bound:
+                    led._note_peak()
                 return [row]
             rows = self._take(n)
             if rows is not None:
@@ -403,10 +401,10 @@ class AsyncReqToTokenPool(PoolCore):
             if (
                 row.__class__ is int
                 and 0 < row < self._size
-                and self._state[row] == _ALLOCATED
+                and self._state[row] == 1  # ALLOCATED
                 and self._uses[row] is None
             ):
-                self._state[row] = _FREE
+                self._state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._nwaiters:
                     self._grant()

@@ -632,7 +632,10 @@ class AsyncReqToTokenPool(PoolCore):
             raise AssertionError("priority index out of sync with the queues")
         for queue in self._queues.values():
             for waiter in queue:
-                if not waiter.queued or waiter.fut.done():
+                # A cancelled future stays queued until its task resumes and
+                # dequeues it (legal); a granted or failed one never does.
+                fut = waiter.fut
+                if not waiter.queued or (fut.done() and not fut.cancelled()):
                     raise AssertionError(f"a settled waiter is still queued: {waiter.n} rows")
 
 

@@ -156,6 +156,25 @@ class SlotLedger:
                 return None
             self._reset_dirty()
         self._clean -= n
+        return self._pop(n)
+
+    def take_unreset(self, n: int) -> tuple[list[int], list[int]]:
+        """Hand out ``n`` rows without resetting; also return the dirty ones.
+
+        For a caller that resets the returned dirty rows itself before their
+        new owner can read them (the async pool batches a burst of grants into
+        one reset). ``n`` must not exceed :attr:`free_count`.
+        """
+        clean = self._clean
+        if n <= clean:
+            self._clean = clean - n
+            return self._pop(n), []
+        self._clean = 0
+        rows = self._pop(n)
+        return rows, rows[clean:]
+
+    def _pop(self, n: int) -> list[int]:
+        free = self._free
         if n == 1:
             row = free.popleft()
             self._state[row] = ALLOCATED

@@ -55,20 +55,12 @@ __all__ = ["AsyncReqToTokenPool", "Lease"]
 logger = logging.getLogger(__name__)
 
 _get_ident = threading.get_ident
+_perf_counter = time.perf_counter
 
 
-class _Waiter:
-    """One queued ``alloc``: its size, future, timer and enqueue time."""
-
-    __slots__ = ("fut", "handle", "n", "priority", "queued", "t0")
-
-    def __init__(self, n: int, fut: asyncio.Future[list[int]], priority: int, t0: float) -> None:
-        self.n = n
-        self.fut = fut
-        self.priority = priority
-        self.t0 = t0
-        self.handle: asyncio.TimerHandle | None = None
-        self.queued = True
+# A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
+# than an object, and the future says whether it is still wanted.
+_Waiter = tuple[int, "asyncio.Future[list[int]]", float]
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -145,6 +137,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._watcher: FenceWatcher | None = None
         self._drain_futs: list[asyncio.Future[None]] = []
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._timeouts = 0
         self._cancellations = 0
         self._rejections = 0
@@ -235,9 +228,13 @@ class AsyncReqToTokenPool(PoolCore):
             rows = self._take(n)
             if rows is not None:
                 return rows
-        return await self._wait(n, priority, timeout)
-
-    async def _wait(self, n: int, priority: int, timeout: float | None) -> list[int]:
+            if led.pending and led.reclaim():
+                # Capacity only waiting on a fence is not exhaustion.
+                rows = self._take(n)
+                if rows is not None:
+                    return rows
+        # Slow path, inline (no nested coroutine per wait): queue and wait
+        # for a grant.
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if priority.__class__ is not int:
@@ -246,98 +243,140 @@ class AsyncReqToTokenPool(PoolCore):
             not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0
         ):
             raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-        led = self._ledger
-        if not self._nwaiters and not self._gated and led.pending and led.reclaim():
-            rows = self._take(n)
-            if rows is not None:
-                return rows
         if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
             self._rejections += 1
             raise PoolBusyError(
                 f"{self._nwaiters} waiters already queue (max_waiters={self._max_waiters}); "
                 f"refusing to queue a request for {n} rows"
             )
-        loop = self._running_loop()
+        loop = self._loop_for_wait()
         fut: asyncio.Future[list[int]] = loop.create_future()
-        waiter = _Waiter(n, fut, priority, time.perf_counter())
+        waiter = (n, fut, _perf_counter())
         queue = self._queues.get(priority)
         if queue is None:
             queue = self._queues[priority] = collections.deque()
             bisect.insort(self._prios, priority)
         queue.append(waiter)
         self._nwaiters += 1
-        if timeout is not None:
-            waiter.handle = loop.call_later(timeout, self._expire, waiter)
+        handle = None if timeout is None else loop.call_later(
+            timeout, self._expire, waiter, priority
+        )
         try:
             return await fut
         except asyncio.CancelledError:
             self._cancellations += 1
-            if fut.done() and not fut.cancelled():
-                if fut.exception() is None:
-                    # Granted, then cancelled before it could resume: give
-                    # the rows back and let the next waiters have them.
-                    self._ledger.put_back(fut.result())
-            else:
-                self._dequeue(waiter)
+            if fut.cancelled():
+                self._dequeue(waiter, priority)
+            elif fut.exception() is None:
+                # Granted, then cancelled before it could resume: give the
+                # rows back and let the next waiters have them.
+                self._give_back(fut.result())
             self._grant()
             raise
         finally:
-            if waiter.handle is not None:
-                waiter.handle.cancel()
+            if handle is not None:
+                handle.cancel()
 
-    def _dequeue(self, waiter: _Waiter) -> None:
-        if not waiter.queued:
+    def _loop_for_wait(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._loop is not None and not self._loop.is_closed() and (
+                self._nwaiters or self._ledger.pending
+            ):
+                raise WrongThreadError(
+                    "AsyncReqToTokenPool is bound to another event loop that still has "
+                    "waiters or pending fences; a pool is loop-affine"
+                )
+            self._loop = loop
+        return loop
+
+    def _dequeue(self, waiter: _Waiter, priority: int) -> None:
+        queue = self._queues.get(priority)
+        if queue is None:
             return
-        waiter.queued = False
-        queue = self._queues[waiter.priority]
-        queue.remove(waiter)
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return  # already taken off by the grant loop, expiry or close
         self._nwaiters -= 1
         if not queue:
-            del self._queues[waiter.priority]
-            self._prios.remove(waiter.priority)
+            del self._queues[priority]
+            self._prios.remove(priority)
 
-    def _expire(self, waiter: _Waiter) -> None:
-        if waiter.fut.done():
+    def _expire(self, waiter: _Waiter, priority: int) -> None:
+        n, fut, _ = waiter
+        if fut.done():
             return
-        self._dequeue(waiter)
+        self._dequeue(waiter, priority)
         self._timeouts += 1
-        waiter.fut.set_exception(
-            TimeoutError(f"no {waiter.n} rows could be granted within the timeout")
-        )
+        fut.set_exception(TimeoutError(f"no {n} rows could be granted within the timeout"))
         self._grant()
+
+    def _give_back(self, rows: list[int]) -> None:
+        # Their reset may still be scheduled: do it now, since put_back
+        # files them as clean rows at the head of the free queue.
+        self._flush_resets()
+        self._ledger.put_back(rows)
 
     def _grant(self) -> None:
         """Hand rows to waiters in order until the head does not fit.
 
         Runs synchronously; resolves each granted waiter's future with its
-        rows, so nobody else can take them in between.
+        rows, so nobody else can take them in between. Rows that need a
+        reset are zeroed by one callback scheduled *before* the first future
+        is resolved: callbacks run in order, so every granted task resumes
+        after its rows read zero, and a burst of grants costs one tensor op.
         """
         if not self._nwaiters or self._gated:
             return
         led = self._ledger
+        free = self._free_q
         queues = self._queues
         prios = self._prios
-        now = time.perf_counter()
+        now = 0.0
         while self._nwaiters:
             prio = prios[0]
             queue = queues[prio]
             waiter = queue[0]
-            if waiter.fut.done():  # defensive: settled without dequeuing
-                self._dequeue(waiter)
+            n, fut, t0 = waiter
+            if fut.done():  # cancelled; its task has not run its handler yet
+                queue.popleft()
+                self._nwaiters -= 1
+                if not queue:
+                    del queues[prio]
+                    prios.pop(0)
                 continue
-            rows = led.take(waiter.n)
-            if rows is None:
+            if n > len(free):
                 if led.pending and led.reclaim():
                     continue
                 return
+            rows, dirty = led.take_unreset(n)
             queue.popleft()
-            waiter.queued = False
             self._nwaiters -= 1
             if not queue:
                 del queues[prio]
                 prios.pop(0)
-            waiter.fut.set_result(rows)
-            self._wait_times.append(now - waiter.t0)
+            if dirty:
+                if not self._unreset:
+                    self._loop_or_raise().call_soon(self._flush_resets)
+                self._unreset.extend(dirty)
+            fut.set_result(rows)
+            if not now:
+                now = _perf_counter()
+            self._wait_times.append(now - t0)
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:  # pragma: no cover - waiters exist only inside a loop
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _flush_resets(self) -> None:
+        rows = self._unreset
+        if rows:
+            self._unreset = []
+            self._ledger.resets += 1
+            self._tables.reset_rows(rows)
 
     def try_alloc(self, n: int) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.
@@ -540,10 +579,9 @@ class AsyncReqToTokenPool(PoolCore):
         self._gated = True
         error = PoolClosedError("the pool was closed while this request waited")
         for queue in list(self._queues.values()):
-            for waiter in queue:
-                waiter.queued = False
-                if not waiter.fut.done():
-                    waiter.fut.set_exception(error)
+            for _, fut, _ in queue:
+                if not fut.done():
+                    fut.set_exception(error)
         self._queues.clear()
         self._prios.clear()
         self._nwaiters = 0
@@ -631,12 +669,14 @@ class AsyncReqToTokenPool(PoolCore):
         if sorted(self._queues) != self._prios:
             raise AssertionError("priority index out of sync with the queues")
         for queue in self._queues.values():
-            for waiter in queue:
+            for n, fut, _ in queue:
                 # A cancelled future stays queued until its task resumes and
                 # dequeues it (legal); a granted or failed one never does.
-                fut = waiter.fut
-                if not waiter.queued or (fut.done() and not fut.cancelled()):
-                    raise AssertionError(f"a settled waiter is still queued: {waiter.n} rows")
+                if fut.done() and not fut.cancelled():
+                    raise AssertionError(f"a settled waiter is still queued: {n} rows")
+        for row in self._unreset:
+            if self._ledger.state_of(row) != "allocated":
+                raise AssertionError(f"row {row} awaits its reset but is not allocated")
 
 
 class Lease:

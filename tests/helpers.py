@@ -1,0 +1,218 @@
+"""Shared test helpers: gated host streams, controllable fake fences, snapshots.
+
+Plain classes and functions (no fixtures), so test modules import what they
+use without pytest plugin wiring:
+
+* :class:`Streams` opens :class:`HostStream` objects and gates on them, and on
+  exit opens every gate and closes every stream (the suite runs ``-W error``
+  and must not leave a worker thread blocked);
+* :class:`FakeStream` hands out :class:`FakeFence` objects with a
+  ``stream_key`` and ``seq`` whose completion (and fault) the test controls,
+  and which count their ``query()`` calls;
+* :class:`EventFence` is a fence of unknown origin (no ``stream_key``),
+  backed by a ``threading.Event``;
+* :func:`ledger_snapshot` / :func:`pool_snapshot` capture everything a
+  raising call must leave unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+from asyncpool import FenceError, HostStream
+from asyncpool.ledger import SlotLedger
+
+WAIT_S = 5.0  # bound on every wait for another thread
+
+
+class Gate:
+    """Work on a stream that blocks it until :meth:`open` (holds later fences)."""
+
+    def __init__(self, stream: HostStream) -> None:
+        self.event = threading.Event()
+        self.stream = stream
+        stream.launch(self.event.wait)
+
+    def open(self) -> None:
+        self.event.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self.event.is_set()
+
+
+class Streams:
+    """Context manager owning host streams and gates for one test."""
+
+    def __init__(self) -> None:
+        self._streams: list[HostStream] = []
+        self._gates: list[Gate] = []
+        self._events: list[threading.Event] = []
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for gate in self._gates:
+            gate.open()
+        for ev in self._events:
+            ev.set()
+        for stream in self._streams:
+            stream.close()
+
+    def stream(self, name: str | None = None) -> HostStream:
+        s = HostStream(name)
+        self._streams.append(s)
+        return s
+
+    def gate(self, stream: HostStream) -> Gate:
+        g = Gate(stream)
+        self._gates.append(g)
+        return g
+
+    def event_fence(self) -> EventFence:
+        f = EventFence()
+        self._events.append(f.event)
+        return f
+
+
+class EventFence:
+    """A fence of unknown origin: no ``stream_key``, completes on ``set()``."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.queries = 0
+        self.error: BaseException | None = None
+
+    def set(self) -> None:
+        self.event.set()
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.error is not None and self.event.is_set():
+            raise self.error
+        return self.event.is_set()
+
+    def synchronize(self) -> None:
+        # Bounded so a forgotten fence cannot hang the watcher thread forever.
+        self.event.wait(30)
+        if self.error is not None:
+            raise self.error
+
+
+_fake_keys = itertools.count(1_000_000)  # far from HostStream / CUDA keys
+
+
+class FakeStream:
+    """A stream whose fences complete (in order) only when the test says so."""
+
+    def __init__(self) -> None:
+        self.key = next(_fake_keys)
+        self.seq = 0
+        self.done = 0  # fences with seq <= done have completed
+        self.fault_at: int | None = None  # fences with seq >= fault_at fault
+        self.fences: list[FakeFence] = []
+
+    def record(self) -> FakeFence:
+        self.seq += 1
+        f = FakeFence(self, self.seq)
+        self.fences.append(f)
+        return f
+
+    def complete(self, upto: int | None = None) -> None:
+        upto = self.seq if upto is None else upto
+        if self.fault_at is not None:
+            upto = min(upto, self.fault_at - 1)
+        self.done = max(self.done, upto)
+
+    def fault(self) -> None:
+        """Fault every fence not yet completed (sticky, like a CUDA error)."""
+        if self.fault_at is None:
+            self.fault_at = self.done + 1
+
+    def status(self, seq: int) -> str:
+        if seq <= self.done:
+            return "done"
+        if self.fault_at is not None and seq >= self.fault_at:
+            return "faulted"
+        return "pending"
+
+
+class FakeFence:
+    """An ordered fence (``stream_key``, ``seq``) of a :class:`FakeStream`."""
+
+    def __init__(self, stream: FakeStream, seq: int) -> None:
+        self.stream = stream
+        self.stream_key = stream.key
+        self.seq = seq
+        self.queries = 0
+        self.override: bool | None = None  # force query()'s answer (order tests)
+
+    def __repr__(self) -> str:
+        return f"<FakeFence {self.stream_key}:{self.seq} {self.status}>"
+
+    @property
+    def status(self) -> str:
+        return self.stream.status(self.seq)
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.override is not None:
+            return self.override
+        status = self.status
+        if status == "faulted":
+            raise FenceError(f"fake stream {self.stream_key} faulted at {self.stream.fault_at}")
+        return status == "done"
+
+    def synchronize(self) -> None:
+        if not self.query():
+            raise AssertionError("FakeFence.synchronize() on a fence the test has not completed")
+
+
+def ledger_snapshot(led: SlotLedger) -> tuple[Any, ...]:
+    """Everything observable about a ledger (for "a raising call changed nothing")."""
+    return (
+        list(led._free),
+        led._clean,
+        bytes(led._state),
+        list(led._gen),
+        list(led._uses),
+        {k: list(v) for k, v in led._more.items()},
+        {k: [(b.fence, b.seq, list(b.rows)) for b in q] for k, q in led._streams.items()},
+        [(b.fence, list(b.rows)) for b in led._unordered],
+        led.pending,
+        led.quarantined,
+        led.peak_allocated,
+        led.deferred_frees,
+        led.reclaimed,
+        led.resets,
+        led.fence_errors,
+    )
+
+
+def pool_snapshot(pool: Any) -> tuple[Any, ...]:
+    """Stats (minus timing summaries), sizes and the ledger's full state."""
+    stats = dataclasses.asdict(pool.stats())
+    stats.pop("wait_time", None)
+    stats.pop("fence_latency", None)
+    pool.check_invariants()
+    waiting = pool.waiting() if hasattr(pool, "waiting") else 0
+    return (
+        stats,
+        pool.available_size(),
+        pool.pending_size(),
+        waiting,
+        ledger_snapshot(pool._ledger),
+    )
+
+
+def assert_conserved(pool: Any) -> None:
+    """No row leaked: every row is in exactly one state and the counts add up."""
+    pool.check_invariants()
+    st = pool.stats()
+    assert st.free == pool.available_size()
+    assert st.pending == pool.pending_size()
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity == pool.size - 1

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
+_get_running_loop = asyncio.get_running_loop
 
 
 # A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
@@ -249,7 +250,9 @@ class AsyncReqToTokenPool(PoolCore):
                 f"{self._nwaiters} waiters already queue (max_waiters={self._max_waiters}); "
                 f"refusing to queue a request for {n} rows"
             )
-        loop = self._loop_for_wait()
+        loop = _get_running_loop()
+        if loop is not self._loop:
+            self._rebind_loop(loop)
         fut: asyncio.Future[list[int]] = loop.create_future()
         waiter = (n, fut, _perf_counter())
         queue = self._queues.get(priority)
@@ -277,18 +280,14 @@ class AsyncReqToTokenPool(PoolCore):
             if handle is not None:
                 handle.cancel()
 
-    def _loop_for_wait(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            if self._loop is not None and not self._loop.is_closed() and (
-                self._nwaiters or self._ledger.pending
-            ):
-                raise WrongThreadError(
-                    "AsyncReqToTokenPool is bound to another event loop that still has "
-                    "waiters or pending fences; a pool is loop-affine"
-                )
-            self._loop = loop
-        return loop
+    def _rebind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        old = self._loop
+        if old is not None and not old.is_closed() and (self._nwaiters or self._ledger.pending):
+            raise WrongThreadError(
+                "AsyncReqToTokenPool is bound to another event loop that still has "
+                "waiters or pending fences; a pool is loop-affine"
+            )
+        self._loop = loop
 
     def _dequeue(self, waiter: _Waiter, priority: int) -> None:
         queue = self._queues.get(priority)
@@ -350,7 +349,13 @@ class AsyncReqToTokenPool(PoolCore):
                 if led.pending and led.reclaim():
                     continue
                 return
-            rows, dirty = led.take_unreset(n)
+            clean = led._clean
+            if n <= clean:  # inlined SlotLedger.take_unreset
+                led._clean = clean - n
+                rows = led._pop(n)
+                dirty = None
+            else:
+                rows, dirty = led.take_unreset(n)
             queue.popleft()
             self._nwaiters -= 1
             if not queue:

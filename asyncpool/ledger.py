@@ -534,7 +534,7 @@ class SlotLedger:
         for row in rows:
             if more and row in more:
                 # Still behind another stream's fence: wait for the next one.
-                self._requeue(row, more.pop(row))
+                released += self._requeue(row, more.pop(row))
                 continue
             state[row] = FREE
             free.append(row)
@@ -542,24 +542,25 @@ class SlotLedger:
         self.reclaimed += released
         return released
 
-    def _requeue(self, row: int, waits: list[Fence]) -> None:
+    def _requeue(self, row: int, waits: list[Fence]) -> int:
+        """Free ``row`` if ``waits`` all completed (return 1), else requeue it."""
         remaining: list[Fence] = []
         for f in waits:
             try:
                 done = f.query()
             except Exception as exc:
                 self._fault_rows([row], f, exc)
-                return
+                return 0
             if not done:
                 remaining.append(f)
         if not remaining:
             self._state[row] = FREE
             self._free.append(row)
-            self.reclaimed += 1
-            return
+            return 1  # _release counts it (reclaimed and the return value)
         if len(remaining) > 1:
             self._more[row] = remaining[1:]
         self._defer(remaining[0], [row], self._clock())
+        return 0
 
     def _fault_batch(self, batch: _Batch, exc: BaseException) -> None:
         self._fault_rows(batch.rows, batch.fence, exc)

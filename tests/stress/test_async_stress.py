@@ -14,7 +14,7 @@ that a granted row reads zero lengths; every ``CHECK_EVERY`` operations it
 runs ``check_invariants()`` and cross-checks its owners against the pool.
 At the end every row is back, nobody hangs, nothing is pending.
 
-``ASYNCPOOL_STRESS_SCALE`` (default 1: 10^5 pool operations per loop)
+``ASYNCPOOL_STRESS_SCALE`` (default 1: 2*10^5 pool operations per loop)
 scales the run for soak tests; ``ASYNCPOOL_STRESS_SEED`` changes the seed.
 """
 
@@ -33,12 +33,15 @@ import pytest
 from asyncpool import AsyncReqToTokenPool, HostStream
 
 SCALE = float(os.environ.get("ASYNCPOOL_STRESS_SCALE") or "1")
-TARGET_OPS = max(2_000, int(100_000 * SCALE))
+TARGET_OPS = max(2_000, int(200_000 * SCALE))
 SEED = int(os.environ.get("ASYNCPOOL_STRESS_SEED") or "20241129")
 SIZE = 129  # capacity 128
 NSTREAMS = 3
-NWORKERS = 1_000
-MAX_OPEN_GATES = 12  # per stream
+# Two phases: few workers (the pool mostly has rows: fast paths, try_alloc
+# successes, immediate frees), then many (always contended: queues, grants at
+# hand-over, timeouts, cancelled heads). Half the operations each.
+PHASES = ((25, 0.5, 4, 2), (1_000, 1.0, SIZE - 1, 4))  # workers, ops share, max n, max held
+MAX_OPEN_GATES = 6  # per stream
 CHECK_EVERY = 250
 # Generous: the suite runs in well under this per loop on 2 cores; a hang
 # fails here instead of at pytest's global timeout.
@@ -96,6 +99,9 @@ class Harness:
         self.tasks_created = 0
         self.failures: list[str] = []
         self.stop = False
+        self.target = TARGET_OPS
+        self.max_n = self.cap
+        self.max_held = 4
         self.done = False
         self.checks = 0
 
@@ -104,7 +110,7 @@ class Harness:
     def count(self, what: str) -> None:
         self.ops += 1
         self.counts[what] = self.counts.get(what, 0) + 1
-        if self.ops >= TARGET_OPS:
+        if self.ops >= self.target:
             self.stop = True
         if self.ops % CHECK_EVERY == 0:
             self.check()
@@ -237,14 +243,18 @@ def pick_n(rng: random.Random, cap: int) -> int:
     return cap
 
 
+def pick_n_for(rng: random.Random, h: Harness) -> int:
+    return min(pick_n(rng, h.cap), h.max_n)
+
+
 async def clock(h: Harness) -> None:
     """Launch gates and open them (and unknown fences) at random moments."""
     rng = random.Random(h.seed)
     while not h.done:
         for _ in range(4):
-            if rng.random() < 0.5:
+            if rng.random() < 0.4:
                 h.new_gate(rng)
-            if rng.random() < 0.45:
+            if rng.random() < 0.55:
                 h.open_random_gate(rng)
             if rng.random() < 0.03 and len(h.manual_open) < 16:
                 h.manual_open.append(ManualFence())
@@ -304,7 +314,7 @@ async def worker(h: Harness, wid: int) -> None:
     while not h.stop:
         op = rng.random()
         if op < 0.28:
-            n = pick_n(rng, cap)
+            n = pick_n_for(rng, h)
             if held or n > cap // 4:
                 timeout: float | None = rng.choice((0.0, 0.0005, 0.002, 0.01))
             else:
@@ -312,8 +322,9 @@ async def worker(h: Harness, wid: int) -> None:
             await alloc(n, timeout)
         elif op < 0.36:
             h.count("try_alloc")
-            rows = pool.try_alloc(pick_n(rng, cap))
+            rows = pool.try_alloc(pick_n_for(rng, h))
             if rows is not None:
+                h.counts["try_alloc_hit"] = h.counts.get("try_alloc_hit", 0) + 1
                 held.append((h.grant(rows), rows))
         elif op < 0.48:
             await lease_body(h, rng, bool(held))
@@ -329,7 +340,7 @@ async def worker(h: Harness, wid: int) -> None:
                     h.uses[r].append(f)
         elif held:
             free_one()
-        if len(held) > 3:
+        if len(held) > h.max_held:
             free_one()
         if rng.random() < 0.6:
             await asyncio.sleep(0)
@@ -338,7 +349,7 @@ async def worker(h: Harness, wid: int) -> None:
 
 
 async def lease_body(h: Harness, rng: random.Random, holding: bool) -> None:
-    n = pick_n(rng, h.cap)
+    n = pick_n_for(rng, h)
     timeout = rng.choice((0.0, 0.002, 0.01)) if holding or n > h.cap // 4 else None
     s = rng.randrange(len(h.streams)) if rng.random() < 0.6 else None
     after = h.streams[s] if s is not None else None
@@ -371,7 +382,7 @@ async def lease_body(h: Harness, rng: random.Random, holding: bool) -> None:
 async def cancel_alloc(h: Harness, rng: random.Random, held: list[Any], free_one: Any) -> None:
     """Cancel an alloc at a random point; sometimes free in the same tick."""
     pool = h.pool
-    n = pick_n(rng, h.cap)
+    n = pick_n_for(rng, h)
     h.count("alloc_cancelled")
     task = asyncio.create_task(pool.alloc(n, priority=rng.randrange(3)))
     h.tasks_created += 1
@@ -398,19 +409,30 @@ async def test_async_stress(
     pool = AsyncReqToTokenPool(SIZE, 8)
     h = Harness(pool, streams, SEED)
     clock_task = asyncio.create_task(clock(h))
-    workers = [asyncio.create_task(worker(h, i)) for i in range(NWORKERS)]
-    h.tasks_created += NWORKERS + 1
+    h.tasks_created += 1
+    workers: list[asyncio.Task[None]] = []
+    results: list[BaseException | None] = []
     hung = False
     try:
-        try:
-            async with asyncio.timeout(BUDGET_S):
-                results = await asyncio.gather(*workers, return_exceptions=True)
-        except TimeoutError:
-            hung = True
-            results = []
-            for t in workers:
-                t.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+        wid = 0
+        for nworkers, share, max_n, max_held in PHASES:
+            if h.failures:
+                break
+            h.max_n, h.max_held = max_n, max_held
+            h.stop = False
+            h.target = int(TARGET_OPS * share)
+            workers = [asyncio.create_task(worker(h, wid + i)) for i in range(nworkers)]
+            wid += nworkers
+            h.tasks_created += nworkers
+            try:
+                async with asyncio.timeout(BUDGET_S):
+                    results += await asyncio.gather(*workers, return_exceptions=True)
+            except TimeoutError:
+                hung = True
+                for t in workers:
+                    t.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                break
         errors = [r for r in results if isinstance(r, BaseException)]
         h.done = True
         await clock_task

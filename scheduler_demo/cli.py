@@ -1,0 +1,256 @@
+"""``python -m scheduler_demo``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from .config import DemoConfig
+from .report import Report
+from .runner import run_demo
+
+__all__ = ["build_parser", "main"]
+
+T = TypeVar("T")
+
+_D = DemoConfig()
+
+DESCRIPTION = """\
+An overlap scheduler on uvloop, built on asyncpool, that shows the request-slot
+reuse hazard of overlap scheduling and its fix.
+
+The model's forward step runs on a stream (a HostStream worker thread doing
+real torch compute on CPU, a CUDA stream with --device cuda) and writes the
+batch's rows of the pool's tables there. The scheduler launches step t and only
+then processes step t-1's results, so it frees rows (finished and retracted
+requests) that step t is still writing. Fenced (the default), the pool keeps
+those rows out of circulation until step t's fence completes; with --unsafe
+they are freed at once, as the seed pool does, and the late writes corrupt the
+rows' new owners. Every run verifies the device tables against the host's
+expectation; corruptions are counted, logged at debug level (--log-level
+debug) and reported.
+
+Exit status: 0 when a fenced run completed every request with 0 corruptions,
+1 otherwise (an --unsafe run always exits 1), 2 on bad arguments.
+"""
+
+EPILOG = """\
+examples:
+  python -m scheduler_demo                          # the default: fenced overlap
+  python -m scheduler_demo --unsafe                 # same workload, no fences
+  python -m scheduler_demo --mode sync              # no overlap, for comparison
+  python -m scheduler_demo --json out.json --plot out.png
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m scheduler_demo",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    w = p.add_argument_group("workload (seeded)")
+    w.add_argument(
+        "-n",
+        "--num-requests",
+        type=int,
+        default=_D.num_requests,
+        help="number of requests (default %(default)s)",
+    )
+    w.add_argument(
+        "--rate",
+        type=float,
+        default=_D.rate,
+        help="Poisson arrival rate in requests/s; 0 = all arrive at once "
+        "(default %(default)s: faster than the engine serves, so admission "
+        "waits under backpressure)",
+    )
+    w.add_argument(
+        "--prompt-len",
+        default=_D.prompt_len,
+        metavar="DIST",
+        help="prompt length distribution: const:N, uniform:LO:HI, exp:MEAN or "
+        "lognormal:MEDIAN:SIGMA (default %(default)s)",
+    )
+    w.add_argument(
+        "--output-len",
+        default=_D.output_len,
+        metavar="DIST",
+        help="output length distribution, same forms (default %(default)s)",
+    )
+    w.add_argument("--seed", type=int, default=_D.seed, help="workload seed (default %(default)s)")
+
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--mode",
+        choices=["overlap", "sync"],
+        default=_D.mode,
+        help="overlap: launch step t, then process step t-1 (default); sync: launch, wait, process",
+    )
+    e.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="free rows immediately, as the seed pool does: no fences, no "
+        "recorded uses (shows the corruption)",
+    )
+    e.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=_D.device,
+        help="cpu: the forward runs on an asyncpool.HostStream; cuda: on a "
+        "torch.cuda.Stream (default %(default)s)",
+    )
+    e.add_argument(
+        "--rows",
+        type=int,
+        default=_D.rows,
+        help="request rows in the pool (its capacity; row 0 is padding on "
+        "top) (default %(default)s)",
+    )
+    e.add_argument(
+        "--max-context-len",
+        type=int,
+        default=_D.max_context_len,
+        help="columns of req_to_token; caps prompt+output (default %(default)s)",
+    )
+    e.add_argument(
+        "--kv-budget",
+        type=int,
+        default=_D.kv_budget,
+        help="simulated KV cache size in tokens; when the next decode step "
+        "would exceed it, requests are retracted (default %(default)s)",
+    )
+    e.add_argument(
+        "--admit-watermark",
+        type=float,
+        default=_D.admit_watermark,
+        help="admit new requests only while KV use stays under this "
+        "fraction of the budget (default %(default)s)",
+    )
+    e.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=_D.max_prefill_tokens,
+        help="prefill tokens admitted into one step (default %(default)s)",
+    )
+
+    t = p.add_argument_group("timing")
+    t.add_argument(
+        "--forward-ms",
+        type=float,
+        default=_D.forward_ms,
+        help="forward step latency: fixed part, ms (default %(default)s)",
+    )
+    t.add_argument(
+        "--forward-us-per-token",
+        type=float,
+        default=_D.forward_us_per_token,
+        help="forward step latency per batch token, us; the step's matmul is "
+        "sized to forward-ms + this * tokens (default %(default)s)",
+    )
+    t.add_argument(
+        "--sched-ms",
+        type=float,
+        default=_D.sched_ms,
+        help="busy CPU work the scheduler does per step on top of its real "
+        "bookkeeping, ms; about the forward's time shows overlap's "
+        "pipelining (default %(default)s)",
+    )
+    t.add_argument(
+        "--gate",
+        action="store_true",
+        help="hold each step's table writes until the scheduler finished "
+        "its next iteration: the worst legal lag, deterministic (CPU only)",
+    )
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up after S seconds (default: none)",
+    )
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    o.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="write a PNG: rows allocated/pending/free over time and the "
+        "alloc wait-time distribution",
+    )
+    o.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is also off when stderr is not a tty)",
+    )
+    o.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level; debug logs every corruption found (default %(default)s)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    return DemoConfig(
+        num_requests=args.num_requests,
+        rate=args.rate,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        rows=args.rows,
+        max_context_len=args.max_context_len,
+        kv_budget=args.kv_budget,
+        admit_watermark=args.admit_watermark,
+        max_prefill_tokens=args.max_prefill_tokens,
+        mode=args.mode,
+        unsafe=args.unsafe,
+        device=args.device,
+        forward_ms=args.forward_ms,
+        forward_us_per_token=args.forward_us_per_token,
+        sched_ms=args.sched_ms,
+        gate=args.gate,
+        progress=not args.no_progress,
+        timeout_s=args.timeout,
+    )
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - e.g. Windows
+        import asyncio
+
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; return the exit status (see ``--help``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    cfg = config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    report: Report = _run(run_demo(cfg))
+    print(report.table())
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        from .plot import save_plot
+
+        save_plot(report, args.plot)
+    return 0 if report.ok else 1

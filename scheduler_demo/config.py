@@ -1,0 +1,105 @@
+"""The demo's knobs, with the defaults that ``python -m scheduler_demo`` uses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .workload import LengthDist, WorkloadConfig
+
+__all__ = ["DemoConfig"]
+
+MODES = ("overlap", "sync")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything one demo run depends on. The defaults are the default run.
+
+    Workload: ``num_requests`` requests with Poisson arrivals at ``rate`` per
+    second (0: all at once), lengths drawn from ``prompt_len`` and
+    ``output_len`` (see :class:`~scheduler_demo.workload.LengthDist`), seeded.
+
+    Engine: a pool of ``rows`` request rows (plus padding row 0) of
+    ``max_context_len`` columns; a simulated KV cache of ``kv_budget`` tokens.
+    New requests are admitted while the KV in use stays under
+    ``admit_watermark * kv_budget`` and a step's prefill under
+    ``max_prefill_tokens``; when the running requests' next decode step would
+    exceed ``kv_budget``, requests are retracted (freed, re-queued at a higher
+    priority, recomputed later).
+
+    Timing: a forward step costs ``forward_ms`` plus ``forward_us_per_token``
+    per token of the batch (real torch compute on the stream), and the
+    scheduler spends ``sched_ms`` of busy CPU per step besides its real
+    bookkeeping. ``gate`` holds each step's table writes until the scheduler
+    has finished its next iteration: the worst legal lag, deterministic (used
+    by the tests).
+    """
+
+    num_requests: int = 2000
+    rate: float = 2000.0
+    prompt_len: str = "uniform:32:320"
+    output_len: str = "exp:96"
+    seed: int = 0
+
+    rows: int = 64
+    max_context_len: int = 1024
+    kv_budget: int = 8192
+    admit_watermark: float = 0.99
+    max_prefill_tokens: int = 1024
+
+    mode: str = "overlap"
+    unsafe: bool = False
+    device: str = "cpu"
+
+    forward_ms: float = 2.0
+    forward_us_per_token: float = 10.0
+    sched_ms: float = 2.5
+    gate: bool = False
+
+    progress: bool = True
+    timeout_s: float | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError on a knob that cannot work."""
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if self.rows < 1:
+            raise ValueError("rows must be >= 1")
+        if self.max_context_len < 4:
+            raise ValueError("max_context_len must be >= 4")
+        if self.kv_budget < self.max_context_len:
+            raise ValueError(
+                f"kv_budget ({self.kv_budget}) must be >= max_context_len "
+                f"({self.max_context_len}) so that any single request fits"
+            )
+        if not 0.0 < self.admit_watermark <= 1.0:
+            raise ValueError("admit_watermark must be in (0, 1]")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        for name in ("forward_ms", "forward_us_per_token", "sched_ms", "rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        self.workload()  # parses the length distributions
+
+    def workload(self) -> WorkloadConfig:
+        # Leave two columns spare: under overlap a request runs one step past
+        # its last token before the scheduler learns that it finished.
+        return WorkloadConfig(
+            num_requests=self.num_requests,
+            rate=self.rate,
+            prompt_len=LengthDist.parse(self.prompt_len),
+            output_len=LengthDist.parse(self.output_len),
+            max_total_len=self.max_context_len - 2,
+            seed=self.seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

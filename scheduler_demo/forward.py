@@ -1,0 +1,298 @@
+"""The model's forward step, run on a stream as a real engine's forward is.
+
+On CPU the stream is an :class:`asyncpool.HostStream`: one worker thread that
+runs launched work in order. A step there does real torch compute (a matmul
+whose size follows the batch's token count, calibrated to ``forward_ms`` +
+``forward_us_per_token`` per token; torch releases the GIL, so it truly
+overlaps the scheduler) and then writes the batch's rows of the pool's tables,
+as a forward's kernels do:
+
+* the write positions come from the *device* ``verified_lens[row]`` (where
+  this request's KV continues), so a stale length shifts every later write;
+* ``req_to_token[row, pos:pos+k] = new slots``; ``verified_lens[row] += k``;
+* finally it snapshots ``verified_lens[rows]`` and the entries at the
+  positions the host expects (the step's "outputs", copied back as an engine
+  copies its sampled tokens back), for the scheduler to verify.
+
+With ``--device cuda`` the same ops run on a ``torch.cuda.Stream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncpool import HostStream, record_fence
+
+__all__ = ["Forward", "Step", "wait_fence"]
+
+logger = logging.getLogger(__name__)
+
+# How long a gated step waits for the scheduler before it gives up and runs
+# anyway (only reached if the scheduler died without opening its gates).
+_GATE_TIMEOUT_S = 30.0
+
+
+class Step:
+    """One batch: host-built inputs, the fence, and (once done) the outputs.
+
+    ``entries`` holds, per row of the batch and in the same order,
+    ``(request, epoch, expected_len)`` for the scheduler's bookkeeping.
+    """
+
+    __slots__ = (
+        "entries",
+        "exp_cols",
+        "exp_lens",
+        "fence",
+        "gate",
+        "inputs",
+        "n_new",
+        "offs",
+        "out_lens",
+        "out_slots",
+        "row_idx",
+        "rows",
+        "slot_start",
+        "step_id",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        step_id: int,
+        entries: list[tuple[Any, int, int]],
+        rows: list[int],
+        n_new: list[int],
+        slot_start: int,
+        exp_lens: list[int],
+        exp_cols: list[int],
+        offs: list[int],
+        row_idx: list[int],
+        gate: threading.Event | None = None,
+    ) -> None:
+        self.step_id = step_id
+        self.entries = entries
+        self.rows = rows
+        self.n_new = n_new
+        self.slot_start = slot_start
+        self.tokens = len(offs)
+        self.exp_lens = exp_lens
+        self.exp_cols = exp_cols
+        self.offs = offs
+        self.row_idx = row_idx
+        self.gate = gate
+        self.fence: Any = None
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.out_lens: torch.Tensor | None = None
+        self.out_slots: torch.Tensor | None = None
+
+    def open_gate(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+
+
+class Forward:
+    """Owns the forward stream and launches steps on it."""
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        forward_ms: float = 2.0,
+        forward_us_per_token: float = 10.0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.base_s = forward_ms / 1e3
+        self.per_token_s = forward_us_per_token / 1e6
+        self.stream: Any
+        if self.is_cuda:
+            self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            hidden, max_rows = 4096, 16384
+        else:
+            self.stream = HostStream("forward")
+            # One intra-op thread on the worker: the scheduler owns the other
+            # core. (The OpenMP thread count is per thread, so set it there.)
+            self.stream.launch(torch.set_num_threads, 1)
+            hidden, max_rows = 256, 4096
+        gen = torch.Generator().manual_seed(0)
+        self._x = torch.randn(max_rows, hidden, generator=gen).to(self.device)
+        self._w = (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(self.device)
+        self._y = torch.empty(max_rows, hidden, device=self.device)
+        self._s_per_row = 0.0
+        self.req_to_token: torch.Tensor | None = None
+        self.verified_lens: torch.Tensor | None = None
+        self._max_col = 0
+        self.busy_s = 0.0  # worker time spent in steps (CPU only)
+
+    # -- setup ---------------------------------------------------------------
+
+    def attach(self, req_to_token: torch.Tensor, verified_lens: torch.Tensor) -> None:
+        """Point the forward at the pool's tables."""
+        self.req_to_token = req_to_token
+        self.verified_lens = verified_lens
+        self._max_col = req_to_token.shape[1] - 1
+
+    def calibrate(self) -> float:
+        """Measure the matmul's seconds per row on the stream; blocks ~0.1 s."""
+        rows = min(1024, self._x.shape[0])
+        result: list[float] = []
+
+        def measure() -> None:
+            for _ in range(3):
+                torch.mm(self._x[:rows], self._w, out=self._y[:rows])
+            if self.is_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            t0 = time.perf_counter()
+            for _ in range(8):
+                torch.mm(self._x[:rows], self._w, out=self._y[:rows])
+            if self.is_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            result.append((time.perf_counter() - t0) / (8 * rows))
+
+        if self.is_cuda:
+            with torch.cuda.stream(self.stream):
+                measure()
+        else:
+            self.stream.launch(measure)
+            self.stream.synchronize()
+        self._s_per_row = max(result[0], 1e-12)
+        logger.debug("forward matmul: %.3f us per row", self._s_per_row * 1e6)
+        return self._s_per_row
+
+    def step_seconds(self, tokens: int) -> float:
+        """The forward time a step of ``tokens`` tokens is sized to."""
+        return self.base_s + self.per_token_s * tokens
+
+    # -- launching -----------------------------------------------------------
+
+    def launch(self, step: Step) -> Any:
+        """Queue ``step`` on the stream; return the fence recorded right after it."""
+        if self.is_cuda:
+            with torch.cuda.stream(self.stream):
+                step.inputs = self._inputs(step)
+                self._run(step)
+        else:
+            step.inputs = self._inputs(step)
+            self.stream.launch(self._run_timed, step)
+        step.fence = record_fence(self.stream)
+        return step.fence
+
+    def _inputs(self, step: Step) -> tuple[torch.Tensor, ...]:
+        dev = self.device
+        i64, i32 = torch.int64, torch.int32
+        return (
+            torch.tensor(step.rows, dtype=i64, device=dev),
+            torch.tensor(step.n_new, dtype=i32, device=dev),
+            torch.tensor(step.row_idx, dtype=i64, device=dev),
+            torch.tensor(step.offs, dtype=i64, device=dev),
+            torch.arange(step.slot_start, step.slot_start + step.tokens, dtype=i32, device=dev),
+            torch.tensor(step.exp_cols, dtype=i64, device=dev),
+        )
+
+    def _run_timed(self, step: Step) -> None:
+        t0 = time.perf_counter()
+        self._run(step)
+        self.busy_s += time.perf_counter() - t0
+
+    def _run(self, step: Step) -> None:
+        # 1. The model: compute sized by the batch's tokens.
+        self._compute(self.step_seconds(step.tokens))
+        if step.gate is not None:
+            if self.is_cuda:
+                raise RuntimeError("gate is only supported on the host stream")
+            if not step.gate.wait(_GATE_TIMEOUT_S):
+                logger.error("step %d: gate not opened in %ss", step.step_id, _GATE_TIMEOUT_S)
+        # 2. The table writes of the batch's rows, positions from the device.
+        r2t, vl = self.req_to_token, self.verified_lens
+        assert r2t is not None and vl is not None
+        rows, n_new, row_idx, offs, slots, exp_cols = step.inputs
+        pos = vl.index_select(0, rows)
+        cols = pos.repeat_interleave(n_new, output_size=step.tokens) + offs
+        cols.clamp_(max=self._max_col)  # a corrupted length must not fault the stream
+        r2t.index_put_((row_idx, cols), slots)
+        vl.index_add_(0, rows, n_new)
+        # 3. The outputs the host verifies.
+        out_lens = vl.index_select(0, rows)
+        out_slots = r2t[row_idx, exp_cols]
+        if self.is_cuda:
+            step.out_lens = _to_host(out_lens)
+            step.out_slots = _to_host(out_slots)
+        else:
+            step.out_lens, step.out_slots = out_lens, out_slots
+
+    def _compute(self, seconds: float) -> None:
+        rows = round(seconds / self._s_per_row) if self._s_per_row else 0
+        cap = self._x.shape[0]
+        while rows > 0:
+            m = min(rows, cap)
+            torch.mm(self._x[:m], self._w, out=self._y[:m])
+            rows -= m
+
+    # -- reading rows --------------------------------------------------------
+
+    def snapshot(self, row: int, length: int) -> torch.Tensor:
+        """A copy of ``req_to_token[row, :length]``, ordered on the stream.
+
+        On CPU it is taken now (the caller has waited for the step that wrote
+        it); on CUDA it is queued on the forward stream, so it lands before any
+        later step can rewrite the row.
+        """
+        r2t = self.req_to_token
+        assert r2t is not None
+        if self.is_cuda:
+            with torch.cuda.stream(self.stream):
+                return _to_host(r2t[row, :length])
+        return r2t[row, :length].clone()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        if self.is_cuda:
+            self.stream.synchronize()
+        else:
+            self.stream.close()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+async def wait_fence(fence: Any) -> None:
+    """Await a fence without blocking the loop; raises if its stream faulted.
+
+    Host fences call back into the loop when they complete; any other fence
+    (a CUDA event) is synchronized in the loop's default executor.
+    """
+    if fence.query():
+        return
+    loop = asyncio.get_running_loop()
+    add_done_callback = getattr(fence, "add_done_callback", None)
+    if add_done_callback is None:
+        await loop.run_in_executor(None, fence.synchronize)
+        return
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    add_done_callback(lambda: loop.call_soon_threadsafe(wake))
+    await fut
+    fence.query()  # re-raise a fault
+
+
+def fill_gates(steps: Sequence[Step | None]) -> None:
+    """Open the gates of ``steps`` (used on the way out, so no worker hangs)."""
+    for step in steps:
+        if step is not None:
+            step.open_gate()

@@ -1,0 +1,272 @@
+"""scheduler_demo: short runs of the overlap scheduler, fenced and unsafe.
+
+The hazard tests use the demo's gate: each forward step's table writes wait
+until the scheduler has finished its next iteration (it has freed the rows the
+step still writes and handed them to waiting requests). That is the worst lag
+a real stream can have, made deterministic, so the unsafe run *must* corrupt
+and the fenced run must not, on any machine and under any load.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from scheduler_demo import DemoConfig, Report, run_demo
+from scheduler_demo.cli import build_parser, main
+from scheduler_demo.plot import save_plot
+from scheduler_demo.workload import LengthDist, WorkloadConfig, generate
+
+# 48 requests arriving at once on 8 rows and a tight KV budget: admission
+# waits, requests are retracted, and every free has a waiter to take the row.
+SMALL = DemoConfig(
+    num_requests=48,
+    rate=0.0,
+    prompt_len="uniform:4:48",
+    output_len="exp:12",
+    seed=1,
+    rows=8,
+    max_context_len=128,
+    kv_budget=384,
+    admit_watermark=1.0,
+    max_prefill_tokens=256,
+    forward_ms=0.2,
+    forward_us_per_token=1.0,
+    sched_ms=0.0,
+    progress=False,
+    timeout_s=60.0,
+)
+
+JSON_FIELDS = {
+    "completed",
+    "tokens_per_s",
+    "corruptions",
+    "retractions",
+    "deferred_frees",
+    "steps_per_s",
+    "mean_batch_size",
+    "alloc_wait_p50_ms",
+    "alloc_wait_p99_ms",
+    "fence_latency_p50_ms",
+    "fence_latency_p99_ms",
+}
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli_args(cfg: DemoConfig) -> list[str]:
+    return [
+        f"--num-requests={cfg.num_requests}",
+        f"--rate={cfg.rate}",
+        f"--prompt-len={cfg.prompt_len}",
+        f"--output-len={cfg.output_len}",
+        f"--seed={cfg.seed}",
+        f"--rows={cfg.rows}",
+        f"--max-context-len={cfg.max_context_len}",
+        f"--kv-budget={cfg.kv_budget}",
+        f"--admit-watermark={cfg.admit_watermark}",
+        f"--forward-ms={cfg.forward_ms}",
+        f"--forward-us-per-token={cfg.forward_us_per_token}",
+        f"--sched-ms={cfg.sched_ms}",
+        "--timeout=60",
+        "--no-progress",
+    ]
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    # The IHDR chunk comes first: width and height, both non-zero.
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+    assert data[-8:-4] == b"IEND"
+
+
+# -- the demo runs ---------------------------------------------------------------
+
+
+async def test_fenced_overlap_completes_without_corruption() -> None:
+    report = await run_demo(replace(SMALL, gate=True))
+    assert report.completed == report.requests == SMALL.num_requests
+    assert report.corruptions == 0 and report.mismatches == 0
+    # Every finished or retracted request's row was still being written by
+    # the gated step in flight: all those frees were deferred behind a fence.
+    assert report.retractions > 0
+    assert report.deferred_frees >= report.requests
+    assert report.ok
+
+
+async def test_fenced_overlap_ungated_completes_without_corruption() -> None:
+    report = await run_demo(SMALL)
+    assert report.completed == SMALL.num_requests
+    assert report.corruptions == 0
+    assert report.ok
+
+
+async def test_unsafe_overlap_detects_corruption() -> None:
+    report = await run_demo(replace(SMALL, gate=True, unsafe=True))
+    # The demo keeps serving through the corruption, and counts it.
+    assert report.completed == SMALL.num_requests
+    assert report.deferred_frees == 0
+    assert report.corruptions > 0
+    assert report.mismatches >= report.corruptions
+    assert not report.ok
+
+
+async def test_unsafe_sync_has_nothing_in_flight_to_corrupt() -> None:
+    # Without overlap no step is in flight when rows are freed: even the
+    # seed's immediate free is safe, and nothing is deferred.
+    report = await run_demo(replace(SMALL, mode="sync", unsafe=True))
+    assert report.completed == SMALL.num_requests
+    assert report.corruptions == 0
+    assert report.deferred_frees == 0
+
+
+async def test_sync_mode_completes() -> None:
+    report = await run_demo(replace(SMALL, mode="sync"))
+    assert report.completed == SMALL.num_requests
+    assert report.corruptions == 0
+    assert report.ok
+
+
+async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
+    report = await run_demo(replace(SMALL, gate=True))
+    path = tmp_path / "report.json"
+    report.write_json(path)
+    data = json.loads(path.read_text())
+    assert data.keys() >= JSON_FIELDS
+    assert data["completed"] == SMALL.num_requests
+    assert data["corruptions"] == 0
+    assert data["tokens_per_s"] > 0
+    assert data["config"]["rows"] == SMALL.rows
+    assert "trace" not in data
+
+    assert report.trace.timeline and report.trace.alloc_waits
+    png = tmp_path / "plot.png"
+    save_plot(report, png)
+    _assert_png(png)
+    assert isinstance(report.table(), str) and "corruptions" in report.table()
+
+
+# -- the command line --------------------------------------------------------------
+
+
+def test_cli_safe_run_writes_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js, png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main([*_cli_args(SMALL), "--gate", f"--json={js}", f"--plot={png}"])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data.keys() >= JSON_FIELDS
+    assert data["completed"] == SMALL.num_requests and data["corruptions"] == 0
+    _assert_png(png)
+    out = capsys.readouterr().out
+    assert "requests completed" in out and "corruptions" in out
+
+
+def test_cli_unsafe_run_exits_1(tmp_path: Path) -> None:
+    js = tmp_path / "out.json"
+    rc = main([*_cli_args(SMALL), "--gate", "--unsafe", f"--json={js}"])
+    assert rc == 1
+    assert json.loads(js.read_text())["corruptions"] > 0
+
+
+def test_cli_help_explains_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "--unsafe" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--kv-budget=10", "--max-context-len=1024"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--prompt-len=zipf:2"])
+    capsys.readouterr()
+
+
+# -- the workload ------------------------------------------------------------------
+
+
+def test_workload_is_seeded_and_bounded() -> None:
+    cfg = WorkloadConfig(
+        num_requests=500,
+        rate=100.0,
+        prompt_len=LengthDist.parse("lognormal:100:1.5"),
+        output_len=LengthDist.parse("exp:300"),
+        max_total_len=254,
+        seed=7,
+    )
+    a, b = generate(cfg), generate(cfg)
+    assert a == b
+    assert generate(replace(cfg, seed=8)) != a
+    assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+    for r in a:
+        assert r.prompt_len >= 1 and r.output_len >= 1
+        assert r.prompt_len + r.output_len <= 254
+    # Poisson arrivals: the mean gap is about 1/rate.
+    mean_gap = a[-1].arrival_s / len(a)
+    assert 0.008 < mean_gap < 0.012
+    assert all(r.arrival_s == 0 for r in generate(replace(cfg, rate=0.0)))
+
+
+@pytest.mark.parametrize(
+    "spec", ["const:5", "uniform:3:9", "exp:4", "lognormal:20:0.5", " UNIFORM:1:1 "]
+)
+def test_length_dists(spec: str) -> None:
+    dist = LengthDist.parse(spec)
+    rng = random.Random(0)
+    draws = [dist.sample(rng) for _ in range(200)]
+    assert min(draws) >= 1
+    if dist.kind == "uniform":
+        assert set(draws) <= set(range(int(dist.a), int(dist.b) + 1))
+    assert LengthDist.parse(str(dist)) == dist
+
+
+@pytest.mark.parametrize("spec", ["zipf:2", "const", "uniform:5:3", "exp:-1", "const:x", "exp:1:2"])
+def test_bad_length_dists(spec: str) -> None:
+    with pytest.raises(ValueError):
+        LengthDist.parse(spec)
+
+
+def test_report_ok_needs_a_safe_complete_clean_run() -> None:
+    base = Report(
+        mode="overlap",
+        unsafe=False,
+        device="cpu",
+        requests=2,
+        completed=2,
+        output_tokens=4,
+        computed_tokens=8,
+        elapsed_s=1.0,
+        tokens_per_s=4.0,
+        steps=2,
+        steps_per_s=2.0,
+        mean_batch_size=2.0,
+        alloc_wait_p50_ms=0.0,
+        alloc_wait_p99_ms=0.0,
+        retractions=0,
+        deferred_frees=0,
+        fence_latency_p50_ms=0.0,
+        fence_latency_p99_ms=0.0,
+        corruptions=0,
+        mismatches=0,
+        peak_allocated=2,
+        forward_busy=0.5,
+    )
+    assert base.ok
+    assert not replace(base, unsafe=True).ok
+    assert not replace(base, corruptions=1).ok
+    assert not replace(base, completed=1).ok

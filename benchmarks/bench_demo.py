@@ -1,11 +1,129 @@
-"""Issue 6, part 6: the scheduler demo's throughput ratios (placeholder)."""
+"""Issue 6, part 6: the scheduler demo's throughput, as ratios.
+
+Three demo configurations run back to back, their order rotated each round,
+on one event loop: overlap (fenced, the default), sync (fenced), and overlap
+``--unsafe`` (no fences, the seed's behaviour). Per round: overlap/sync
+tokens/s (what overlap scheduling buys) and fenced/unsafe tokens/s (what the
+fences cost). The demo runs in-process through ``scheduler_demo.run_demo``
+on each loop kind; if only its command line exists, it runs as a subprocess
+(``--json``) on the loop the CLI chooses; if neither, the benchmark reports
+"not available".
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from .harness import Config, Row
+from .harness import Config, Row, Target, median, quantiles, run_on
+
+__all__ = ["DEMO_RUNS", "bench_demo", "demo_available"]
+
+OVERLAP_VS_SYNC = Target(">=", 1.6)
+FENCED_VS_UNSAFE = Target(">=", 0.97)
+
+#: name -> DemoConfig overrides
+DEMO_RUNS: dict[str, dict[str, Any]] = {
+    "overlap": {"mode": "overlap", "unsafe": False},
+    "sync": {"mode": "sync", "unsafe": False},
+    "unsafe": {"mode": "overlap", "unsafe": True},
+}
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def demo_available() -> str | None:
+    """``"api"``, ``"cli"``, or None when there is no scheduler_demo."""
+    try:
+        import scheduler_demo
+    except ImportError:
+        return None
+    if hasattr(scheduler_demo, "run_demo") and hasattr(scheduler_demo, "DemoConfig"):
+        return "api"
+    if (Path(scheduler_demo.__file__).parent / "__main__.py").exists():
+        return "cli"
+    return None
+
+
+def _overrides(cfg: Config) -> dict[str, Any]:
+    return {"num_requests": cfg.demo_requests, "progress": False, "timeout_s": cfg.demo_timeout_s}
+
+
+def _run_api(loop: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    from scheduler_demo import DemoConfig, run_demo
+
+    known = {f.name for f in dataclasses.fields(DemoConfig)}
+    demo_cfg = DemoConfig(**{k: v for k, v in overrides.items() if k in known})
+    report = run_on(loop, lambda: run_demo(demo_cfg))
+    return {"tokens_per_s": float(report.tokens_per_s), "corruptions": int(report.corruptions),
+            "completed": int(report.completed), "requests": int(report.requests)}
+
+
+def _run_cli(overrides: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "demo.json"
+        argv = [sys.executable, "-m", "scheduler_demo", "--json", str(out), "--no-progress",
+                "--mode", str(overrides["mode"]), "-n", str(overrides["num_requests"])]
+        if overrides.get("unsafe"):
+            argv.append("--unsafe")
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False,
+                              timeout=(overrides.get("timeout_s") or 600) + 60)
+        if not out.exists():
+            raise RuntimeError(f"scheduler_demo exited {proc.returncode}: {proc.stderr[-2000:]}")
+        data = json.loads(out.read_text(encoding="utf-8"))
+    return {k: data[k] for k in ("tokens_per_s", "corruptions", "completed", "requests")}
+
+
+def _row(bench: str, loop: str, subject: str, reference: str, runs: dict[str, list[dict[str, Any]]],
+         target: Target, note: str) -> Row:
+    s = [r["tokens_per_s"] for r in runs[subject]]
+    r = [r["tokens_per_s"] for r in runs[reference]]
+    ratios = [a / b if b else float("nan") for a, b in zip(s, r, strict=True)]
+    p25, p75 = quantiles(ratios)
+    return Row(
+        bench=bench, loop=loop, subject=subject, reference=reference,
+        subject_value=median(s), reference_value=median(r), unit="tok/s",
+        ratio=median(ratios), ratio_label="throughput (subject/ref)",
+        ratio_p25=p25, ratio_p75=p75, target=target, note=note,
+        samples={subject: s, reference: r, "ratios": ratios},
+    )
 
 
 def bench_demo(cfg: Config, loops: list[str]) -> tuple[list[Row], dict[str, Any]]:
-    return [], {"unavailable": "scheduler_demo not written yet"}
+    """Run the demo ``cfg.demo_repeats`` rounds per loop; rows and raw runs.
+
+    Synchronous: each run gets its own fresh loop (``run_demo`` in-process),
+    so this cannot be awaited from inside a running loop.
+    """
+    how = demo_available()
+    if how is None:
+        return [], {"unavailable": "scheduler_demo is not importable"}
+    info: dict[str, Any] = {"how": how, "requests": cfg.demo_requests, "runs": {}}
+    rows: list[Row] = []
+    loop_kinds = loops if how == "api" else ["uvloop (CLI)"]
+    names = list(DEMO_RUNS)
+    for loop in loop_kinds:
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for rnd in range(cfg.demo_repeats):
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:
+                overrides = {**_overrides(cfg), **DEMO_RUNS[name]}
+                try:
+                    res = _run_api(loop, overrides) if how == "api" else _run_cli(overrides)
+                except Exception as exc:  # report, do not crash the other benchmarks
+                    return rows, {**info, "unavailable": f"scheduler_demo failed: {exc!r}"}
+                runs[name].append(res)
+        info["runs"][loop] = runs
+        corr = {n: median([float(r["corruptions"]) for r in runs[n]]) for n in names}
+        note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; median corruptions: "
+                f"overlap {corr['overlap']:g}, sync {corr['sync']:g}, unsafe {corr['unsafe']:g}")
+        rows.append(_row("demo tokens/s: overlap vs sync (fenced)", loop, "overlap", "sync",
+                         runs, OVERLAP_VS_SYNC, note))
+        rows.append(_row("demo tokens/s: fenced vs --unsafe (overlap)", loop, "overlap", "unsafe",
+                         runs, FENCED_VS_UNSAFE, note))
+    return rows, info

@@ -72,8 +72,8 @@ class Config:
     wake_samples: int = 201
     #: how long a waiter idles on an open fence when measuring CPU burn (s)
     idle_wait_s: float = 0.2
-    #: scheduler_demo workload knobs (passed through where the demo has them)
-    demo_steps: int = 200
+    #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
+    demo_requests: int = 200
     demo_repeats: int = 3
     demo_timeout_s: float = 120.0
 
@@ -87,7 +87,7 @@ PRESETS: dict[str, Config] = {
         reclaim_head_samples=100,
         wake_samples=101,
         idle_wait_s=0.1,
-        demo_steps=100,
+        demo_requests=100,
         demo_repeats=1,
     ),
     # For the smoke test: every code path, no meaningful timing.
@@ -108,7 +108,7 @@ PRESETS: dict[str, Config] = {
         scaling_context_len=8,
         wake_samples=3,
         idle_wait_s=0.01,
-        demo_steps=5,
+        demo_requests=4,
         demo_repeats=1,
         demo_timeout_s=60.0,
     ),

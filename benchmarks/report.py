@@ -112,11 +112,11 @@ def _row_line(row: Row) -> str:
     spread = ""
     if not (math.isnan(row.ratio_p25) or row.ratio_p25 == row.ratio_p75):
         spread = f" ({_ratio(row.ratio_p25)} to {_ratio(row.ratio_p75)})"
-    direction = "faster" if row.ratio_label.startswith("speed") else "cost"
+    direction = {"speed": " faster", "cost ": " cost"}.get(row.ratio_label[:5], "")
     ctx = f"{_value(row.subject_value, row.unit)} vs {_value(row.reference_value, row.unit)}"
     return (
         f"| {row.bench} | {row.loop} | {row.subject} vs {row.reference} | "
-        f"{_ratio(row.ratio)} {direction}{spread} | {row.target or ''} | {_met(row)} | {ctx} |"
+        f"{_ratio(row.ratio)}{direction}{spread} | {row.target or ''} | {_met(row)} | {ctx} |"
     )
 
 

@@ -1,0 +1,560 @@
+"""Faults: streams whose work raises, fences that raise, closing under load.
+
+Each test checks that the fault is contained (rows behind it quarantined,
+``FenceError`` surfaced in stats and logs), that the rest of the pool keeps
+serving, and that nothing is left behind: no pending task, no never-awaited
+coroutine (the suite runs with ``-W error``), no stream or watcher thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    FenceError,
+    HostFence,
+    HostStream,
+    PoolClosedError,
+)
+
+WATCHER = "asyncpool-fence-watcher"
+
+
+class DeviceLost(RuntimeError):
+    pass
+
+
+def _boom() -> None:
+    raise DeviceLost("illegal memory access (simulated)")
+
+
+async def steps(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def fence_done(fence: HostFence) -> None:
+    """Await a HostFence's completion or fault without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    fence.add_done_callback(lambda: loop.call_soon_threadsafe(settle))
+    async with asyncio.timeout(10):
+        await fut
+    await steps(2)  # the pool's own wake-up was scheduled before ours
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    """Poll ``cond`` from the loop: for state a foreign thread (the watcher) changes."""
+    for _ in range(int(timeout / 0.001)):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def our_threads(*names: str) -> list[str]:
+    wanted = {*names, WATCHER}
+    return [t.name for t in threading.enumerate() if t.name in wanted and t.is_alive()]
+
+
+def check_totals(pool: AsyncReqToTokenPool) -> None:
+    pool.check_invariants()
+    st = pool.stats()
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
+
+
+class ManualFence:
+    """A fence of unknown origin, completed by the test."""
+
+    def __init__(self) -> None:
+        self.ev = threading.Event()
+
+    def query(self) -> bool:
+        return self.ev.is_set()
+
+    def synchronize(self) -> None:
+        self.ev.wait()
+
+
+class FlakyFence:
+    """Pending until ``break_()``; then ``query()`` and ``synchronize()`` raise."""
+
+    def __init__(self, *, ordered: bool = False) -> None:
+        self.broken = threading.Event()
+        if ordered:  # looks like a fence that knows its stream
+            self.stream_key = 987_654_321
+            self.seq = 1
+
+    def break_(self) -> None:
+        self.broken.set()
+
+    def query(self) -> bool:
+        if self.broken.is_set():
+            raise DeviceLost("query() on a lost device")
+        return False
+
+    def synchronize(self) -> None:
+        self.broken.wait()
+        raise DeviceLost("synchronize() on a lost device")
+
+
+# --------------------------------------------------------------------------- stream work raises
+
+
+async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR)
+    bad = HostStream("faulty-forward")
+    good = HostStream("healthy-forward")
+    pool = AsyncReqToTokenPool(9, 8)  # capacity 8
+    gate_bad, gate_good = threading.Event(), threading.Event()
+    try:
+        doomed = await pool.alloc(3)
+        bad.launch(gate_bad.wait)
+        bad.launch(_boom)
+        f_bad = bad.record()
+        pool.record_use(doomed, f_bad)
+        assert pool.free(doomed) == 0
+
+        healthy = await pool.alloc(2)
+        good.launch(gate_good.wait)
+        f_good = good.record()
+        pool.record_use(healthy, f_good)
+        pool.free(healthy)
+
+        # 3 free now; a waiter for 5 needs the healthy stream's 2 rows
+        waiter = asyncio.create_task(pool.alloc(5))
+        await steps()
+        assert not waiter.done()
+        assert pool.stats().pending == 5
+
+        gate_bad.set()
+        await fence_done(f_bad)
+        st = pool.stats()
+        assert st.quarantined == 3, st
+        assert st.pending == 2
+        assert st.fence_errors >= 1
+        err = pool._ledger.last_fence_error
+        assert isinstance(err, FenceError)
+        assert isinstance(err.__cause__, DeviceLost)
+        with pytest.raises(FenceError, match="faulted") as info:
+            f_bad.query()
+        assert isinstance(info.value.__cause__, DeviceLost)
+        assert isinstance(bad.error, DeviceLost)
+        # surfaced in the logs: the stream's fault and the quarantine
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("faulty-forward faulted" in r.getMessage() for r in errors), errors
+        quarantine = [r for r in errors if "quarantined rows" in r.getMessage()]
+        assert quarantine and all(str(r) in quarantine[0].getMessage() for r in doomed)
+        assert not waiter.done()  # quarantined rows are never granted
+        check_totals(pool)
+
+        gate_good.set()
+        async with asyncio.timeout(10):
+            granted = await waiter
+        assert len(granted) == 5 and not set(granted) & set(doomed)
+        pool.free(granted)
+
+        # the fault is sticky: later fences on the faulted stream fault too,
+        # and a free behind one quarantines at once instead of raising
+        one = await pool.alloc(1)
+        late = bad.record()
+        await fence_done(late)
+        pool.record_use(one, late)
+        assert pool.free(one) == 0
+        assert pool.stats().quarantined == 4
+
+        # the rest keeps serving, fast path and waits alike
+        for _ in range(50):
+            rows = await pool.alloc(4)
+            pool.free(rows, after=good)
+        async with asyncio.timeout(10):
+            await pool.drain()  # quarantined rows are not waited for
+        st = pool.stats()
+        assert st.quarantined == 4 and st.pending == 0 and st.free == 4
+        assert sorted(pool.try_alloc(4) or []) == sorted(set(range(1, 9)) - {*doomed, *one})
+        check_totals(pool)
+    finally:
+        gate_bad.set()
+        gate_good.set()
+        await pool.close()
+        bad.close()
+        good.close()
+    assert not our_threads("faulty-forward", "healthy-forward")
+
+
+async def test_faulted_stream_blocks_cross_stream_waits(caplog: pytest.LogCaptureFixture) -> None:
+    """A stream that waits on a faulted fence faults too; its rows are quarantined."""
+    caplog.set_level(logging.ERROR)
+    producer, consumer = HostStream("producer"), HostStream("consumer")
+    pool = AsyncReqToTokenPool(5, 4)
+    try:
+        producer.launch(_boom)
+        f = producer.record()
+        consumer.wait(f)
+        rows = await pool.alloc(2)
+        pool.free(rows, after=consumer)
+        async with asyncio.timeout(10):
+            await pool.drain()
+        assert pool.stats().quarantined == 2
+        assert isinstance(consumer.error, FenceError)
+        assert pool.stats().fence_errors >= 1
+        assert sorted(await pool.alloc(2)) == [3, 4]
+    finally:
+        await pool.close()
+        producer.close()
+        consumer.close()
+
+
+# --------------------------------------------------------------------------- fences that raise
+
+
+async def test_fence_whose_query_raises_at_free(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    pool = AsyncReqToTokenPool(5, 4)
+    try:
+        rows = await pool.alloc(2)
+        fence = FlakyFence()
+        fence.break_()
+        assert pool.free(rows, fence=fence) == 0  # no exception reaches the caller
+        st = pool.stats()
+        assert st.quarantined == 2 and st.pending == 0 and st.fence_errors >= 1
+        assert isinstance(pool._ledger.last_fence_error, FenceError)
+        assert any("quarantined" in r.getMessage() for r in caplog.records)
+        # the same through record_use
+        more = await pool.alloc(1)
+        pool.record_use(more, fence)
+        pool.free(more)
+        assert pool.stats().quarantined == 3
+        assert await pool.alloc(1) == [4]
+        check_totals(pool)
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unknown-origin", "ordered"])
+async def test_fence_whose_query_raises_later(
+    ordered: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deferred behind a fence that then breaks: the watcher's wake-up quarantines."""
+    caplog.set_level(logging.ERROR)
+    pool = AsyncReqToTokenPool(5, 4)
+    fence = FlakyFence(ordered=ordered)
+    ok = ManualFence()
+    try:
+        doomed = await pool.alloc(2)
+        pool.free(doomed, fence=fence)
+        other = await pool.alloc(2)
+        pool.free(other, fence=ok)
+        assert pool.stats().pending == 4
+        waiter = asyncio.create_task(pool.alloc(2))
+        await steps()
+        assert not waiter.done()
+        fence.break_()
+        await until(lambda: pool.stats().quarantined == 2, "the broken fence's quarantine")
+        assert pool.stats().fence_errors >= 1
+        assert any("quarantined" in r.getMessage() for r in caplog.records)
+        assert not waiter.done()
+        ok.ev.set()
+        async with asyncio.timeout(10):
+            rows = await waiter
+        assert sorted(rows) == sorted(other)
+        pool.free(rows)
+        async with asyncio.timeout(10):
+            await pool.drain()
+        check_totals(pool)
+    finally:
+        fence.break_()
+        ok.ev.set()
+        await pool.close()
+    assert not our_threads()
+
+
+# --------------------------------------------------------------------------- close under load
+
+
+async def test_close_with_waiters_leases_and_pending_fences() -> None:
+    stream = HostStream("close-under-load")
+    gate = threading.Event()
+    pool = AsyncReqToTokenPool(7, 4)  # capacity 6
+    body_may_exit = asyncio.Event()
+    in_body = asyncio.Event()
+    lease_rows: list[int] = []
+
+    async def leaseholder() -> None:
+        async with pool.lease(2, after=stream) as rows:
+            lease_rows.extend(rows)
+            in_body.set()
+            await body_may_exit.wait()
+
+    try:
+        holder = asyncio.create_task(leaseholder())
+        async with asyncio.timeout(10):
+            await in_body.wait()
+        stream.launch(gate.wait)
+        step = stream.record()
+        pending = await pool.alloc(2)
+        pool.record_use(pending, step)
+        pool.free(pending)
+        kept = await pool.alloc(2)  # held across close, freed after it
+        waiters = [
+            asyncio.create_task(pool.alloc(2)),
+            asyncio.create_task(pool.alloc(1, priority=1)),
+            asyncio.create_task(pool.alloc(1, timeout=60)),
+        ]
+        lease_waiter = asyncio.create_task(_lease_and_hold(pool))
+        await steps()
+        assert pool.waiting() == 4
+        assert pool.try_alloc(1) is None
+
+        await pool.close()
+        async with asyncio.timeout(10):
+            results = await asyncio.gather(*waiters, lease_waiter, return_exceptions=True)
+        assert all(isinstance(r, PoolClosedError) for r in results), results
+        st = pool.stats()
+        assert st.closed and st.waiters == 0 and st.pending == 2 and st.allocated == 4
+        with pytest.raises(PoolClosedError):
+            await pool.alloc(1)
+        with pytest.raises(PoolClosedError):
+            pool.try_alloc(1)
+        with pytest.raises(PoolClosedError):
+            async with pool.lease(1):
+                pass
+        await pool.close()  # idempotent
+
+        # frees still work after close; the lease frees behind its stream
+        pool.free(kept)
+        body_may_exit.set()
+        async with asyncio.timeout(10):
+            await holder
+        assert pool.stats().pending == 4  # 2 behind the step, 2 behind the lease's fence
+        gate.set()
+        async with asyncio.timeout(10):
+            await pool.drain()
+        st = pool.stats()
+        assert st.free == 6 and st.allocated == 0 and st.pending == 0
+        check_totals(pool)
+    finally:
+        gate.set()
+        body_may_exit.set()
+        await pool.close()
+        stream.close()
+    assert not our_threads("close-under-load")
+
+
+async def _lease_and_hold(pool: AsyncReqToTokenPool) -> None:
+    async with pool.lease(3):
+        raise AssertionError("a lease was granted on a closed pool")
+
+
+async def test_close_with_a_watched_fence_pending() -> None:
+    """close() fails waiters at once; it returns when the watched fence completes.
+
+    The watcher thread is synchronizing a fence of unknown origin; stopping it
+    joins that thread, so ``close()`` itself waits for the fence (documented in
+    ``FenceWatcher``). No thread is left once it returns.
+    """
+    pool = AsyncReqToTokenPool(3, 4)
+    fence = ManualFence()
+    try:
+        rows = await pool.alloc(2)
+        pool.free(rows, fence=fence)
+        waiter = asyncio.create_task(pool.alloc(1))
+        await steps()
+        assert WATCHER in our_threads()
+        closing = asyncio.create_task(pool.close())
+        await steps()
+        assert waiter.done()
+        with pytest.raises(PoolClosedError):
+            waiter.result()
+        fence.ev.set()
+        async with asyncio.timeout(10):
+            await closing
+        async with asyncio.timeout(10):
+            await pool.drain()
+        assert pool.stats().free == 2
+    finally:
+        fence.ev.set()
+        await pool.close()
+    assert not our_threads()
+
+
+# --------------------------------------------------------------------------- loop shut down
+
+
+RUNNERS: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {
+    "asyncio": asyncio.run,
+    "uvloop": uvloop.run,
+}
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNERS))
+def test_loop_shut_down_with_waiters(runner: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``asyncio.run`` returns while allocs, a lease, a drain and fences are pending.
+
+    The run cancels the pending tasks; the pool dequeues them. Fences that
+    complete after the loop closed find nobody to wake and say nothing. No
+    "Task was destroyed but it is pending", no never-awaited coroutine, no
+    thread left behind.
+    """
+    caplog.set_level(logging.DEBUG)
+    stream = HostStream("shutdown-forward")
+    gate = threading.Event()
+    manual = ManualFence()
+    state: dict[str, Any] = {}
+
+    async def main() -> AsyncReqToTokenPool:
+        pool = AsyncReqToTokenPool(5, 4)  # capacity 4
+        rows = await pool.alloc(2)
+        stream.launch(gate.wait)
+        pool.record_use(rows, stream.record())
+        pool.free(rows)
+        more = await pool.alloc(2)
+        pool.free(more, fence=manual)  # a watched fence: the watcher thread runs
+        tasks = [asyncio.create_task(pool.alloc(1)) for _ in range(3)]
+        tasks.append(asyncio.create_task(pool.alloc(2, priority=-1, timeout=30)))
+        tasks.append(asyncio.create_task(_use_lease(pool)))
+        tasks.append(asyncio.create_task(pool.drain()))
+        await steps()
+        state["waiting"] = pool.waiting()
+        state["tasks"] = tasks
+        return pool  # the run cancels the rest
+
+    pool = RUNNERS[runner](main())
+    assert state["waiting"] == 5
+    assert all(t.cancelled() for t in state["tasks"])
+    assert pool.waiting() == 0
+    pool.check_invariants()
+    # completions after the loop closed: nobody to wake, no error
+    gate.set()
+    manual.ev.set()
+    stream.synchronize()
+    assert pool.reclaim() == 4
+    assert pool.stats().free == 4
+    # close the pool on a fresh loop: stops the watcher thread
+    RUNNERS[runner](pool.close())
+    stream.close()
+    gc.collect()
+    assert not our_threads("shutdown-forward")
+    bad = [
+        r.getMessage()
+        for r in caplog.records
+        if "destroyed but it is pending" in r.getMessage()
+        or "never awaited" in r.getMessage()
+        or "exception was never retrieved" in r.getMessage()
+        or r.levelno >= logging.ERROR
+    ]
+    assert not bad, bad
+
+
+async def _use_lease(pool: AsyncReqToTokenPool) -> None:
+    async with pool.lease(4):
+        raise AssertionError("granted while everything was pending")
+
+
+# --------------------------------------------------------------------------- stream closed
+
+
+async def test_host_stream_closed_with_work_queued_runs_it() -> None:
+    stream = HostStream("close-runs-queued")
+    pool = AsyncReqToTokenPool(5, 4)
+    gate = threading.Event()
+    ran: list[int] = []
+    try:
+        rows = await pool.alloc(2)
+        stream.launch(gate.wait)
+        stream.launch(ran.append, 1)
+        fence = stream.record()
+        pool.record_use(rows, fence)
+        pool.free(rows)
+        closer = asyncio.create_task(asyncio.to_thread(stream.close))
+        await until(lambda: stream.closed, "close() to mark the stream closed")
+        await asyncio.sleep(0.01)
+        assert not closer.done()  # close waits for the queued work
+        gate.set()
+        async with asyncio.timeout(10):
+            await closer
+        assert ran == [1] and fence.query() is True
+        with pytest.raises(RuntimeError, match="closed"):
+            stream.launch(ran.append, 2)
+        with pytest.raises(RuntimeError, match="closed"):
+            stream.record()
+        # free(after=closed stream) refuses, changing nothing
+        held = await pool.alloc(1)
+        before = pool.stats()
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.free(held, after=stream)
+        assert pool.stats() == before
+        pool.free(held)
+        async with asyncio.timeout(10):
+            await pool.drain()
+        assert pool.stats().free == 4
+        check_totals(pool)
+    finally:
+        gate.set()
+        await pool.close()
+        stream.close()
+    assert not our_threads("close-runs-queued")
+
+
+async def test_host_stream_closed_cancelling_pending_work(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR)
+    stream = HostStream("close-cancels-queued")
+    pool = AsyncReqToTokenPool(5, 4)
+    gate = threading.Event()
+    started = threading.Event()
+    ran: list[int] = []
+
+    def gated() -> None:
+        started.set()
+        gate.wait()
+
+    try:
+        rows = await pool.alloc(2)
+        stream.launch(gated)
+        stream.launch(ran.append, 1)
+        fence = stream.record()
+        pool.record_use(rows, fence)
+        pool.free(rows)
+        waiter = asyncio.create_task(pool.alloc(3))
+        await asyncio.to_thread(started.wait, 10)
+        closer = asyncio.create_task(asyncio.to_thread(stream.close, cancel_pending=True))
+        await until(lambda: stream.closed, "close() to mark the stream closed")
+        gate.set()
+        async with asyncio.timeout(10):
+            await closer
+        await steps()
+        assert ran == []  # the queued work was dropped
+        with pytest.raises(FenceError, match="closed with this fence queued"):
+            fence.query()
+        st = pool.stats()
+        assert st.quarantined == 2 and st.pending == 0 and st.fence_errors >= 1
+        assert any("quarantined" in r.getMessage() for r in caplog.records)
+        assert not waiter.done()  # 2 free rows cannot satisfy 3
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert sorted(await pool.alloc(2)) == [3, 4]
+        check_totals(pool)
+    finally:
+        gate.set()
+        await pool.close()
+        stream.close()
+    assert not our_threads("close-cancels-queued")

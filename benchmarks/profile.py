@@ -19,7 +19,7 @@ from typing import Any
 
 from .harness import loop_factories, run_on
 
-WORKLOADS = ("uncontended", "batched", "contended", "fenced", "reclaim-head")
+WORKLOADS = ("uncontended", "batched", "contended", "fenced", "reclaim-head", "wake")
 
 
 async def _uncontended(n: int) -> Callable[[], Coroutine[Any, Any, None]]:
@@ -119,9 +119,34 @@ async def _reclaim_head(n: int) -> Callable[[], Coroutine[Any, Any, None]]:
     return work
 
 
+async def _wake(n: int) -> Callable[[], Coroutine[Any, Any, None]]:
+    """A waiter on a full pool, woken by a host fence completing: n times."""
+    from asyncpool import AsyncReqToTokenPool, HostStream
+
+    pool = AsyncReqToTokenPool(2, 16)
+    stream = HostStream()
+    held = await pool.alloc(1)
+
+    async def work() -> None:
+        nonlocal held
+        for _ in range(min(n, 5000)):
+            gate = threading.Event()
+            stream.launch(gate.wait)
+            pool.free(held, fence=stream.record())
+            task = asyncio.ensure_future(pool.alloc(1))
+            await asyncio.sleep(0)
+            gate.set()
+            held = await task
+        pool.free(held)
+        await pool.close()
+        stream.close()
+
+    return work
+
+
 def profile(workload: str, loop: str, n: int, top: int = 25) -> str:
     makers = {"uncontended": _uncontended, "batched": _batched, "contended": _contended,
-              "fenced": _fenced, "reclaim-head": _reclaim_head}
+              "fenced": _fenced, "reclaim-head": _reclaim_head, "wake": _wake}
 
     async def main() -> str:
         work = await makers[workload](n)

@@ -38,6 +38,13 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # pragma: no cover - not Unix
+        return []
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
@@ -64,6 +71,7 @@ def machine_info() -> dict[str, Any]:
         "uvloop": uv,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(dirty),
+        "loadavg_1_5_15": _loadavg(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 

@@ -82,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reclaim": bench_reclaim_sweep,
         "wake": bench_wake_latency,
     }
+    from benchmarks.report import _loadavg
+
+    load_before = _loadavg()
     t_start = time.perf_counter()
     for name in BENCHMARKS:
         if name not in only:
@@ -109,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows += run_on(lp, lambda fn=fn: fn(cfg))  # type: ignore[misc]
             _log(f"[{name}] on {lp} done in {time.perf_counter() - t0:.1f}s")
     elapsed = time.perf_counter() - t_start
-    machine = machine_info()
+    machine = {**machine_info(), "loadavg_before": load_before}
     md = render_markdown(rows, command=command, cfg=cfg, machine=machine, memory=memory,
                          unavailable=unavailable, elapsed_s=elapsed)
     print(md)

@@ -13,7 +13,7 @@ from typing import Any
 
 from .harness import Config, Row
 
-__all__ = ["machine_info", "render_markdown", "to_json"]
+__all__ = ["loadavg", "machine_info", "render_markdown", "to_json"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
-def _loadavg() -> list[float]:
+def loadavg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):  # pragma: no cover - not Unix
@@ -71,7 +71,7 @@ def machine_info() -> dict[str, Any]:
         "uvloop": uv,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(dirty),
-        "loadavg_1_5_15": _loadavg(),
+        "loadavg_1_5_15": loadavg(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -187,6 +187,8 @@ def render_markdown(
         + (" with uncommitted changes" if m["git_dirty"] else "")
         + f", {m['date_utc']}; preset `{cfg.name}`, {cfg.rounds} interleaved rounds per "
         f"comparison, run took {elapsed_s:.0f} s",
+        f"- Load average (1, 5, 15 min) before / after the run: "
+        f"{m.get('loadavg_before', [])} / {m.get('loadavg_1_5_15', [])}",
         "",
         "Every figure is a ratio measured in one process, subject and reference interleaved "
         "(order rotated each round) on the same event loop; the ratio is the median of the "

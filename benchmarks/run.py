@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import PRESETS, Config, Row, loop_factories, run_on
-from benchmarks.report import REPO, machine_info, render_markdown, to_json
+from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_json
 
 BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
               "demo")
@@ -82,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reclaim": bench_reclaim_sweep,
         "wake": bench_wake_latency,
     }
-    from benchmarks.report import _loadavg
-
-    load_before = _loadavg()
+    load_before = loadavg()
     t_start = time.perf_counter()
     for name in BENCHMARKS:
         if name not in only:

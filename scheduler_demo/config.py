@@ -37,10 +37,10 @@ class DemoConfig:
     by the tests).
     """
 
-    num_requests: int = 2000
-    rate: float = 2000.0
+    num_requests: int = 1500
+    rate: float = 200.0
     prompt_len: str = "uniform:32:320"
-    output_len: str = "exp:96"
+    output_len: str = "lognormal:96:0.5"
     seed: int = 0
 
     rows: int = 64

@@ -145,16 +145,23 @@ class Forward:
         result: list[float] = []
 
         def measure() -> None:
+            sync = torch.cuda.current_stream(self.device).synchronize if self.is_cuda else None
             for _ in range(3):
                 torch.mm(self._x[:rows], self._w, out=self._y[:rows])
-            if self.is_cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            t0 = time.perf_counter()
-            for _ in range(8):
-                torch.mm(self._x[:rows], self._w, out=self._y[:rows])
-            if self.is_cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            result.append((time.perf_counter() - t0) / (8 * rows))
+            # The best of several rounds: the speed of an unloaded core (a
+            # busy neighbour during calibration would otherwise shrink every
+            # step for the whole run).
+            best = float("inf")
+            for _ in range(6):
+                if sync is not None:
+                    sync()
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    torch.mm(self._x[:rows], self._w, out=self._y[:rows])
+                if sync is not None:
+                    sync()
+                best = min(best, (time.perf_counter() - t0) / (4 * rows))
+            result.append(best)
 
         if self.is_cuda:
             with torch.cuda.stream(self.stream):

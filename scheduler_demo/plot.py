@@ -1,4 +1,4 @@
-"""The run's figure: rows over time and the alloc wait-time distribution.
+"""The run's figure: rows over time, what is held behind fences, and waits.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global
 backend switch, no display needed).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -15,55 +16,89 @@ from .report import Report
 
 __all__ = ["save_plot"]
 
+_ALLOCATED, _PENDING, _FREE = "#4c72b0", "#dd8452", "#c7d3e3"
+
 
 def save_plot(report: Report, path: str | Path) -> None:
-    """Write a PNG with two panels to ``path``."""
-    trace = report.trace
-    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    """Write a PNG with three panels to ``path``."""
+    fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
-    top, bottom = fig.subplots(2, 1, height_ratios=[3, 2])
-
+    rows_ax, fence_ax, wait_ax = fig.subplots(3, 1, height_ratios=[3, 2, 2])
     label = f"{report.mode}{' --unsafe' if report.unsafe else ' (fenced)'}"
-    if trace.timeline:
-        t = [row[0] for row in trace.timeline]
-        allocated = [row[1] for row in trace.timeline]
-        pending = [row[2] for row in trace.timeline]
-        free = [row[3] for row in trace.timeline]
-        waiters = [row[4] for row in trace.timeline]
-        top.stackplot(
-            t,
-            allocated,
-            pending,
-            free,
-            labels=["allocated", "pending (behind a fence)", "free"],
-            colors=["#4c72b0", "#dd8452", "#c7d3e3"],
-            step="post",
-        )
-        top.set_ylim(0, max(trace.capacity, 1))
-        top.set_ylabel("request rows")
-        twin = top.twinx()
-        twin.plot(t, waiters, color="#222222", linewidth=0.8, label="alloc waiters")
-        twin.set_ylabel("tasks waiting in pool.alloc")
-        twin.set_ylim(bottom=0)
-        handles, labels = top.get_legend_handles_labels()
-        h2, l2 = twin.get_legend_handles_labels()
-        top.legend(handles + h2, labels + l2, loc="upper right", fontsize="small")
-    top.set_xlabel("time (s)")
-    top.set_title(
+    fig.suptitle(
         f"scheduler_demo {label}: {report.completed}/{report.requests} requests, "
         f"{report.tokens_per_s:,.0f} tok/s, {report.retractions} retractions, "
         f"{report.deferred_frees} deferred frees, {report.corruptions} corruptions"
     )
-
-    waits_ms = [w * 1e3 for w in trace.alloc_waits]
-    if waits_ms:
-        bottom.hist(waits_ms, bins=60, color="#55a868")
-        bottom.axvline(report.alloc_wait_p50_ms, color="k", linestyle="--", label="p50")
-        bottom.axvline(report.alloc_wait_p99_ms, color="r", linestyle="--", label="p99")
-        bottom.legend(fontsize="small")
-        bottom.set_yscale("log")
-    bottom.set_xlabel("pool.alloc wait (ms)")
-    bottom.set_ylabel("allocations")
-    bottom.set_title("admission wait time (backpressure)")
-
+    _rows_panel(rows_ax, report)
+    _fence_panel(fence_ax, report)
+    _wait_panel(wait_ax, report)
     fig.savefig(path, format="png", dpi=100)
+
+
+def _rows_panel(ax: Axes, report: Report) -> None:
+    tl = report.trace.timeline
+    ax.set_title("request rows of the pool")
+    ax.set_xlabel("time (s)")
+    if not tl:
+        return
+    t = [s.t_s for s in tl]
+    ax.stackplot(
+        t,
+        [s.allocated for s in tl],
+        [s.pending for s in tl],
+        [s.free for s in tl],
+        labels=["allocated", "pending (behind a fence)", "free"],
+        colors=[_ALLOCATED, _PENDING, _FREE],
+        step="post",
+    )
+    ax.set_ylim(0, max(report.trace.capacity, 1))
+    ax.set_ylabel("rows")
+    twin = ax.twinx()
+    twin.plot(t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="alloc waiters")
+    twin.plot(t, [s.running for s in tl], color="#55a868", linewidth=0.9, label="running (batch)")
+    twin.set_ylabel("tasks / requests")
+    twin.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small", framealpha=0.9)
+
+
+def _fence_panel(ax: Axes, report: Report) -> None:
+    tl = report.trace.timeline
+    ax.set_title(
+        "rows held behind fences (freed while the step in flight still writes them)"
+        if not report.unsafe
+        else "--unsafe: rows are freed at once, nothing is held behind a fence"
+    )
+    ax.set_xlabel("time (s)")
+    if not tl:
+        return
+    t = [s.t_s for s in tl]
+    ax.fill_between(
+        t, [s.pending for s in tl], step="post", color=_PENDING, label="pending rows", alpha=0.9
+    )
+    ax.set_ylabel("pending rows")
+    ax.set_ylim(bottom=0, top=max(3, max(s.pending for s in tl) + 1))
+    twin = ax.twinx()
+    twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
+    twin.plot(t, [s.completed for s in tl], color="#4c72b0", label="completed (cumulative)")
+    twin.set_ylabel("requests")
+    twin.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small", framealpha=0.9)
+
+
+def _wait_panel(ax: Axes, report: Report) -> None:
+    waits_ms = [w * 1e3 for w in report.trace.alloc_waits]
+    ax.set_title("await pool.alloc(1): wait until a row was granted (backpressure)")
+    ax.set_xlabel("wait (ms)")
+    ax.set_ylabel("allocations")
+    if not waits_ms:
+        return
+    ax.hist(waits_ms, bins=60, color="#8172b3")
+    ax.axvline(report.alloc_wait_p50_ms, color="k", linestyle="--", label="p50")
+    ax.axvline(report.alloc_wait_p99_ms, color="r", linestyle="--", label="p99")
+    ax.set_yscale("log")
+    ax.legend(fontsize="small")

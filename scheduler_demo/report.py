@@ -6,21 +6,34 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Report", "Trace", "percentile"]
+__all__ = ["Report", "Sample", "Trace", "percentile"]
+
+
+class Sample(NamedTuple):
+    """The pool and the scheduler at one scheduler iteration."""
+
+    t_s: float  # since the run started
+    allocated: int  # rows owned by a request
+    pending: int  # rows freed but held behind a fence
+    free: int
+    waiters: int  # tasks queued in pool.alloc
+    running: int  # requests in the batch
+    kv_used: int  # simulated KV tokens in use
+    retractions: int  # so far
+    completed: int  # so far
 
 
 @dataclass
 class Trace:
     """Time series for the plot; not part of the JSON.
 
-    ``timeline`` rows: ``(t_s, allocated, pending, free, waiters, running,
-    kv_used)`` sampled once per scheduler iteration. ``alloc_waits``: seconds
-    each ``pool.alloc`` took (0 when granted at once).
+    ``timeline``: one :class:`Sample` per scheduler iteration.
+    ``alloc_waits``: seconds each ``pool.alloc`` took (0 when granted at once).
     """
 
-    timeline: list[tuple[float, int, int, int, int, int, int]] = field(default_factory=list)
+    timeline: list[Sample] = field(default_factory=list)
     alloc_waits: list[float] = field(default_factory=list)
     capacity: int = 0
 

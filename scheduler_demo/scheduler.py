@@ -37,6 +37,7 @@ from asyncpool import AsyncReqToTokenPool
 
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
+from .report import Sample
 from .workload import RequestSpec
 
 __all__ = ["RETRACTED_PRIORITY", "Scheduler"]
@@ -114,7 +115,7 @@ class Scheduler:
         self.corruptions = 0
         self.mismatches = 0
         self.alloc_waits: list[float] = []
-        self.timeline: list[tuple[float, int, int, int, int, int, int]] = []
+        self.timeline: list[Sample] = []
         self.t0 = 0.0
         self.elapsed = 0.0
 
@@ -179,7 +180,7 @@ class Scheduler:
         free = self.pool.available_size()
         pending = self.pool.pending_size()
         self.timeline.append(
-            (
+            Sample(
                 time.perf_counter() - self.t0,
                 self.capacity - free - pending,
                 pending,
@@ -187,6 +188,8 @@ class Scheduler:
                 self.pool.waiting(),
                 len(self.running),
                 self.kv_used,
+                self.retractions,
+                self.completed,
             )
         )
 

@@ -245,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available here")
     report: Report = _run(run_demo(cfg))
     print(report.table())
     if args.json:

@@ -85,6 +85,8 @@ class DemoConfig:
         for name in ("forward_ms", "forward_us_per_token", "sched_ms", "rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.gate and self.device != "cpu":
+            raise ValueError("gate needs device='cpu' (it blocks the HostStream's worker)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
         self.workload()  # parses the length distributions

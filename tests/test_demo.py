@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -152,6 +153,25 @@ async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
     save_plot(report, png)
     _assert_png(png)
     assert isinstance(report.table(), str) and "corruptions" in report.table()
+
+
+async def test_timeout_cleans_up() -> None:
+    # A run cut short: the gated worker is released, the stream joined, the
+    # admission tasks cancelled; nothing leaks (tests run with -W error).
+    threads = threading.active_count()
+    cfg = replace(SMALL, num_requests=400, forward_ms=5.0, gate=True, timeout_s=0.3)
+    with pytest.raises(TimeoutError):
+        await run_demo(cfg)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.cuda
+async def test_cuda_fenced_overlap() -> None:
+    report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
+    assert report.completed == SMALL.num_requests
+    assert report.corruptions == 0
+    unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
+    assert unsafe.completed == SMALL.num_requests
 
 
 # -- the command line --------------------------------------------------------------

@@ -118,7 +118,7 @@ class FlakyFence:
 async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="asyncpool")
     bad = HostStream("faulty-forward")
     good = HostStream("healthy-forward")
     pool = AsyncReqToTokenPool(9, 8)  # capacity 8
@@ -200,7 +200,7 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
 
 async def test_faulted_stream_blocks_cross_stream_waits(caplog: pytest.LogCaptureFixture) -> None:
     """A stream that waits on a faulted fence faults too; its rows are quarantined."""
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="asyncpool")
     producer, consumer = HostStream("producer"), HostStream("consumer")
     pool = AsyncReqToTokenPool(5, 4)
     try:
@@ -225,7 +225,7 @@ async def test_faulted_stream_blocks_cross_stream_waits(caplog: pytest.LogCaptur
 
 
 async def test_fence_whose_query_raises_at_free(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="asyncpool")
     pool = AsyncReqToTokenPool(5, 4)
     try:
         rows = await pool.alloc(2)
@@ -252,7 +252,7 @@ async def test_fence_whose_query_raises_later(
     ordered: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Deferred behind a fence that then breaks: the watcher's wake-up quarantines."""
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="asyncpool")
     pool = AsyncReqToTokenPool(5, 4)
     fence = FlakyFence(ordered=ordered)
     ok = ManualFence()
@@ -413,6 +413,8 @@ def test_loop_shut_down_with_waiters(runner: str, caplog: pytest.LogCaptureFixtu
     thread left behind.
     """
     caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="asyncio")
+    caplog.set_level(logging.DEBUG, logger="asyncpool")
     stream = HostStream("shutdown-forward")
     gate = threading.Event()
     manual = ManualFence()
@@ -515,7 +517,7 @@ async def test_host_stream_closed_with_work_queued_runs_it() -> None:
 async def test_host_stream_closed_cancelling_pending_work(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="asyncpool")
     stream = HostStream("close-cancels-queued")
     pool = AsyncReqToTokenPool(5, 4)
     gate = threading.Event()

@@ -153,6 +153,7 @@ class TokenTables:
                 f"alloced_slots has {slots.numel()} entries for row {row}, "
                 f"expected alloced_len={info.alloced_len}"
             )
+        self._after_resets()
         self.verified_lens[row] = info.verified_len
         self.alloced_lens[row] = info.alloced_len
         self.alloced_lens_cpu[row] = info.alloced_len
@@ -160,7 +161,18 @@ class TokenTables:
 
     def write(self, indices: Any, values: Any) -> None:
         """``req_to_token[indices] = values`` (the seed's raw write)."""
+        self._after_resets()
         self.req_to_token[indices] = values
+
+    def _after_resets(self) -> None:
+        # Resets (and resume's zeroing) are queued on the pool's stream; a
+        # write from another stream must not run before them, or the late
+        # reset clobbers the new owner's lengths.
+        stream = self._cuda_stream
+        if stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            if current != stream:
+                current.wait_stream(stream)
 
     # ------------------------------------------------------------------ resets
 

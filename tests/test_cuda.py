@@ -1,0 +1,329 @@
+"""CUDA checks: events as fences, the pool on a device, the watcher, memory saver.
+
+Every test here is marked ``cuda``; ``conftest.py`` skips them on a machine
+without a CUDA device. ``scripts/gpu_check.sh`` runs them on one.
+
+A forward step that is still running is a kernel that spins on the GPU
+(``torch.cuda._sleep``), calibrated once to milliseconds, so "the step is
+still in flight" holds by hundreds of milliseconds rather than by luck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import resource
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CudaFence,
+    PoolBusyError,
+    ReqToTokenPool,
+    ReqToTokenPoolInfo,
+    record_fence,
+)
+
+pytestmark = pytest.mark.cuda
+
+_cycles_per_ms: float | None = None
+
+
+def spin(ms: float) -> None:
+    """Launch a kernel that keeps the current stream busy for about ``ms``."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        cycles = 50_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(ms * _cycles_per_ms))
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def info(verified: int, alloced: int) -> ReqToTokenPoolInfo:
+    return ReqToTokenPoolInfo(
+        verified, alloced, torch.arange(1, alloced + 1, dtype=torch.int32, device="cuda")
+    )
+
+
+def _use_torch_hook_mode_unless_preloaded() -> None:
+    """torch-memory-saver defaults to LD_PRELOAD hooks; use torch's allocator hooks
+    when the process was not started with the preload library."""
+    from torch_memory_saver import torch_memory_saver
+
+    if "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""):
+        return
+    try:
+        torch_memory_saver.hook_mode = "torch"
+    except (AssertionError, AttributeError):
+        pass  # already initialised in this process
+
+
+# --------------------------------------------------------------------------- fences
+
+
+def test_cuda_fences_are_ordered_per_stream() -> None:
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        spin(100)
+    a = record_fence(s1)
+    b = record_fence(s1)
+    c = record_fence(s2)
+    assert isinstance(a, CudaFence) and isinstance(c, CudaFence)
+    assert a.stream_key == b.stream_key != c.stream_key
+    assert b.seq == a.seq + 1
+    assert not a.query() and not b.query()  # the kernel spins for 100 ms
+    b.synchronize()
+    assert a.query() and b.query()
+    c.synchronize()
+    # a torch.Stream of type cuda is accepted too, and maps to the same key
+    generic = torch.Stream(
+        stream_id=s1.stream_id, device_index=s1.device_index, device_type=s1.device_type
+    )
+    d = record_fence(generic)
+    d.synchronize()
+    assert d.stream_key == a.stream_key and d.seq == b.seq + 1
+
+
+def test_cuda_events_are_pooled_not_recreated() -> None:
+    from asyncpool.fences import _event_pool
+
+    s = torch.cuda.Stream()
+    for _ in range(4):
+        record_fence(s).synchronize()
+    gc.collect()
+    created = _event_pool.created
+    for _ in range(500):
+        f = record_fence(s)
+        f.synchronize()
+        del f
+    gc.collect()
+    assert _event_pool.created - created <= 2, _event_pool.created - created
+    # an event a holder still has is never handed out again
+    held = [record_fence(s) for _ in range(8)]
+    assert len({id(f.event) for f in held}) == 8
+    for f in held:
+        f.synchronize()
+
+
+# --------------------------------------------------------------------------- the pool on CUDA
+
+
+async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write() -> None:
+    fwd = torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(5, 64, device="cuda", stream=fwd)
+    try:
+        rows = await pool.alloc(4)
+        index = torch.tensor(rows, device="cuda")
+        with torch.cuda.stream(fwd):
+            spin(300)  # step t is still running...
+            pool.verified_lens.index_fill_(0, index, 7)  # ...and writes the rows late
+        step = record_fence(fwd)
+        pool.record_use(rows, step)
+        assert pool.free(rows) == 0
+        assert pool.stats().pending == 4
+        assert pool.try_alloc(1) is None
+        t0 = time.perf_counter()
+        async with asyncio.timeout(10):
+            again = await pool.alloc(4)  # woken by the watcher thread
+        waited = time.perf_counter() - t0
+        assert step.query()
+        assert waited > 0.1, f"granted after {waited * 1e3:.1f} ms, the kernel ran 300 ms"
+        with torch.cuda.stream(fwd):  # the next forward reads the rows on the pool's stream
+            seen = pool.verified_lens[again].clone()
+        fwd.synchronize()
+        assert seen.tolist() == [0, 0, 0, 0], seen  # reset, after the late write
+        pool.free(again, after=fwd)
+        async with asyncio.timeout(10):
+            await pool.drain()
+        pool.check_invariants()
+        st = pool.stats()
+        assert st.free == 4 and st.fence_latency.count >= 1
+    finally:
+        await pool.close()
+        torch.cuda.synchronize()
+
+
+async def test_unfenced_free_lets_the_late_write_corrupt_the_new_owner() -> None:
+    """The same scene without record_use: the new owner's row gets step t's write."""
+    fwd = torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(2, 64, device="cuda")  # resets on the current stream
+    try:
+        (row,) = await pool.alloc(1)
+        with torch.cuda.stream(fwd):
+            spin(300)
+            pool.verified_lens[row] = 7  # step t's late write
+        pool.free([row])  # unsafe: no record_use, no fence
+        (again,) = await pool.alloc(1)  # granted while step t still runs
+        assert again == row
+        pool.verified_lens[again] = 3  # the new owner's prefill, on the scheduler's stream
+        torch.cuda.synchronize()
+        assert pool.verified_lens[again].item() == 7, "the late write should have landed"
+    finally:
+        await pool.close()
+        torch.cuda.synchronize()
+
+
+async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None:
+    pool_stream = torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(3, 64, device="cuda", stream=pool_stream)
+    try:
+        rows = await pool.alloc(2)
+        pool.set_req_pool_info(rows[0], info(5, 8))
+        pool.set_req_pool_info(rows[1], info(6, 8))
+        torch.cuda.synchronize()
+        pool.free(rows)  # dirty rows, free at once
+        with torch.cuda.stream(pool_stream):
+            spin(300)  # hold the pool's stream
+        again = await pool.alloc(2)  # the bulk reset is queued on the pool's stream
+        assert sorted(again) == sorted(rows)
+        assert pool.alloced_lens_cpu[again].tolist() == [0, 0]  # host copy: zeroed at once
+        # the device reset has not run yet: it waits behind the spin on the pool's stream
+        assert sorted(pool.verified_lens[again].tolist()) == [5, 6]
+        # the new owner's write must land after the reset, not be clobbered by it
+        pool.set_req_pool_info(again[0], info(2, 3))
+        torch.cuda.synchronize()
+        assert pool.verified_lens[again[0]].item() == 2
+        assert pool.alloced_lens[again[0]].item() == 3
+        assert pool.verified_lens[again[1]].item() == 0
+        assert pool.alloced_lens[again[1]].item() == 0
+        pool.free(again)
+    finally:
+        await pool.close()
+        torch.cuda.synchronize()
+
+
+def test_sync_pool_on_cuda_with_fences() -> None:
+    fwd = torch.cuda.Stream()
+    pool = ReqToTokenPool(9, 32, device="cuda", stream=fwd)
+    rows = pool.alloc(8)
+    assert rows is not None
+    with torch.cuda.stream(fwd):
+        spin(200)
+    pool.free(rows, after=fwd)
+    assert pool.pending_size() == 8
+    assert pool.alloc(1) is None  # pending, not reclaimed before the kernel ends
+    fwd.synchronize()
+    assert pool.alloc(8) is not None
+    pool.check_invariants()
+
+
+# --------------------------------------------------------------------------- the watcher
+
+
+async def test_watcher_wake_latency_and_cpu() -> None:
+    """The watcher sleeps in the driver (blocking events), then wakes the loop fast."""
+    fwd = torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(2, 8, device="cuda")
+    latencies: list[float] = []
+    cpu_ratio: list[float] = []
+    try:
+        for _ in range(20):
+            (row,) = await pool.alloc(1)
+            with torch.cuda.stream(fwd):
+                spin(50)
+            fence = record_fence(fwd)
+            pool.record_use([row], fence)
+            pool.free([row])
+            stamp: list[float] = []
+            # an independent observer blocks on the same event: when did it complete?
+            observer = threading.Thread(target=_stamp_when_done, args=(fence, stamp))
+            observer.start()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            async with asyncio.timeout(10):
+                again = await pool.alloc(1)
+            t1, c1 = time.perf_counter(), cpu_seconds()
+            observer.join(10)
+            assert again == [row]
+            latencies.append(max(0.0, t1 - stamp[0]))
+            cpu_ratio.append((c1 - c0) / max(t1 - t0, 1e-9))
+            pool.free(again)
+        p50 = statistics.median(latencies)
+        worst = max(latencies)
+        cpu = statistics.median(cpu_ratio)
+        print(
+            f"\nwatcher wake latency: p50 {p50 * 1e6:.0f} us, max {worst * 1e6:.0f} us; "
+            f"process CPU while waiting: {cpu:.0%} of one core"
+        )
+        assert p50 < 0.005, latencies
+        assert worst < 0.05, latencies
+        assert cpu < 0.5, cpu_ratio  # blocking events: no core spun while waiting
+    finally:
+        await pool.close()
+        torch.cuda.synchronize()
+    assert not [t for t in threading.enumerate() if t.name == "asyncpool-fence-watcher"]
+
+
+def _stamp_when_done(fence: CudaFence, stamp: list[float]) -> None:
+    fence.synchronize()
+    stamp.append(time.perf_counter())
+
+
+# --------------------------------------------------------------------------- memory saver
+
+
+async def test_memory_saver_releases_and_resumes_the_kv_cache_region() -> None:
+    _use_torch_hook_mode_unless_preloaded()
+    size, ctx = 1025, 32768  # req_to_token: 1025 * 32768 * 4 B = 128 MiB
+    pool = AsyncReqToTokenPool(size, ctx, device="cuda", enable_memory_saver=True)
+    try:
+        rows = await pool.alloc(2)
+        pool.set_req_pool_info(rows[0], info(3, 4))
+        pool.write((rows[1], slice(0, 4)), torch.arange(4, dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
+
+        busy = pool.release_memory()
+        with pytest.raises(PoolBusyError):
+            await busy  # rows still allocated: refused, and the pool keeps serving
+        assert not pool.released
+        pool.free(rows)
+
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        await pool.release_memory()
+        torch.cuda.synchronize()
+        free_released = torch.cuda.mem_get_info()[0]
+        assert pool.released and pool.stats().released
+        gained = free_released - free_before
+        assert gained >= 0.5 * size * ctx * 4, f"released only {gained / 2**20:.1f} MiB"
+
+        assert pool.try_alloc(1) is None
+        waiter = asyncio.create_task(pool.alloc(1))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiter.done()
+
+        await pool.resume_memory()
+        async with asyncio.timeout(10):
+            granted = await waiter
+        torch.cuda.synchronize()
+        assert not pool.released
+        assert int(pool.req_to_token.abs().sum().item()) == 0
+        assert int(pool.verified_lens.abs().sum().item()) == 0
+        assert int(pool.alloced_lens.abs().sum().item()) == 0
+        # the tables are usable again
+        pool.set_req_pool_info(granted[0], info(1, 2))
+        torch.cuda.synchronize()
+        assert pool.verified_lens[granted[0]].item() == 1
+        pool.free(granted)
+        pool.check_invariants()
+        print(f"\nmemory saver: released {gained / 2**20:.1f} MiB of the kv_cache region")
+    finally:
+        await pool.close()
+        torch.cuda.synchronize()

@@ -40,6 +40,7 @@ import torch
 
 from .base import PoolCore
 from .errors import (
+    CapacityError,
     DoubleFreeError,
     PoolBusyError,
     PoolClosedError,
@@ -238,6 +239,8 @@ class AsyncReqToTokenPool(PoolCore):
         # for a grant.
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
+        if n > self._capacity - self._ledger.quarantined:
+            raise self._unfittable(n)
         if priority.__class__ is not int:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if timeout is not None and (
@@ -518,6 +521,29 @@ class AsyncReqToTokenPool(PoolCore):
         self._grant()
         if self._drain_futs and not self._ledger.pending:
             self._wake_drainers()
+
+    def _on_fault(self, fence: Fence, error: BaseException) -> None:
+        # The ledger quarantined rows (loop thread, maybe inside _grant): a
+        # waiter that can no longer ever fit would block its queue forever,
+        # so fail those waiters on the next loop iteration.
+        if self._nwaiters and self._loop is not None:
+            self._loop.call_soon(self._shed_unfittable)
+
+    def _shed_unfittable(self) -> None:
+        usable = self._capacity - self._ledger.quarantined
+        for prio in list(self._prios):
+            for waiter in [w for w in self._queues.get(prio, ()) if w[0] > usable]:
+                self._dequeue(waiter, prio)
+                if not waiter[1].done():
+                    waiter[1].set_exception(self._unfittable(waiter[0]))
+        self._grant()
+
+    def _unfittable(self, n: int) -> CapacityError:
+        q = self._ledger.quarantined
+        return CapacityError(
+            f"cannot allocate {n} rows: only {self._capacity - q} of {self._capacity} can "
+            f"ever be free again ({q} are quarantined behind faulted fences)"
+        )
 
     def _wake_drainers(self) -> None:
         futs, self._drain_futs = self._drain_futs, []

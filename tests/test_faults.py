@@ -20,6 +20,7 @@ import uvloop
 
 from asyncpool import (
     AsyncReqToTokenPool,
+    CapacityError,
     FenceError,
     HostFence,
     HostStream,
@@ -196,6 +197,47 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
         bad.close()
         good.close()
     assert not our_threads("faulty-forward", "healthy-forward")
+
+
+async def test_fault_fails_waiters_that_can_no_longer_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Quarantine shrinks what can ever be free: a head waiting for more than
+    that would block its queue forever, so it fails; the rest is served."""
+    caplog.set_level(logging.ERROR, logger="asyncpool")
+    stream = HostStream("shrinking")
+    pool = AsyncReqToTokenPool(5, 4)  # capacity 4
+    gate = threading.Event()
+    try:
+        doomed = await pool.alloc(2)
+        stream.launch(gate.wait)
+        stream.launch(_boom)
+        step = stream.record()
+        pool.record_use(doomed, step)
+        pool.free(doomed)
+        held = await pool.alloc(2)
+        big = asyncio.create_task(pool.alloc(4))  # the head: needs every row
+        small = asyncio.create_task(pool.alloc(1, priority=1))  # behind it
+        await steps()
+        assert pool.waiting() == 2
+        gate.set()
+        await fence_done(step)
+        assert pool.stats().quarantined == 2
+        async with asyncio.timeout(10):
+            with pytest.raises(CapacityError, match=r"4 rows.*quarantined"):
+                await big
+        pool.free(held)
+        async with asyncio.timeout(10):
+            got = await small
+        assert got[0] in held
+        with pytest.raises(CapacityError, match="3 rows"):
+            await pool.alloc(3)  # can never fit now: refused at once, not queued
+        assert pool.try_alloc(1) is not None
+        check_totals(pool)
+    finally:
+        gate.set()
+        await pool.close()
+        stream.close()
 
 
 async def test_faulted_stream_blocks_cross_stream_waits(caplog: pytest.LogCaptureFixture) -> None:
@@ -549,10 +591,10 @@ async def test_host_stream_closed_cancelling_pending_work(
         st = pool.stats()
         assert st.quarantined == 2 and st.pending == 0 and st.fence_errors >= 1
         assert any("quarantined" in r.getMessage() for r in caplog.records)
-        assert not waiter.done()  # 2 free rows cannot satisfy 3
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
+        # 2 rows can ever be free again: the waiter for 3 fails instead of hanging
+        async with asyncio.timeout(10):
+            with pytest.raises(CapacityError, match="3 rows"):
+                await waiter
         assert sorted(await pool.alloc(2)) == [3, 4]
         check_totals(pool)
     finally:

@@ -261,7 +261,9 @@ class SlotLedger:
             if self._gen[row] == 0:
                 return InvalidSlotError(f"row {row} was never allocated and cannot be {what}")
             where = "is already free" if state == FREE else "is already pending behind a fence"
-            return DoubleFreeError(f"double free: row {row} {where}")
+            if what == "freed":
+                return DoubleFreeError(f"double free: row {row} {where}")
+            return InvalidSlotError(f"row {row} {where} (not allocated) and cannot be {what}")
         return InvalidSlotError(f"row {row} is {STATE_NAMES[state]} and cannot be {what}")
 
     def _mark_allocated(self, rows: Sequence[int], what: str) -> None:

@@ -78,6 +78,15 @@ def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Non
         pass
 
 
+def _check_wait_args(priority: object, timeout: object) -> None:
+    if priority.__class__ is not int:
+        raise TypeError(f"priority must be an int, got {priority!r}")
+    if timeout is not None and (
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
+    ):
+        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+
+
 def _synchronize_quietly(fence: Fence) -> None:
     try:
         fence.synchronize()
@@ -215,6 +224,8 @@ class AsyncReqToTokenPool(PoolCore):
             self._bind_thread()
         if n.__class__ is not int or not 0 < n <= self._capacity:
             self._ledger.check_n(n)
+        if timeout is not None or priority.__class__ is not int:
+            _check_wait_args(priority, timeout)
         if not self._nwaiters and not self._gated:
             led = self._ledger
             if n == 1 and led._clean:
@@ -241,12 +252,6 @@ class AsyncReqToTokenPool(PoolCore):
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
-        if priority.__class__ is not int:
-            raise TypeError(f"priority must be an int, got {priority!r}")
-        if timeout is not None and (
-            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0
-        ):
-            raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
         if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
             self._rejections += 1
             raise PoolBusyError(
@@ -756,5 +761,13 @@ class Lease:
                 f"lease rows {stale} were freed inside the lease body; "
                 "not freeing them again (they may belong to another request now)"
             )
-        pool.free(rows, after=self._after)
+        try:
+            pool.free(rows, after=self._after)
+        except Exception:
+            # No fence could be recorded on `after` (say, a HostStream closed
+            # in the body: its work has run or been dropped). Never leak the
+            # rows: free them behind their recorded uses, then report.
+            if all(led.state_of(r) == "allocated" for r in rows):
+                pool.free(rows)
+            raise
 

@@ -227,7 +227,7 @@ def _rows(kind: str) -> list[Case]:
             f"{kind}-record_use-pending",
             kind,
             lambda c: c.pool.record_use([1, PENDING_ROW], c.fence),
-            DoubleFreeError,
+            InvalidSlotError,
             str(PENDING_ROW),
         ),
         Case(

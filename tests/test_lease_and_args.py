@@ -1,0 +1,46 @@
+"""Argument checks on alloc's fast path, and a lease whose stream closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncpool import AsyncReqToTokenPool, HostStream
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "culprit"),
+    [
+        ({"timeout": -1}, ValueError, "-1"),
+        ({"timeout": "1"}, ValueError, "'1'"),
+        ({"timeout": float("nan")}, ValueError, "nan"),
+        ({"priority": 1.5}, TypeError, "1.5"),
+        ({"priority": None}, TypeError, "None"),
+    ],
+)
+async def test_bad_wait_args_fail_even_when_rows_are_free(
+    kwargs: dict[str, object], exc: type[Exception], culprit: str
+) -> None:
+    pool = AsyncReqToTokenPool(5, 4)
+    before = pool.stats()
+    with pytest.raises(exc, match=culprit):
+        await pool.alloc(1, **kwargs)  # type: ignore[arg-type]
+    assert pool.stats() == before
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
+    pool = AsyncReqToTokenPool(5, 4)
+    stream = HostStream()
+    with pytest.raises(RuntimeError, match="closed"):
+        async with pool.lease(2, after=stream) as rows:
+            assert len(rows) == 2
+            stream.close()
+    assert pool.available_size() == 4
+    assert pool.stats().allocated == 0
+    pool.check_invariants()
+    async with asyncio.timeout(5):
+        assert sorted(await pool.alloc(4)) == [1, 2, 3, 4]
+    await pool.close()

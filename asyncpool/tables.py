@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,13 @@ class MemorySaverAdapter:
             from torch_memory_saver import torch_memory_saver
         except ImportError as exc:  # pragma: no cover - a declared dependency
             raise MemorySaverError("enable_memory_saver=True needs torch-memory-saver") from exc
+        if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+            # Without its LD_PRELOAD hook the saver must use torch's pluggable
+            # allocator; this can be set only before its first region.
+            try:
+                torch_memory_saver.hook_mode = "torch"
+            except Exception:  # already initialised in some mode: keep it
+                logger.debug("torch_memory_saver already initialised; keeping its hook mode")
         return cls(torch_memory_saver)
 
     @property
@@ -69,9 +77,18 @@ class MemorySaverAdapter:
     def region(self, tag: str) -> Iterator[None]:
         if self._saver is None:
             yield
-        else:
-            with self._saver.region(tag=tag, enable_cpu_backup=False):
-                yield
+            return
+        try:
+            region = self._saver.region(tag=tag, enable_cpu_backup=False)
+            region.__enter__()
+        except Exception as exc:
+            raise MemorySaverError(
+                f"torch-memory-saver could not open its region: {exc!r}"
+            ) from exc
+        try:
+            yield
+        finally:
+            region.__exit__(None, None, None)
 
     def pause(self, tag: str) -> None:
         if self._saver is not None:

@@ -74,7 +74,7 @@ class Config:
     idle_wait_s: float = 0.2
     #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
     demo_requests: int = 200
-    demo_repeats: int = 3
+    demo_repeats: int = 5
     demo_timeout_s: float = 120.0
 
 
@@ -88,7 +88,7 @@ PRESETS: dict[str, Config] = {
         wake_samples=101,
         idle_wait_s=0.1,
         demo_requests=100,
-        demo_repeats=1,
+        demo_repeats=3,
     ),
     # For the smoke test: every code path, no meaningful timing.
     "smoke": Config(

@@ -304,15 +304,17 @@ class SlotLedger:
 
     # ------------------------------------------------------------------ use
 
-    def record_use(self, rows: Rows, fence: Fence) -> None:
+    def record_use(self, rows: Rows, fence: Fence, what: str = "used") -> None:
         """Note that ``rows`` are touched by work that completes with ``fence``.
 
         A later :meth:`free` of a row waits for the newest use recorded on
-        each stream. All rows must be allocated.
+        each stream. All rows must be allocated. ``what="freed"`` (a
+        ``free(after=...)`` recording its fence) reports a row already free
+        or pending as a :class:`DoubleFreeError`, as :meth:`free` does.
         """
         seq = self.as_rows(rows)
         self.check_fence(fence)
-        self._mark_allocated(seq, "used")
+        self._mark_allocated(seq, what)
         state = self._state
         uses = self._uses
         key = _stream_key(fence)

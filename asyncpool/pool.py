@@ -466,7 +466,7 @@ class AsyncReqToTokenPool(PoolCore):
             if fence is not None:
                 led.check_fence(fence)
             rows = led.as_rows(rows)  # a one-shot iterator must survive both passes
-            led.record_use(rows, record_fence(after))
+            led.record_use(rows, record_fence(after), "freed")
         immediate = led.free(rows, fence)
         if immediate and self._nwaiters:
             self._grant()

@@ -91,7 +91,7 @@ class ReqToTokenPool(PoolCore):
             if fence is not None:
                 led.check_fence(fence)
             free_index = led.as_rows(free_index)  # a one-shot iterator must survive both passes
-            led.record_use(free_index, record_fence(after))
+            led.record_use(free_index, record_fence(after), "freed")
         return led.free(free_index, fence)
 
     def reclaim(self) -> int:

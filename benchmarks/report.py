@@ -195,6 +195,11 @@ def render_markdown(
         "per-round ratios, with its interquartile range. Absolute times are context only: "
         "they move with the machine, the ratios much less.",
         "",
+    ]
+    if cfg.name == "smoke":
+        lines += ["**Smoke preset: a handful of operations per sample; these figures mean "
+                  "nothing.**", ""]
+    lines += [
         "## Targets",
         "",
         _HEADER,

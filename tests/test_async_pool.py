@@ -470,12 +470,40 @@ async def test_a_reused_row_reads_zero_after_the_late_write(kit):
         s.launch(pool.verified_lens.__setitem__, row, 77)  # the in-flight step's write
         pool.record_use([row], s.record())
         pool.free([row])
-        t = asyncio.create_task(pool.alloc(1))
+
+        async def new_owner():
+            rows = await pool.alloc(1)
+            return rows, lens(pool, rows[0])  # read the moment it resumes
+
+        t = asyncio.create_task(new_owner())
         await spin()
         assert not t.done()
         gate.open()
-        assert await finish(t) == [[row]]
-        assert lens(pool, row) == (0, 0, 0)
+        [(rows, seen)] = await finish(t)
+        assert rows == [row]
+        assert seen == (0, 0, 0)
+
+
+async def test_a_burst_of_granted_waiters_each_read_zero_on_resume():
+    async with make(9) as pool:
+        held = await pool.alloc(8)
+        for r in held:
+            pool.set_req_pool_info(
+                r, ReqToTokenPoolInfo(1, 2, torch.tensor([r, r], dtype=torch.int32))
+            )
+
+        async def new_owner(n):
+            rows = await pool.alloc(n)
+            return [lens(pool, r) for r in rows]
+
+        tasks = [asyncio.create_task(new_owner(n)) for n in (3, 1, 4)]
+        await spin()
+        pool.free(held)  # one hand-over grants all three
+        assert pool.waiting() == 0
+        for seen in await finish(*tasks):
+            assert all(x == (0, 0, 0) for x in seen)
+        resets = pool.stats().resets
+        assert resets <= 2  # the burst cost one bulk reset, not one per waiter
 
 
 # ---------------------------------------------------------------- leases
@@ -678,6 +706,26 @@ async def test_release_resume_with_waiters_queued():
         await pool.resume_memory()  # no-op
         pool.free(r1 + r2)
         assert_conserved(pool)
+
+
+async def test_waiter_queued_before_release_is_held_until_resume(kit):
+    async with make(3) as pool:
+        s = kit.stream()
+        gate = kit.gate(s)
+        pool.free(await pool.alloc(2), after=s)
+        [w] = [asyncio.create_task(pool.alloc(2))]
+        await spin()
+        assert pool.waiting() == 1
+        rel = asyncio.create_task(pool.release_memory())
+        await spin()
+        gate.open()  # the rows come back while the release drains...
+        await finish(rel)
+        assert pool.released and pool.available_size() == 2
+        await spin()
+        assert not w.done() and pool.waiting() == 1  # ...but are not granted
+        assert pool.try_alloc(1) is None
+        await pool.resume_memory()
+        assert len((await finish(w))[0]) == 2
 
 
 async def test_release_waits_for_pending_fences_first(kit):

@@ -47,14 +47,14 @@ class DemoConfig:
     max_context_len: int = 1024
     kv_budget: int = 8192
     admit_watermark: float = 0.99
-    max_prefill_tokens: int = 1024
+    max_prefill_tokens: int = 512
 
     mode: str = "overlap"
     unsafe: bool = False
     device: str = "cpu"
 
-    forward_ms: float = 2.0
-    forward_us_per_token: float = 10.0
+    forward_ms: float = 2.5
+    forward_us_per_token: float = 3.0
     sched_ms: float = 2.5
     gate: bool = False
 

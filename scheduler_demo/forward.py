@@ -104,8 +104,8 @@ class Forward:
     def __init__(
         self,
         device: str = "cpu",
-        forward_ms: float = 2.0,
-        forward_us_per_token: float = 10.0,
+        forward_ms: float = 2.5,
+        forward_us_per_token: float = 3.0,
     ) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"

@@ -65,7 +65,9 @@ class Report:
     corruptions: int
     mismatches: int
     peak_allocated: int
-    forward_busy: float  # fraction of the run the forward worker spent in steps (CPU)
+    forward_busy: float  # fraction of the run the forward worker spent in steps (CPU only)
+    forward_ms_per_step: float  # mean wall time of a step on the forward worker (CPU only)
+    sched_cpu_ms_per_step: float  # the event loop thread's CPU time per step
     config: dict[str, Any] = field(default_factory=dict)
     trace: Trace = field(default_factory=Trace, repr=False, compare=False)
 
@@ -103,6 +105,10 @@ class Report:
                 f"{self.fence_latency_p50_ms:.2f} / {self.fence_latency_p99_ms:.2f} ms",
             ),
             ("peak rows allocated", f"{self.peak_allocated} / {self.config.get('rows', '?')}"),
+            (
+                "per step: forward / scheduler CPU",
+                f"{self.forward_ms_per_step:.2f} / {self.sched_cpu_ms_per_step:.2f} ms",
+            ),
             ("forward stream busy", f"{100 * self.forward_busy:.0f} %"),
             (
                 "corruptions",

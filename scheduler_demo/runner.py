@@ -64,6 +64,7 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         torch.set_num_threads(threads)
 
     elapsed = max(sched.elapsed, 1e-9)
+    steps = max(sched.steps, 1)
     report = Report(
         mode=cfg.mode,
         unsafe=cfg.unsafe,
@@ -76,7 +77,7 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         tokens_per_s=sched.output_tokens / elapsed,
         steps=sched.steps,
         steps_per_s=sched.steps / elapsed,
-        mean_batch_size=sched.batch_total / max(sched.steps, 1),
+        mean_batch_size=sched.batch_total / steps,
         alloc_wait_p50_ms=percentile(sched.alloc_waits, 50) * 1e3,
         alloc_wait_p99_ms=percentile(sched.alloc_waits, 99) * 1e3,
         retractions=sched.retractions,
@@ -87,6 +88,8 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         mismatches=sched.mismatches,
         peak_allocated=stats.peak_allocated,
         forward_busy=0.0 if forward.is_cuda else min(1.0, busy / elapsed),
+        forward_ms_per_step=0.0 if forward.is_cuda else busy / steps * 1e3,
+        sched_cpu_ms_per_step=sched.cpu_s / steps * 1e3,
         config=cfg.to_dict(),
         trace=Trace(sched.timeline, sched.alloc_waits, stats.capacity),
     )

@@ -285,6 +285,8 @@ def test_report_ok_needs_a_safe_complete_clean_run() -> None:
         mismatches=0,
         peak_allocated=2,
         forward_busy=0.5,
+        forward_ms_per_step=1.0,
+        sched_cpu_ms_per_step=1.0,
     )
     assert base.ok
     assert not replace(base, unsafe=True).ok

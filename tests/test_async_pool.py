@@ -906,6 +906,11 @@ async def test_bad_frees_raise_typed_errors_and_change_nothing(kit):
         with pytest.raises(InvalidSlotError):
             pool.record_use([a, 0], s.record())
         assert pool_snapshot(pool) == before
+        closed = kit.stream()
+        closed.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.free([a], after=closed)  # no fence can be recorded: nothing freed
+        assert pool_snapshot(pool) == before
         assert pool.free([a]) == 1
 
 
@@ -1066,3 +1071,25 @@ async def test_close_stops_an_idle_watcher_thread(kit):
     await pool.close()
     assert not thread.is_alive()
     pool.free(rows)
+
+
+@pytest.mark.cuda
+async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
+    from asyncpool import record_fence
+
+    stream = torch.cuda.Stream()
+    async with AsyncReqToTokenPool(3, 8, device="cuda", stream=stream) as pool:
+        rows = await pool.alloc(2)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)  # an in-flight step
+            pool.verified_lens[rows[0]] = 9  # its late write
+        pool.record_use(rows, record_fence(stream))
+        assert pool.free(rows) == 0
+        t = asyncio.create_task(pool.alloc(2))
+        await spin()
+        assert not t.done() and pool._watcher is not None
+        got = (await finish(t))[0]  # no other call into the pool
+        assert sorted(got) == sorted(rows)
+        stream.synchronize()
+        assert int(pool.verified_lens[rows[0]]) == 0
+        pool.free(got)

@@ -177,6 +177,7 @@ def test_tables_on_cuda_device():
     slots = torch.arange(5, dtype=torch.int32, device="cuda")
     t.set_req_pool_info(2, ReqToTokenPoolInfo(3, 5, slots))
     t.set_req_pool_info(4, ReqToTokenPoolInfo(1, 2, slots[:2]))
+    torch.cuda.synchronize()  # the writes ran on the current stream, resets on `stream`
     t.reset_rows([2])
     stream.synchronize()
     torch.cuda.synchronize()

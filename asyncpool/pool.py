@@ -498,6 +498,8 @@ class AsyncReqToTokenPool(PoolCore):
             return
         watcher = self._watcher
         if watcher is None:
+            if self._closed:
+                return  # no thread close() would never stop; drain() still reclaims
             watcher = self._watcher = FenceWatcher(self._fence_done_threadsafe)
         try:
             watcher.watch(fence)

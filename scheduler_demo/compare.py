@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -48,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = replace(base, progress=False)
     runs: dict[str, list[Report]] = {name: [] for name, _, _ in VARIANTS}
     for rnd in range(ours.rounds):
-        for name, mode, unsafe in VARIANTS:
+        # Rotate the order each round, so no mode always runs first or last.
+        for name, mode, unsafe in VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]:
+            load = _loadavg()
             report = _run(run_demo(replace(base, mode=mode, unsafe=unsafe)))
             runs[name].append(report)
             print(
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{report.steps_per_s:6.1f} steps/s  {report.elapsed_s:6.2f} s  "
                 f"completed {report.completed}/{report.requests}  "
                 f"retractions {report.retractions}  deferred frees {report.deferred_frees}  "
-                f"corruptions {report.corruptions}",
+                f"corruptions {report.corruptions}  load {load} -> {_loadavg()}",
                 flush=True,
             )
     summary = _summary(runs)
@@ -84,6 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     safe_ok = all(r.ok for name in ("overlap", "sync") for r in runs[name])
     unsafe_caught = all(c > 0 for c in corr)
     return 0 if safe_ok and unsafe_caught else 1
+
+
+def _loadavg() -> str:
+    """The 1-minute load average: a busy neighbour makes every figure noisy."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:  # pragma: no cover - not on every platform
+        return "?"
 
 
 def _summary(runs: dict[str, list[Report]]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import pytest
 
 from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import build_parser, main
+from scheduler_demo.compare import main as compare_main
 from scheduler_demo.plot import save_plot
 from scheduler_demo.workload import LengthDist, WorkloadConfig, generate
 
@@ -196,6 +197,17 @@ def test_cli_unsafe_run_exits_1(tmp_path: Path) -> None:
     rc = main([*_cli_args(SMALL), "--gate", "--unsafe", f"--json={js}"])
     assert rc == 1
     assert json.loads(js.read_text())["corruptions"] > 0
+
+
+def test_compare_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compare.json"
+    rc = compare_main(["--rounds=1", f"--out={out}", *_cli_args(SMALL), "--gate"])
+    assert rc == 0  # fenced runs clean, the unsafe run caught corruption
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"overlap", "sync", "unsafe"}
+    assert data["runs"]["unsafe"][0]["corruptions"] > 0
+    assert data["summary"]["ratios"]["overlap_vs_sync_best"] > 0
+    assert "overlap / sync" in capsys.readouterr().out
 
 
 def test_cli_help_explains_every_knob(capsys: pytest.CaptureFixture[str]) -> None:

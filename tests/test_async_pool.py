@@ -1073,6 +1073,27 @@ async def test_close_stops_an_idle_watcher_thread(kit):
     pool.free(rows)
 
 
+async def test_no_watcher_thread_is_started_after_close(kit):
+    """Regression: a free behind an unknown fence after close() started a
+    watcher thread that nothing ever stopped."""
+    pool = make(3)
+    rows = await pool.alloc(2)
+    await pool.close()
+    before = {t.ident for t in threading.enumerate()}
+    ef = kit.event_fence()
+    pool.free(rows, fence=ef)
+    assert pool.pending_size() == 2
+    assert pool._watcher is None
+    assert {t.ident for t in threading.enumerate()} == before
+    d = asyncio.create_task(pool.drain())  # drain still waits for it
+    await spin()
+    assert not d.done()
+    ef.set()
+    async with asyncio.timeout(WAIT_S):
+        await d
+    assert pool.available_size() == 2
+
+
 @pytest.mark.cuda
 async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
     from asyncpool import record_fence

@@ -713,7 +713,7 @@ async def test_waiter_queued_before_release_is_held_until_resume(kit):
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(2), after=s)
-        [w] = [asyncio.create_task(pool.alloc(2))]
+        w = asyncio.create_task(pool.alloc(2))
         await spin()
         assert pool.waiting() == 1
         rel = asyncio.create_task(pool.release_memory())

@@ -361,8 +361,9 @@ class SlotLedger:
         free = self._free
         immediate = 0
         deferred: dict[int, tuple[Fence, list[int]]] | None = None
-        last: object = None
+        last: Any = None
         last_done = False
+        last_error: BaseException | None = None
         for row in seq:
             use = uses[row]
             if use is None and fence is None:
@@ -375,12 +376,16 @@ class SlotLedger:
                 # Common case: one recorded use; query each distinct fence once.
                 if use is not last:
                     last = use
+                    last_error = None
                     try:
                         last_done = use.query()
                     except Exception as exc:  # a faulted stream
+                        last_error = exc
                         self._fault_rows([row], use, exc)
-                        last = None
                         continue
+                elif last_error is not None:  # same faulted fence: one error
+                    self._fault_rows([row], use, last_error, count=False)
+                    continue
                 if last_done:
                     state[row] = FREE
                     free.append(row)
@@ -569,12 +574,16 @@ class SlotLedger:
     def _fault_batch(self, batch: _Batch, exc: BaseException) -> None:
         self._fault_rows(batch.rows, batch.fence, exc)
 
-    def _fault_rows(self, rows: list[int], fence: Fence, exc: BaseException) -> None:
+    def _fault_rows(
+        self, rows: list[int], fence: Fence, exc: BaseException, *, count: bool = True
+    ) -> None:
         state = self._state
         for row in rows:
             state[row] = QUARANTINED
             self._more.pop(row, None)
         self.quarantined += len(rows)
+        if not count:  # more rows of a fault already counted and reported
+            return
         self.fence_errors += 1
         err = exc if isinstance(exc, FenceError) else FenceError(f"fence {fence!r} raised {exc!r}")
         if err is not exc:

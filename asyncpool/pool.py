@@ -149,6 +149,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._drain_futs: list[asyncio.Future[None]] = []
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
+        self._unwatched: list[Fence] = []  # deferred before any loop ran
         self._timeouts = 0
         self._cancellations = 0
         self._rejections = 0
@@ -261,6 +262,10 @@ class AsyncReqToTokenPool(PoolCore):
         loop = _get_running_loop()
         if loop is not self._loop:
             self._rebind_loop(loop)
+        if self._unwatched:
+            unwatched, self._unwatched = self._unwatched, []
+            for pending_fence in unwatched:
+                self._on_pending(pending_fence)
         fut: asyncio.Future[list[int]] = loop.create_future()
         waiter = (n, fut, _perf_counter())
         queue = self._queues.get(priority)
@@ -492,7 +497,9 @@ class AsyncReqToTokenPool(PoolCore):
             try:
                 self._loop = asyncio.get_running_loop()
             except RuntimeError:
-                return  # no loop yet: the next call into the pool reclaims
+                # No loop yet: watch it once a waiter binds one.
+                self._unwatched.append(fence)
+                return
         if fence.__class__ is HostFence:
             fence.add_done_callback(self._fence_done_threadsafe)
             return

@@ -15,9 +15,8 @@
 from __future__ import annotations
 
 import asyncio
-from time import perf_counter_ns
 
-from .harness import Config, Row, Target, compare, interleave, loop_name
+from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name
 from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["bench_batched", "bench_contended", "bench_uncontended"]
@@ -33,34 +32,35 @@ async def bench_uncontended(cfg: Config) -> list[Row]:
     from asyncpool import AsyncReqToTokenPool
 
     loop = loop_name()
+    now = clock_of(cfg)
     pool = AsyncReqToTokenPool(cfg.size, cfg.max_context_len, device="cpu")
     naive = NaiveReqToTokenPool(cfg.size, cfg.max_context_len)
     sem = asyncio.Semaphore(cfg.size - 1)
 
     async def pool_sample(n: int) -> int:
         alloc, free = pool.alloc, pool.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             rows = await alloc(1)
             free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             await acquire()
             release()
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def naive_sample(n: int) -> int:
         alloc, free = naive.alloc, naive.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             rows = alloc(1)
             assert rows is not None
             free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     try:
         per_op = await interleave(
@@ -85,6 +85,7 @@ async def bench_batched(cfg: Config) -> list[Row]:
     from asyncpool import AsyncReqToTokenPool
 
     loop = loop_name()
+    now = clock_of(cfg)
     k = cfg.batch_k
     pool = AsyncReqToTokenPool(cfg.size, cfg.max_context_len, device="cpu")
     naive = NaiveReqToTokenPool(cfg.size, cfg.max_context_len)
@@ -93,30 +94,30 @@ async def bench_batched(cfg: Config) -> list[Row]:
 
     async def pool_sample(n: int) -> int:
         alloc, free = pool.alloc, pool.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             rows = await alloc(k)
             free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             for _ in steps:
                 await acquire()
             for _ in steps:
                 release()
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def naive_sample(n: int) -> int:
         alloc, free = naive.alloc, naive.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             rows = alloc(k)
             assert rows is not None
             free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     try:
         per_op = await interleave(
@@ -144,6 +145,7 @@ async def bench_contended(cfg: Config) -> list[Row]:
     from asyncpool import AsyncReqToTokenPool
 
     loop = loop_name()
+    now = clock_of(cfg)
     tasks, rounds = cfg.contended_tasks, cfg.contended_rounds
     # +1: slot 0 is reserved padding, so 65 rows give 64 grantable ones.
     pool = AsyncReqToTokenPool(cfg.contended_rows + 1, cfg.max_context_len, device="cpu")
@@ -165,16 +167,16 @@ async def bench_contended(cfg: Config) -> list[Row]:
             release()
 
     async def pool_sample(n: int) -> int:
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             await asyncio.gather(*[pool_worker() for _ in range(tasks)])
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def sem_sample(n: int) -> int:
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             await asyncio.gather(*[sem_worker() for _ in range(tasks)])
-        return perf_counter_ns() - t0
+        return now() - t0
 
     try:
         per_op = await interleave(

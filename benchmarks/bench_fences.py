@@ -32,7 +32,7 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
-from .harness import Config, Row, Target, compare, interleave, loop_name, median
+from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name, median
 from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["bench_fenced_free", "bench_reclaim_sweep", "bench_wake_latency"]
@@ -45,6 +45,7 @@ async def bench_fenced_free(cfg: Config) -> list[Row]:
     from asyncpool import AsyncReqToTokenPool, HostStream
 
     loop = loop_name()
+    now = clock_of(cfg)
     k, batches = cfg.batch_k, cfg.fenced_batches
     size = batches * k + 1
     ctx = cfg.max_context_len
@@ -61,37 +62,37 @@ async def bench_fenced_free(cfg: Config) -> list[Row]:
             gate = threading.Event()
             stream.launch(gate.wait)
             fences = [stream.record() for _ in range(batches)]
-            t0 = perf_counter_ns()
+            t0 = now()
             for f in fences:
                 rows = await alloc(k)
                 free(rows, fence=f)
-            t1 = perf_counter_ns()
+            t1 = now()
             gate.set()
             stream.synchronize()
-            t2 = perf_counter_ns()
+            t2 = now()
             reclaimed[0] += reclaim()
             await asyncio.sleep(0)
-            total += (t1 - t0) + (perf_counter_ns() - t2)
+            total += (t1 - t0) + (now() - t2)
         return total
 
     async def plain_sample(n: int) -> int:
         alloc, free = plain.alloc, plain.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             for _ in range(batches):
                 rows = await alloc(k)
                 free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     async def naive_sample(n: int) -> int:
         alloc, free = naive.alloc, naive.free
-        t0 = perf_counter_ns()
+        t0 = now()
         for _ in range(n):
             for _ in range(batches):
                 rows = alloc(k)
                 assert rows is not None
                 free(rows)
-        return perf_counter_ns() - t0
+        return now() - t0
 
     rows_per_call = batches * k
     try:
@@ -159,6 +160,7 @@ async def bench_reclaim_sweep(cfg: Config) -> list[Row]:
     from asyncpool import AsyncReqToTokenPool, HostStream
 
     loop = loop_name()
+    now = clock_of(cfg)
     ps = cfg.reclaim_pending
     size = max(ps) + 2
     holders: dict[int, _GatedPending] = {}
@@ -174,10 +176,10 @@ async def bench_reclaim_sweep(cfg: Config) -> list[Row]:
         def idle_sampler(h: _GatedPending) -> Callable[[int], Any]:
             async def sample(n: int) -> int:
                 reclaim = h.pool.reclaim
-                t0 = perf_counter_ns()
+                t0 = now()
                 for _ in range(n):
                     reclaim()
-                return perf_counter_ns() - t0
+                return now() - t0
 
             return sample
 

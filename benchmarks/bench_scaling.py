@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from time import perf_counter_ns
 from typing import Any
 
-from .harness import Config, Row, compare, interleave, loop_name
+from .harness import Config, Row, clock_of, compare, interleave, loop_name
 from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["TABLE_ATTRS", "bench_scaling", "measure_memory"]
@@ -78,6 +77,7 @@ async def bench_scaling(
     from asyncpool import AsyncReqToTokenPool
 
     loop = loop_name()
+    now = clock_of(cfg)
     sizes = cfg.scaling_sizes
     ctx = cfg.scaling_context_len
     pools = {s: AsyncReqToTokenPool(s, ctx, device="cpu") for s in sizes}
@@ -86,23 +86,23 @@ async def bench_scaling(
     def pool_sampler(pool: Any) -> Any:
         async def sample(n: int) -> int:
             alloc, free = pool.alloc, pool.free
-            t0 = perf_counter_ns()
+            t0 = now()
             for _ in range(n):
                 rows = await alloc(1)
                 free(rows)
-            return perf_counter_ns() - t0
+            return now() - t0
 
         return sample
 
     def naive_sampler(naive: NaiveReqToTokenPool) -> Any:
         async def sample(n: int) -> int:
             alloc, free = naive.alloc, naive.free
-            t0 = perf_counter_ns()
+            t0 = now()
             for _ in range(n):
                 rows = alloc(1)
                 assert rows is not None
                 free(rows)
-            return perf_counter_ns() - t0
+            return now() - t0
 
         return sample
 

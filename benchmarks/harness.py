@@ -21,16 +21,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import statistics
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 __all__ = [
+    "CLOCKS",
     "Config",
     "Row",
     "Sampler",
     "Target",
     "calibrate",
+    "clock_of",
     "interleave",
     "loop_factories",
     "median",
@@ -50,6 +53,10 @@ class Config:
     """How long and how big each benchmark runs. See :data:`PRESETS`."""
 
     name: str = "default"
+    #: "wall" (``perf_counter_ns``) or "cpu" (``thread_time_ns``: the CPU time
+    #: of the benchmarking thread, which time stolen by other processes does not
+    #: inflate; for single-threaded figures on a shared machine)
+    clock: str = "wall"
     #: interleaved rounds per comparison (odd, so a median is one sample)
     rounds: int = 15
     #: target wall time of one sample (seconds); :func:`calibrate` sizes it
@@ -113,6 +120,17 @@ PRESETS: dict[str, Config] = {
         demo_timeout_s=60.0,
     ),
 }
+
+
+CLOCKS: dict[str, Callable[[], int]] = {
+    "wall": time.perf_counter_ns,
+    "cpu": time.thread_time_ns,
+}
+
+
+def clock_of(cfg: Config) -> Callable[[], int]:
+    """The nanosecond clock single-threaded samplers time themselves with."""
+    return CLOCKS[cfg.clock]
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def render_markdown(
         f"- Commit {m['git_commit'] or 'unknown'}"
         + (" with uncommitted changes" if m["git_dirty"] else "")
         + f", {m['date_utc']}; preset `{cfg.name}`, {cfg.rounds} interleaved rounds per "
-        f"comparison, run took {elapsed_s:.0f} s",
+        f"comparison, {cfg.clock} clock, run took {elapsed_s:.0f} s",
         f"- Load average (1, 5, 15 min) before / after the run: "
         f"{m.get('loadavg_before', [])} / {m.get('loadavg_1_5_15', [])}",
         "",
@@ -254,7 +254,12 @@ def render_markdown(
     lines += [
         "## Method",
         "",
-        "- Timer: `time.perf_counter_ns`; each sample batches enough operations to take "
+        "- Timer: "
+        + ("`time.perf_counter_ns` (wall time)" if cfg.clock == "wall" else
+           "`time.thread_time_ns` (`--clock cpu`: the benchmarking thread's CPU time, so time "
+           "the thread spent descheduled on a loaded machine is not counted; wake-up latency, "
+           "the head-reclaim sweep and the demo still use wall time)")
+        + "; each sample batches enough operations to take "
         f"about {cfg.sample_s * 1e3:g} ms (calibrated, which also warms up), so timer and "
         "loop overhead is amortised. The garbage collector is off while a micro-benchmark "
         "sample runs and collects between samples (as `timeit` does); it stays on for the "

@@ -40,6 +40,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(BENCHMARKS),
                    help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
     p.add_argument("--rounds", type=int, help="override the interleaved rounds per comparison")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter_ns (default); cpu: the benchmarking thread's CPU "
+                   "time, for single-threaded figures on a shared, loaded machine (wake-up "
+                   "latency, the head-reclaim sweep and the demo always use wall time)")
     return p.parse_args(argv)
 
 
@@ -51,10 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     preset = args.preset or ("quick" if args.quick else "default")
     cfg = PRESETS[preset]
-    if args.rounds:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if args.rounds:
         cfg = replace(cfg, rounds=args.rounds)
+    cfg = replace(cfg, clock=args.clock)
     loops = [lp for lp in args.loops.split(",") if lp]
     unknown = [lp for lp in loops if lp not in loop_factories()]
     if unknown:

@@ -103,7 +103,8 @@ def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
 
     md, js = tmp_path / "bench.md", tmp_path / "bench.json"
     # The demo has its own test; here it only has to be wired in.
-    argv = ["--preset", "smoke", "--md", str(md), "--json", str(js), "--loops", "asyncio"]
+    argv = ["--preset", "smoke", "--md", str(md), "--json", str(js), "--loops", "asyncio",
+            "--clock", "cpu"]
     assert main(argv) == 0
     text = md.read_text(encoding="utf-8")
     assert "| Benchmark |" in text and "## Targets" in text

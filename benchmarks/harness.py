@@ -172,6 +172,14 @@ class Row:
     def met(self) -> bool | None:
         return None if self.target is None else self.target.met(self.ratio)
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Row:
+        """Inverse of :meth:`to_json` (``met`` is recomputed)."""
+        d = {k: v for k, v in d.items() if k != "met"}
+        t = d.get("target")
+        d["target"] = None if t is None else Target(t["op"], float(t["value"]))
+        return cls(**d)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["target"] = None if self.target is None else {"op": self.target.op,

@@ -40,6 +40,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(BENCHMARKS),
                    help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
     p.add_argument("--rounds", type=int, help="override the interleaved rounds per comparison")
+    p.add_argument("--from-json", metavar="PATH", type=Path,
+                   help="measure nothing: re-render the markdown of a saved --json run")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: perf_counter_ns (default); cpu: the benchmarking thread's CPU "
                    "time, for single-threaded figures on a shared, loaded machine (wake-up "
@@ -69,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
     command = "python -m benchmarks " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+    if args.from_json:
+        return _render_saved(args)
 
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
@@ -131,6 +135,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                        unavailable=unavailable, extra=extra, elapsed_s=elapsed)
         args.json.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
         _log(f"JSON written to {args.json}")
+    return 0
+
+
+def _render_saved(args: argparse.Namespace) -> int:
+    import json
+
+    from benchmarks.harness import Config
+
+    data = json.loads(args.from_json.read_text(encoding="utf-8"))
+    md = render_markdown(
+        [Row.from_json(r) for r in data["rows"]],
+        command=data["command"],
+        cfg=Config(**{k: tuple(v) if isinstance(v, list) else v
+                      for k, v in data["config"].items()}),
+        machine=data["machine"],
+        memory=data["memory"],
+        unavailable=data["unavailable"],
+        elapsed_s=data["elapsed_s"],
+    )
+    print(md)
+    if not args.no_md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(md, encoding="utf-8")
+        _log(f"markdown written to {args.md}")
     return 0
 
 

@@ -115,6 +115,10 @@ def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
     assert {r["loop"] for r in data["rows"]} >= {"asyncio"}
     # The demo is either measured or reported as not available, never silently dropped.
     assert any("demo" in b for b in benches) or "demo" in data["unavailable"]
+    # A saved run re-renders to the same markdown without measuring anything.
+    again = tmp_path / "again.md"
+    assert main(["--from-json", str(js), "--md", str(again)]) == 0
+    assert again.read_text(encoding="utf-8") == text
 
 
 @pytest.mark.parametrize("argv", [["--only", "nope"], ["--loops", "nope"]])

@@ -122,6 +122,8 @@ def _row_line(row: Row) -> str:
         spread = f" ({_ratio(row.ratio_p25)} to {_ratio(row.ratio_p75)})"
     direction = {"speed": " faster", "cost ": " cost"}.get(row.ratio_label[:5], "")
     ctx = f"{_value(row.subject_value, row.unit)} vs {_value(row.reference_value, row.unit)}"
+    if row.note and not row.note.startswith("sweep:"):
+        ctx += f"; {row.note}"
     return (
         f"| {row.bench} | {row.loop} | {row.subject} vs {row.reference} | "
         f"{_ratio(row.ratio)}{direction}{spread} | {row.target or ''} | {_met(row)} | {ctx} |"
@@ -130,7 +132,7 @@ def _row_line(row: Row) -> str:
 
 _HEADER = (
     "| Benchmark | Loop | Subject vs reference | Ratio: median of rounds (IQR) | Target "
-    "| Met | Medians, for context |\n"
+    "| Met | Medians and notes, for context |\n"
     "| --- | --- | --- | --- | --- | --- | --- |"
 )
 

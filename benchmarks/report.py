@@ -173,6 +173,7 @@ def render_markdown(
     memory: list[dict[str, float]],
     unavailable: dict[str, str],
     elapsed_s: float,
+    source: str | None = None,
 ) -> str:
     m = machine
     lines = [
@@ -184,6 +185,8 @@ def render_markdown(
         command,
         "```",
         "",
+        *([f"Every sample of this run is in `{source}`; `python -m benchmarks --from-json "
+           f"{source}` re-renders this page.", ""] if source else []),
         f"- Machine: {m['cpu']}, {m['cores_usable']} usable cores, {m['platform']}",
         f"- Python {m['python']} ({m['implementation']}), torch {m['torch']} "
         f"({m['torch_threads']} threads), uvloop {m['uvloop']}",

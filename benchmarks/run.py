@@ -138,6 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _render_saved(args: argparse.Namespace) -> int:
     import json
 
@@ -153,6 +160,7 @@ def _render_saved(args: argparse.Namespace) -> int:
         memory=data["memory"],
         unavailable=data["unavailable"],
         elapsed_s=data["elapsed_s"],
+        source=_relative(args.from_json),
     )
     print(md)
     if not args.no_md:

@@ -293,7 +293,7 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
     if cuda:
         import torch
 
-        stream: Any = torch.cuda.Stream(device=device)
+        stream: Any = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         gate_cuda = _CudaGate(stream)
     else:
         stream = HostStream(name="bench-wake")
@@ -369,7 +369,7 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
         gate = threading.Event()
         if cuda:
             with torch.cuda.stream(stream):
-                torch.cuda._sleep(int(gate_cuda.sleep_cycles * 10))
+                torch.cuda._sleep(int(gate_cuda.sleep_cycles * 10))  # type: ignore[no-untyped-call]
             fence = record_fence(stream)
         else:
             stream.launch(gate.wait)

@@ -64,7 +64,7 @@ async def measure_memory(size: int, max_context_len: int) -> dict[str, float]:
         out[f"{label}_table_bytes"] = table_bytes(pool)
         out[f"{label}_bookkeeping_bytes"] = current - base
         out[f"{label}_bookkeeping_peak_bytes"] = peak - base
-        if is_async:
+        if isinstance(pool, AsyncReqToTokenPool):
             await pool.close()
         del pool
     return out

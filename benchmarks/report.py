@@ -50,10 +50,10 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     try:
-        import uvloop
+        from importlib.metadata import version
 
-        uv = uvloop.__version__
-    except ImportError:  # pragma: no cover
+        uv = version("uvloop")
+    except Exception:  # pragma: no cover - not installed
         uv = "not installed"
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -156,9 +156,9 @@ def _sweep_table(rows: list[Row], tag: str, title: str, col: str) -> list[str]:
     for s in subjects:
         cells = []
         for lp in loops:
-            r = by.get((s, lp))
-            cells.append("n/a | n/a" if r is None
-                         else f"{_ratio(r.ratio)} | {_value(r.subject_value, r.unit)}")
+            cell = by.get((s, lp))
+            cells.append("n/a | n/a" if cell is None
+                         else f"{_ratio(cell.ratio)} | {_value(cell.subject_value, cell.unit)}")
         out.append(f"| {s} | " + " | ".join(cells) + " |")
     out.append("")
     return out

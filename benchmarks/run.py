@@ -9,6 +9,7 @@ Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
@@ -111,12 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.perf_counter()
             if name == "scaling":
                 want_mem = lp == loops[0]
-                srows, mem = run_on(lp, lambda m=want_mem: bench_scaling(cfg, memory=m))
+                srows, mem = run_on(lp, functools.partial(bench_scaling, cfg, memory=want_mem))
                 rows += srows
                 memory += mem
             else:
                 fn = simple[name]
-                rows += run_on(lp, lambda fn=fn: fn(cfg))  # type: ignore[misc]
+                rows += run_on(lp, functools.partial(fn, cfg))
             _log(f"[{name}] on {lp} done in {time.perf_counter() - t0:.1f}s")
     elapsed = time.perf_counter() - t_start
     machine = {**machine_info(), "loadavg_before": load_before}
@@ -154,7 +155,7 @@ def _render_saved(args: argparse.Namespace) -> int:
     md = render_markdown(
         [Row.from_json(r) for r in data["rows"]],
         command=data["command"],
-        cfg=Config(**{k: tuple(v) if isinstance(v, list) else v
+        cfg=Config(**{k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
                       for k, v in data["config"].items()}),
         machine=data["machine"],
         memory=data["memory"],

@@ -30,7 +30,8 @@ BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scali
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer, shorter rounds (about a minute)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer, shorter rounds (one to two minutes)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default, quick, or smoke (tests)")
     p.add_argument("--json", metavar="PATH", type=Path, help="write every sample as JSON")
     p.add_argument("--md", metavar="PATH", type=Path, default=REPO / "docs" / "benchmarks.md",

@@ -27,7 +27,7 @@ def save_plot(report: Report, path: str | Path) -> None:
     label = f"{report.mode}{' --unsafe' if report.unsafe else ' (fenced)'}"
     fig.suptitle(
         f"scheduler_demo {label}: {report.completed}/{report.requests} requests, "
-        f"{report.tokens_per_s:,.0f} tok/s, {report.retractions} retractions, "
+        f"{report.tokens_per_s:,.0f} tokens/s\n{report.retractions} retractions, "
         f"{report.deferred_frees} deferred frees, {report.corruptions} corruptions"
     )
     _rows_panel(rows_ax, report)
@@ -52,22 +52,40 @@ def _rows_panel(ax: Axes, report: Report) -> None:
         colors=[_ALLOCATED, _PENDING, _FREE],
         step="post",
     )
+    running = [s.running for s in tl]
+    ax.plot(t, running, color="#55a868", linewidth=0.9, label="in the running batch")
     ax.set_ylim(0, max(report.trace.capacity, 1))
     ax.set_ylabel("rows")
     twin = ax.twinx()
     twin.plot(t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="alloc waiters")
-    twin.plot(t, [s.running for s in tl], color="#55a868", linewidth=0.9, label="running (batch)")
-    twin.set_ylabel("tasks / requests")
+    twin.set_ylabel("tasks waiting in pool.alloc")
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small", framealpha=0.9)
 
 
+def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[float], list[int]]:
+    """Mean and max of ``y`` in ``bins`` equal time bins (empty bins skipped)."""
+    span = (t[-1] - t[0]) or 1.0
+    sums = [0.0] * bins
+    counts = [0] * bins
+    peaks = [0] * bins
+    for ti, yi in zip(t, y, strict=True):
+        b = min(bins - 1, int((ti - t[0]) / span * bins))
+        sums[b] += yi
+        counts[b] += 1
+        peaks[b] = max(peaks[b], yi)
+    mids = [t[0] + (b + 0.5) * span / bins for b in range(bins) if counts[b]]
+    means = [sums[b] / counts[b] for b in range(bins) if counts[b]]
+    maxes = [peaks[b] for b in range(bins) if counts[b]]
+    return mids, means, maxes
+
+
 def _fence_panel(ax: Axes, report: Report) -> None:
     tl = report.trace.timeline
     ax.set_title(
-        "rows held behind fences (freed while the step in flight still writes them)"
+        "rows freed while the step in flight still writes them, held behind its fence"
         if not report.unsafe
         else "--unsafe: rows are freed at once, nothing is held behind a fence"
     )
@@ -75,11 +93,11 @@ def _fence_panel(ax: Axes, report: Report) -> None:
     if not tl:
         return
     t = [s.t_s for s in tl]
-    ax.fill_between(
-        t, [s.pending for s in tl], step="post", color=_PENDING, label="pending rows", alpha=0.9
-    )
+    mids, means, maxes = _binned(t, [s.pending for s in tl], bins=120)
+    ax.fill_between(mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending rows (mean)")
+    ax.plot(mids, maxes, drawstyle="steps-mid", color="#8c4a1c", linewidth=0.8, label="(max)")
     ax.set_ylabel("pending rows")
-    ax.set_ylim(bottom=0, top=max(3, max(s.pending for s in tl) + 1))
+    ax.set_ylim(bottom=0, top=max(3, max(maxes) + 1))
     twin = ax.twinx()
     twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
     twin.plot(t, [s.completed for s in tl], color="#4c72b0", label="completed (cumulative)")
@@ -87,7 +105,7 @@ def _fence_panel(ax: Axes, report: Report) -> None:
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small", framealpha=0.9)
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small", framealpha=0.9, ncols=2)
 
 
 def _wait_panel(ax: Axes, report: Report) -> None:

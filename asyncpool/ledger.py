@@ -340,18 +340,28 @@ class SlotLedger:
         PENDING. Raises (changing nothing) for row 0, out-of-range or
         non-int ids, rows not allocated, duplicates, and a non-fence.
         """
-        if fence is None and rows.__class__ is list and len(rows) == 1:
-            # Fast path: one row, no fence, no recorded use.
-            row = rows[0]
-            if (
-                row.__class__ is int
-                and 0 < row < self.size
-                and self._state[row] == ALLOCATED
-                and self._uses[row] is None
-            ):
-                self._state[row] = FREE
-                self._free.append(row)
-                return 1
+        if fence is None and rows.__class__ is list:
+            # Fast path: distinct allocated rows, no fence, no recorded use:
+            # one checking pass, one setting pass. Anything else (including
+            # every error) takes the careful path below.
+            state = self._state
+            uses = self._uses
+            size = self.size
+            for row in rows:
+                if (
+                    row.__class__ is not int
+                    or not 0 < row < size
+                    or state[row] != ALLOCATED
+                    or uses[row] is not None
+                ):
+                    break
+            else:
+                n = len(rows)
+                if n == 1 or len(set(rows)) == n:
+                    for row in rows:
+                        state[row] = FREE
+                    self._free.extend(rows)
+                    return n
         seq = self.as_rows(rows)
         if fence is not None:
             self.check_fence(fence)
@@ -372,8 +382,16 @@ class SlotLedger:
                 immediate += 1
                 continue
             uses[row] = None
-            if fence is None and use.__class__ is not tuple:
-                # Common case: one recorded use; query each distinct fence once.
+            if use is None:
+                single = fence  # only the explicit fence to wait for
+            elif fence is None and use.__class__ is not tuple:
+                single = use  # only the recorded use
+            else:
+                single = None  # several fences: the general path below
+            if single is not None:
+                # Common case: one fence to wait for; query each distinct
+                # fence once per call.
+                use = single
                 if use is not last:
                     last = use
                     last_error = None
@@ -601,6 +619,10 @@ class SlotLedger:
         fences.extend(b.fence for q in self._streams.values() for b in list(q)[1:])
         fences.extend(b.fence for b in self._unordered)
         return fences
+
+    def state_bytes(self) -> bytearray:
+        """Every row's state, one byte per row (read-only use: FREE is 0)."""
+        return self._state
 
     def allocated_rows(self) -> list[int]:
         state = self._state

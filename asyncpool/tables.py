@@ -206,6 +206,15 @@ class TokenTables:
             index = index_cpu.to(self.device, non_blocking=True)
             self._lens.index_fill_(1, index, 0)
 
+    def reset_where(self, mask: torch.Tensor) -> None:
+        """Zero the lengths of every row where the bool ``mask`` is True."""
+        if not self._on_cuda:
+            self._lens.masked_fill_(mask, 0)
+            return
+        self.alloced_lens_cpu.masked_fill_(mask, 0)
+        with self._stream_context():
+            self._lens.masked_fill_(mask.to(self.device, non_blocking=True), 0)
+
     def reset_all(self) -> None:
         """Zero every length (``clear()`` and ``resume_memory()``)."""
         with self._stream_context():

@@ -1,0 +1,61 @@
+"""The ledger's free fast paths must never weaken the careful path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from asyncpool import HostStream, InvalidSlotError, ReqToTokenPool
+
+
+def test_explicit_fence_never_drops_an_open_recorded_use() -> None:
+    pool = ReqToTokenPool(5, 4)
+    gate = threading.Event()
+    with HostStream() as stream, HostStream() as other:
+        try:
+            stream.launch(gate.wait)
+            in_flight = stream.record()
+            rows = pool.alloc(2)
+            assert rows is not None
+            pool.record_use(rows, in_flight)
+            finished = other.record()
+            finished.synchronize()
+            pool.free(rows, fence=finished)  # complete: must still wait for the use
+            assert pool.pending_size() == 2
+            assert pool.reclaim() == 0
+            gate.set()
+            in_flight.synchronize()
+            assert pool.reclaim() == 2
+            pool.check_invariants()
+        finally:
+            gate.set()
+
+
+def test_bulk_free_with_a_duplicate_changes_nothing() -> None:
+    pool = ReqToTokenPool(9, 4)
+    rows = pool.alloc(4)
+    assert rows is not None
+    before = pool.stats()
+    with pytest.raises(InvalidSlotError, match=str(rows[1])):
+        pool.free([rows[0], rows[1], rows[1]])
+    assert pool.stats() == before
+    pool.check_invariants()
+
+
+def test_a_large_bulk_reset_zeroes_every_reused_row() -> None:
+    pool = ReqToTokenPool(400, 4)  # enough dirty rows for the mask reset
+    rows = pool.alloc(399)
+    assert rows is not None
+    pool.verified_lens[rows] = 3
+    pool.alloced_lens[rows] = 4
+    pool.alloced_lens_cpu[rows] = 4
+    keep = rows[:10]
+    pool.free(rows[10:])
+    again = pool.alloc(389)
+    assert again is not None
+    assert int(pool.verified_lens[again].abs().sum()) == 0
+    assert int(pool.alloced_lens_cpu[again].abs().sum()) == 0
+    # rows still held keep their lengths: the reset touched only free rows
+    assert pool.verified_lens[keep].tolist() == [3] * 10
+    assert pool.alloced_lens[keep].tolist() == [4] * 10

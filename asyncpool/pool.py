@@ -362,22 +362,33 @@ class AsyncReqToTokenPool(PoolCore):
                 if led.pending and led.reclaim():
                     continue
                 return
-            clean = led._clean
-            if n <= clean:  # inlined SlotLedger.take_unreset
-                led._clean = clean - n
-                rows = led._pop(n)
-                dirty = None
-            else:
-                rows, dirty = led.take_unreset(n)
             queue.popleft()
             self._nwaiters -= 1
             if not queue:
                 del queues[prio]
                 prios.pop(0)
-            if dirty:
-                if not self._unreset:
-                    self._loop_or_raise().call_soon(self._flush_resets)
-                self._unreset.extend(dirty)
+            if n == 1:
+                # Inlined SlotLedger.take_unreset(1): under saturation the
+                # row was freed a moment ago and is still dirty.
+                row = free.popleft()
+                self._state[row] = 1  # ALLOCATED
+                self._gen[row] += 1
+                if len(free) < led._peak_bound:
+                    led._note_peak()
+                rows = [row]
+                clean = led._clean
+                if clean:
+                    led._clean = clean - 1
+                else:
+                    if not self._unreset:
+                        self._loop_or_raise().call_soon(self._flush_resets)
+                    self._unreset.append(row)
+            else:
+                rows, dirty = led.take_unreset(n)
+                if dirty:
+                    if not self._unreset:
+                        self._loop_or_raise().call_soon(self._flush_resets)
+                    self._unreset.extend(dirty)
             fut.set_result(rows)
             if not now:
                 now = _perf_counter()

@@ -43,6 +43,7 @@ examples:
   python -m scheduler_demo --unsafe                 # same workload, no fences
   python -m scheduler_demo --mode sync              # no overlap, for comparison
   python -m scheduler_demo --json out.json --plot out.png
+  python -m scheduler_demo.compare --rounds 3      # overlap vs sync vs unsafe, interleaved
 """
 
 
@@ -179,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--plot",
         metavar="PATH.png",
-        help="write a PNG: rows allocated/pending/free over time and the "
-        "alloc wait-time distribution",
+        help="write a PNG: rows allocated/pending/free over time, the rows held "
+        "behind fences, and the alloc wait-time distribution",
     )
     o.add_argument(
         "--no-progress",
@@ -250,7 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available here")
-    report: Report = _run(run_demo(cfg))
+    try:
+        report: Report = _run(run_demo(cfg))
+    except TimeoutError:
+        print(f"scheduler_demo: gave up after --timeout {cfg.timeout_s} s", file=sys.stderr)
+        return 1
     print(report.table())
     if args.json:
         report.write_json(args.json)

@@ -48,7 +48,8 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         ) as pool:
             forward.attach(pool.req_to_token, pool.verified_lens)
             busy0 = forward.busy_s
-            sched = Scheduler(cfg, pool, forward, specs, on_complete=bar.update if bar else None)
+            on_complete = None if bar is None else bar.update
+            sched = Scheduler(cfg, pool, forward, specs, on_complete=on_complete)
             if cfg.timeout_s is not None:
                 await asyncio.wait_for(sched.run(), cfg.timeout_s)
             else:

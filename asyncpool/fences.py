@@ -195,6 +195,10 @@ class HostStream:
     ``close()`` lets queued work finish (pass ``cancel_pending=True`` to drop
     it, faulting the fences still queued), then joins the worker. A stream is
     also a context manager that closes on exit. All methods are thread-safe.
+
+    torch's intra-op thread count is per thread: work that runs torch ops on
+    the worker may want ``stream.launch(torch.set_num_threads, 1)`` first, so
+    it does not fight the event loop's thread for the cores.
     """
 
     def __init__(self, name: str | None = None) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import torch
 import uvloop
+from helpers import Streams
 
 
 def pytest_asyncio_loop_factories(
@@ -23,3 +24,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kit() -> Iterator[Streams]:
+    """HostStreams and gates that the test opens and closes at teardown."""
+    with Streams() as k:
+        yield k

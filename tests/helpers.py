@@ -17,6 +17,7 @@ use without pytest plugin wiring:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import threading
@@ -216,3 +217,9 @@ def assert_conserved(pool: Any) -> None:
     assert st.free == pool.available_size()
     assert st.pending == pool.pending_size()
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity == pool.size - 1
+
+
+async def spin(n: int = 5) -> None:
+    """Step the event loop ``n`` times (no timed sleeps)."""
+    for _ in range(n):
+        await asyncio.sleep(0)

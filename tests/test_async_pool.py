@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, Streams, assert_conserved, pool_snapshot
+from helpers import WAIT_S, FakeStream, assert_conserved, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -32,12 +32,6 @@ from asyncpool import (
 )
 
 
-@pytest.fixture
-def kit():
-    with Streams() as k:
-        yield k
-
-
 @pytest.fixture(autouse=True)
 def _quiet_fault_logs(caplog):
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
@@ -45,11 +39,6 @@ def _quiet_fault_logs(caplog):
 
 def make(size: int = 5, **kw) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(size, 8, **kw)
-
-
-async def spin(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 async def finish(*tasks: asyncio.Task) -> list:

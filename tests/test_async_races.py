@@ -16,15 +16,9 @@ import random
 import threading
 
 import pytest
-from helpers import WAIT_S, Streams, assert_conserved
+from helpers import WAIT_S, assert_conserved, spin
 
 from asyncpool import AsyncReqToTokenPool, PoolClosedError
-
-
-@pytest.fixture
-def kit():
-    with Streams() as k:
-        yield k
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +28,6 @@ def _quiet_fault_logs(caplog):
 
 def make(size: int = 3, **kw) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(size, 4, **kw)
-
-
-async def spin(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 async def outcome(task: asyncio.Task):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S, Streams
+from helpers import WAIT_S
 
 from asyncpool import (
     CudaFence,
@@ -21,12 +21,6 @@ from asyncpool import (
     record_fence,
 )
 from asyncpool.fences import is_fence
-
-
-@pytest.fixture
-def kit():
-    with Streams() as k:
-        yield k
 
 
 def test_launched_work_runs_in_launch_order(kit):

@@ -6,16 +6,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import WAIT_S, FakeStream, Streams, ledger_snapshot
+from helpers import WAIT_S, FakeStream, ledger_snapshot
 
 from asyncpool import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
 from asyncpool.ledger import SlotLedger
-
-
-@pytest.fixture
-def kit():
-    with Streams() as k:
-        yield k
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, Streams, assert_conserved, pool_snapshot
+from helpers import WAIT_S, FakeStream, assert_conserved, pool_snapshot
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncpool import (
@@ -20,12 +20,6 @@ from asyncpool import (
     ReqToTokenPool,
     ReqToTokenPoolInfo,
 )
-
-
-@pytest.fixture
-def kit():
-    with Streams() as k:
-        yield k
 
 
 @pytest.fixture(autouse=True)

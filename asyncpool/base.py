@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .fences import Fence
+from .fences import Fence, record_fence
 from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
@@ -113,6 +114,21 @@ class PoolCore:
     def generation(self, row: int) -> int:
         """How many times ``row`` has been handed out (for stale-handle checks)."""
         return self._ledger.generation(row)
+
+    def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
+        """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
+
+        Checks everything first, so a refused free records no fence on the
+        caller's stream. Returns the rows as a sequence (a one-shot iterator
+        must survive both passes).
+        """
+        led = self._ledger
+        if fence is not None:
+            led.check_fence(fence)
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "freed")
+        led.record_use(seq, record_fence(after), "freed")
+        return seq
 
     def _record_use(self, rows: Rows, fence: Fence) -> None:
         self._ledger.record_use(rows, fence)

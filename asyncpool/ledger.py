@@ -280,6 +280,13 @@ class SlotLedger:
                 raise self._row_error(row, what)
             state[row] = _CHECKING
 
+    def check_allocated(self, rows: Sequence[int], what: str) -> None:
+        """Raise as :meth:`free` would unless ``rows`` are distinct allocated rows."""
+        self._mark_allocated(rows, what)
+        state = self._state
+        for row in rows:
+            state[row] = ALLOCATED
+
     @staticmethod
     def as_rows(rows: object) -> Sequence[int]:
         if rows.__class__ is int:

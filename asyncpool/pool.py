@@ -46,7 +46,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream, record_fence
+from .fences import Fence, HostFence, HostStream
 from .ledger import ALLOCATED, FREE, Rows
 from .stats import LatencySummary, PoolStats
 from .watcher import FenceWatcher
@@ -479,10 +479,7 @@ class AsyncReqToTokenPool(PoolCore):
                 return 1
         led = self._ledger
         if after is not None:
-            if fence is not None:
-                led.check_fence(fence)
-            rows = led.as_rows(rows)  # a one-shot iterator must survive both passes
-            led.record_use(rows, record_fence(after), "freed")
+            rows = self._use_until_now(rows, after, fence)
         immediate = led.free(rows, fence)
         if immediate and self._nwaiters:
             self._grant()

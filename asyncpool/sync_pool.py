@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .base import PoolCore
-from .fences import Fence, HostStream, record_fence
+from .fences import Fence, HostStream
 from .ledger import Rows
 from .stats import PoolStats
 
@@ -88,10 +88,7 @@ class ReqToTokenPool(PoolCore):
         """
         led = self._ledger
         if after is not None:
-            if fence is not None:
-                led.check_fence(fence)
-            free_index = led.as_rows(free_index)  # a one-shot iterator must survive both passes
-            led.record_use(free_index, record_fence(after), "freed")
+            free_index = self._use_until_now(free_index, after, fence)
         return led.free(free_index, fence)
 
     def reclaim(self) -> int:

@@ -59,3 +59,18 @@ def test_a_large_bulk_reset_zeroes_every_reused_row() -> None:
     # rows still held keep their lengths: the reset touched only free rows
     assert pool.verified_lens[keep].tolist() == [3] * 10
     assert pool.alloced_lens[keep].tolist() == [4] * 10
+
+
+@pytest.mark.parametrize("bad", [[0], [3, 3], [7]])
+def test_a_refused_free_after_a_stream_records_no_fence_on_it(bad: list[int]) -> None:
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(3)
+    assert rows == [1, 2, 3]
+    with HostStream() as stream:
+        seq_before = stream.record().seq
+        with pytest.raises(InvalidSlotError):
+            pool.free(bad, after=stream)
+        assert stream.record().seq == seq_before + 1  # only this probe
+        assert pool.free([1], after=stream) in (0, 1)
+        assert stream.record().seq == seq_before + 3  # the free's fence, then this probe
+    pool.check_invariants()

@@ -130,9 +130,6 @@ class PoolCore:
         led.record_use(seq, record_fence(after), "freed")
         return seq
 
-    def _record_use(self, rows: Rows, fence: Fence) -> None:
-        self._ledger.record_use(rows, fence)
-
     def check_invariants(self) -> None:
         """Raise AssertionError unless every bookkeeping invariant holds."""
         self._ledger.check_invariants()

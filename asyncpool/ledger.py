@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .errors import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
-from .fences import Fence
+from .fences import Fence, is_fence
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "SlotLedger"]
 
@@ -301,9 +301,7 @@ class SlotLedger:
 
     @staticmethod
     def check_fence(fence: object, name: str = "fence") -> None:
-        if not (callable(getattr(fence, "query", None)) and callable(
-            getattr(fence, "synchronize", None)
-        )):
+        if not is_fence(fence):
             raise TypeError(
                 f"{name}= must be a fence (an object with query() and synchronize()), "
                 f"got {fence!r} of type {type(fence).__name__}"

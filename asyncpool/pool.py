@@ -146,7 +146,6 @@ class AsyncReqToTokenPool(PoolCore):
         self._gated = False  # closed or released: no fast path, no grants
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
-        self._drain_futs: list[asyncio.Future[None]] = []
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
@@ -381,24 +380,18 @@ class AsyncReqToTokenPool(PoolCore):
                     led._clean = clean - 1
                 else:
                     if not self._unreset:
-                        self._loop_or_raise().call_soon(self._flush_resets)
+                        self._running_loop().call_soon(self._flush_resets)
                     self._unreset.append(row)
             else:
                 rows, dirty = led.take_unreset(n)
                 if dirty:
                     if not self._unreset:
-                        self._loop_or_raise().call_soon(self._flush_resets)
+                        self._running_loop().call_soon(self._flush_resets)
                     self._unreset.extend(dirty)
             fut.set_result(rows)
             if not now:
                 now = _perf_counter()
             self._wait_times.append(now - t0)
-
-    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        if loop is None:  # pragma: no cover - waiters exist only inside a loop
-            loop = self._loop = asyncio.get_running_loop()
-        return loop
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -492,8 +485,6 @@ class AsyncReqToTokenPool(PoolCore):
         released = self._ledger.reclaim()
         if released and self._nwaiters:
             self._grant()
-        if self._drain_futs and not self._ledger.pending:
-            self._wake_drainers()
         return released
 
     # ------------------------------------------------------------ fence wake-ups
@@ -541,8 +532,6 @@ class AsyncReqToTokenPool(PoolCore):
         self._wake_scheduled = False
         self._ledger.reclaim()
         self._grant()
-        if self._drain_futs and not self._ledger.pending:
-            self._wake_drainers()
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
         # The ledger quarantined rows (loop thread, maybe inside _grant): a
@@ -566,12 +555,6 @@ class AsyncReqToTokenPool(PoolCore):
             f"cannot allocate {n} rows: only {self._capacity - q} of {self._capacity} can "
             f"ever be free again ({q} are quarantined behind faulted fences)"
         )
-
-    def _wake_drainers(self) -> None:
-        futs, self._drain_futs = self._drain_futs, []
-        for fut in futs:
-            if not fut.done():
-                fut.set_result(None)
 
     # ------------------------------------------------------------ leases
 

@@ -16,7 +16,17 @@ from __future__ import annotations
 
 import asyncio
 
-from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name
+from .harness import (
+    Config,
+    Row,
+    Target,
+    clock_of,
+    compare,
+    interleave,
+    loop_name,
+    pool_cycles,
+    seed_cycles,
+)
 from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["bench_batched", "bench_contended", "bench_uncontended"]
@@ -37,14 +47,7 @@ async def bench_uncontended(cfg: Config) -> list[Row]:
     naive = NaiveReqToTokenPool(cfg.size, cfg.max_context_len)
     sem = asyncio.Semaphore(cfg.size - 1)
 
-    async def pool_sample(n: int) -> int:
-        alloc, free = pool.alloc, pool.free
-        t0 = now()
-        for _ in range(n):
-            rows = await alloc(1)
-            free(rows)
-        return now() - t0
-
+    pool_sample = pool_cycles(pool, 1, now)
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
         t0 = now()
@@ -53,14 +56,7 @@ async def bench_uncontended(cfg: Config) -> list[Row]:
             release()
         return now() - t0
 
-    async def naive_sample(n: int) -> int:
-        alloc, free = naive.alloc, naive.free
-        t0 = now()
-        for _ in range(n):
-            rows = alloc(1)
-            assert rows is not None
-            free(rows)
-        return now() - t0
+    naive_sample = seed_cycles(naive, 1, now)
 
     try:
         per_op = await interleave(
@@ -92,14 +88,7 @@ async def bench_batched(cfg: Config) -> list[Row]:
     sem = asyncio.Semaphore(cfg.size - 1)
     steps = range(k)
 
-    async def pool_sample(n: int) -> int:
-        alloc, free = pool.alloc, pool.free
-        t0 = now()
-        for _ in range(n):
-            rows = await alloc(k)
-            free(rows)
-        return now() - t0
-
+    pool_sample = pool_cycles(pool, k, now)
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
         t0 = now()
@@ -110,14 +99,7 @@ async def bench_batched(cfg: Config) -> list[Row]:
                 release()
         return now() - t0
 
-    async def naive_sample(n: int) -> int:
-        alloc, free = naive.alloc, naive.free
-        t0 = now()
-        for _ in range(n):
-            rows = alloc(k)
-            assert rows is not None
-            free(rows)
-        return now() - t0
+    naive_sample = seed_cycles(naive, k, now)
 
     try:
         per_op = await interleave(

@@ -19,7 +19,16 @@ import gc
 import tracemalloc
 from typing import Any
 
-from .harness import Config, Row, clock_of, compare, interleave, loop_name
+from .harness import (
+    Config,
+    Row,
+    clock_of,
+    compare,
+    interleave,
+    loop_name,
+    pool_cycles,
+    seed_cycles,
+)
 from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["TABLE_ATTRS", "bench_scaling", "measure_memory"]
@@ -83,33 +92,10 @@ async def bench_scaling(
     pools = {s: AsyncReqToTokenPool(s, ctx, device="cpu") for s in sizes}
     naives = {s: NaiveReqToTokenPool(s, ctx) for s in sizes}
 
-    def pool_sampler(pool: Any) -> Any:
-        async def sample(n: int) -> int:
-            alloc, free = pool.alloc, pool.free
-            t0 = now()
-            for _ in range(n):
-                rows = await alloc(1)
-                free(rows)
-            return now() - t0
-
-        return sample
-
-    def naive_sampler(naive: NaiveReqToTokenPool) -> Any:
-        async def sample(n: int) -> int:
-            alloc, free = naive.alloc, naive.free
-            t0 = now()
-            for _ in range(n):
-                rows = alloc(1)
-                assert rows is not None
-                free(rows)
-            return now() - t0
-
-        return sample
-
     samplers = {}
     for s in sizes:
-        samplers[f"pool {s}"] = pool_sampler(pools[s])
-        samplers[f"seed {s}"] = naive_sampler(naives[s])
+        samplers[f"pool {s}"] = pool_cycles(pools[s], 1, now)
+        samplers[f"seed {s}"] = seed_cycles(naives[s], 1, now)
     try:
         per_op = await interleave(samplers, rounds=cfg.rounds, target_s=cfg.sample_s / 2)
     finally:

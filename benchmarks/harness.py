@@ -188,6 +188,35 @@ class Row:
         return d
 
 
+def pool_cycles(pool: Any, k: int, now: Callable[[], int]) -> Sampler:
+    """A sampler timing ``n`` cycles of ``rows = await pool.alloc(k); pool.free(rows)``."""
+
+    async def sample(n: int) -> int:
+        alloc, free = pool.alloc, pool.free
+        t0 = now()
+        for _ in range(n):
+            rows = await alloc(k)
+            free(rows)
+        return now() - t0
+
+    return sample
+
+
+def seed_cycles(naive: Any, k: int, now: Callable[[], int]) -> Sampler:
+    """The same cycles on the seed-style pool (synchronous, never short)."""
+
+    async def sample(n: int) -> int:
+        alloc, free = naive.alloc, naive.free
+        t0 = now()
+        for _ in range(n):
+            rows = alloc(k)
+            assert rows is not None
+            free(rows)
+        return now() - t0
+
+    return sample
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

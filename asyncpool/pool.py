@@ -27,7 +27,6 @@ completions on other threads reach the loop only through
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import functools
 import logging
@@ -49,6 +48,7 @@ from .errors import (
 from .fences import Fence, HostFence, HostStream
 from .ledger import ALLOCATED, FREE, Rows
 from .stats import LatencySummary, PoolStats
+from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
@@ -58,11 +58,6 @@ logger = logging.getLogger(__name__)
 _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
-
-
-# A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
-# than an object, and the future says whether it is still wanted.
-_Waiter = tuple[int, "asyncio.Future[list[int]]", float]
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -85,6 +80,11 @@ def _check_wait_args(priority: object, timeout: object) -> None:
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
     ):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+
+
+def _describe(need: int) -> str:
+    """A need in words, for the waiter module's messages."""
+    return f"{need} rows" if need != 1 else "1 row"
 
 
 def _synchronize_quietly(fence: Fence) -> None:
@@ -137,21 +137,19 @@ class AsyncReqToTokenPool(PoolCore):
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[int, collections.deque[_Waiter]] = {}
-        self._prios: list[int] = []
-        self._nwaiters = 0
-        self._max_waiters = max_waiters
+        # The waiter queues and the grant loop; gated while closed or
+        # released (no fast path, no grants).
+        self._waiters = WaiterQueues(
+            self._take_for_waiter, self._give_back, self._reclaim_for_waiter, _describe,
+            max_waiters,
+        )
         self._closed = False
         self._released = False
-        self._gated = False  # closed or released: no fast path, no grants
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
-        self._timeouts = 0
-        self._cancellations = 0
-        self._rejections = 0
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -159,7 +157,7 @@ class AsyncReqToTokenPool(PoolCore):
         return (
             f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} "
-            f"quarantined={led.quarantined} waiters={self._nwaiters}>"
+            f"quarantined={led.quarantined} waiters={self._waiters.count}>"
         )
 
     async def __aenter__(self) -> AsyncReqToTokenPool:
@@ -226,7 +224,8 @@ class AsyncReqToTokenPool(PoolCore):
             self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
-        if not self._nwaiters and not self._gated:
+        waiters = self._waiters
+        if not waiters.count and not waiters.gated:
             led = self._ledger
             if n == 1 and led._clean:
                 # Inlined SlotLedger.take(1) for a clean row.
@@ -246,18 +245,27 @@ class AsyncReqToTokenPool(PoolCore):
                 rows = self._take(n)
                 if rows is not None:
                     return rows
-        # Slow path, inline (no nested coroutine per wait): queue and wait
-        # for a grant.
+        # Slow path: queue and wait for a grant. The waiter module's wait()
+        # is inlined (enqueue, await, cancelled) to save a coroutine frame
+        # per wait; the rules stay there.
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
-        if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
-            self._rejections += 1
-            raise PoolBusyError(
-                f"{self._nwaiters} waiters already queue (max_waiters={self._max_waiters}); "
-                f"refusing to queue a request for {n} rows"
-            )
+        loop = self._prepare_wait()
+        waiter, handle = waiters.enqueue(n, priority, timeout, loop, self._wait_times)
+        try:
+            granted: list[int] = await waiter[1]
+            return granted
+        except asyncio.CancelledError:
+            waiters.cancelled(waiter)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _prepare_wait(self) -> asyncio.AbstractEventLoop:
+        """Bind the running loop and watch fences deferred before it ran."""
         loop = _get_running_loop()
         if loop is not self._loop:
             self._rebind_loop(loop)
@@ -265,63 +273,59 @@ class AsyncReqToTokenPool(PoolCore):
             unwatched, self._unwatched = self._unwatched, []
             for pending_fence in unwatched:
                 self._on_pending(pending_fence)
-        fut: asyncio.Future[list[int]] = loop.create_future()
-        waiter = (n, fut, _perf_counter())
-        queue = self._queues.get(priority)
-        if queue is None:
-            queue = self._queues[priority] = collections.deque()
-            bisect.insort(self._prios, priority)
-        queue.append(waiter)
-        self._nwaiters += 1
-        handle = None if timeout is None else loop.call_later(
-            timeout, self._expire, waiter, priority
-        )
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._cancellations += 1
-            if fut.cancelled():
-                self._dequeue(waiter, priority)
-            elif fut.exception() is None:
-                # Granted, then cancelled before it could resume: give the
-                # rows back and let the next waiters have them.
-                self._give_back(fut.result())
-            self._grant()
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
+        return loop
 
     def _rebind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         old = self._loop
-        if old is not None and not old.is_closed() and (self._nwaiters or self._ledger.pending):
+        if (
+            old is not None
+            and not old.is_closed()
+            and (self._waiters.count or self._ledger.pending)
+        ):
             raise WrongThreadError(
                 "AsyncReqToTokenPool is bound to another event loop that still has "
                 "waiters or pending fences; a pool is loop-affine"
             )
         self._loop = loop
 
-    def _dequeue(self, waiter: _Waiter, priority: int) -> None:
-        queue = self._queues.get(priority)
-        if queue is None:
-            return
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return  # already taken off by the grant loop, expiry or close
-        self._nwaiters -= 1
-        if not queue:
-            del self._queues[priority]
-            self._prios.remove(priority)
+    # ------------------------------------------------------------ grants
+    # The supply side of the waiter queues (asyncpool.waiters): what a need
+    # means, how it is taken at hand-over and given back after a cancel.
 
-    def _expire(self, waiter: _Waiter, priority: int) -> None:
-        n, fut, _ = waiter
-        if fut.done():
-            return
-        self._dequeue(waiter, priority)
-        self._timeouts += 1
-        fut.set_exception(TimeoutError(f"no {n} rows could be granted within the timeout"))
-        self._grant()
+    def _take_for_waiter(self, n: int) -> list[int] | None:
+        """Take ``n`` rows for a waiter at hand-over, or None if short.
+
+        Rows that need a reset are zeroed by one callback scheduled *before*
+        the waiter's future is resolved: callbacks run in order, so every
+        granted task resumes after its rows read zero, and a burst of grants
+        costs one tensor op.
+        """
+        free = self._free_q
+        if n > len(free):
+            return None
+        led = self._ledger
+        if n == 1:
+            # Inlined SlotLedger.take_unreset(1): under saturation the row
+            # was freed a moment ago and is still dirty.
+            row = free.popleft()
+            self._state[row] = 1  # ALLOCATED
+            self._gen[row] += 1
+            if len(free) < led._peak_bound:
+                led._note_peak()
+            clean = led._clean
+            if clean:
+                led._clean = clean - 1
+            else:
+                if not self._unreset:
+                    self._running_loop().call_soon(self._flush_resets)
+                self._unreset.append(row)
+            return [row]
+        rows, dirty = led.take_unreset(n)
+        if dirty:
+            if not self._unreset:
+                self._running_loop().call_soon(self._flush_resets)
+            self._unreset.extend(dirty)
+        return rows
 
     def _give_back(self, rows: list[int]) -> None:
         # Their reset may still be scheduled: do it now, since put_back
@@ -329,69 +333,9 @@ class AsyncReqToTokenPool(PoolCore):
         self._flush_resets()
         self._ledger.put_back(rows)
 
-    def _grant(self) -> None:
-        """Hand rows to waiters in order until the head does not fit.
-
-        Runs synchronously; resolves each granted waiter's future with its
-        rows, so nobody else can take them in between. Rows that need a
-        reset are zeroed by one callback scheduled *before* the first future
-        is resolved: callbacks run in order, so every granted task resumes
-        after its rows read zero, and a burst of grants costs one tensor op.
-        """
-        if not self._nwaiters or self._gated:
-            return
+    def _reclaim_for_waiter(self) -> bool:
         led = self._ledger
-        free = self._free_q
-        queues = self._queues
-        prios = self._prios
-        now = 0.0
-        while self._nwaiters:
-            prio = prios[0]
-            queue = queues[prio]
-            waiter = queue[0]
-            n, fut, t0 = waiter
-            if fut.done():  # cancelled; its task has not run its handler yet
-                queue.popleft()
-                self._nwaiters -= 1
-                if not queue:
-                    del queues[prio]
-                    prios.pop(0)
-                continue
-            if n > len(free):
-                if led.pending and led.reclaim():
-                    continue
-                return
-            queue.popleft()
-            self._nwaiters -= 1
-            if not queue:
-                del queues[prio]
-                prios.pop(0)
-            if n == 1:
-                # Inlined SlotLedger.take_unreset(1): under saturation the
-                # row was freed a moment ago and is still dirty.
-                row = free.popleft()
-                self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
-                if len(free) < led._peak_bound:
-                    led._note_peak()
-                rows = [row]
-                clean = led._clean
-                if clean:
-                    led._clean = clean - 1
-                else:
-                    if not self._unreset:
-                        self._running_loop().call_soon(self._flush_resets)
-                    self._unreset.append(row)
-            else:
-                rows, dirty = led.take_unreset(n)
-                if dirty:
-                    if not self._unreset:
-                        self._running_loop().call_soon(self._flush_resets)
-                    self._unreset.extend(dirty)
-            fut.set_result(rows)
-            if not now:
-                now = _perf_counter()
-            self._wait_times.append(now - t0)
+        return bool(led.pending and led.reclaim())
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -415,7 +359,7 @@ class AsyncReqToTokenPool(PoolCore):
             led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
-        if self._nwaiters or self._released:
+        if self._waiters.count or self._released:
             return None
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():
@@ -467,15 +411,15 @@ class AsyncReqToTokenPool(PoolCore):
             ):
                 self._state[row] = 0  # FREE
                 self._free_q.append(row)
-                if self._nwaiters:
-                    self._grant()
+                if self._waiters.count:
+                    self._waiters.grant()
                 return 1
         led = self._ledger
         if after is not None:
             rows = self._use_until_now(rows, after, fence)
         immediate = led.free(rows, fence)
-        if immediate and self._nwaiters:
-            self._grant()
+        if immediate and self._waiters.count:
+            self._waiters.grant()
         return immediate
 
     def reclaim(self) -> int:
@@ -483,8 +427,8 @@ class AsyncReqToTokenPool(PoolCore):
         if self._owner != _get_ident():
             self._bind_thread()
         released = self._ledger.reclaim()
-        if released and self._nwaiters:
-            self._grant()
+        if released and self._waiters.count:
+            self._waiters.grant()
         return released
 
     # ------------------------------------------------------------ fence wake-ups
@@ -531,23 +475,23 @@ class AsyncReqToTokenPool(PoolCore):
     def _on_fences_done(self) -> None:
         self._wake_scheduled = False
         self._ledger.reclaim()
-        self._grant()
+        self._waiters.grant()
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
-        # The ledger quarantined rows (loop thread, maybe inside _grant): a
-        # waiter that can no longer ever fit would block its queue forever,
-        # so fail those waiters on the next loop iteration.
-        if self._nwaiters and self._loop is not None:
+        # The ledger quarantined rows (loop thread, maybe inside the grant
+        # loop): a waiter that can no longer ever fit would block its queue
+        # forever, so fail those waiters on the next loop iteration.
+        if self._waiters.count and self._loop is not None:
             self._loop.call_soon(self._shed_unfittable)
 
     def _shed_unfittable(self) -> None:
-        usable = self._capacity - self._ledger.quarantined
-        for prio in list(self._prios):
-            for waiter in [w for w in self._queues.get(prio, ()) if w[0] > usable]:
-                self._dequeue(waiter, prio)
-                if not waiter[1].done():
-                    waiter[1].set_exception(self._unfittable(waiter[0]))
-        self._grant()
+        self._waiters.shed(self._unfittable_need)
+
+    def _unfittable_need(self, n: int) -> CapacityError | None:
+        """The error for a need that can never be met any more, else None."""
+        if n > self._capacity - self._ledger.quarantined:
+            return self._unfittable(n)
+        return None
 
     def _unfittable(self, n: int) -> CapacityError:
         q = self._ledger.quarantined
@@ -612,15 +556,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._closed:
             return
         self._closed = True
-        self._gated = True
-        error = PoolClosedError("the pool was closed while this request waited")
-        for queue in list(self._queues.values()):
-            for _, fut, _ in queue:
-                if not fut.done():
-                    fut.set_exception(error)
-        self._queues.clear()
-        self._prios.clear()
-        self._nwaiters = 0
+        self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             if watcher.running:
@@ -646,7 +582,7 @@ class AsyncReqToTokenPool(PoolCore):
             raise PoolClosedError("the pool is closed")
         if self._released:
             return
-        self._released = self._gated = True
+        self._released = self._waiters.gated = True
         try:
             await self.drain()
             allocated = self._ledger.allocated
@@ -657,8 +593,8 @@ class AsyncReqToTokenPool(PoolCore):
             self._tables.pause()
         except BaseException:
             self._released = False
-            self._gated = self._closed
-            self._grant()
+            self._waiters.gated = self._closed
+            self._waiters.grant()
             raise
         logger.info("released the kv_cache region of %r", self)
 
@@ -670,8 +606,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._tables.resume()
         self._ledger.reset_all()
         self._released = False
-        self._gated = self._closed
-        self._grant()
+        self._waiters.gated = self._closed
+        self._waiters.grant()
         logger.info("resumed the kv_cache region of %r", self)
 
     @property
@@ -682,15 +618,16 @@ class AsyncReqToTokenPool(PoolCore):
 
     def waiting(self) -> int:
         """How many ``alloc`` calls are queued."""
-        return self._nwaiters
+        return self._waiters.count
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of counts, totals and latency summaries."""
+        waiters = self._waiters
         return self._stats(
-            waiters=self._nwaiters,
-            timeouts=self._timeouts,
-            cancellations=self._cancellations,
-            rejections=self._rejections,
+            waiters=waiters.count,
+            timeouts=waiters.timeouts,
+            cancellations=waiters.cancellations,
+            rejections=waiters.rejections,
             closed=self._closed,
             released=self._released,
             wait_time=LatencySummary.of(self._wait_times),
@@ -699,17 +636,7 @@ class AsyncReqToTokenPool(PoolCore):
     def check_invariants(self) -> None:
         """Raise AssertionError unless ledger and waiter queues are consistent."""
         super().check_invariants()
-        queued = sum(len(q) for q in self._queues.values())
-        if queued != self._nwaiters:
-            raise AssertionError(f"waiter count {self._nwaiters} != queued {queued}")
-        if sorted(self._queues) != self._prios:
-            raise AssertionError("priority index out of sync with the queues")
-        for queue in self._queues.values():
-            for n, fut, _ in queue:
-                # A cancelled future stays queued until its task resumes and
-                # dequeues it (legal); a granted or failed one never does.
-                if fut.done() and not fut.cancelled():
-                    raise AssertionError(f"a settled waiter is still queued: {n} rows")
+        self._waiters.check_invariants()
         for row in self._unreset:
             if self._ledger.state_of(row) != "allocated":
                 raise AssertionError(f"row {row} awaits its reset but is not allocated")

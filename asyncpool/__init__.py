@@ -21,6 +21,7 @@ from .errors import (
 )
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
 from .pool import AsyncReqToTokenPool, Lease
+from .row_pages import Grant
 from .stats import LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
@@ -32,6 +33,7 @@ __all__ = [
     "DoubleFreeError",
     "Fence",
     "FenceError",
+    "Grant",
     "HostFence",
     "HostStream",
     "InvalidSlotError",

@@ -45,8 +45,11 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream
+from .fences import Fence, HostFence, HostStream, record_fence
+from .kv_pages import KVPagePool, PageLedger
 from .ledger import ALLOCATED, FREE, Rows
+from .overdue import OverdueFences, check_fence_timeout
+from .row_pages import Grant, RowPages, check_page_count
 from .stats import LatencySummary, PoolStats
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
@@ -82,9 +85,17 @@ def _check_wait_args(priority: object, timeout: object) -> None:
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
 
 
-def _describe(need: int) -> str:
+# What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
+# for alloc(n), ``(1, k)`` for admit(pages=k).
+_Need = int | tuple[int, int]
+
+
+def _describe(need: _Need) -> str:
     """A need in words, for the waiter module's messages."""
-    return f"{need} rows" if need != 1 else "1 row"
+    if need.__class__ is int:
+        return f"{need} rows" if need != 1 else "1 row"
+    assert isinstance(need, tuple)
+    return f"1 row and {need[1]} pages" if need[1] != 1 else "1 row and 1 page"
 
 
 def _synchronize_quietly(fence: Fence) -> None:
@@ -106,8 +117,16 @@ class AsyncReqToTokenPool(PoolCore):
     stream
         The pool's stream: on CUDA, row resets are launched on it.
     max_waiters
-        At most this many ``alloc`` calls may queue; one more raises
+        At most this many ``alloc``/``admit`` calls may queue; one more raises
         :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.
+    kv
+        A :class:`KVPagePool` whose pages this pool hands out with its rows
+        (:meth:`admit`); it then serves this pool only. Without it the pool
+        manages rows only, exactly as fast as before.
+    fence_timeout
+        Seconds after which a fence still holding rows or pages is
+        *overdue*: logged once at WARNING and counted in :meth:`stats`; its
+        memory stays held (see :meth:`force_release`). ``None``: never.
     """
 
     def __init__(
@@ -118,9 +137,17 @@ class AsyncReqToTokenPool(PoolCore):
         enable_memory_saver: bool = False,
         stream: Any | None = None,
         max_waiters: int | None = None,
+        kv: KVPagePool | None = None,
+        fence_timeout: float | None = None,
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+        timeout_s = check_fence_timeout(fence_timeout)
+        if kv is not None:
+            if not isinstance(kv, KVPagePool):
+                raise TypeError(f"kv must be a KVPagePool, got {type(kv).__name__}")
+            if kv.ledger._on_pending is not None:
+                raise ValueError(f"{kv!r} already serves a pool; give each pool its own")
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
         led = self._ledger
         self._capacity = led.capacity
@@ -150,6 +177,21 @@ class AsyncReqToTokenPool(PoolCore):
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
+        # Admission (kv=...): the pages each row owns, and the page ledger,
+        # whose pending fences wake waiters exactly as the row ledger's do.
+        self.kv = kv
+        self._pages: RowPages | None = None
+        self._pled: PageLedger | None = None
+        self._admit_waits: collections.deque[float] = collections.deque(maxlen=4096)
+        if kv is not None:
+            self._pages = RowPages(kv, size)
+            self._pled = kv.ledger
+            self._pled.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+        self._overdue: OverdueFences | None = None
+        self._overdue_timer: asyncio.TimerHandle | None = None
+        if timeout_s is not None:
+            ledgers = [led] if self._pled is None else [led, self._pled]
+            self._overdue = OverdueFences(timeout_s, ledgers)
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -280,7 +322,7 @@ class AsyncReqToTokenPool(PoolCore):
         if (
             old is not None
             and not old.is_closed()
-            and (self._waiters.count or self._ledger.pending)
+            and (self._waiters.count or self._pending_any())
         ):
             raise WrongThreadError(
                 "AsyncReqToTokenPool is bound to another event loop that still has "
@@ -292,14 +334,17 @@ class AsyncReqToTokenPool(PoolCore):
     # The supply side of the waiter queues (asyncpool.waiters): what a need
     # means, how it is taken at hand-over and given back after a cancel.
 
-    def _take_for_waiter(self, n: int) -> list[int] | None:
-        """Take ``n`` rows for a waiter at hand-over, or None if short.
+    def _take_for_waiter(self, need: _Need) -> list[int] | Grant | None:
+        """Take what a waiter needs at hand-over, or None if it does not fit.
 
         Rows that need a reset are zeroed by one callback scheduled *before*
         the waiter's future is resolved: callbacks run in order, so every
         granted task resumes after its rows read zero, and a burst of grants
         costs one tensor op.
         """
+        if need.__class__ is not int:
+            return self._take_admission(need[1])  # type: ignore[index]
+        n: int = need  # type: ignore[assignment]
         free = self._free_q
         if n > len(free):
             return None
@@ -327,15 +372,38 @@ class AsyncReqToTokenPool(PoolCore):
             self._unreset.extend(dirty)
         return rows
 
-    def _give_back(self, rows: list[int]) -> None:
+    def _take_admission(self, k: int) -> Grant | None:
+        """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
+        pages = self._pages
+        assert pages is not None
+        if not self._free_q or k > pages.ledger.free_count:
+            return None
+        taken = pages.take(k)
+        assert taken is not None
+        rows = self._take_for_waiter(1)
+        assert rows.__class__ is list
+        return pages.grant(rows[0], taken)  # type: ignore[index]
+
+    def _give_back(self, granted: list[int] | Grant) -> None:
+        if granted.__class__ is Grant:
+            assert self._pages is not None and isinstance(granted, Grant)
+            self._pages.give_back(granted.row)
+            rows = [granted.row]
+        else:
+            rows = granted  # type: ignore[assignment]
         # Their reset may still be scheduled: do it now, since put_back
         # files them as clean rows at the head of the free queue.
         self._flush_resets()
         self._ledger.put_back(rows)
 
     def _reclaim_for_waiter(self) -> bool:
+        """Reclaim both ledgers; True if anything was made free."""
         led = self._ledger
-        return bool(led.pending and led.reclaim())
+        made = bool(led.pending and led.reclaim())
+        pled = self._pled
+        if pled is not None and pled.pending and pled.reclaim():
+            made = True
+        return made
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -365,6 +433,156 @@ class AsyncReqToTokenPool(PoolCore):
         if rows is None and led.pending and led.reclaim():
             rows = self._take(n)
         return rows
+
+    # ------------------------------------------------------------ admission
+
+    async def admit(
+        self, pages: int, *, priority: int = 0, timeout: float | None = None
+    ) -> Grant:
+        """Admit a request: one row and ``pages`` KV pages, granted together.
+
+        All or nothing (System V ``semop`` semantics): a waiter short of
+        pages holds no row, and one short of rows holds no pages. Waits in
+        the same queue as :meth:`alloc`, FIFO within ``priority``; the head
+        blocks those behind it whatever they need. Returns at once, without
+        suspending, when nobody is queued and both fit (reclaiming completed
+        fences first). The row owns its pages until it is freed (with them)
+        or they are detached; do not modify ``grant.pages`` in place.
+
+        Raises :class:`CapacityError` at once for a page count that is not an
+        int in ``0..kv.capacity`` (or a pool without ``kv``), or one that can
+        never fit because of quarantine; :class:`PoolBusyError`,
+        :class:`PoolClosedError` and ``TimeoutError`` as :meth:`alloc` does.
+        On any exception, cancellation included, nothing was allocated; a
+        waiter cancelled after its grant gives row and pages back.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(pages, 0)
+        if timeout is not None or priority.__class__ is not int:
+            _check_wait_args(priority, timeout)
+        waiters = self._waiters
+        if not waiters.count and not waiters.gated:
+            grant = self._admit_now(k)
+            if grant is not None:
+                return grant
+        if self._closed:
+            raise PoolClosedError("the pool is closed; nothing can be admitted")
+        need = (1, k)
+        error = self._unfittable_need(need)
+        if error is not None:
+            raise error
+        loop = self._prepare_wait()
+        granted: Grant = await waiters.wait(need, priority, timeout, loop, self._admit_waits)
+        return granted
+
+    def try_admit(self, pages: int) -> Grant | None:
+        """Admit now (one row and ``pages`` pages), or return None; never waits.
+
+        None while anyone is queued (no queue jumping), while the memory is
+        released, or when either does not fit after reclaiming completed
+        fences. Raises as :meth:`admit` does for bad input, and
+        :class:`PoolClosedError` after :meth:`close`.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(pages, 0)
+        if self._closed:
+            raise PoolClosedError("the pool is closed; nothing can be admitted")
+        if self._waiters.count or self._released:
+            return None
+        return self._admit_now(k)
+
+    def _admit_now(self, k: int) -> Grant | None:
+        pages = self._pages
+        assert pages is not None
+        free = self._free_q
+        pled = pages.ledger
+        if not free or k > pled.free_count:
+            # Capacity only waiting on a fence is not exhaustion.
+            if not self._reclaim_for_waiter() or not free or k > pled.free_count:
+                return None
+        taken = pages.take(k)
+        assert taken is not None
+        rows = self._take(1)
+        assert rows is not None
+        return pages.grant(rows[0], taken)
+
+    def _page_count(self, k: object, least: int) -> int:
+        pages = self._pages
+        if pages is None:
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv=KVPagePool(...) to admit or "
+                "extend with pages"
+            )
+        if k.__class__ is int and least <= k <= pages.capacity:  # type: ignore[operator]
+            return k  # type: ignore[return-value]
+        return check_page_count(k, pages.capacity, least=least)
+
+    def _allocated_row(self, row: object, what: str) -> int:
+        """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
+        if row.__class__ is int and 0 < row < self._size:  # type: ignore[operator]
+            if self._state[row] == 1:  # type: ignore[index]  # ALLOCATED
+                return row  # type: ignore[return-value]
+        raise self._ledger._row_error(row, what)
+
+    def pages_of(self, row: int) -> torch.Tensor:
+        """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
+
+        Raises :class:`InvalidSlotError` unless ``row`` is allocated. Read
+        only: the tensor is the pool's record.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        row = self._allocated_row(row, "asked for its pages")
+        if self._pages is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._pages.of(row)
+
+    def extend(self, row: int, k: int) -> torch.Tensor | None:
+        """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
+
+        Returns the new pages (they belong to the row from now on), or None
+        when fewer than ``k`` are free after reclaiming completed fences, or
+        while the memory is released: the scheduler then retracts, as every
+        engine does (waiting here behind new admissions could deadlock). A
+        running request's growth goes before queued admissions. Raises
+        :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
+        :class:`InvalidSlotError` unless ``row`` is allocated,
+        :class:`PoolClosedError` after :meth:`close`; changing nothing.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(k, 1)
+        row = self._allocated_row(row, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        if self._released:
+            return None
+        pages = self._pages
+        assert pages is not None
+        reclaimed = pages.ledger.reclaimed
+        got = pages.extend(row, k)
+        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
+            self._waiters.grant()  # it reclaimed more than it took
+        return got
+
+    def detach_pages(self, row: int) -> torch.Tensor:
+        """Hand ``row``'s pages to the caller, who owns them from now on.
+
+        For prefix caching: the caller keeps them (in a radix tree, say) and
+        frees them to the :class:`KVPagePool` later, fenced as well (its
+        ``free(pages, fence=..., after=...)``; a completion wakes this
+        pool's waiters). A later :meth:`free` of ``row`` frees only pages
+        it owns then. Raises :class:`InvalidSlotError` unless ``row`` is
+        allocated.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        row = self._allocated_row(row, "asked for its pages")
+        if self._pages is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._pages.detach(row)
 
     # ------------------------------------------------------------ free
 
@@ -397,9 +615,15 @@ class AsyncReqToTokenPool(PoolCore):
         allocated (:class:`DoubleFreeError` for one already freed),
         duplicates, and a ``fence`` that is not a fence. Allowed after
         :meth:`close`.
+
+        With ``kv``, each row's pages are freed with it, behind the same
+        fences (one ``record_use`` per step covers them); pages detached
+        before are the caller's to free.
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        if self._pages is not None:
+            return self._free_with_pages(rows, after, fence)
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
             # Inlined SlotLedger.free fast path: one row, no fence, no use.
             row = rows[0]
@@ -422,20 +646,80 @@ class AsyncReqToTokenPool(PoolCore):
             self._waiters.grant()
         return immediate
 
+    def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
+        """:meth:`free` on a pool with ``kv``: rows and the pages they own.
+
+        Checks everything (rows, fence, the pages in the page ledger) before
+        changing anything, and records no fence on ``after`` for a refused
+        free. Each row's pages wait for the row's recorded use plus
+        ``fence`` and ``after``: exactly the row's own fences.
+        """
+        pages = self._pages
+        assert pages is not None
+        led = self._ledger
+        if fence is not None:
+            led.check_fence(fence)
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "freed")
+        prepared = pages.prepare_free(seq, self._uses)
+        extra: tuple[Fence, ...] = () if fence is None else (fence,)
+        if after is not None:
+            step = record_fence(after)
+            led.record_use(seq, step, "freed")
+            extra = (*extra, step)
+        freed_pages = pages.free(prepared, extra)
+        immediate = led.free(seq, fence)
+        if (immediate or freed_pages) and self._waiters.count:
+            self._waiters.grant()
+        return immediate
+
     def reclaim(self) -> int:
-        """Return rows whose fences completed; grant waiters; the rows made free."""
+        """Return memory whose fences completed; grant waiters; the rows made free."""
         if self._owner != _get_ident():
             self._bind_thread()
         released = self._ledger.reclaim()
-        if released and self._waiters.count:
+        pled = self._pled
+        pages = pled.reclaim() if pled is not None and pled.pending else 0
+        if (released or pages) and self._waiters.count:
             self._waiters.grant()
         return released
+
+    def force_release(self, fence: Fence) -> tuple[int, int]:
+        """Release the rows and pages held behind ``fence``, done or not.
+
+        The escape hatch for an operator who knows the writer behind a stuck
+        fence (a transfer whose peer died) will never write again: memory
+        waiting on ``fence`` is treated as if it had completed (released, or
+        still waiting for its other fences), logged at WARNING, and the
+        waiters are served. Never asks ``fence`` anything. Returns ``(rows,
+        pages)`` made free; ``(0, 0)`` for a fence that holds nothing.
+        Raises ``TypeError`` for a non-fence.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        led.check_fence(fence)
+        rows = led.force_release(fence)
+        pled = self._pled
+        pages = pled.force_release(fence) if pled is not None else 0
+        if self._overdue is not None:
+            self._overdue.forget(fence)
+        logger.warning(
+            "force_release(%r): %d rows and %d pages returned to circulation without "
+            "the fence completing",
+            fence,
+            rows,
+            pages,
+        )
+        if rows or pages:
+            self._waiters.grant()
+        return rows, pages
 
     # ------------------------------------------------------------ fence wake-ups
 
     def _on_pending(self, fence: Fence) -> None:
-        # Called by the ledger in the loop's thread when a fence starts
-        # holding rows: arrange to be told when it completes.
+        # Called by either ledger in the loop's thread when a fence starts
+        # holding rows or pages: arrange to be told when it completes.
         if self._loop is None:
             try:
                 self._loop = asyncio.get_running_loop()
@@ -443,6 +727,8 @@ class AsyncReqToTokenPool(PoolCore):
                 # No loop yet: watch it once a waiter binds one.
                 self._unwatched.append(fence)
                 return
+        if self._overdue is not None and self._overdue_timer is None:
+            self._arm_overdue(self._overdue.timeout)
         if fence.__class__ is HostFence:
             fence.add_done_callback(self._fence_done_threadsafe)
             return
@@ -474,8 +760,22 @@ class AsyncReqToTokenPool(PoolCore):
 
     def _on_fences_done(self) -> None:
         self._wake_scheduled = False
-        self._ledger.reclaim()
+        self._reclaim_for_waiter()
         self._waiters.grant()
+
+    def _arm_overdue(self, delay: float) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and not self._closed:
+            self._overdue_timer = loop.call_later(delay, self._check_overdue)
+
+    def _check_overdue(self) -> None:
+        # Loop thread, while fences are pending: log newly overdue fences
+        # once, then look again when the next pending one becomes overdue.
+        self._overdue_timer = None
+        assert self._overdue is not None
+        due = self._overdue.check()
+        if due is not None:
+            self._arm_overdue(due + 0.001)
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
         # The ledger quarantined rows (loop thread, maybe inside the grant
@@ -487,10 +787,25 @@ class AsyncReqToTokenPool(PoolCore):
     def _shed_unfittable(self) -> None:
         self._waiters.shed(self._unfittable_need)
 
-    def _unfittable_need(self, n: int) -> CapacityError | None:
+    def _unfittable_need(self, need: _Need) -> CapacityError | None:
         """The error for a need that can never be met any more, else None."""
-        if n > self._capacity - self._ledger.quarantined:
-            return self._unfittable(n)
+        if need.__class__ is int:
+            n: int = need  # type: ignore[assignment]
+            if n > self._capacity - self._ledger.quarantined:
+                return self._unfittable(n)
+            return None
+        if 1 > self._capacity - self._ledger.quarantined:
+            return self._unfittable(1)
+        k = need[1]  # type: ignore[index]
+        pled = self._pled
+        assert pled is not None
+        q = pled.quarantined
+        if k > pled.capacity - q:
+            return CapacityError(
+                f"cannot admit a request for {k} pages: only {pled.capacity - q} of "
+                f"{pled.capacity} can ever be free again ({q} are quarantined behind "
+                "faulted fences)"
+            )
         return None
 
     def _unfittable(self, n: int) -> CapacityError:
@@ -522,20 +837,19 @@ class AsyncReqToTokenPool(PoolCore):
     # ------------------------------------------------------------ lifecycle
 
     async def drain(self) -> None:
-        """Wait until no row is pending behind a fence.
+        """Wait until no row (and no page, with ``kv``) is pending behind a fence.
 
-        Works before and after :meth:`close`. Rows of faulted fences are
+        Works before and after :meth:`close`. Memory of faulted fences is
         quarantined, not waited for. Cancelling ``drain`` changes nothing.
         """
         self._check_thread()
         loop = self._running_loop()
-        led = self._ledger
         while True:
-            if led.pending:
+            if self._pending_any():
                 self.reclaim()
-            if not led.pending:
+            if not self._pending_any():
                 return
-            head = led.pending_fences()[0]
+            head = self._pending_fences()[0]
             if isinstance(head, HostFence):
                 fut: asyncio.Future[None] = loop.create_future()
                 head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
@@ -543,11 +857,23 @@ class AsyncReqToTokenPool(PoolCore):
             else:
                 await loop.run_in_executor(None, _synchronize_quietly, head)
 
+    def _pending_any(self) -> int:
+        pled = self._pled
+        return self._ledger.pending + (pled.pending if pled is not None else 0)
+
+    def _pending_fences(self) -> list[Fence]:
+        """The fences holding rows, then those holding pages."""
+        fences = self._ledger.pending_fences()
+        if self._pled is not None:
+            fences.extend(self._pled.pending_fences())
+        return fences
+
     async def close(self) -> None:
         """Close the pool: new allocations and current waiters fail.
 
-        Every queued ``alloc`` raises :class:`PoolClosedError`; later
-        ``alloc``/``try_alloc`` calls too. ``free`` still works, and rows
+        Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
+        later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend`` calls
+        too. ``free`` still works, and rows
         pending behind fences stay pending (``drain()`` waits for them). The
         fence watcher thread, if one was started, is stopped and joined.
         Idempotent.
@@ -557,6 +883,9 @@ class AsyncReqToTokenPool(PoolCore):
             return
         self._closed = True
         self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
+        if self._overdue_timer is not None:
+            self._overdue_timer.cancel()
+            self._overdue_timer = None
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             if watcher.running:
@@ -572,9 +901,11 @@ class AsyncReqToTokenPool(PoolCore):
     async def release_memory(self) -> None:
         """Drain fences and release the ``kv_cache`` memory region.
 
-        While released, ``alloc`` waits and ``try_alloc`` returns None.
-        Raises :class:`PoolBusyError` (and stays serving) if rows are still
-        allocated once fences are drained. Without the memory saver the
+        While released, ``alloc``/``admit`` wait and ``try_alloc``,
+        ``try_admit`` and ``extend`` return None. Raises
+        :class:`PoolBusyError` (and stays serving) if rows, or pages of the
+        ``kv`` pool (detached ones included), are still allocated once
+        fences are drained. Without the memory saver the
         memory step is a no-op and the state machine is the same.
         """
         self._check_thread()
@@ -589,6 +920,12 @@ class AsyncReqToTokenPool(PoolCore):
             if allocated:
                 raise PoolBusyError(
                     f"cannot release memory while {allocated} rows are allocated; free them first"
+                )
+            pages = self._pled.allocated if self._pled is not None else 0
+            if pages:
+                raise PoolBusyError(
+                    f"cannot release memory while {pages} KV pages are allocated; free them "
+                    "first"
                 )
             self._tables.pause()
         except BaseException:
@@ -617,12 +954,29 @@ class AsyncReqToTokenPool(PoolCore):
     # ------------------------------------------------------------ views
 
     def waiting(self) -> int:
-        """How many ``alloc`` calls are queued."""
+        """How many ``alloc`` and ``admit`` calls are queued."""
         return self._waiters.count
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of counts, totals and latency summaries."""
         waiters = self._waiters
+        pages: dict[str, Any] = {}
+        pled = self._pled
+        if pled is not None:
+            assert self._pages is not None
+            pages = {
+                "pages_capacity": pled.capacity,
+                "pages_free": pled.free_count,
+                "pages_allocated": pled.allocated,
+                "pages_pending": pled.pending,
+                "pages_quarantined": pled.quarantined,
+                "admits": self._pages.admits,
+            }
+        if self._overdue is not None:
+            fences, held = self._overdue.counts()
+            pages["overdue_fences"] = fences
+            pages["overdue_rows"] = held.get("rows", 0)
+            pages["overdue_pages"] = held.get("pages", 0)
         return self._stats(
             waiters=waiters.count,
             timeouts=waiters.timeouts,
@@ -631,12 +985,17 @@ class AsyncReqToTokenPool(PoolCore):
             closed=self._closed,
             released=self._released,
             wait_time=LatencySummary.of(self._wait_times),
+            admit_wait=LatencySummary.of(self._admit_waits),
+            **pages,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ledger and waiter queues are consistent."""
         super().check_invariants()
         self._waiters.check_invariants()
+        if self._pages is not None and self._pled is not None:
+            self._pled.check_invariants()
+            self._pages.check_invariants(self._ledger.allocated_rows())
         for row in self._unreset:
             if self._ledger.state_of(row) != "allocated":
                 raise AssertionError(f"row {row} awaits its reset but is not allocated")

@@ -39,6 +39,15 @@ class PoolStats:
 
     ``free + allocated + pending + quarantined == capacity`` always holds.
     Rows only waiting on a fence count as ``pending``, not ``allocated``.
+
+    With a ``KVPagePool`` (``kv=``), the ``pages_*`` figures are its pages
+    the same way (``pages_free + pages_allocated + pages_pending +
+    pages_quarantined == pages_capacity``; detached pages count as
+    allocated), ``admits`` counts admissions granted and ``admit_wait``
+    their waits (``wait_time`` is the waits of ``alloc``). Without it they
+    are zero. With ``fence_timeout``, ``overdue_fences`` counts pending
+    fences older than it and ``overdue_rows``/``overdue_pages`` what they
+    hold (still held: see ``force_release``).
     """
 
     capacity: int
@@ -61,3 +70,13 @@ class PoolStats:
     released: bool = False
     wait_time: LatencySummary = field(default_factory=LatencySummary)
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
+    pages_capacity: int = 0
+    pages_free: int = 0
+    pages_allocated: int = 0
+    pages_pending: int = 0
+    pages_quarantined: int = 0
+    overdue_fences: int = 0
+    overdue_rows: int = 0
+    overdue_pages: int = 0
+    admits: int = 0
+    admit_wait: LatencySummary = field(default_factory=LatencySummary)

@@ -44,8 +44,9 @@ def check_fence_timeout(timeout: object) -> float | None:
 class OverdueFences:
     """Overdue pending fences across ledgers; see the module docstring.
 
-    A batch of ids is overdue once it has been pending longer than
-    ``timeout``; the fence it waits for now (its head) is the overdue fence.
+    A fence is overdue once a batch of ids has waited for it (as the fence
+    it waits for now) longer than ``timeout``; it then counts with
+    everything it holds in every ledger.
 
     ``ledgers`` are the ledgers to watch (each with a ``unit``: "rows",
     "pages"); their clock must be ``clock``.
@@ -68,43 +69,35 @@ class OverdueFences:
         self._ledgers.append(ledger)
 
     def scan(self) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:
-        """Overdue fences now, with the ids each holds per unit; and the
+        """Overdue fences now, with everything each holds per unit; and the
         seconds until the next pending fence becomes overdue (None: none
         pending that is not overdue yet). O(pending batches)."""
         now = self._clock()
         cutoff = now - self.timeout
+        batches = [(led.unit, b) for led in self._ledgers if led.pending
+                   for b in led.pending_batches()]
         overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
+        for _, batch in batches:
+            if batch.t0 <= cutoff:  # the fence it waits for now is overdue
+                overdue.setdefault(id(batch.fence), (batch.fence, {}))
         next_t0: float | None = None
-        for led in self._ledgers:
-            if not led.pending:
-                continue
-            unit = led.unit
-            for batch in led.pending_batches():
-                if batch.t0 <= cutoff:
-                    fence = batch.fence  # the one it waits for now
-                    entry = overdue.get(id(fence))
-                    if entry is None:
-                        entry = overdue[id(fence)] = (fence, {})
-                    entry[1][unit] = entry[1].get(unit, 0) + batch.n
-                elif next_t0 is None or batch.t0 < next_t0:
-                    next_t0 = batch.t0
+        for unit, batch in batches:
+            entry = overdue.get(id(batch.fence))
+            if entry is not None:  # all it holds, in every ledger
+                entry[1][unit] = entry[1].get(unit, 0) + batch.n
+            elif next_t0 is None or batch.t0 < next_t0:
+                next_t0 = batch.t0
         due = None if next_t0 is None else max(0.0, next_t0 + self.timeout - now)
         return overdue, due
 
     def counts(self) -> tuple[int, dict[str, int]]:
-        """(overdue fences, ids they hold per unit), counting each id once."""
-        now = self._clock()
-        cutoff = now - self.timeout
-        fences: set[int] = set()
+        """(overdue fences, the ids they hold per unit)."""
+        overdue, _ = self.scan()
         held: dict[str, int] = {}
-        for led in self._ledgers:
-            if not led.pending:
-                continue
-            for batch in led.pending_batches():
-                if batch.t0 <= cutoff:
-                    fences.add(id(batch.fence))
-                    held[led.unit] = held.get(led.unit, 0) + batch.n
-        return len(fences), held
+        for _, per_unit in overdue.values():
+            for unit, n in per_unit.items():
+                held[unit] = held.get(unit, 0) + n
+        return len(overdue), held
 
     def check(self) -> float | None:
         """Log each newly overdue fence once; return when to check again."""

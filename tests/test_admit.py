@@ -23,6 +23,7 @@ from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
     DoubleFreeError,
+    FenceError,
     Grant,
     InvalidSlotError,
     KVPagePool,
@@ -55,6 +56,14 @@ def conserved(pool: AsyncReqToTokenPool) -> None:
     assert st.pages_free + st.pages_allocated + st.pages_pending + st.pages_quarantined == (
         st.pages_capacity
     )
+
+
+def settled(stream) -> None:
+    """Block until everything launched on ``stream`` ran (or it faulted)."""
+    try:
+        stream.record().wait(WAIT_S)
+    except FenceError:
+        pass
 
 
 async def outcome(task: asyncio.Task):
@@ -357,7 +366,7 @@ async def test_a_faulted_fence_quarantines_row_and_pages(kit, caplog):
         stream.launch(boom)
         pool.free([g.row], after=stream)
         gate.open()
-        await asyncio.to_thread(lambda: stream.record().wait(WAIT_S))
+        await asyncio.to_thread(settled, stream)
         pool.reclaim()
         st = pool.stats()
         assert st.quarantined == 1 and st.pages_quarantined == 3
@@ -497,7 +506,7 @@ async def test_extend_with_waiters_queued_still_answers_at_once():
         [w] = await queued(pool, pool.admit(pages=1))
         # A running request grows before new admissions (it holds its row).
         assert pool.extend(g.row, 2) is not None
-        assert pool.extend(g.row, 5) is None
+        assert pool.extend(g.row, 3) is None
         pool.free(g.row)
         got = await outcome(w)
         pool.free(got.row)
@@ -590,6 +599,7 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
         assert any("force_release" in r.getMessage() for r in caplog.records)
         pool.free(got.row)
         conserved(pool)
+        stuck.set()  # let the watcher thread go before close()
 
 
 async def test_force_release_without_fence_timeout_and_of_a_fence_holding_nothing(kit):
@@ -604,6 +614,8 @@ async def test_force_release_without_fence_timeout_and_of_a_fence_holding_nothin
         assert pool.available_size() == 2 and kv_of(pool).available_size() == 4
         assert pool.force_release(stuck) == (0, 0)
         conserved(pool)
+        stuck.set()
+        other.set()
 
 
 async def test_force_release_of_pages_freed_by_the_caller(kit):
@@ -618,6 +630,7 @@ async def test_force_release_of_pages_freed_by_the_caller(kit):
         got = await outcome(w)
         pool.free(got.row)
         conserved(pool)
+        stuck.set()
 
 
 async def test_force_release_of_one_fence_of_two_keeps_waiting_for_the_other(kit):
@@ -635,6 +648,7 @@ async def test_force_release_of_one_fence_of_two_keeps_waiting_for_the_other(kit
         pool.reclaim()
         assert pool.pending_size() == 0 and kv_of(pool).pending_size() == 0
         conserved(pool)
+        stuck.set()
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -760,13 +774,14 @@ async def test_stats_without_kv_have_zero_page_figures():
 # ---------------------------------------------------------------- bad input
 
 
-def snapshot(pool: AsyncReqToTokenPool):
+def snapshot(pool: AsyncReqToTokenPool, check: bool = True):
     stats = dataclasses.asdict(pool.stats())
     for key in ("wait_time", "fence_latency", "admit_wait"):
         stats.pop(key, None)
     kv = kv_of(pool)
-    kv.check_invariants()
-    pool.check_invariants()
+    if check:
+        kv.check_invariants()
+        pool.check_invariants()
     owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
     return stats, pool.waiting(), kv.available_size(), kv.pending_size(), owned
 
@@ -873,10 +888,10 @@ async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_noth
         a = await pool.admit(pages=2)
         b = await pool.admit(pages=2)
         kv_of(pool).free(a.pages)  # misuse: the row still owns them
-        before = snapshot(pool)
+        before = snapshot(pool, check=False)
         with pytest.raises(DoubleFreeError):
             pool.free([b.row, a.row])
-        assert snapshot(pool) == before
+        assert snapshot(pool, check=False) == before
         pool.detach_pages(a.row)
         pool.free([a.row, b.row])
         conserved(pool)
@@ -933,7 +948,7 @@ async def test_a_faulted_page_fence_counts_in_pool_stats(kit, caplog):
         pages = pool.detach_pages(g.row)
         pool.free(g.row)
         kv_of(pool).free(pages, after=stream)
-        await asyncio.to_thread(lambda: stream.record().wait(WAIT_S))
+        await asyncio.to_thread(settled, stream)
         pool.reclaim()
         assert pool.stats().pages_quarantined == 1
-        assert pool.stats().fence_errors >= 1
+        assert kv_of(pool).stats().fence_errors == 1

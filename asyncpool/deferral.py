@@ -151,6 +151,20 @@ class Deferrals(Generic[T]):
         self.last_fence_error: BaseException | None = None
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
 
+    def set_hooks(
+        self,
+        *,
+        on_pending: Callable[[Fence], None] | None,
+        on_fault: Callable[[Fence, BaseException], None] | None,
+    ) -> None:
+        """Replace both hooks (None: no hook); for an owner that adopts a ledger.
+
+        Batches already pending were announced to the old hook only: see
+        :meth:`pending_fences`.
+        """
+        self._on_pending = on_pending
+        self._on_fault = on_fault
+
     # ------------------------------------------------------------ subclass hooks
 
     def _release_items(self, items: list[T]) -> None:

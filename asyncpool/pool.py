@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .base import PoolCore
+from .deferral import Deferrals
 from .errors import (
     CapacityError,
     DoubleFreeError,
@@ -190,7 +191,9 @@ class AsyncReqToTokenPool(PoolCore):
         self._overdue: OverdueFences | None = None
         self._overdue_timer: asyncio.TimerHandle | None = None
         if timeout_s is not None:
-            ledgers = [led] if self._pled is None else [led, self._pled]
+            ledgers: list[Deferrals[Any]] = [led]
+            if self._pled is not None:
+                ledgers.append(self._pled)
             self._overdue = OverdueFences(timeout_s, ledgers)
 
     def __repr__(self) -> str:
@@ -344,7 +347,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if need.__class__ is not int:
             return self._take_admission(need[1])  # type: ignore[index]
-        n: int = need  # type: ignore[assignment]
+        n: int = need
         free = self._free_q
         if n > len(free):
             return None
@@ -382,7 +385,7 @@ class AsyncReqToTokenPool(PoolCore):
         assert taken is not None
         rows = self._take_for_waiter(1)
         assert rows.__class__ is list
-        return pages.grant(rows[0], taken)  # type: ignore[index]
+        return pages.grant(rows[0], taken)
 
     def _give_back(self, granted: list[int] | Grant) -> None:
         if granted.__class__ is Grant:
@@ -498,10 +501,11 @@ class AsyncReqToTokenPool(PoolCore):
         assert pages is not None
         free = self._free_q
         pled = pages.ledger
-        if not free or k > pled.free_count:
-            # Capacity only waiting on a fence is not exhaustion.
-            if not self._reclaim_for_waiter() or not free or k > pled.free_count:
-                return None
+        # Capacity only waiting on a fence is not exhaustion: reclaim once.
+        if (not free or k > pled.free_count) and (
+            not self._reclaim_for_waiter() or not free or k > pled.free_count
+        ):
+            return None
         taken = pages.take(k)
         assert taken is not None
         rows = self._take(1)
@@ -515,15 +519,14 @@ class AsyncReqToTokenPool(PoolCore):
                 "this pool has no KV pages: build it with kv=KVPagePool(...) to admit or "
                 "extend with pages"
             )
-        if k.__class__ is int and least <= k <= pages.capacity:  # type: ignore[operator]
-            return k  # type: ignore[return-value]
+        if k.__class__ is int and least <= k <= pages.capacity:
+            return k
         return check_page_count(k, pages.capacity, least=least)
 
     def _allocated_row(self, row: object, what: str) -> int:
         """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
-        if row.__class__ is int and 0 < row < self._size:  # type: ignore[operator]
-            if self._state[row] == 1:  # type: ignore[index]  # ALLOCATED
-                return row  # type: ignore[return-value]
+        if row.__class__ is int and 0 < row < self._size and self._state[row] == 1:
+            return row  # ALLOCATED
         raise self._ledger._row_error(row, what)
 
     def pages_of(self, row: int) -> torch.Tensor:
@@ -790,11 +793,11 @@ class AsyncReqToTokenPool(PoolCore):
     def _unfittable_need(self, need: _Need) -> CapacityError | None:
         """The error for a need that can never be met any more, else None."""
         if need.__class__ is int:
-            n: int = need  # type: ignore[assignment]
+            n: int = need
             if n > self._capacity - self._ledger.quarantined:
                 return self._unfittable(n)
             return None
-        if 1 > self._capacity - self._ledger.quarantined:
+        if self._ledger.quarantined >= self._capacity:
             return self._unfittable(1)
         k = need[1]  # type: ignore[index]
         pled = self._pled

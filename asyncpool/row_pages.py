@@ -46,7 +46,7 @@ class Grant(NamedTuple):
 _new_grant = tuple.__new__
 
 
-def check_page_count(k: object, capacity: int, *, least: int) -> int:
+def check_page_count(k: Any, capacity: int, *, least: int) -> int:
     """``k`` as an int in ``least..capacity``; :class:`CapacityError` otherwise.
 
     Accepts anything ``operator.index`` accepts (numpy integers among them),
@@ -56,7 +56,7 @@ def check_page_count(k: object, capacity: int, *, least: int) -> int:
         if isinstance(k, bool):
             raise CapacityError(f"a page count must be an int, got {k!r}")
         try:
-            k = operator.index(k)  # type: ignore[call-overload]
+            k = operator.index(k)
         except TypeError:
             raise CapacityError(
                 f"a page count must be an int, got {k!r} of type {type(k).__name__}"

@@ -568,38 +568,69 @@ async def test_alloc_rows_own_no_pages_until_extended():
 # ---------------------------------------------------------------- overdue fences
 
 
+class _Seen(logging.Handler):
+    """Sets an asyncio.Event on the first record containing ``word``."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__(logging.WARNING)
+        self.word = word
+        self.event = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.word in record.getMessage():
+            self.records.append(record)
+            self.event.set()  # logged on the loop's thread (a timer callback)
+
+
 async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog):
-    caplog.set_level(logging.WARNING, logger="asyncpool")
+    caplog.set_level(logging.WARNING, logger="asyncpool")  # another module mutes it
     stuck = kit.event_fence()  # a transfer that never completes
-    async with make(rows=2, pages=4, fence_timeout=0.05) as pool:
+    seen = _Seen("overdue")
+    released = _Seen("force_release")
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    log.addHandler(released)
+    try:
+        async with make(rows=2, pages=4, fence_timeout=0.05) as pool:
+            g = await pool.admit(pages=3)
+            pool.free([g.row], fence=stuck)
+            [w] = await queued(pool, pool.admit(pages=4))
+            assert pool.stats().overdue_fences == 0
+            async with asyncio.timeout(WAIT_S):
+                await seen.event.wait()  # nobody calls the pool meanwhile
+            st = pool.stats()
+            assert st.overdue_fences == 1 and st.overdue_rows == 1 and st.overdue_pages == 3
+            assert st.pending == 1 and st.pages_pending == 3  # still held
+            [record] = seen.records
+            assert record.levelno == logging.WARNING
+            msg = record.getMessage()
+            assert repr(stuck) in msg and "1 row " in msg and "3 pages" in msg
+            await asyncio.sleep(0.15)  # later checks do not log it again
+            assert len(seen.records) == 1 and not w.done()
+            assert pool.force_release(stuck) == (1, 3)
+            stuck.set()  # let the watcher thread go (close() joins it)
+            assert released.records and repr(stuck) in released.records[0].getMessage()
+            got = await outcome(w)  # the waiter is served
+            assert len(got.pages) == 4
+            st = pool.stats()
+            assert st.overdue_fences == 0 and st.pending == 0 and st.pages_pending == 0
+            pool.free(got.row)
+            conserved(pool)
+    finally:
+        stuck.set()  # let the watcher thread go (close() joins it)
+        log.removeHandler(seen)
+        log.removeHandler(released)
+
+
+async def test_a_fence_younger_than_fence_timeout_is_not_overdue(kit):
+    stuck = kit.event_fence()
+    async with make(rows=2, pages=4, fence_timeout=60) as pool:
         g = await pool.admit(pages=3)
         pool.free([g.row], fence=stuck)
-        [w] = await queued(pool, pool.admit(pages=4))
-        async with asyncio.timeout(WAIT_S):
-            while not pool.stats().overdue_fences:
-                await asyncio.sleep(0.01)
-            while not any("overdue" in r.getMessage() for r in caplog.records):
-                await asyncio.sleep(0.01)
         st = pool.stats()
-        assert st.overdue_fences == 1 and st.overdue_rows == 1 and st.overdue_pages == 3
-        assert st.pending == 1 and st.pages_pending == 3  # still held
-        warnings = [r for r in caplog.records if "overdue" in r.getMessage()]
-        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-        msg = warnings[0].getMessage()
-        assert repr(stuck) in msg and "1 row" in msg and "3 pages" in msg
-        await asyncio.sleep(0.1)  # later checks do not log it again
-        assert len([r for r in caplog.records if "overdue" in r.getMessage()]) == 1
-        assert not w.done()
-        released = pool.force_release(stuck)
-        assert released == (1, 3)
-        got = await outcome(w)  # the waiter is served
-        assert len(got.pages) == 4
-        st = pool.stats()
-        assert st.overdue_fences == 0 and st.pending == 0 and st.pages_pending == 0
-        assert any("force_release" in r.getMessage() for r in caplog.records)
-        pool.free(got.row)
-        conserved(pool)
-        stuck.set()  # let the watcher thread go before close()
+        assert st.overdue_fences == 0 and st.pending == 1
+        stuck.set()
 
 
 async def test_force_release_without_fence_timeout_and_of_a_fence_holding_nothing(kit):

@@ -64,6 +64,8 @@ class OverdueFences:
         # Fences already reported, by id (the value keeps the fence alive so
         # its id cannot be reused while it is in here).
         self._logged: dict[int, Fence] = {}
+        #: The owner's pending check (an ``asyncio.TimerHandle``), if armed.
+        self.timer: Any = None
 
     def add_ledger(self, ledger: Deferrals[Any]) -> None:
         self._ledgers.append(ledger)

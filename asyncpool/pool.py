@@ -47,7 +47,7 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import Fence, HostFence, HostStream, record_fence
-from .kv_pages import KVPagePool, PageLedger
+from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, Rows
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages, check_page_count
@@ -161,7 +161,9 @@ class AsyncReqToTokenPool(PoolCore):
         self._state = led._state
         self._gen = led._gen
         self._uses = led._uses
-        self._size = led.size
+        # The bound of free()'s one-row fast path: 0 (never) with kv, where a
+        # row may own pages, so that check costs rows-only pools nothing.
+        self._size = led.size if kv is None else 0
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,20 +182,17 @@ class AsyncReqToTokenPool(PoolCore):
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         # Admission (kv=...): the pages each row owns, and the page ledger,
         # whose pending fences wake waiters exactly as the row ledger's do.
-        self.kv = kv
+        # (Few attributes: CPython 3.11 keeps an instance's attributes
+        # inline, the fast paths' loads cheap, only up to 30 of them.)
         self._pages: RowPages | None = None
-        self._pled: PageLedger | None = None
-        self._admit_waits: collections.deque[float] = collections.deque(maxlen=4096)
         if kv is not None:
             self._pages = RowPages(kv, size)
-            self._pled = kv.ledger
-            self._pled.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+            kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
         self._overdue: OverdueFences | None = None
-        self._overdue_timer: asyncio.TimerHandle | None = None
         if timeout_s is not None:
             ledgers: list[Deferrals[Any]] = [led]
-            if self._pled is not None:
-                ledgers.append(self._pled)
+            if kv is not None:
+                ledgers.append(kv.ledger)
             self._overdue = OverdueFences(timeout_s, ledgers)
 
     def __repr__(self) -> str:
@@ -204,6 +203,11 @@ class AsyncReqToTokenPool(PoolCore):
             f"allocated={led.allocated} pending={led.pending} "
             f"quarantined={led.quarantined} waiters={self._waiters.count}>"
         )
+
+    @property
+    def kv(self) -> KVPagePool | None:
+        """The :class:`KVPagePool` whose pages :meth:`admit` hands out, or None."""
+        return self._pages.kv if self._pages is not None else None
 
     async def __aenter__(self) -> AsyncReqToTokenPool:
         self._check_thread()
@@ -403,7 +407,7 @@ class AsyncReqToTokenPool(PoolCore):
         """Reclaim both ledgers; True if anything was made free."""
         led = self._ledger
         made = bool(led.pending and led.reclaim())
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         if pled is not None and pled.pending and pled.reclaim():
             made = True
         return made
@@ -476,7 +480,8 @@ class AsyncReqToTokenPool(PoolCore):
         if error is not None:
             raise error
         loop = self._prepare_wait()
-        granted: Grant = await waiters.wait(need, priority, timeout, loop, self._admit_waits)
+        assert self._pages is not None
+        granted: Grant = await waiters.wait(need, priority, timeout, loop, self._pages.waits)
         return granted
 
     def try_admit(self, pages: int) -> Grant | None:
@@ -525,7 +530,7 @@ class AsyncReqToTokenPool(PoolCore):
 
     def _allocated_row(self, row: object, what: str) -> int:
         """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
-        if row.__class__ is int and 0 < row < self._size and self._state[row] == 1:
+        if row.__class__ is int and 0 < row < self.size and self._state[row] == 1:
             return row  # ALLOCATED
         raise self._ledger._row_error(row, what)
 
@@ -625,10 +630,9 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
-        if self._pages is not None:
-            return self._free_with_pages(rows, after, fence)
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
-            # Inlined SlotLedger.free fast path: one row, no fence, no use.
+            # Inlined SlotLedger.free fast path: one row, no fence, no use,
+            # no pages (_size is 0 with kv, so it never matches there).
             row = rows[0]
             if (
                 row.__class__ is int
@@ -641,6 +645,8 @@ class AsyncReqToTokenPool(PoolCore):
                 if self._waiters.count:
                     self._waiters.grant()
                 return 1
+        if self._pages is not None:
+            return self._free_with_pages(rows, after, fence)
         led = self._ledger
         if after is not None:
             rows = self._use_until_now(rows, after, fence)
@@ -681,7 +687,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._owner != _get_ident():
             self._bind_thread()
         released = self._ledger.reclaim()
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         pages = pled.reclaim() if pled is not None and pled.pending else 0
         if (released or pages) and self._waiters.count:
             self._waiters.grant()
@@ -703,7 +709,7 @@ class AsyncReqToTokenPool(PoolCore):
         led = self._ledger
         led.check_fence(fence)
         rows = led.force_release(fence)
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         pages = pled.force_release(fence) if pled is not None else 0
         if self._overdue is not None:
             self._overdue.forget(fence)
@@ -730,8 +736,9 @@ class AsyncReqToTokenPool(PoolCore):
                 # No loop yet: watch it once a waiter binds one.
                 self._unwatched.append(fence)
                 return
-        if self._overdue is not None and self._overdue_timer is None:
-            self._arm_overdue(self._overdue.timeout)
+        overdue = self._overdue
+        if overdue is not None and overdue.timer is None:
+            self._arm_overdue(overdue.timeout)
         if fence.__class__ is HostFence:
             fence.add_done_callback(self._fence_done_threadsafe)
             return
@@ -769,13 +776,14 @@ class AsyncReqToTokenPool(PoolCore):
     def _arm_overdue(self, delay: float) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed() and not self._closed:
-            self._overdue_timer = loop.call_later(delay, self._check_overdue)
+            assert self._overdue is not None
+            self._overdue.timer = loop.call_later(delay, self._check_overdue)
 
     def _check_overdue(self) -> None:
         # Loop thread, while fences are pending: log newly overdue fences
         # once, then look again when the next pending one becomes overdue.
-        self._overdue_timer = None
         assert self._overdue is not None
+        self._overdue.timer = None
         due = self._overdue.check()
         if due is not None:
             self._arm_overdue(due + 0.001)
@@ -800,7 +808,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._ledger.quarantined >= self._capacity:
             return self._unfittable(1)
         k = need[1]  # type: ignore[index]
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         assert pled is not None
         q = pled.quarantined
         if k > pled.capacity - q:
@@ -861,14 +869,14 @@ class AsyncReqToTokenPool(PoolCore):
                 await loop.run_in_executor(None, _synchronize_quietly, head)
 
     def _pending_any(self) -> int:
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         return self._ledger.pending + (pled.pending if pled is not None else 0)
 
     def _pending_fences(self) -> list[Fence]:
         """The fences holding rows, then those holding pages."""
         fences = self._ledger.pending_fences()
-        if self._pled is not None:
-            fences.extend(self._pled.pending_fences())
+        if self._pages is not None:
+            fences.extend(self._pages.ledger.pending_fences())
         return fences
 
     async def close(self) -> None:
@@ -886,9 +894,9 @@ class AsyncReqToTokenPool(PoolCore):
             return
         self._closed = True
         self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
-        if self._overdue_timer is not None:
-            self._overdue_timer.cancel()
-            self._overdue_timer = None
+        if self._overdue is not None and self._overdue.timer is not None:
+            self._overdue.timer.cancel()
+            self._overdue.timer = None
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             if watcher.running:
@@ -924,7 +932,7 @@ class AsyncReqToTokenPool(PoolCore):
                 raise PoolBusyError(
                     f"cannot release memory while {allocated} rows are allocated; free them first"
                 )
-            pages = self._pled.allocated if self._pled is not None else 0
+            pages = self._pages.ledger.allocated if self._pages is not None else 0
             if pages:
                 raise PoolBusyError(
                     f"cannot release memory while {pages} KV pages are allocated; free them "
@@ -964,7 +972,7 @@ class AsyncReqToTokenPool(PoolCore):
         """A frozen snapshot of counts, totals and latency summaries."""
         waiters = self._waiters
         pages: dict[str, Any] = {}
-        pled = self._pled
+        pled = self._pages.ledger if self._pages is not None else None
         if pled is not None:
             assert self._pages is not None
             pages = {
@@ -988,7 +996,7 @@ class AsyncReqToTokenPool(PoolCore):
             closed=self._closed,
             released=self._released,
             wait_time=LatencySummary.of(self._wait_times),
-            admit_wait=LatencySummary.of(self._admit_waits),
+            admit_wait=LatencySummary.of(self._pages.waits if self._pages else ()),
             **pages,
         )
 
@@ -996,8 +1004,8 @@ class AsyncReqToTokenPool(PoolCore):
         """Raise AssertionError unless ledger and waiter queues are consistent."""
         super().check_invariants()
         self._waiters.check_invariants()
-        if self._pages is not None and self._pled is not None:
-            self._pled.check_invariants()
+        if self._pages is not None:
+            self._pages.ledger.check_invariants()
             self._pages.check_invariants(self._ledger.allocated_rows())
         for row in self._unreset:
             if self._ledger.state_of(row) != "allocated":

@@ -15,6 +15,7 @@ Not thread-safe: the owning pool serialises calls.
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -88,6 +89,8 @@ class RowPages:
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0
+        #: Wait times of admissions granted after a wait (seconds, a window).
+        self.waits: collections.deque[float] = collections.deque(maxlen=4096)
 
     # ------------------------------------------------------------ handing out
 

@@ -188,6 +188,7 @@ class AsyncReqToTokenPool(PoolCore):
         if kv is not None:
             self._pages = RowPages(kv, size)
             kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+            kv.set_on_free(self._on_pages_freed)  # the caller freed detached pages
         self._overdue: OverdueFences | None = None
         if timeout_s is not None:
             ledgers: list[Deferrals[Any]] = [led]
@@ -772,6 +773,12 @@ class AsyncReqToTokenPool(PoolCore):
         self._wake_scheduled = False
         self._reclaim_for_waiter()
         self._waiters.grant()
+
+    def _on_pages_freed(self) -> None:
+        # KVPagePool.free/reclaim called by the caller (detached pages) made
+        # pages free: the same grant loop as any other free.
+        if self._waiters.count:
+            self._waiters.grant()
 
     def _arm_overdue(self, delay: float) -> None:
         loop = self._loop

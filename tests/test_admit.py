@@ -543,6 +543,19 @@ async def test_detach_pages_hands_them_to_the_caller():
         conserved(pool)
 
 
+async def test_the_caller_freeing_detached_pages_serves_a_waiter():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        [w] = await queued(pool, pool.admit(pages=3))
+        kv_of(pool).free(pages)  # straight to the KVPagePool, no fence
+        got = await outcome(w)
+        assert len(got.pages) == 3
+        pool.free(got.row)
+        conserved(pool)
+
+
 async def test_detach_then_extend_then_free_frees_only_the_new_pages():
     async with make(rows=2, pages=4) as pool:
         g = await pool.admit(pages=2)

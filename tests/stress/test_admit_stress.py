@@ -125,7 +125,7 @@ class Shadow:
         for cond in self.waits.pop((kind, ident), ()):
             if cond[0] == "fence":
                 if not cond[1].query():
-                    self.fail(f"{kind} {ident} granted to {tok} while its fence {cond[1]!r} is open")
+                    self.fail(f"{kind} {ident} granted to {tok} while {cond[1]!r} is open")
             else:
                 _, s, k = cond
                 if self.passed[s] < k:

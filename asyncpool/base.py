@@ -134,7 +134,7 @@ class PoolCore:
         """Raise AssertionError unless every bookkeeping invariant holds."""
         self._ledger.check_invariants()
 
-    def _stats(self, **extra: Any) -> PoolStats:
+    def _stats(self, summaries: bool, **extra: Any) -> PoolStats:
         led = self._ledger
         return PoolStats(
             capacity=led.capacity,
@@ -149,6 +149,9 @@ class PoolCore:
             peak_allocated=led.peak_allocated,
             resets=led.resets,
             fence_errors=led.fence_errors,
-            fence_latency=LatencySummary.of(led.fence_latencies),
+            fence_latency=(
+                LatencySummary.of(led.fence_latencies) if summaries else LatencySummary()
+            ),
+            fence_latency_histogram=led.fence_histogram.snapshot(),
             **extra,
         )

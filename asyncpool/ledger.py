@@ -37,6 +37,7 @@ from typing import Any
 
 from .errors import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
 from .fences import Fence, is_fence
+from .stats import Histogram
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "SlotLedger"]
 
@@ -114,6 +115,7 @@ class SlotLedger:
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+        self.fence_histogram = Histogram()  # every batch's latency, for metrics
 
     # ------------------------------------------------------------------ counts
 
@@ -558,7 +560,9 @@ class SlotLedger:
     def _release(self, batch: _Batch) -> int:
         rows = batch.rows
         self.pending -= len(rows)
-        self.fence_latencies.append(self._clock() - batch.t0)
+        latency = self._clock() - batch.t0
+        self.fence_latencies.append(latency)
+        self.fence_histogram.observe(latency)
         state = self._state
         free = self._free
         more = self._more

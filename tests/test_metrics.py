@@ -368,3 +368,20 @@ async def test_stats_without_summaries_skips_only_the_windows() -> None:
         full, cheap = pool.stats(), pool.stats(summaries=False)
         assert full.wait_time.count == 1 and cheap.wait_time.count == 0
         assert dataclasses.replace(full, wait_time=cheap.wait_time) == cheap
+
+
+def test_readme_table_lists_every_family() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("asyncpool_"):
+            listed[cells[0]] = cells[1]
+    exported = {
+        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): f.type
+        for f in FAMILIES
+    }
+    assert listed == exported

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from helpers import FakeStream, spin
+from helpers import WAIT_S, FakeStream, Streams, spin
 
 import asyncpool.pool as pool_module
 from asyncpool import AsyncReqToTokenPool, ReqToTokenPool
@@ -124,7 +124,7 @@ async def test_every_family_has_its_name_type_and_unit() -> None:
 
 async def test_gauges_and_counters_track_the_pool() -> None:
     # The old collector's figures, under their new names.
-    async with AsyncReqToTokenPool(9, 4) as pool:
+    async with AsyncReqToTokenPool(9, 4) as pool, asyncio.timeout(WAIT_S):
         rows = await pool.alloc(3)
         pool.free(rows[:1])
         fams = scrape((pool, "decode"))
@@ -152,7 +152,7 @@ async def test_gauges_and_counters_track_the_pool() -> None:
 async def test_every_alloc_is_in_the_wait_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(pool_module, "_perf_counter", clock)
-    async with AsyncReqToTokenPool(12, 4) as pool:
+    async with AsyncReqToTokenPool(12, 4) as pool, asyncio.timeout(WAIT_S):
         held = []
         for _ in range(10):  # fast path: ten zero waits
             held += await pool.alloc(1)
@@ -184,8 +184,38 @@ async def test_every_alloc_is_in_the_wait_histogram(monkeypatch: pytest.MonkeyPa
         assert counts == sorted(counts)  # cumulative
 
 
+async def test_each_fast_path_counts_its_call_once(kit: Streams) -> None:
+    async with AsyncReqToTokenPool(6, 4) as pool, asyncio.timeout(WAIT_S):
+
+        def calls() -> int:
+            st = pool.stats(summaries=False)
+            assert st.alloc_calls == st.wait_histogram.count == st.wait_histogram.counts[0]
+            return st.alloc_calls
+
+        a = await pool.alloc(1)  # a clean row, inlined
+        assert calls() == 1
+        pool.free(a)  # dirty now, at the tail of the free queue
+        b = await pool.alloc(3)  # several rows, through the ledger
+        assert calls() == 2
+        c = await pool.alloc(1)  # the last clean row, inlined
+        d = await pool.alloc(1)  # the dirty row `a`, through the ledger
+        assert d == a and calls() == 4
+        s = kit.stream()
+        gate = kit.gate(s)
+        pool.free(b + c + d, after=s)  # five rows pending behind one fence
+        assert pool.pending_size() == 5 and pool.available_size() == 0
+        gate.open()
+        s.synchronize()  # the fence completed; the loop has not heard of it yet
+        e = await pool.alloc(2)  # short until the alloc itself reclaims
+        assert calls() == 5 and pool.waiting() == 0
+        f = pool.try_alloc(1)
+        assert f is not None and calls() == 6
+        assert pool.try_alloc(3) is None and calls() == 6  # refused: not counted
+        pool.free(e + f)
+
+
 async def test_timeouts_cancellations_and_rejections_are_counted_apart() -> None:
-    async with AsyncReqToTokenPool(3, 4, max_waiters=1) as pool:
+    async with AsyncReqToTokenPool(3, 4, max_waiters=1) as pool, asyncio.timeout(WAIT_S):
         held = await pool.alloc(2)
         with pytest.raises(TimeoutError):
             await pool.alloc(1, timeout=0)
@@ -303,7 +333,7 @@ def test_describe_names_every_family_without_samples() -> None:
 
 
 async def test_collect_leaves_stats_unchanged() -> None:
-    async with AsyncReqToTokenPool(5, 4) as pool:
+    async with AsyncReqToTokenPool(5, 4) as pool, asyncio.timeout(WAIT_S):
         held = await pool.alloc(4)
         w = asyncio.create_task(pool.alloc(1))
         await spin()
@@ -359,7 +389,7 @@ def test_existing_constructors_keep_working() -> None:
 
 
 async def test_stats_without_summaries_skips_only_the_windows() -> None:
-    async with AsyncReqToTokenPool(3, 4) as pool:
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(WAIT_S):
         held = await pool.alloc(2)
         w = asyncio.create_task(pool.alloc(1))
         await spin()

@@ -133,6 +133,16 @@ class SlotLedger:
         return sum(self._gen) - self._returned
 
     @property
+    def granted(self) -> int:
+        """Rows handed out, counting those given back by ``put_back`` (monotonic)."""
+        return sum(self._gen)
+
+    @property
+    def returned(self) -> int:
+        """Rows given back by ``put_back`` (granted to a waiter that was cancelled)."""
+        return self._returned
+
+    @property
     def frees(self) -> int:
         """Rows given back over the pool's life (each handed-out row once)."""
         return self.allocs - self.allocated

@@ -93,8 +93,11 @@ FAMILIES: tuple[Family, ...] = (
            "Allocation calls granted rows (alloc, successful try_alloc).",
            lambda s: s.alloc_calls),
     Family("rows_allocated", "counter", "",
-           "Rows handed out (not those a cancelled waiter gave back).", lambda s: s.allocs),
-    Family("rows_freed", "counter", "", "Rows given back by requests.", lambda s: s.frees),
+           "Rows handed out (also those a waiter cancelled after its grant gave back).",
+           lambda s: s.rows_granted),
+    Family("rows_freed", "counter", "",
+           "Rows that left the allocated state: freed, or given back by a cancelled waiter.",
+           lambda s: s.rows_granted - s.allocated),
     Family("rows_deferred", "counter", "",
            "Freed rows that had to wait for a fence.", lambda s: s.deferred_frees),
     Family("rows_reclaimed", "counter", "",
@@ -144,6 +147,9 @@ class PoolCollector:
     ``pool="decode"``; :meth:`add` adds more pools. Register it once per
     registry: its :meth:`describe` names every family, so a second
     collector in the same registry raises ``ValueError`` at ``register``.
+
+    :meth:`add` and :meth:`remove` may run on any thread, also while a
+    scrape runs (it exports the pools it found when it started).
     """
 
     def __init__(
@@ -151,6 +157,10 @@ class PoolCollector:
     ) -> None:
         self._prefix = prefix
         self._pools: dict[str, _HasStats] = {}
+        # Last value exported per (counter, pool): a scrape on another thread
+        # reads figures a few operations apart, and a counter must never be
+        # seen to go down (Prometheus would take it for a restart).
+        self._last: dict[tuple[str, str], float] = {}
         if pool is not None:
             self.add(pool, name)
 
@@ -167,8 +177,13 @@ class PoolCollector:
         self._pools[name] = pool
 
     def remove(self, name: str) -> None:
-        """Stop exporting the pool labelled ``name`` (``KeyError`` if none)."""
+        """Stop exporting the pool labelled ``name`` (``KeyError`` if none).
+
+        A pool added later under the same name starts its counters afresh.
+        """
         del self._pools[name]
+        for key in [k for k in self._last if k[1] == name]:
+            self._last.pop(key, None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -198,7 +213,8 @@ class PoolCollector:
 
     def collect(self) -> Iterator[Any]:
         """One snapshot per pool (``stats(summaries=False)``), as families."""
-        snapshots = [(name, pool.stats(summaries=False)) for name, pool in self._pools.items()]
+        pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
+        snapshots = [(name, pool.stats(summaries=False)) for name, pool in pools]
         for fam, family in zip(FAMILIES, self._families(), strict=True):
             get = fam.get
             if fam.type == "histogram":
@@ -208,6 +224,16 @@ class PoolCollector:
                     family.add_metric(
                         [name], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
                     )
+            elif fam.type == "counter":
+                last = self._last
+                for name, stats in snapshots:
+                    key = (fam.name, name)
+                    v = float(get(stats))
+                    if v < last.get(key, 0.0):
+                        v = last[key]  # read skew, never a real decrease
+                    else:
+                        last[key] = v
+                    family.add_metric([name], v)
             else:
                 for name, stats in snapshots:
                     family.add_metric([name], float(get(stats)))

@@ -198,6 +198,9 @@ class PoolStats:
         fence_latency_histogram: every completed fence batch's latency in
             seconds, from the deferred free to the reclaim that saw the fence
             complete (the same figure as ``fence_latency``, for every batch).
+        rows_granted: rows handed out, total, counting those a waiter
+            cancelled after its grant gave back (unlike ``allocs``, it never
+            decreases: the ``rows_allocated`` counter of the metrics).
     """
 
     capacity: int
@@ -223,3 +226,4 @@ class PoolStats:
     alloc_calls: int = 0
     wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     fence_latency_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    rows_granted: int = 0

@@ -415,3 +415,97 @@ def test_readme_table_lists_every_family() -> None:
         for f in FAMILIES
     }
     assert listed == exported
+
+
+async def test_scrapes_from_another_thread_see_consistent_monotonic_figures() -> None:
+    import threading
+
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(4 * WAIT_S):
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="p"))
+        stop = threading.Event()
+        seen: list[dict[str, Any]] = []
+        errors: list[BaseException] = []
+
+        def scraper() -> None:
+            try:
+                while not stop.is_set():
+                    text = generate_latest(registry).decode()
+                    seen.append({f.name: f for f in text_string_to_metric_families(text)})
+            except BaseException as exc:  # reported by the test below
+                errors.append(exc)
+
+        thread = threading.Thread(target=scraper, daemon=True)
+        thread.start()
+        try:
+            for _ in range(300):
+                held = await pool.alloc(2)  # fast
+                waiter = asyncio.create_task(pool.alloc(1))  # waits, then granted
+                await asyncio.sleep(0)
+                pool.free(held)
+                pool.free(await waiter)
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+        assert not errors and not thread.is_alive() and seen
+        last: dict[str, float] = {}
+        for fams in seen:
+            for name in ("asyncpool_alloc_wait_seconds", "asyncpool_fence_latency_seconds"):
+                counts = [c for _, c in buckets(fams, name)]
+                assert counts == sorted(counts)
+                assert counts[-1] == value(fams, name + "_count")
+            for sample in ("asyncpool_alloc_calls_total", "asyncpool_rows_allocated_total",
+                           "asyncpool_alloc_wait_seconds_count"):
+                v = value(fams, sample)
+                assert v >= last.get(sample, 0.0), sample
+                last[sample] = v
+        final = scrape((pool, "p"))
+        assert value(final, "asyncpool_alloc_wait_seconds_count") == 600
+
+
+async def test_a_grant_given_back_by_a_cancelled_waiter_never_lowers_a_counter() -> None:
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(WAIT_S):
+        held = await pool.alloc(2)
+        w = asyncio.create_task(pool.alloc(2))
+        await spin()
+        pool.free(held)  # w is granted both rows...
+        before = scrape((pool, "p"))
+        w.cancel()  # ...and cancelled before it resumes: it gives them back
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        after = scrape((pool, "p"))
+        assert pool.stats().allocs == 2  # stats() keeps not counting the given-back grant
+        assert value(before, "asyncpool_rows_allocated_total") == 4
+        assert value(after, "asyncpool_rows_allocated_total") == 4
+        assert value(before, "asyncpool_rows_freed_total") == 2
+        assert value(after, "asyncpool_rows_freed_total") == 4  # given back = left allocated
+        assert value(after, "asyncpool_alloc_calls_total") == 2  # it was granted
+        assert value(after, "asyncpool_alloc_cancellations_total") == 1
+        assert value(after, "asyncpool_free_rows") == 2
+
+
+class StatsSequence:
+    """A stand-in pool whose ``stats()`` answers from a list (read skew)."""
+
+    def __init__(self, *stats: PoolStats) -> None:
+        self.answers = list(stats)
+
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        return self.answers.pop(0)
+
+
+def test_a_skewed_read_never_shows_a_counter_going_down() -> None:
+    base = PoolStats(8, 4, 4, 0, 0, 0, 10, 6, 0, 0, 0, 0, 0, 4, rows_granted=10)
+    skewed = dataclasses.replace(base, rows_granted=10, allocated=5)  # freed 6 -> 5
+    later = dataclasses.replace(base, rows_granted=12, allocated=4)
+    fake = StatsSequence(base, skewed, later, skewed)
+    registry = CollectorRegistry()
+    collector = PoolCollector(fake, name="p")
+    registry.register(collector)
+    freed = "asyncpool_rows_freed_total"
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 6
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 6  # not 5
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 8
+    collector.remove("p")
+    collector.add(fake, name="p")  # a new pool under the old name starts afresh
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 5

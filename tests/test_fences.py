@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S
+from helpers import WAIT_S, bounded
 
 from asyncpool import (
     CudaFence,
@@ -489,17 +489,20 @@ async def test_free_after_an_idle_stream_defers_nothing(kit):
 
     s = kit.stream()
     pool = AsyncReqToTokenPool(5, 8)
-    rows = await pool.alloc(2)
+    async with bounded():
+        rows = await pool.alloc(2)
     assert pool.free(rows, after=s) == 2
     assert pool.pending_size() == 0 and pool.available_size() == 4
-    async with pool.lease(2, after=s):
+    async with bounded(), pool.lease(2, after=s):
         pass
     assert pool.pending_size() == 0 and pool.available_size() == 4
     gate = kit.gate(s)  # busy: the rows must wait for the stream
-    rows = await pool.alloc(2)
+    async with bounded():
+        rows = await pool.alloc(2)
     assert pool.free(rows, after=s) == 0
     assert pool.pending_size() == 2
     gate.open()
     s.synchronize()
     assert pool.reclaim() == 2
-    await pool.close()
+    async with bounded():
+        await pool.close()

@@ -22,6 +22,10 @@ CUDA stream) without a GPU and on CUDA streams when ``torch.cuda.is_available()`
 (``--device cpu`` forces the host stream). ``--no-record-use`` leaves out the
 ``record_use`` call, as an engine that forgets it would: rows are then reused
 while the step still writes them, and the check reports corrupted rows.
+(That is on the host stream, where the scheduler writes a new owner's prefix
+from its own thread. On CUDA the prefix is written on the forward stream, so
+stream order alone puts the old step's late write first; see docs/cuda.md,
+"What stream order does and does not cover".)
 
 Exit status: 0 when every row checks out and the pool ends empty, 1 otherwise.
 Public API only; see docs/cuda.md for the CUDA wiring.

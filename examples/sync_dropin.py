@@ -18,7 +18,11 @@ Runs on a :class:`~asyncpool.HostStream` without a GPU and on a CUDA stream
 when ``torch.cuda.is_available()`` (``--device cpu`` forces the host stream).
 ``--no-record-use`` drops the ``record_use`` line, which is the seed's
 behaviour: aborted rows are reused under the running step and the check
-reports corrupted rows. Exit status 0 when all is well, 1 otherwise.
+reports corrupted rows.
+(That is on the host stream, where the scheduler writes a new owner's prefix
+from its own thread. On CUDA the prefix is written on the forward stream, so
+stream order alone puts the old step's late write first; see docs/cuda.md,
+"What stream order does and does not cover".) Exit status 0 when all is well, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .fences import Fence, record_fence
+from .fences import Fence, HostStream, record_fence
 from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
@@ -123,6 +123,13 @@ class PoolCore:
         must survive both passes).
         """
         led = self._ledger
+        if not isinstance(after, HostStream) and getattr(
+            getattr(after, "device", None), "type", None
+        ) != "cuda":
+            raise TypeError(
+                f"after= must be a HostStream or a CUDA stream to record a fence on, "
+                f"got {after!r} of type {type(after).__name__}"
+            )
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)

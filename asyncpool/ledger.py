@@ -100,9 +100,14 @@ class SlotLedger:
         self._clean = size - 1  # the tables start zeroed
         self._state = bytearray(size)
         self._state[0] = RESERVED
-        # Generations in 8 bytes a row, however high they count (a list would
-        # hold a separate int object per row once counts pass 256: 36 B more).
-        self._gen = array.array("Q", bytes(8 * size))
+        # Generations (hand-outs per row) in two parts, so bookkeeping stays
+        # the same size however long the pool runs: a list of the counts mod
+        # 256 (always CPython's shared small ints, so 8 B a row; a plain
+        # count would become a separate int object per row past 256, +32 B)
+        # and an array of the carries, touched once every 256 hand-outs.
+        # The fast paths increment _gen and call _carry when it reaches 256.
+        self._gen = [0] * size
+        self._gen_hi = array.array("Q", bytes(8 * size))
         self._uses: list[Any] = [None] * size
         self._more: dict[int, list[Fence]] = {}
         self._streams: dict[int, collections.deque[_Batch]] = {}
@@ -138,7 +143,7 @@ class SlotLedger:
     @property
     def allocs(self) -> int:
         """Rows handed out over the pool's life (derived: no hot-path counter)."""
-        return sum(self._gen) - self._returned
+        return sum(self._gen) + (sum(self._gen_hi) << 8) - self._returned
 
     @property
     def frees(self) -> int:
@@ -151,7 +156,12 @@ class SlotLedger:
 
     def generation(self, row: int) -> int:
         """How many times ``row`` has been handed out."""
-        return self._gen[row]
+        return (self._gen_hi[row] << 8) | self._gen[row]
+
+    def _carry(self, row: int) -> int:
+        """``_gen[row]`` reached 256: carry into the high part; the new low part."""
+        self._gen_hi[row] += 1
+        return 0
 
     # ------------------------------------------------------------------ take
 
@@ -188,7 +198,8 @@ class SlotLedger:
         if n == 1:
             row = free.popleft()
             self._state[row] = ALLOCATED
-            self._gen[row] += 1
+            g = self._gen[row] + 1
+            self._gen[row] = g if g != 256 else self._carry(row)
             rows = [row]
         else:
             state = self._state
@@ -197,7 +208,8 @@ class SlotLedger:
             rows = [pop() for _ in range(n)]
             for row in rows:
                 state[row] = ALLOCATED
-                gen[row] += 1
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else self._carry(row)
         if len(free) < self._peak_bound:
             self._note_peak()
         return rows
@@ -279,7 +291,7 @@ class SlotLedger:
                 f"row {row} appears twice in this call; a call may name each row once"
             )
         if state in (FREE, PENDING):
-            if self._gen[row] == 0:
+            if self.generation(row) == 0:
                 return InvalidSlotError(f"row {row} was never allocated and cannot be {what}")
             where = "is already free" if state == FREE else "is already pending behind a fence"
             if what == "freed":

@@ -282,7 +282,9 @@ class AsyncReqToTokenPool(PoolCore):
                 free = self._free_q
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 return [row]
@@ -422,7 +424,8 @@ class AsyncReqToTokenPool(PoolCore):
                 # row was freed a moment ago and is still dirty.
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
+                g = self._gen[row] + 1
+                self._gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 rows = [row]

@@ -7,8 +7,8 @@ size (whose free-list slice is O(size)).
 
 Memory: the tables (every tensor the pool exposes, exact ``nbytes``) and
 the Python bookkeeping (``tracemalloc``: objects allocated by constructing
-the pool and handing every row out ``HANDOUTS`` times, past the 256 where a
-list of generation counters would stop holding shared small ints; the
+the pool and handing every row out ``HANDOUTS`` times, past the 256 where
+plain generation counters would stop being shared small ints; the
 seed-style pool, which keeps no counters, once; torch's tensor storage is
 not allocated through Python and so is not counted twice). Tables use a
 short ``max_context_len`` here so 65,536 rows fit a laptop; they grow as

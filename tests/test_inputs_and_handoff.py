@@ -482,3 +482,30 @@ def test_bookkeeping_does_not_grow_once_generations_pass_256():
     worn = _bookkeeping_bytes(1024, 300)
     # A list of generation ints grows 32 B a row here (one int object each).
     assert worn - fresh < 2 * 1024, (fresh, worn)
+
+
+async def test_generations_count_on_past_256_on_every_path():
+    sync = ReqToTokenPool(2, 4)
+    for _ in range(600):
+        sync.free(sync.alloc(1))  # ledger take
+    assert sync.generation(1) == 600 and sync.stats().allocs == 600
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        for _ in range(300):
+            pool.free(await pool.alloc(1))  # inlined fast path, rows 1 and 2 alternate
+        assert pool.generation(1) + pool.generation(2) == 300
+        assert pool.generation(1) == 150
+        for _ in range(300):
+            pool.free(await pool.alloc(2))  # ledger _pop, n > 1
+        assert pool.generation(1) == pool.generation(2) == 450
+        held = await pool.alloc(2)
+        assert held == [1, 2] and pool.generation(1) == 451
+        led = pool._ledger
+        led._gen[1] = 255  # as if row 1 had been handed out 511 times
+        assert pool.generation(1) == 511
+        waiter = asyncio.create_task(pool.alloc(1))
+        await spin()
+        pool.free([1])  # the grant loop's inlined take carries too
+        async with asyncio.timeout(WAIT_S):
+            assert await waiter == [1]
+        assert pool.generation(1) == 512 and led._gen[1] == 0
+        pool.free([1, 2])

@@ -63,7 +63,12 @@ class PoolCore:
     # Hooks from the ledger -------------------------------------------------
 
     def _reset_rows(self, rows: list[int]) -> None:
-        if len(rows) >= _MASK_RESET_ROWS:
+        led = self._ledger
+        if led.free_count == led.capacity:
+            # Every row is free (an idle pool running out of clean rows):
+            # zero them all in one op, no index or mask to build.
+            self._tables.reset_rows_from_1()
+        elif len(rows) >= _MASK_RESET_ROWS:
             # Many dirty rows: zero every FREE row through a zero-copy view of
             # the ledger's state bytes (re-zeroing clean rows is harmless);
             # cheaper than building an index of the rows.

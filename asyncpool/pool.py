@@ -153,6 +153,11 @@ class AsyncReqToTokenPool(PoolCore):
         self._closed = False
         self._released = False
         self._gated = False  # closed or released: no fast path, no grants
+        # The owner's ident while alloc's fast path is open (bound, nobody
+        # queued, not gated), else None: one compare checks all three. Set
+        # to None wherever one of them stops holding; re-derived by the next
+        # alloc that takes the general path (stale None is only slower).
+        self._fast: int | None = None
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
@@ -237,6 +242,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._flush_resets()  # a flush queued on the old loop must not be needed
         self._owner = _get_ident()
         self._owner_name = threading.current_thread().name
+        self._fast = None
         try:
             self._loop = _get_running_loop()
         except RuntimeError:
@@ -268,13 +274,33 @@ class AsyncReqToTokenPool(PoolCore):
         ``TimeoutError`` after ``timeout`` seconds. On any exception,
         cancellation included, nothing was allocated.
         """
-        if self._owner != _get_ident():
+        ident = _get_ident()
+        if self._fast == ident and n == 1 and n.__class__ is int:
+            # The owner's thread, nobody queued, not gated: one clean row.
+            if timeout is not None or priority.__class__ is not int:
+                _check_wait_args(priority, timeout)
+            led = self._ledger
+            if led._clean:
+                # Inlined SlotLedger.take(1) for a clean row.
+                led._clean -= 1
+                free = self._free_q
+                row = free.popleft()
+                self._state[row] = 1  # ALLOCATED
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
+                if len(free) < led._peak_bound:
+                    led._note_peak()
+                return [row]
+        if self._owner != ident:
             self._bind_thread()
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
         if not self._nwaiters and not self._gated:
+            if self._owner is not None:
+                self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
             if n == 1 and led._clean:
                 # Inlined SlotLedger.take(1) for a clean row.
@@ -323,6 +349,7 @@ class AsyncReqToTokenPool(PoolCore):
             bisect.insort(self._prios, priority)
         queue.append(waiter)
         self._nwaiters += 1
+        self._fast = None
         handle = None if timeout is None else loop.call_later(
             timeout, self._expire, waiter, priority, timeout
         )
@@ -675,6 +702,7 @@ class AsyncReqToTokenPool(PoolCore):
             return
         self._closed = True
         self._gated = True
+        self._fast = None
         error = PoolClosedError("the pool was closed while this request waited")
         for queue in list(self._queues.values()):
             for _, fut, _ in queue:
@@ -709,6 +737,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._released:
             return
         self._released = self._gated = True
+        self._fast = None
         try:
             await self.drain()
             allocated = self._ledger.allocated

@@ -228,6 +228,17 @@ class TokenTables:
         with self._stream_context():
             self._lens.masked_fill_(mask.to(self.device, non_blocking=True), 0)
 
+    def reset_rows_from_1(self) -> None:
+        """Zero the lengths of every row but the padding row 0: one op on CPU.
+
+        For a bulk reset while every row is free: no index or mask to build
+        (a mask over the state bytes costs several torch ops).
+        """
+        with self._stream_context():
+            self._lens[:, 1:].zero_()
+        if self._on_cuda:
+            self.alloced_lens_cpu[1:].zero_()
+
     def reset_all(self) -> None:
         """Zero every length (``clear()`` and ``resume_memory()``)."""
         with self._stream_context():

@@ -509,3 +509,34 @@ async def test_generations_count_on_past_256_on_every_path():
             assert await waiter == [1]
         assert pool.generation(1) == 512 and led._gen[1] == 0
         pool.free([1, 2])
+
+
+async def test_an_idle_pools_bulk_reset_zeroes_every_row_but_padding():
+    async with AsyncReqToTokenPool(6, 4) as pool:
+        calls: list[str] = []
+        tables = pool._tables
+        real = tables.reset_rows_from_1
+
+        def spy() -> None:
+            calls.append("from_1")
+            real()
+
+        tables.reset_rows_from_1 = spy  # type: ignore[method-assign]
+        pool.verified_lens[0] = 3  # padding: never reset
+        for _ in range(5):  # use up the clean rows, leaving each dirty
+            rows = await pool.alloc(1)
+            pool.verified_lens[rows[0]] = 7
+            pool.alloced_lens[rows[0]] = 7
+            pool.free(rows)
+        rows = await pool.alloc(1)  # every row free and dirty: one zero_ op
+        assert calls == ["from_1"]
+        assert pool.verified_lens[1:].eq(0).all() and pool.alloced_lens[1:].eq(0).all()
+        assert int(pool.verified_lens[0]) == 3
+        for _ in range(4):  # the other rows dirty again, one row still held
+            other = await pool.alloc(1)
+            pool.verified_lens[other[0]] = 9
+            pool.free(other)
+        again = await pool.alloc(1)  # not idle: an index reset, row 0 untouched
+        assert calls == ["from_1"]
+        assert int(pool.verified_lens[again[0]]) == 0 and int(pool.verified_lens[0]) == 3
+        pool.free(rows + again)

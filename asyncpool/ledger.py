@@ -39,6 +39,7 @@ from typing import Any
 
 from .errors import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
 from .fences import Fence, is_fence
+from .stats import Histogram
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "SlotLedger"]
 
@@ -129,6 +130,7 @@ class SlotLedger:
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+        self.fence_histogram = Histogram()  # every batch's latency, for metrics
 
     # ------------------------------------------------------------------ counts
 
@@ -143,7 +145,17 @@ class SlotLedger:
     @property
     def allocs(self) -> int:
         """Rows handed out over the pool's life (derived: no hot-path counter)."""
-        return sum(self._gen) + (sum(self._gen_hi) << 8) - self._returned
+        return self.granted - self._returned
+
+    @property
+    def granted(self) -> int:
+        """Rows handed out, counting those given back by ``put_back`` (monotonic)."""
+        return sum(self._gen) + (sum(self._gen_hi) << 8)
+
+    @property
+    def returned(self) -> int:
+        """Rows given back by ``put_back`` (granted to a waiter that was cancelled)."""
+        return self._returned
 
     @property
     def frees(self) -> int:
@@ -585,7 +597,9 @@ class SlotLedger:
     def _release(self, batch: _Batch) -> int:
         rows = batch.rows
         self.pending -= len(rows)
-        self.fence_latencies.append(self._clock() - batch.t0)
+        latency = self._clock() - batch.t0
+        self.fence_latencies.append(latency)
+        self.fence_histogram.observe(latency)
         state = self._state
         free = self._free
         more = self._more

@@ -51,7 +51,7 @@ from .errors import (
 )
 from .fences import Fence, HostFence, HostStream
 from .ledger import ALLOCATED, FREE, Rows
-from .stats import LatencySummary, PoolStats
+from .stats import Histogram, LatencySummary, PoolStats
 from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
@@ -161,6 +161,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._wait_histogram = Histogram()  # queued allocs' waits, at grant
+        self._fast_allocs = 0  # allocs granted without queueing (zero waits)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         self._timeouts = 0
@@ -291,6 +293,7 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
+                self._fast_allocs += 1
                 return [row]
         if self._owner != ident:
             self._bind_thread()
@@ -313,14 +316,17 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
+                self._fast_allocs += 1
                 return [row]
             rows = self._take(n)
             if rows is not None:
+                self._fast_allocs += 1
                 return rows
             if led.pending and led.reclaim():
                 # Capacity only waiting on a fence is not exhaustion.
                 rows = self._take(n)
                 if rows is not None:
+                    self._fast_allocs += 1
                     return rows
         # Slow path, inline (no nested coroutine per wait): queue and wait
         # for a grant.
@@ -473,6 +479,7 @@ class AsyncReqToTokenPool(PoolCore):
             if not now:
                 now = _perf_counter()
             self._wait_times.append(now - t0)
+            self._wait_histogram.observe(now - t0)
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -501,6 +508,8 @@ class AsyncReqToTokenPool(PoolCore):
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():
             rows = self._take(n)
+        if rows is not None:
+            self._fast_allocs += 1
         return rows
 
     # ------------------------------------------------------------ free
@@ -776,16 +785,26 @@ class AsyncReqToTokenPool(PoolCore):
         """How many ``alloc`` calls are queued."""
         return self._nwaiters
 
-    def stats(self) -> PoolStats:
-        """A frozen snapshot of counts, totals and latency summaries."""
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        """A frozen snapshot of counts, totals, histograms and latency summaries.
+
+        Never mutates the pool. ``summaries=False`` leaves ``wait_time`` and
+        ``fence_latency`` empty (sorting their sample windows is the costly
+        part); metrics scrapes use it. May be called from another thread (a
+        scrape): the figures are then read a few operations apart.
+        """
+        waits = self._wait_histogram.snapshot(zeros=self._fast_allocs)
         return self._stats(
+            summaries,
             waiters=self._nwaiters,
             timeouts=self._timeouts,
             cancellations=self._cancellations,
             rejections=self._rejections,
             closed=self._closed,
             released=self._released,
-            wait_time=LatencySummary.of(self._wait_times),
+            wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
+            alloc_calls=waits.count,
+            wait_histogram=waits,
         )
 
     def check_invariants(self) -> None:

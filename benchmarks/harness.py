@@ -84,6 +84,8 @@ class Config:
     demo_requests: int = 200
     demo_repeats: int = 5
     demo_timeout_s: float = 120.0
+    #: queued allocs and fence batches behind the metrics scrape benchmark
+    metrics_samples: int = 10_000
 
 
 PRESETS: dict[str, Config] = {
@@ -119,6 +121,7 @@ PRESETS: dict[str, Config] = {
         demo_requests=4,
         demo_repeats=1,
         demo_timeout_s=60.0,
+        metrics_samples=50,
     ),
 }
 

@@ -289,6 +289,10 @@ def render_markdown(
         "- Wake-up: the stream's worker stamps the time just before it reaches the fence; "
         "the waiter stamps when it resumes. The floor is a bare future resolved with "
         "`call_soon_threadsafe` from the same fence's done-callback.",
+        "- Metrics: after 10^4 queued allocs and 10^4 fence batches (full sample windows, "
+        "histograms of 10^4), `prometheus_client.generate_latest` of a registry holding one "
+        "`PoolCollector`; its target is absolute (under 1 ms per scrape), shown as the ratio "
+        "to a constant 1 ms.",
         "",
     ]
     return "\n".join(lines)

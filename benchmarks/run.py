@@ -29,7 +29,7 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
 BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
-              "demo")
+              "metrics", "demo")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
     from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+    from benchmarks.bench_metrics import bench_metrics_scrape
     from benchmarks.bench_scaling import bench_scaling
 
     rows: list[Row] = []
@@ -98,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fenced": bench_fenced_free,
         "reclaim": bench_reclaim_sweep,
         "wake": bench_wake_latency,
+        "metrics": bench_metrics_scrape,
     }
     load_before = loadavg()
     t_start = time.perf_counter()

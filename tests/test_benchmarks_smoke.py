@@ -81,6 +81,14 @@ async def test_wake_latency() -> None:
     assert rows[0].samples["idle_cpu_fraction"][0] >= 0
 
 
+async def test_metrics_scrape() -> None:
+    from benchmarks.bench_metrics import bench_metrics_scrape
+
+    rows = await bench_metrics_scrape(SMOKE)
+    _check(rows)
+    assert rows[0].target is not None and rows[0].reference_value == 1e6
+
+
 async def test_scaling() -> None:
     async with bounded(LONG_S):
         rows, memory = await bench_scaling(SMOKE)

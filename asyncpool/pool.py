@@ -606,13 +606,18 @@ class AsyncReqToTokenPool(PoolCore):
         try:
             async with asyncio.timeout(timeout):
                 delay = _DRAIN_POLL_MIN_S
+                head: Fence | None = None
+                seen = -1
                 while True:
-                    head = led.pending_fences()[0]
+                    if led.pending != seen:  # O(pending) only after progress
+                        seen = led.pending
+                        head = led.pending_fences()[0]
                     if head.__class__ is HostFence:
                         fut: asyncio.Future[None] = loop.create_future()
                         head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
                         await fut
                         delay = _DRAIN_POLL_MIN_S
+                        seen = -1  # its rows may wait on another fence now
                     else:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
@@ -634,9 +639,9 @@ class AsyncReqToTokenPool(PoolCore):
         pending behind fences stay pending (``drain()`` waits for them).
         Never waits for a fence: the fence watcher is told to stop, and only
         its threads that are not inside a fence's ``synchronize()`` are
-        joined (they exit within microseconds; at most
-        ``_CLOSE_JOIN_S`` in all). A watcher thread stuck in a fence that never
-        completes is a daemon and keeps nothing alive. Idempotent.
+        joined (they exit within microseconds; the join is bounded at 50 ms
+        in all). A watcher thread stuck in a CUDA event that never completes
+        is a daemon and keeps nothing alive. Idempotent.
         """
         self._check_thread()
         if self._closed:

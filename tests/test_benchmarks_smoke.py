@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
-from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+from benchmarks.bench_fences import (
+    bench_fenced_free,
+    bench_reclaim_sweep,
+    bench_wake_latency,
+    bench_wake_slow_fences,
+)
 from benchmarks.bench_scaling import bench_scaling
 from benchmarks.harness import PRESETS, Row
 from benchmarks.naive_pool import NaiveReqToTokenPool
@@ -72,6 +77,13 @@ async def test_wake_latency() -> None:
     rows = await bench_wake_latency(SMOKE, device="cpu")
     _check(rows)
     assert rows[0].samples["idle_cpu_fraction"][0] >= 0
+
+
+async def test_wake_latency_with_slow_fences_watched() -> None:
+    rows = await bench_wake_slow_fences(SMOKE)
+    _check(rows)
+    assert len(rows) == 2 and all("100 slow fences" in r.bench for r in rows)
+    assert rows[0].samples["polls_per_s"][0] > 0
 
 
 async def test_scaling() -> None:

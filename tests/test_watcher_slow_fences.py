@@ -348,3 +348,39 @@ async def test_the_poller_backs_off_while_100_fences_are_stuck(kit: Streams) -> 
         async with asyncio.timeout(WAIT_S):
             await pool.drain()
         await until(lambda: not watcher.polled)  # it forgets the completed fences
+
+
+# ------------------------------------------------------------------ real CUDA events
+
+
+@pytest.mark.cuda
+async def test_cuda_a_busy_stream_does_not_delay_another_streams_wake_up() -> None:
+    """Real events: stream X runs a long kernel, stream Y a short one; the
+    waiter gets Y's row while X's event is still open, and close() returns
+    without waiting for X."""
+    import torch
+
+    from asyncpool import record_fence
+
+    x, y = torch.cuda.Stream(), torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(3, 8, device="cuda")
+    try:
+        a, b = await pool.alloc(2)
+        with torch.cuda.stream(x):
+            torch.cuda._sleep(4_000_000_000)  # seconds of GPU time
+        fx = record_fence(x)
+        with torch.cuda.stream(y):
+            torch.cuda._sleep(1_000_000)
+        fy = record_fence(y)
+        pool.free([a], fence=fx)
+        pool.free([b], fence=fy)
+        got, _ = await timed(asyncio.ensure_future(pool.alloc(1)))
+        assert got == [b]
+        assert not fx.query()
+        async with asyncio.timeout(PROMPT_S):
+            await pool.close()
+        assert not fx.query()  # close() did not wait for it
+        pool.free(got)
+    finally:
+        await pool.close()
+        x.synchronize()

@@ -63,6 +63,14 @@ _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
 
 
+# drain() polls fences without a done callback with this backoff (seconds).
+_DRAIN_POLL_MIN_S = 50e-6
+_DRAIN_POLL_MAX_S = 1e-3
+# close() joins the watcher's idle threads for at most this long in all: they
+# exit within microseconds of stop(); the bound only guards against a fence
+# whose query() blocks, against the protocol.
+_CLOSE_JOIN_S = 0.05
+
 # A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
 # than an object, and the future says whether it is still wanted.
 _Waiter = tuple[int, "asyncio.Future[list[int]]", float]
@@ -93,13 +101,6 @@ def _check_wait_args(priority: object, timeout: object) -> None:
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
     ):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-
-
-def _synchronize_quietly(fence: Fence) -> None:
-    try:
-        fence.synchronize()
-    except Exception:  # reclaim quarantines the fence's rows
-        pass
 
 
 class AsyncReqToTokenPool(PoolCore):
@@ -675,36 +676,70 @@ class AsyncReqToTokenPool(PoolCore):
 
     # ------------------------------------------------------------ lifecycle
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
         """Wait until no row is pending behind a fence.
 
         Works before and after :meth:`close`. Rows of faulted fences are
-        quarantined, not waited for. Cancelling ``drain`` changes nothing.
+        quarantined, not waited for. Host fences wake it through their done
+        callbacks; other fences (CUDA events, fences of unknown origin) are
+        polled with ``query()`` on the loop, backing off from 50 µs to 1 ms,
+        never by blocking a thread in their ``synchronize()``, so a fence
+        that never completes leaves no thread behind.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: no
+        limit) with rows still pending; the pool is then as it was, apart
+        from fences that completed meanwhile, which are reclaimed as any call
+        would. Cancelling ``drain`` changes nothing either. Raises
+        ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
         """
         self._check_thread()
+        if timeout is not None:
+            _check_wait_args(0, timeout)
         loop = self._running_loop()
         led = self._ledger
-        while True:
-            if led.pending:
-                self.reclaim()
-            if not led.pending:
-                return
-            head = led.pending_fences()[0]
-            if isinstance(head, HostFence):
-                fut: asyncio.Future[None] = loop.create_future()
-                head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
-                await fut
-            else:
-                await loop.run_in_executor(None, _synchronize_quietly, head)
+        if led.pending:
+            self.reclaim()
+        if not led.pending:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                head: Fence | None = None
+                seen = -1
+                while True:
+                    if led.pending != seen:  # O(pending) only after progress
+                        seen = led.pending
+                        head = led.pending_fences()[0]
+                    if head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                        delay = _DRAIN_POLL_MIN_S
+                        seen = -1  # its rows may wait on another fence now
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+                    if led.pending:
+                        self.reclaim()
+                    if not led.pending:
+                        return
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {led.pending} rows still pending "
+                f"behind fences"
+            ) from None
 
     async def close(self) -> None:
         """Close the pool: new allocations and current waiters fail.
 
         Every queued ``alloc`` raises :class:`PoolClosedError`; later
         ``alloc``/``try_alloc`` calls too. ``free`` still works, and rows
-        pending behind fences stay pending (``drain()`` waits for them). The
-        fence watcher thread, if one was started, is stopped and joined.
-        Idempotent.
+        pending behind fences stay pending (``drain()`` waits for them).
+        Never waits for a fence: the fence watcher is told to stop, and only
+        its threads that are not inside a fence's ``synchronize()`` are
+        joined (they exit within microseconds; the join is bounded at 50 ms
+        in all). A watcher thread stuck in a CUDA event that never completes
+        is a daemon and keeps nothing alive. Idempotent.
         """
         self._check_thread()
         if self._closed:
@@ -722,10 +757,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._nwaiters = 0
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
-            if watcher.running:
-                await asyncio.get_running_loop().run_in_executor(None, watcher.stop)
-            else:
-                watcher.stop()
+            watcher.stop()
+            watcher.join(_CLOSE_JOIN_S)
         logger.debug("closed %r", self)
 
     @property

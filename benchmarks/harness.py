@@ -80,6 +80,11 @@ class Config:
     #: how long a waiter idles on an open fence when measuring CPU burn (s);
     #: a window pays one loop wake-up (~0.1 ms), so shorter ones read higher
     idle_wait_s: float = 1.0
+    #: slow fences of unknown origin kept open in the crowded wake-up benchmark
+    slow_fences: int = 100
+    #: how long after the waiter queues its fence completes (the watcher's
+    #: poll backoff reaches its 1 ms cap in about 1.6 ms)
+    wake_settle_s: float = 0.003
     #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
     demo_requests: int = 200
     demo_repeats: int = 5

@@ -84,7 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
-    from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+    from benchmarks.bench_fences import (
+        bench_fenced_free,
+        bench_reclaim_sweep,
+        bench_wake_latency,
+        bench_wake_slow_fences,
+    )
     from benchmarks.bench_metrics import bench_metrics_scrape
     from benchmarks.bench_scaling import bench_scaling
 
@@ -92,13 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: list[dict[str, float]] = []
     unavailable: dict[str, str] = {}
     extra: dict[str, Any] = {}
+    async def wake_all(cfg: Config) -> list[Row]:
+        return [*await bench_wake_latency(cfg), *await bench_wake_slow_fences(cfg)]
+
     simple: dict[str, Callable[[Config], Coroutine[Any, Any, list[Row]]]] = {
         "uncontended": bench_uncontended,
         "batched": bench_batched,
         "contended": bench_contended,
         "fenced": bench_fenced_free,
         "reclaim": bench_reclaim_sweep,
-        "wake": bench_wake_latency,
+        "wake": wake_all,
         "metrics": bench_metrics_scrape,
     }
     load_before = loadavg()

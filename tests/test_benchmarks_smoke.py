@@ -15,7 +15,12 @@ import pytest
 from helpers import LONG_S, bounded
 
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
-from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+from benchmarks.bench_fences import (
+    bench_fenced_free,
+    bench_reclaim_sweep,
+    bench_wake_latency,
+    bench_wake_slow_fences,
+)
 from benchmarks.bench_scaling import bench_scaling
 from benchmarks.harness import PRESETS, Row
 from benchmarks.naive_pool import NaiveReqToTokenPool
@@ -87,6 +92,14 @@ async def test_metrics_scrape() -> None:
     rows = await bench_metrics_scrape(SMOKE)
     _check(rows)
     assert rows[0].target is not None and rows[0].reference_value == 1e6
+
+
+async def test_wake_latency_with_slow_fences_watched() -> None:
+    async with bounded(LONG_S):
+        rows = await bench_wake_slow_fences(SMOKE)
+    _check(rows)
+    assert len(rows) == 2 and all("100 slow fences" in r.bench for r in rows)
+    assert rows[0].samples["polls_per_s"][0] > 0
 
 
 async def test_scaling() -> None:

@@ -657,3 +657,33 @@ def test_repr_mentions_the_counts():
     kv = KVPagePool(5, 4)
     kv.alloc(1)
     assert "allocated=1" in repr(kv)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [4, 64])
+def test_pages_on_cuda_wait_for_a_cuda_fence_and_the_late_write_misses_the_next_owner(n):
+    from asyncpool import record_fence
+
+    stream = torch.cuda.Stream()
+    kv = KVPagePool(n + 1, 4, device="cuda")
+    cache = torch.zeros((n + 1) * 4, dtype=torch.int64, device="cuda")
+    a = kv.alloc(n)
+    assert a is not None and a.is_cuda
+    slots_a = kv.slots(a)
+    assert slots_a.is_cuda
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        cache[slots_a] = 1  # the late write of an in-flight step
+    assert kv.free(a, fence=record_fence(stream)) == 0
+    assert kv.alloc(1) is None
+    stream.synchronize()
+    b = kv.alloc(n)
+    assert b is not None and sorted(b.tolist()) == sorted(a.tolist())
+    cache[kv.slots(b)] = 2
+    torch.cuda.synchronize()
+    assert bool((cache[kv.slots(b)] == 2).all())
+    kv.check_invariants()

@@ -96,7 +96,9 @@ def test_page_size_must_be_a_positive_int(page_size):
         KVPagePool(8, page_size)
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.0, 2.5, True, False, None, "1", [1], np.int64(2), 8])
+@pytest.mark.parametrize(
+    "n", [0, -1, 1.0, 2.5, True, False, None, "1", [1], np.float32(2), torch.tensor(2.0), 8]
+)
 def test_alloc_rejects_bad_counts_and_changes_nothing(n):
     kv = KVPagePool(8, 4)
     kept = kv.alloc(2)
@@ -106,6 +108,14 @@ def test_alloc_rejects_bad_counts_and_changes_nothing(n):
     assert isinstance(ei.value, ValueError)
     assert snapshot(kv) == before
     assert kept is not None
+
+
+def test_alloc_accepts_integer_scalars_as_the_row_pool_does():
+    kv = KVPagePool(8, 4)
+    for n in (np.int64(2), torch.tensor(1), np.int32(3)):
+        pages = kv.alloc(n)  # type: ignore[arg-type]
+        assert pages is not None and len(pages) == int(n)
+    kv.check_invariants()
 
 
 def test_fresh_order_then_fifo_reuse_oldest_freed_first():

@@ -406,6 +406,8 @@ class PageLedger(Deferrals[PageArray]):
 
     @staticmethod
     def _numpy_array(arr: npt.NDArray[Any], owned: bool) -> tuple[PageArray, bool]:
+        if arr.dtype is _I64 and arr.strides == (8,):  # 1-D, contiguous int64: as is
+            return arr, owned
         kind = arr.dtype.kind
         if kind != "i" and kind != "u":
             raise _dtype_error(arr.dtype)

@@ -21,6 +21,7 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
+from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
@@ -39,6 +40,8 @@ __all__ = [
     "HostFence",
     "HostStream",
     "InvalidSlotError",
+    "KVPagePool",
+    "KVPageStats",
     "LatencySummary",
     "Lease",
     "MemorySaverError",

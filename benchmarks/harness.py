@@ -83,6 +83,11 @@ class Config:
     demo_requests: int = 200
     demo_repeats: int = 5
     demo_timeout_s: float = 120.0
+    #: KV page allocators: pool size in pages (page 0 included, kept half
+    #: allocated), token slots per page, and the alloc(n) sizes measured
+    pages_num_pages: int = 32_768
+    pages_page_size: int = 16
+    pages_counts: tuple[int, ...] = (1, 16, 256)
 
 
 PRESETS: dict[str, Config] = {
@@ -118,6 +123,7 @@ PRESETS: dict[str, Config] = {
         demo_requests=4,
         demo_repeats=1,
         demo_timeout_s=60.0,
+        pages_num_pages=1_024,
     ),
 }
 

@@ -1,6 +1,7 @@
 """The benchmark entry point: ``python -m benchmarks`` or ``python benchmarks/run.py``.
 
-Runs every benchmark on asyncio and on uvloop, prints a markdown report to
+Runs every benchmark on asyncio and on uvloop (the synchronous page-allocator
+benchmark, ``pages``, once), prints a markdown report to
 stdout, writes it to ``docs/benchmarks.md`` (``--md``) and, with
 ``--json PATH``, every sample as JSON. ``--quick`` is the short run.
 Progress goes to stderr.
@@ -24,7 +25,7 @@ from benchmarks.harness import PRESETS, Config, Row, loop_factories, run_on
 from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_json
 
 BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
-              "demo")
+              "pages", "demo")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
     from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+    from benchmarks.bench_pages import bench_pages
     from benchmarks.bench_scaling import bench_scaling
 
     rows: list[Row] = []
@@ -107,6 +109,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if info.get("unavailable"):
                 unavailable["demo"] = str(info["unavailable"])
             _log(f"[demo] done in {time.perf_counter() - t0:.1f}s")
+            continue
+        if name == "pages":
+            # Synchronous: the event loop plays no part, so it runs once (on the
+            # first loop) and its rows say "sync" in the loop column.
+            _log(f"[{name}] (synchronous, runs once) ...")
+            t0 = time.perf_counter()
+            prows, skipped = run_on(loops[0], functools.partial(bench_pages, cfg))
+            rows += prows
+            unavailable.update(skipped)
+            _log(f"[{name}] done in {time.perf_counter() - t0:.1f}s")
             continue
         for lp in loops:
             _log(f"[{name}] on {lp} ...")

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: what the ``loop`` column says for these loop-independent rows
 LOOP = "sync"
-INSTALL_HINT = ("install it with `bash benchmarks/install_peers.sh VENV` and run "
-                "`VENV/bin/python -m benchmarks --only pages` (docs/benchmarks.md)")
+INSTALL_HINT = ("install it with `bash benchmarks/install_peers.sh VENV` and run the "
+                "benchmarks with `VENV/bin/python -m benchmarks` (docs/benchmarks.md)")
 
 SUBJECT = "KVPagePool"
 SEED = "seed-style"
@@ -216,7 +216,6 @@ async def bench_pages(cfg: Config) -> tuple[list[Row], dict[str, str]]:
         if c.available() != num_pages - 1 - hold:
             raise AssertionError(f"{c.label}: {c.available()} pages free after the run, "
                                  f"expected {num_pages - 1 - hold}")
-    del held
     return _rows(per_op, contenders, counts, num_pages, page_size), skipped
 
 

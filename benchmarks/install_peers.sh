@@ -3,7 +3,8 @@
 # virtual environment of their own, never the project's CI venv:
 #
 #   bash benchmarks/install_peers.sh /work/venv-peers
-#   /work/venv-peers/bin/python -m benchmarks --only pages    # from the repo root
+#   /work/venv-peers/bin/python -m benchmarks                       # from the repo root
+#   /work/venv-peers/bin/python -m benchmarks --only pages --no-md  # the pages alone
 #
 # * torch 2.13.0 first, so nothing later pulls a CUDA build of torch.
 # * SGLang 0.5.23 without its dependency tree (CUDA kernels, a serving
@@ -14,8 +15,8 @@
 #   on sys.path, and `vllm.v1.core.block_pool` imports from it unchanged
 #   (nothing in vLLM is stubbed). The last pip line installs what that import
 #   chain needs, pinned where vLLM 0.33.0's metadata pins it.
-# * numpy and uvloop for the benchmark harness; asyncpool itself is used from
-#   the checkout (run from the repo root), not installed.
+# * numpy and uvloop for the harness (tqdm, above, serves the demo); asyncpool
+#   itself is used from the checkout (run from the repo root), not installed.
 #
 # docs/benchmarks.md lists these same commands (benchmarks/report.py holds
 # them; tests/test_benchmarks_smoke.py checks each one is in this script).

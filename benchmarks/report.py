@@ -357,8 +357,10 @@ def render_markdown(
         "(`get_new_blocks(n)` + `free_blocks`).",
         "- Peers: SGLang and vLLM are measured only where they import, and are never "
         "installed in the project's venv (CI does not depend on them). "
-        "`bash benchmarks/install_peers.sh VENV` puts them in a venv of their own, "
-        "then `VENV/bin/python -m benchmarks --only pages` runs from the repo root. The "
+        "`bash benchmarks/install_peers.sh VENV` puts them in a venv of their own; "
+        "`VENV/bin/python -m benchmarks`, run from the repo root, then measures everything "
+        "with the peers' rows (`--only pages --no-md` for those alone, leaving this page as "
+        "it is). The "
         "script runs exactly these commands (`$WHEELS` is a temporary folder); vLLM is its "
         "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",
         "",

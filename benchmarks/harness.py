@@ -91,6 +91,11 @@ class Config:
     demo_timeout_s: float = 120.0
     #: queued allocs and fence batches behind the metrics scrape benchmark
     metrics_samples: int = 10_000
+    #: KV page allocators: pool size in pages (page 0 included, kept half
+    #: allocated), token slots per page, and the alloc(n) sizes measured
+    pages_num_pages: int = 32_768
+    pages_page_size: int = 16
+    pages_counts: tuple[int, ...] = (1, 16, 256)
 
 
 PRESETS: dict[str, Config] = {
@@ -127,6 +132,7 @@ PRESETS: dict[str, Config] = {
         demo_repeats=1,
         demo_timeout_s=60.0,
         metrics_samples=50,
+        pages_num_pages=1_024,
     ),
 }
 

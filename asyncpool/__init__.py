@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .errors import (
     CapacityError,
+    DeviceError,
     DoubleFreeError,
     FenceError,
     InvalidSlotError,
@@ -23,7 +24,7 @@ from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, recor
 from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant
-from .stats import LatencySummary, PoolStats
+from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
 
@@ -31,10 +32,13 @@ __all__ = [
     "AsyncReqToTokenPool",
     "CapacityError",
     "CudaFence",
+    "DeviceError",
     "DoubleFreeError",
     "Fence",
     "FenceError",
     "Grant",
+    "Histogram",
+    "HistogramSnapshot",
     "HostFence",
     "HostStream",
     "InvalidSlotError",

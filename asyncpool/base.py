@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .fences import Fence, record_fence
+from .fences import Fence, HostStream, record_fence
 from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
@@ -63,7 +63,12 @@ class PoolCore:
     # Hooks from the ledger -------------------------------------------------
 
     def _reset_rows(self, rows: list[int]) -> None:
-        if len(rows) >= _MASK_RESET_ROWS:
+        led = self._ledger
+        if led.free_count == led.capacity:
+            # Every row is free (an idle pool running out of clean rows):
+            # zero them all in one op, no index or mask to build.
+            self._tables.reset_rows_from_1()
+        elif len(rows) >= _MASK_RESET_ROWS:
             # Many dirty rows: zero every FREE row through a zero-copy view of
             # the ledger's state bytes (re-zeroing clean rows is harmless);
             # cheaper than building an index of the rows.
@@ -115,6 +120,17 @@ class PoolCore:
         """How many times ``row`` has been handed out (for stale-handle checks)."""
         return self._ledger.generation(row)
 
+    @staticmethod
+    def _check_stream(after: object) -> None:
+        """Raise TypeError unless a fence can be recorded on ``after``."""
+        if not isinstance(after, HostStream) and getattr(
+            getattr(after, "device", None), "type", None
+        ) != "cuda":
+            raise TypeError(
+                f"after= must be a HostStream or a CUDA stream to record a fence on, "
+                f"got {after!r} of type {type(after).__name__}"
+            )
+
     def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
 
@@ -123,6 +139,7 @@ class PoolCore:
         must survive both passes).
         """
         led = self._ledger
+        self._check_stream(after)
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)
@@ -134,21 +151,30 @@ class PoolCore:
         """Raise AssertionError unless every bookkeeping invariant holds."""
         self._ledger.check_invariants()
 
-    def _stats(self, **extra: Any) -> PoolStats:
+    def _stats(self, summaries: bool = True, **extra: Any) -> PoolStats:
         led = self._ledger
+        # Lifetime row totals first, then the counts now: read from another
+        # thread, a grant in between then lowers `frees` instead of raising it.
+        granted = led.granted
+        allocs = granted - led.returned
+        allocated = led.allocated
         return PoolStats(
             capacity=led.capacity,
             free=led.free_count,
-            allocated=led.allocated,
+            allocated=allocated,
             pending=led.pending,
             quarantined=led.quarantined,
-            allocs=led.allocs,
-            frees=led.frees,
+            allocs=allocs,
+            frees=allocs - allocated,
+            rows_granted=granted,
             deferred_frees=led.deferred_frees,
             reclaimed=led.reclaimed,
             peak_allocated=led.peak_allocated,
             resets=led.resets,
             fence_errors=led.fence_errors,
-            fence_latency=LatencySummary.of(led.fence_latencies),
+            fence_latency=(
+                LatencySummary.of(led.fence_latencies) if summaries else LatencySummary()
+            ),
+            fence_latency_histogram=led.fence_histogram.snapshot(),
             **extra,
         )

@@ -9,7 +9,11 @@ rows free (``free``, a completed fence, a cancelled or timed-out head,
 ``resume_memory``) runs the grant loop, which takes the rows for the waiters
 at the head of the queues and resolves their futures *with the rows*. A woken
 waiter never re-checks and competes; ``try_alloc`` answers ``None`` while
-anyone waits.
+anyone waits. With a :class:`~asyncpool.KVPagePool` (``kv=``), ``admit``
+grants a request its row and its KV pages in one await, in the same queue.
+The queues and the grant loop live in :mod:`asyncpool.waiters`; this class
+supplies what a need means (rows; a row and pages) and composes the ledgers,
+the tables, the waiters and the wake-ups.
 
 Cancellation contract: if ``alloc`` raises (``CancelledError``,
 ``TimeoutError``, ``PoolClosedError``), nothing was allocated to the caller.
@@ -18,10 +22,13 @@ free queue, clean) and re-runs the grant loop; a cancelled head that was not
 granted re-runs it too, since smaller waiters behind it may now fit.
 
 Thread rules: the pool is loop-affine like every asyncio object. It binds to
-the first thread that calls a mutating method (and to that thread's running
-loop); calls from another thread raise :class:`WrongThreadError`. Fence
-completions on other threads reach the loop only through
-``loop.call_soon_threadsafe``.
+the thread of the first call made *inside a running event loop* (and to that
+loop); calls from another thread then raise :class:`WrongThreadError`.
+Synchronous calls made while no loop runs (building and warming a pool in a
+set-up thread) do not bind, so an engine may build the pool in one thread
+and run its scheduler in another. :meth:`AsyncReqToTokenPool.bind` hands a
+bound pool over explicitly. Fence completions on other threads reach the
+loop only through ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, Rows
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages, check_page_count
-from .stats import LatencySummary, PoolStats
+from .stats import Histogram, LatencySummary, PoolStats
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
@@ -62,6 +69,19 @@ logger = logging.getLogger(__name__)
 _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
+
+
+# drain() polls fences without a done callback with this backoff (seconds).
+_DRAIN_POLL_MIN_S = 50e-6
+_DRAIN_POLL_MAX_S = 1e-3
+# close() joins the watcher's idle threads for at most this long in all: they
+# exit within microseconds of stop(); the bound only guards against a fence
+# whose query() blocks, against the protocol.
+_CLOSE_JOIN_S = 0.05
+
+# What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
+# for alloc(n), ``(1, k)`` for admit(pages=k).
+_Need = int | tuple[int, int]
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -77,6 +97,21 @@ def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Non
         pass
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 row"``, ``"2 rows"``: messages read as sentences."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _describe(need: _Need) -> tuple[str, str]:
+    """A need as (the call, what it asks for), for the waiter module's messages."""
+    if need.__class__ is int:
+        assert isinstance(need, int)
+        return f"alloc({need})", _count(need, "row")
+    assert isinstance(need, tuple)
+    k = need[1]
+    return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
+
+
 def _check_wait_args(priority: object, timeout: object) -> None:
     if priority.__class__ is not int:
         raise TypeError(f"priority must be an int, got {priority!r}")
@@ -84,26 +119,6 @@ def _check_wait_args(priority: object, timeout: object) -> None:
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
     ):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-
-
-# What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
-# for alloc(n), ``(1, k)`` for admit(pages=k).
-_Need = int | tuple[int, int]
-
-
-def _describe(need: _Need) -> str:
-    """A need in words, for the waiter module's messages."""
-    if need.__class__ is int:
-        return f"{need} rows" if need != 1 else "1 row"
-    assert isinstance(need, tuple)
-    return f"1 row and {need[1]} pages" if need[1] != 1 else "1 row and 1 page"
-
-
-def _synchronize_quietly(fence: Fence) -> None:
-    try:
-        fence.synchronize()
-    except Exception:  # reclaim quarantines the fence's rows
-        pass
 
 
 class AsyncReqToTokenPool(PoolCore):
@@ -166,24 +181,34 @@ class AsyncReqToTokenPool(PoolCore):
         self._size = led.size if kv is None else 0
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
+        self._owner_name = ""
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The waiter queues and the grant loop; gated while closed or
-        # released (no fast path, no grants).
+        # The waiter queues and the grant loop (asyncpool.waiters), gated
+        # while closed or released (no fast path, no grants).
         self._waiters = WaiterQueues(
-            self._take_for_waiter, self._give_back, self._reclaim_for_waiter, _describe,
+            self._take_for_waiter,
+            self._give_back,
+            self._reclaim_for_waiter,
+            _describe,
             max_waiters,
         )
         self._closed = False
         self._released = False
+        # The owner's ident while alloc's fast path is open (bound, nobody
+        # queued, not gated), else None: one compare checks all three. Set
+        # to None wherever one of them stops holding (a waiter queues, the
+        # gate closes); re-derived by the next alloc that takes the general
+        # path (stale None is only slower).
+        self._fast: int | None = None
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._wait_histogram = Histogram()  # queued allocs' waits, at grant
+        self._fast_allocs = 0  # allocs granted without queueing (zero waits)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         # Admission (kv=...): the pages each row owns, and the page ledger,
-        # whose pending fences wake waiters exactly as the row ledger's do.
-        # (Few attributes: CPython 3.11 keeps an instance's attributes
-        # inline, the fast paths' loads cheap, only up to 30 of them.)
+        # whose pending fences and frees wake waiters as the row ledger's do.
         self._pages: RowPages | None = None
         if kv is not None:
             self._pages = RowPages(kv, size)
@@ -229,19 +254,63 @@ class AsyncReqToTokenPool(PoolCore):
             self._bind_thread()
 
     def _bind_thread(self) -> None:
+        # Off the fast path: the pool is unbound, or called from a thread
+        # that does not own it.
         ident = _get_ident()
-        if self._owner is None:
-            self._owner = ident
-        elif self._owner != ident:
-            raise WrongThreadError(
-                f"AsyncReqToTokenPool is bound to thread {self._owner} and was called from "
-                f"thread {ident}; use loop.call_soon_threadsafe to reach it"
-            )
-        if self._loop is None:
+        owner = self._owner
+        if owner is None:
             try:
-                self._loop = asyncio.get_running_loop()
+                loop = _get_running_loop()
             except RuntimeError:
-                pass
+                return  # set-up code outside any loop: do not bind
+            self._owner = ident
+            self._owner_name = threading.current_thread().name
+            if self._loop is None:
+                self._loop = loop
+            return
+        if owner != ident:
+            here = threading.current_thread().name
+            raise WrongThreadError(
+                f"AsyncReqToTokenPool is bound to thread {self._owner_name!r} (ident {owner}) "
+                f"and was called from thread {here!r} (ident {ident}); call it from its own "
+                "thread (loop.call_soon_threadsafe), or hand it over with pool.bind() "
+                "called in the new thread"
+            )
+
+    def bind(self) -> None:
+        """Bind the pool to the calling thread and its running loop, if any.
+
+        The explicit hand-off: build and warm a pool in one thread, then call
+        ``bind()`` in the scheduler's thread (or in its event loop) before
+        using it there. Without a running loop only the thread is bound; the
+        first ``alloc`` that has to wait binds the loop. From then on, calls
+        from any other thread raise :class:`WrongThreadError`.
+
+        The previous thread must have stopped calling the pool. Raises
+        :class:`PoolBusyError`, changing nothing, while an ``alloc`` waits or
+        a row is pending behind a fence (their wake-ups belong to the old
+        loop); free or drain first.
+        """
+        if self._waiters.count or self._pending_any() or self._unwatched:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = _count(self._ledger.pending, "row") + (
+                f" and {_count(pages, 'page')}" if pages else ""
+            )
+            raise PoolBusyError(
+                f"cannot bind the pool to thread {threading.current_thread().name!r} while "
+                f"{_count(self._waiters.count, 'waiter')} queue and "
+                f"{held} wait behind fences; "
+                "let them finish (await pool.drain()) first"
+            )
+        self._flush_resets()  # a flush queued on the old loop must not be needed
+        self._owner = _get_ident()
+        self._owner_name = threading.current_thread().name
+        self._fast = None
+        try:
+            self._loop = _get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._wake_scheduled = False  # nothing is pending, so nothing to wake
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -268,14 +337,35 @@ class AsyncReqToTokenPool(PoolCore):
         ``TimeoutError`` after ``timeout`` seconds. On any exception,
         cancellation included, nothing was allocated.
         """
-        if self._owner != _get_ident():
+        ident = _get_ident()
+        if self._fast == ident and n == 1 and n.__class__ is int:
+            # The owner's thread, nobody queued, not gated: one clean row.
+            if timeout is not None or priority.__class__ is not int:
+                _check_wait_args(priority, timeout)
+            led = self._ledger
+            if led._clean:
+                # Inlined SlotLedger.take(1) for a clean row.
+                led._clean -= 1
+                free = self._free_q
+                row = free.popleft()
+                self._state[row] = 1  # ALLOCATED
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
+                if len(free) < led._peak_bound:
+                    led._note_peak()
+                self._fast_allocs += 1
+                return [row]
+        if self._owner != ident:
             self._bind_thread()
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            self._ledger.check_n(n)
+            n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
+            if self._owner is not None:
+                self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
             if n == 1 and led._clean:
                 # Inlined SlotLedger.take(1) for a clean row.
@@ -283,27 +373,35 @@ class AsyncReqToTokenPool(PoolCore):
                 free = self._free_q
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
+                self._fast_allocs += 1
                 return [row]
             rows = self._take(n)
             if rows is not None:
+                self._fast_allocs += 1
                 return rows
             if led.pending and led.reclaim():
                 # Capacity only waiting on a fence is not exhaustion.
                 rows = self._take(n)
                 if rows is not None:
+                    self._fast_allocs += 1
                     return rows
-        # Slow path: queue and wait for a grant. The waiter module's wait()
-        # is inlined (enqueue, await, cancelled) to save a coroutine frame
-        # per wait; the rules stay there.
+        # Slow path: queue and wait for a grant. WaiterQueues.wait() inlined
+        # (enqueue, await, cancelled): no nested coroutine per wait; the
+        # rules stay in asyncpool.waiters.
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
         loop = self._prepare_wait()
-        waiter, handle = waiters.enqueue(n, priority, timeout, loop, self._wait_times)
+        waiter, handle = waiters.enqueue(
+            n, priority, timeout, loop, self._wait_times, self._wait_histogram
+        )
+        self._fast = None
         try:
             granted: list[int] = await waiter[1]
             return granted
@@ -362,7 +460,8 @@ class AsyncReqToTokenPool(PoolCore):
             # was freed a moment ago and is still dirty.
             row = free.popleft()
             self._state[row] = 1  # ALLOCATED
-            self._gen[row] += 1
+            g = self._gen[row] + 1
+            self._gen[row] = g if g != 256 else led._carry(row)
             if len(free) < led._peak_bound:
                 led._note_peak()
             clean = led._clean
@@ -389,7 +488,7 @@ class AsyncReqToTokenPool(PoolCore):
         taken = pages.take(k)
         assert taken is not None
         rows = self._take_for_waiter(1)
-        assert rows.__class__ is list
+        assert isinstance(rows, list)
         return pages.grant(rows[0], taken)
 
     def _give_back(self, granted: list[int] | Grant) -> None:
@@ -398,7 +497,8 @@ class AsyncReqToTokenPool(PoolCore):
             self._pages.give_back(granted.row)
             rows = [granted.row]
         else:
-            rows = granted  # type: ignore[assignment]
+            assert isinstance(granted, list)
+            rows = granted
         # Their reset may still be scheduled: do it now, since put_back
         # files them as clean rows at the head of the free queue.
         self._flush_resets()
@@ -408,8 +508,8 @@ class AsyncReqToTokenPool(PoolCore):
         """Reclaim both ledgers; True if anything was made free."""
         led = self._ledger
         made = bool(led.pending and led.reclaim())
-        pled = self._pages.ledger if self._pages is not None else None
-        if pled is not None and pled.pending and pled.reclaim():
+        pages = self._pages
+        if pages is not None and pages.ledger.pending and pages.ledger.reclaim():
             made = True
         return made
 
@@ -432,7 +532,7 @@ class AsyncReqToTokenPool(PoolCore):
             self._bind_thread()
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            led.check_n(n)
+            n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if self._waiters.count or self._released:
@@ -440,6 +540,8 @@ class AsyncReqToTokenPool(PoolCore):
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():
             rows = self._take(n)
+        if rows is not None:
+            self._fast_allocs += 1
         return rows
 
     # ------------------------------------------------------------ admission
@@ -482,7 +584,11 @@ class AsyncReqToTokenPool(PoolCore):
             raise error
         loop = self._prepare_wait()
         assert self._pages is not None
-        granted: Grant = await waiters.wait(need, priority, timeout, loop, self._pages.waits)
+        self._fast = None
+        pages_ = self._pages
+        granted: Grant = await waiters.wait(
+            need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
+        )
         return granted
 
     def try_admit(self, pages: int) -> Grant | None:
@@ -516,6 +622,7 @@ class AsyncReqToTokenPool(PoolCore):
         assert taken is not None
         rows = self._take(1)
         assert rows is not None
+        pages.fast_admits += 1
         return pages.grant(rows[0], taken)
 
     def _page_count(self, k: object, least: int) -> int:
@@ -610,24 +717,24 @@ class AsyncReqToTokenPool(PoolCore):
     def free(
         self,
         rows: Rows,
+        fence: Fence | None = None,
         *,
         after: HostStream | Any | None = None,
-        fence: Fence | None = None,
     ) -> int:
         """Return rows to the pool; never awaits.
 
         Each row goes back to circulation once its newest recorded use and
         ``fence`` (and a fence recorded now on ``after``, when given) have
         completed; a row with nothing incomplete is free at once and goes to
-        the waiters. Returns the number of rows free at once. Raises,
+        the waiters. Returns the number of rows free at once. The signature
+        is :meth:`ReqToTokenPool.free`'s: ``free(rows)``, ``free(rows, fence)``
+        or ``free(rows, fence=fence)``, and ``after=`` by keyword. ``rows``: an
+        int, a list of ints, integer scalars or a 1-D integer tensor or array.
+        Raises,
         changing nothing, for row 0, out-of-range or non-int ids, rows not
         allocated (:class:`DoubleFreeError` for one already freed),
         duplicates, and a ``fence`` that is not a fence. Allowed after
         :meth:`close`.
-
-        With ``kv``, each row's pages are freed with it, behind the same
-        fences (one ``record_use`` per step covers them); pages detached
-        before are the caller's to free.
         """
         if self._owner != _get_ident():
             self._bind_thread()
@@ -659,14 +766,16 @@ class AsyncReqToTokenPool(PoolCore):
     def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
         """:meth:`free` on a pool with ``kv``: rows and the pages they own.
 
-        Checks everything (rows, fence, the pages in the page ledger) before
-        changing anything, and records no fence on ``after`` for a refused
-        free. Each row's pages wait for the row's recorded use plus
-        ``fence`` and ``after``: exactly the row's own fences.
+        Checks everything (rows, fence, ``after``, the pages in the page
+        ledger) before changing anything, and records no fence on ``after``
+        for a refused free. Each row's pages wait for the row's recorded use
+        plus ``fence`` and ``after``: exactly the row's own fences.
         """
         pages = self._pages
         assert pages is not None
         led = self._ledger
+        if after is not None:
+            self._check_stream(after)
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)
@@ -688,9 +797,9 @@ class AsyncReqToTokenPool(PoolCore):
         if self._owner != _get_ident():
             self._bind_thread()
         released = self._ledger.reclaim()
-        pled = self._pages.ledger if self._pages is not None else None
-        pages = pled.reclaim() if pled is not None and pled.pending else 0
-        if (released or pages) and self._waiters.count:
+        pages = self._pages
+        freed = pages.ledger.reclaim() if pages is not None and pages.ledger.pending else 0
+        if (released or freed) and self._waiters.count:
             self._waiters.grant()
         return released
 
@@ -715,11 +824,11 @@ class AsyncReqToTokenPool(PoolCore):
         if self._overdue is not None:
             self._overdue.forget(fence)
         logger.warning(
-            "force_release(%r): %d rows and %d pages returned to circulation without "
-            "the fence completing",
+            "force_release(%r): %s and %s returned to circulation without the fence "
+            "completing",
             fence,
-            rows,
-            pages,
+            _count(rows, "row"),
+            _count(pages, "page"),
         )
         if rows or pages:
             self._waiters.grant()
@@ -796,9 +905,9 @@ class AsyncReqToTokenPool(PoolCore):
             self._arm_overdue(due + 0.001)
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
-        # The ledger quarantined rows (loop thread, maybe inside the grant
-        # loop): a waiter that can no longer ever fit would block its queue
-        # forever, so fail those waiters on the next loop iteration.
+        # A ledger quarantined rows or pages (loop thread, maybe inside the
+        # grant loop): a waiter that can no longer ever fit would block its
+        # queue forever, so fail those waiters on the next loop iteration.
         if self._waiters.count and self._loop is not None:
             self._loop.call_soon(self._shed_unfittable)
 
@@ -815,22 +924,23 @@ class AsyncReqToTokenPool(PoolCore):
         if self._ledger.quarantined >= self._capacity:
             return self._unfittable(1)
         k = need[1]  # type: ignore[index]
-        pled = self._pages.ledger if self._pages is not None else None
-        assert pled is not None
-        q = pled.quarantined
-        if k > pled.capacity - q:
+        pages = self._pages
+        assert pages is not None
+        cap, q = pages.capacity, pages.ledger.quarantined
+        if k > cap - q:
             return CapacityError(
-                f"cannot admit a request for {k} pages: only {pled.capacity - q} of "
-                f"{pled.capacity} can ever be free again ({q} are quarantined behind "
-                "faulted fences)"
+                f"cannot admit a request for {_count(k, 'page')}: only {cap - q} of {cap} "
+                f"can ever be free again ({_count(q, 'page')} quarantined behind faulted "
+                "fences)"
             )
         return None
 
     def _unfittable(self, n: int) -> CapacityError:
         q = self._ledger.quarantined
         return CapacityError(
-            f"cannot allocate {n} rows: only {self._capacity - q} of {self._capacity} can "
-            f"ever be free again ({q} are quarantined behind faulted fences)"
+            f"cannot allocate {_count(n, 'row')}: only {self._capacity - q} of "
+            f"{self._capacity} can ever be free again ({_count(q, 'row')} quarantined "
+            "behind faulted fences)"
         )
 
     # ------------------------------------------------------------ leases
@@ -847,37 +957,74 @@ class AsyncReqToTokenPool(PoolCore):
 
         On exit (normal, exception or cancellation) the rows are freed,
         behind a fence recorded on ``after`` at exit when given. If the body
-        freed the rows itself and they were handed out again, exit raises
-        :class:`DoubleFreeError` instead of freeing another owner's rows.
+        freed any of the rows itself, whether or not they were handed out
+        again since, exit frees the rows the lease still owns and then raises
+        :class:`DoubleFreeError` naming the others: it never frees a row
+        twice, nor another owner's row. If the body raised, that exception
+        is the new error's ``__context__``.
         """
         return Lease(self, n, priority, timeout, after)
 
     # ------------------------------------------------------------ lifecycle
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
         """Wait until no row (and no page, with ``kv``) is pending behind a fence.
 
         Works before and after :meth:`close`. Memory of faulted fences is
-        quarantined, not waited for. Cancelling ``drain`` changes nothing.
+        quarantined, not waited for. Host fences wake it through their done
+        callbacks; other fences (CUDA events, fences of unknown origin) are
+        polled with ``query()`` on the loop, backing off from 50 µs to 1 ms,
+        never by blocking a thread in their ``synchronize()``, so a fence
+        that never completes leaves no thread behind.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: no
+        limit) with rows still pending; the pool is then as it was, apart
+        from fences that completed meanwhile, which are reclaimed as any call
+        would. Cancelling ``drain`` changes nothing either. Raises
+        ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
         """
         self._check_thread()
+        if timeout is not None:
+            _check_wait_args(0, timeout)
         loop = self._running_loop()
-        while True:
-            if self._pending_any():
-                self.reclaim()
-            if not self._pending_any():
-                return
-            head = self._pending_fences()[0]
-            if isinstance(head, HostFence):
-                fut: asyncio.Future[None] = loop.create_future()
-                head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
-                await fut
-            else:
-                await loop.run_in_executor(None, _synchronize_quietly, head)
+        pending = self._pending_any
+        if pending():
+            self.reclaim()
+        if not pending():
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                head: Fence | None = None
+                seen = -1
+                while True:
+                    if pending() != seen:  # O(pending) only after progress
+                        seen = pending()
+                        head = self._pending_fences()[0]
+                    if head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                        delay = _DRAIN_POLL_MIN_S
+                        seen = -1  # its rows may wait on another fence now
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+                    if pending():
+                        self.reclaim()
+                    if not pending():
+                        return
+        except TimeoutError:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {held} still pending behind fences"
+            ) from None
 
     def _pending_any(self) -> int:
-        pled = self._pages.ledger if self._pages is not None else None
-        return self._ledger.pending + (pled.pending if pled is not None else 0)
+        """Rows plus pages pending behind fences."""
+        pages = self._pages
+        return self._ledger.pending + (pages.ledger.pending if pages is not None else 0)
 
     def _pending_fences(self) -> list[Fence]:
         """The fences holding rows, then those holding pages."""
@@ -892,24 +1039,26 @@ class AsyncReqToTokenPool(PoolCore):
         Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
         later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend`` calls
         too. ``free`` still works, and rows
-        pending behind fences stay pending (``drain()`` waits for them). The
-        fence watcher thread, if one was started, is stopped and joined.
-        Idempotent.
+        pending behind fences stay pending (``drain()`` waits for them).
+        Never waits for a fence: the fence watcher is told to stop, and only
+        its threads that are not inside a fence's ``synchronize()`` are
+        joined (they exit within microseconds; the join is bounded at 50 ms
+        in all). A watcher thread stuck in a CUDA event that never completes
+        is a daemon and keeps nothing alive. Idempotent.
         """
         self._check_thread()
         if self._closed:
             return
         self._closed = True
+        self._fast = None
         self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
         if self._overdue is not None and self._overdue.timer is not None:
             self._overdue.timer.cancel()
             self._overdue.timer = None
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
-            if watcher.running:
-                await asyncio.get_running_loop().run_in_executor(None, watcher.stop)
-            else:
-                watcher.stop()
+            watcher.stop()
+            watcher.join(_CLOSE_JOIN_S)
         logger.debug("closed %r", self)
 
     @property
@@ -932,18 +1081,20 @@ class AsyncReqToTokenPool(PoolCore):
         if self._released:
             return
         self._released = self._waiters.gated = True
+        self._fast = None
         try:
             await self.drain()
             allocated = self._ledger.allocated
             if allocated:
+                rows = "1 row is" if allocated == 1 else f"{allocated} rows are"
                 raise PoolBusyError(
-                    f"cannot release memory while {allocated} rows are allocated; free them first"
+                    f"cannot release memory while {rows} still allocated; free them first"
                 )
             pages = self._pages.ledger.allocated if self._pages is not None else 0
             if pages:
                 raise PoolBusyError(
-                    f"cannot release memory while {pages} KV pages are allocated; free them "
-                    "first"
+                    f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
+                    "are still allocated; free them first"
                 )
             self._tables.pause()
         except BaseException:
@@ -975,36 +1126,47 @@ class AsyncReqToTokenPool(PoolCore):
         """How many ``alloc`` and ``admit`` calls are queued."""
         return self._waiters.count
 
-    def stats(self) -> PoolStats:
-        """A frozen snapshot of counts, totals and latency summaries."""
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        """A frozen snapshot of counts, totals, histograms and latency summaries.
+
+        Never mutates the pool. ``summaries=False`` leaves ``wait_time`` and
+        ``fence_latency`` empty (sorting their sample windows is the costly
+        part); metrics scrapes use it. May be called from another thread (a
+        scrape): the figures are then read a few operations apart.
+        """
         waiters = self._waiters
-        pages: dict[str, Any] = {}
-        pled = self._pages.ledger if self._pages is not None else None
-        if pled is not None:
-            assert self._pages is not None
-            pages = {
+        waits = self._wait_histogram.snapshot(zeros=self._fast_allocs)
+        extra: dict[str, Any] = {}
+        pages = self._pages
+        if pages is not None:
+            pled = pages.ledger
+            extra = {
                 "pages_capacity": pled.capacity,
                 "pages_free": pled.free_count,
                 "pages_allocated": pled.allocated,
                 "pages_pending": pled.pending,
                 "pages_quarantined": pled.quarantined,
-                "admits": self._pages.admits,
+                "admits": pages.admits,
+                "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
+                "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),
             }
         if self._overdue is not None:
             fences, held = self._overdue.counts()
-            pages["overdue_fences"] = fences
-            pages["overdue_rows"] = held.get("rows", 0)
-            pages["overdue_pages"] = held.get("pages", 0)
+            extra["overdue_fences"] = fences
+            extra["overdue_rows"] = held.get("rows", 0)
+            extra["overdue_pages"] = held.get("pages", 0)
         return self._stats(
+            summaries,
             waiters=waiters.count,
             timeouts=waiters.timeouts,
             cancellations=waiters.cancellations,
             rejections=waiters.rejections,
             closed=self._closed,
             released=self._released,
-            wait_time=LatencySummary.of(self._wait_times),
-            admit_wait=LatencySummary.of(self._pages.waits if self._pages else ()),
-            **pages,
+            wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
+            alloc_calls=waits.count,
+            wait_histogram=waits,
+            **extra,
         )
 
     def check_invariants(self) -> None:
@@ -1053,25 +1215,26 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         pool = self._pool
-        rows = self.rows
         led = pool._ledger
         stale = [
             r
-            for r, g in zip(rows, self._gens, strict=True)
+            for r, g in zip(self.rows, self._gens, strict=True)
             if pool.generation(r) != g or led.state_of(r) != "allocated"
         ]
+        rows = [r for r in self.rows if r not in stale] if stale else self.rows
+        if rows:
+            try:
+                pool.free(rows, after=self._after)
+            except Exception:
+                # No fence could be recorded on `after` (say, a HostStream
+                # closed in the body: its work has run or been dropped). Never
+                # leak the rows: free them behind their recorded uses, then
+                # report.
+                if all(led.state_of(r) == "allocated" for r in rows):
+                    pool.free(rows)
+                raise
         if stale:
             raise DoubleFreeError(
-                f"lease rows {stale} were freed inside the lease body; "
-                "not freeing them again (they may belong to another request now)"
+                f"lease rows {stale} were freed inside the lease body, so the lease "
+                "does not free them again (they may belong to another request now)"
             )
-        try:
-            pool.free(rows, after=self._after)
-        except Exception:
-            # No fence could be recorded on `after` (say, a HostStream closed
-            # in the body: its work has run or been dropped). Never leak the
-            # rows: free them behind their recorded uses, then report.
-            if all(led.state_of(r) == "allocated" for r in rows):
-                pool.free(rows)
-            raise
-

@@ -26,6 +26,7 @@ import torch
 from .errors import CapacityError
 from .fences import Fence
 from .kv_pages import KVPagePool, PageLedger
+from .stats import Histogram
 
 __all__ = ["Grant", "RowPages", "check_page_count"]
 
@@ -88,9 +89,12 @@ class RowPages:
         self.owned: list[torch.Tensor | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
-        self.admits = 0
-        #: Wait times of admissions granted after a wait (seconds, a window).
+        self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
+        self.fast_admits = 0  # granted without queueing (zero waits)
+        #: Waits of admissions granted after queueing (seconds): a recent
+        #: window, and a histogram of all of them.
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)
+        self.wait_histogram = Histogram()
 
     # ------------------------------------------------------------ handing out
 
@@ -123,7 +127,6 @@ class RowPages:
         pages return to the head of the free ring, as if never taken."""
         pages = self.owned[row]
         self.owned[row] = None
-        self.admits -= 1
         if pages is not None:
             self.ledger.put_back(pages)
 

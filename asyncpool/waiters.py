@@ -45,16 +45,22 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import PoolBusyError
+from .stats import Histogram
 
-__all__ = ["WaiterQueues"]
+__all__ = ["Waiter", "WaiterQueues"]
 
 _perf_counter = time.perf_counter
 
 # A queued request is the tuple (need, future, enqueue time, priority, wait
-# samples): cheaper to build than an object, and the future says whether it is
-# still wanted. Each grant appends its wait time to the waiter's own samples
-# (a bounded deque of the owner's), so the owner can keep one per kind.
-Waiter = tuple[Any, "asyncio.Future[Any]", float, int, "collections.deque[float]"]
+# window, wait histogram): cheaper to build than an object, and the future
+# says whether it is still wanted. Each grant records its wait in the
+# waiter's own window and histogram (the owner's), so an owner can keep one
+# pair per kind of request.
+Waiter = tuple[Any, "asyncio.Future[Any]", float, int, "collections.deque[float]", Histogram]
+
+
+def _waiters(n: int) -> str:
+    return "1 waiter" if n == 1 else f"{n} waiters"
 
 
 class WaiterQueues:
@@ -85,7 +91,7 @@ class WaiterQueues:
         take: Callable[[Any], Any | None],
         give_back: Callable[[Any], None],
         reclaim: Callable[[], bool],
-        describe: Callable[[Any], str],
+        describe: Callable[[Any], tuple[str, str]],
         max_waiters: int | None = None,
     ) -> None:
         self._take = take
@@ -109,31 +115,35 @@ class WaiterQueues:
         priority: int,
         timeout: float | None,
         loop: asyncio.AbstractEventLoop,
-        samples: collections.deque[float],
+        window: collections.deque[float],
+        histogram: Histogram,
     ) -> tuple[Waiter, asyncio.TimerHandle | None]:
         """Queue a request for ``need``; return it and its timeout handle.
 
         The caller awaits ``waiter[1]`` (the future: it resolves with the
         grant), calls :meth:`cancelled` if that await is cancelled, and
         cancels the handle when done. :meth:`wait` does exactly this; a hot
-        caller may inline it to save a coroutine frame per wait. Raises
+        caller may inline it to save a coroutine frame per wait. The wait,
+        from now to the grant, goes to ``window`` and ``histogram``. Raises
         :class:`PoolBusyError` (queueing nothing) past ``max_waiters``.
         """
         if self._max is not None and self.count >= self._max:
             self.rejections += 1
             raise PoolBusyError(
-                f"{self.count} waiters already queue (max_waiters={self._max}); "
-                f"refusing to queue a request for {self._describe(need)}"
+                f"{_waiters(self.count)} already queued, the limit set by "
+                f"max_waiters={self._max}; refusing to queue {self._describe(need)[0]}"
             )
         fut: asyncio.Future[Any] = loop.create_future()
-        waiter: Waiter = (need, fut, _perf_counter(), priority, samples)
+        waiter: Waiter = (need, fut, _perf_counter(), priority, window, histogram)
         queue = self._queues.get(priority)
         if queue is None:
             queue = self._queues[priority] = collections.deque()
             bisect.insort(self._prios, priority)
         queue.append(waiter)
         self.count += 1
-        handle = None if timeout is None else loop.call_later(timeout, self._expire, waiter)
+        handle = None if timeout is None else loop.call_later(
+            timeout, self._expire, waiter, timeout
+        )
         return waiter, handle
 
     def cancelled(self, waiter: Waiter) -> None:
@@ -157,7 +167,8 @@ class WaiterQueues:
         priority: int,
         timeout: float | None,
         loop: asyncio.AbstractEventLoop,
-        samples: collections.deque[float],
+        window: collections.deque[float],
+        histogram: Histogram,
     ) -> Any:
         """Queue for ``need`` and return its grant once the loop hands it over.
 
@@ -166,7 +177,7 @@ class WaiterQueues:
         :class:`PoolBusyError` past ``max_waiters``. On any exception,
         cancellation included, nothing was granted.
         """
-        waiter, handle = self.enqueue(need, priority, timeout, loop, samples)
+        waiter, handle = self.enqueue(need, priority, timeout, loop, window, histogram)
         try:
             return await waiter[1]
         except asyncio.CancelledError:
@@ -190,14 +201,15 @@ class WaiterQueues:
             del self._queues[priority]
             self._prios.remove(priority)
 
-    def _expire(self, waiter: Waiter) -> None:
+    def _expire(self, waiter: Waiter, timeout: float) -> None:
         fut = waiter[1]
         if fut.done():
             return
         self._dequeue(waiter)
         self.timeouts += 1
+        call, what = self._describe(waiter[0])
         fut.set_exception(
-            TimeoutError(f"no {self._describe(waiter[0])} could be granted within the timeout")
+            TimeoutError(f"{call} timed out after {timeout} s: {what} could not be granted in time")
         )
         self.grant()
 
@@ -219,7 +231,7 @@ class WaiterQueues:
         while self.count:
             prio = prios[0]
             queue = queues[prio]
-            need, fut, t0, _, samples = queue[0]
+            need, fut, t0, _, window, histogram = queue[0]
             if fut.done():  # cancelled; its task has not run its handler yet
                 got = None
             else:
@@ -238,7 +250,8 @@ class WaiterQueues:
             fut.set_result(got)
             if not now:
                 now = _perf_counter()
-            samples.append(now - t0)
+            window.append(now - t0)
+            histogram.observe(now - t0)
 
     # ------------------------------------------------------------ failing waiters
 
@@ -291,7 +304,7 @@ class WaiterQueues:
         for queue in self._queues.values():
             if not queue:
                 raise AssertionError("an empty priority queue is still indexed")
-            for need, fut, _, _, _ in queue:
+            for need, fut, *_ in queue:
                 # A cancelled future stays queued until its task resumes and
                 # dequeues it (legal); a granted or failed one never does.
                 if fut.done() and not fut.cancelled():

@@ -77,12 +77,25 @@ class Config:
     scaling_sizes: tuple[int, ...] = (256, 1_024, 4_096, 16_384, 65_536)
     scaling_context_len: int = 128
     wake_samples: int = 201
-    #: how long a waiter idles on an open fence when measuring CPU burn (s)
-    idle_wait_s: float = 0.2
+    #: how long a waiter idles on an open fence when measuring CPU burn (s);
+    #: a window pays one loop wake-up (~0.1 ms), so shorter ones read higher
+    idle_wait_s: float = 1.0
+    #: slow fences of unknown origin kept open in the crowded wake-up benchmark
+    slow_fences: int = 100
+    #: how long after the waiter queues its fence completes (the watcher's
+    #: poll backoff reaches its 1 ms cap in about 1.6 ms)
+    wake_settle_s: float = 0.003
     #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
     demo_requests: int = 200
     demo_repeats: int = 5
     demo_timeout_s: float = 120.0
+    #: queued allocs and fence batches behind the metrics scrape benchmark
+    metrics_samples: int = 10_000
+    #: KV page allocators: pool size in pages (page 0 included, kept half
+    #: allocated), token slots per page, and the alloc(n) sizes measured
+    pages_num_pages: int = 32_768
+    pages_page_size: int = 16
+    pages_counts: tuple[int, ...] = (1, 16, 256)
 
 
 PRESETS: dict[str, Config] = {
@@ -93,7 +106,7 @@ PRESETS: dict[str, Config] = {
         sample_s=0.01,
         reclaim_head_samples=100,
         wake_samples=101,
-        idle_wait_s=0.1,
+        idle_wait_s=0.5,
         demo_requests=100,
         demo_repeats=3,
     ),
@@ -118,6 +131,8 @@ PRESETS: dict[str, Config] = {
         demo_requests=4,
         demo_repeats=1,
         demo_timeout_s=60.0,
+        metrics_samples=50,
+        pages_num_pages=1_024,
     ),
 }
 

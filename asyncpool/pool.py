@@ -773,6 +773,28 @@ class AsyncReqToTokenPool(PoolCore):
         """
         pages = self._pages
         assert pages is not None
+        if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
+            # Fast path: one row, no fence, no recorded use: its pages and
+            # then the row are free at once (the pages are checked first).
+            row = rows[0]
+            state = self._state
+            if (
+                row.__class__ is int
+                and 0 < row < self.size
+                and state[row] == 1  # ALLOCATED
+                and self._uses[row] is None
+            ):
+                arr = pages.owned[row]
+                if arr is not None:
+                    pled = pages.ledger
+                    ids, fresh = pled.prepare(arr)
+                    pages.owned[row] = None
+                    pled.free_prepared(ids, fresh)
+                state[row] = 0  # FREE
+                self._free_q.append(row)
+                if self._waiters.count:
+                    self._waiters.grant()
+                return 1
         led = self._ledger
         if after is not None:
             self._check_stream(after)

@@ -102,6 +102,11 @@ async def _contended(cfg: Config) -> list[Row]:
         kv=KVPagePool(cfg.contended_pages + 1, 16),
     )
     sem = asyncio.Semaphore(cfg.contended_rows)
+    # The same page work without atomic admission: as many holders as the
+    # pages allow, each taking and freeing its pages on a bare KVPagePool.
+    holders = max(1, min(cfg.contended_rows, cfg.contended_pages // k))
+    sem_kv = asyncio.Semaphore(holders)
+    bare_kv = KVPagePool(cfg.contended_pages + 1, 16)
     sleep = asyncio.sleep
 
     async def pool_worker() -> None:
@@ -118,6 +123,22 @@ async def _contended(cfg: Config) -> list[Row]:
             await sleep(0)
             release()
 
+    async def sem_kv_worker() -> None:
+        acquire, release = sem_kv.acquire, sem_kv.release
+        kv_alloc, kv_free = bare_kv.alloc, bare_kv.free
+        for _ in range(rounds):
+            await acquire()
+            pages = kv_alloc(k)
+            await sleep(0)
+            kv_free(pages)
+            release()
+
+    async def sem_kv_sample(n: int) -> int:
+        t0 = now()
+        for _ in range(n):
+            await asyncio.gather(*[sem_kv_worker() for _ in range(tasks)])
+        return now() - t0
+
     async def pool_sample(n: int) -> int:
         t0 = now()
         for _ in range(n):
@@ -132,10 +153,14 @@ async def _contended(cfg: Config) -> list[Row]:
 
     try:
         per_op = await interleave(
-            {"asyncpool": pool_sample, "Semaphore": sem_sample},
+            {"asyncpool": pool_sample, "Semaphore": sem_sample, "Semaphore+kv": sem_kv_sample},
             rounds=cfg.rounds,
             target_s=cfg.sample_s * 5,
-            ops_per_call={"asyncpool": tasks * rounds, "Semaphore": tasks * rounds},
+            ops_per_call={
+                "asyncpool": tasks * rounds,
+                "Semaphore": tasks * rounds,
+                "Semaphore+kv": tasks * rounds,
+            },
             start=1,
             disable_gc=False,
         )
@@ -152,4 +177,12 @@ async def _contended(cfg: Config) -> list[Row]:
                 subject_label=f"admit(pages={k})",
                 reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
                 note=f"each task: {rounds}x (admit, sleep(0), free); gc on"),
+        compare(per_op,
+                bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
+                f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
+                loop=loop, subject="asyncpool", reference="Semaphore+kv", unit="ns/grant",
+                speedup=False, subject_label=f"admit(pages={k})",
+                reference_label=f"asyncio.Semaphore({holders}) + bare KVPagePool "
+                f"alloc({k})+free",
+                note="context: the same page work, without atomic admission"),
     ]

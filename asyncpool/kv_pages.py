@@ -29,6 +29,18 @@ hold). Free pages are reused oldest-freed first.
 
 Every public method is atomic: one that raises has changed nothing. Not
 thread-safe: call a pool from one thread (the scheduler's).
+
+Cost (issue 9): an ``alloc(n)`` + ``free`` cycle is mostly fixed per-call
+overhead (making and dropping one tensor is about 1 us), so the hot paths
+keep numpy calls and Python frames few: ``alloc(1)`` is ``take(1)`` inlined
+over a one-id ``array.array`` (``torch.frombuffer``); ``take`` marks up to
+``_TINY_MARK`` pages with Python steps; ``free`` of a tensor without fences
+skips :meth:`PageLedger.prepare`: one page is checked and freed inline, up
+to ``_TINY`` pages of an int64 tensor in one pass
+(:meth:`PageLedger.free_now_small`, which a duplicate fails on its own
+mark), more through the vectorised check of the tensor's zero-copy numpy
+view. Anything a fast path refuses goes the checked way, which raises the
+same error as for any other input form (tests/test_kv_pages_fast.py).
 """
 
 from __future__ import annotations

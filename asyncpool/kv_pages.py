@@ -37,7 +37,7 @@ over a one-id ``array.array`` (``torch.frombuffer``); ``take`` marks up to
 ``_TINY_MARK`` pages with Python steps; ``free`` of a tensor without fences
 skips :meth:`PageLedger.prepare`: one page is checked and freed inline, up
 to ``_TINY`` pages of an int64 tensor in one pass
-(:meth:`PageLedger.free_now_small`, which a duplicate fails on its own
+(:meth:`PageLedger._free_now_small`, which a duplicate fails on its own
 mark), more through the vectorised check of the tensor's zero-copy numpy
 view. Anything a fast path refuses goes the checked way, which raises the
 same error as for any other input form (tests/test_kv_pages_fast.py).
@@ -423,7 +423,7 @@ class PageLedger(Deferrals[PageArray]):
             self._state[ids] = _FREE_0D
         self.free_count += n
 
-    def free_now_small(self, ids: list[Any]) -> bool:
+    def _free_now_small(self, ids: list[Any]) -> bool:
         """Free a few pages at once (no fence) in one pass; True if done.
 
         ``ids`` is what ``tolist()`` of an int64 tensor gave: Python ints,
@@ -828,7 +828,7 @@ class KVPagePool:
                 # than one dimension).
                 if small.__class__ is list:
                     if len(small) == 1:
-                        # free_now_small of one page, inlined (decode frees
+                        # _free_now_small of one page, inlined (decode frees
                         # one page at a time). The int test refuses what a
                         # bool, float or complex tensor gives and [p] (from a
                         # 2-D tensor); an integer tensor of another dtype gives
@@ -847,7 +847,7 @@ class KVPagePool:
                             led._ring_ids[tail] = page
                             led.free_count += 1
                             return 1
-                    elif small and pages.dtype is torch.int64 and led.free_now_small(small):
+                    elif small and pages.dtype is torch.int64 and led._free_now_small(small):
                         return len(small)
             elif pages.dtype is torch.int64:
                 try:

@@ -3,7 +3,7 @@
 ``alloc(1)`` inlines ``take(1)``; ``take`` marks up to a few pages with a
 Python step each; ``free`` of a tensor skips :meth:`PageLedger.prepare`: one
 page is checked and freed inline, up to ``_TINY`` pages of an int64 tensor in
-one Python pass (:meth:`PageLedger.free_now_small`), more through the
+one Python pass (:meth:`PageLedger._free_now_small`), more through the
 vectorised check on the tensor's zero-copy numpy view. Each must leave the
 ledger exactly as the checked path does, and refuse exactly what it refuses,
 with the same error, changing nothing.
@@ -179,7 +179,7 @@ def _forms(ids: list[int]) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("list", list(ids))]
     if all(-(2**63) <= i < 2**63 for i in ids):
         t = torch.tensor(ids, dtype=torch.int64)
-        out.append(("int64 tensor", t))  # one page inline / free_now_small
+        out.append(("int64 tensor", t))  # one page inline / _free_now_small
         out.append(("ndarray", t.numpy().copy()))
         # Past _TINY ids: the vectorised check on the tensor's numpy view.
         # The padding (24..) comes after, so the first bad id stays first.
@@ -276,12 +276,12 @@ def test_free_now_small_puts_back_its_marks_on_a_late_bad_id():
     kv, _ = _state_for_bad_ids()
     led = kv.ledger
     before = snapshot(kv)
-    assert led.free_now_small([21, 22, 23, 50]) is False  # 50 is already free
-    assert led.free_now_small([21, 22, 21]) is False  # a duplicate
-    assert led.free_now_small([21, 22, 64]) is False  # past the end
-    assert led.free_now_small([21, [22]]) is False  # from a 2-D tensor
+    assert led._free_now_small([21, 22, 23, 50]) is False  # 50 is already free
+    assert led._free_now_small([21, 22, 21]) is False  # a duplicate
+    assert led._free_now_small([21, 22, 64]) is False  # past the end
+    assert led._free_now_small([21, [22]]) is False  # from a 2-D tensor
     assert snapshot(kv) == before
-    assert led.free_now_small([21, 22, 23]) is True
+    assert led._free_now_small([21, 22, 23]) is True
     kv.check_invariants()
 
 
@@ -292,6 +292,6 @@ def test_free_now_small_wraps_the_ring():
     assert a is not None and b is not None
     assert kv.free(a[:3]) == 3  # tail wraps from 0
     assert kv.free(b) == 2
-    assert kv.ledger.free_now_small(a[3:].tolist()) is True
+    assert kv.ledger._free_now_small(a[3:].tolist()) is True
     kv.check_invariants()
     assert kv.alloc(8) is not None and kv.available_size() == 0

@@ -611,11 +611,11 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
     log.addHandler(seen)
     log.addHandler(released)
     try:
-        async with make(rows=2, pages=4, fence_timeout=0.05) as pool:
+        async with make(rows=2, pages=4, fence_timeout=0.1) as pool:
             g = await pool.admit(pages=3)
+            h = await pool.admit(pages=0)
             pool.free([g.row], fence=stuck)
             [w] = await queued(pool, pool.admit(pages=4))
-            assert pool.stats().overdue_fences == 0
             async with asyncio.timeout(WAIT_S):
                 await seen.event.wait()  # nobody calls the pool meanwhile
             st = pool.stats()
@@ -625,13 +625,19 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
             assert record.levelno == logging.WARNING
             msg = record.getMessage()
             assert repr(stuck) in msg and "1 row " in msg and "3 pages" in msg
-            await asyncio.sleep(0.15)  # later checks do not log it again
+            other = kit.event_fence()
+            pool.free([h.row], fence=other)  # arms another check, past the timeout
+            await asyncio.sleep(0.3)  # later checks do not log the same fence again
+            assert len(seen.records) == 2 and repr(other) in seen.records[1].getMessage()
+            del seen.records[1]
+            other.set()
             assert len(seen.records) == 1 and not w.done()
             assert pool.force_release(stuck) == (1, 3)
             stuck.set()  # let the watcher thread go (close() joins it)
             assert released.records and repr(stuck) in released.records[0].getMessage()
             got = await outcome(w)  # the waiter is served
             assert len(got.pages) == 4
+            await pool.drain(timeout=WAIT_S)  # h's row, behind `other` (set above)
             st = pool.stats()
             assert st.overdue_fences == 0 and st.pending == 0 and st.pages_pending == 0
             pool.free(got.row)

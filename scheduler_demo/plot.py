@@ -1,4 +1,5 @@
-"""The run's figure: rows over time, what is held behind fences, and waits.
+"""The run's figure: rows and KV pages over time (aborts marked), what is
+held behind fences, and admission waits.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global
 backend switch, no display needed).
@@ -20,17 +21,21 @@ _ALLOCATED, _PENDING, _FREE = "#4c72b0", "#dd8452", "#c7d3e3"
 
 
 def save_plot(report: Report, path: str | Path) -> None:
-    """Write a PNG with three panels to ``path``."""
-    fig = Figure(figsize=(10, 10), layout="constrained")
+    """Write a PNG with four panels to ``path``."""
+    fig = Figure(figsize=(10, 13), layout="constrained")
     FigureCanvasAgg(fig)
-    rows_ax, fence_ax, wait_ax = fig.subplots(3, 1, height_ratios=[3, 2, 2])
+    rows_ax, pages_ax, fence_ax, wait_ax = fig.subplots(4, 1, height_ratios=[3, 3, 2, 2])
     label = f"{report.mode}{' --unsafe' if report.unsafe else ' (fenced)'}"
     fig.suptitle(
-        f"scheduler_demo {label}: {report.completed}/{report.requests} requests, "
+        f"scheduler_demo {label}, {report.admission} admission: "
+        f"{report.completed} completed + {report.aborts} aborted / {report.requests} requests, "
         f"{report.tokens_per_s:,.0f} tokens/s\n{report.retractions} retractions, "
-        f"{report.deferred_frees} deferred frees, {report.corruptions} corruptions"
+        f"deferred frees {report.deferred_frees} rows / {report.deferred_page_frees} pages, "
+        f"corruptions {report.corruptions} rows / {report.kv_corruptions} KV, "
+        f"row utilization {report.row_utilization:.2f}"
     )
     _rows_panel(rows_ax, report)
+    _pages_panel(pages_ax, report)
     _fence_panel(fence_ax, report)
     _wait_panel(wait_ax, report)
     fig.savefig(path, format="png", dpi=100)
@@ -57,12 +62,46 @@ def _rows_panel(ax: Axes, report: Report) -> None:
     ax.set_ylim(0, max(report.trace.capacity, 1))
     ax.set_ylabel("rows")
     twin = ax.twinx()
-    twin.plot(t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="alloc waiters")
-    twin.set_ylabel("tasks waiting in pool.alloc")
+    twin.plot(
+        t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="waiting for admission"
+    )
+    twin.set_ylabel("requests waiting for admission")
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small", framealpha=0.9)
+
+
+def _pages_panel(ax: Axes, report: Report) -> None:
+    tl = report.trace.timeline
+    ax.set_title("KV pages of the cache (client aborts marked at the top)")
+    ax.set_xlabel("time (s)")
+    if not tl:
+        return
+    t = [s.t_s for s in tl]
+    ax.stackplot(
+        t,
+        [s.pages_allocated for s in tl],
+        [s.pages_pending for s in tl],
+        [s.pages_free for s in tl],
+        labels=["allocated", "pending (behind a step or a transfer)", "free"],
+        colors=[_ALLOCATED, _PENDING, _FREE],
+        step="post",
+    )
+    top = max(report.trace.page_capacity, 1)
+    ax.set_ylim(0, top * 1.06)
+    ax.set_ylabel("pages")
+    if report.trace.abort_times:
+        ax.plot(
+            report.trace.abort_times,
+            [top * 1.03] * len(report.trace.abort_times),
+            linestyle="none",
+            marker="v",
+            markersize=4,
+            color="#c44e52",
+            label=f"client abort ({report.aborts})",
+        )
+    ax.legend(loc="lower right", fontsize="small", framealpha=0.9, ncols=2)
 
 
 def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[float], list[int]]:
@@ -85,9 +124,10 @@ def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[
 def _fence_panel(ax: Axes, report: Report) -> None:
     tl = report.trace.timeline
     ax.set_title(
-        "rows freed while the step in flight still writes them, held behind its fence"
+        "rows and pages freed while a step or a transfer in flight still writes them, "
+        "held behind its fence"
         if not report.unsafe
-        else "--unsafe: rows are freed at once, nothing is held behind a fence"
+        else "--unsafe: rows and pages are freed at once, nothing is held behind a fence"
     )
     ax.set_xlabel("time (s)")
     if not tl:
@@ -96,11 +136,22 @@ def _fence_panel(ax: Axes, report: Report) -> None:
     mids, means, maxes = _binned(t, [s.pending for s in tl], bins=120)
     ax.fill_between(mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending rows (mean)")
     ax.plot(mids, maxes, drawstyle="steps-mid", color="#8c4a1c", linewidth=0.8, label="(max)")
+    pmids, pmeans, _ = _binned(t, [s.pages_pending for s in tl], bins=120)
+    scale = max(1, round(max(pmeans, default=0) / max(max(maxes), 1)))
+    ax.plot(
+        pmids,
+        [m / scale for m in pmeans],
+        drawstyle="steps-mid",
+        color="#8172b3",
+        linewidth=1.0,
+        label=f"pending pages (mean) / {scale}",
+    )
     ax.set_ylabel("pending rows")
-    ax.set_ylim(bottom=0, top=max(3, max(maxes) + 1))
+    ax.set_ylim(bottom=0, top=max(3, max(maxes) + 1, max(pmeans, default=0) / scale + 1))
     twin = ax.twinx()
     twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
     twin.plot(t, [s.completed for s in tl], color="#4c72b0", label="completed (cumulative)")
+    twin.plot(t, [s.aborted for s in tl], color="#937860", label="aborted (cumulative)")
     twin.set_ylabel("requests")
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
@@ -110,9 +161,14 @@ def _fence_panel(ax: Axes, report: Report) -> None:
 
 def _wait_panel(ax: Axes, report: Report) -> None:
     waits_ms = [w * 1e3 for w in report.trace.alloc_waits]
-    ax.set_title("await pool.alloc(1): wait until a row was granted (backpressure)")
+    how = (
+        "await pool.admit(pages=n): a row and the pages together"
+        if report.admission == "atomic"
+        else "await pool.alloc(1), then pool.extend(row, n) when the budget allows"
+    )
+    ax.set_title(f"admission wait, from arrival (or retraction) to row and pages: {how}")
     ax.set_xlabel("wait (ms)")
-    ax.set_ylabel("allocations")
+    ax.set_ylabel("admissions")
     if not waits_ms:
         return
     ax.hist(waits_ms, bins=60, color="#8172b3")

@@ -61,7 +61,7 @@ class DemoConfig:
     admit_watermark: float = 0.99
     max_prefill_tokens: int = 512
     admission: str = "atomic"
-    transfer_ms: float = 12.0
+    transfer_ms: float = 25.0
 
     mode: str = "overlap"
     unsafe: bool = False

@@ -139,6 +139,6 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         if aborts.random() < cfg.abort_rate:
             # A decode abort needs at least two output tokens to land mid-decode.
             kind = "transfer" if output < 2 or aborts.random() < 0.5 else "decode"
-            at = aborts.uniform(0.1, 0.9)
+            at = aborts.uniform(0.05, 0.6)
         out.append(RequestSpec(rid, t, prompt, output, kind, at))
     return out

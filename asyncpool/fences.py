@@ -148,6 +148,19 @@ class HostFence:
                 return
         _run_callback(fn)
 
+    @classmethod
+    def _settled(cls, stream_key: int, seq: int, error: BaseException | None) -> HostFence:
+        """A fence that is already complete (or faulted) when it is made."""
+        fence = cls(stream_key, seq)
+        fence._callbacks = None
+        if error is not None:
+            fence._error = error
+            fence._state = _FAULTED
+        else:
+            fence._state = _DONE
+        fence._event.set()
+        return fence
+
     def _settle(self, error: BaseException | None) -> None:
         # Called once, by the stream's worker thread.
         if error is not None:
@@ -189,7 +202,9 @@ class HostStream:
     ``launch(fn, *args)`` queues ``fn(*args)`` and returns at once; the
     worker runs launched work strictly in launch order. ``record()`` returns a
     :class:`HostFence` that completes when everything launched before it has
-    run. Work that raises faults the stream (sticky, as a CUDA error is):
+    run; on an idle stream (everything queued so far has already run) that
+    fence is complete when ``record()`` returns, so ``free(after=stream)``
+    defers nothing. Work that raises faults the stream (sticky, as a CUDA error is):
     later work is skipped and every later fence reports the fault.
 
     ``close()`` lets queued work finish (pass ``cancel_pending=True`` to drop
@@ -210,7 +225,11 @@ class HostStream:
         self._closed = False
         self._cancel = False
         self._error: BaseException | None = None
-        self._last_fence: HostFence | None = None
+        # Items put on the queue (under _lock) and items the worker has
+        # finished with (written by the worker only). Equal under _lock means
+        # the stream is idle: nothing launched or recorded is still to run.
+        self._queued = 0
+        self._done = 0
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
@@ -237,15 +256,27 @@ class HostStream:
         """Queue ``fn(*args)`` to run on the worker after earlier work."""
         with self._lock:
             self._check_open()
+            self._queued += 1
             self._queue.put((fn, args))
 
     def record(self) -> HostFence:
-        """Record a fence after all work launched so far."""
+        """Record a fence after all work launched so far.
+
+        If everything launched or recorded before this call has already run,
+        the fence is returned complete (or faulted, on a faulted stream)
+        without a trip through the worker. Work launched concurrently from
+        another thread is either ordered before this call (and covered by
+        the fence) or after it; ``launch`` and ``record`` take the same lock.
+        """
         with self._lock:
             self._check_open()
             self._seq += 1
+            if self._done == self._queued:
+                # Idle: the worker has finished every item queued so far, so
+                # the fence's point on the stream is already behind it.
+                return HostFence._settled(self.key, self._seq, self._error)
             fence = HostFence(self.key, self._seq)
-            self._last_fence = fence
+            self._queued += 1
             self._queue.put(fence)
         return fence
 
@@ -287,15 +318,15 @@ class HostStream:
                 if self._cancel and self._error is None:
                     self._error = RuntimeError(f"{self.name} was closed with this fence queued")
                 item._settle(self._error)
-                continue
-            if self._error is not None or self._cancel:
-                continue  # sticky fault, or cancelled: skip the work
-            fn, args = item
-            try:
-                fn(*args)
-            except BaseException as exc:  # a fault of the stream
-                self._error = exc
-                logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
+            elif self._error is None and not self._cancel:  # else: faulted or cancelled: skip
+                fn, args = item
+                try:
+                    fn(*args)
+                except BaseException as exc:  # a fault of the stream
+                    self._error = exc
+                    logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
+            # Last, after the item's effects (its fault included) are visible.
+            self._done += 1
 
 
 class _EventPool:

@@ -77,8 +77,9 @@ class Config:
     scaling_sizes: tuple[int, ...] = (256, 1_024, 4_096, 16_384, 65_536)
     scaling_context_len: int = 128
     wake_samples: int = 201
-    #: how long a waiter idles on an open fence when measuring CPU burn (s)
-    idle_wait_s: float = 0.2
+    #: how long a waiter idles on an open fence when measuring CPU burn (s);
+    #: a window pays one loop wake-up (~0.1 ms), so shorter ones read higher
+    idle_wait_s: float = 1.0
     #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
     demo_requests: int = 200
     demo_repeats: int = 5
@@ -93,7 +94,7 @@ PRESETS: dict[str, Config] = {
         sample_s=0.01,
         reclaim_head_samples=100,
         wake_samples=101,
-        idle_wait_s=0.1,
+        idle_wait_s=0.5,
         demo_requests=100,
         demo_repeats=3,
     ),

@@ -1,9 +1,11 @@
 """The benchmark entry point: ``python -m benchmarks`` or ``python benchmarks/run.py``.
 
 Runs every benchmark on asyncio and on uvloop, prints a markdown report to
-stdout, writes it to ``docs/benchmarks.md`` (``--md``) and, with
-``--json PATH``, every sample as JSON. ``--quick`` is the short run.
-Progress goes to stderr.
+stdout, writes it to ``docs/benchmarks.md`` under the current directory
+(``--md PATH`` elsewhere, ``--no-md`` not at all) and, with ``--json PATH``,
+every sample as JSON. It never writes anywhere else. ``--quick`` is the short
+run. Progress goes to stderr. The package is not installed by ``pip install
+.``: run it from the root of a checkout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ if __package__ in (None, ""):  # run as a script: make the package importable
 from benchmarks.harness import PRESETS, Config, Row, loop_factories, run_on
 from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_json
 
+#: relative, so it lands under the current directory, never beside the package
+DEFAULT_MD = Path("docs") / "benchmarks.md"
+
 BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
               "demo")
 
@@ -34,8 +39,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="fewer, shorter rounds (one to two minutes)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default, quick, or smoke (tests)")
     p.add_argument("--json", metavar="PATH", type=Path, help="write every sample as JSON")
-    p.add_argument("--md", metavar="PATH", type=Path, default=REPO / "docs" / "benchmarks.md",
-                   help="where to write the markdown (default: docs/benchmarks.md)")
+    p.add_argument("--md", metavar="PATH", type=Path, default=DEFAULT_MD,
+                   help="where to write the markdown (default: docs/benchmarks.md, relative "
+                   "to the current directory)")
     p.add_argument("--no-md", action="store_true", help="only print the markdown")
     p.add_argument("--loops", default=",".join(loop_factories()),
                    help="comma-separated loop kinds (default: asyncio,uvloop)")

@@ -15,6 +15,7 @@
 #   4. the memory-saver test again with the LD_PRELOAD hooks (preload mode)
 #   5. the scheduler demo on CUDA, fenced: must complete with 0 corruptions
 #   6. the scheduler demo on CUDA, --unsafe: must show corruptions (exit 1)
+#   7. examples/overlap_step.py and examples/sync_dropin.py on CUDA streams
 # Writes $OUT/gpu_check_summary.txt and $OUT/gpu_check_summary.json, per-step
 # logs, junit XML, and the demo reports ($OUT/demo_fenced.json, demo_unsafe.json).
 # Exit status: 0 when every step passed, 1 otherwise.
@@ -122,7 +123,7 @@ skip_step() {
 }
 if [ "$HAVE_CUDA" != 1 ]; then
     say "no CUDA device visible to torch: the cuda tests above skipped; skipping the rest"
-    for step in memory_saver_preload demo_fenced demo_unsafe; do
+    for step in memory_saver_preload demo_fenced demo_unsafe examples; do
         skip_step "$step" "no CUDA device"
     done
 else
@@ -143,6 +144,8 @@ run_step demo_fenced 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --no-
     --json "$OUT_DIR/demo_fenced.json"
 run_step demo_unsafe 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --unsafe --no-progress \
     --timeout 80 --json "$OUT_DIR/demo_unsafe.json"
+# --------------------------------------------------------------------------- 7. examples
+run_step examples 60 bash -c '"$PY" examples/overlap_step.py --device cuda && "$PY" examples/sync_dropin.py --device cuda'
 fi
 
 # --------------------------------------------------------------------------- summary
@@ -211,9 +214,11 @@ ok["demo_fenced"] = bool(
     steps.get("demo_fenced", {}).get("rc") == "0" and fenced and fenced.get("corruptions") == 0
 )
 ok["demo_unsafe"] = bool(unsafe and (unsafe.get("corruptions") or 0) > 0)
+ok["examples"] = steps.get("examples", {}).get("rc") == "0"
 ok["install"] = steps.get("install", {}).get("rc") == "0"
 summary = {
-    "passed": all(ok[k] for k in ("cuda_tests", "memory_saver_preload", "demo_fenced", "demo_unsafe")),
+    "passed": all(ok[k] for k in ("cuda_tests", "memory_saver_preload", "demo_fenced", "demo_unsafe",
+                                  "examples")),
     "cuda_available": have_cuda == "1",
     "total_seconds": int(total),
     "ok": ok,

@@ -12,7 +12,9 @@ use without pytest plugin wiring:
 * :class:`EventFence` is a fence of unknown origin (no ``stream_key``),
   backed by a ``threading.Event``;
 * :func:`ledger_snapshot` / :func:`pool_snapshot` capture everything a
-  raising call must leave unchanged.
+  raising call must leave unchanged;
+* :func:`bounded` bounds an await that could hang (``asyncio.timeout``), so a
+  lost wake-up fails in seconds with a message instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ from asyncpool import FenceError, HostStream
 from asyncpool.ledger import SlotLedger
 
 WAIT_S = 5.0  # bound on every wait for another thread
+LONG_S = 120.0  # bound on a whole demo or benchmark run awaited by a test
+
+
+class _Bounded:
+    """``asyncio.timeout(seconds)`` whose expiry fails the test with a message."""
+
+    __slots__ = ("_cm", "_seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._cm = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> None:
+        await self._cm.__aenter__()
+
+    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> bool | None:
+        try:
+            return await self._cm.__aexit__(et, exc, tb)
+        except TimeoutError as err:
+            if not self._cm.expired():
+                raise  # a TimeoutError of the code under test, not ours
+            raise AssertionError(
+                f"not done within {self._seconds:g} s: a lost wake-up, or a hang"
+            ) from err
+
+
+def bounded(seconds: float = WAIT_S) -> _Bounded:
+    """``async with bounded():`` around an await that could hang.
+
+    Expiry raises ``AssertionError`` naming the bound; a ``TimeoutError``
+    raised by the awaited code itself passes through unchanged.
+    """
+    return _Bounded(seconds)
 
 
 class Gate:

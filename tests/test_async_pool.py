@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, assert_conserved, pool_snapshot, spin
+from helpers import WAIT_S, FakeStream, assert_conserved, bounded, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -58,7 +58,7 @@ def lens(pool: AsyncReqToTokenPool, row: int) -> tuple[int, int, int]:
 
 
 async def test_fast_path_completes_without_suspending():
-    async with make(9) as pool:
+    async with bounded(), make(9) as pool:
         for n in (1, 3, 2):
             coro = pool.alloc(n)
             with pytest.raises(StopIteration) as ei:
@@ -78,7 +78,7 @@ async def test_fast_path_completes_without_suspending():
 
 
 async def test_fast_path_lets_no_other_task_run():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         ran: list[str] = []
 
         async def other() -> None:
@@ -94,7 +94,7 @@ async def test_fast_path_lets_no_other_task_run():
 
 
 async def test_slow_path_suspends_until_granted():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         t = asyncio.create_task(pool.alloc(1))
         await spin()
@@ -105,7 +105,7 @@ async def test_slow_path_suspends_until_granted():
 
 
 async def test_alloc_fast_path_reclaims_a_completed_fence(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -131,7 +131,7 @@ async def _waiter(pool, n, name, log, **kw):
 
 
 async def test_fifo_grant_order_within_a_priority():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         log: list[str] = []
         tasks = [asyncio.create_task(_waiter(pool, 1, name, log)) for name in "ABCD"]
@@ -148,7 +148,7 @@ async def test_fifo_grant_order_within_a_priority():
 
 
 async def test_priority_order_lower_number_first():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         log: list[str] = []
         specs = [("p5", 5), ("p0a", 0), ("p1", 1), ("p0b", 0)]
@@ -165,7 +165,7 @@ async def test_priority_order_lower_number_first():
 
 
 async def test_negative_priority_goes_first():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         log: list[str] = []
         t0 = asyncio.create_task(_waiter(pool, 1, "zero", log))
@@ -179,7 +179,7 @@ async def test_negative_priority_goes_first():
 
 
 async def test_big_head_blocks_smaller_ones_behind_it():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         log: list[str] = []
         big = asyncio.create_task(_waiter(pool, 3, "big", log))
@@ -198,7 +198,7 @@ async def test_big_head_blocks_smaller_ones_behind_it():
 
 
 async def test_big_head_blocks_across_priorities():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         log: list[str] = []
         big = asyncio.create_task(_waiter(pool, 3, "big", log, priority=0))
@@ -216,7 +216,7 @@ async def test_big_head_blocks_across_priorities():
 
 
 async def test_more_urgent_small_request_passes_a_less_urgent_big_one():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         log: list[str] = []
         big = asyncio.create_task(_waiter(pool, 3, "big", log, priority=1))
@@ -231,7 +231,7 @@ async def test_more_urgent_small_request_passes_a_less_urgent_big_one():
 
 
 async def test_one_free_grants_several_waiters_in_order():
-    async with make(9) as pool:
+    async with bounded(), make(9) as pool:
         held = await pool.alloc(8)
         log: list[str] = []
         tasks = [
@@ -253,7 +253,7 @@ async def test_one_free_grants_several_waiters_in_order():
 
 
 async def test_waiter_blocked_on_pending_rows_wakes_when_gate_opens(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -270,7 +270,7 @@ async def test_waiter_blocked_on_pending_rows_wakes_when_gate_opens(kit):
 
 
 async def test_try_alloc_none_while_anyone_waits():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(3)
         t = asyncio.create_task(pool.alloc(2))
         await spin()
@@ -286,7 +286,7 @@ async def test_try_alloc_none_while_anyone_waits():
 
 
 async def test_try_alloc_reclaims_completed_fences_before_answering_none(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -303,7 +303,7 @@ async def test_try_alloc_reclaims_completed_fences_before_answering_none(kit):
 async def test_try_alloc_reclaims_a_row_used_on_two_streams(kit):
     """Regression: reclaim() under-counted rows freed by a requeue, so
     try_alloc answered None with the row free."""
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         a, b = kit.stream(), kit.stream()
         ga, gb = kit.gate(a), kit.gate(b)
         rows = await pool.alloc(1)
@@ -320,7 +320,7 @@ async def test_try_alloc_reclaims_a_row_used_on_two_streams(kit):
 
 
 async def test_waiter_for_row_used_on_two_streams_wakes(kit):
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         a, b = kit.stream(), kit.stream()
         ga, gb = kit.gate(a), kit.gate(b)
         rows = await pool.alloc(1)
@@ -342,7 +342,7 @@ async def test_waiter_for_row_used_on_two_streams_wakes(kit):
 
 
 async def test_free_with_a_use_in_flight_defers_until_that_steps_fence(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(3)
@@ -359,7 +359,7 @@ async def test_free_with_a_use_in_flight_defers_until_that_steps_fence(kit):
 
 
 async def test_free_of_untouched_row_is_immediate_while_other_steps_run(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         kit.gate(s)
         inflight = await pool.alloc(2)
@@ -373,7 +373,7 @@ async def test_free_of_untouched_row_is_immediate_while_other_steps_run(kit):
 
 
 async def test_row_touched_by_three_inflight_steps_waits_for_the_newest(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gates, steps = [], []
         for _ in range(3):
@@ -397,7 +397,7 @@ async def test_row_touched_by_three_inflight_steps_waits_for_the_newest(kit):
 
 
 async def test_explicit_fence_on_free_adds_to_recorded_use_never_weakens(kit):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         s, other = kit.stream(), kit.stream()
         old = s.record()
         assert old.wait(WAIT_S)
@@ -423,7 +423,7 @@ async def test_explicit_fence_on_free_adds_to_recorded_use_never_weakens(kit):
 
 
 async def test_free_after_stream_records_a_fence(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -439,7 +439,7 @@ async def test_free_after_stream_records_a_fence(kit):
 
 
 async def test_after_with_iterator_frees_every_row(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         rows = await pool.alloc(3)
         pool.free(iter(rows), after=s)
@@ -449,7 +449,7 @@ async def test_after_with_iterator_frees_every_row(kit):
 
 
 async def test_a_reused_row_reads_zero_after_the_late_write(kit):
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         [row] = await pool.alloc(1)
@@ -474,7 +474,7 @@ async def test_a_reused_row_reads_zero_after_the_late_write(kit):
 
 
 async def test_a_burst_of_granted_waiters_each_read_zero_on_resume():
-    async with make(9) as pool:
+    async with bounded(), make(9) as pool:
         held = await pool.alloc(8)
         for r in held:
             pool.set_req_pool_info(
@@ -499,7 +499,7 @@ async def test_a_burst_of_granted_waiters_each_read_zero_on_resume():
 
 
 async def test_lease_frees_on_normal_exit():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         async with pool.lease(2) as rows:
             assert len(rows) == 2 and pool.available_size() == 1
         assert pool.available_size() == 3
@@ -507,7 +507,7 @@ async def test_lease_frees_on_normal_exit():
 
 
 async def test_lease_frees_on_exception():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         with pytest.raises(KeyError):
             async with pool.lease(3):
                 raise KeyError("boom")
@@ -516,7 +516,7 @@ async def test_lease_frees_on_exception():
 
 
 async def test_lease_frees_on_cancellation():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         inside = asyncio.Event()
 
         async def body() -> None:
@@ -536,7 +536,7 @@ async def test_lease_frees_on_cancellation():
 
 
 async def test_lease_cancelled_while_waiting_allocates_nothing():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
 
         async def body() -> None:
@@ -554,7 +554,7 @@ async def test_lease_cancelled_while_waiting_allocates_nothing():
 
 
 async def test_lease_after_stream_defers_the_free(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         async with pool.lease(2, after=s) as rows:
@@ -568,7 +568,7 @@ async def test_lease_after_stream_defers_the_free(kit):
 
 
 async def test_lease_whose_rows_were_freed_in_the_body_raises_double_free():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         with pytest.raises(DoubleFreeError):
             async with pool.lease(2) as rows:
                 pool.free(rows)
@@ -577,7 +577,7 @@ async def test_lease_whose_rows_were_freed_in_the_body_raises_double_free():
 
 
 async def test_lease_does_not_free_rows_another_owner_now_holds():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         with pytest.raises(DoubleFreeError):
             async with pool.lease(2) as rows:
                 pool.free(rows)
@@ -589,7 +589,7 @@ async def test_lease_does_not_free_rows_another_owner_now_holds():
 
 
 async def test_lease_rows_attribute_and_bad_size():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         lease = pool.lease(2)
         async with lease as rows:
             assert lease.rows == rows
@@ -604,25 +604,31 @@ async def test_lease_rows_attribute_and_bad_size():
 
 async def test_close_fails_waiters_and_later_allocs_but_free_still_works():
     pool = make(3)
-    held = await pool.alloc(2)
+    async with bounded():
+        held = await pool.alloc(2)
     t1 = asyncio.create_task(pool.alloc(1))
     t2 = asyncio.create_task(pool.alloc(2, priority=3))
     await spin()
-    await pool.close()
+    async with bounded():
+        await pool.close()
     assert pool.closed and pool.stats().closed
     for t in (t1, t2):
         with pytest.raises(PoolClosedError):
-            await t
+            async with bounded():
+                await t
     with pytest.raises(PoolClosedError):
-        await pool.alloc(1)
+        async with bounded():
+            await pool.alloc(1)
     with pytest.raises(PoolClosedError):
         pool.try_alloc(1)
     with pytest.raises(PoolClosedError):
-        await pool.release_memory()
+        async with bounded():
+            await pool.release_memory()
     assert pool.free(held) == 2
     assert pool.available_size() == 2 and pool.waiting() == 0
     assert "closed" in repr(pool)
-    await pool.close()  # idempotent
+    async with bounded():
+        await pool.close()  # idempotent
     assert_conserved(pool)
 
 
@@ -630,27 +636,31 @@ async def test_drain_before_and_after_close(kit):
     pool = make(5)
     s = kit.stream()
     g1 = kit.gate(s)
-    rows = await pool.alloc(4)
+    async with bounded():
+        rows = await pool.alloc(4)
     pool.free(rows[:2], after=s)
     d = asyncio.create_task(pool.drain())
     await spin()
     assert not d.done()
     g1.open()
-    await finish(d)
+    async with bounded():
+        await finish(d)
     assert pool.pending_size() == 0
     g2 = kit.gate(s)
     pool.free(rows[2:], after=s)
-    await pool.close()
+    async with bounded():
+        await pool.close()
     d = asyncio.create_task(pool.drain())
     await spin()
     assert not d.done() and pool.pending_size() == 2
     g2.open()
-    await finish(d)
+    async with bounded():
+        await finish(d)
     assert pool.pending_size() == 0 and pool.available_size() == 4
 
 
 async def test_drain_cancelled_changes_nothing(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(2), after=s)
@@ -667,17 +677,18 @@ async def test_drain_cancelled_changes_nothing(kit):
 
 
 async def test_async_with_closes_the_pool():
-    async with AsyncReqToTokenPool(3, 4) as pool:
+    async with bounded(), AsyncReqToTokenPool(3, 4) as pool:
         assert not pool.closed
         rows = await pool.alloc(2)
     assert pool.closed
     with pytest.raises(PoolClosedError):
-        await pool.alloc(1)
+        async with bounded():
+            await pool.alloc(1)
     pool.free(rows)
 
 
 async def test_release_resume_with_waiters_queued():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         pool.write((1, slice(0, 3)), torch.tensor([1, 2, 3], dtype=torch.int32))
         await pool.release_memory()
         assert pool.released and pool.stats().released
@@ -698,7 +709,7 @@ async def test_release_resume_with_waiters_queued():
 
 
 async def test_waiter_queued_before_release_is_held_until_resume(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(2), after=s)
@@ -718,7 +729,7 @@ async def test_waiter_queued_before_release_is_held_until_resume(kit):
 
 
 async def test_release_waits_for_pending_fences_first(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(2), after=s)
@@ -734,7 +745,7 @@ async def test_release_waits_for_pending_fences_first(kit):
 
 
 async def test_release_refused_while_rows_allocated_and_pool_keeps_serving():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(2)
         t = asyncio.create_task(pool.alloc(3))
         await spin()
@@ -750,7 +761,7 @@ async def test_release_refused_while_rows_allocated_and_pool_keeps_serving():
 
 
 async def test_max_waiters_sheds_load():
-    async with make(3, max_waiters=1) as pool:
+    async with bounded(), make(3, max_waiters=1) as pool:
         held = await pool.alloc(2)
         t = asyncio.create_task(pool.alloc(1))
         await spin()
@@ -766,7 +777,7 @@ async def test_max_waiters_sheds_load():
 
 
 async def test_max_waiters_zero_refuses_any_wait_but_serves_fast_path():
-    async with make(3, max_waiters=0) as pool:
+    async with bounded(), make(3, max_waiters=0) as pool:
         rows = await pool.alloc(2)
         with pytest.raises(PoolBusyError):
             await pool.alloc(1)
@@ -781,7 +792,7 @@ def test_max_waiters_must_be_none_or_non_negative_int(bad):
 
 
 async def test_wrong_thread_is_refused_and_changes_nothing():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         rows = pool.try_alloc(2)
         before = pool_snapshot(pool)
         errors: dict[str, BaseException | None] = {}
@@ -820,7 +831,7 @@ async def test_wrong_thread_is_refused_and_changes_nothing():
 
 @pytest.mark.parametrize("n", [0, -1, 5, 99, 1.0, 2.5, True, None, "1"])
 async def test_bad_sizes_raise_capacity_error_and_change_nothing(n):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(1)
         before = pool_snapshot(pool)
         with pytest.raises(CapacityError):
@@ -843,7 +854,7 @@ async def test_bad_sizes_raise_capacity_error_and_change_nothing(n):
 
 
 async def test_bad_wait_arguments_raise_and_queue_nothing():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         before = pool_snapshot(pool)
         with pytest.raises(TypeError):
@@ -857,7 +868,7 @@ async def test_bad_wait_arguments_raise_and_queue_nothing():
 
 
 async def test_bad_frees_raise_typed_errors_and_change_nothing(kit):
-    async with make(9) as pool:
+    async with bounded(), make(9) as pool:
         s = kit.stream()
         kit.gate(s)
         a, b, c = await pool.alloc(3)
@@ -907,7 +918,7 @@ async def test_bad_frees_raise_typed_errors_and_change_nothing(kit):
 
 
 async def test_stats_fields(kit):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         st0 = pool.stats()
         assert isinstance(st0, PoolStats)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -962,15 +973,18 @@ def test_latency_summary_of_samples():
 
 async def test_repr_shows_state():
     pool = make(5)
-    rows = await pool.alloc(2)
+    async with bounded():
+        rows = await pool.alloc(2)
     r = repr(pool)
     assert "open" in r and "size=5" in r and "free=2" in r and "allocated=2" in r
     assert "waiters=0" in r
     pool.free(rows)
-    await pool.release_memory()
+    async with bounded():
+        await pool.release_memory()
     assert "released" in repr(pool)
-    await pool.resume_memory()
-    await pool.close()
+    async with bounded():
+        await pool.resume_memory()
+        await pool.close()
     assert "closed" in repr(pool)
 
 
@@ -978,7 +992,7 @@ async def test_repr_shows_state():
 
 
 async def test_fault_quarantines_and_waiters_are_served_from_the_rest(kit):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         s.launch(lambda: 1 / 0)
@@ -1009,7 +1023,7 @@ async def test_fault_quarantines_and_waiters_are_served_from_the_rest(kit):
 
 
 async def test_watcher_wakes_waiter_for_a_fence_of_unknown_origin(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         rows = await pool.alloc(2)
         ef = kit.event_fence()
         assert not hasattr(ef, "stream_key")
@@ -1029,7 +1043,7 @@ async def test_watcher_wakes_waiter_for_a_fence_of_unknown_origin(kit):
 
 
 async def test_watcher_record_use_with_unknown_fence(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         rows = await pool.alloc(2)
         ef = kit.event_fence()
         pool.record_use(rows, ef)
@@ -1046,9 +1060,11 @@ async def test_close_stops_an_idle_watcher_thread(kit):
     pool = make(3)
     ef = kit.event_fence()
     ef.set()
-    rows = await pool.alloc(1)
+    async with bounded():
+        rows = await pool.alloc(1)
     pool.record_use(rows, ef)
-    other = await pool.alloc(1)
+    async with bounded():
+        other = await pool.alloc(1)
     ef2 = kit.event_fence()
     pool.free(other, fence=ef2)
     watcher = pool._watcher
@@ -1057,7 +1073,8 @@ async def test_close_stops_an_idle_watcher_thread(kit):
     ef2.set()
     async with asyncio.timeout(WAIT_S):
         await pool.drain()
-    await pool.close()
+    async with bounded():
+        await pool.close()
     assert not thread.is_alive()
     pool.free(rows)
 
@@ -1066,8 +1083,9 @@ async def test_no_watcher_thread_is_started_after_close(kit):
     """Regression: a free behind an unknown fence after close() started a
     watcher thread that nothing ever stopped."""
     pool = make(3)
-    rows = await pool.alloc(2)
-    await pool.close()
+    async with bounded():
+        rows = await pool.alloc(2)
+        await pool.close()
     before = {t.ident for t in threading.enumerate()}
     ef = kit.event_fence()
     pool.free(rows, fence=ef)
@@ -1088,7 +1106,7 @@ async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
     from asyncpool import record_fence
 
     stream = torch.cuda.Stream()
-    async with AsyncReqToTokenPool(3, 8, device="cuda", stream=stream) as pool:
+    async with bounded(), AsyncReqToTokenPool(3, 8, device="cuda", stream=stream) as pool:
         rows = await pool.alloc(2)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(100_000_000)  # an in-flight step

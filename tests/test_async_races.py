@@ -16,7 +16,7 @@ import random
 import threading
 
 import pytest
-from helpers import WAIT_S, assert_conserved, spin
+from helpers import WAIT_S, assert_conserved, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, PoolClosedError
 
@@ -51,7 +51,7 @@ async def queued(pool: AsyncReqToTokenPool, *specs, **kw) -> list[asyncio.Task]:
 
 
 async def test_cancel_then_free_in_the_same_tick_keeps_the_row():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         [w] = await queued(pool, 1)
         w.cancel()
@@ -64,7 +64,7 @@ async def test_cancel_then_free_in_the_same_tick_keeps_the_row():
 
 
 async def test_cancel_then_free_in_the_same_tick_serves_the_next_waiter():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         w1, w2 = await queued(pool, 1, 1)
         w1.cancel()
@@ -76,7 +76,7 @@ async def test_cancel_then_free_in_the_same_tick_serves_the_next_waiter():
 
 
 async def test_free_then_cancel_in_the_same_tick_gives_the_rows_back():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         [w] = await queued(pool, 2)
         pool.free(held)  # w is granted both rows...
@@ -90,7 +90,7 @@ async def test_free_then_cancel_in_the_same_tick_gives_the_rows_back():
 
 
 async def test_granted_then_cancelled_waiter_hands_its_rows_to_the_next():
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         held = await pool.alloc(2)
         w1, w2 = await queued(pool, 2, 2)
         pool.free(held)
@@ -103,7 +103,7 @@ async def test_granted_then_cancelled_waiter_hands_its_rows_to_the_next():
 
 
 async def test_cancelled_head_reruns_the_grant_for_smaller_waiters():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         held = await pool.alloc(2)  # one row stays free
         big, small = await queued(pool, 3, 1)
         assert pool.available_size() == 1
@@ -115,7 +115,7 @@ async def test_cancelled_head_reruns_the_grant_for_smaller_waiters():
 
 
 async def test_cancelling_every_waiter_in_a_queue():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         tasks = await queued(pool, 1, 2, 1, 3, 1, 4, 2, 1, 1, 2)
         for t in tasks:
@@ -129,7 +129,7 @@ async def test_cancelling_every_waiter_in_a_queue():
 
 
 async def test_cancelling_every_waiter_after_some_were_granted():
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         held = await pool.alloc(4)
         tasks = await queued(pool, 1, 2, 1, 3, 1)
         pool.free(held)  # grants 1, 2, 1; 3 blocks
@@ -144,24 +144,28 @@ async def test_cancelling_every_waiter_after_some_were_granted():
 
 async def test_cancel_and_close_in_the_same_tick():
     pool = make(3)
-    held = await pool.alloc(2)
-    w1, w2 = await queued(pool, 1, 1)
+    async with bounded():
+        held = await pool.alloc(2)
+        w1, w2 = await queued(pool, 1, 1)
     w1.cancel()
-    await pool.close()
-    assert isinstance(await outcome(w1), asyncio.CancelledError)
-    assert isinstance(await outcome(w2), PoolClosedError)
+    async with bounded():
+        await pool.close()
+        assert isinstance(await outcome(w1), asyncio.CancelledError)
+        assert isinstance(await outcome(w2), PoolClosedError)
     pool.free(held)
     assert_conserved(pool)
 
 
 async def test_grant_and_close_in_the_same_tick():
     pool = make(3)
-    held = await pool.alloc(2)
-    w1, w2 = await queued(pool, 1, 1)
+    async with bounded():
+        held = await pool.alloc(2)
+        w1, w2 = await queued(pool, 1, 1)
     pool.free(held[:1])  # w1 granted
-    await pool.close()  # w2 fails; w1 keeps its grant
-    assert await outcome(w1) == held[:1]
-    assert isinstance(await outcome(w2), PoolClosedError)
+    async with bounded():
+        await pool.close()  # w2 fails; w1 keeps its grant
+        assert await outcome(w1) == held[:1]
+        assert isinstance(await outcome(w2), PoolClosedError)
     pool.free(held[1:] + held[:1])
     assert pool.available_size() == 2
     assert_conserved(pool)
@@ -171,7 +175,7 @@ async def test_grant_and_close_in_the_same_tick():
 
 
 async def test_internal_timeout_expiring_as_the_grant_lands():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
         w = asyncio.create_task(pool.alloc(1, timeout=0))
         await asyncio.sleep(0)  # w queued; its zero timer is due next iteration
@@ -188,7 +192,7 @@ async def test_internal_timeout_expiring_as_the_grant_lands():
 
 
 async def test_internal_timeout_and_free_scheduled_for_the_same_instant():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         loop = asyncio.get_running_loop()
         held = await pool.alloc(1)
         w = asyncio.create_task(pool.alloc(1, timeout=0))
@@ -203,7 +207,7 @@ async def test_internal_timeout_and_free_scheduled_for_the_same_instant():
 
 
 async def test_timed_out_head_reruns_the_grant_for_smaller_waiters():
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         held = await pool.alloc(2)
         big = asyncio.create_task(pool.alloc(3, timeout=0))
         small = asyncio.create_task(pool.alloc(1))
@@ -215,7 +219,7 @@ async def test_timed_out_head_reruns_the_grant_for_smaller_waiters():
 
 
 async def test_external_timeout_expiring_as_the_grant_lands():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
 
         async def waiter():
@@ -234,14 +238,14 @@ async def test_external_timeout_expiring_as_the_grant_lands():
 
 
 async def test_timeout_on_the_fast_path_is_not_applied():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         coro = pool.alloc(1, timeout=0)
         with pytest.raises(StopIteration):
             coro.send(None)
 
 
 async def test_timeout_leaves_nothing_queued_or_allocated():
-    async with make(2) as pool:
+    async with bounded(), make(2) as pool:
         held = await pool.alloc(1)
         async with asyncio.timeout(WAIT_S):
             with pytest.raises(TimeoutError):
@@ -264,7 +268,7 @@ def _after_pool_callback(fence) -> threading.Event:
 
 
 async def test_fence_completing_while_the_head_is_cancelled(kit):
-    async with make(4) as pool:
+    async with bounded(), make(4) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -285,7 +289,7 @@ async def test_fence_completing_while_the_head_is_cancelled(kit):
 
 
 async def test_head_granted_by_a_fence_then_cancelled_before_it_resumes(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -308,7 +312,7 @@ async def test_head_granted_by_a_fence_then_cancelled_before_it_resumes(kit):
 
 
 async def test_cancel_before_the_fence_completes(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         rows = await pool.alloc(2)
@@ -322,7 +326,7 @@ async def test_cancel_before_the_fence_completes(kit):
 
 
 async def test_every_waiter_cancelled_while_fences_complete(kit):
-    async with make(5) as pool:
+    async with bounded(), make(5) as pool:
         s = kit.stream()
         gates = []
         held = await pool.alloc(4)
@@ -347,7 +351,7 @@ async def test_every_waiter_cancelled_while_fences_complete(kit):
 
 
 async def test_release_memory_cancelled_while_draining_restores_service(kit):
-    async with make(3) as pool:
+    async with bounded(), make(3) as pool:
         s = kit.stream()
         gate = kit.gate(s)
         pool.free(await pool.alloc(1), after=s)
@@ -417,13 +421,15 @@ async def test_random_same_tick_interleavings_never_leak_or_hang(kit, seed):
     for g in gates:
         g.open()
     for t in tasks:
-        res = await outcome(t)
+        async with bounded():
+            res = await outcome(t)
         if isinstance(res, list):
             owned.append(res)
     for rows in owned:
         pool.free(rows)
     async with asyncio.timeout(WAIT_S):
         await pool.drain()
-    await pool.close()
+    async with bounded():
+        await pool.close()
     assert pool.available_size() == pool.capacity
     assert_conserved(pool)

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import LONG_S, bounded
 
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
 from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
@@ -47,35 +48,42 @@ def test_naive_pool_behaves_like_the_seed() -> None:
 
 
 async def test_uncontended() -> None:
-    _check(await bench_uncontended(SMOKE))
+    async with bounded(LONG_S):
+        _check(await bench_uncontended(SMOKE))
 
 
 async def test_batched() -> None:
-    _check(await bench_batched(SMOKE))
+    async with bounded(LONG_S):
+        _check(await bench_batched(SMOKE))
 
 
 async def test_contended() -> None:
-    _check(await bench_contended(SMOKE))
+    async with bounded(LONG_S):
+        _check(await bench_contended(SMOKE))
 
 
 async def test_fenced_free() -> None:
-    _check(await bench_fenced_free(SMOKE))
+    async with bounded(LONG_S):
+        _check(await bench_fenced_free(SMOKE))
 
 
 async def test_reclaim_sweep() -> None:
-    rows = await bench_reclaim_sweep(SMOKE)
+    async with bounded(LONG_S):
+        rows = await bench_reclaim_sweep(SMOKE)
     _check(rows)
     assert any(r.target is not None for r in rows)
 
 
 async def test_wake_latency() -> None:
-    rows = await bench_wake_latency(SMOKE, device="cpu")
+    async with bounded(LONG_S):
+        rows = await bench_wake_latency(SMOKE, device="cpu")
     _check(rows)
     assert rows[0].samples["idle_cpu_fraction"][0] >= 0
 
 
 async def test_scaling() -> None:
-    rows, memory = await bench_scaling(SMOKE)
+    async with bounded(LONG_S):
+        rows, memory = await bench_scaling(SMOKE)
     _check(rows)
     assert [int(m["size"]) for m in memory] == list(SMOKE.scaling_sizes)
     for m in memory:

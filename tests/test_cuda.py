@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from helpers import bounded
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -129,7 +130,8 @@ async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write(
     fwd = torch.cuda.Stream()
     pool = AsyncReqToTokenPool(5, 64, device="cuda", stream=fwd)
     try:
-        rows = await pool.alloc(4)
+        async with bounded():
+            rows = await pool.alloc(4)
         index = torch.tensor(rows, device="cuda")
         with torch.cuda.stream(fwd):
             spin(300)  # step t is still running...
@@ -156,7 +158,8 @@ async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write(
         st = pool.stats()
         assert st.free == 4 and st.fence_latency.count >= 1
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         torch.cuda.synchronize()
 
 
@@ -165,18 +168,21 @@ async def test_unfenced_free_lets_the_late_write_corrupt_the_new_owner() -> None
     fwd = torch.cuda.Stream()
     pool = AsyncReqToTokenPool(2, 64, device="cuda")  # resets on the current stream
     try:
-        (row,) = await pool.alloc(1)
+        async with bounded():
+            (row,) = await pool.alloc(1)
         with torch.cuda.stream(fwd):
             spin(300)
             pool.verified_lens[row] = 7  # step t's late write
         pool.free([row])  # unsafe: no record_use, no fence
-        (again,) = await pool.alloc(1)  # granted while step t still runs
+        async with bounded():
+            (again,) = await pool.alloc(1)  # granted while step t still runs
         assert again == row
         pool.verified_lens[again] = 3  # the new owner's prefill, on the scheduler's stream
         torch.cuda.synchronize()
         assert pool.verified_lens[again].item() == 7, "the late write should have landed"
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         torch.cuda.synchronize()
 
 
@@ -184,14 +190,16 @@ async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None
     pool_stream = torch.cuda.Stream()
     pool = AsyncReqToTokenPool(3, 64, device="cuda", stream=pool_stream)
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         pool.set_req_pool_info(rows[0], info(5, 8))
         pool.set_req_pool_info(rows[1], info(6, 8))
         torch.cuda.synchronize()
         pool.free(rows)  # dirty rows, free at once
         with torch.cuda.stream(pool_stream):
             spin(300)  # hold the pool's stream
-        again = await pool.alloc(2)  # the bulk reset is queued on the pool's stream
+        async with bounded():
+            again = await pool.alloc(2)  # the bulk reset is queued on the pool's stream
         assert sorted(again) == sorted(rows)
         assert pool.alloced_lens_cpu[again].tolist() == [0, 0]  # host copy: zeroed at once
         # the device reset has not run yet: it waits behind the spin on the pool's stream
@@ -205,7 +213,8 @@ async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None
         assert pool.alloced_lens[again[1]].item() == 0
         pool.free(again)
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         torch.cuda.synchronize()
 
 
@@ -235,7 +244,8 @@ async def test_watcher_wake_latency_and_cpu() -> None:
     cpu_ratio: list[float] = []
     try:
         for _ in range(20):
-            (row,) = await pool.alloc(1)
+            async with bounded():
+                (row,) = await pool.alloc(1)
             with torch.cuda.stream(fwd):
                 spin(50)
             fence = record_fence(fwd)
@@ -265,7 +275,8 @@ async def test_watcher_wake_latency_and_cpu() -> None:
         assert worst < 0.05, latencies
         assert cpu < 0.5, cpu_ratio  # blocking events: no core spun while waiting
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         torch.cuda.synchronize()
     assert not [t for t in threading.enumerate() if t.name == "asyncpool-fence-watcher"]
 
@@ -283,20 +294,23 @@ async def test_memory_saver_releases_and_resumes_the_kv_cache_region() -> None:
     size, ctx = 1025, 32768  # req_to_token: 1025 * 32768 * 4 B = 128 MiB
     pool = AsyncReqToTokenPool(size, ctx, device="cuda", enable_memory_saver=True)
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         pool.set_req_pool_info(rows[0], info(3, 4))
         pool.write((rows[1], slice(0, 4)), torch.arange(4, dtype=torch.int32, device="cuda"))
         torch.cuda.synchronize()
 
         busy = pool.release_memory()
         with pytest.raises(PoolBusyError):
-            await busy  # rows still allocated: refused, and the pool keeps serving
+            async with bounded():
+                await busy  # rows still allocated: refused, and the pool keeps serving
         assert not pool.released
         pool.free(rows)
 
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        await pool.release_memory()
+        async with bounded():
+            await pool.release_memory()
         torch.cuda.synchronize()
         free_released = torch.cuda.mem_get_info()[0]
         assert pool.released and pool.stats().released
@@ -309,7 +323,8 @@ async def test_memory_saver_releases_and_resumes_the_kv_cache_region() -> None:
             await asyncio.sleep(0)
         assert not waiter.done()
 
-        await pool.resume_memory()
+        async with bounded():
+            await pool.resume_memory()
         async with asyncio.timeout(10):
             granted = await waiter
         torch.cuda.synchronize()
@@ -325,5 +340,6 @@ async def test_memory_saver_releases_and_resumes_the_kv_cache_region() -> None:
         pool.check_invariants()
         print(f"\nmemory saver: released {gained / 2**20:.1f} MiB of the kv_cache region")
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         torch.cuda.synchronize()

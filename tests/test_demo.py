@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import LONG_S, bounded
 
 from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import build_parser, main
@@ -114,7 +115,8 @@ def _all_served(report: Report) -> bool:
 
 
 async def test_fenced_overlap_completes_without_corruption() -> None:
-    report = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True))
     assert _all_served(report)
     assert report.corruptions == 0 and report.mismatches == 0
     assert report.kv_corruptions == 0 and report.kv_mismatches == 0
@@ -128,14 +130,16 @@ async def test_fenced_overlap_completes_without_corruption() -> None:
 
 
 async def test_fenced_overlap_ungated_completes_without_corruption() -> None:
-    report = await run_demo(SMALL)
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL)
     assert _all_served(report)
     assert report.corruptions == 0 and report.kv_corruptions == 0
     assert report.ok
 
 
 async def test_unsafe_overlap_detects_row_and_kv_corruption() -> None:
-    report = await run_demo(replace(SMALL, gate=True, unsafe=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True, unsafe=True))
     # The demo keeps serving through the corruption, and counts it.
     assert _all_served(report)
     assert report.deferred_frees == 0 and report.deferred_page_frees == 0
@@ -151,7 +155,8 @@ async def test_unsafe_sync_still_corrupts_kv_through_the_transfer() -> None:
     # clean even with the seed's immediate free. But an aborted request's
     # transfer is still on its way: its pages, freed at once, are written by
     # their next owner and then by the late transfer.
-    report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True))
     assert _all_served(report)
     assert report.corruptions == 0
     assert report.kv_corruptions > 0
@@ -159,15 +164,18 @@ async def test_unsafe_sync_still_corrupts_kv_through_the_transfer() -> None:
 
 
 async def test_sync_mode_completes() -> None:
-    report = await run_demo(replace(SMALL, mode="sync"))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync"))
     assert _all_served(report)
     assert report.corruptions == 0 and report.kv_corruptions == 0
     assert report.ok
 
 
 async def test_row_first_admission_holds_rows_without_pages() -> None:
-    atomic = await run_demo(replace(SMALL, gate=True))
-    row_first = await run_demo(replace(SMALL, gate=True, admission="row-first"))
+    async with bounded(LONG_S):
+        atomic = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        row_first = await run_demo(replace(SMALL, gate=True, admission="row-first"))
     assert row_first.ok and row_first.admission == "row-first"
     # Row-first, every row is taken at arrival and held while its request
     # waits for pages; atomic, a row is only held with its pages.
@@ -176,7 +184,8 @@ async def test_row_first_admission_holds_rows_without_pages() -> None:
 
 
 async def test_row_first_unsafe_detects_kv_corruption() -> None:
-    report = await run_demo(replace(SMALL, gate=True, unsafe=True, admission="row-first"))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True, unsafe=True, admission="row-first"))
     assert _all_served(report)
     assert report.kv_corruptions > 0
 
@@ -184,13 +193,15 @@ async def test_row_first_unsafe_detects_kv_corruption() -> None:
 async def test_no_aborts_no_transfer_hazard() -> None:
     # Without aborts nothing frees pages a transfer still writes: unsafe
     # sync mode (no step in flight either) is then clean.
-    report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True, abort_rate=0.0))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True, abort_rate=0.0))
     assert report.completed == SMALL.num_requests and report.aborts == 0
     assert report.corruptions == 0 and report.kv_corruptions == 0
 
 
 async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
-    report = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True))
     path = tmp_path / "report.json"
     report.write_json(path)
     data = json.loads(path.read_text())
@@ -226,7 +237,8 @@ async def test_timeout_cleans_up() -> None:
     before = set(threading.enumerate())
     cfg = replace(SMALL, num_requests=400, forward_ms=5.0, gate=True, timeout_s=0.3)
     with pytest.raises(TimeoutError):
-        await run_demo(cfg)
+        async with bounded(LONG_S):
+            await run_demo(cfg)
     # Only the loop's default executor may remain (the pool stops its fence
     # watcher there); it is shut down with the loop.
     left = [t.name for t in set(threading.enumerate()) - before]
@@ -235,10 +247,12 @@ async def test_timeout_cleans_up() -> None:
 
 @pytest.mark.cuda
 async def test_cuda_fenced_overlap() -> None:
-    report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
     assert _all_served(report)
     assert report.corruptions == 0 and report.kv_corruptions == 0
-    unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
+    async with bounded(LONG_S):
+        unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
     assert _all_served(unsafe)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from helpers import bounded
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -125,14 +126,16 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
     pool = AsyncReqToTokenPool(9, 8)  # capacity 8
     gate_bad, gate_good = threading.Event(), threading.Event()
     try:
-        doomed = await pool.alloc(3)
+        async with bounded():
+            doomed = await pool.alloc(3)
         bad.launch(gate_bad.wait)
         bad.launch(_boom)
         f_bad = bad.record()
         pool.record_use(doomed, f_bad)
         assert pool.free(doomed) == 0
 
-        healthy = await pool.alloc(2)
+        async with bounded():
+            healthy = await pool.alloc(2)
         good.launch(gate_good.wait)
         f_good = good.record()
         pool.record_use(healthy, f_good)
@@ -140,12 +143,14 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
 
         # 3 free now; a waiter for 5 needs the healthy stream's 2 rows
         waiter = asyncio.create_task(pool.alloc(5))
-        await steps()
+        async with bounded():
+            await steps()
         assert not waiter.done()
         assert pool.stats().pending == 5
 
         gate_bad.set()
-        await fence_done(f_bad)
+        async with bounded():
+            await fence_done(f_bad)
         st = pool.stats()
         assert st.quarantined == 3, st
         assert st.pending == 2
@@ -173,16 +178,19 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
 
         # the fault is sticky: later fences on the faulted stream fault too,
         # and a free behind one quarantines at once instead of raising
-        one = await pool.alloc(1)
+        async with bounded():
+            one = await pool.alloc(1)
         late = bad.record()
-        await fence_done(late)
+        async with bounded():
+            await fence_done(late)
         pool.record_use(one, late)
         assert pool.free(one) == 0
         assert pool.stats().quarantined == 4
 
         # the rest keeps serving, fast path and waits alike
         for _ in range(50):
-            rows = await pool.alloc(4)
+            async with bounded():
+                rows = await pool.alloc(4)
             pool.free(rows, after=good)
         async with asyncio.timeout(10):
             await pool.drain()  # quarantined rows are not waited for
@@ -193,7 +201,8 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
     finally:
         gate_bad.set()
         gate_good.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
         bad.close()
         good.close()
     assert not our_threads("faulty-forward", "healthy-forward")
@@ -209,19 +218,23 @@ async def test_fault_fails_waiters_that_can_no_longer_fit(
     pool = AsyncReqToTokenPool(5, 4)  # capacity 4
     gate = threading.Event()
     try:
-        doomed = await pool.alloc(2)
+        async with bounded():
+            doomed = await pool.alloc(2)
         stream.launch(gate.wait)
         stream.launch(_boom)
         step = stream.record()
         pool.record_use(doomed, step)
         pool.free(doomed)
-        held = await pool.alloc(2)
+        async with bounded():
+            held = await pool.alloc(2)
         big = asyncio.create_task(pool.alloc(4))  # the head: needs every row
         small = asyncio.create_task(pool.alloc(1, priority=1))  # behind it
-        await steps()
+        async with bounded():
+            await steps()
         assert pool.waiting() == 2
         gate.set()
-        await fence_done(step)
+        async with bounded():
+            await fence_done(step)
         assert pool.stats().quarantined == 2
         async with asyncio.timeout(10):
             with pytest.raises(CapacityError, match=r"4 rows.*quarantined"):
@@ -231,12 +244,14 @@ async def test_fault_fails_waiters_that_can_no_longer_fit(
             got = await small
         assert got[0] in held
         with pytest.raises(CapacityError, match="3 rows"):
-            await pool.alloc(3)  # can never fit now: refused at once, not queued
+            async with bounded():
+                await pool.alloc(3)  # can never fit now: refused at once, not queued
         assert pool.try_alloc(1) is not None
         check_totals(pool)
     finally:
         gate.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
         stream.close()
 
 
@@ -249,16 +264,19 @@ async def test_faulted_stream_blocks_cross_stream_waits(caplog: pytest.LogCaptur
         producer.launch(_boom)
         f = producer.record()
         consumer.wait(f)
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         pool.free(rows, after=consumer)
         async with asyncio.timeout(10):
             await pool.drain()
         assert pool.stats().quarantined == 2
         assert isinstance(consumer.error, FenceError)
         assert pool.stats().fence_errors >= 1
-        assert sorted(await pool.alloc(2)) == [3, 4]
+        async with bounded():
+            assert sorted(await pool.alloc(2)) == [3, 4]
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
         producer.close()
         consumer.close()
 
@@ -270,7 +288,8 @@ async def test_fence_whose_query_raises_at_free(caplog: pytest.LogCaptureFixture
     caplog.set_level(logging.ERROR, logger="asyncpool")
     pool = AsyncReqToTokenPool(5, 4)
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         fence = FlakyFence()
         fence.break_()
         assert pool.free(rows, fence=fence) == 0  # no exception reaches the caller
@@ -279,14 +298,17 @@ async def test_fence_whose_query_raises_at_free(caplog: pytest.LogCaptureFixture
         assert isinstance(pool._ledger.last_fence_error, FenceError)
         assert any("quarantined" in r.getMessage() for r in caplog.records)
         # the same through record_use
-        more = await pool.alloc(1)
+        async with bounded():
+            more = await pool.alloc(1)
         pool.record_use(more, fence)
         pool.free(more)
         assert pool.stats().quarantined == 3
-        assert await pool.alloc(1) == [4]
+        async with bounded():
+            assert await pool.alloc(1) == [4]
         check_totals(pool)
     finally:
-        await pool.close()
+        async with bounded():
+            await pool.close()
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unknown-origin", "ordered"])
@@ -299,16 +321,20 @@ async def test_fence_whose_query_raises_later(
     fence = FlakyFence(ordered=ordered)
     ok = ManualFence()
     try:
-        doomed = await pool.alloc(2)
+        async with bounded():
+            doomed = await pool.alloc(2)
         pool.free(doomed, fence=fence)
-        other = await pool.alloc(2)
+        async with bounded():
+            other = await pool.alloc(2)
         pool.free(other, fence=ok)
         assert pool.stats().pending == 4
         waiter = asyncio.create_task(pool.alloc(2))
-        await steps()
+        async with bounded():
+            await steps()
         assert not waiter.done()
         fence.break_()
-        await until(lambda: pool.stats().quarantined == 2, "the broken fence's quarantine")
+        async with bounded():
+            await until(lambda: pool.stats().quarantined == 2, "the broken fence's quarantine")
         assert pool.stats().fence_errors >= 1
         assert any("quarantined" in r.getMessage() for r in caplog.records)
         assert not waiter.done()
@@ -323,7 +349,8 @@ async def test_fence_whose_query_raises_later(
     finally:
         fence.break_()
         ok.ev.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
     assert not our_threads()
 
 
@@ -350,34 +377,40 @@ async def test_close_with_waiters_leases_and_pending_fences() -> None:
             await in_body.wait()
         stream.launch(gate.wait)
         step = stream.record()
-        pending = await pool.alloc(2)
+        async with bounded():
+            pending = await pool.alloc(2)
         pool.record_use(pending, step)
         pool.free(pending)
-        kept = await pool.alloc(2)  # held across close, freed after it
+        async with bounded():
+            kept = await pool.alloc(2)  # held across close, freed after it
         waiters = [
             asyncio.create_task(pool.alloc(2)),
             asyncio.create_task(pool.alloc(1, priority=1)),
             asyncio.create_task(pool.alloc(1, timeout=60)),
         ]
         lease_waiter = asyncio.create_task(_lease_and_hold(pool))
-        await steps()
+        async with bounded():
+            await steps()
         assert pool.waiting() == 4
         assert pool.try_alloc(1) is None
 
-        await pool.close()
+        async with bounded():
+            await pool.close()
         async with asyncio.timeout(10):
             results = await asyncio.gather(*waiters, lease_waiter, return_exceptions=True)
         assert all(isinstance(r, PoolClosedError) for r in results), results
         st = pool.stats()
         assert st.closed and st.waiters == 0 and st.pending == 2 and st.allocated == 4
         with pytest.raises(PoolClosedError):
-            await pool.alloc(1)
+            async with bounded():
+                await pool.alloc(1)
         with pytest.raises(PoolClosedError):
             pool.try_alloc(1)
         with pytest.raises(PoolClosedError):
-            async with pool.lease(1):
+            async with bounded(), pool.lease(1):
                 pass
-        await pool.close()  # idempotent
+        async with bounded():
+            await pool.close()  # idempotent
 
         # frees still work after close; the lease frees behind its stream
         pool.free(kept)
@@ -394,7 +427,8 @@ async def test_close_with_waiters_leases_and_pending_fences() -> None:
     finally:
         gate.set()
         body_may_exit.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
         stream.close()
     assert not our_threads("close-under-load")
 
@@ -414,13 +448,16 @@ async def test_close_with_a_watched_fence_pending() -> None:
     pool = AsyncReqToTokenPool(3, 4)
     fence = ManualFence()
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         pool.free(rows, fence=fence)
         waiter = asyncio.create_task(pool.alloc(1))
-        await steps()
+        async with bounded():
+            await steps()
         assert WATCHER in our_threads()
         closing = asyncio.create_task(pool.close())
-        await steps()
+        async with bounded():
+            await steps()
         assert waiter.done()
         with pytest.raises(PoolClosedError):
             waiter.result()
@@ -432,7 +469,8 @@ async def test_close_with_a_watched_fence_pending() -> None:
         assert pool.stats().free == 2
     finally:
         fence.ev.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
     assert not our_threads()
 
 
@@ -520,15 +558,17 @@ async def test_host_stream_closed_with_work_queued_runs_it() -> None:
     gate = threading.Event()
     ran: list[int] = []
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         stream.launch(gate.wait)
         stream.launch(ran.append, 1)
         fence = stream.record()
         pool.record_use(rows, fence)
         pool.free(rows)
         closer = asyncio.create_task(asyncio.to_thread(stream.close))
-        await until(lambda: stream.closed, "close() to mark the stream closed")
-        await asyncio.sleep(0.01)
+        async with bounded():
+            await until(lambda: stream.closed, "close() to mark the stream closed")
+            await asyncio.sleep(0.01)
         assert not closer.done()  # close waits for the queued work
         gate.set()
         async with asyncio.timeout(10):
@@ -539,7 +579,8 @@ async def test_host_stream_closed_with_work_queued_runs_it() -> None:
         with pytest.raises(RuntimeError, match="closed"):
             stream.record()
         # free(after=closed stream) refuses, changing nothing
-        held = await pool.alloc(1)
+        async with bounded():
+            held = await pool.alloc(1)
         before = pool.stats()
         with pytest.raises(RuntimeError, match="closed"):
             pool.free(held, after=stream)
@@ -551,7 +592,8 @@ async def test_host_stream_closed_with_work_queued_runs_it() -> None:
         check_totals(pool)
     finally:
         gate.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
         stream.close()
     assert not our_threads("close-runs-queued")
 
@@ -571,20 +613,24 @@ async def test_host_stream_closed_cancelling_pending_work(
         gate.wait()
 
     try:
-        rows = await pool.alloc(2)
+        async with bounded():
+            rows = await pool.alloc(2)
         stream.launch(gated)
         stream.launch(ran.append, 1)
         fence = stream.record()
         pool.record_use(rows, fence)
         pool.free(rows)
         waiter = asyncio.create_task(pool.alloc(3))
-        await asyncio.to_thread(started.wait, 10)
+        async with bounded():
+            await asyncio.to_thread(started.wait, 10)
         closer = asyncio.create_task(asyncio.to_thread(stream.close, cancel_pending=True))
-        await until(lambda: stream.closed, "close() to mark the stream closed")
+        async with bounded():
+            await until(lambda: stream.closed, "close() to mark the stream closed")
         gate.set()
         async with asyncio.timeout(10):
             await closer
-        await steps()
+        async with bounded():
+            await steps()
         assert ran == []  # the queued work was dropped
         with pytest.raises(FenceError, match="closed with this fence queued"):
             fence.query()
@@ -595,10 +641,12 @@ async def test_host_stream_closed_cancelling_pending_work(
         async with asyncio.timeout(10):
             with pytest.raises(CapacityError, match="3 rows"):
                 await waiter
-        assert sorted(await pool.alloc(2)) == [3, 4]
+        async with bounded():
+            assert sorted(await pool.alloc(2)) == [3, 4]
         check_totals(pool)
     finally:
         gate.set()
-        await pool.close()
+        async with bounded():
+            await pool.close()
         stream.close()
     assert not our_threads("close-cancels-queued")

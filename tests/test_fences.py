@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S
+from helpers import WAIT_S, bounded
 
 from asyncpool import (
     CudaFence,
@@ -417,3 +417,92 @@ def test_cuda_event_not_reused_while_its_fence_is_referenced():
     assert _event_pool.created == created
     stream.synchronize()
     assert reused.query()
+
+
+# --------------------------------------------------------------- idle streams
+
+
+def test_record_on_an_idle_stream_is_complete_at_once(kit):
+    s = kit.stream("idle-worker")
+    fresh = s.record()  # nothing ever launched
+    assert fresh.query() is True and fresh.wait(0) is True
+    s.launch(int)
+    s.synchronize()
+    after_work = s.record()  # everything launched has run
+    assert after_work.query() is True
+    assert [fresh.seq, after_work.seq] == [1, 3]  # seq still counts every fence
+    assert fresh.stream_key == after_work.stream_key == s.key
+    where: list[str] = []
+    after_work.add_done_callback(lambda: where.append(threading.current_thread().name))
+    assert where == [threading.current_thread().name]  # settled: runs on the caller
+
+
+def test_record_after_unfinished_work_is_pending_even_if_the_last_fence_completed(kit):
+    # Idle means "nothing queued is still to run", not "the last fence is done":
+    # work launched after a completed fence must still be covered.
+    s = kit.stream()
+    s.record().synchronize()
+    gate = kit.gate(s)  # launched after the last fence, not yet run
+    f = s.record()
+    assert f.query() is False
+    assert f.wait(0.05) is False
+    gate.open()
+    assert f.wait(WAIT_S)
+
+
+def test_record_covers_work_launched_just_before_from_another_thread(kit):
+    # A fence that is complete when record() returns means the work launched
+    # before it (here, by another thread) has run: never an early "done".
+    s = kit.stream()
+    out: list[int] = []
+    for i in range(300):
+        t = threading.Thread(target=s.launch, args=(out.append, i))
+        t.start()
+        t.join(WAIT_S)
+        f = s.record()
+        if f.query():
+            assert out and out[-1] == i
+        else:
+            assert f.wait(WAIT_S)
+            assert out[-1] == i
+
+
+def test_record_on_an_idle_faulted_stream_is_faulted_at_once(kit, caplog):
+    s = kit.stream()
+    boom = ValueError("kernel fault")
+
+    def bad() -> None:
+        raise boom
+
+    with caplog.at_level(logging.CRITICAL, logger="asyncpool.fences"):
+        s.launch(bad)
+        with pytest.raises(FenceError):
+            s.synchronize()
+    f = s.record()
+    assert f.error is boom
+    with pytest.raises(FenceError):
+        f.query()
+
+
+async def test_free_after_an_idle_stream_defers_nothing(kit):
+    from asyncpool import AsyncReqToTokenPool
+
+    s = kit.stream()
+    pool = AsyncReqToTokenPool(5, 8)
+    async with bounded():
+        rows = await pool.alloc(2)
+    assert pool.free(rows, after=s) == 2
+    assert pool.pending_size() == 0 and pool.available_size() == 4
+    async with bounded(), pool.lease(2, after=s):
+        pass
+    assert pool.pending_size() == 0 and pool.available_size() == 4
+    gate = kit.gate(s)  # busy: the rows must wait for the stream
+    async with bounded():
+        rows = await pool.alloc(2)
+    assert pool.free(rows, after=s) == 0
+    assert pool.pending_size() == 2
+    gate.open()
+    s.synchronize()
+    assert pool.reclaim() == 2
+    async with bounded():
+        await pool.close()

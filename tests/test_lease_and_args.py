@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import bounded
 
 from asyncpool import AsyncReqToTokenPool, HostStream
 
@@ -25,17 +26,19 @@ async def test_bad_wait_args_fail_even_when_rows_are_free(
     pool = AsyncReqToTokenPool(5, 4)
     before = pool.stats()
     with pytest.raises(exc, match=culprit):
-        await pool.alloc(1, **kwargs)  # type: ignore[arg-type]
+        async with bounded():
+            await pool.alloc(1, **kwargs)  # type: ignore[arg-type]
     assert pool.stats() == before
     pool.check_invariants()
-    await pool.close()
+    async with bounded():
+        await pool.close()
 
 
 async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
     pool = AsyncReqToTokenPool(5, 4)
     stream = HostStream()
     with pytest.raises(RuntimeError, match="closed"):
-        async with pool.lease(2, after=stream) as rows:
+        async with bounded(), pool.lease(2, after=stream) as rows:
             assert len(rows) == 2
             stream.close()
     assert pool.available_size() == 4
@@ -43,4 +46,5 @@ async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
     pool.check_invariants()
     async with asyncio.timeout(5):
         assert sorted(await pool.alloc(4)) == [1, 2, 3, 4]
-    await pool.close()
+    async with bounded():
+        await pool.close()

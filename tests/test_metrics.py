@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import bounded
 
 from asyncpool import AsyncReqToTokenPool
 
@@ -15,7 +16,8 @@ async def test_collector_exposes_counts_and_totals() -> None:
     from asyncpool.metrics import PoolCollector
 
     pool = AsyncReqToTokenPool(9, 4)
-    rows = await pool.alloc(3)
+    async with bounded():
+        rows = await pool.alloc(3)
     pool.free(rows[:1])
     registry = CollectorRegistry()
     registry.register(PoolCollector(pool, name="decode"))
@@ -28,4 +30,5 @@ async def test_collector_exposes_counts_and_totals() -> None:
     assert 'asyncpool_wait_time_seconds{pool="decode",quantile="0.99"}' in text
     assert registry.get_sample_value("asyncpool_pending", {"pool": "decode"}) == 0.0
     pool.free(rows[1:])
-    await pool.close()
+    async with bounded():
+        await pool.close()

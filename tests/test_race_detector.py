@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import pytest
+from helpers import LONG_S, bounded
 
 from asyncpool import AsyncReqToTokenPool, HostFence, HostStream
 
@@ -101,7 +102,8 @@ async def run_cycles(cycles: int, *, fenced: bool, seed: int) -> Outcome:
         for cycle in range(cycles):
             a_mark = 2 * cycle + 1  # odd: A's value, written by its lagging forward
             b_mark = 2 * cycle + 2  # even: B's value, written by B at grant
-            a_rows = await pool.alloc(rng.randint(1, CAP))
+            async with bounded():
+                a_rows = await pool.alloc(rng.randint(1, CAP))
             lens[a_rows] = a_mark
             # one or two in-flight forward steps touch A's rows
             steps = rng.choice((1, 1, 2))
@@ -130,14 +132,16 @@ async def run_cycles(cycles: int, *, fenced: bool, seed: int) -> Outcome:
             b_task = asyncio.create_task(pool.alloc(CAP))
             b_rows: list[int] | None = None
 
-            await _settle()
+            async with bounded():
+                await _settle()
             b_rows = _grab_b(
                 out, b_task, lens, cycle, b_mark, "while every forward step was still gated"
             )
             if steps == 2:
                 gates[0].set()
-                await fence_done(fences[0])
-                await _settle()
+                async with bounded():
+                    await fence_done(fences[0])
+                    await _settle()
                 if b_rows is None:
                     b_rows = _grab_b(
                         out,
@@ -149,14 +153,16 @@ async def run_cycles(cycles: int, *, fenced: bool, seed: int) -> Outcome:
                     )
             for gate in gates:
                 gate.set()
-            await fence_done(fences[-1])
+            async with bounded():
+                await fence_done(fences[-1])
             async with asyncio.timeout(10):
                 rows_now = await b_task
             if b_rows is None:
                 b_rows = _grab_b(out, b_task, lens, cycle, b_mark, "")
             assert b_rows == rows_now
             # let anything still queued on the stream land before checking
-            await fence_done(stream.record())
+            async with bounded():
+                await fence_done(stream.record())
             if set(a_rows) & set(b_rows):
                 out.reused += 1
             got = lens[b_rows].tolist()
@@ -173,8 +179,9 @@ async def run_cycles(cycles: int, *, fenced: bool, seed: int) -> Outcome:
     finally:
         for gate in gates:
             gate.set()
-        await pool.drain()
-        await pool.close()
+        async with bounded():
+            await pool.drain()
+            await pool.close()
         stream.close()
     return out
 
@@ -189,7 +196,8 @@ async def test_fenced_rows_never_receive_late_writes(
     capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest, record_property: Any
 ) -> None:
     t0 = time.perf_counter()
-    out = await run_cycles(FENCED_CYCLES, fenced=True, seed=1)
+    async with bounded(LONG_S):
+        out = await run_cycles(FENCED_CYCLES, fenced=True, seed=1)
     elapsed = time.perf_counter() - t0
     _report(
         capsys,
@@ -209,7 +217,8 @@ async def test_unsafe_frees_are_caught(
     capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     """Without fences the detector must see the corruption, every cycle."""
-    out = await run_cycles(UNSAFE_CYCLES, fenced=False, seed=2)
+    async with bounded(LONG_S):
+        out = await run_cycles(UNSAFE_CYCLES, fenced=False, seed=2)
     _report(
         capsys,
         request,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from helpers import bounded
+
 from asyncpool import AsyncReqToTokenPool, HostStream
 
 
@@ -28,7 +30,8 @@ def test_rows_deferred_before_the_loop_wake_a_waiter_when_the_gate_opens() -> No
         async with asyncio.timeout(5):
             got = await waiter
         pool.free(got)
-        await pool.close()
+        async with bounded():
+            await pool.close()
         return got
 
     try:

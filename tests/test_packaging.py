@@ -1,0 +1,77 @@
+"""Packaging (issue 14): the distribution installs only ``asyncpool`` and
+``scheduler_demo``; ``benchmarks`` runs from a checkout and writes only under
+the current directory or a path the user gave."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# What a source distribution would hold; never build in the checkout itself
+# (setuptools leaves build/ and *.egg-info/ behind).
+_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+    ".hypothesis", "out",
+)
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=_IGNORE)
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    # setuptools' PEP 517 backend, offline, in a child process so its state
+    # stays out of this one (what `pip wheel . --no-build-isolation` calls).
+    code = (
+        "import sys; from setuptools import build_meta; "
+        "print(build_meta.build_wheel(sys.argv[1]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(dist)],
+        cwd=src, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, (wheels, proc.stdout[-2000:])
+    return wheels[0]
+
+
+def test_wheel_holds_only_asyncpool_and_scheduler_demo(tmp_path: Path) -> None:
+    wheel = _build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    tops = {name.split("/", 1)[0] for name in names}
+    dist_info = {t for t in tops if t.endswith(".dist-info")}
+    assert len(dist_info) == 1, tops
+    assert tops - dist_info == {"asyncpool", "scheduler_demo"}, tops
+    assert "asyncpool/__init__.py" in names and "asyncpool/py.typed" in names
+    assert "scheduler_demo/__main__.py" in names
+    # No benchmarks, examples, tests or docs at any depth.
+    for bad in ("benchmarks", "examples", "tests", "docs"):
+        assert not any(f"/{bad}/" in f"/{name}" for name in names), bad
+
+
+def test_benchmarks_default_markdown_path_is_under_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.run import DEFAULT_MD, main
+
+    assert not DEFAULT_MD.is_absolute()
+    repo_md = REPO / "docs" / "benchmarks.md"
+    before = repo_md.stat().st_mtime_ns if repo_md.exists() else None
+    monkeypatch.chdir(tmp_path)
+    argv = ["--preset", "smoke", "--only", "uncontended", "--loops", "asyncio", "--clock", "cpu"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert (tmp_path / "docs" / "benchmarks.md").is_file()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "docs", "docs/benchmarks.md",
+    ]
+    after = repo_md.stat().st_mtime_ns if repo_md.exists() else None
+    assert after == before  # the checkout's own report is untouched

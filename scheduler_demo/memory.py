@@ -22,15 +22,14 @@ thread.
 from __future__ import annotations
 
 import asyncio
-import collections
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool
 
 __all__ = ["AllOf", "Grant", "Memory", "make_page_pool"]
 
@@ -63,86 +62,15 @@ class AllOf:
             f.synchronize()
 
 
-def make_page_pool(num_pages: int, page_size: int, device: str) -> Any:
-    """``asyncpool.KVPagePool(num_pages, page_size, device=device)``, or the
-    demo's stand-in while the library has none (same calls, same rules)."""
-    try:
-        from asyncpool import KVPagePool  # type: ignore[attr-defined]
-    except ImportError:
-        return _StandInPages(num_pages, page_size, device)
+def make_page_pool(num_pages: int, page_size: int, device: str) -> KVPagePool:
+    """The KV page pool: ``num_pages`` pages (page 0 is padding) of ``page_size`` slots."""
     return KVPagePool(num_pages, page_size, device=device)
-
-
-class _StandInPages:
-    """Fenced FIFO page allocator with ``KVPagePool``'s calls (demo use only)."""
-
-    def __init__(self, num_pages: int, page_size: int, device: str = "cpu") -> None:
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.device = torch.device(device)
-        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
-        self._pending: list[tuple[Any, list[int]]] = []
-        self._npending = 0
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
-        self.deferred_frees = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        if len(self._free) < n:
-            self.reclaim()
-            if len(self._free) < n:
-                return None
-        free = self._free
-        return torch.tensor([free.popleft() for _ in range(n)], dtype=torch.int64)
-
-    def free(self, pages: Any, *, fence: Any = None, after: Any = None) -> int:
-        ids = [int(p) for p in (pages.tolist() if isinstance(pages, torch.Tensor) else pages)]
-        if fence is not None and not fence.query():
-            self._pending.append((fence, ids))
-            self._npending += len(ids)
-            self.deferred_frees += len(ids)
-            return 0
-        self._free.extend(ids)
-        return len(ids)
-
-    def reclaim(self) -> int:
-        done = 0
-        keep: list[tuple[Any, list[int]]] = []
-        for fence, ids in self._pending:
-            if fence.query():
-                self._free.extend(ids)
-                done += len(ids)
-            else:
-                keep.append((fence, ids))
-        self._pending = keep
-        self._npending -= done
-        return done
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def pending_size(self) -> int:
-        return self._npending
-
-    def slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages.view(-1, 1) * self.page_size + self._offsets).view(-1)
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "capacity": self.capacity,
-            "free": len(self._free),
-            "pending": self._npending,
-            "deferred_frees": self.deferred_frees,
-        }
 
 
 class Memory:
     """Rows and pages for the scheduler; see the module docstring."""
 
-    def __init__(self, pool: AsyncReqToTokenPool, kv: Any) -> None:
+    def __init__(self, pool: AsyncReqToTokenPool, kv: KVPagePool) -> None:
         self.pool = pool
         self.kv = kv
         self.native = hasattr(pool, "admit")
@@ -153,7 +81,6 @@ class Memory:
         self._uses: dict[int, Any] = {}
         self._waiters: list[tuple[int, int, int, asyncio.Future[Grant]]] = []
         self._seq = itertools.count()
-        self.deferred_page_frees = 0
 
     # -- admission -------------------------------------------------------------
 
@@ -252,34 +179,19 @@ class Memory:
             if not pages:
                 continue
             allp = pages[0] if len(pages) == 1 else torch.cat(pages)
-            now = self.kv.free(allp, fence=held)
-            self.deferred_page_frees += allp.numel() - now
+            self.kv.free(allp, fence=held)
         self.pump()
 
     # -- figures ---------------------------------------------------------------
 
     def page_counts(self) -> tuple[int, int, int]:
         """(allocated, pending behind a fence, free) pages."""
+        if not self.native:
+            self.kv.reclaim()  # nobody else reclaims the adapter's pages
         free = self.kv.available_size()
         pending = self.kv.pending_size()
         return self.page_capacity - free - pending, pending, free
 
     def deferred_pages(self) -> int:
         """Pages whose free waited behind a fence, so far."""
-        if self.native or not isinstance(self.kv, _StandInPages):
-            stats = self.kv.stats()
-            value = (
-                stats.get("deferred_frees")
-                if isinstance(stats, dict)
-                else getattr(stats, "deferred_frees", None)
-            )
-            if value is not None:
-                return int(value)
-        return self.deferred_page_frees
-
-
-def page_ids(pages: Iterable[torch.Tensor]) -> list[int]:
-    out: list[int] = []
-    for p in pages:
-        out.extend(p.tolist())
-    return out
+        return int(self.kv.stats().deferred_frees)

@@ -103,6 +103,15 @@ class Memory:
                 self.free([g.row])  # granted, then cancelled: give both back
             raise
 
+    def try_admit(self, pages: int) -> Grant | None:
+        """A row and ``pages`` pages now, or None (also while admissions queue)."""
+        if self.native:
+            grant = self.pool.try_admit(pages=pages)  # type: ignore[attr-defined]
+            return None if grant is None else Grant(int(grant.row), grant.pages)
+        if any(not w[3].done() for w in self._waiters):
+            return None
+        return self._try_admit(pages)
+
     def _try_admit(self, pages: int) -> Grant | None:
         if self.pool.available_size() < 1 or self.kv.available_size() < pages:
             self.kv.reclaim()

@@ -99,7 +99,7 @@ class Req:
         "transfer",
     )
 
-    def __init__(self, spec: RequestSpec, max_slots: int) -> None:
+    def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
         self.state = WAITING
         self.row = -1
@@ -108,8 +108,9 @@ class Req:
         # Positions scheduled: the verified_len expected after the last launched step.
         self.kv_len = 0
         self.entry = JOIN
-        # slots[pos]: the KV slot of position pos (from the request's pages).
-        self.slots = np.zeros(max_slots, dtype=np.int64)
+        # The KV slots of positions [0, kv_len) once finished (while live, they
+        # are the scheduler's mirror of the request's row).
+        self.slots: np.ndarray | None = None
         self.n_pages = 0
         self.page_list: list[int] = []
         self.transfer: Transfer | None = None
@@ -143,7 +144,10 @@ class Scheduler:
         self.transfers = transfers
         self.ps = memory.page_size
         max_slots = math.ceil(cfg.max_context_len / self.ps) * self.ps
-        self.reqs = [Req(s, max_slots) for s in specs]
+        self.reqs = [Req(s) for s in specs]
+        # The host's truth of req_to_token: mirror[row, pos] is the KV slot of
+        # position pos of the request that holds the row.
+        self._mirror = np.zeros((cfg.rows + 1, max_slots), dtype=np.int64)
         self.on_complete = on_complete
         self.overlap = cfg.mode == "overlap"
         self.fenced = not cfg.unsafe
@@ -339,8 +343,13 @@ class Scheduler:
                 if self.atomic:
                     queue.popleft()
                     self.pages_held += n
-                    req.state = ADMITTING
-                    self._spawn(self._admit(req, n, priority))
+                    grant = self.mem.try_admit(n)
+                    if grant is not None:
+                        req.row = grant.row
+                        self._granted(req, grant.pages)
+                    else:  # waits in the pool's queue for a fence to release memory
+                        req.state = ADMITTING
+                        self._spawn(self._admit(req, n, priority))
                     continue
                 pages = self.mem.extend(req.row, n)
                 if pages is None:
@@ -374,7 +383,7 @@ class Scheduler:
         ps = self.ps
         at = req.n_pages * ps
         for p in ids:
-            req.slots[at : at + ps] = p * ps + self._offsets
+            self._mirror[req.row, at : at + ps] = p * ps + self._offsets
             at += ps
         req.n_pages += len(ids)
         if self.cfg.gate:
@@ -382,7 +391,7 @@ class Scheduler:
 
     def _start_transfer(self, req: Req) -> None:
         n = req.spec.prompt_len
-        slots = torch.from_numpy(req.slots[:n].copy())
+        slots = torch.from_numpy(self._mirror[req.row, :n].copy())
         values = torch.arange(req.base, req.base + n, dtype=torch.int64)
         t = self.transfers.start(req.spec.rid, slots, values)
         req.transfer = t
@@ -537,21 +546,16 @@ class Scheduler:
         self._enqueue(req, RETRACTED_PRIORITY)
 
     def _build(self, batch: list[Req]) -> Step:
+        """The step's inputs, vectorised: one Python pass collects a few
+        scalars per request, numpy does the per-token work."""
+        n = len(batch)
         entries: list[tuple[Any, int, int]] = []
-        rows: list[int] = []
-        n_new: list[int] = []
-        row_idx: list[np.ndarray] = []
-        offs: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        kv_idx: list[np.ndarray] = []
-        kv_vals: list[np.ndarray] = []
-        v_slots: list[np.ndarray] = []
-        ends: list[int] = []
-        bases: list[int] = []
-        ar = self._arange
-        tok = 0
-        kv_tokens = 0
-        for req in batch:
+        rows: list[int] = [0] * n
+        starts: list[int] = [0] * n
+        ks: list[int] = [0] * n
+        kv_froms: list[int] = [0] * n
+        bases: list[int] = [0] * n
+        for i, req in enumerate(batch):
             entry = req.entry
             if entry == DECODE:
                 start, k, kv_from = req.kv_len, 1, req.kv_len
@@ -561,40 +565,49 @@ class Scheduler:
                 start, k, kv_from = 0, req.spec.prompt_len + req.generated, 0
             req.entry = DECODE
             end = start + k
-            row = req.row
-            rows.append(row)
-            n_new.append(k)
-            entries.append((req, req.epoch, end))
-            row_idx.append(np.full(k, row, dtype=np.int64))
-            offs.append(ar[:k])
-            slots.append(req.slots[start:end])
-            kv_idx.append(ar[tok + kv_from - start : tok + k])
-            kv_vals.append(ar[kv_from:end] + req.base)
-            kv_tokens += end - kv_from
-            tok += k
             req.kv_len = end
-            v_slots.append(req.slots[:end])
-            ends.append(end)
-            bases.append(req.base)
-        ends_a = np.array(ends, dtype=np.int64)
+            rows[i] = req.row
+            starts[i] = start
+            ks[i] = k
+            kv_froms[i] = kv_from
+            bases[i] = (req.spec.rid + 1) << _POS_BITS
+            entries.append((req, req.epoch, end))
+        ar = self._arange
+        i64 = np.int64
+        rows_a = np.array(rows, dtype=i64)
+        starts_a = np.array(starts, dtype=i64)
+        ks_a = np.array(ks, dtype=i64)
+        bases_a = np.array(bases, dtype=i64)
+        # New req_to_token entries: one per position [start, start + k) per request.
+        tokens = int(ks_a.sum())
+        row_idx = np.repeat(rows_a, ks_a)
+        offs = ar[:tokens] - np.repeat(np.cumsum(ks_a) - ks_a, ks_a)
+        pos = np.repeat(starts_a, ks_a) + offs
+        slots = self._mirror[row_idx, pos]
+        # Of those, the ones whose KV this step computes.
+        kv_mask = pos >= np.repeat(np.array(kv_froms, dtype=i64), ks_a)
+        kv_idx = np.flatnonzero(kv_mask)
+        kv_vals = np.repeat(bases_a, ks_a)[kv_idx] + pos[kv_idx]
+        # Verification: every position [0, end) of every request.
+        ends_a = starts_a + ks_a
         total = int(ends_a.sum())
-        starts = np.repeat(np.cumsum(ends_a) - ends_a, ends_a)
-        v_cols = ar[:total] - starts
-        v_rows = np.repeat(np.array(rows, dtype=np.int64), ends_a)
-        v_vals = np.repeat(np.array(bases, dtype=np.int64), ends_a) + v_cols
+        v_cols = ar[:total] - np.repeat(np.cumsum(ends_a) - ends_a, ends_a)
+        v_rows = np.repeat(rows_a, ends_a)
+        v_slots = self._mirror[v_rows, v_cols]
+        v_vals = np.repeat(bases_a, ends_a) + v_cols
         self.step_id += 1
         gate = threading.Event() if (self.cfg.gate and self.overlap) else None
         return Step(
             self.step_id,
             entries,
             rows,
-            n_new,
-            np.concatenate(row_idx),
-            np.concatenate(offs),
-            np.concatenate(slots),
-            np.concatenate(kv_idx),
-            np.concatenate(kv_vals),
-            (v_rows, v_cols, np.concatenate(v_slots), v_vals),
+            ks,
+            row_idx,
+            offs,
+            slots,
+            kv_idx,
+            kv_vals,
+            (v_rows, v_cols, v_slots, v_vals),
             gate,
         )
 
@@ -700,8 +713,9 @@ class Scheduler:
     def _finish(self, req: Req, length: int) -> None:
         # Columns [0, length) are the request's content; a step in flight may
         # still write column `length` (its extra, unneeded token).
+        req.slots = self._mirror[req.row, :length].copy()
         req.snapshot, req.kv_snapshot = self.forward.snapshot(
-            req.row, length, torch.from_numpy(req.slots[:length].copy())
+            req.row, length, torch.from_numpy(req.slots)
         )
         req.kv_len = length
         self.running.remove(req)
@@ -716,10 +730,10 @@ class Scheduler:
         """Every finished request's row and KV, as they were when it finished."""
         self.forward.synchronize()
         for req in self.reqs:
-            if req.snapshot is None or req.kv_snapshot is None:
+            if req.snapshot is None or req.kv_snapshot is None or req.slots is None:
                 continue
             n = req.kv_len
-            expected = torch.from_numpy(req.slots[:n].astype(np.int32))
+            expected = torch.from_numpy(req.slots.astype(np.int32))
             found = req.snapshot.cpu()
             if not torch.equal(found, expected):
                 self._corrupt(req)

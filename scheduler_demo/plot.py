@@ -8,6 +8,7 @@ backend switch, no display needed).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,7 +23,7 @@ _ALLOCATED, _PENDING, _FREE = "#4c72b0", "#dd8452", "#c7d3e3"
 
 def save_plot(report: Report, path: str | Path) -> None:
     """Write a PNG with four panels to ``path``."""
-    fig = Figure(figsize=(10, 13), layout="constrained")
+    fig = Figure(figsize=(12.5, 13), layout="constrained")
     FigureCanvasAgg(fig)
     rows_ax, pages_ax, fence_ax, wait_ax = fig.subplots(4, 1, height_ratios=[3, 3, 2, 2])
     label = f"{report.mode}{' --unsafe' if report.unsafe else ' (fenced)'}"
@@ -65,11 +66,14 @@ def _rows_panel(ax: Axes, report: Report) -> None:
     twin.plot(
         t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="waiting for admission"
     )
-    twin.set_ylabel("requests waiting for admission")
+    twin.plot(t, [s.completed for s in tl], color="#7b3294", label="completed (cumulative)")
+    twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
+    twin.plot(t, [s.aborted for s in tl], color="#937860", label="aborted (cumulative)")
+    twin.set_ylabel("requests")
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small", framealpha=0.9)
+    _legend_right(ax, h1 + h2, l1 + l2)
 
 
 def _pages_panel(ax: Axes, report: Report) -> None:
@@ -101,7 +105,13 @@ def _pages_panel(ax: Axes, report: Report) -> None:
             color="#c44e52",
             label=f"client abort ({report.aborts})",
         )
-    ax.legend(loc="lower right", fontsize="small", framealpha=0.9, ncols=2)
+    h, lab = ax.get_legend_handles_labels()
+    _legend_right(ax, h, lab)
+
+
+def _legend_right(ax: Axes, handles: list[Any], labels: list[str]) -> None:
+    """The legend outside the panel, on its right (it hides no data)."""
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.07, 1.0), fontsize="small")
 
 
 def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[float], list[int]]:
@@ -124,8 +134,7 @@ def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[
 def _fence_panel(ax: Axes, report: Report) -> None:
     tl = report.trace.timeline
     ax.set_title(
-        "rows and pages freed while a step or a transfer in flight still writes them, "
-        "held behind its fence"
+        "freed while a step or a transfer in flight still writes them: held behind its fence"
         if not report.unsafe
         else "--unsafe: rows and pages are freed at once, nothing is held behind a fence"
     )
@@ -133,46 +142,40 @@ def _fence_panel(ax: Axes, report: Report) -> None:
     if not tl:
         return
     t = [s.t_s for s in tl]
-    mids, means, maxes = _binned(t, [s.pending for s in tl], bins=120)
-    ax.fill_between(mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending rows (mean)")
-    ax.plot(mids, maxes, drawstyle="steps-mid", color="#8c4a1c", linewidth=0.8, label="(max)")
-    pmids, pmeans, _ = _binned(t, [s.pages_pending for s in tl], bins=120)
-    scale = max(1, round(max(pmeans, default=0) / max(max(maxes), 1)))
-    ax.plot(
-        pmids,
-        [m / scale for m in pmeans],
-        drawstyle="steps-mid",
-        color="#8172b3",
-        linewidth=1.0,
-        label=f"pending pages (mean) / {scale}",
+    mids, means, maxes = _binned(t, [s.pages_pending for s in tl], bins=120)
+    ax.fill_between(
+        mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending pages (mean)"
     )
-    ax.set_ylabel("pending rows")
-    ax.set_ylim(bottom=0, top=max(3, max(maxes) + 1, max(pmeans, default=0) / scale + 1))
+    ax.plot(mids, maxes, drawstyle="steps-mid", color="#8c4a1c", linewidth=0.8, label="(max)")
+    ax.set_ylabel("pending KV pages")
+    ax.set_ylim(bottom=0, top=max(3, max(maxes) * 1.15 + 1))
     twin = ax.twinx()
-    twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
-    twin.plot(t, [s.completed for s in tl], color="#4c72b0", label="completed (cumulative)")
-    twin.plot(t, [s.aborted for s in tl], color="#937860", label="aborted (cumulative)")
-    twin.set_ylabel("requests")
-    twin.set_ylim(bottom=0)
+    rmids, rmeans, rmaxes = _binned(t, [s.pending for s in tl], bins=120)
+    twin.plot(rmids, rmeans, drawstyle="steps-mid", color="#4c72b0", label="pending rows (mean)")
+    twin.set_ylabel("pending rows")
+    twin.set_ylim(bottom=0, top=max(3, max(rmaxes) * 1.15 + 1))
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small", framealpha=0.9, ncols=2)
+    _legend_right(ax, h1 + h2, l1 + l2)
 
 
 def _wait_panel(ax: Axes, report: Report) -> None:
-    waits_ms = [w * 1e3 for w in report.trace.alloc_waits]
     how = (
-        "await pool.admit(pages=n): a row and the pages together"
+        "await pool.admit(pages=n)"
         if report.admission == "atomic"
-        else "await pool.alloc(1), then pool.extend(row, n) when the budget allows"
+        else "await pool.alloc(1), then pool.extend(row, n)"
     )
-    ax.set_title(f"admission wait, from arrival (or retraction) to row and pages: {how}")
-    ax.set_xlabel("wait (ms)")
+    ax.set_title(f"admission wait, arrival (or retraction) to a row and its pages: {how}")
     ax.set_ylabel("admissions")
-    if not waits_ms:
+    waits = report.trace.alloc_waits
+    if not waits:
         return
-    ax.hist(waits_ms, bins=60, color="#8172b3")
-    ax.axvline(report.alloc_wait_p50_ms, color="k", linestyle="--", label="p50")
-    ax.axvline(report.alloc_wait_p99_ms, color="r", linestyle="--", label="p99")
+    # Seconds when the backpressure is long (the default run), else ms.
+    unit, scale = ("s", 1.0) if max(waits) > 10.0 else ("ms", 1e3)
+    ax.set_xlabel(f"wait ({unit})")
+    ax.hist([w * scale for w in waits], bins=60, color="#8172b3")
+    ax.axvline(report.alloc_wait_p50_ms * scale / 1e3, color="k", linestyle="--", label="p50")
+    ax.axvline(report.alloc_wait_p99_ms * scale / 1e3, color="r", linestyle="--", label="p99")
     ax.set_yscale("log")
-    ax.legend(fontsize="small")
+    h, lab = ax.get_legend_handles_labels()
+    _legend_right(ax, h, lab)

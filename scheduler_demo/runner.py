@@ -58,6 +58,8 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
             memory = Memory(pool, kv_pages)
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
+            if forward.is_cuda:
+                torch.cuda.synchronize()  # the zeroed KV and tables land before any stream writes
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
             sched = Scheduler(cfg, memory, forward, transfers, specs, on_complete=on_complete)

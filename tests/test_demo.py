@@ -447,3 +447,54 @@ def test_report_ok_needs_a_safe_complete_clean_run() -> None:
     assert not replace(base, corruptions=1).ok
     assert not replace(base, kv_corruptions=1).ok
     assert not replace(base, completed=1).ok
+
+
+# -- the transfer engine ----------------------------------------------------------
+
+
+async def test_transfer_lands_when_due_and_a_held_one_waits_for_release() -> None:
+    import torch
+
+    from scheduler_demo.forward import wait_fence
+    from scheduler_demo.transfer import TransferEngine
+
+    engine = TransferEngine("cpu", transfer_ms=1.0, mean_tokens=4.0)
+    kv = torch.zeros(32, dtype=torch.int64)
+    engine.attach(kv)
+    try:
+        slots = torch.tensor([4, 5, 6, 7])
+        # Same length, so the held one started first is due first.
+        held = engine.start(2, slots, torch.tensor([21, 22, 23, 24]))
+        assert engine.hold(held)
+        later = engine.start(1, slots, torch.tensor([11, 12, 13, 14]))
+        assert not later.query() and not held.query()  # a fence: not landed yet
+        async with bounded(LONG_S):
+            await wait_fence(later)
+        assert kv[4:8].tolist() == [11, 12, 13, 14]
+        # Due, but held: it has not landed, and the slots keep the later one's values.
+        assert held.is_due and not held.launched and not held.query()
+        assert kv[4:8].tolist() == [11, 12, 13, 14]
+        engine.release(held)  # the late write lands now, over the slots
+        async with bounded(LONG_S):
+            await wait_fence(held)
+        assert kv[4:8].tolist() == [21, 22, 23, 24]
+        assert not engine.hold(held)  # already launched
+    finally:
+        engine.flush()
+        engine.close()
+
+
+async def test_transfer_flush_lands_everything() -> None:
+    import torch
+
+    from scheduler_demo.transfer import TransferEngine
+
+    engine = TransferEngine("cpu", transfer_ms=10_000.0, mean_tokens=1.0)
+    kv = torch.zeros(8, dtype=torch.int64)
+    engine.attach(kv)
+    t = engine.start(1, torch.tensor([3]), torch.tensor([9]))
+    engine.hold(t)
+    engine.flush()  # on the way out: nothing may stay in flight
+    t.synchronize()
+    engine.close()
+    assert t.query() and int(kv[3]) == 9

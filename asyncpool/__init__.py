@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .errors import (
     CapacityError,
+    DeviceError,
     DoubleFreeError,
     FenceError,
     InvalidSlotError,
@@ -30,6 +31,7 @@ __all__ = [
     "AsyncReqToTokenPool",
     "CapacityError",
     "CudaFence",
+    "DeviceError",
     "DoubleFreeError",
     "Fence",
     "FenceError",

@@ -50,6 +50,7 @@ from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
 from .fences import Fence
+from .stats import Histogram
 
 __all__ = ["Deferrals", "Deferred", "newest_per_stream", "stream_key"]
 
@@ -150,6 +151,7 @@ class Deferrals(Generic[T]):
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+        self.fence_histogram = Histogram()  # every batch's latency, for metrics
 
     def set_hooks(
         self,
@@ -338,7 +340,9 @@ class Deferrals(Generic[T]):
             batch.rest = ()
         n = batch.n
         self.pending -= n
-        self.fence_latencies.append(self._clock() - batch.t0)
+        latency = self._clock() - batch.t0
+        self.fence_latencies.append(latency)
+        self.fence_histogram.observe(latency)
         self._release_items(batch.items)
         self.reclaimed += n
         return n

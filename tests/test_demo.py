@@ -173,11 +173,13 @@ async def test_sync_mode_completes() -> None:
 
 
 async def test_row_first_admission_holds_rows_without_pages() -> None:
+    # Twice the rows the pages can keep busy: pages, not rows, bound the batch.
+    cfg = replace(SMALL, gate=True, rows=16)
     async with bounded(LONG_S):
-        atomic = await run_demo(replace(SMALL, gate=True))
+        atomic = await run_demo(cfg)
     async with bounded(LONG_S):
-        row_first = await run_demo(replace(SMALL, gate=True, admission="row-first"))
-    assert row_first.ok and row_first.admission == "row-first"
+        row_first = await run_demo(replace(cfg, admission="row-first"))
+    assert atomic.ok and row_first.ok and row_first.admission == "row-first"
     # Row-first, every row is taken at arrival and held while its request
     # waits for pages; atomic, a row is only held with its pages.
     assert row_first.mean_rows_allocated > atomic.mean_rows_allocated

@@ -90,7 +90,6 @@ class Req:
         "kv_len",
         "kv_snapshot",
         "n_pages",
-        "page_list",
         "row",
         "slots",
         "snapshot",
@@ -112,7 +111,6 @@ class Req:
         # are the scheduler's mirror of the request's row).
         self.slots: np.ndarray | None = None
         self.n_pages = 0
-        self.page_list: list[int] = []
         self.transfer: Transfer | None = None
         self.snapshot: torch.Tensor | None = None  # the row's content when it finished
         self.kv_snapshot: torch.Tensor | None = None  # its KV when it finished
@@ -164,7 +162,8 @@ class Scheduler:
         self.ready_prefill: collections.deque[Req] = collections.deque()
         self.pages_held = 0  # pages owned by live requests or promised to admissions
         self.step_id = 0
-        self._held: list[tuple[Transfer, set[int]]] = []  # gated aborted transfers
+        # Gate mode: aborted transfers held back, with the KV slots they write.
+        self._held: list[tuple[Transfer, set[int]]] = []
 
         # Results.
         self.completed = 0
@@ -251,11 +250,13 @@ class Scheduler:
     async def _idle(self) -> None:
         """Nothing to launch: wait for an arrival, a grant, a landed transfer.
 
-        Gated transfers are let go first (the scheduler would otherwise wait
-        for a transfer it holds). Pages behind a fence wake nobody here, so
-        the wait is bounded by a short poll while requests wait for pages.
+        Fenced, gated transfers are let go first: their pages are held behind
+        them, so the scheduler may be waiting for exactly those. (Unsafe,
+        they hold nothing back: they stay held until a new owner of their
+        pages has been verified, or the end.) Pages behind a fence wake
+        nobody here, so the wait is bounded by a short poll.
         """
-        if self._held:
+        if self._held and self.fenced:
             for t, _ in self._held:
                 self.transfers.release(t)
             self._held.clear()
@@ -410,8 +411,6 @@ class Scheduler:
             self._mirror[req.row, at : at + ps] = p * ps + self._offsets
             at += ps
         req.n_pages += len(ids)
-        if self.cfg.gate:
-            req.page_list.extend(ids)
 
     def _start_transfer(self, req: Req) -> None:
         n = req.spec.prompt_len
@@ -446,7 +445,7 @@ class Scheduler:
         if in_transfer and self.cfg.gate and self.transfers.hold(t):
             # Deterministic worst case: it lands only after a new owner of
             # one of its pages has written it (or when the scheduler idles).
-            self._held.append((t, set(req.page_list)))
+            self._held.append((t, set(t.slots.tolist())))
         self._abort(req, "transfer" if in_transfer else "decode", fence=t)
 
     def _abort(self, req: Req, phase: str, fence: Any = None) -> None:
@@ -566,7 +565,6 @@ class Scheduler:
         req.row = -1
         req.kv_len = 0
         req.n_pages = 0
-        req.page_list = []
         req.epoch += 1
         req.state = WAITING
         req.admit_t0 = time.perf_counter()
@@ -670,12 +668,15 @@ class Scheduler:
             await self._land_held(step)
 
     async def _land_held(self, step: Step) -> None:
-        """Gate mode: let a held (aborted) transfer land once a new owner of
-        one of its pages has been verified, and wait until it has landed."""
-        owners = [r for r, epoch, _ in step.entries if r.epoch == epoch and r.state == RUNNING]
+        """Gate mode: let a held (aborted) transfer land once a new owner has
+        written, and had verified, one of the slots it writes; wait until it
+        has landed, so the owner's next verification sees it."""
+        owners = [
+            (r, end) for r, epoch, end in step.entries if r.epoch == epoch and r.state == RUNNING
+        ]
         for item in list(self._held):
-            t, pages = item
-            if any(pages.intersection(r.page_list) for r in owners):
+            t, slots = item
+            if any(slots.intersection(self._mirror[r.row, :end].tolist()) for r, end in owners):
                 self._held.remove(item)
                 self.transfers.release(t)
                 await wait_fence(t)

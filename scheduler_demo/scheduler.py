@@ -441,7 +441,9 @@ class Scheduler:
             return
         in_transfer = req.state == TRANSFER
         if req.state == READY:
-            self.ready_join.remove(req)
+            # Landed, not joined yet (or, the timer being late, retracted since
+            # and waiting for its prefill).
+            (self.ready_join if req in self.ready_join else self.ready_prefill).remove(req)
         if in_transfer and self.cfg.gate and self.transfers.hold(t):
             # Deterministic worst case: it lands only after a new owner of
             # one of its pages has written it (or when the scheduler idles).

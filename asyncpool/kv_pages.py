@@ -640,6 +640,7 @@ class KVPagePool:
         self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        self._on_free: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -654,6 +655,12 @@ class KVPagePool:
         """The page ledger, for an owning pool that wires its hooks
         (:meth:`~asyncpool.deferral.Deferrals.set_hooks`) and holds pages per row."""
         return self._ledger
+
+    def set_on_free(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` after :meth:`free` or :meth:`reclaim` made pages
+        free (for an owning pool: its queued waiters may fit now). The hook
+        runs on the caller's thread, inside the call."""
+        self._on_free = hook
 
     @property
     def capacity(self) -> int:
@@ -712,19 +719,26 @@ class KVPagePool:
         led = self._ledger
         if fence is None and after is None:
             ids, owned = led.prepare(pages)
-            return led.free_prepared(ids, owned)
-        fences: list[Fence] = []
-        if fence is not None:
-            led.check_fence(fence)
-            fences.append(fence)
-        ids, owned = led.prepare(pages)
-        if after is not None:
-            fences.append(record_fence(after))
-        return led.free_prepared(ids, owned, fences)
+            n = led.free_prepared(ids, owned)
+        else:
+            fences: list[Fence] = []
+            if fence is not None:
+                led.check_fence(fence)
+                fences.append(fence)
+            ids, owned = led.prepare(pages)
+            if after is not None:
+                fences.append(record_fence(after))
+            n = led.free_prepared(ids, owned, fences)
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     def reclaim(self) -> int:
         """Return pages whose fences completed; the number made free."""
-        return self._ledger.reclaim()
+        n = self._ledger.reclaim()
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     def clear(self) -> None:
         """Flush: free every allocated page at once and reclaim completed fences.

@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward
-from .memory import Memory, make_page_pool
 from .report import Report, Trace, percentile
 from .scheduler import Scheduler
 from .transfer import TransferEngine
@@ -48,21 +47,23 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         # every step; unsafe, it resets them on the current stream, as the
         # seed does, racing the forward.
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
-        kv_pages = make_page_pool(cfg.kv_pages + 1, cfg.page_size, cfg.device)
-        pool_kwargs: dict[str, Any] = {"device": cfg.device, "stream": pool_stream}
-        if _pool_takes_kv():
-            pool_kwargs["kv"] = kv_pages
+        # The pool owns the pages: a row and its pages are admitted, extended
+        # and freed together.
+        kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size, device=cfg.device)
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
         kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
-        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **pool_kwargs) as pool:
-            memory = Memory(pool, kv_pages)
+        async with AsyncReqToTokenPool(
+            cfg.rows + 1, cfg.max_context_len, device=cfg.device, stream=pool_stream, kv=kv_pages
+        ) as pool:
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
             if forward.is_cuda:
                 torch.cuda.synchronize()  # the zeroed KV and tables land before any stream writes
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
-            sched = Scheduler(cfg, memory, forward, transfers, specs, on_complete=on_complete)
+            sched = Scheduler(
+                cfg, pool, kv_pages, forward, transfers, specs, on_complete=on_complete
+            )
             try:
                 if cfg.timeout_s is not None:
                     await asyncio.wait_for(sched.run(), cfg.timeout_s)
@@ -73,12 +74,11 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
                 transfers.flush()
                 transfers.synchronize()
             await pool.drain()
-            memory.pump()
-            kv_pages.reclaim()
             pool.check_invariants()
+            kv_pages.check_invariants()
             stats = pool.stats()
             busy = forward.busy_s - busy0
-            deferred_pages = memory.deferred_pages()
+            deferred_pages = kv_pages.stats().deferred_frees
     finally:
         if bar is not None:
             bar.close()
@@ -134,7 +134,7 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
             sched.timeline,
             sched.admit_waits,
             stats.capacity,
-            memory.page_capacity,
+            kv_pages.capacity,
             sched.abort_times,
         ),
     )
@@ -151,11 +151,6 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         report.kv_corruptions,
     )
     return report
-
-
-def _pool_takes_kv() -> bool:
-    """Whether this asyncpool owns KV pages (``AsyncReqToTokenPool(..., kv=)``)."""
-    return hasattr(AsyncReqToTokenPool, "admit")
 
 
 def _progress_bar(cfg: DemoConfig) -> Any:

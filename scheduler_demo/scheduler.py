@@ -50,9 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncpool import AsyncReqToTokenPool, KVPagePool
+
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
-from .memory import Memory
 from .report import Sample
 from .transfer import Transfer, TransferEngine
 from .workload import RequestSpec
@@ -124,23 +125,26 @@ class Req:
 
 
 class Scheduler:
-    """Runs one workload to completion on ``memory``, ``forward`` and ``transfers``."""
+    """Runs one workload to completion on ``pool`` (which owns ``kv``'s pages),
+    ``forward`` and ``transfers``."""
 
     def __init__(
         self,
         cfg: DemoConfig,
-        memory: Memory,
+        pool: AsyncReqToTokenPool,
+        kv: KVPagePool,
         forward: Forward,
         transfers: TransferEngine,
         specs: list[RequestSpec],
         on_complete: Callable[[int], object] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.mem = memory
-        self.pool = memory.pool
+        self.pool = pool
+        self.kv = kv
+        self.page_capacity = kv.capacity
         self.forward = forward
         self.transfers = transfers
-        self.ps = memory.page_size
+        self.ps = kv.page_size
         max_slots = math.ceil(cfg.max_context_len / self.ps) * self.ps
         self.reqs = [Req(s) for s in specs]
         # The host's truth of req_to_token: mirror[row, pos] is the KV slot of
@@ -279,14 +283,16 @@ class Scheduler:
     def _sample(self) -> None:
         free = self.pool.available_size()
         pending = self.pool.pending_size()
-        p_alloc, p_pending, p_free = self.mem.page_counts()
+        p_free = self.kv.available_size()
+        p_pending = self.kv.pending_size()
+        p_alloc = self.page_capacity - p_free - p_pending
         self.timeline.append(
             Sample(
                 time.perf_counter() - self.t0,
                 self.capacity - free - pending,
                 pending,
                 free,
-                self.mem.waiting() + len(self.waiting_new) + len(self.waiting_retracted),
+                self.pool.waiting() + len(self.waiting_new) + len(self.waiting_retracted),
                 len(self.running),
                 p_alloc,
                 p_pending,
@@ -320,7 +326,7 @@ class Scheduler:
 
     async def _alloc_row(self, req: Req, priority: int) -> None:
         req.state = ADMITTING
-        req.row = await self.mem.alloc_row(priority=priority)
+        req.row = (await self.pool.alloc(1, priority=priority))[0]
         req.state = WAITING
         (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).append(req)
         self._wake.set()
@@ -332,7 +338,7 @@ class Scheduler:
     def _admit_more(self) -> None:
         """Admit waiting requests while the pages held stay under the budget,
         keeping a page per ``page_size`` running requests for decode growth."""
-        limit = self.cfg.admit_watermark * self.mem.page_capacity
+        limit = self.cfg.admit_watermark * self.page_capacity
         reserve = len(self.running) // self.ps + 1
         for queue, priority in (
             (self.waiting_retracted, RETRACTED_PRIORITY),
@@ -346,7 +352,7 @@ class Scheduler:
                 if self.atomic:
                     queue.popleft()
                     self.pages_held += n
-                    grant = self.mem.try_admit(n)
+                    grant = self.pool.try_admit(pages=n)
                     if grant is not None:
                         req.row = grant.row
                         self._granted(req, grant.pages)
@@ -355,7 +361,7 @@ class Scheduler:
                         task = self._spawn(self._admit(req, n, priority))
                         self._admitting[req] = (task, n, priority)
                     continue
-                pages = self.mem.extend(req.row, n)
+                pages = self.pool.extend(req.row, n)
                 if pages is None:
                     return  # pages still behind a fence: next iteration
                 queue.popleft()
@@ -364,7 +370,7 @@ class Scheduler:
             # FIFO: the head that does not fit blocks those behind it.
 
     async def _admit(self, req: Req, n: int, priority: int) -> None:
-        grant = await self.mem.admit(pages=n, priority=priority)
+        grant = await self.pool.admit(pages=n, priority=priority)
         del self._admitting[req]
         req.row = grant.row
         self._granted(req, grant.pages)
@@ -456,7 +462,7 @@ class Scheduler:
         if req.state == RUNNING:
             self.running.remove(req)
         self.pages_held -= req.n_pages
-        self.mem.free([req.row], fence=fence if self.fenced else None)
+        self.pool.free([req.row], fence=fence if self.fenced else None)
         req.state = ABORTED
         req.epoch += 1
         req.row = -1
@@ -499,7 +505,6 @@ class Scheduler:
         stalled = self._grow()
         if stalled:
             self._withdraw_admissions()
-        self.mem.pump()
         if not stalled:
             self._admit_more()
         joined: list[Req] = list(self.ready_join)
@@ -533,7 +538,7 @@ class Scheduler:
         ps = self.ps
         for req in self.running:
             if req.entry == DECODE and req.kv_len >= req.n_pages * ps:
-                pages = self.mem.extend(req.row, 1)
+                pages = self.pool.extend(req.row, 1)
                 if pages is None:
                     stalled.append(req)
                     continue
@@ -563,7 +568,7 @@ class Scheduler:
         row = req.row
         # The row and pages are in the step in flight; the pool defers them
         # behind that step's recorded use (or, unsafe, hands them out at once).
-        self.mem.free([row])
+        self.pool.free([row])
         req.row = -1
         req.kv_len = 0
         req.n_pages = 0
@@ -643,7 +648,7 @@ class Scheduler:
         fence = self.forward.launch(step)
         if self.fenced:
             # One fence per step, covering every row (and its pages) the step touches.
-            self.mem.record_use(step.rows, fence)
+            self.pool.record_use(step.rows, fence)
         if step.gate is not None:
             self._gated.append(step)
         self.steps += 1
@@ -752,7 +757,7 @@ class Scheduler:
         self.running.remove(req)
         self.pages_held -= req.n_pages
         req.state = FINISHED
-        self.mem.free([req.row])
+        self.pool.free([req.row])
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(1)

@@ -23,6 +23,7 @@ from .errors import (
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
 from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
+from .row_pages import Grant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
@@ -35,6 +36,7 @@ __all__ = [
     "DoubleFreeError",
     "Fence",
     "FenceError",
+    "Grant",
     "Histogram",
     "HistogramSnapshot",
     "HostFence",

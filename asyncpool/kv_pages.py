@@ -726,6 +726,7 @@ class KVPagePool:
         self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        self._on_free: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -740,6 +741,12 @@ class KVPagePool:
         """The page ledger, for an owning pool that wires its hooks
         (:meth:`~asyncpool.deferral.Deferrals.set_hooks`) and holds pages per row."""
         return self._ledger
+
+    def set_on_free(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` after :meth:`free` or :meth:`reclaim` made pages
+        free (for an owning pool: its queued waiters may fit now). The hook
+        runs on the caller's thread, inside the call."""
+        self._on_free = hook
 
     @property
     def capacity(self) -> int:
@@ -846,8 +853,12 @@ class KVPagePool:
                                 tail -= led.capacity
                             led._ring_ids[tail] = page
                             led.free_count += 1
+                            if self._on_free is not None:  # an owning pool's waiters
+                                self._on_free()
                             return 1
                     elif small and pages.dtype is torch.int64 and led._free_now_small(small):
+                        if self._on_free is not None:
+                            self._on_free()
                         return len(small)
             elif pages.dtype is torch.int64:
                 try:
@@ -858,11 +869,15 @@ class KVPagePool:
                     if arr.strides == (8,):  # 1-D and contiguous: prepare's fast case
                         led._checked(arr, False, "freed")
                         led._push(arr)
+                        if self._on_free is not None and len(arr):
+                            self._on_free()
                         return len(arr)
             ids, owned = led.prepare(pages)
             n = len(ids)
             if n:
                 led._push(ids)  # free_prepared without fences
+                if self._on_free is not None:
+                    self._on_free()
             return n
         fences: list[Fence] = []
         if fence is not None:
@@ -871,11 +886,17 @@ class KVPagePool:
         ids, owned = led.prepare(pages)
         if after is not None:
             fences.append(record_fence(after))
-        return led.free_prepared(ids, owned, fences)
+        n = led.free_prepared(ids, owned, fences)
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     def reclaim(self) -> int:
         """Return pages whose fences completed; the number made free."""
-        return self._ledger.reclaim()
+        n = self._ledger.reclaim()
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     def clear(self) -> None:
         """Flush: free every allocated page at once and reclaim completed fences.

@@ -953,6 +953,16 @@ async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_noth
         conserved(pool)
 
 
+async def test_clearing_a_page_pool_that_serves_a_row_pool_is_refused():
+    async with make(rows=2) as pool:
+        g = await pool.admit(pages=2)
+        before = snapshot(pool)
+        with pytest.raises(PoolBusyError, match="rows own pages"):
+            kv_of(pool).clear()
+        assert snapshot(pool) == before
+        pool.free(g.row)
+
+
 async def test_force_release_of_a_non_fence_is_a_type_error():
     async with make() as pool:
         before = snapshot(pool)

@@ -724,6 +724,55 @@ async def test_close_fails_admit_waiters_and_later_admits():
     conserved(pool)
 
 
+async def test_extend_after_close_raises_and_changes_nothing():
+    pool = make(rows=2, pages=4)
+    g = await pool.admit(pages=1)
+    assert pool.extend(g.row, 1) is not None
+    await pool.close()
+    before = snapshot(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend(g.row, 1)
+    assert snapshot(pool) == before
+    pool.free(g.row)  # free still works after close, pages included
+    assert kv_of(pool).available_size() == 4
+    conserved(pool)
+
+
+async def test_extend_answers_none_while_release_memory_drains(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=1)
+        p = await pool.admit(pages=1)
+        pool.free([p.row], after=stream)
+        release = asyncio.create_task(pool.release_memory())
+        await spin()
+        assert not release.done()  # draining: the gate is closed already
+        assert pool.extend(g.row, 1) is None and pool.try_admit(pages=1) is None
+        gate.open()
+        with pytest.raises(PoolBusyError):  # g's row is still allocated
+            async with asyncio.timeout(WAIT_S):
+                await release
+        assert not pool.released and pool.extend(g.row, 1) is not None
+        pool.free(g.row)
+        conserved(pool)
+
+
+async def test_bind_refuses_while_pages_are_pending(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, after=stream)  # only pages pending
+        with pytest.raises(PoolBusyError, match="2 pages"):
+            pool.bind()
+        gate.open()
+        await pool.drain(timeout=WAIT_S)
+        pool.bind()  # nothing pending: allowed
+
+
 async def test_drain_waits_for_page_fences(kit):
     stream = kit.stream()
     gate = kit.gate(stream)

@@ -20,6 +20,7 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
+from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
 from .stats import LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
@@ -35,6 +36,8 @@ __all__ = [
     "HostFence",
     "HostStream",
     "InvalidSlotError",
+    "KVPagePool",
+    "KVPageStats",
     "LatencySummary",
     "Lease",
     "MemorySaverError",

@@ -18,9 +18,12 @@ Invariants (proved by :meth:`SlotLedger.check_invariants`):
   row is handed out, the ``on_reset`` hook is called once with *every* dirty
   row (one vectorised tensor op for about ``capacity`` frees, not one per
   free), so a row reads zero lengths when its new owner gets it;
-* pending rows sit in batches ``(fence, rows)``, one queue per stream kept in
-  the stream's record order, so reclaim looks only at each queue's head;
-  fences of unknown origin sit in a side list polled in full.
+* pending rows sit in batches behind their fences, one queue per stream kept
+  in the stream's record order, so reclaim looks only at each queue's head;
+  fences of unknown origin sit in a side list polled in full. That machinery
+  (and quarantine and fault accounting) lives in :mod:`asyncpool.deferral`,
+  shared with the KV page ledger; this class is a :class:`Deferrals` whose
+  batches hold row ids.
 
 Every public method is atomic: one that raises has changed nothing.
 Not thread-safe: the owning pool serialises calls.
@@ -35,7 +38,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .errors import CapacityError, DoubleFreeError, FenceError, InvalidSlotError
+from .deferral import Deferrals, stream_key
+from .errors import CapacityError, DoubleFreeError, InvalidSlotError
 from .fences import Fence, is_fence
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "SlotLedger"]
@@ -49,30 +53,21 @@ STATE_NAMES = ("free", "allocated", "pending", "quarantined", "reserved", "check
 Rows = int | Sequence[int]
 
 
-class _Batch:
-    """Rows that return to circulation when ``fence`` completes."""
-
-    __slots__ = ("fence", "rows", "seq", "t0")
-
-    def __init__(self, fence: Fence, seq: int, rows: list[int], t0: float) -> None:
-        self.fence = fence
-        self.seq = seq
-        self.rows = rows
-        self.t0 = t0
-
-
-def _stream_key(fence: object) -> int | None:
-    return getattr(fence, "stream_key", None)
-
-
-class SlotLedger:
+class SlotLedger(Deferrals[int]):
     """Bookkeeping for ``size - 1`` rows; see the module docstring.
+
+    Pending queues, :meth:`reclaim`, :meth:`pending_fences`, quarantine and
+    the fault counters (``pending``, ``quarantined``, ``deferred_frees``,
+    ``reclaimed``, ``fence_errors``, ``last_fence_error``,
+    ``fence_latencies``) come from :class:`~asyncpool.deferral.Deferrals`.
 
     ``on_reset(rows)`` is called with every dirty row right before the first
     of them would be handed out. ``on_pending(fence)`` is called once for each
     fence that starts holding rows, so the owner can arrange to be told when
     it completes. ``on_fault(fence, error)`` is called when a fence faults.
     """
+
+    unit = "rows"
 
     def __init__(
         self,
@@ -94,26 +89,16 @@ class SlotLedger:
         self._state[0] = RESERVED
         self._gen = [0] * size
         self._uses: list[Any] = [None] * size
-        self._more: dict[int, list[Fence]] = {}
-        self._streams: dict[int, collections.deque[_Batch]] = {}
-        self._unordered: list[_Batch] = []
+        super().__init__(
+            on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
+        )
         self._on_reset = on_reset
-        self._on_pending = on_pending
-        self._on_fault = on_fault
-        self._clock = clock
-        self.pending = 0
-        self.quarantined = 0
         self.peak_allocated = 0
         # allocated <= capacity - len(free), so a new peak needs the free
         # queue shorter than this bound: a one-compare pre-filter per take.
         self._peak_bound = self.capacity
         self._returned = 0  # rows given back by put_back (never really allocated)
-        self.deferred_frees = 0
-        self.reclaimed = 0
         self.resets = 0
-        self.fence_errors = 0
-        self.last_fence_error: BaseException | None = None
-        self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
 
     # ------------------------------------------------------------------ counts
 
@@ -322,14 +307,14 @@ class SlotLedger:
         self._mark_allocated(seq, what)
         state = self._state
         uses = self._uses
-        key = _stream_key(fence)
+        key = stream_key(fence)
         fseq = getattr(fence, "seq", 0)
         for row in seq:
             state[row] = ALLOCATED
             prev = uses[row]
             if prev is None or prev is fence:
                 uses[row] = fence
-            elif key is not None and _stream_key(prev) == key:
+            elif key is not None and stream_key(prev) == key:
                 if prev.seq <= fseq:
                     uses[row] = fence
             else:
@@ -375,7 +360,9 @@ class SlotLedger:
         uses = self._uses
         free = self._free
         immediate = 0
-        deferred: dict[int, tuple[Fence, list[int]]] | None = None
+        # Rows grouped by the fences they wait for: keyed by the head fence's
+        # id when that is all, else by the ids of all of them.
+        deferred: dict[Any, tuple[Fence, tuple[Fence, ...], list[int]]] | None = None
         last: Any = None
         last_done = False
         last_error: BaseException | None = None
@@ -404,226 +391,68 @@ class SlotLedger:
                         last_done = use.query()
                     except Exception as exc:  # a faulted stream
                         last_error = exc
-                        self._fault_rows([row], use, exc)
+                        self._fault([row], 1, use, exc)
                         continue
                 elif last_error is not None:  # same faulted fence: one error
-                    self._fault_rows([row], use, last_error, count=False)
+                    self._fault([row], 1, use, last_error, count=False)
                     continue
                 if last_done:
                     state[row] = FREE
                     free.append(row)
                     immediate += 1
                     continue
-                waits = [use]
+                head = use
+                rest: tuple[Fence, ...] = ()
+                key: Any = id(use)
             else:
-                waits_or_none = self._open_fences(row, use, fence)
-                if waits_or_none is None:
-                    continue  # quarantined
-                waits = waits_or_none
+                candidates: list[Fence] = []
+                if use is not None:
+                    candidates.extend(use if use.__class__ is tuple else (use,))
+                if fence is not None:
+                    candidates.append(fence)
+                waits, faulted, error = self._open_fences(candidates)
+                if faulted is not None:
+                    self._fault([row], 1, faulted, error)
+                    continue
                 if not waits:
                     state[row] = FREE
                     free.append(row)
                     immediate += 1
                     continue
-            head = waits[0]
-            if len(waits) > 1:
-                self._more[row] = waits[1:]
+                head = waits[0]
+                rest = tuple(waits[1:])
+                key = tuple(map(id, waits)) if rest else id(head)
             state[row] = PENDING
             if deferred is None:
                 deferred = {}
-            entry = deferred.get(id(head))
+            entry = deferred.get(key)
             if entry is None:
-                deferred[id(head)] = (head, [row])
+                deferred[key] = (head, rest, [row])
             else:
-                entry[1].append(row)
+                entry[2].append(row)
         if deferred:
             now = self._clock()
-            for head, batch_rows in deferred.values():
-                self.deferred_frees += len(batch_rows)
-                self._defer(head, batch_rows, now)
+            for head, rest, batch_rows in deferred.values():
+                self._defer(head, batch_rows, len(batch_rows), now, rest)
         return immediate
 
-    def _open_fences(self, row: int, use: Any, fence: Fence | None) -> list[Fence] | None:
-        """The incomplete fences ``row`` must wait for, newest per stream.
+    # ------------------------------------------------------------------ deferral hooks
 
-        None if one of them faulted (the row is then quarantined).
-        """
-        candidates: list[Fence] = []
-        if use is not None:
-            candidates.extend(use if use.__class__ is tuple else (use,))
-        if fence is not None:
-            candidates.append(fence)
-        newest: dict[int, Fence] = {}
-        unordered: list[Fence] = []
-        for f in candidates:
-            key = _stream_key(f)
-            if key is None:
-                if f not in unordered:
-                    unordered.append(f)
-            else:
-                cur = newest.get(key)
-                if cur is None or getattr(cur, "seq", 0) < getattr(f, "seq", 0):
-                    newest[key] = f
-        waits = []
-        for f in (*newest.values(), *unordered):
-            try:
-                done = f.query()
-            except Exception as exc:
-                self._fault_rows([row], f, exc)
-                return None
-            if not done:
-                waits.append(f)
-        return waits
-
-    def _defer(self, fence: Fence, rows: list[int], now: float) -> None:
-        self.pending += len(rows)
-        key = _stream_key(fence)
-        if key is None:
-            for batch in self._unordered:
-                if batch.fence is fence:
-                    batch.rows.extend(rows)
-                    return
-            self._unordered.append(_Batch(fence, 0, rows, now))
-        else:
-            fseq: int = getattr(fence, "seq", 0)
-            queue = self._streams.get(key)
-            if queue is None:
-                queue = self._streams[key] = collections.deque()
-            # Keep the queue in record order; frees usually arrive in it, so
-            # scan from the tail (O(1) in the common case).
-            index = len(queue)
-            while index > 0:
-                tail = queue[index - 1]
-                if tail.fence is fence:
-                    tail.rows.extend(rows)
-                    return
-                if tail.seq <= fseq:
-                    break
-                index -= 1
-            queue.insert(index, _Batch(fence, fseq, rows, now))
-        if self._on_pending is not None:
-            self._on_pending(fence)
-
-    # ------------------------------------------------------------------ reclaim
-
-    def reclaim(self) -> int:
-        """Return to circulation every row whose fences have completed.
-
-        Looks only at the head of each stream's queue (fences of one stream
-        complete in order) and at the unordered side list: the cost is
-        O(completed + streams + unordered), never O(pending). Returns the
-        number of rows made FREE. A fence that raises quarantines its rows.
-        """
-        if not self.pending:
-            return 0
-        released = 0
-        empty: list[int] = []
-        # A copy: releasing a row that also waits on another stream requeues
-        # it there, which may add that stream's queue to the dict.
-        for key, queue in list(self._streams.items()):
-            while queue:
-                batch = queue[0]
-                try:
-                    done = batch.fence.query()
-                except Exception as exc:
-                    queue.popleft()
-                    self.pending -= len(batch.rows)
-                    self._fault_batch(batch, exc)
-                    continue
-                if not done:
-                    break
-                queue.popleft()
-                released += self._release(batch)
-            if not queue:
-                empty.append(key)
-        for key in empty:
-            if not self._streams[key]:  # a requeue may have refilled it
-                del self._streams[key]
-        if self._unordered:
-            keep: list[_Batch] = []
-            for batch in self._unordered:
-                try:
-                    done = batch.fence.query()
-                except Exception as exc:
-                    self.pending -= len(batch.rows)
-                    self._fault_batch(batch, exc)
-                    continue
-                if done:
-                    released += self._release(batch)
-                else:
-                    keep.append(batch)
-            self._unordered = keep
-        return released
-
-    def _release(self, batch: _Batch) -> int:
-        rows = batch.rows
-        self.pending -= len(rows)
-        self.fence_latencies.append(self._clock() - batch.t0)
+    def _release_items(self, items: list[int]) -> None:
         state = self._state
-        free = self._free
-        more = self._more
-        released = 0
-        for row in rows:
-            if more and row in more:
-                # Still behind another stream's fence: wait for the next one.
-                released += self._requeue(row, more.pop(row))
-                continue
+        for row in items:
             state[row] = FREE
-            free.append(row)
-            released += 1
-        self.reclaimed += released
-        return released
+        self._free.extend(items)
 
-    def _requeue(self, row: int, waits: list[Fence]) -> int:
-        """Free ``row`` if ``waits`` all completed (return 1), else requeue it."""
-        remaining: list[Fence] = []
-        for f in waits:
-            try:
-                done = f.query()
-            except Exception as exc:
-                self._fault_rows([row], f, exc)
-                return 0
-            if not done:
-                remaining.append(f)
-        if not remaining:
-            self._state[row] = FREE
-            self._free.append(row)
-            return 1  # _release counts it (reclaimed and the return value)
-        if len(remaining) > 1:
-            self._more[row] = remaining[1:]
-        self._defer(remaining[0], [row], self._clock())
-        return 0
-
-    def _fault_batch(self, batch: _Batch, exc: BaseException) -> None:
-        self._fault_rows(batch.rows, batch.fence, exc)
-
-    def _fault_rows(
-        self, rows: list[int], fence: Fence, exc: BaseException, *, count: bool = True
-    ) -> None:
+    def _quarantine_items(self, items: list[int]) -> None:
         state = self._state
-        for row in rows:
+        for row in items:
             state[row] = QUARANTINED
-            self._more.pop(row, None)
-        self.quarantined += len(rows)
-        if not count:  # more rows of a fault already counted and reported
-            return
-        self.fence_errors += 1
-        err = exc if isinstance(exc, FenceError) else FenceError(f"fence {fence!r} raised {exc!r}")
-        if err is not exc:
-            err.__cause__ = exc
-        self.last_fence_error = err
-        logger.error("fence %r faulted; quarantined rows %s: %s", fence, rows, exc)
-        if self._on_fault is not None:
-            self._on_fault(fence, err)
+
+    def _count_items(self, items: list[int]) -> int:
+        return len(items)
 
     # ------------------------------------------------------------------ views
-
-    def pending_fences(self) -> list[Fence]:
-        """The fences that hold rows: each stream's head first, then the rest."""
-        fences = [q[0].fence for q in self._streams.values() if q]
-        fences.extend(b.fence for q in self._streams.values() for b in list(q)[1:])
-        fences.extend(b.fence for b in self._unordered)
-        return fences
 
     def state_bytes(self) -> bytearray:
         """Every row's state, one byte per row (read-only use: FREE is 0)."""
@@ -674,20 +503,12 @@ class SlotLedger:
         if not 0 <= self._clean <= len(free_rows):
             fail(f"clean count {self._clean} outside 0..{len(free_rows)}")
         pending_rows: list[int] = []
-        for key, queue in self._streams.items():
-            seqs = [b.seq for b in queue]
-            if seqs != sorted(seqs):
-                fail(f"stream {key} queue out of record order: {seqs}")
-            for b in queue:
-                pending_rows.extend(b.rows)
-        for b in self._unordered:
-            pending_rows.extend(b.rows)
+        for rows in self._check_deferrals(fail):
+            pending_rows.extend(rows)
         if len(set(pending_rows)) != len(pending_rows):
             fail("a row is pending in two batches")
         if any(state[r] != PENDING for r in pending_rows) or len(pending_rows) != counts[PENDING]:
             fail(f"pending batches ({len(pending_rows)}) != PENDING rows ({counts[PENDING]})")
-        if self.pending != counts[PENDING]:
-            fail(f"pending count {self.pending} != {counts[PENDING]}")
         if self.quarantined != counts[QUARANTINED]:
             fail(f"quarantined count {self.quarantined} != {counts[QUARANTINED]}")
         if self.allocated != counts[ALLOCATED]:
@@ -697,18 +518,15 @@ class SlotLedger:
         for row in range(1, self.size):
             if self._uses[row] is not None and state[row] != ALLOCATED:
                 fail(f"row {row} carries a recorded use but is {STATE_NAMES[state[row]]}")
-        for row in self._more:
-            if state[row] != PENDING:
-                fail(f"row {row} waits for more fences but is {STATE_NAMES[state[row]]}")
 
 
 def _merge_uses(prev: Any, fence: Fence) -> tuple[Fence, ...]:
     """Fold ``fence`` into a row's uses: the newest per stream, all unordered."""
     fences = [*prev] if prev.__class__ is tuple else [prev]
-    key = _stream_key(fence)
+    key = stream_key(fence)
     if key is not None:
         for i, f in enumerate(fences):
-            if _stream_key(f) == key:
+            if stream_key(f) == key:
                 if getattr(f, "seq", 0) <= getattr(fence, "seq", 0):
                     fences[i] = fence
                 return tuple(fences)

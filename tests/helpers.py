@@ -216,9 +216,12 @@ def ledger_snapshot(led: SlotLedger) -> tuple[Any, ...]:
         bytes(led._state),
         list(led._gen),
         list(led._uses),
-        {k: list(v) for k, v in led._more.items()},
-        {k: [(b.fence, b.seq, list(b.rows)) for b in q] for k, q in led._streams.items()},
-        [(b.fence, list(b.rows)) for b in led._unordered],
+        {
+            k: [(b.fence, b.seq, b.rest, b.did, b.n, list(b.items)) for b in q]
+            for k, q in led._streams.items()
+        },
+        [(b.fence, b.rest, b.did, b.n, list(b.items)) for b in led._unordered],
+        led._next_did,
         led.pending,
         led.quarantined,
         led.peak_allocated,

@@ -318,7 +318,7 @@ def test_separate_frees_out_of_order_and_merge_into_one_batch():
     led.free(rows[4:], f2)  # same fence: joins the existing batch
     q = led._streams[fs.key]
     assert [b.seq for b in q] == [1, 2]
-    assert sorted(q[1].rows) == sorted(rows[:2] + rows[4:])
+    assert sorted(q[1].items) == sorted(rows[:2] + rows[4:])
     assert led.deferred_frees == 6
     fs.complete(1)
     assert led.reclaim() == 2

@@ -1,0 +1,442 @@
+"""The fence machinery both ledgers share: ids held back until fences complete.
+
+A ledger (rows: :class:`~asyncpool.ledger.SlotLedger`, KV pages:
+:class:`~asyncpool.kv_pages.PageLedger`) subclasses :class:`Deferrals` and
+says what a batch of ids is and how to put one back into circulation; this
+module owns everything about *waiting*:
+
+* pending ids sit in :class:`Deferred` batches. A batch waits behind one
+  fence (its *head*) and possibly more (``rest``: a row used on two streams,
+  pages freed with ``fence=`` and ``after=``); it sits in the queue of its
+  head's stream, or in the side list when the head has no ``stream_key``
+  (a fence of unknown origin, such as a transfer handle);
+* each stream's queue is kept in the stream's record order (``seq``), so
+  :meth:`Deferrals.reclaim` looks only at each queue's head: fences of one
+  stream complete in order. The side list is polled in full. The cost of a
+  reclaim is O(completed + streams + unordered), never O(pending);
+* when a batch's head completes, its other fences are asked once: all done,
+  the ids are released (:meth:`Deferrals._release_items`); some still open,
+  the batch moves behind the first of them (keeping its ``did`` and ``t0``);
+* a fence that raises (a faulted stream) quarantines its batch for good
+  (:meth:`Deferrals._quarantine_items`): the work that wrote those ids may
+  have stopped anywhere. Faults are counted once per fence, logged, kept in
+  ``last_fence_error`` and reported to the ``on_fault`` hook;
+* ``on_pending(fence)`` is called once for each batch that starts waiting
+  behind ``fence`` (first deferral or a move), so an owner can arrange a
+  wake-up; ``fence_latencies`` keeps a window of defer-to-release times.
+
+Every batch carries a *deferral id* ``did``: a counter per ledger, taken in
+the order batches are created (ids freed behind a fence that already holds a
+batch join it and share its ``did``). Ledgers driven by the same calls in the
+same order number their batches alike, which is what lets replicas agree on
+"everything deferred up to ``did``" without comparing fences; ``t0`` (the
+first deferral) is what an overdue check measures from.
+
+What a batch holds is the subclass's business: a list of parts (``items``)
+plus their id count ``n``. The row ledger's parts are row ids (``int``), the
+page ledger's parts are numpy arrays of page ids. Merging a new free into an
+existing batch is ``items.extend(parts)``: no copy, whatever a part is.
+
+Not thread-safe: the owning pool serialises calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+from .errors import FenceError
+from .fences import Fence
+
+__all__ = ["Deferrals", "Deferred", "newest_per_stream", "stream_key"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def stream_key(fence: object) -> int | None:
+    """The fence's stream, or None for a fence of unknown origin."""
+    return getattr(fence, "stream_key", None)
+
+
+def newest_per_stream(fences: Sequence[Fence]) -> list[Fence]:
+    """The fences worth waiting for: the newest of each stream, then each
+    fence of unknown origin once (first-seen order for both)."""
+    newest: dict[int, Fence] = {}
+    unordered: list[Fence] = []
+    for f in fences:
+        key = stream_key(f)
+        if key is None:
+            if not any(g is f for g in unordered):
+                unordered.append(f)
+        else:
+            cur = newest.get(key)
+            if cur is None or getattr(cur, "seq", 0) < getattr(f, "seq", 0):
+                newest[key] = f
+    return [*newest.values(), *unordered]
+
+
+class Deferred(Generic[T]):
+    """Ids that return to circulation once ``fence`` and every ``rest`` fence completed.
+
+    ``seq`` is ``fence.seq`` (0 for a fence of unknown origin): the batch's
+    place in its stream queue. ``did`` is its deferral id, ``t0`` the clock
+    reading when it was created, ``n`` the number of ids its ``items`` hold.
+    """
+
+    __slots__ = ("did", "fence", "items", "n", "rest", "seq", "t0")
+
+    def __init__(
+        self,
+        fence: Fence,
+        seq: int,
+        rest: tuple[Fence, ...],
+        did: int,
+        items: list[T],
+        n: int,
+        t0: float,
+    ) -> None:
+        self.fence = fence
+        self.seq = seq
+        self.rest = rest
+        self.did = did
+        self.items = items
+        self.n = n
+        self.t0 = t0
+
+    def __repr__(self) -> str:
+        more = f" +{len(self.rest)} fences" if self.rest else ""
+        return f"<Deferred did={self.did} n={self.n} behind {self.fence!r}{more}>"
+
+
+class Deferrals(Generic[T]):
+    """Pending queues, side list, quarantine and fault accounting of a ledger.
+
+    A base class: the subclass implements :meth:`_release_items` (put ids
+    back into circulation, FIFO at the tail), :meth:`_quarantine_items` (mark
+    ids quarantined) and :meth:`_count_items` (for the invariant check), and
+    calls :meth:`_defer` to hold ids behind fences. Public counters:
+    ``pending`` and ``quarantined`` (ids), ``deferred_frees`` (ids ever
+    deferred), ``reclaimed`` (ids released by a completed fence),
+    ``fence_errors`` (faulted fences), ``last_fence_error``,
+    ``fence_latencies`` (seconds from deferral to release, a bounded window).
+    """
+
+    #: What the ids are, for messages ("rows", "pages").
+    unit = "ids"
+
+    def __init__(
+        self,
+        *,
+        on_pending: Callable[[Fence], None] | None = None,
+        on_fault: Callable[[Fence, BaseException], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        latency_window: int = 4096,
+    ) -> None:
+        self._streams: dict[int, collections.deque[Deferred[T]]] = {}
+        self._unordered: list[Deferred[T]] = []
+        self._on_pending = on_pending
+        self._on_fault = on_fault
+        self._clock = clock
+        self._next_did = 0
+        self.pending = 0
+        self.quarantined = 0
+        self.deferred_frees = 0
+        self.reclaimed = 0
+        self.fence_errors = 0
+        self.last_fence_error: BaseException | None = None
+        self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+
+    def set_hooks(
+        self,
+        *,
+        on_pending: Callable[[Fence], None] | None,
+        on_fault: Callable[[Fence, BaseException], None] | None,
+    ) -> None:
+        """Replace both hooks (None: no hook); for an owner that adopts a ledger.
+
+        Batches already pending were announced to the old hook only: see
+        :meth:`pending_fences`.
+        """
+        self._on_pending = on_pending
+        self._on_fault = on_fault
+
+    # ------------------------------------------------------------ subclass hooks
+
+    def _release_items(self, items: list[T]) -> None:
+        """Put the ids of a completed batch back into circulation (PENDING -> FREE)."""
+        raise NotImplementedError
+
+    def _quarantine_items(self, items: list[T]) -> None:
+        """Mark ids QUARANTINED (from PENDING, or from ALLOCATED when a free
+        finds its fence already faulted)."""
+        raise NotImplementedError
+
+    def _count_items(self, items: list[T]) -> int:
+        """How many ids ``items`` hold (invariant checks only)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ deferring
+
+    def _open_fences(self, fences: Sequence[Fence]) -> tuple[list[Fence], Fence | None, Any]:
+        """Ask each fence worth waiting for (:func:`newest_per_stream`) once.
+
+        Returns ``(open, faulted, error)``: the fences not yet complete, in
+        order, and the first fence that raised with its exception (then
+        ``open`` is meaningless: the ids must be quarantined).
+        """
+        waits: list[Fence] = []
+        for f in newest_per_stream(fences) if len(fences) > 1 else fences:
+            try:
+                done = f.query()
+            except Exception as exc:  # a faulted stream
+                return waits, f, exc
+            if not done:
+                waits.append(f)
+        return waits, None, None
+
+    def _defer(
+        self,
+        fence: Fence,
+        items: list[T],
+        n: int,
+        now: float,
+        rest: tuple[Fence, ...] = (),
+    ) -> None:
+        """Hold ``n`` ids (``items``, already marked PENDING) behind ``fence``
+        and every fence in ``rest``.
+
+        Joins the batch already waiting behind exactly ``fence`` when there is
+        one (no ``rest`` on either side), else creates a batch with the next
+        deferral id and calls ``on_pending(fence)``.
+        """
+        self.pending += n
+        self.deferred_frees += n
+        key = stream_key(fence)
+        if key is None:
+            if not rest:
+                for batch in self._unordered:
+                    if batch.fence is fence and not batch.rest:
+                        batch.items.extend(items)
+                        batch.n += n
+                        return
+            batch = Deferred(fence, 0, rest, self._next_did, items, n, now)
+            self._next_did += 1
+            self._unordered.append(batch)
+        else:
+            fseq: int = getattr(fence, "seq", 0)
+            queue = self._streams.get(key)
+            if queue is None:
+                queue = self._streams[key] = collections.deque()
+            # Keep the queue in record order; frees usually arrive in it, so
+            # scan from the tail (O(1) in the common case).
+            index = len(queue)
+            while index > 0:
+                tail = queue[index - 1]
+                if tail.fence is fence and not rest and not tail.rest:
+                    tail.items.extend(items)
+                    tail.n += n
+                    return
+                if tail.seq <= fseq:
+                    break
+                index -= 1
+            batch = Deferred(fence, fseq, rest, self._next_did, items, n, now)
+            self._next_did += 1
+            queue.insert(index, batch)
+        if self._on_pending is not None:
+            self._on_pending(fence)
+
+    def _enqueue(self, batch: Deferred[T]) -> None:
+        """Queue an existing batch behind its (new) head fence, in record order."""
+        key = stream_key(batch.fence)
+        if key is None:
+            batch.seq = 0
+            self._unordered.append(batch)
+        else:
+            fseq: int = getattr(batch.fence, "seq", 0)
+            batch.seq = fseq
+            queue = self._streams.get(key)
+            if queue is None:
+                queue = self._streams[key] = collections.deque()
+            index = len(queue)
+            while index > 0 and queue[index - 1].seq > fseq:
+                index -= 1
+            queue.insert(index, batch)
+        if self._on_pending is not None:
+            self._on_pending(batch.fence)
+
+    # ------------------------------------------------------------ reclaim
+
+    def reclaim(self) -> int:
+        """Release every batch whose fences all completed; return the ids released.
+
+        Looks only at the head of each stream's queue (fences of one stream
+        complete in order) and at the side list: O(completed + streams +
+        unordered), never O(pending). A fence that raises quarantines its
+        batch. A batch whose head completed but that waits for more fences
+        moves behind the next one.
+        """
+        if not self.pending:
+            return 0
+        released = 0
+        empty: list[int] = []
+        # A copy: moving a batch behind another stream's fence may add that
+        # stream's queue to the dict.
+        for key, queue in list(self._streams.items()):
+            while queue:
+                batch = queue[0]
+                try:
+                    done = batch.fence.query()
+                except Exception as exc:
+                    queue.popleft()
+                    self._fault_batch(batch, batch.fence, exc)
+                    continue
+                if not done:
+                    break
+                queue.popleft()
+                released += self._settle(batch)
+            if not queue:
+                empty.append(key)
+        for key in empty:
+            if not self._streams[key]:  # a move may have refilled it
+                del self._streams[key]
+        if self._unordered:
+            unordered, self._unordered = self._unordered, []
+            keep: list[Deferred[T]] = []
+            for batch in unordered:
+                try:
+                    done = batch.fence.query()
+                except Exception as exc:
+                    self._fault_batch(batch, batch.fence, exc)
+                    continue
+                if done:
+                    released += self._settle(batch)
+                else:
+                    keep.append(batch)
+            # A batch moved here during the loop went to the new list.
+            keep.extend(self._unordered)
+            self._unordered = keep
+        return released
+
+    def _settle(self, batch: Deferred[T]) -> int:
+        """``batch``'s head completed (it is out of its queue): release it, or
+        move it behind its next open fence. Returns the ids released."""
+        if batch.rest:
+            waits, faulted, error = self._open_fences(batch.rest)
+            if faulted is not None:
+                self._fault_batch(batch, faulted, error)
+                return 0
+            if waits:
+                batch.fence = waits[0]
+                batch.rest = tuple(waits[1:])
+                self._enqueue(batch)
+                return 0
+            batch.rest = ()
+        n = batch.n
+        self.pending -= n
+        self.fence_latencies.append(self._clock() - batch.t0)
+        self._release_items(batch.items)
+        self.reclaimed += n
+        return n
+
+    # ------------------------------------------------------------ faults
+
+    def _fault_batch(self, batch: Deferred[T], fence: Fence, exc: BaseException) -> None:
+        """Quarantine a pending batch (already out of its queue)."""
+        self.pending -= batch.n
+        self._fault(batch.items, batch.n, fence, exc)
+
+    def _fault(
+        self,
+        items: list[T],
+        n: int,
+        fence: Fence,
+        exc: BaseException,
+        *,
+        count: bool = True,
+    ) -> None:
+        """Quarantine ``n`` ids because ``fence`` raised ``exc``.
+
+        ``count=False`` for more ids of a fault already counted and reported
+        (one free call meeting the same faulted fence again).
+        """
+        self._quarantine_items(items)
+        self.quarantined += n
+        if not count:
+            return
+        self.fence_errors += 1
+        err = exc if isinstance(exc, FenceError) else FenceError(f"fence {fence!r} raised {exc!r}")
+        if err is not exc:
+            err.__cause__ = exc
+        self.last_fence_error = err
+        logger.error(
+            "fence %r faulted; quarantined %s %s: %s", fence, self.unit, _describe(items, n), exc
+        )
+        if self._on_fault is not None:
+            self._on_fault(fence, err)
+
+    # ------------------------------------------------------------ views
+
+    def pending_fences(self) -> list[Fence]:
+        """The fences that hold ids: each stream's head first, then the rest."""
+        fences = [q[0].fence for q in self._streams.values() if q]
+        fences.extend(b.fence for q in self._streams.values() for b in list(q)[1:])
+        fences.extend(b.fence for b in self._unordered)
+        return fences
+
+    def pending_batches(self) -> list[Deferred[T]]:
+        """Every pending batch, in deferral order (``did``); O(pending batches)."""
+        return sorted(self._batches(), key=lambda b: b.did)
+
+    def _batches(self) -> Iterator[Deferred[T]]:
+        for queue in self._streams.values():
+            yield from queue
+        yield from self._unordered
+
+    # ------------------------------------------------------------ proof
+
+    def _check_deferrals(self, fail: Callable[[str], None]) -> list[list[T]]:
+        """Check the queues' own invariants; return every pending batch's items."""
+        items: list[list[T]] = []
+        dids: set[int] = set()
+        total = 0
+        for key, queue in self._streams.items():
+            seqs = [b.seq for b in queue]
+            if seqs != sorted(seqs):
+                fail(f"stream {key} queue out of record order: {seqs}")
+            for b in queue:
+                if stream_key(b.fence) != key or b.seq != getattr(b.fence, "seq", 0):
+                    fail(f"batch {b!r} sits in the queue of stream {key}")
+        for b in self._unordered:
+            if stream_key(b.fence) is not None:
+                fail(f"batch {b!r} of an ordered fence sits in the side list")
+        for b in self._batches():
+            if b.did in dids or not 0 <= b.did < self._next_did:
+                fail(f"batch {b!r} has a duplicate or unissued deferral id")
+            dids.add(b.did)
+            if any(f is b.fence for f in b.rest):
+                fail(f"batch {b!r} waits twice for its head fence")
+            if b.n <= 0 or self._count_items(b.items) != b.n:
+                fail(f"batch {b!r} holds {self._count_items(b.items)} ids, not n={b.n}")
+            total += b.n
+            items.append(b.items)
+        if total != self.pending:
+            fail(f"pending count {self.pending} != ids in batches {total}")
+        return items
+
+
+def _describe(items: list[Any], n: int, limit: int = 16) -> str:
+    """A short rendering of a batch's ``n`` ids for a log line."""
+    flat: list[Any] = []
+    for part in items:
+        if isinstance(part, int):
+            flat.append(part)
+        else:
+            flat.extend(part.tolist())
+        if len(flat) > limit:
+            return f"{str(flat[:limit])[:-1]}, ...] ({n} in all)"
+    return str(flat)

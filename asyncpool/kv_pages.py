@@ -1,0 +1,788 @@
+"""``KVPagePool``: a fenced, vectorised allocator of KV-cache page ids.
+
+A request holds a row of ``req_to_token`` *and* the KV-cache pages whose
+token slots that row lists; a page freed while a write into it is still in
+flight (a forward, a prefill-to-decode transfer) must not reach its next
+owner before that write lands. This module gives pages the row pool's
+guarantees, with bookkeeping that costs a few array operations per call
+whatever the number of pages:
+
+* :class:`PageLedger`: one byte of state per page (a numpy view of a
+  ``bytearray``), a FIFO ring of free page ids (a numpy view of an
+  ``array.array``), and pending batches that hold numpy arrays of page ids.
+  Its fence machinery (per-stream queues in record order, the side list for
+  fences of unknown origin, quarantine, fault accounting) is the row
+  ledger's: both are :class:`~asyncpool.deferral.Deferrals`;
+* :class:`KVPagePool`: the synchronous API, the page counterpart of
+  :class:`~asyncpool.ReqToTokenPool`. It hands out page ids only; the KV
+  tensors stay the engine's.
+
+Each page moves through::
+
+    FREE --take--> ALLOCATED --free--> FREE                  (no open fence)
+                            \\--free--> PENDING --fences done--> FREE
+                                              \\--a fence faulted--> QUARANTINED
+
+Page 0 is reserved padding: never handed out, never accepted. Token slot
+``o`` of page ``p`` is ``p * page_size + o`` (what ``req_to_token`` rows
+hold). Free pages are reused oldest-freed first.
+
+Every public method is atomic: one that raises has changed nothing. Not
+thread-safe: call a pool from one thread (the scheduler's).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .deferral import Deferrals
+from .errors import CapacityError, DoubleFreeError, InvalidSlotError
+from .fences import Fence, HostStream, record_fence
+from .ledger import ALLOCATED, FREE, PENDING, QUARANTINED, RESERVED, STATE_NAMES, SlotLedger
+from .stats import LatencySummary
+
+__all__ = ["KVPagePool", "KVPageStats", "PageLedger"]
+
+logger = logging.getLogger(__name__)
+
+PageArray: TypeAlias = npt.NDArray[np.int64]
+#: Validated page ids: a short list of Python ints, or an int64 array.
+PageIds: TypeAlias = "list[int] | PageArray"
+
+# Up to this many pages, alloc and free work on Python ints instead of
+# numpy calls (each numpy call costs about a microsecond; a Python step on
+# one page a few tens of nanoseconds).
+_TINY = 16
+_I64 = np.dtype(np.int64)
+_TOP_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64's eight
+
+
+def _dtype_error(dtype: object) -> InvalidSlotError:
+    return InvalidSlotError(f"page ids must be integers, got an array of dtype {dtype}")
+
+
+def _index(value: object) -> int:
+    """One page id from a list element: an int, a numpy integer, or a 0-d
+    integer tensor; bools and floats are refused."""
+    cls = value.__class__
+    if cls is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, np.integer):
+        return int(value)
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype is not torch.bool
+    ):
+        return int(value.item())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    raise InvalidSlotError(f"page ids must be ints, got {value!r} of type {type(value).__name__}")
+
+
+class PageLedger(Deferrals[PageArray]):
+    """Bookkeeping for ``num_pages - 1`` pages; see the module docstring.
+
+    For an owning pool: :meth:`take` hands out page ids as an array,
+    :meth:`free` takes them back behind fences, :meth:`put_back` returns ids
+    taken but never given to anyone. ``on_pending(fence)`` is called once for
+    each batch that starts waiting behind ``fence``; ``on_fault(fence,
+    error)`` when a fence faults (its pages are quarantined). The pending
+    queues, :meth:`reclaim` and the fault counters come from
+    :class:`~asyncpool.deferral.Deferrals`.
+    """
+
+    unit = "pages"
+
+    def __init__(
+        self,
+        num_pages: int,
+        *,
+        on_pending: Callable[[Fence], None] | None = None,
+        on_fault: Callable[[Fence, BaseException], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        latency_window: int = 4096,
+    ) -> None:
+        if num_pages.__class__ is not int or num_pages < 2:
+            raise CapacityError(
+                f"a page pool needs num_pages >= 2 (page 0 is reserved), got {num_pages!r}"
+            )
+        super().__init__(
+            on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
+        )
+        self.num_pages = num_pages
+        self.capacity = capacity = num_pages - 1
+        # One byte of state per page: the bytearray for Python-int steps, the
+        # numpy view (same memory) for vectorised ones.
+        self._state_bytes = bytearray(num_pages)
+        self._state_bytes[0] = RESERVED
+        self._state = np.frombuffer(self._state_bytes, dtype=np.uint8)
+        # The FIFO ring of free ids: ``free_count`` ids from ``_head`` on,
+        # wrapping at ``capacity``. Same two views.
+        self._ring_ids = array.array("q", range(1, num_pages))
+        self._ring = np.frombuffer(self._ring_ids, dtype=np.int64)
+        self._head = 0
+        self.free_count = capacity
+        # Pages taken from the ring over the pool's life, and those of them
+        # put back. The ring starts as 1..capacity and pages never taken sit
+        # behind every other free page in id order (frees go to the tail,
+        # put-backs to the head, both of pages taken before), so the k-th
+        # never-taken page leaves at the k-th take or later: a page above
+        # ``_taken`` was never handed out. No per-page history needed.
+        self._taken = 0
+        self._returned = 0
+        self.peak_allocated = 0
+        # Scratch for vectorised checks.
+        self._all_allocated = bytes([ALLOCATED]) * capacity
+        self._zero_bytes = bytes(capacity)
+        self._mark = np.zeros(num_pages, dtype=np.int32)
+        self._iota = np.arange(capacity, dtype=np.int32)
+        self._iota_bytes = self._iota.tobytes()
+
+    # ------------------------------------------------------------------ counts
+
+    @property
+    def allocated(self) -> int:
+        return self.capacity - self.free_count - self.pending - self.quarantined
+
+    @property
+    def allocs(self) -> int:
+        """Pages handed out over the pool's life (not counting put-backs)."""
+        return self._taken - self._returned
+
+    @property
+    def frees(self) -> int:
+        """Pages given back over the pool's life (each handed-out page once)."""
+        return self.allocs - self.allocated
+
+    def state_of(self, page: int) -> str:
+        """The state of ``page`` by name (for messages and tests)."""
+        return STATE_NAMES[self._state_bytes[page]]
+
+    def states(self) -> npt.NDArray[np.uint8]:
+        """Every page's state, one byte per page (a read-only copy)."""
+        return self._state.copy()
+
+    # ------------------------------------------------------------------ take
+
+    def check_n(self, n: object) -> int:
+        """Validate a requested page count; raise :class:`CapacityError`."""
+        if n.__class__ is not int:
+            raise CapacityError(
+                f"a page count must be an int, got {n!r} of type {type(n).__name__}"
+            )
+        assert isinstance(n, int)
+        if n < 1:
+            raise CapacityError(f"cannot allocate {n} pages: a request needs at least 1 page")
+        if n > self.capacity:
+            raise CapacityError(
+                f"cannot allocate {n} pages: the pool has only {self.capacity} "
+                "(num_pages - 1, page 0 is reserved)"
+            )
+        return n
+
+    def take(self, n: int) -> PageArray | None:
+        """Hand out the ``n`` oldest-freed pages as a fresh int64 array (never
+        a view of the ring), or None when fewer are free.
+
+        ``n`` must already be validated (an int in ``1..capacity``). Does not
+        reclaim: the caller decides when to.
+        """
+        if n > self.free_count:
+            return None
+        capacity = self.capacity
+        head = self._head
+        end = head + n
+        ring = self._ring
+        if end < capacity:
+            out = ring[head:end].copy()
+            self._head = end
+        elif end == capacity:
+            out = ring[head:].copy()
+            self._head = 0
+        else:
+            out = np.concatenate((ring[head:], ring[: end - capacity]))
+            self._head = end - capacity
+        if n <= _TINY:
+            state = self._state_bytes
+            for page in out.tolist():
+                state[page] = ALLOCATED
+        else:
+            self._state[out] = ALLOCATED
+        self.free_count -= n
+        self._taken += n
+        allocated = capacity - self.free_count - self.pending - self.quarantined
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+        return out
+
+    def put_back(self, pages: object) -> None:
+        """Return pages handed out by :meth:`take` but never given to anyone.
+
+        They go back to the head of the free ring in the order given, ahead
+        of every other free page (for a waiter cancelled after its grant:
+        the next taker gets them first). Raises as
+        :meth:`free` does, changing nothing, unless they are distinct
+        allocated pages.
+        """
+        ids, _ = self.prepare(pages, "put back")
+        n = len(ids)
+        if not n:
+            return
+        arr = np.asarray(ids, dtype=np.int64)
+        capacity = self.capacity
+        head = self._head - n
+        if head < 0:
+            head += capacity
+        end = head + n
+        if end <= capacity:
+            self._ring[head:end] = arr
+        else:
+            split = capacity - head
+            self._ring[head:] = arr[:split]
+            self._ring[: end - capacity] = arr[split:]
+        self._state[arr] = FREE
+        self._head = head
+        self.free_count += n
+        self._returned += n
+
+    # ------------------------------------------------------------------ free
+
+    @staticmethod
+    def check_fence(fence: object, name: str = "fence") -> None:
+        """Raise TypeError unless ``fence`` has ``query()`` and ``synchronize()``."""
+        SlotLedger.check_fence(fence, name)
+
+    def free(self, pages: object, fences: Sequence[Fence] = ()) -> int:
+        """Return allocated pages; return how many are free at once.
+
+        The pages wait for every fence in ``fences`` (the newest per stream);
+        with none incomplete they are free at once, else PENDING until
+        :meth:`reclaim` sees the fences done. A fence already faulted
+        quarantines them. Raises, changing nothing, for a non-fence, and as
+        :meth:`prepare` does for bad page ids.
+        """
+        for f in fences:
+            self.check_fence(f)
+        ids, owned = self.prepare(pages)
+        return self.free_prepared(ids, owned, fences)
+
+    def prepare(self, pages: object, what: str = "freed") -> tuple[PageIds, bool]:
+        """Validate pages about to be freed; return ``(ids, owned)``.
+
+        ``pages`` is a 1-D integer tensor or numpy array, a list, tuple or
+        other iterable of ints (numpy or 0-d torch integers accepted per
+        element), or a single int. ``ids`` are distinct allocated page ids,
+        a list of ints for a few pages or an int64 array; ``owned`` says the
+        array is a fresh copy the caller may keep (else it may alias the
+        caller's memory). Raises :class:`InvalidSlotError` for page 0, ids
+        out of range, non-integer ids or dtypes, duplicates and pages not
+        allocated, :class:`DoubleFreeError` for pages already free or
+        pending. Changes nothing.
+        """
+        cls = pages.__class__
+        if cls is torch.Tensor:
+            assert isinstance(pages, torch.Tensor)
+            shape = pages.shape
+            if len(shape) == 1 and shape[0] <= _TINY:
+                small = pages.tolist()
+                if self._small_ok(small):
+                    return small, True
+            return self._checked(*self._tensor_array(pages), what)
+        if cls is np.ndarray:
+            assert isinstance(pages, np.ndarray)
+            return self._checked(*self._numpy_array(pages, owned=False), what)
+        if cls is list or cls is tuple:
+            assert isinstance(pages, (list, tuple))
+            if len(pages) <= _TINY and self._small_ok(pages):
+                return list(pages), True
+            return self._checked(self._list_array(pages, what), True, what)
+        if cls is int:
+            assert isinstance(pages, int)
+            return self._checked(self._list_array([pages], what), True, what)
+        if isinstance(pages, torch.Tensor):  # a subclass
+            return self._checked(*self._tensor_array(pages), what)
+        if isinstance(pages, np.ndarray):
+            return self._checked(*self._numpy_array(pages, owned=False), what)
+        if isinstance(pages, (np.integer, int)) and not isinstance(pages, bool):
+            return self._checked(self._list_array([pages], what), True, what)
+        if isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, dict)):
+            return self._checked(self._list_array(list(pages), what), True, what)
+        raise InvalidSlotError(
+            "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
+            f"got {type(pages).__name__}"
+        )
+
+    def free_prepared(self, ids: PageIds, owned: bool, fences: Sequence[Fence] = ()) -> int:
+        """:meth:`free` for ids that :meth:`prepare` returned, fences checked."""
+        n = len(ids)
+        if not n:
+            return 0
+        if fences:
+            waits, faulted, error = self._open_fences(fences)
+            if faulted is not None:
+                self._fault([self._own(ids, owned)], n, faulted, error)
+                return 0
+            if waits:
+                arr = self._own(ids, owned)
+                self._state[arr] = PENDING
+                self._defer(waits[0], [arr], n, self._clock(), tuple(waits[1:]))
+                return 0
+        self._push(ids)
+        return n
+
+    @staticmethod
+    def _own(ids: PageIds, owned: bool) -> PageArray:
+        if ids.__class__ is list:
+            return np.array(ids, dtype=np.int64)
+        assert isinstance(ids, np.ndarray)
+        return ids if owned else ids.copy()
+
+    def _push(self, ids: PageIds) -> None:
+        """Append ids to the tail of the free ring and mark them FREE."""
+        n = len(ids)
+        capacity = self.capacity
+        tail = self._head + self.free_count
+        if tail >= capacity:
+            tail -= capacity
+        if ids.__class__ is list:
+            state = self._state_bytes
+            ring = self._ring_ids
+            for page in ids:
+                state[page] = FREE
+                ring[tail] = page
+                tail += 1
+                if tail == capacity:
+                    tail = 0
+        else:
+            end = tail + n
+            if end <= capacity:
+                self._ring[tail:end] = ids
+            else:
+                split = capacity - tail
+                self._ring[tail:] = ids[:split]
+                self._ring[: end - capacity] = ids[split:]
+            self._state[ids] = FREE
+        self.free_count += n
+
+    # ------------------------------------------------------------------ checks
+
+    def _small_ok(self, ids: Sequence[Any]) -> bool:
+        """True if a few ids are distinct allocated pages (Python ints)."""
+        state = self._state_bytes
+        num_pages = self.num_pages
+        for page in ids:
+            if page.__class__ is not int or not 0 < page < num_pages or state[page] != ALLOCATED:
+                return False
+        n = len(ids)
+        return n < 2 or len(set(ids)) == n
+
+    @staticmethod
+    def _tensor_array(pages: torch.Tensor) -> tuple[PageArray, bool]:
+        try:
+            arr = pages.numpy()  # a float, bool or complex dtype is refused below
+        except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
+            if pages.dtype is torch.bool or pages.is_floating_point() or pages.is_complex():
+                raise _dtype_error(pages.dtype) from None
+            arr = pages.detach().cpu().numpy()
+        return PageLedger._numpy_array(arr, owned=False)
+
+    @staticmethod
+    def _numpy_array(arr: npt.NDArray[Any], owned: bool) -> tuple[PageArray, bool]:
+        kind = arr.dtype.kind
+        if kind != "i" and kind != "u":
+            raise _dtype_error(arr.dtype)
+        if arr.ndim != 1:
+            if arr.ndim:
+                raise InvalidSlotError(f"pages must be a 1-D array, got shape {arr.shape}")
+            arr = arr.reshape(1)
+        if arr.dtype != _I64 or not arr.flags.c_contiguous:
+            # uint64 ids past 2**63 wrap negative here and are refused below.
+            return arr.astype(np.int64), True
+        return arr, owned
+
+    def _list_array(self, seq: Sequence[Any], what: str | None) -> PageArray:
+        if not all(v.__class__ is int for v in seq):
+            seq = [_index(v) for v in seq]
+        try:
+            return np.array(seq, dtype=np.int64)
+        except OverflowError:  # an id past int64: out of range
+            ids = list(seq)
+            raise (self._page_error(ids, what) if what else self._range_error(ids)) from None
+
+    def _checked(self, arr: PageArray, owned: bool, what: str) -> tuple[PageArray, bool]:
+        """Vectorised check that ``arr`` (int64, 1-D, contiguous) holds distinct
+        allocated pages; raise the error for the first bad id otherwise."""
+        n = arr.shape[0]
+        if not n:
+            return arr, owned
+        # No negative id and none past 2**56: every top byte is zero.
+        ok = arr.tobytes()[_TOP_BYTE::8] == self._zero_bytes[:n]
+        if ok:
+            try:
+                states = self._state[arr]  # IndexError past num_pages
+            except IndexError:
+                ok = False
+            else:
+                ok = states.tobytes() == self._all_allocated[:n]  # page 0 is RESERVED
+        if ok and n > 1:
+            mark = self._mark
+            iota = self._iota[:n]
+            mark[arr] = iota
+            ok = mark[arr].tobytes() == self._iota_bytes[: 4 * n]
+        if not ok:
+            raise self._page_error(arr.tolist(), what)
+        return arr, owned
+
+    def _page_error(self, ids: list[int], what: str) -> InvalidSlotError:
+        """The error for the first bad id of a call (in the call's order)."""
+        seen: set[int] = set()
+        for page in ids:
+            if page == 0:
+                return InvalidSlotError(f"page 0 is reserved padding and cannot be {what}")
+            if not 0 < page < self.num_pages:
+                return InvalidSlotError(
+                    f"page {page} is out of range 1..{self.num_pages - 1}"
+                )
+            if page in seen:
+                return InvalidSlotError(f"page {page} appears more than once in one call")
+            seen.add(page)
+            state = self._state_bytes[page]
+            if state == ALLOCATED:
+                continue
+            if state == FREE and page > self._taken:
+                return InvalidSlotError(f"page {page} was never allocated and cannot be {what}")
+            if state in (FREE, PENDING):
+                where = "is already free" if state == FREE else "is already pending behind a fence"
+                if what == "freed":
+                    return DoubleFreeError(f"double free: page {page} {where}")
+                return InvalidSlotError(f"page {page} {where} (not allocated) and cannot be {what}")
+            return InvalidSlotError(f"page {page} is {STATE_NAMES[state]} and cannot be {what}")
+        raise AssertionError(f"no bad page among {ids}")  # pragma: no cover
+
+    def check_ids(self, pages: object) -> PageArray:
+        """Page ids as an int64 array, each in ``1..num_pages - 1`` (any state).
+
+        Raises :class:`InvalidSlotError` for page 0, ids out of range and
+        non-integer ids or dtypes.
+        """
+        if isinstance(pages, torch.Tensor):
+            arr, _ = self._tensor_array(pages)
+        elif isinstance(pages, np.ndarray):
+            arr, _ = self._numpy_array(pages, owned=False)
+        elif isinstance(pages, (int, np.integer)) and not isinstance(pages, bool):
+            arr = self._list_array([pages], None)
+        elif isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, dict)):
+            arr = self._list_array(list(pages), None)
+        else:
+            raise InvalidSlotError(
+                "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
+                f"got {type(pages).__name__}"
+            )
+        n = arr.shape[0]
+        ok = arr.tobytes()[_TOP_BYTE::8] == self._zero_bytes[:n]
+        if ok:
+            try:
+                ok = bytes([RESERVED]) not in self._state[arr].tobytes()
+            except IndexError:
+                ok = False
+        if not ok:
+            raise self._range_error(arr.tolist())
+        return arr
+
+    def _range_error(self, ids: list[int]) -> InvalidSlotError:
+        for page in ids:
+            if page == 0:
+                return InvalidSlotError("page 0 is reserved padding and has no slots")
+            if not 0 < page < self.num_pages:
+                return InvalidSlotError(f"page {page} is out of range 1..{self.num_pages - 1}")
+        raise AssertionError(f"no bad page among {ids}")  # pragma: no cover
+
+    # ------------------------------------------------------------------ deferral hooks
+
+    def _release_items(self, items: list[PageArray]) -> None:
+        self._push(items[0] if len(items) == 1 else np.concatenate(items))
+
+    def _quarantine_items(self, items: list[PageArray]) -> None:
+        state = self._state
+        for part in items:
+            state[part] = QUARANTINED
+
+    def _count_items(self, items: list[PageArray]) -> int:
+        return sum(len(part) for part in items)
+
+    # ------------------------------------------------------------------ bulk
+
+    def free_all_allocated(self) -> int:
+        """Free every allocated page at once, in page-id order (for ``clear``)."""
+        pages = np.flatnonzero(self._state == ALLOCATED).astype(np.int64)
+        if len(pages):
+            self._push(pages)
+        return len(pages)
+
+    # ------------------------------------------------------------------ proof
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every invariant of the module holds."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"page ledger invariant broken: {msg}")
+
+        state = self._state
+        capacity = self.capacity
+        if state[0] != RESERVED:
+            fail("page 0 is not reserved")
+        counts = np.bincount(state[1:], minlength=len(STATE_NAMES))
+        if counts[RESERVED] or counts[len(STATE_NAMES) - 1] or len(counts) > len(STATE_NAMES):
+            fail(f"pages in impossible states: {counts.tolist()}")
+        if not 0 <= self._head < capacity or not 0 <= self.free_count <= capacity:
+            fail(f"ring head {self._head} / free count {self.free_count} out of range")
+        free_ids = self._ring[(self._head + np.arange(self.free_count)) % capacity]
+        if len(np.unique(free_ids)) != len(free_ids):
+            fail("a page is in the free ring twice")
+        if len(free_ids) != counts[FREE] or (len(free_ids) and (state[free_ids] != FREE).any()):
+            fail(f"free ring ({len(free_ids)}) != FREE pages ({counts[FREE]})")
+        parts = [part for items in self._check_deferrals(fail) for part in items]
+        for part in parts:
+            if part.dtype != _I64 or part.ndim != 1 or np.may_share_memory(part, self._ring):
+                fail("a pending batch holds an array that is not a private 1-D int64 array")
+        pending = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if len(np.unique(pending)) != len(pending):
+            fail("a page is pending in two batches")
+        if len(pending) != counts[PENDING] or (len(pending) and (state[pending] != PENDING).any()):
+            fail(f"pending batches ({len(pending)}) != PENDING pages ({counts[PENDING]})")
+        if self.quarantined != counts[QUARANTINED]:
+            fail(f"quarantined count {self.quarantined} != {counts[QUARANTINED]}")
+        if self.allocated != counts[ALLOCATED]:
+            fail(f"allocated count {self.allocated} != {counts[ALLOCATED]}")
+        if int(counts[:4].sum()) != capacity:
+            fail("states do not add up to capacity")
+        if self._taken < capacity and (state[self._taken + 1 :] != FREE).any():
+            fail("a page never handed out is not free")
+        if self.peak_allocated < self.allocated:
+            fail(f"peak {self.peak_allocated} below allocated {self.allocated}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVPageStats:
+    """A snapshot of a :class:`KVPagePool`'s state and lifetime totals.
+
+    ``free + allocated + pending + quarantined == capacity`` always holds.
+    ``allocs``/``frees`` count pages handed out / given back over the pool's
+    life; ``deferred_frees`` pages that had to wait for a fence,
+    ``reclaimed`` pages a completed fence returned, ``fence_errors`` faulted
+    fences, ``pending_fences`` the batches waiting now.
+    """
+
+    num_pages: int
+    page_size: int
+    capacity: int
+    free: int
+    allocated: int
+    pending: int
+    quarantined: int
+    peak_allocated: int
+    allocs: int
+    frees: int
+    deferred_frees: int
+    reclaimed: int
+    fence_errors: int
+    pending_fences: int
+    fence_latency: LatencySummary = field(default_factory=LatencySummary)
+
+
+class KVPagePool:
+    """A fenced pool of ``num_pages - 1`` KV-cache pages of ``page_size`` slots.
+
+    ``alloc(n)`` hands out the ``n`` oldest-freed pages as a 1-D int64
+    tensor on ``device``; ``free(pages, fence=..., after=...)`` returns them,
+    at once or once the fences complete (:meth:`reclaim`, which
+    :meth:`alloc` runs before answering ``None``). Page ids only: the KV
+    tensors are the engine's; :meth:`slots` maps pages to the token slot ids
+    ``req_to_token`` rows hold.
+
+    On a CUDA ``device`` the returned tensors are copied to the device (one
+    host-to-device copy per call), and freeing a device tensor reads it back
+    (which waits for the current stream): keep and free the host ids where
+    that matters. Not thread-safe: call it from one thread.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if page_size.__class__ is not int or page_size < 1:
+            raise CapacityError(f"page_size must be an int >= 1, got {page_size!r}")
+        self._ledger = PageLedger(num_pages)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self._on_host = self.device.type == "cpu"
+        self._offsets = np.arange(page_size, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        led = self._ledger
+        return (
+            f"<KVPagePool num_pages={self.num_pages} page_size={self.page_size} "
+            f"free={led.free_count} allocated={led.allocated} pending={led.pending} "
+            f"quarantined={led.quarantined}>"
+        )
+
+    @property
+    def ledger(self) -> PageLedger:
+        """The page ledger, for an owning pool that wires its hooks
+        (:meth:`~asyncpool.deferral.Deferrals.set_hooks`) and holds pages per row."""
+        return self._ledger
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can be handed out: ``num_pages - 1`` (page 0 is reserved)."""
+        return self._ledger.capacity
+
+    # ------------------------------------------------------------------ alloc
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take the ``n`` oldest-freed pages, or None when short.
+
+        Reclaims completed fences before answering None. Returns a fresh 1-D
+        int64 tensor (it never aliases the pool's memory). Raises
+        :class:`CapacityError` for ``n`` that is not an int in
+        ``1..capacity``.
+        """
+        led = self._ledger
+        if n.__class__ is not int or not 0 < n <= led.capacity:
+            led.check_n(n)
+        pages = led.take(n)
+        if pages is None:
+            if not (led.pending and led.reclaim()):
+                return None
+            pages = led.take(n)
+            if pages is None:
+                return None
+        if self._on_host:
+            return torch.from_numpy(pages)
+        return torch.from_numpy(pages).to(self.device)
+
+    # ------------------------------------------------------------------ free
+
+    def free(
+        self,
+        pages: object,
+        *,
+        fence: Fence | None = None,
+        after: HostStream | Any | None = None,
+    ) -> int:
+        """Return allocated pages; return how many are free at once.
+
+        ``pages``: a 1-D integer tensor or numpy array, a list of ints (numpy
+        or 0-d torch integers accepted per element), or one int. With
+        ``fence`` (any object with ``query()``/``synchronize()``: a
+        :class:`HostFence`, a ``CudaFence``, a transfer handle) and/or
+        ``after`` (a stream: a fence is recorded on it now, after the pages
+        are checked), the pages wait for every such fence; a fence already
+        faulted quarantines them.
+
+        Raises, changing nothing: ``TypeError`` for a non-fence,
+        :class:`InvalidSlotError` for page 0, ids out of range, non-integer
+        ids or dtypes, duplicates, pages not allocated (or quarantined),
+        :class:`DoubleFreeError` for pages already free or pending. A call
+        with one bad id among good ones frees none.
+        """
+        led = self._ledger
+        if fence is None and after is None:
+            ids, owned = led.prepare(pages)
+            return led.free_prepared(ids, owned)
+        fences: list[Fence] = []
+        if fence is not None:
+            led.check_fence(fence)
+            fences.append(fence)
+        ids, owned = led.prepare(pages)
+        if after is not None:
+            fences.append(record_fence(after))
+        return led.free_prepared(ids, owned, fences)
+
+    def reclaim(self) -> int:
+        """Return pages whose fences completed; the number made free."""
+        return self._ledger.reclaim()
+
+    def clear(self) -> None:
+        """Flush: free every allocated page at once and reclaim completed fences.
+
+        Never releases a page behind an incomplete fence: pages already
+        pending stay pending and return through :meth:`reclaim` once their
+        fences complete; quarantined pages stay quarantined. Allocated pages
+        carry no fence the pool knows of, so call this only when no work in
+        flight still writes them.
+        """
+        led = self._ledger
+        led.free_all_allocated()
+        led.reclaim()
+
+    # ------------------------------------------------------------------ views
+
+    def available_size(self) -> int:
+        """Pages free right now (not counting pages pending behind fences)."""
+        return self._ledger.free_count
+
+    def pending_size(self) -> int:
+        """Pages freed but waiting for their fences to complete."""
+        return self._ledger.pending
+
+    def quarantined_size(self) -> int:
+        """Pages kept out of circulation because their fence faulted."""
+        return self._ledger.quarantined
+
+    def allocated_size(self) -> int:
+        return self._ledger.allocated
+
+    def slots(self, pages: object) -> torch.Tensor:
+        """The token slot ids of ``pages``: ``page * page_size + offset``.
+
+        A 1-D int64 tensor on ``device`` of ``len(pages) * page_size``
+        slots, page by page. Any page id in ``1..num_pages - 1`` is accepted
+        whatever its state; page 0 and ids out of range raise
+        :class:`InvalidSlotError`.
+        """
+        arr = self._ledger.check_ids(pages)
+        slots = (arr[:, None] * self.page_size + self._offsets).reshape(-1)
+        if self._on_host:
+            return torch.from_numpy(slots)
+        return torch.from_numpy(slots).to(self.device)
+
+    def stats(self) -> KVPageStats:
+        led = self._ledger
+        return KVPageStats(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            capacity=led.capacity,
+            free=led.free_count,
+            allocated=led.allocated,
+            pending=led.pending,
+            quarantined=led.quarantined,
+            peak_allocated=led.peak_allocated,
+            allocs=led.allocs,
+            frees=led.frees,
+            deferred_frees=led.deferred_frees,
+            reclaimed=led.reclaimed,
+            fence_errors=led.fence_errors,
+            pending_fences=len(led.pending_fences()),
+            fence_latency=LatencySummary.of(led.fence_latencies),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every bookkeeping invariant holds."""
+        self._ledger.check_invariants()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .errors import (
     AgreementError,
     CapacityError,
+    DeviceError,
     DoubleFreeError,
     FenceError,
     InvalidSlotError,
@@ -32,6 +33,7 @@ __all__ = [
     "AsyncReqToTokenPool",
     "CapacityError",
     "CudaFence",
+    "DeviceError",
     "DoubleFreeError",
     "Fence",
     "FenceError",

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .fences import Fence, record_fence
+from .fences import Fence, HostStream, record_fence
 from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
@@ -63,7 +63,12 @@ class PoolCore:
     # Hooks from the ledger -------------------------------------------------
 
     def _reset_rows(self, rows: list[int]) -> None:
-        if len(rows) >= _MASK_RESET_ROWS:
+        led = self._ledger
+        if led.free_count == led.capacity:
+            # Every row is free (an idle pool running out of clean rows):
+            # zero them all in one op, no index or mask to build.
+            self._tables.reset_rows_from_1()
+        elif len(rows) >= _MASK_RESET_ROWS:
             # Many dirty rows: zero every FREE row through a zero-copy view of
             # the ledger's state bytes (re-zeroing clean rows is harmless);
             # cheaper than building an index of the rows.
@@ -123,6 +128,13 @@ class PoolCore:
         must survive both passes).
         """
         led = self._ledger
+        if not isinstance(after, HostStream) and getattr(
+            getattr(after, "device", None), "type", None
+        ) != "cuda":
+            raise TypeError(
+                f"after= must be a HostStream or a CUDA stream to record a fence on, "
+                f"got {after!r} of type {type(after).__name__}"
+            )
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)

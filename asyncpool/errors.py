@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AgreementError",
     "CapacityError",
+    "DeviceError",
     "DoubleFreeError",
     "FenceError",
     "InvalidSlotError",
@@ -71,6 +72,14 @@ class MemorySaverError(PoolError, RuntimeError):
 
     It needs CUDA; on a machine without it, ``enable_memory_saver=True`` is
     refused with this error rather than silently ignored.
+    """
+
+
+class DeviceError(PoolError, RuntimeError):
+    """The pool was asked for a device this process cannot use.
+
+    ``device="cuda"`` where ``torch.cuda.is_available()`` is False is refused
+    with this error at construction, instead of torch's ``AssertionError``.
     """
 
 

@@ -31,9 +31,11 @@ Not thread-safe: the owning pool serialises calls.
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -79,15 +81,28 @@ class SlotLedger(Deferrals[int]):
         clock: Callable[[], float] = time.perf_counter,
         latency_window: int = 4096,
     ) -> None:
-        if size.__class__ is not int or size < 2:
-            raise CapacityError(f"a pool needs size >= 2 (row 0 is reserved), got {size!r}")
+        if size.__class__ is not int:
+            raise CapacityError(
+                f"size must be an int, got {size!r} of type {type(size).__name__}"
+            )
+        if size < 2:
+            raise CapacityError(
+                f"size must be at least 2 (row 0 is reserved padding), got {size!r}"
+            )
         self.size = size
         self.capacity = size - 1
         self._free: collections.deque[int] = collections.deque(range(1, size))
         self._clean = size - 1  # the tables start zeroed
         self._state = bytearray(size)
         self._state[0] = RESERVED
+        # Generations (hand-outs per row) in two parts, so bookkeeping stays
+        # the same size however long the pool runs: a list of the counts mod
+        # 256 (always CPython's shared small ints, so 8 B a row; a plain
+        # count would become a separate int object per row past 256, +32 B)
+        # and an array of the carries, touched once every 256 hand-outs.
+        # The fast paths increment _gen and call _carry when it reaches 256.
         self._gen = [0] * size
+        self._gen_hi = array.array("Q", bytes(8 * size))
         self._uses: list[Any] = [None] * size
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
@@ -113,7 +128,7 @@ class SlotLedger(Deferrals[int]):
     @property
     def allocs(self) -> int:
         """Rows handed out over the pool's life (derived: no hot-path counter)."""
-        return sum(self._gen) - self._returned
+        return sum(self._gen) + (sum(self._gen_hi) << 8) - self._returned
 
     @property
     def frees(self) -> int:
@@ -126,7 +141,12 @@ class SlotLedger(Deferrals[int]):
 
     def generation(self, row: int) -> int:
         """How many times ``row`` has been handed out."""
-        return self._gen[row]
+        return (self._gen_hi[row] << 8) | self._gen[row]
+
+    def _carry(self, row: int) -> int:
+        """``_gen[row]`` reached 256: carry into the high part; the new low part."""
+        self._gen_hi[row] += 1
+        return 0
 
     # ------------------------------------------------------------------ take
 
@@ -163,16 +183,18 @@ class SlotLedger(Deferrals[int]):
         if n == 1:
             row = free.popleft()
             self._state[row] = ALLOCATED
-            self._gen[row] += 1
+            g = self._gen[row] + 1
+            self._gen[row] = g if g != 256 else self._carry(row)
             rows = [row]
         else:
             state = self._state
             gen = self._gen
             pop = free.popleft
-            rows = [pop() for _ in range(n)]
+            rows = list(itertools.starmap(pop, itertools.repeat((), n)))  # a C loop
             for row in rows:
                 state[row] = ALLOCATED
-                gen[row] += 1
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else self._carry(row)
         if len(free) < self._peak_bound:
             self._note_peak()
         return rows
@@ -214,18 +236,27 @@ class SlotLedger(Deferrals[int]):
     # ------------------------------------------------------------------ checks
 
     def check_n(self, n: object) -> int:
-        """Validate a requested row count; raise :class:`CapacityError`."""
+        """Validate a requested row count; raise :class:`CapacityError`.
+
+        Accepts a Python int or an integer scalar (numpy, a 0-d torch
+        tensor); returns it as a Python int. Floats and bools are refused.
+        """
         if n.__class__ is not int:
-            raise CapacityError(
-                f"a row count must be an int, got {n!r} of type {type(n).__name__}"
-            )
+            try:
+                n = as_index(n)
+            except TypeError:
+                raise CapacityError(
+                    f"a row count must be an integer, got {n!r} of type {type(n).__name__}"
+                ) from None
         assert isinstance(n, int)
         if n < 1:
-            raise CapacityError(f"cannot allocate {n} rows: a request needs at least 1 row")
+            raise CapacityError(
+                f"cannot allocate {n} {_rows_word(n)}: a request needs at least 1 row"
+            )
         if n > self.capacity:
             raise CapacityError(
                 f"cannot allocate {n} rows: the pool has only {self.capacity} "
-                "(size - 1, row 0 is reserved)"
+                "(size - 1, since row 0 is reserved)"
             )
         return n
 
@@ -241,9 +272,11 @@ class SlotLedger(Deferrals[int]):
             return InvalidSlotError(f"row {row} is out of range 1..{self.size - 1}")
         state = self._state[row]
         if state == _CHECKING:
-            return InvalidSlotError(f"row {row} appears more than once in one call")
+            return InvalidSlotError(
+                f"row {row} appears twice in this call; a call may name each row once"
+            )
         if state in (FREE, PENDING):
-            if self._gen[row] == 0:
+            if self.generation(row) == 0:
                 return InvalidSlotError(f"row {row} was never allocated and cannot be {what}")
             where = "is already free" if state == FREE else "is already pending behind a fence"
             if what == "freed":
@@ -260,9 +293,10 @@ class SlotLedger(Deferrals[int]):
         size = self.size
         for i, row in enumerate(rows):
             if row.__class__ is not int or not 0 < row < size or state[row] != ALLOCATED:
+                error = self._row_error(row, what)  # before undoing: it reads the marks
                 for done in rows[:i]:
                     state[done] = ALLOCATED
-                raise self._row_error(row, what)
+                raise error
             state[row] = _CHECKING
 
     def check_allocated(self, rows: Sequence[int], what: str) -> None:
@@ -274,15 +308,8 @@ class SlotLedger(Deferrals[int]):
 
     @staticmethod
     def as_rows(rows: object) -> Sequence[int]:
-        if rows.__class__ is int:
-            return (rows,)
-        if isinstance(rows, (list, tuple, range)):
-            return rows
-        if isinstance(rows, Iterable) and not isinstance(rows, (str, bytes)):
-            return list(rows)
-        raise InvalidSlotError(
-            f"rows must be an int or a sequence of ints, got {type(rows).__name__}"
-        )
+        """``rows`` as a sequence of Python ints (see :func:`as_row_ids`)."""
+        return as_row_ids(rows)
 
     @staticmethod
     def check_fence(fence: object, name: str = "fence") -> None:
@@ -520,6 +547,73 @@ class SlotLedger(Deferrals[int]):
         for row in range(1, self.size):
             if self._uses[row] is not None and state[row] != ALLOCATED:
                 fail(f"row {row} carries a recorded use but is {STATE_NAMES[state[row]]}")
+
+
+def _rows_word(n: int) -> str:
+    return "row" if n == 1 else "rows"
+
+
+def as_index(value: object) -> int:
+    """One integer as a Python int: an int, a numpy or torch integer scalar,
+    or a one-element (0-d) integer tensor or array. ``TypeError`` for
+    anything else, bools and floats included."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if getattr(value, "ndim", None) == 0:
+        item = getattr(value, "item", None)
+        if item is not None:
+            value = item()  # numpy scalar, 0-d array or tensor -> Python scalar
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a row id")
+    return operator.index(value)  # type: ignore[arg-type]  # TypeError if not an integer
+
+
+def as_row_ids(rows: object) -> Sequence[int]:
+    """What engines hold, as a sequence of Python ints.
+
+    Accepts an int or an integer scalar (numpy, torch; a 0-d tensor is one
+    row), a 1-D integer tensor or array, or any iterable of those. A list,
+    tuple or range of Python ints is returned as it is (the fast path);
+    anything else is converted once, here, off the hot path. Raises
+    :class:`InvalidSlotError` naming the value for floats, bools, strings and
+    tensors that are not 1-D.
+    """
+    cls = rows.__class__
+    if cls is list or cls is tuple or cls is range:
+        seq: Sequence[Any] = rows  # type: ignore[assignment]
+        for row in seq:
+            if row.__class__ is not int:
+                break
+        else:
+            return seq
+        return [_row_id(row) for row in seq]
+    if cls is int:
+        return (rows,)  # type: ignore[return-value]
+    ndim = getattr(rows, "ndim", None)
+    if ndim == 0:
+        return (_row_id(rows),)
+    if ndim is not None and ndim != 1:
+        raise InvalidSlotError(
+            f"rows must be one row id or a 1-D sequence of row ids, got a "
+            f"{ndim}-D {type(rows).__name__} of shape {tuple(getattr(rows, 'shape', ()))}"
+        )
+    if ndim == 1 and hasattr(rows, "tolist"):
+        return [_row_id(row) for row in rows.tolist()]
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise InvalidSlotError(
+            f"rows must be an int or a sequence of ints, got {rows!r} of type "
+            f"{type(rows).__name__}"
+        )
+    return [_row_id(row) for row in rows]
+
+
+def _row_id(row: object) -> int:
+    try:
+        return as_index(row)
+    except TypeError:
+        raise InvalidSlotError(
+            f"row ids must be integers, got {row!r} of type {type(row).__name__}"
+        ) from None
 
 
 def _merge_uses(prev: Any, fence: Fence) -> tuple[Fence, ...]:

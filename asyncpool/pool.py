@@ -18,10 +18,13 @@ free queue, clean) and re-runs the grant loop; a cancelled head that was not
 granted re-runs it too, since smaller waiters behind it may now fit.
 
 Thread rules: the pool is loop-affine like every asyncio object. It binds to
-the first thread that calls a mutating method (and to that thread's running
-loop); calls from another thread raise :class:`WrongThreadError`. Fence
-completions on other threads reach the loop only through
-``loop.call_soon_threadsafe``.
+the thread of the first call made *inside a running event loop* (and to that
+loop); calls from another thread then raise :class:`WrongThreadError`.
+Synchronous calls made while no loop runs (building and warming a pool in a
+set-up thread) do not bind, so an engine may build the pool in one thread
+and run its scheduler in another. :meth:`AsyncReqToTokenPool.bind` hands a
+bound pool over explicitly. Fence completions on other threads reach the
+loop only through ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Non
         loop.call_soon_threadsafe(settle)
     except RuntimeError:  # the loop is closed
         pass
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 row"``, ``"2 rows"``: messages read as sentences."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _check_wait_args(priority: object, timeout: object) -> None:
@@ -136,6 +144,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._size = led.size
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
+        self._owner_name = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[int, collections.deque[_Waiter]] = {}
         self._prios: list[int] = []
@@ -144,6 +153,11 @@ class AsyncReqToTokenPool(PoolCore):
         self._closed = False
         self._released = False
         self._gated = False  # closed or released: no fast path, no grants
+        # The owner's ident while alloc's fast path is open (bound, nobody
+        # queued, not gated), else None: one compare checks all three. Set
+        # to None wherever one of them stops holding; re-derived by the next
+        # alloc that takes the general path (stale None is only slower).
+        self._fast: int | None = None
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
@@ -181,19 +195,59 @@ class AsyncReqToTokenPool(PoolCore):
             self._bind_thread()
 
     def _bind_thread(self) -> None:
+        # Off the fast path: the pool is unbound, or called from a thread
+        # that does not own it.
         ident = _get_ident()
-        if self._owner is None:
-            self._owner = ident
-        elif self._owner != ident:
-            raise WrongThreadError(
-                f"AsyncReqToTokenPool is bound to thread {self._owner} and was called from "
-                f"thread {ident}; use loop.call_soon_threadsafe to reach it"
-            )
-        if self._loop is None:
+        owner = self._owner
+        if owner is None:
             try:
-                self._loop = asyncio.get_running_loop()
+                loop = _get_running_loop()
             except RuntimeError:
-                pass
+                return  # set-up code outside any loop: do not bind
+            self._owner = ident
+            self._owner_name = threading.current_thread().name
+            if self._loop is None:
+                self._loop = loop
+            return
+        if owner != ident:
+            here = threading.current_thread().name
+            raise WrongThreadError(
+                f"AsyncReqToTokenPool is bound to thread {self._owner_name!r} (ident {owner}) "
+                f"and was called from thread {here!r} (ident {ident}); call it from its own "
+                "thread (loop.call_soon_threadsafe), or hand it over with pool.bind() "
+                "called in the new thread"
+            )
+
+    def bind(self) -> None:
+        """Bind the pool to the calling thread and its running loop, if any.
+
+        The explicit hand-off: build and warm a pool in one thread, then call
+        ``bind()`` in the scheduler's thread (or in its event loop) before
+        using it there. Without a running loop only the thread is bound; the
+        first ``alloc`` that has to wait binds the loop. From then on, calls
+        from any other thread raise :class:`WrongThreadError`.
+
+        The previous thread must have stopped calling the pool. Raises
+        :class:`PoolBusyError`, changing nothing, while an ``alloc`` waits or
+        a row is pending behind a fence (their wake-ups belong to the old
+        loop); free or drain first.
+        """
+        if self._nwaiters or self._ledger.pending or self._unwatched:
+            raise PoolBusyError(
+                f"cannot bind the pool to thread {threading.current_thread().name!r} while "
+                f"{_count(self._nwaiters, 'waiter')} queue and "
+                f"{_count(self._ledger.pending, 'row')} wait behind fences; "
+                "let them finish (await pool.drain()) first"
+            )
+        self._flush_resets()  # a flush queued on the old loop must not be needed
+        self._owner = _get_ident()
+        self._owner_name = threading.current_thread().name
+        self._fast = None
+        try:
+            self._loop = _get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._wake_scheduled = False  # nothing is pending, so nothing to wake
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -220,13 +274,33 @@ class AsyncReqToTokenPool(PoolCore):
         ``TimeoutError`` after ``timeout`` seconds. On any exception,
         cancellation included, nothing was allocated.
         """
-        if self._owner != _get_ident():
+        ident = _get_ident()
+        if self._fast == ident and n == 1 and n.__class__ is int:
+            # The owner's thread, nobody queued, not gated: one clean row.
+            if timeout is not None or priority.__class__ is not int:
+                _check_wait_args(priority, timeout)
+            led = self._ledger
+            if led._clean:
+                # Inlined SlotLedger.take(1) for a clean row.
+                led._clean -= 1
+                free = self._free_q
+                row = free.popleft()
+                self._state[row] = 1  # ALLOCATED
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
+                if len(free) < led._peak_bound:
+                    led._note_peak()
+                return [row]
+        if self._owner != ident:
             self._bind_thread()
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            self._ledger.check_n(n)
+            n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
         if not self._nwaiters and not self._gated:
+            if self._owner is not None:
+                self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
             if n == 1 and led._clean:
                 # Inlined SlotLedger.take(1) for a clean row.
@@ -234,7 +308,9 @@ class AsyncReqToTokenPool(PoolCore):
                 free = self._free_q
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
+                gen = self._gen
+                g = gen[row] + 1
+                gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 return [row]
@@ -255,8 +331,8 @@ class AsyncReqToTokenPool(PoolCore):
         if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
             self._rejections += 1
             raise PoolBusyError(
-                f"{self._nwaiters} waiters already queue (max_waiters={self._max_waiters}); "
-                f"refusing to queue a request for {n} rows"
+                f"{_count(self._nwaiters, 'waiter')} already queued, the limit set by "
+                f"max_waiters={self._max_waiters}; refusing to queue alloc({n})"
             )
         loop = _get_running_loop()
         if loop is not self._loop:
@@ -273,8 +349,9 @@ class AsyncReqToTokenPool(PoolCore):
             bisect.insort(self._prios, priority)
         queue.append(waiter)
         self._nwaiters += 1
+        self._fast = None
         handle = None if timeout is None else loop.call_later(
-            timeout, self._expire, waiter, priority
+            timeout, self._expire, waiter, priority, timeout
         )
         try:
             return await fut
@@ -314,13 +391,16 @@ class AsyncReqToTokenPool(PoolCore):
             del self._queues[priority]
             self._prios.remove(priority)
 
-    def _expire(self, waiter: _Waiter, priority: int) -> None:
+    def _expire(self, waiter: _Waiter, priority: int, timeout: float) -> None:
         n, fut, _ = waiter
         if fut.done():
             return
         self._dequeue(waiter, priority)
         self._timeouts += 1
-        fut.set_exception(TimeoutError(f"no {n} rows could be granted within the timeout"))
+        fut.set_exception(TimeoutError(
+            f"alloc({n}) timed out after {timeout} s: {_count(n, 'row')} could not be "
+            "granted in time"
+        ))
         self._grant()
 
     def _give_back(self, rows: list[int]) -> None:
@@ -371,7 +451,8 @@ class AsyncReqToTokenPool(PoolCore):
                 # row was freed a moment ago and is still dirty.
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                self._gen[row] += 1
+                g = self._gen[row] + 1
+                self._gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 rows = [row]
@@ -412,7 +493,7 @@ class AsyncReqToTokenPool(PoolCore):
             self._bind_thread()
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            led.check_n(n)
+            n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if self._nwaiters or self._released:
@@ -439,16 +520,20 @@ class AsyncReqToTokenPool(PoolCore):
     def free(
         self,
         rows: Rows,
+        fence: Fence | None = None,
         *,
         after: HostStream | Any | None = None,
-        fence: Fence | None = None,
     ) -> int:
         """Return rows to the pool; never awaits.
 
         Each row goes back to circulation once its newest recorded use and
         ``fence`` (and a fence recorded now on ``after``, when given) have
         completed; a row with nothing incomplete is free at once and goes to
-        the waiters. Returns the number of rows free at once. Raises,
+        the waiters. Returns the number of rows free at once. The signature
+        is :meth:`ReqToTokenPool.free`'s: ``free(rows)``, ``free(rows, fence)``
+        or ``free(rows, fence=fence)``, and ``after=`` by keyword. ``rows``: an
+        int, a list of ints, integer scalars or a 1-D integer tensor or array.
+        Raises,
         changing nothing, for row 0, out-of-range or non-int ids, rows not
         allocated (:class:`DoubleFreeError` for one already freed),
         duplicates, and a ``fence`` that is not a fence. Allowed after
@@ -552,8 +637,9 @@ class AsyncReqToTokenPool(PoolCore):
     def _unfittable(self, n: int) -> CapacityError:
         q = self._ledger.quarantined
         return CapacityError(
-            f"cannot allocate {n} rows: only {self._capacity - q} of {self._capacity} can "
-            f"ever be free again ({q} are quarantined behind faulted fences)"
+            f"cannot allocate {_count(n, 'row')}: only {self._capacity - q} of "
+            f"{self._capacity} can ever be free again ({_count(q, 'row')} quarantined "
+            "behind faulted fences)"
         )
 
     # ------------------------------------------------------------ leases
@@ -570,8 +656,11 @@ class AsyncReqToTokenPool(PoolCore):
 
         On exit (normal, exception or cancellation) the rows are freed,
         behind a fence recorded on ``after`` at exit when given. If the body
-        freed the rows itself and they were handed out again, exit raises
-        :class:`DoubleFreeError` instead of freeing another owner's rows.
+        freed any of the rows itself, whether or not they were handed out
+        again since, exit frees the rows the lease still owns and then raises
+        :class:`DoubleFreeError` naming the others: it never frees a row
+        twice, nor another owner's row. If the body raised, that exception
+        is the new error's ``__context__``.
         """
         return Lease(self, n, priority, timeout, after)
 
@@ -613,6 +702,7 @@ class AsyncReqToTokenPool(PoolCore):
             return
         self._closed = True
         self._gated = True
+        self._fast = None
         error = PoolClosedError("the pool was closed while this request waited")
         for queue in list(self._queues.values()):
             for _, fut, _ in queue:
@@ -647,12 +737,14 @@ class AsyncReqToTokenPool(PoolCore):
         if self._released:
             return
         self._released = self._gated = True
+        self._fast = None
         try:
             await self.drain()
             allocated = self._ledger.allocated
             if allocated:
+                rows = "1 row is" if allocated == 1 else f"{allocated} rows are"
                 raise PoolBusyError(
-                    f"cannot release memory while {allocated} rows are allocated; free them first"
+                    f"cannot release memory while {rows} still allocated; free them first"
                 )
             self._tables.pause()
         except BaseException:
@@ -749,25 +841,26 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         pool = self._pool
-        rows = self.rows
         led = pool._ledger
         stale = [
             r
-            for r, g in zip(rows, self._gens, strict=True)
+            for r, g in zip(self.rows, self._gens, strict=True)
             if pool.generation(r) != g or led.state_of(r) != "allocated"
         ]
+        rows = [r for r in self.rows if r not in stale] if stale else self.rows
+        if rows:
+            try:
+                pool.free(rows, after=self._after)
+            except Exception:
+                # No fence could be recorded on `after` (say, a HostStream
+                # closed in the body: its work has run or been dropped). Never
+                # leak the rows: free them behind their recorded uses, then
+                # report.
+                if all(led.state_of(r) == "allocated" for r in rows):
+                    pool.free(rows)
+                raise
         if stale:
             raise DoubleFreeError(
-                f"lease rows {stale} were freed inside the lease body; "
-                "not freeing them again (they may belong to another request now)"
+                f"lease rows {stale} were freed inside the lease body, so the lease "
+                "does not free them again (they may belong to another request now)"
             )
-        try:
-            pool.free(rows, after=self._after)
-        except Exception:
-            # No fence could be recorded on `after` (say, a HostStream closed
-            # in the body: its work has run or been dropped). Never leak the
-            # rows: free them behind their recorded uses, then report.
-            if all(led.state_of(r) == "allocated" for r in rows):
-                pool.free(rows)
-            raise
-

@@ -77,7 +77,7 @@ class ReqToTokenPool(PoolCore):
         """
         led = self._ledger
         if need_size.__class__ is not int or not 0 < need_size <= led.capacity:
-            led.check_n(need_size)
+            need_size = led.check_n(need_size)
         rows = led.take(need_size)
         if rows is None and led.pending and led.reclaim():
             rows = led.take(need_size)
@@ -96,9 +96,12 @@ class ReqToTokenPool(PoolCore):
     ) -> int:
         """Free rows; each waits for its newest recorded use and for ``fence``.
 
-        ``after=stream`` records a fence on ``stream`` now and waits for it
-        too. Returns how many rows were free at once. Raises, changing
-        nothing, for bad rows or a non-fence.
+        Same signature as :meth:`AsyncReqToTokenPool.free`: ``fence`` by
+        position or keyword, ``after`` by keyword only. ``after=stream``
+        records a fence on ``stream`` now and waits for it too. Returns how
+        many rows were free at once. Raises, changing nothing, for bad rows
+        or a non-fence. ``free_index``: an int, a list of ints, integer
+        scalars or a 1-D integer tensor or array.
         """
         led = self._ledger
         if after is not None:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidSlotError, MemorySaverError
+from .errors import DeviceError, InvalidSlotError, MemorySaverError
+from .ledger import as_index
 
 __all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables"]
 
@@ -120,6 +121,11 @@ class TokenTables:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(
+                f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}); use device='cpu' on this machine"
+            )
         self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
         self._on_cuda = self.device.type == "cuda"
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)
@@ -148,9 +154,16 @@ class TokenTables:
     # ------------------------------------------------------------------ writes
 
     def check_row(self, row: object) -> int:
-        if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self.size:
-            raise InvalidSlotError(f"row {row!r} is out of range 0..{self.size - 1}")
-        return row
+        """``row`` as a Python int (integer scalars and 0-d tensors accepted)."""
+        try:
+            index = as_index(row)
+        except TypeError:
+            raise InvalidSlotError(
+                f"a row id must be an integer, got {row!r} of type {type(row).__name__}"
+            ) from None
+        if not 0 <= index < self.size:
+            raise InvalidSlotError(f"row {index} is out of range 0..{self.size - 1}")
+        return index
 
     def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
         """Write a row's lengths and its first ``alloced_len`` token slots."""
@@ -214,6 +227,17 @@ class TokenTables:
         self.alloced_lens_cpu.masked_fill_(mask, 0)
         with self._stream_context():
             self._lens.masked_fill_(mask.to(self.device, non_blocking=True), 0)
+
+    def reset_rows_from_1(self) -> None:
+        """Zero the lengths of every row but the padding row 0: one op on CPU.
+
+        For a bulk reset while every row is free: no index or mask to build
+        (a mask over the state bytes costs several torch ops).
+        """
+        with self._stream_context():
+            self._lens[:, 1:].zero_()
+        if self._on_cuda:
+            self.alloced_lens_cpu[1:].zero_()
 
     def reset_all(self) -> None:
         """Zero every length (``clear()`` and ``resume_memory()``)."""

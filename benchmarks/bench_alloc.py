@@ -31,9 +31,9 @@ from .naive_pool import NaiveReqToTokenPool
 
 __all__ = ["bench_batched", "bench_contended", "bench_uncontended"]
 
-UNCONTENDED_VS_SEED = Target(">=", 40.0)
+UNCONTENDED_VS_SEED = Target(">=", 45.0)
 UNCONTENDED_VS_SEM = Target("<=", 1.5)
-BATCHED_VS_SEED = Target(">=", 30.0)
+BATCHED_VS_SEED = Target(">=", 50.0)
 CONTENDED_VS_SEM = Target("<=", 1.25)
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .bench_scaling import HANDOUTS
 from .harness import Config, Row
 
 __all__ = ["loadavg", "machine_info", "render_markdown", "to_json"]
@@ -244,8 +245,9 @@ def render_markdown(
             "## Memory",
             "",
             f"Tables at max_context_len={cfg.scaling_context_len} (they scale with it); "
-            "bookkeeping is Python objects after every row was allocated and freed once "
-            "(tracemalloc).",
+            "bookkeeping is Python objects after every asyncpool row was handed out "
+            f"{HANDOUTS} times (the seed-style pool's once; tracemalloc). Reproduce: "
+            "`python -m benchmarks --only scaling`.",
             "",
             "| size | asyncpool tables | asyncpool bookkeeping | per row "
             "| seed-style bookkeeping | per row |",

@@ -11,14 +11,18 @@ cpython#90155 / anyio#1172 (queue jumping).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import threading
 
 import pytest
-from helpers import WAIT_S, assert_conserved, bounded, spin
+from helpers import WAIT_S, EventFence, assert_conserved, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, PoolClosedError
+from asyncpool.fences import HostFence
+
+_KEYS = itertools.count(2_000_000)  # stream keys no real stream uses
 
 
 @pytest.fixture(autouse=True)
@@ -433,3 +437,47 @@ async def test_random_same_tick_interleavings_never_leak_or_hang(kit, seed):
         await pool.close()
     assert pool.available_size() == pool.capacity
     assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- wake-up flag
+
+
+class _CompletesAnotherFence(EventFence):
+    """Never completes itself; its ``query()`` completes ``other`` once ``row``
+    is allocated again, i.e. inside the grant loop's reclaim, after ``other``
+    was already queried in that same reclaim (stream heads go first)."""
+
+    def __init__(self, pool: AsyncReqToTokenPool, row: int, other: HostFence) -> None:
+        super().__init__()
+        self.pool, self.row, self.other = pool, row, other
+
+    def query(self) -> bool:
+        if not self.other.query() and self.pool._ledger.state_of(self.row) == "allocated":
+            self.other._settle(None)  # its done-callback runs here, in the loop thread
+        return super().query()
+
+
+async def test_fence_completing_during_the_wakeup_callback_schedules_another():
+    """``_on_fences_done`` must clear its flag *before* it reclaims: a fence
+    that completes while the callback reclaims and grants (after the last
+    look at it) has its wake-up coalesced into a callback that already ran,
+    and its waiter hangs. Deterministic: a fence's query() completes another."""
+    pool = make(4)
+    rows = await pool.alloc(3)
+    a = HostFence(next(_KEYS), 1)
+    b = HostFence(next(_KEYS), 1)
+    c = _CompletesAnotherFence(pool, rows[0], b)
+    try:
+        pool.free(rows[:1], fence=a)
+        pool.free(rows[1:2], fence=b)
+        pool.free(rows[2:], fence=c)
+        w1, w2 = await queued(pool, 1, 1)
+        a._settle(None)  # wakes the pool: reclaim gives row 1 to w1; then b completes
+        assert await outcome(w1) == rows[:1]
+        got = await outcome(w2)
+        assert got == rows[1:2], f"the second waiter was never woken: {got!r}"
+        assert_conserved(pool)
+    finally:
+        c.set()
+        async with bounded():
+            await pool.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,7 +153,46 @@ def _rows(kind: str) -> list[Case]:
             str(FREED_ROW),
         ),
         Case(
-            f"{kind}-free-duplicate", kind, lambda c: c.pool.free([2, 1, 2]), InvalidSlotError, "2"
+            f"{kind}-free-duplicate",
+            kind,
+            lambda c: c.pool.free([2, 1, 2]),
+            InvalidSlotError,
+            "row 2 appears twice in this call",
+        ),
+        Case(
+            f"{kind}-free-numpy-float",
+            kind,
+            lambda c: c.pool.free(np.float64(1.5)),
+            InvalidSlotError,
+            "1.5",
+        ),
+        Case(
+            f"{kind}-free-bool-tensor",
+            kind,
+            lambda c: c.pool.free(torch.tensor([True])),
+            InvalidSlotError,
+            "True",
+        ),
+        Case(
+            f"{kind}-free-2d-tensor",
+            kind,
+            lambda c: c.pool.free(torch.tensor([[1, 2]])),
+            InvalidSlotError,
+            "2-D",
+        ),
+        Case(
+            f"{kind}-free-after-str",
+            kind,
+            lambda c: c.pool.free([1], after="x"),
+            TypeError,
+            "after=",
+        ),
+        Case(
+            f"{kind}-free-positional-non-fence",
+            kind,
+            lambda c: c.pool.free([1], "nope"),
+            TypeError,
+            "'nope'",
         ),
         # the good rows before the bad one must stay allocated (atomicity)
         Case(

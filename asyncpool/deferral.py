@@ -438,12 +438,15 @@ class Deferrals(Generic[T]):
         From now on the ledger never asks a fence whether it has completed:
         :meth:`reclaim` returns 0, a free waits behind every fence it names
         (the newest per stream) unless that fence was already retired, and
-        ids return only through :meth:`retire`, :meth:`apply_agreement` and
-        ``force_release``. Call it on a fresh ledger (nothing pending).
+        ids return only through :meth:`retire`, :meth:`apply_agreement`,
+        :meth:`conclude` and ``force_release``. The ``on_pending`` hook is
+        dropped (an owner must not arrange wake-ups). Call it on a fresh
+        ledger (nothing pending).
         """
         if self.pending or self.quarantined:
             raise RuntimeError("make_explicit() needs a ledger with nothing pending")
         self.explicit = True
+        self._on_pending = None  # no wake-ups: nothing completes by itself here
 
     @property
     def deferral_counter(self) -> int:
@@ -483,6 +486,36 @@ class Deferrals(Generic[T]):
             released += self._settle(queue.popleft())
         if not queue and self._streams.get(key) is queue:
             del self._streams[key]
+        return released
+
+    def conclude(self, fence: Fence, error: BaseException | None) -> int:
+        """``fence`` was waited for (``synchronize()`` returned, or raised
+        ``error``): settle every batch whose head it is, as :meth:`retire`
+        would for an ordered fence; quarantine them if it raised. For an
+        explicit owner's ``drain()``, whose outcome (nothing pending) does not
+        depend on timing. Returns the ids released. O(pending batches).
+        """
+        if error is None and stream_key(fence) is not None:
+            return self.retire(fence)
+        hits: list[Deferred[T]] = []
+        for key, queue in list(self._streams.items()):
+            if any(b.fence is fence for b in queue):
+                hits.extend(b for b in queue if b.fence is fence)
+                keep = collections.deque(b for b in queue if b.fence is not fence)
+                if keep:
+                    self._streams[key] = keep
+                else:
+                    del self._streams[key]
+        hits.extend(b for b in self._unordered if b.fence is fence)
+        self._unordered = [b for b in self._unordered if b.fence is not fence]
+        released = 0
+        for i, batch in enumerate(hits):
+            if error is None:
+                released += self._settle(batch)
+            else:
+                self.agreed_overdue.discard(batch.did)
+                self.pending -= batch.n
+                self._fault(batch.items, batch.n, fence, error, count=i == 0)
         return released
 
     # ------------------------------------------------------------ agreement

@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
+from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore
+from .deferral import check_ordered
 from .errors import (
     CapacityError,
     DoubleFreeError,
@@ -116,6 +118,15 @@ class AsyncReqToTokenPool(PoolCore):
     max_waiters
         At most this many ``alloc`` calls may queue; one more raises
         :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.
+    reclaim
+        ``"auto"`` (default): rows return as soon as their fences complete
+        (fence callbacks, a watcher thread, reclaim inside ``alloc``).
+        ``"explicit"``, for engines that run one scheduler replica per
+        tensor-parallel rank: the pool never asks a fence whether it has
+        completed; rows return through :meth:`retire` (the scheduler has
+        processed that step) and :meth:`agree` (a collective over the ranks
+        for fences the scheduler does not observe), so ranks that make the
+        same calls make the same grants. See the README's TP section.
     """
 
     def __init__(
@@ -126,11 +137,17 @@ class AsyncReqToTokenPool(PoolCore):
         enable_memory_saver: bool = False,
         stream: Any | None = None,
         max_waiters: int | None = None,
+        *,
+        reclaim: str = "auto",
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+        explicit = check_reclaim_mode(reclaim)
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
         led = self._ledger
+        if explicit:
+            led.make_explicit()
+        self.reclaim_mode = reclaim
         self._capacity = led.capacity
         self._take = led.take
         # The single-row fast paths of alloc() and free() below work on the
@@ -564,10 +581,61 @@ class AsyncReqToTokenPool(PoolCore):
         return immediate
 
     def reclaim(self) -> int:
-        """Return rows whose fences completed; grant waiters; the rows made free."""
+        """Return rows whose fences completed; grant waiters; the rows made free.
+
+        With ``reclaim="explicit"`` it asks no fence and returns 0.
+        """
         if self._owner != _get_ident():
             self._bind_thread()
         released = self._ledger.reclaim()
+        if released and self._nwaiters:
+            self._grant()
+        return released
+
+    # ------------------------------------------------------------ explicit reclaim
+
+    def retire(self, fence: Fence) -> int:
+        """The scheduler has processed the step ``fence`` ends (``reclaim="explicit"``).
+
+        Returns to circulation exactly the rows behind fences of ``fence``'s
+        stream up to it, in record order, then grants waiters (the grant loop
+        runs synchronously inside this call). Never calls ``query()``: call
+        it once the step's outputs are in (you waited for them anyway), at
+        the same point of the loop on every rank. Returns the rows made
+        free; 0 when nothing waited on it. Raises ``TypeError`` for a fence
+        that is not ordered (a transfer handle: :meth:`agree` settles those)
+        and ``RuntimeError`` on an ``"auto"`` pool; either way nothing
+        changes. Loop thread only.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        check_explicit(led, "retire")
+        check_ordered(fence)
+        released = led.retire(fence)
+        if released and self._nwaiters:
+            self._grant()
+        return released
+
+    def agree(self, group: Any = None) -> int:
+        """Settle pending fences identically on every tensor-parallel rank.
+
+        A collective over the ``torch.distributed`` process group ``group``
+        (None: the default group), for ``reclaim="explicit"`` pools: each
+        rank asks its pending fences locally, one small tensor of flags is
+        all-reduced with MIN, and every rank releases exactly what all of
+        them saw complete, then grants waiters. Every rank must call it at
+        the same point of its loop. Blocks the loop for one collective
+        (:mod:`asyncpool.agreement`). Returns the rows made free. Raises
+        :class:`AgreementError` on every rank, changing nothing, when the
+        ranks' pools hold different pending batches (they did not make the
+        same calls); ``RuntimeError`` on an ``"auto"`` pool.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        check_explicit(led, "agree")
+        released = agree(group, [led]).released[0]
         if released and self._nwaiters:
             self._grant()
         return released
@@ -671,10 +739,17 @@ class AsyncReqToTokenPool(PoolCore):
 
         Works before and after :meth:`close`. Rows of faulted fences are
         quarantined, not waited for. Cancelling ``drain`` changes nothing.
+        With ``reclaim="explicit"`` it waits for each pending fence in turn
+        (``synchronize()`` in a worker thread) and settles what is behind
+        it as :meth:`retire` would: the outcome, nothing pending, does not
+        depend on timing, so ranks that drain at the same point stay alike.
         """
         self._check_thread()
         loop = self._running_loop()
         led = self._ledger
+        if led.explicit:
+            await self._drain_explicit(loop)
+            return
         while True:
             if led.pending:
                 self.reclaim()
@@ -687,6 +762,22 @@ class AsyncReqToTokenPool(PoolCore):
                 await fut
             else:
                 await loop.run_in_executor(None, _synchronize_quietly, head)
+
+    async def _drain_explicit(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Explicit pools ask no fence on their own: wait for each pending
+        # fence in turn and settle what is behind it as retire() would. The
+        # outcome (nothing pending) is the same on every rank whatever the
+        # timing, so replicas that drain at the same point stay in step.
+        led = self._ledger
+        while led.pending:
+            head = led.pending_fences()[0]
+            error: BaseException | None = None
+            try:
+                await loop.run_in_executor(None, head.synchronize)
+            except Exception as exc:  # a faulted fence: quarantine its rows
+                error = exc
+            if led.conclude(head, error) and self._nwaiters:
+                self._grant()
 
     async def close(self) -> None:
         """Close the pool: new allocations and current waiters fail.

@@ -5,18 +5,27 @@ Single process. The multi-process agreement test is tests/test_tp.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FakeFence, FakeStream
+from helpers import FakeFence, FakeStream, bounded
 
-from asyncpool import AgreementError, FenceError, KVPagePool, ReqToTokenPool
+from asyncpool import (
+    AgreementError,
+    AsyncReqToTokenPool,
+    FenceError,
+    HostStream,
+    KVPagePool,
+    ReqToTokenPool,
+)
 from asyncpool.agreement import WIDTH, agree
 from asyncpool.deferral import check_ordered
 
@@ -36,7 +45,11 @@ class CountingFence:
         return self.done
 
     def synchronize(self) -> None:
-        raise AssertionError("an explicit pool must never synchronize a fence")
+        # Only drain() waits for fences; the tests never make it wait long.
+        if self.error is not None:
+            raise self.error
+        if not self.done:
+            raise AssertionError("synchronize() on a fence the test has not completed")
 
 
 def rows_pool(reclaim: str = "explicit", size: int = 9) -> ReqToTokenPool:
@@ -432,3 +445,104 @@ def test_fake_fence_helper_counts_queries() -> None:
     f: FakeFence = FakeStream().record()
     f.query()
     assert f.queries == 1
+
+
+# ---------------------------------------------------------------- the asyncio pool
+
+
+async def test_async_explicit_pool_grants_a_waiter_on_retire() -> None:
+    pool = AsyncReqToTokenPool(3, 4, reclaim="explicit")
+    s = FakeStream()
+    rows = await pool.alloc(2)
+    f = s.record()
+    pool.record_use(rows, f)
+    s.complete()  # done, but the pool does not look
+    pool.free(rows)
+    waiter = asyncio.ensure_future(pool.alloc(2))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiter.done()
+    assert pool.try_alloc(1) is None
+    assert pool.reclaim() == 0
+    assert pool.retire(f) == 2
+    # Granted inside retire(), at hand-over: nobody queues, nothing is free.
+    assert pool.waiting() == 0 and pool.available_size() == 0
+    async with bounded():
+        assert sorted(await waiter) == sorted(rows)
+    assert f.queries == 0
+    assert pool._watcher is None
+    await pool.close()
+
+
+async def test_async_explicit_pool_starts_no_watcher_and_registers_no_callback() -> None:
+    pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
+    with HostStream() as stream:
+        gate = threading.Event()
+        stream.launch(gate.wait)
+        f = stream.record()
+        t = CountingFence()
+        rows = await pool.alloc(3)
+        pool.free(rows[:1], fence=f)
+        pool.free(rows[1:2], fence=t)
+        pool.free(rows[2:], after=stream)
+        assert pool._watcher is None and t.queries == 0
+        gate.set()
+        stream.synchronize()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert pool.pending_size() == 3  # completion changed nothing
+        await pool.close()
+
+
+async def test_async_explicit_pool_agree_grants(group: Any) -> None:
+    pool = AsyncReqToTokenPool(2, 4, reclaim="explicit")
+    t = CountingFence()
+    rows = await pool.alloc(1)
+    pool.free(rows, fence=t)
+    waiter = asyncio.ensure_future(pool.alloc(1))
+    await asyncio.sleep(0)
+    assert pool.agree(group) == 0
+    t.done = True
+    assert pool.agree(group) == 1
+    async with bounded():
+        assert await waiter == rows
+    await pool.close()
+
+
+async def test_async_explicit_drain_settles_everything() -> None:
+    pool = AsyncReqToTokenPool(5, 4, reclaim="explicit")
+    with HostStream() as stream:
+        rows = await pool.alloc(4)
+        f = stream.record()
+        pool.record_use(rows[:2], f)
+        t = CountingFence(done=True)
+        bad = CountingFence()
+        bad.error = RuntimeError("transfer failed")
+        pool.free(rows[:2])
+        pool.free(rows[2:3], fence=t)
+        pool.free(rows[3:], fence=bad)
+        async with bounded():
+            await pool.drain()
+    assert pool.pending_size() == 0
+    assert pool.quarantined_size() == 1 and pool.available_size() == 3
+    assert t.queries == 0  # drain waits (synchronize), it does not poll
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_async_retire_bad_input_changes_nothing() -> None:
+    pool = AsyncReqToTokenPool(3, 4, reclaim="explicit")
+    auto = AsyncReqToTokenPool(3, 4)
+    f = FakeStream().record()
+    rows = await pool.alloc(2)
+    pool.free(rows, fence=f)
+    before = snapshot(pool)
+    with pytest.raises(TypeError, match="ordered fence"):
+        pool.retire(CountingFence())  # type: ignore[arg-type]
+    assert snapshot(pool) == before
+    with pytest.raises(RuntimeError, match='reclaim="explicit"'):
+        auto.retire(f)
+    with pytest.raises(ValueError, match="reclaim must be"):
+        AsyncReqToTokenPool(3, 4, reclaim="manual")
+    await pool.close()
+    await auto.close()

@@ -49,7 +49,16 @@ from .agreement import agree, check_explicit, check_reclaim_mode
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
 from .fences import Fence, HostStream, record_fence
-from .ledger import ALLOCATED, FREE, PENDING, QUARANTINED, RESERVED, STATE_NAMES, SlotLedger
+from .ledger import (
+    ALLOCATED,
+    FREE,
+    PENDING,
+    QUARANTINED,
+    RESERVED,
+    STATE_NAMES,
+    SlotLedger,
+    as_index,
+)
 from .stats import LatencySummary
 
 __all__ = ["KVPagePool", "KVPageStats", "PageLedger"]
@@ -73,24 +82,17 @@ def _dtype_error(dtype: object) -> InvalidSlotError:
 
 
 def _index(value: object) -> int:
-    """One page id from a list element: an int, a numpy integer, or a 0-d
-    integer tensor; bools and floats are refused."""
-    cls = value.__class__
-    if cls is int:
-        return value  # type: ignore[return-value]
-    if isinstance(value, np.integer):
-        return int(value)
-    if (
-        isinstance(value, torch.Tensor)
-        and value.dim() == 0
-        and not value.is_floating_point()
-        and not value.is_complex()
-        and value.dtype is not torch.bool
-    ):
-        return int(value.item())
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int(value)
-    raise InvalidSlotError(f"page ids must be ints, got {value!r} of type {type(value).__name__}")
+    """One page id from a list element: an int, a numpy or 0-d torch integer
+    scalar (the row pool's :func:`~asyncpool.ledger.as_index`); bools and
+    floats are refused."""
+    if value.__class__ is int:
+        return value
+    try:
+        return as_index(value)
+    except TypeError:
+        raise InvalidSlotError(
+            f"page ids must be integers, got {value!r} of type {type(value).__name__}"
+        ) from None
 
 
 class PageLedger(Deferrals[PageArray]):
@@ -179,11 +181,19 @@ class PageLedger(Deferrals[PageArray]):
     # ------------------------------------------------------------------ take
 
     def check_n(self, n: object) -> int:
-        """Validate a requested page count; raise :class:`CapacityError`."""
+        """Validate a requested page count; raise :class:`CapacityError`.
+
+        Accepts a Python int or an integer scalar (numpy, a 0-d torch
+        tensor), as the row pool does; returns it as a Python int. Floats and
+        bools are refused.
+        """
         if n.__class__ is not int:
-            raise CapacityError(
-                f"a page count must be an int, got {n!r} of type {type(n).__name__}"
-            )
+            try:
+                n = as_index(n)
+            except TypeError:
+                raise CapacityError(
+                    f"a page count must be an integer, got {n!r} of type {type(n).__name__}"
+                ) from None
         assert isinstance(n, int)
         if n < 1:
             raise CapacityError(f"cannot allocate {n} pages: a request needs at least 1 page")
@@ -672,12 +682,12 @@ class KVPagePool:
 
         Reclaims completed fences before answering None. Returns a fresh 1-D
         int64 tensor (it never aliases the pool's memory). Raises
-        :class:`CapacityError` for ``n`` that is not an int in
-        ``1..capacity``.
+        :class:`CapacityError` for ``n`` that is not an integer in
+        ``1..capacity`` (numpy and 0-d torch integers are accepted).
         """
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= led.capacity:
-            led.check_n(n)
+            n = led.check_n(n)
         pages = led.take(n)
         if pages is None:
             if not (led.pending and led.reclaim()):

@@ -96,7 +96,9 @@ def test_page_size_must_be_a_positive_int(page_size):
         KVPagePool(8, page_size)
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.0, 2.5, True, False, None, "1", [1], np.int64(2), 8])
+@pytest.mark.parametrize(
+    "n", [0, -1, 1.0, 2.5, True, False, None, "1", [1], np.float32(2), torch.tensor(2.0), 8]
+)
 def test_alloc_rejects_bad_counts_and_changes_nothing(n):
     kv = KVPagePool(8, 4)
     kept = kv.alloc(2)
@@ -106,6 +108,14 @@ def test_alloc_rejects_bad_counts_and_changes_nothing(n):
     assert isinstance(ei.value, ValueError)
     assert snapshot(kv) == before
     assert kept is not None
+
+
+def test_alloc_accepts_integer_scalars_as_the_row_pool_does():
+    kv = KVPagePool(8, 4)
+    for n in (np.int64(2), torch.tensor(1), np.int32(3)):
+        pages = kv.alloc(n)  # type: ignore[arg-type]
+        assert pages is not None and len(pages) == int(n)
+    kv.check_invariants()
 
 
 def test_fresh_order_then_fifo_reuse_oldest_freed_first():
@@ -657,3 +667,33 @@ def test_repr_mentions_the_counts():
     kv = KVPagePool(5, 4)
     kv.alloc(1)
     assert "allocated=1" in repr(kv)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [4, 64])
+def test_pages_on_cuda_wait_for_a_cuda_fence_and_the_late_write_misses_the_next_owner(n):
+    from asyncpool import record_fence
+
+    stream = torch.cuda.Stream()
+    kv = KVPagePool(n + 1, 4, device="cuda")
+    cache = torch.zeros((n + 1) * 4, dtype=torch.int64, device="cuda")
+    a = kv.alloc(n)
+    assert a is not None and a.is_cuda
+    slots_a = kv.slots(a)
+    assert slots_a.is_cuda
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        cache[slots_a] = 1  # the late write of an in-flight step
+    assert kv.free(a, fence=record_fence(stream)) == 0
+    assert kv.alloc(1) is None
+    stream.synchronize()
+    b = kv.alloc(n)
+    assert b is not None and sorted(b.tolist()) == sorted(a.tolist())
+    cache[kv.slots(b)] = 2
+    torch.cuda.synchronize()
+    assert bool((cache[kv.slots(b)] == 2).all())
+    kv.check_invariants()

@@ -1,10 +1,13 @@
-"""Issue 6, part 6: the scheduler demo's throughput, as ratios.
+"""Issues 6 and 10: the scheduler demo's throughput, as ratios.
 
-Three demo configurations run back to back, their order rotated each round,
-on one event loop: overlap (fenced, the default), sync (fenced), and overlap
-``--unsafe`` (no fences, the seed's behaviour). Per round: overlap/sync
-tokens/s (what overlap scheduling buys) and fenced/unsafe tokens/s (what the
-fences cost). The demo runs in-process through ``scheduler_demo.run_demo``
+Four demo configurations (KV pages, prompt KV by transfer, client aborts)
+run back to back, their order rotated each round, on one event loop: overlap
+(fenced, atomic admission: the default), sync (fenced), overlap ``--unsafe``
+(no fences, the seed's behaviour) and overlap with row-first admission. Per
+round: overlap/sync tokens/s (what overlap scheduling buys), fenced/unsafe
+tokens/s (what the fences cost) and atomic/row-first tokens/s (what
+admitting a row with its pages buys; the rows' utilization of both is in the
+row's note and samples). The demo runs in-process through ``scheduler_demo.run_demo``
 on each loop kind; if only its command line exists, it runs as a subprocess
 (``--json``) on the loop the CLI chooses; if neither, the benchmark reports
 "not available".
@@ -26,12 +29,14 @@ __all__ = ["DEMO_RUNS", "bench_demo", "demo_available"]
 
 OVERLAP_VS_SYNC = Target(">=", 1.6)
 FENCED_VS_UNSAFE = Target(">=", 0.97)
+ATOMIC_VS_ROW_FIRST = Target(">=", 1.0)
 
 #: name -> DemoConfig overrides
 DEMO_RUNS: dict[str, dict[str, Any]] = {
-    "overlap": {"mode": "overlap", "unsafe": False},
-    "sync": {"mode": "sync", "unsafe": False},
-    "unsafe": {"mode": "overlap", "unsafe": True},
+    "overlap": {"mode": "overlap", "unsafe": False, "admission": "atomic"},
+    "sync": {"mode": "sync", "unsafe": False, "admission": "atomic"},
+    "unsafe": {"mode": "overlap", "unsafe": True, "admission": "atomic"},
+    "row-first": {"mode": "overlap", "unsafe": False, "admission": "row-first"},
 }
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +66,8 @@ def _run_api(loop: str, overrides: dict[str, Any]) -> dict[str, Any]:
     demo_cfg = DemoConfig(**{k: v for k, v in overrides.items() if k in known})
     report = run_on(loop, lambda: run_demo(demo_cfg))
     return {"tokens_per_s": float(report.tokens_per_s), "corruptions": int(report.corruptions),
+            "kv_corruptions": int(getattr(report, "kv_corruptions", 0)),
+            "row_utilization": float(getattr(report, "row_utilization", 0.0)),
             "completed": int(report.completed), "requests": int(report.requests)}
 
 
@@ -71,12 +78,16 @@ def _run_cli(overrides: dict[str, Any]) -> dict[str, Any]:
                 "--mode", str(overrides["mode"]), "-n", str(overrides["num_requests"])]
         if overrides.get("unsafe"):
             argv.append("--unsafe")
+        if overrides.get("admission"):
+            argv += ["--admission", str(overrides["admission"])]
         proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False,
                               timeout=(overrides.get("timeout_s") or 600) + 60)
         if not out.exists():
             raise RuntimeError(f"scheduler_demo exited {proc.returncode}: {proc.stderr[-2000:]}")
         data = json.loads(out.read_text(encoding="utf-8"))
-    return {k: data[k] for k in ("tokens_per_s", "corruptions", "completed", "requests")}
+    keys = ("tokens_per_s", "corruptions", "kv_corruptions", "row_utilization", "completed",
+            "requests")
+    return {k: data.get(k, 0) for k in keys}
 
 
 def _row(bench: str, loop: str, subject: str, reference: str, runs: dict[str, list[dict[str, Any]]],
@@ -120,10 +131,22 @@ def bench_demo(cfg: Config, loops: list[str]) -> tuple[list[Row], dict[str, Any]
                 runs[name].append(res)
         info["runs"][loop] = runs
         corr = {n: median([float(r["corruptions"]) for r in runs[n]]) for n in names}
-        note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; median corruptions: "
-                f"overlap {corr['overlap']:g}, sync {corr['sync']:g}, unsafe {corr['unsafe']:g}")
+        kv = {n: median([float(r["kv_corruptions"]) for r in runs[n]]) for n in names}
+        note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; median corruptions "
+                f"rows/KV: overlap {corr['overlap']:g}/{kv['overlap']:g}, sync "
+                f"{corr['sync']:g}/{kv['sync']:g}, unsafe {corr['unsafe']:g}/{kv['unsafe']:g}, "
+                f"row-first {corr['row-first']:g}/{kv['row-first']:g}")
         rows.append(_row("demo tokens/s: overlap vs sync (fenced)", loop, "overlap", "sync",
                          runs, OVERLAP_VS_SYNC, note))
         rows.append(_row("demo tokens/s: fenced vs --unsafe (overlap)", loop, "overlap", "unsafe",
                          runs, FENCED_VS_UNSAFE, note))
+        util = {n: [float(r["row_utilization"]) for r in runs[n]] for n in ("overlap", "row-first")}
+        util_note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; row utilization "
+                     f"(mean running batch / mean rows allocated), median: atomic "
+                     f"{median(util['overlap']):.2f}, row-first {median(util['row-first']):.2f}")
+        row = _row("demo tokens/s: atomic vs row-first admission (overlap)", loop, "overlap",
+                   "row-first", runs, ATOMIC_VS_ROW_FIRST, util_note)
+        row.samples["row_utilization_atomic"] = util["overlap"]
+        row.samples["row_utilization_row_first"] = util["row-first"]
+        rows.append(row)
     return rows, info

@@ -19,31 +19,40 @@ T = TypeVar("T")
 _D = DemoConfig()
 
 DESCRIPTION = """\
-An overlap scheduler on uvloop, built on asyncpool, that shows the request-slot
-reuse hazard of overlap scheduling and its fix.
+An overlap scheduler of a disaggregated decode engine on uvloop, built on
+asyncpool, that shows the memory reuse hazards of overlap scheduling and of
+KV transfers, and their fix.
 
-The model's forward step runs on a stream (a HostStream worker thread doing
-real torch compute on CPU, a CUDA stream with --device cuda) and writes the
-batch's rows of the pool's tables there. The scheduler launches step t and only
-then processes step t-1's results, so it frees rows (finished and retracted
-requests) that step t is still writing. Fenced (the default), the pool keeps
-those rows out of circulation until step t's fence completes; with --unsafe
-they are freed at once, as the seed pool does, and the late writes corrupt the
-rows' new owners. Every run verifies the device tables against the host's
-expectation; corruptions are counted, logged at debug level (--log-level
-debug) and reported.
+A request holds a row of req_to_token and the KV pages the row lists. Its
+prompt's KV arrives by a transfer on a second stream (--transfer-ms); it
+joins the batch once the transfer has landed. The forward step runs on a
+stream (a HostStream worker thread doing real torch compute on CPU, a CUDA
+stream with --device cuda) and writes the batch's rows, and each new token's
+KV through its row, there. The scheduler launches step t and only then
+processes step t-1's results, so it frees rows and pages (finished, retracted
+and aborted requests) that step t is still writing; clients abort some
+requests while their KV is still on its way (--abort-rate). Fenced (the
+default), the pool keeps those rows and pages out of circulation until step t
+and the transfer have landed; with --unsafe they are freed at once, as the
+seed pool and SGLang before #35049 do, and the late writes land in the new
+owners' rows and pages. Every run verifies every token of every live request,
+its row entry and its KV, against the host's truth at every step;
+corruptions are counted, logged at debug level (--log-level debug) and
+reported.
 
-Exit status: 0 when a fenced run completed every request with 0 corruptions,
-1 otherwise (an --unsafe run always exits 1), 2 on bad arguments.
+Exit status: 0 when a fenced run completed or aborted every request with 0
+corruptions of rows and of KV, 1 otherwise (an --unsafe run always exits 1),
+2 on bad arguments.
 """
 
 EPILOG = """\
 examples:
   python -m scheduler_demo                          # the default: fenced overlap
   python -m scheduler_demo --unsafe                 # same workload, no fences
+  python -m scheduler_demo --admission row-first    # a row first, pages later
   python -m scheduler_demo --mode sync              # no overlap, for comparison
   python -m scheduler_demo --json out.json --plot out.png
-  python -m scheduler_demo.compare --rounds 3      # overlap vs sync vs unsafe, interleaved
+  python -m scheduler_demo.compare --rounds 3      # overlap, sync, unsafe, row-first
 """
 
 
@@ -83,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIST",
         help="output length distribution, same forms (default %(default)s)",
     )
+    w.add_argument(
+        "--abort-rate",
+        type=float,
+        default=_D.abort_rate,
+        help="fraction of requests their client aborts: half while their KV "
+        "is being transferred, half while decoding (default %(default)s)",
+    )
     w.add_argument("--seed", type=int, default=_D.seed, help="workload seed (default %(default)s)")
 
     e = p.add_argument_group("engine")
@@ -119,24 +135,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="columns of req_to_token; caps prompt+output (default %(default)s)",
     )
     e.add_argument(
-        "--kv-budget",
+        "--kv-pages",
         type=int,
-        default=_D.kv_budget,
-        help="simulated KV cache size in tokens; when the next decode step "
-        "would exceed it, requests are retracted (default %(default)s)",
+        default=_D.kv_pages,
+        help="KV cache pages (page 0, padding, on top); when a running "
+        "request needs a page and none is free, requests are retracted "
+        "(default %(default)s)",
+    )
+    e.add_argument(
+        "--page-size",
+        type=int,
+        default=_D.page_size,
+        help="token slots per KV page (default %(default)s)",
+    )
+    e.add_argument(
+        "--admission",
+        choices=["atomic", "row-first"],
+        default=_D.admission,
+        help="atomic: a row and the prompt's pages together (pool.admit); "
+        "row-first: a row at arrival, pages when the budget allows, as "
+        "engines do today (default %(default)s)",
+    )
+    e.add_argument(
+        "--transfer-ms",
+        type=float,
+        default=_D.transfer_ms,
+        help="mean time for a prompt's KV to arrive by transfer: a quarter fixed "
+        "latency, the rest in proportion to its length; several forward steps "
+        "(default %(default)s)",
     )
     e.add_argument(
         "--admit-watermark",
         type=float,
         default=_D.admit_watermark,
-        help="admit new requests only while KV use stays under this "
-        "fraction of the budget (default %(default)s)",
+        help="admit new requests only while the pages held stay under this "
+        "fraction of the cache (default %(default)s)",
     )
     e.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=_D.max_prefill_tokens,
-        help="prefill tokens admitted into one step (default %(default)s)",
+        help="prefill tokens (retracted requests recomputing their KV) in "
+        "one step (default %(default)s)",
     )
 
     t = p.add_argument_group("timing")
@@ -164,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--gate",
         action="store_true",
-        help="hold each step's table writes until the scheduler finished "
-        "its next iteration: the worst legal lag, deterministic (CPU only)",
+        help="the worst legal lag, deterministic (CPU only): hold each step's "
+        "table writes until the scheduler finished its next iteration, and "
+        "an aborted request's transfer until a new owner wrote one of its pages",
     )
     t.add_argument(
         "--timeout",
@@ -180,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--plot",
         metavar="PATH.png",
-        help="write a PNG: rows allocated/pending/free over time, the rows held "
-        "behind fences, and the alloc wait-time distribution",
+        help="write a PNG: rows and KV pages allocated/pending/free over time "
+        "with the aborts marked, what is held behind fences, and the admission "
+        "wait-time distribution",
     )
     o.add_argument(
         "--no-progress",
@@ -203,10 +245,14 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         rate=args.rate,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
+        abort_rate=args.abort_rate,
         seed=args.seed,
         rows=args.rows,
         max_context_len=args.max_context_len,
-        kv_budget=args.kv_budget,
+        kv_pages=args.kv_pages,
+        page_size=args.page_size,
+        admission=args.admission,
+        transfer_ms=args.transfer_ms,
         admit_watermark=args.admit_watermark,
         max_prefill_tokens=args.max_prefill_tokens,
         mode=args.mode,

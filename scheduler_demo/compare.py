@@ -1,13 +1,16 @@
 """``python -m scheduler_demo.compare``: the README's figures in one command.
 
-Runs the same workload as fenced ``overlap``, fenced ``sync`` and ``overlap
---unsafe``, interleaved round by round (so a noisy neighbour hits every mode
-alike), and prints each run, the best and median tokens/s per mode, the
-overlap/sync and fenced/unsafe ratios, and the corruptions of every unsafe run.
-Every other flag is passed to the demo (``--sched-ms``, ``-n``, ...).
+Runs the same workload (transfers and aborts included) as fenced ``overlap``
+with atomic admission, fenced ``sync``, ``overlap --unsafe`` and fenced
+``overlap --admission row-first``, interleaved round by round (so a noisy
+neighbour hits every mode alike), and prints each run, the best and median
+tokens/s and row utilization per mode, the overlap/sync, fenced/unsafe and
+atomic/row-first ratios, and the corruptions of every unsafe run. Every
+other flag is passed to the demo (``--sched-ms``, ``-n``, ...).
 
-Exit status: 0 when every fenced run completed with 0 corruptions and every
-unsafe run found corruption; 1 otherwise.
+Exit status: 0 when every fenced run served every request with 0
+corruptions of either kind and every unsafe run found KV corruption; 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from .runner import run_demo
 
 __all__ = ["main"]
 
-VARIANTS: list[tuple[str, str, bool]] = [
-    ("overlap", "overlap", False),
-    ("sync", "sync", False),
-    ("unsafe", "overlap", True),
+#: name -> (mode, unsafe, admission)
+VARIANTS: list[tuple[str, str, bool, str]] = [
+    ("overlap", "overlap", False, "atomic"),
+    ("sync", "sync", False, "atomic"),
+    ("unsafe", "overlap", True, "atomic"),
+    ("row-first", "overlap", False, "row-first"),
 ]
 
 
@@ -41,32 +46,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=True,
     )
-    outer.add_argument("--rounds", type=int, default=3, help="rounds of the three runs")
+    outer.add_argument("--rounds", type=int, default=3, help="rounds of the four runs")
     outer.add_argument("--out", metavar="PATH", help="write every run's report as JSON")
     ours, rest = outer.parse_known_args(argv)
     args = build_parser().parse_args(rest)
     base = config_from_args(args)
     base = replace(base, progress=False)
-    runs: dict[str, list[Report]] = {name: [] for name, _, _ in VARIANTS}
+    runs: dict[str, list[Report]] = {v[0]: [] for v in VARIANTS}
+    k = len(VARIANTS)
     for rnd in range(ours.rounds):
         # Rotate the order each round, so no mode always runs first or last.
-        for name, mode, unsafe in VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]:
+        for name, mode, unsafe, admission in VARIANTS[rnd % k :] + VARIANTS[: rnd % k]:
             load = _loadavg()
-            report = _run(run_demo(replace(base, mode=mode, unsafe=unsafe)))
+            cfg = replace(base, mode=mode, unsafe=unsafe, admission=admission)
+            report = _run(run_demo(cfg))
             runs[name].append(report)
             print(
-                f"round {rnd + 1} {name:<8} {report.tokens_per_s:8,.0f} tok/s "
+                f"round {rnd + 1} {name:<9} {report.tokens_per_s:8,.0f} tok/s "
                 f"{report.steps_per_s:6.1f} steps/s  {report.elapsed_s:6.2f} s  "
-                f"completed {report.completed}/{report.requests}  "
-                f"retractions {report.retractions}  deferred frees {report.deferred_frees}  "
-                f"corruptions {report.corruptions}  load {load} -> {_loadavg()}",
+                f"served {report.completed}+{report.aborts}/{report.requests}  "
+                f"row util {report.row_utilization:.2f}  "
+                f"retractions {report.retractions}  deferred frees {report.deferred_frees}/"
+                f"{report.deferred_page_frees}  corruptions {report.corruptions}/"
+                f"{report.kv_corruptions}  load {load} -> {_loadavg()}",
                 flush=True,
             )
     summary = _summary(runs)
     print()
-    for name, _, _ in VARIANTS:
+    print("(deferred frees and corruptions: rows/pages)")
+    for name, *_ in VARIANTS:
         s = summary[name]
-        print(f"{name:<8} tokens/s best {s['best']:8,.0f}  median {s['median']:8,.0f}")
+        print(
+            f"{name:<9} tokens/s best {s['best']:8,.0f}  median {s['median']:8,.0f}  "
+            f"row utilization median {s['row_utilization']:.2f}"
+        )
     print(
         f"overlap / sync   tokens/s: best {summary['ratios']['overlap_vs_sync_best']:.2f}x, "
         f"median {summary['ratios']['overlap_vs_sync_median']:.2f}x"
@@ -75,8 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"fenced / unsafe  tokens/s: best {summary['ratios']['fenced_vs_unsafe_best']:.3f}, "
         f"median {summary['ratios']['fenced_vs_unsafe_median']:.3f}"
     )
-    corr = [r.corruptions for r in runs["unsafe"]]
-    print(f"unsafe corruptions per run: {corr} ({sum(c > 0 for c in corr)}/{len(corr)} runs > 0)")
+    r = summary["ratios"]
+    print(
+        f"atomic / row-first tokens/s: best {r['atomic_vs_row_first_best']:.3f}, "
+        f"median {r['atomic_vs_row_first_median']:.3f}; row utilization "
+        f"{summary['overlap']['row_utilization']:.2f} vs "
+        f"{summary['row-first']['row_utilization']:.2f}"
+    )
+    corr = [x.corruptions for x in runs["unsafe"]]
+    kv = [x.kv_corruptions for x in runs["unsafe"]]
+    print(f"unsafe row corruptions per run: {corr}")
+    print(f"unsafe KV corruptions per run:  {kv} ({sum(c > 0 for c in kv)}/{len(kv)} runs > 0)")
     if ours.out:
         payload: dict[str, Any] = {
             "summary": summary,
@@ -84,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         with open(ours.out, "w") as fh:
             json.dump(payload, fh, indent=2)
-    safe_ok = all(r.ok for name in ("overlap", "sync") for r in runs[name])
-    unsafe_caught = all(c > 0 for c in corr)
+    safe_ok = all(x.ok for name in ("overlap", "sync", "row-first") for x in runs[name])
+    unsafe_caught = all(c > 0 for c in kv)
     return 0 if safe_ok and unsafe_caught else 1
 
 
@@ -101,12 +123,23 @@ def _summary(runs: dict[str, list[Report]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, reports in runs.items():
         tps = [r.tokens_per_s for r in reports]
-        out[name] = {"best": max(tps), "median": statistics.median(tps), "all": tps}
+        util = [r.row_utilization for r in reports]
+        out[name] = {
+            "best": max(tps),
+            "median": statistics.median(tps),
+            "all": tps,
+            "row_utilization": statistics.median(util),
+        }
     out["ratios"] = {
         "overlap_vs_sync_best": out["overlap"]["best"] / out["sync"]["best"],
         "overlap_vs_sync_median": out["overlap"]["median"] / out["sync"]["median"],
         "fenced_vs_unsafe_best": out["overlap"]["best"] / out["unsafe"]["best"],
         "fenced_vs_unsafe_median": out["overlap"]["median"] / out["unsafe"]["median"],
+        "atomic_vs_row_first_best": out["overlap"]["best"] / out["row-first"]["best"],
+        "atomic_vs_row_first_median": out["overlap"]["median"] / out["row-first"]["median"],
+        "row_utilization_atomic_vs_row_first": (
+            out["overlap"]["row_utilization"] / max(out["row-first"]["row_utilization"], 1e-9)
+        ),
     }
     return out
 

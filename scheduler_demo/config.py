@@ -7,10 +7,11 @@ from typing import Any
 
 from .workload import LengthDist, WorkloadConfig
 
-__all__ = ["DemoConfig"]
+__all__ = ["ADMISSIONS", "DemoConfig"]
 
 MODES = ("overlap", "sync")
 DEVICES = ("cpu", "cuda")
+ADMISSIONS = ("atomic", "row-first")
 
 
 @dataclass(frozen=True)
@@ -19,35 +20,48 @@ class DemoConfig:
 
     Workload: ``num_requests`` requests with Poisson arrivals at ``rate`` per
     second (0: all at once), lengths drawn from ``prompt_len`` and
-    ``output_len`` (see :class:`~scheduler_demo.workload.LengthDist`), seeded.
+    ``output_len`` (see :class:`~scheduler_demo.workload.LengthDist`), and a
+    fraction ``abort_rate`` of them aborted by their client (half while their
+    prompt's KV is still being transferred, half while decoding), seeded.
 
     Engine: a pool of ``rows`` request rows (plus padding row 0) of
-    ``max_context_len`` columns; a simulated KV cache of ``kv_budget`` tokens.
-    New requests are admitted while the KV in use stays under
-    ``admit_watermark * kv_budget`` and a step's prefill under
-    ``max_prefill_tokens``; when the running requests' next decode step would
-    exceed ``kv_budget``, requests are retracted (freed, re-queued at a higher
-    priority, recomputed later).
+    ``max_context_len`` columns, and a paged KV cache of ``kv_pages`` pages of
+    ``page_size`` token slots (plus padding page 0). A new request's prompt
+    KV arrives by a transfer that takes ``transfer_ms`` on average (a quarter
+    latency, the rest in proportion to the prompt's length); it joins the batch when the
+    transfer has landed. Requests are admitted while the pages held stay
+    under ``admit_watermark`` of the cache, keeping a page per
+    ``page_size`` running requests spare for decode growth; when a running
+    request needs a page and none is free, requests are retracted (freed,
+    re-queued at a higher priority, recomputed later by a prefill of at most
+    ``max_prefill_tokens`` per step). ``admission="atomic"`` admits a row and
+    its pages together (``pool.admit``); ``"row-first"`` takes a row at
+    arrival and its pages when the budget allows (hold-and-wait).
 
     Timing: a forward step costs ``forward_ms`` plus ``forward_us_per_token``
-    per token of the batch (real torch compute on the stream), and the
-    scheduler spends ``sched_ms`` of busy CPU per step besides its real
-    bookkeeping. ``gate`` holds each step's table writes until the scheduler
-    has finished its next iteration: the worst legal lag, deterministic (used
-    by the tests).
+    per computed token (real torch compute on the stream), and the scheduler
+    spends ``sched_ms`` of busy CPU per step besides its real bookkeeping.
+    ``gate`` makes the late writes deterministic (used by the tests): each
+    step's table writes wait until the scheduler has finished its next
+    iteration, and an aborted request's transfer lands only once one of its
+    pages has been written by a new owner (or the scheduler would idle).
     """
 
     num_requests: int = 1500
     rate: float = 200.0
     prompt_len: str = "uniform:32:320"
     output_len: str = "lognormal:96:0.5"
+    abort_rate: float = 0.05
     seed: int = 0
 
     rows: int = 64
     max_context_len: int = 1024
-    kv_budget: int = 8192
+    kv_pages: int = 512
+    page_size: int = 16
     admit_watermark: float = 0.99
     max_prefill_tokens: int = 512
+    admission: str = "atomic"
+    transfer_ms: float = 25.0
 
     mode: str = "overlap"
     unsafe: bool = False
@@ -67,22 +81,30 @@ class DemoConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
         if self.rows < 1:
             raise ValueError("rows must be >= 1")
         if self.max_context_len < 4:
             raise ValueError("max_context_len must be >= 4")
-        if self.kv_budget < self.max_context_len:
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.kv_pages < 1:
+            raise ValueError("kv_pages must be >= 1")
+        if self.kv_pages * self.page_size < self.max_context_len:
             raise ValueError(
-                f"kv_budget ({self.kv_budget}) must be >= max_context_len "
-                f"({self.max_context_len}) so that any single request fits"
+                f"kv_pages * page_size ({self.kv_pages * self.page_size} token slots) must "
+                f"be >= max_context_len ({self.max_context_len}) so that any single request fits"
             )
         if not 0.0 < self.admit_watermark <= 1.0:
             raise ValueError("admit_watermark must be in (0, 1]")
+        if not 0.0 <= self.abort_rate <= 1.0:
+            raise ValueError("abort_rate must be in [0, 1]")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
-        for name in ("forward_ms", "forward_us_per_token", "sched_ms", "rate"):
+        for name in ("forward_ms", "forward_us_per_token", "sched_ms", "rate", "transfer_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.gate and self.device != "cpu":
@@ -101,6 +123,7 @@ class DemoConfig:
             output_len=LengthDist.parse(self.output_len),
             max_total_len=self.max_context_len - 2,
             seed=self.seed,
+            abort_rate=self.abort_rate,
         )
 
     def to_dict(self) -> dict[str, Any]:

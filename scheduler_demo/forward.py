@@ -10,9 +10,12 @@ as a forward's kernels do:
 * the write positions come from the *device* ``verified_lens[row]`` (where
   this request's KV continues), so a stale length shifts every later write;
 * ``req_to_token[row, pos:pos+k] = new slots``; ``verified_lens[row] += k``;
-* finally it snapshots ``verified_lens[rows]`` and the entries at the
-  positions the host expects (the step's "outputs", copied back as an engine
-  copies its sampled tokens back), for the scheduler to verify.
+* ``kv[req_to_token[row, pos]] = value(request, pos)`` for each token whose
+  KV the step computes, through the row, as attention kernels write K/V;
+* finally it reads back ``verified_lens[rows]``, every entry of every row of
+  the batch, and the KV at every slot those requests own (the step's
+  "outputs", copied back as an engine copies its sampled tokens back), for the
+  scheduler to verify.
 
 With ``--device cuda`` the same ops run on a ``torch.cuda.Stream``.
 """
@@ -26,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncpool import HostStream, record_fence
@@ -46,25 +50,43 @@ class Step:
     """One batch: host-built inputs, the fence, and (once done) the outputs.
 
     ``entries`` holds, per row of the batch and in the same order,
-    ``(request, epoch, expected_len)`` for the scheduler's bookkeeping.
+    ``(request, epoch, expected_len)`` for the scheduler's bookkeeping. The
+    host arrays (numpy, int64) describe what the step writes and what it reads
+    back for verification:
+
+    * ``row_idx``, ``offs``, ``slots``: per new ``req_to_token`` entry, its row,
+      its offset past the row's device ``verified_lens`` and the KV slot it
+      lists; ``n_new`` entries per row;
+    * ``kv_idx``, ``kv_vals``: which of those entries get a KV value written
+      (through the row: ``kv[req_to_token[row, col]] = value``), and the value;
+    * ``v_rows``, ``v_cols``, ``v_slots``, ``v_vals``: every token of every
+      request of the batch, with the slot its row must list and the value its
+      KV slot must hold once the step has run.
     """
 
     __slots__ = (
         "entries",
-        "exp_cols",
         "exp_lens",
         "fence",
         "gate",
         "inputs",
+        "kv_idx",
+        "kv_tokens",
+        "kv_vals",
         "n_new",
         "offs",
+        "out_kv",
         "out_lens",
-        "out_slots",
+        "out_row",
         "row_idx",
         "rows",
-        "slot_start",
+        "slots",
         "step_id",
         "tokens",
+        "v_cols",
+        "v_rows",
+        "v_slots",
+        "v_vals",
     )
 
     def __init__(
@@ -73,28 +95,33 @@ class Step:
         entries: list[tuple[Any, int, int]],
         rows: list[int],
         n_new: list[int],
-        slot_start: int,
-        exp_lens: list[int],
-        exp_cols: list[int],
-        offs: list[int],
-        row_idx: list[int],
+        row_idx: np.ndarray,
+        offs: np.ndarray,
+        slots: np.ndarray,
+        kv_idx: np.ndarray,
+        kv_vals: np.ndarray,
+        verify: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         gate: threading.Event | None = None,
     ) -> None:
         self.step_id = step_id
         self.entries = entries
         self.rows = rows
         self.n_new = n_new
-        self.slot_start = slot_start
-        self.tokens = len(offs)
-        self.exp_lens = exp_lens
-        self.exp_cols = exp_cols
-        self.offs = offs
+        self.exp_lens = [e[2] for e in entries]
         self.row_idx = row_idx
+        self.offs = offs
+        self.slots = slots
+        self.tokens = len(offs)
+        self.kv_idx = kv_idx
+        self.kv_vals = kv_vals
+        self.kv_tokens = len(kv_idx)
+        self.v_rows, self.v_cols, self.v_slots, self.v_vals = verify
         self.gate = gate
         self.fence: Any = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.out_lens: torch.Tensor | None = None
-        self.out_slots: torch.Tensor | None = None
+        self.out_row: torch.Tensor | None = None
+        self.out_kv: torch.Tensor | None = None
 
     def open_gate(self) -> None:
         if self.gate is not None:
@@ -131,16 +158,22 @@ class Forward:
         self._s_per_row = 0.0
         self.req_to_token: torch.Tensor | None = None
         self.verified_lens: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None
         self._max_col = 0
+        self._ncols = 0
         self.busy_s = 0.0  # worker time spent in steps (CPU only)
 
     # -- setup ---------------------------------------------------------------
 
-    def attach(self, req_to_token: torch.Tensor, verified_lens: torch.Tensor) -> None:
-        """Point the forward at the pool's tables."""
+    def attach(
+        self, req_to_token: torch.Tensor, verified_lens: torch.Tensor, kv: torch.Tensor
+    ) -> None:
+        """Point the forward at the pool's tables and the KV tensor."""
         self.req_to_token = req_to_token
         self.verified_lens = verified_lens
+        self.kv = kv
         self._max_col = req_to_token.shape[1] - 1
+        self._ncols = req_to_token.shape[1]
 
     def calibrate(self) -> float:
         """Measure the matmul's seconds per row on the stream; blocks ~0.05 s.
@@ -205,14 +238,17 @@ class Forward:
         return step.fence
 
     def _inputs(self, step: Step) -> tuple[torch.Tensor, ...]:
-        i64, i32 = torch.int64, torch.int32
+        i64 = torch.int64
         host = (
             torch.tensor(step.rows, dtype=i64),
-            torch.tensor(step.n_new, dtype=i32),
-            torch.tensor(step.row_idx, dtype=i64),
-            torch.tensor(step.offs, dtype=i64),
-            torch.arange(step.slot_start, step.slot_start + step.tokens, dtype=i32),
-            torch.tensor(step.exp_cols, dtype=i64),
+            torch.tensor(step.n_new, dtype=torch.int32),
+            torch.from_numpy(step.row_idx),
+            torch.from_numpy(step.offs),
+            torch.from_numpy(step.slots.astype(np.int32)),
+            torch.from_numpy(step.kv_idx),
+            torch.from_numpy(step.kv_vals),
+            torch.from_numpy(step.v_rows * self._ncols + step.v_cols),
+            torch.from_numpy(step.v_slots),
         )
         if not self.is_cuda:
             return host
@@ -227,30 +263,35 @@ class Forward:
         self.busy_s += time.perf_counter() - t0
 
     def _run(self, step: Step) -> None:
-        # 1. The model: compute sized by the batch's tokens.
-        self._compute(self.step_seconds(step.tokens))
+        # 1. The model: compute sized by the tokens whose KV the step computes.
+        self._compute(self.step_seconds(step.kv_tokens))
         if step.gate is not None:
             if self.is_cuda:
                 raise RuntimeError("gate is only supported on the host stream")
             if not step.gate.wait(_GATE_TIMEOUT_S):
                 logger.error("step %d: gate not opened in %ss", step.step_id, _GATE_TIMEOUT_S)
         # 2. The table writes of the batch's rows, positions from the device.
-        r2t, vl = self.req_to_token, self.verified_lens
-        assert r2t is not None and vl is not None
-        rows, n_new, row_idx, offs, slots, exp_cols = step.inputs
+        r2t, vl, kv = self.req_to_token, self.verified_lens, self.kv
+        assert r2t is not None and vl is not None and kv is not None
+        rows, n_new, row_idx, offs, slots, kv_idx, kv_vals, v_flat, v_slots = step.inputs
         pos = vl.index_select(0, rows)
         cols = pos.repeat_interleave(n_new, output_size=step.tokens) + offs
         cols.clamp_(max=self._max_col)  # a corrupted length must not fault the stream
         r2t.index_put_((row_idx, cols), slots)
         vl.index_add_(0, rows, n_new)
-        # 3. The outputs the host verifies.
+        # 3. The new tokens' KV, through the row (as attention kernels write K/V).
+        kv_slots = r2t[row_idx[kv_idx], cols[kv_idx]].long()
+        kv.index_put_((kv_slots,), kv_vals)
+        # 4. The outputs the host verifies: every token of every request.
         out_lens = vl.index_select(0, rows)
-        out_slots = r2t[row_idx, exp_cols]
+        out_row = r2t.view(-1).index_select(0, v_flat)
+        out_kv = kv.index_select(0, v_slots)
         if self.is_cuda:
             step.out_lens = _to_host(out_lens)
-            step.out_slots = _to_host(out_slots)
+            step.out_row = _to_host(out_row)
+            step.out_kv = _to_host(out_kv)
         else:
-            step.out_lens, step.out_slots = out_lens, out_slots
+            step.out_lens, step.out_row, step.out_kv = out_lens, out_row, out_kv
 
     def _compute(self, seconds: float) -> None:
         rows = round(seconds / self._s_per_row) if self._s_per_row else 0
@@ -262,19 +303,23 @@ class Forward:
 
     # -- reading rows --------------------------------------------------------
 
-    def snapshot(self, row: int, length: int) -> torch.Tensor:
-        """A copy of ``req_to_token[row, :length]``, ordered on the stream.
+    def snapshot(
+        self, row: int, length: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``req_to_token[row, :length]`` and ``kv[slots]``, ordered on
+        the stream.
 
-        On CPU it is taken now (the caller has waited for the step that wrote
-        it); on CUDA it is queued on the forward stream, so it lands before any
-        later step can rewrite the row.
+        On CPU they are taken now (the caller has waited for the step that
+        wrote them); on CUDA they are queued on the forward stream, so they
+        land before any later step can rewrite the row or the pages.
         """
-        r2t = self.req_to_token
-        assert r2t is not None
+        r2t, kv = self.req_to_token, self.kv
+        assert r2t is not None and kv is not None
         if self.is_cuda:
             with torch.cuda.stream(self.stream):
-                return _to_host(r2t[row, :length])
-        return r2t[row, :length].clone()
+                idx = slots.pin_memory().to(self.device, non_blocking=True)
+                return _to_host(r2t[row, :length]), _to_host(kv[idx])
+        return r2t[row, :length].clone(), kv[slots]
 
     def synchronize(self) -> None:
         self.stream.synchronize()

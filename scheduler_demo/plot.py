@@ -1,4 +1,5 @@
-"""The run's figure: rows over time, what is held behind fences, and waits.
+"""The run's figure: rows and KV pages over time (aborts marked), what is
+held behind fences, and admission waits.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global
 backend switch, no display needed).
@@ -7,6 +8,7 @@ backend switch, no display needed).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -20,17 +22,21 @@ _ALLOCATED, _PENDING, _FREE = "#4c72b0", "#dd8452", "#c7d3e3"
 
 
 def save_plot(report: Report, path: str | Path) -> None:
-    """Write a PNG with three panels to ``path``."""
-    fig = Figure(figsize=(10, 10), layout="constrained")
+    """Write a PNG with four panels to ``path``."""
+    fig = Figure(figsize=(12.5, 13), layout="constrained")
     FigureCanvasAgg(fig)
-    rows_ax, fence_ax, wait_ax = fig.subplots(3, 1, height_ratios=[3, 2, 2])
+    rows_ax, pages_ax, fence_ax, wait_ax = fig.subplots(4, 1, height_ratios=[3, 3, 2, 2])
     label = f"{report.mode}{' --unsafe' if report.unsafe else ' (fenced)'}"
     fig.suptitle(
-        f"scheduler_demo {label}: {report.completed}/{report.requests} requests, "
+        f"scheduler_demo {label}, {report.admission} admission: "
+        f"{report.completed} completed + {report.aborts} aborted / {report.requests} requests, "
         f"{report.tokens_per_s:,.0f} tokens/s\n{report.retractions} retractions, "
-        f"{report.deferred_frees} deferred frees, {report.corruptions} corruptions"
+        f"deferred frees {report.deferred_frees} rows / {report.deferred_page_frees} pages, "
+        f"corruptions {report.corruptions} rows / {report.kv_corruptions} KV, "
+        f"row utilization {report.row_utilization:.2f}"
     )
     _rows_panel(rows_ax, report)
+    _pages_panel(pages_ax, report)
     _fence_panel(fence_ax, report)
     _wait_panel(wait_ax, report)
     fig.savefig(path, format="png", dpi=100)
@@ -57,12 +63,55 @@ def _rows_panel(ax: Axes, report: Report) -> None:
     ax.set_ylim(0, max(report.trace.capacity, 1))
     ax.set_ylabel("rows")
     twin = ax.twinx()
-    twin.plot(t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="alloc waiters")
-    twin.set_ylabel("tasks waiting in pool.alloc")
+    twin.plot(
+        t, [s.waiters for s in tl], color="#222222", linewidth=0.9, label="waiting for admission"
+    )
+    twin.plot(t, [s.completed for s in tl], color="#7b3294", label="completed (cumulative)")
+    twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
+    twin.plot(t, [s.aborted for s in tl], color="#937860", label="aborted (cumulative)")
+    twin.set_ylabel("requests")
     twin.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small", framealpha=0.9)
+    _legend_right(ax, h1 + h2, l1 + l2)
+
+
+def _pages_panel(ax: Axes, report: Report) -> None:
+    tl = report.trace.timeline
+    ax.set_title("KV pages of the cache (client aborts marked at the top)")
+    ax.set_xlabel("time (s)")
+    if not tl:
+        return
+    t = [s.t_s for s in tl]
+    ax.stackplot(
+        t,
+        [s.pages_allocated for s in tl],
+        [s.pages_pending for s in tl],
+        [s.pages_free for s in tl],
+        labels=["allocated", "pending (behind a step or a transfer)", "free"],
+        colors=[_ALLOCATED, _PENDING, _FREE],
+        step="post",
+    )
+    top = max(report.trace.page_capacity, 1)
+    ax.set_ylim(0, top * 1.06)
+    ax.set_ylabel("pages")
+    if report.trace.abort_times:
+        ax.plot(
+            report.trace.abort_times,
+            [top * 1.03] * len(report.trace.abort_times),
+            linestyle="none",
+            marker="v",
+            markersize=4,
+            color="#c44e52",
+            label=f"client abort ({report.aborts})",
+        )
+    h, lab = ax.get_legend_handles_labels()
+    _legend_right(ax, h, lab)
+
+
+def _legend_right(ax: Axes, handles: list[Any], labels: list[str]) -> None:
+    """The legend outside the panel, on its right (it hides no data)."""
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.07, 1.0), fontsize="small")
 
 
 def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[float], list[int]]:
@@ -85,38 +134,48 @@ def _binned(t: list[float], y: list[int], bins: int) -> tuple[list[float], list[
 def _fence_panel(ax: Axes, report: Report) -> None:
     tl = report.trace.timeline
     ax.set_title(
-        "rows freed while the step in flight still writes them, held behind its fence"
+        "freed while a step or a transfer in flight still writes them: held behind its fence"
         if not report.unsafe
-        else "--unsafe: rows are freed at once, nothing is held behind a fence"
+        else "--unsafe: rows and pages are freed at once, nothing is held behind a fence"
     )
     ax.set_xlabel("time (s)")
     if not tl:
         return
     t = [s.t_s for s in tl]
-    mids, means, maxes = _binned(t, [s.pending for s in tl], bins=120)
-    ax.fill_between(mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending rows (mean)")
+    mids, means, maxes = _binned(t, [s.pages_pending for s in tl], bins=120)
+    ax.fill_between(
+        mids, means, step="mid", color=_PENDING, alpha=0.9, label="pending pages (mean)"
+    )
     ax.plot(mids, maxes, drawstyle="steps-mid", color="#8c4a1c", linewidth=0.8, label="(max)")
-    ax.set_ylabel("pending rows")
-    ax.set_ylim(bottom=0, top=max(3, max(maxes) + 1))
+    ax.set_ylabel("pending KV pages")
+    ax.set_ylim(bottom=0, top=max(3, max(maxes) * 1.15 + 1))
     twin = ax.twinx()
-    twin.plot(t, [s.retractions for s in tl], color="#c44e52", label="retractions (cumulative)")
-    twin.plot(t, [s.completed for s in tl], color="#4c72b0", label="completed (cumulative)")
-    twin.set_ylabel("requests")
-    twin.set_ylim(bottom=0)
+    rmids, rmeans, rmaxes = _binned(t, [s.pending for s in tl], bins=120)
+    twin.plot(rmids, rmeans, drawstyle="steps-mid", color="#4c72b0", label="pending rows (mean)")
+    twin.set_ylabel("pending rows")
+    twin.set_ylim(bottom=0, top=max(3, max(rmaxes) * 1.15 + 1))
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small", framealpha=0.9, ncols=2)
+    _legend_right(ax, h1 + h2, l1 + l2)
 
 
 def _wait_panel(ax: Axes, report: Report) -> None:
-    waits_ms = [w * 1e3 for w in report.trace.alloc_waits]
-    ax.set_title("await pool.alloc(1): wait until a row was granted (backpressure)")
-    ax.set_xlabel("wait (ms)")
-    ax.set_ylabel("allocations")
-    if not waits_ms:
+    how = (
+        "await pool.admit(pages=n)"
+        if report.admission == "atomic"
+        else "await pool.alloc(1), then pool.extend(row, n)"
+    )
+    ax.set_title(f"admission wait, arrival (or retraction) to a row and its pages: {how}")
+    ax.set_ylabel("admissions")
+    waits = report.trace.alloc_waits
+    if not waits:
         return
-    ax.hist(waits_ms, bins=60, color="#8172b3")
-    ax.axvline(report.alloc_wait_p50_ms, color="k", linestyle="--", label="p50")
-    ax.axvline(report.alloc_wait_p99_ms, color="r", linestyle="--", label="p99")
+    # Seconds when the backpressure is long (the default run), else ms.
+    unit, scale = ("s", 1.0) if max(waits) > 10.0 else ("ms", 1e3)
+    ax.set_xlabel(f"wait ({unit})")
+    ax.hist([w * scale for w in waits], bins=60, color="#8172b3")
+    ax.axvline(report.alloc_wait_p50_ms * scale / 1e3, color="k", linestyle="--", label="p50")
+    ax.axvline(report.alloc_wait_p99_ms * scale / 1e3, color="r", linestyle="--", label="p99")
     ax.set_yscale("log")
-    ax.legend(fontsize="small")
+    h, lab = ax.get_legend_handles_labels()
+    _legend_right(ax, h, lab)

@@ -18,11 +18,14 @@ class Sample(NamedTuple):
     allocated: int  # rows owned by a request
     pending: int  # rows freed but held behind a fence
     free: int
-    waiters: int  # tasks queued in pool.alloc
+    waiters: int  # requests waiting for admission (rows and/or pages)
     running: int  # requests in the batch
-    kv_used: int  # simulated KV tokens in use
+    pages_allocated: int  # KV pages owned by a request
+    pages_pending: int  # KV pages freed but held behind a fence
+    pages_free: int
     retractions: int  # so far
     completed: int  # so far
+    aborted: int  # so far
 
 
 @dataclass
@@ -30,25 +33,48 @@ class Trace:
     """Time series for the plot; not part of the JSON.
 
     ``timeline``: one :class:`Sample` per scheduler iteration.
-    ``alloc_waits``: seconds each ``pool.alloc`` took (0 when granted at once).
+    ``alloc_waits``: seconds from a request's arrival (or retraction) until
+    its row and first pages were granted.
+    ``abort_times``: when each client abort was handled (seconds since the start).
     """
 
     timeline: list[Sample] = field(default_factory=list)
     alloc_waits: list[float] = field(default_factory=list)
     capacity: int = 0
+    page_capacity: int = 0
+    abort_times: list[float] = field(default_factory=list)
+
+    def pages_over_time(self, points: int = 200) -> dict[str, list[float]]:
+        """The pages timeline, thinned to at most ``points`` samples (for JSON)."""
+        tl = self.timeline
+        step = max(1, math.ceil(len(tl) / points))
+        picked = tl[::step]
+        return {
+            "t_s": [round(s.t_s, 4) for s in picked],
+            "allocated": [s.pages_allocated for s in picked],
+            "pending": [s.pages_pending for s in picked],
+            "free": [s.pages_free for s in picked],
+        }
 
 
 @dataclass
 class Report:
-    """What one run measured. ``corruptions`` counts requests whose device
-    state disagreed with the host's truth at least once; ``mismatches`` counts
-    every disagreeing check."""
+    """What one run measured. ``corruptions`` counts requests whose row
+    (``req_to_token`` entries, ``verified_lens``) disagreed with the host's
+    truth at least once, ``kv_corruptions`` those whose KV pages did (a slot
+    they own held another request's value); ``mismatches`` and
+    ``kv_mismatches`` count every disagreeing check. ``row_utilization`` is
+    the mean running batch over the mean rows allocated."""
 
     mode: str
     unsafe: bool
     device: str
+    admission: str
     requests: int
     completed: int
+    aborts: int
+    aborts_in_transfer: int
+    aborts_in_decode: int
     output_tokens: int
     computed_tokens: int
     elapsed_s: float
@@ -60,11 +86,20 @@ class Report:
     alloc_wait_p99_ms: float
     retractions: int
     deferred_frees: int
+    deferred_page_frees: int
     fence_latency_p50_ms: float
     fence_latency_p99_ms: float
     corruptions: int
     mismatches: int
+    kv_corruptions: int
+    kv_mismatches: int
     peak_allocated: int
+    row_utilization: float
+    mean_rows_allocated: float
+    mean_pages_allocated: float
+    transfer_ms: float
+    transfers: int
+    stalls: int
     forward_busy: float  # fraction of the run the forward worker spent in steps (CPU only)
     forward_ms_per_step: float  # mean wall time of a step on the forward worker (CPU only)
     sched_cpu_ms_per_step: float  # the event loop thread's CPU time per step
@@ -73,13 +108,21 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """A safe run that completed every request with no corruption."""
-        return not self.unsafe and self.corruptions == 0 and self.completed == self.requests
+        """A safe run that completed or aborted every request, with no
+        corruption of either kind."""
+        return (
+            not self.unsafe
+            and self.corruptions == 0
+            and self.kv_corruptions == 0
+            and self.completed + self.aborts == self.requests
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON fields: every scalar field and the config, not the trace."""
+        """The JSON fields: every scalar field, the config and the pages over
+        time (``pages``: ``t_s``, ``allocated``, ``pending``, ``free``)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
         out["config"] = dict(self.config)
+        out["pages"] = self.trace.pages_over_time()
         return out
 
     def write_json(self, path: str | Path) -> None:
@@ -87,33 +130,56 @@ class Report:
 
     def table(self) -> str:
         """A human-readable summary table."""
-        label = f"{self.mode}{' --unsafe' if self.unsafe else ' (fenced)'} on {self.device}"
+        label = (
+            f"{self.mode}{' --unsafe' if self.unsafe else ' (fenced)'}, "
+            f"{self.admission} admission, on {self.device}"
+        )
         rows = [
             ("requests completed", f"{self.completed} / {self.requests}"),
+            (
+                "aborted by clients",
+                f"{self.aborts} ({self.aborts_in_transfer} mid-transfer, "
+                f"{self.aborts_in_decode} mid-decode)",
+            ),
             ("elapsed", f"{self.elapsed_s:.2f} s"),
             ("tokens/s (output)", f"{self.tokens_per_s:,.0f}"),
             ("steps/s", f"{self.steps_per_s:,.1f}"),
             ("mean batch size", f"{self.mean_batch_size:.1f}"),
             (
-                "alloc wait p50 / p99",
+                "row utilization",
+                f"{self.row_utilization:.2f} (running {self.mean_batch_size:.1f} / "
+                f"rows allocated {self.mean_rows_allocated:.1f})",
+            ),
+            (
+                "admission wait p50 / p99",
                 f"{self.alloc_wait_p50_ms:.2f} / {self.alloc_wait_p99_ms:.2f} ms",
             ),
+            ("prompt KV transfers", f"{self.transfers} (about {self.transfer_ms:g} ms each)"),
             ("retractions", f"{self.retractions}"),
-            ("deferred frees", f"{self.deferred_frees}"),
+            ("deferred frees: rows / pages", f"{self.deferred_frees} / {self.deferred_page_frees}"),
             (
                 "fence latency p50 / p99",
                 f"{self.fence_latency_p50_ms:.2f} / {self.fence_latency_p99_ms:.2f} ms",
             ),
             ("peak rows allocated", f"{self.peak_allocated} / {self.config.get('rows', '?')}"),
             (
+                "mean KV pages allocated",
+                f"{self.mean_pages_allocated:.0f} / {self.config.get('kv_pages', '?')}",
+            ),
+            (
                 "per step: forward / scheduler CPU",
                 f"{self.forward_ms_per_step:.2f} / {self.sched_cpu_ms_per_step:.2f} ms",
             ),
             ("forward stream busy", f"{100 * self.forward_busy:.0f} %"),
             (
-                "corruptions",
+                "corruptions (rows)",
                 f"{self.corruptions}"
                 + (f" ({self.mismatches} mismatches)" if self.mismatches else ""),
+            ),
+            (
+                "kv_corruptions (pages)",
+                f"{self.kv_corruptions}"
+                + (f" ({self.kv_mismatches} mismatches)" if self.kv_mismatches else ""),
             ),
         ]
         width = max(len(k) for k, _ in rows)

@@ -13,8 +13,10 @@ from asyncpool import AsyncReqToTokenPool
 
 from .config import DemoConfig
 from .forward import Forward
+from .memory import Memory, make_page_pool
 from .report import Report, Trace, percentile
 from .scheduler import Scheduler
+from .transfer import TransferEngine
 from .workload import generate
 
 __all__ = ["run_demo"]
@@ -25,8 +27,9 @@ logger = logging.getLogger(__name__)
 async def run_demo(config: DemoConfig | None = None) -> Report:
     """Run the demo once and return its :class:`Report`.
 
-    Creates the forward stream and the pool in the running loop (the pool is
-    loop-affine), serves the whole workload, drains the pool, closes both.
+    Creates the forward and transfer streams, the KV pages and the pool in
+    the running loop (the pool is loop-affine), serves the whole workload,
+    lands every transfer, drains the pool, closes everything.
     """
     cfg = config or DemoConfig()
     cfg.validate()
@@ -36,6 +39,8 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the main thread's ops are tiny; leave the cores to the two loops
     forward = Forward(cfg.device, cfg.forward_ms, cfg.forward_us_per_token)
+    mean_prompt = sum(s.prompt_len for s in specs) / len(specs)
+    transfers = TransferEngine(cfg.device, cfg.transfer_ms, mean_prompt)
     bar = _progress_bar(cfg)
     try:
         forward.calibrate()
@@ -43,67 +48,114 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         # every step; unsafe, it resets them on the current stream, as the
         # seed does, racing the forward.
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
-        async with AsyncReqToTokenPool(
-            cfg.rows + 1, cfg.max_context_len, device=cfg.device, stream=pool_stream
-        ) as pool:
-            forward.attach(pool.req_to_token, pool.verified_lens)
+        kv_pages = make_page_pool(cfg.kv_pages + 1, cfg.page_size, cfg.device)
+        pool_kwargs: dict[str, Any] = {"device": cfg.device, "stream": pool_stream}
+        if _pool_takes_kv():
+            pool_kwargs["kv"] = kv_pages
+        # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
+        kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **pool_kwargs) as pool:
+            memory = Memory(pool, kv_pages)
+            forward.attach(pool.req_to_token, pool.verified_lens, kv)
+            transfers.attach(kv)
+            if forward.is_cuda:
+                torch.cuda.synchronize()  # the zeroed KV and tables land before any stream writes
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
-            sched = Scheduler(cfg, pool, forward, specs, on_complete=on_complete)
-            if cfg.timeout_s is not None:
-                await asyncio.wait_for(sched.run(), cfg.timeout_s)
-            else:
-                await sched.run()
+            sched = Scheduler(cfg, memory, forward, transfers, specs, on_complete=on_complete)
+            try:
+                if cfg.timeout_s is not None:
+                    await asyncio.wait_for(sched.run(), cfg.timeout_s)
+                else:
+                    await sched.run()
+            finally:
+                # Nothing may stay in flight: land every transfer, then drain.
+                transfers.flush()
+                transfers.synchronize()
             await pool.drain()
+            memory.pump()
+            kv_pages.reclaim()
             pool.check_invariants()
             stats = pool.stats()
             busy = forward.busy_s - busy0
+            deferred_pages = memory.deferred_pages()
     finally:
         if bar is not None:
             bar.close()
         forward.close()
+        transfers.close()
         torch.set_num_threads(threads)
 
     elapsed = max(sched.elapsed, 1e-9)
     steps = max(sched.steps, 1)
+    tl = sched.timeline
+    mean_rows = sum(s.allocated for s in tl) / max(len(tl), 1)
+    mean_batch = sched.batch_total / steps
     report = Report(
         mode=cfg.mode,
         unsafe=cfg.unsafe,
         device=cfg.device,
+        admission=cfg.admission,
         requests=len(specs),
         completed=sched.completed,
+        aborts=sched.aborted,
+        aborts_in_transfer=sched.aborts_in_transfer,
+        aborts_in_decode=sched.aborts_in_decode,
         output_tokens=sched.output_tokens,
         computed_tokens=sched.computed_tokens,
         elapsed_s=elapsed,
         tokens_per_s=sched.output_tokens / elapsed,
         steps=sched.steps,
         steps_per_s=sched.steps / elapsed,
-        mean_batch_size=sched.batch_total / steps,
-        alloc_wait_p50_ms=percentile(sched.alloc_waits, 50) * 1e3,
-        alloc_wait_p99_ms=percentile(sched.alloc_waits, 99) * 1e3,
+        mean_batch_size=mean_batch,
+        alloc_wait_p50_ms=percentile(sched.admit_waits, 50) * 1e3,
+        alloc_wait_p99_ms=percentile(sched.admit_waits, 99) * 1e3,
         retractions=sched.retractions,
         deferred_frees=stats.deferred_frees,
+        deferred_page_frees=deferred_pages,
         fence_latency_p50_ms=stats.fence_latency.p50_s * 1e3,
         fence_latency_p99_ms=stats.fence_latency.p99_s * 1e3,
         corruptions=sched.corruptions,
         mismatches=sched.mismatches,
+        kv_corruptions=sched.kv_corruptions,
+        kv_mismatches=sched.kv_mismatches,
         peak_allocated=stats.peak_allocated,
+        row_utilization=mean_batch / mean_rows if mean_rows else 0.0,
+        mean_rows_allocated=mean_rows,
+        mean_pages_allocated=sum(s.pages_allocated for s in tl) / max(len(tl), 1),
+        transfer_ms=cfg.transfer_ms,
+        transfers=transfers.started,
+        stalls=sched.stalls,
         forward_busy=0.0 if forward.is_cuda else min(1.0, busy / elapsed),
         forward_ms_per_step=0.0 if forward.is_cuda else busy / steps * 1e3,
         sched_cpu_ms_per_step=sched.cpu_s / steps * 1e3,
         config=cfg.to_dict(),
-        trace=Trace(sched.timeline, sched.alloc_waits, stats.capacity),
+        trace=Trace(
+            sched.timeline,
+            sched.admit_waits,
+            stats.capacity,
+            memory.page_capacity,
+            sched.abort_times,
+        ),
     )
     logger.info(
-        "%s%s: %d/%d requests in %.2fs, %d corruptions",
+        "%s%s %s: %d/%d requests (%d aborted) in %.2fs, %d row / %d kv corruptions",
         cfg.mode,
         " unsafe" if cfg.unsafe else "",
+        cfg.admission,
         report.completed,
         report.requests,
+        report.aborts,
         elapsed,
         report.corruptions,
+        report.kv_corruptions,
     )
     return report
+
+
+def _pool_takes_kv() -> bool:
+    """Whether this asyncpool owns KV pages (``AsyncReqToTokenPool(..., kv=)``)."""
+    return hasattr(AsyncReqToTokenPool, "admit")
 
 
 def _progress_bar(cfg: DemoConfig) -> Any:

@@ -1,22 +1,35 @@
-"""The overlap scheduler: launch step t, then process step t-1's results.
+"""The overlap scheduler of a disaggregated decode engine.
 
-One asyncio task runs the loop; every request is admitted by its own small
-task that ``await``\\ s ``pool.alloc(1)`` (backpressure: it waits FIFO, within
-priority, for a row). The loop, per iteration::
+A request's memory is one row of ``req_to_token`` and the KV pages its row
+lists. Its prompt's KV is computed elsewhere and arrives by transfer
+(:mod:`scheduler_demo.transfer`); the request joins the batch once the
+transfer has landed. Admission is atomic by default (``admit(pages=n)``: a
+row and the prompt's pages together), or row-first (a row at arrival, pages
+when the budget allows, as engines do today). One asyncio task runs the loop;
+per iteration::
 
     launch(step t)                  # on the stream; record_use(rows, fence)
-    process(step t-1)               # await its fence, verify, finish -> free
-    schedule(step t+1)              # retract if the KV budget is exceeded,
-                                    # admit ready requests, build the batch
+    process(step t-1)               # await its fence, verify, finish/abort -> free
+    schedule(step t+1)              # grow (extend; retract when short), admit,
+                                    # join landed transfers, build the batch
     busy CPU work (sched_ms)
 
-so while step t runs, the scheduler frees rows that step t still writes:
-requests found finished in step t-1 (they were scheduled into step t before
-anyone knew, as with EOS) and requests it retracts. With the fences
-(``record_use`` once per step) the pool keeps such a row out of circulation
-until step t has landed. With ``unsafe`` the rows are freed at once, as the
-seed pool does, the pool hands them to a waiting request, and step t's late
-writes land in the new owner's row: the verification counts it.
+so while step t runs, the scheduler frees rows and pages that step t still
+writes (requests found finished or aborted in step t-1, retracted requests),
+and a client's abort frees a request whose transfer is still on its way.
+Fenced, the pool keeps those rows and pages out of circulation until step t
+and the transfer have landed (``record_use`` once per step; ``free(rows,
+fence=transfer)`` for an abort). With ``unsafe`` they are freed at once, as
+the seed and SGLang before #35049 do: the late writes land in the new owners'
+rows and pages, and the verification counts them.
+
+Verification: at each step's processing, every token of every request of the
+batch must read, through its own row, the slot the host gave it
+(``corruptions``: the row was overwritten), and that slot must hold the value
+written for (request, position) (``kv_corruptions``: the page was
+overwritten). Finished requests are checked once more at the end against the
+copies taken when they finished. Aborted requests are not verified; the
+requests that receive their pages are.
 
 ``mode="sync"`` runs the same loop without overlap (launch, wait, process).
 """
@@ -28,109 +41,167 @@ import bisect
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
 import torch
-
-from asyncpool import AsyncReqToTokenPool
 
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
+from .memory import Memory
 from .report import Sample
+from .transfer import Transfer, TransferEngine
 from .workload import RequestSpec
 
-__all__ = ["RETRACTED_PRIORITY", "Scheduler"]
+__all__ = ["RETRACTED_PRIORITY", "Scheduler", "kv_value"]
 
 logger = logging.getLogger(__name__)
 
 NEW_PRIORITY = 0
 RETRACTED_PRIORITY = -1  # lower is served first
 
-WAITING, READY, RUNNING, FINISHED = range(4)
+# Request states.
+WAITING, ADMITTING, TRANSFER, READY, RUNNING, FINISHED, ABORTED = range(7)
+# How a request enters the batch after admission.
+DECODE, JOIN, PREFILL = range(3)
+
+_POS_BITS = 20  # a KV value is (rid + 1) << 20 | position: never 0, never another's
+
+
+def kv_value(rid: int, pos: int) -> int:
+    """The value the KV slot of ``(rid, pos)`` holds once written."""
+    return ((rid + 1) << _POS_BITS) | pos
 
 
 class Req:
-    """A request's host-side truth: what the device tables must say."""
+    """A request's host-side truth: what the device tables and KV must say."""
 
     __slots__ = (
+        "admit_t0",
         "corrupted",
+        "entry",
         "epoch",
         "generated",
+        "kv_corrupted",
         "kv_len",
+        "kv_snapshot",
+        "n_pages",
+        "page_list",
         "row",
         "slots",
         "snapshot",
         "spec",
         "state",
+        "transfer",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
         self.state = WAITING
         self.row = -1
-        self.epoch = 0  # bumped at each retraction: results of older steps are void
+        self.epoch = 0  # bumped at each retraction or abort: results of older steps are void
         self.generated = 0  # output tokens processed
-        # KV positions scheduled: the verified_len expected after the last launched step.
+        # Positions scheduled: the verified_len expected after the last launched step.
         self.kv_len = 0
-        self.slots: list[int] = []  # expected req_to_token[row, :kv_len]
+        self.entry = JOIN
+        # The KV slots of positions [0, kv_len) once finished (while live, they
+        # are the scheduler's mirror of the request's row).
+        self.slots: np.ndarray | None = None
+        self.n_pages = 0
+        self.page_list: list[int] = []
+        self.transfer: Transfer | None = None
         self.snapshot: torch.Tensor | None = None  # the row's content when it finished
+        self.kv_snapshot: torch.Tensor | None = None  # its KV when it finished
         self.corrupted = False
+        self.kv_corrupted = False
+        self.admit_t0 = 0.0
+
+    @property
+    def base(self) -> int:
+        return (self.spec.rid + 1) << _POS_BITS
 
 
 class Scheduler:
-    """Runs one workload to completion on ``pool`` and ``forward``."""
+    """Runs one workload to completion on ``memory``, ``forward`` and ``transfers``."""
 
     def __init__(
         self,
         cfg: DemoConfig,
-        pool: AsyncReqToTokenPool,
+        memory: Memory,
         forward: Forward,
+        transfers: TransferEngine,
         specs: list[RequestSpec],
         on_complete: Callable[[int], object] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.pool = pool
+        self.mem = memory
+        self.pool = memory.pool
         self.forward = forward
+        self.transfers = transfers
+        self.ps = memory.page_size
+        max_slots = math.ceil(cfg.max_context_len / self.ps) * self.ps
         self.reqs = [Req(s) for s in specs]
+        # The host's truth of req_to_token: mirror[row, pos] is the KV slot of
+        # position pos of the request that holds the row.
+        self._mirror = np.zeros((cfg.rows + 1, max_slots), dtype=np.int64)
         self.on_complete = on_complete
         self.overlap = cfg.mode == "overlap"
         self.fenced = not cfg.unsafe
+        self.atomic = cfg.admission == "atomic"
         self.capacity = cfg.rows
+        self._offsets = np.arange(self.ps, dtype=np.int64)
+        self._arange = np.arange((cfg.rows + 2) * max_slots, dtype=np.int64)
 
         self.running: list[Req] = []
-        self.ready_retracted: collections.deque[Req] = collections.deque()
-        self.ready_new: collections.deque[Req] = collections.deque()
-        self.kv_used = 0
-        self.next_slot = 1  # KV slot ids handed out in order, never reused: a misplaced one shows
+        # Waiting for the budget: atomic, with no row; row-first, holding one.
+        self.waiting_retracted: collections.deque[Req] = collections.deque()
+        self.waiting_new: collections.deque[Req] = collections.deque()
+        self.ready_join: collections.deque[Req] = collections.deque()
+        self.ready_prefill: collections.deque[Req] = collections.deque()
+        self.pages_held = 0  # pages owned by live requests or promised to admissions
         self.step_id = 0
+        self._held: list[tuple[Transfer, set[int]]] = []  # gated aborted transfers
 
         # Results.
         self.completed = 0
+        self.aborted = 0
+        self.aborts_in_transfer = 0
+        self.aborts_in_decode = 0
+        self.abort_times: list[float] = []
         self.output_tokens = 0
         self.computed_tokens = 0
         self.steps = 0
         self.batch_total = 0
         self.retractions = 0
+        self.stalls = 0
         self.corruptions = 0
         self.mismatches = 0
-        self.alloc_waits: list[float] = []
+        self.kv_corruptions = 0
+        self.kv_mismatches = 0
+        self.admit_waits: list[float] = []
         self.timeline: list[Sample] = []
         self.t0 = 0.0
         self.elapsed = 0.0
         self.cpu_s = 0.0  # CPU time of the scheduler's thread (the event loop's)
 
         self._tasks: set[asyncio.Task[None]] = set()
+        self._timers: set[asyncio.TimerHandle] = set()
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
         self._gated: collections.deque[Step] = collections.deque()
 
+    @property
+    def done(self) -> int:
+        return self.completed + self.aborted
+
     # -- the loop ------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve every request; return when all have finished."""
+        """Serve every request; return when all have finished or been aborted."""
         self.t0 = time.perf_counter()
         cpu0 = time.thread_time()
         prev: Step | None = None
@@ -162,16 +233,37 @@ class Scheduler:
                     self._busy(self.cfg.sched_ms / 1e3)
                     self._sample()
                     continue
-                if self.completed == len(self.reqs):
+                if self.done == len(self.reqs):
                     break
-                await self._wake.wait()
-                self._wake.clear()
+                await self._idle()
             self.elapsed = time.perf_counter() - self.t0
             self.cpu_s = time.thread_time() - cpu0
         finally:
             fill_gates([prev, cur, *self._gated])
+            for t, _ in self._held:
+                self.transfers.release(t)
+            self._held.clear()
             await self._stop_tasks()
         self._final_check()
+
+    async def _idle(self) -> None:
+        """Nothing to launch: wait for an arrival, a grant, a landed transfer.
+
+        Gated transfers are let go first (the scheduler would otherwise wait
+        for a transfer it holds). Pages behind a fence wake nobody here, so
+        the wait is bounded by a short poll while requests wait for pages.
+        """
+        if self._held:
+            for t, _ in self._held:
+                self.transfers.release(t)
+            self._held.clear()
+        self._sample()
+        if not self._wake.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.002)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+        self._wake.clear()
 
     def _busy(self, seconds: float) -> None:
         """The scheduler's own CPU work per step, simulated (holds the GIL)."""
@@ -184,21 +276,25 @@ class Scheduler:
     def _sample(self) -> None:
         free = self.pool.available_size()
         pending = self.pool.pending_size()
+        p_alloc, p_pending, p_free = self.mem.page_counts()
         self.timeline.append(
             Sample(
                 time.perf_counter() - self.t0,
                 self.capacity - free - pending,
                 pending,
                 free,
-                self.pool.waiting(),
+                self.mem.waiting() + len(self.waiting_new) + len(self.waiting_retracted),
                 len(self.running),
-                self.kv_used,
+                p_alloc,
+                p_pending,
+                p_free,
                 self.retractions,
                 self.completed,
+                self.aborted,
             )
         )
 
-    # -- admission -----------------------------------------------------------
+    # -- arrivals and admission ----------------------------------------------
 
     async def _arrivals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -207,15 +303,146 @@ class Scheduler:
             delay = start + req.spec.arrival_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self._spawn(self._admit(req, NEW_PRIORITY))
+            req.admit_t0 = time.perf_counter()
+            self._enqueue(req, NEW_PRIORITY)
 
-    async def _admit(self, req: Req, priority: int) -> None:
-        t0 = time.perf_counter()
-        rows = await self.pool.alloc(1, priority=priority)
-        self.alloc_waits.append(time.perf_counter() - t0)
-        req.row = rows[0]
-        req.state = READY
-        (self.ready_retracted if priority < NEW_PRIORITY else self.ready_new).append(req)
+    def _enqueue(self, req: Req, priority: int) -> None:
+        """``req`` wants memory: atomic, it waits for the budget holding
+        nothing; row-first, it takes a row now and waits for pages holding it."""
+        if self.atomic:
+            (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).append(req)
+            self._wake.set()
+        else:
+            self._spawn(self._alloc_row(req, priority))
+
+    async def _alloc_row(self, req: Req, priority: int) -> None:
+        req.state = ADMITTING
+        req.row = await self.mem.alloc_row(priority=priority)
+        req.state = WAITING
+        (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).append(req)
+        self._wake.set()
+
+    def _need_pages(self, req: Req) -> int:
+        # Positions [0, prompt + generated] for the first step.
+        return (req.spec.prompt_len + req.generated) // self.ps + 1
+
+    def _admit_more(self) -> None:
+        """Admit waiting requests while the pages held stay under the budget,
+        keeping a page per ``page_size`` running requests for decode growth."""
+        limit = self.cfg.admit_watermark * self.mem.page_capacity
+        reserve = len(self.running) // self.ps + 1
+        for queue, priority in (
+            (self.waiting_retracted, RETRACTED_PRIORITY),
+            (self.waiting_new, NEW_PRIORITY),
+        ):
+            while queue:
+                req = queue[0]
+                n = self._need_pages(req)
+                if self.pages_held and self.pages_held + n + reserve > limit:
+                    return
+                if self.atomic:
+                    queue.popleft()
+                    self.pages_held += n
+                    grant = self.mem.try_admit(n)
+                    if grant is not None:
+                        req.row = grant.row
+                        self._granted(req, grant.pages)
+                    else:  # waits in the pool's queue for a fence to release memory
+                        req.state = ADMITTING
+                        self._spawn(self._admit(req, n, priority))
+                    continue
+                pages = self.mem.extend(req.row, n)
+                if pages is None:
+                    return  # pages still behind a fence: next iteration
+                queue.popleft()
+                self.pages_held += n
+                self._granted(req, pages)
+            # FIFO: the head that does not fit blocks those behind it.
+
+    async def _admit(self, req: Req, n: int, priority: int) -> None:
+        grant = await self.mem.admit(pages=n, priority=priority)
+        req.row = grant.row
+        self._granted(req, grant.pages)
+
+    def _granted(self, req: Req, pages: torch.Tensor) -> None:
+        """``req`` holds its row and first pages: start its transfer, or queue
+        its prefill (a retracted request recomputes its KV locally)."""
+        self.admit_waits.append(time.perf_counter() - req.admit_t0)
+        self._add_pages(req, pages)
+        if req.generated == 0:
+            req.entry = JOIN
+            self._start_transfer(req)
+        else:
+            req.entry = PREFILL
+            req.state = READY
+            self.ready_prefill.append(req)
+        self._wake.set()
+
+    def _add_pages(self, req: Req, pages: torch.Tensor) -> None:
+        ids = pages.tolist()
+        ps = self.ps
+        at = req.n_pages * ps
+        for p in ids:
+            self._mirror[req.row, at : at + ps] = p * ps + self._offsets
+            at += ps
+        req.n_pages += len(ids)
+        if self.cfg.gate:
+            req.page_list.extend(ids)
+
+    def _start_transfer(self, req: Req) -> None:
+        n = req.spec.prompt_len
+        slots = torch.from_numpy(self._mirror[req.row, :n].copy())
+        values = torch.arange(req.base, req.base + n, dtype=torch.int64)
+        t = self.transfers.start(req.spec.rid, slots, values)
+        req.transfer = t
+        req.state = TRANSFER
+        self._spawn(self._await_transfer(req, t))
+        if req.spec.abort == "transfer":
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(req.spec.abort_at * t.duration_s, self._client_abort, req, t)
+            self._timers.add(timer)
+
+    async def _await_transfer(self, req: Req, t: Transfer) -> None:
+        await wait_fence(t)
+        if req.state == TRANSFER and req.transfer is t:
+            req.state = READY
+            self.ready_join.append(req)
+            self._wake.set()
+
+    def _client_abort(self, req: Req, t: Transfer) -> None:
+        """The client of ``req`` went away (a timer, while its KV was on its way)."""
+        if req.transfer is not t or req.state not in (TRANSFER, READY, RUNNING):
+            return
+        if req.state == RUNNING:
+            self._abort(req, "decode")  # the timer fired late: it was decoding by then
+            return
+        in_transfer = req.state == TRANSFER
+        if req.state == READY:
+            self.ready_join.remove(req)
+        if in_transfer and self.cfg.gate and self.transfers.hold(t):
+            # Deterministic worst case: it lands only after a new owner of
+            # one of its pages has written it (or when the scheduler idles).
+            self._held.append((t, set(req.page_list)))
+        self._abort(req, "transfer" if in_transfer else "decode", fence=t)
+
+    def _abort(self, req: Req, phase: str, fence: Any = None) -> None:
+        """Free an aborted request's row and pages behind the step in flight
+        (its recorded use) and ``fence`` (its transfer); unsafe, at once."""
+        if req.state == RUNNING:
+            self.running.remove(req)
+        self.pages_held -= req.n_pages
+        self.mem.free([req.row], fence=fence if self.fenced else None)
+        req.state = ABORTED
+        req.epoch += 1
+        req.row = -1
+        self.aborted += 1
+        if phase == "transfer":
+            self.aborts_in_transfer += 1
+        else:
+            self.aborts_in_decode += 1
+        self.abort_times.append(time.perf_counter() - self.t0)
+        if self.on_complete is not None:
+            self.on_complete(1)
         self._wake.set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -230,6 +457,9 @@ class Scheduler:
             self._wake.set()
 
     async def _stop_tasks(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -239,37 +469,59 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------
 
     def _schedule(self) -> Step | None:
-        """Build the next batch: retract to fit the KV budget, then admit."""
-        cfg = self.cfg
-        need = len(self.running)  # every running request decodes one token
-        while need > 1 and self.kv_used + need > cfg.kv_budget:
-            self._retract(self._victim())
-            need -= 1
-
-        limit = cfg.kv_budget * cfg.admit_watermark
-        admitted: list[Req] = []
+        """Build the next batch: grow (retract when short), admit, join."""
+        stalled = self._grow()
+        self.mem.pump()
+        self._admit_more()
+        joined: list[Req] = list(self.ready_join)
+        self.ready_join.clear()
         prefill = 0
-        for queue in (self.ready_retracted, self.ready_new):
-            while queue:
-                req = queue[0]
-                k = req.spec.prompt_len + req.generated
-                busy = bool(self.running or admitted)
-                if busy and self.kv_used + need + k > limit:
-                    break
-                if admitted and prefill + k > cfg.max_prefill_tokens:
-                    break
-                queue.popleft()
-                admitted.append(req)
-                need += k
-                prefill += k
-            if queue:
-                break  # FIFO: the head that does not fit blocks those behind it
-        for req in admitted:
+        while self.ready_prefill:
+            req = self.ready_prefill[0]
+            k = req.spec.prompt_len + req.generated
+            if prefill and prefill + k > self.cfg.max_prefill_tokens:
+                break
+            self.ready_prefill.popleft()
+            joined.append(req)
+            prefill += k
+        for req in joined:
             req.state = RUNNING
             self.running.append(req)
-        if not self.running:
+        batch = [r for r in self.running if r not in stalled] if stalled else self.running
+        if not batch:
             return None
-        return self._build(admitted_from=len(self.running) - len(admitted))
+        return self._build(batch)
+
+    def _grow(self) -> set[Req]:
+        """Give every decoding request the page its next token needs.
+
+        ``extend`` never waits; a request it cannot serve sits this step out,
+        and requests are retracted until their pages cover those stalled. A
+        victim's pages are behind the step in flight (fenced), so they serve
+        the stalled requests from the next step on.
+        """
+        stalled: list[Req] = []
+        ps = self.ps
+        for req in self.running:
+            if req.entry == DECODE and req.kv_len >= req.n_pages * ps:
+                pages = self.mem.extend(req.row, 1)
+                if pages is None:
+                    stalled.append(req)
+                    continue
+                self.pages_held += 1
+                self._add_pages(req, pages)
+        if not stalled:
+            return set()
+        self.stalls += len(stalled)
+        short = len(stalled)
+        while short > 0 and len(self.running) > 1:
+            victim = self._victim()
+            short -= victim.n_pages
+            if victim in stalled:
+                stalled.remove(victim)
+                short -= 1
+            self._retract(victim)
+        return set(stalled)
 
     def _victim(self) -> Req:
         # Like sglang's retract_decode: the fewest output tokens, then the
@@ -278,68 +530,97 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
-        self.kv_used -= req.kv_len
+        self.pages_held -= req.n_pages
         row = req.row
+        # The row and pages are in the step in flight; the pool defers them
+        # behind that step's recorded use (or, unsafe, hands them out at once).
+        self.mem.free([row])
         req.row = -1
         req.kv_len = 0
-        req.slots = []
+        req.n_pages = 0
+        req.page_list = []
         req.epoch += 1
         req.state = WAITING
+        req.admit_t0 = time.perf_counter()
         self.retractions += 1
-        # The row is in the step in flight; the pool defers it behind that
-        # step's recorded use (or, unsafe, hands it out at once).
-        self.pool.free([row])
-        self._spawn(self._admit(req, RETRACTED_PRIORITY))
+        self._enqueue(req, RETRACTED_PRIORITY)
 
-    def _build(self, admitted_from: int) -> Step:
+    def _build(self, batch: list[Req]) -> Step:
+        """The step's inputs, vectorised: one Python pass collects a few
+        scalars per request, numpy does the per-token work."""
+        n = len(batch)
         entries: list[tuple[Any, int, int]] = []
-        rows: list[int] = []
-        n_new: list[int] = []
-        exp_lens: list[int] = []
-        exp_cols: list[int] = []
-        offs: list[int] = []
-        row_idx: list[int] = []
-        slot_start = slot = self.next_slot
-        for i, req in enumerate(self.running):
-            k = 1 if i < admitted_from else req.spec.prompt_len + req.generated
-            start = req.kv_len
-            end = start + k
-            row = req.row
-            rows.append(row)
-            n_new.append(k)
-            exp_lens.append(end)
-            entries.append((req, req.epoch, end))
-            if k == 1:
-                exp_cols.append(start)
-                offs.append(0)
-                row_idx.append(row)
-                req.slots.append(slot)
+        rows: list[int] = [0] * n
+        starts: list[int] = [0] * n
+        ks: list[int] = [0] * n
+        kv_froms: list[int] = [0] * n
+        bases: list[int] = [0] * n
+        for i, req in enumerate(batch):
+            entry = req.entry
+            if entry == DECODE:
+                start, k, kv_from = req.kv_len, 1, req.kv_len
+            elif entry == JOIN:
+                start, k, kv_from = 0, req.spec.prompt_len + 1, req.spec.prompt_len
             else:
-                exp_cols.extend(range(start, end))
-                offs.extend(range(k))
-                row_idx.extend([row] * k)
-                req.slots.extend(range(slot, slot + k))
+                start, k, kv_from = 0, req.spec.prompt_len + req.generated, 0
+            req.entry = DECODE
+            end = start + k
             req.kv_len = end
-            slot += k
-        self.next_slot = slot
-        tokens = slot - slot_start
-        self.kv_used += tokens
+            rows[i] = req.row
+            starts[i] = start
+            ks[i] = k
+            kv_froms[i] = kv_from
+            bases[i] = (req.spec.rid + 1) << _POS_BITS
+            entries.append((req, req.epoch, end))
+        ar = self._arange
+        i64 = np.int64
+        rows_a = np.array(rows, dtype=i64)
+        starts_a = np.array(starts, dtype=i64)
+        ks_a = np.array(ks, dtype=i64)
+        bases_a = np.array(bases, dtype=i64)
+        # New req_to_token entries: one per position [start, start + k) per request.
+        tokens = int(ks_a.sum())
+        row_idx = np.repeat(rows_a, ks_a)
+        offs = ar[:tokens] - np.repeat(np.cumsum(ks_a) - ks_a, ks_a)
+        pos = np.repeat(starts_a, ks_a) + offs
+        slots = self._mirror[row_idx, pos]
+        # Of those, the ones whose KV this step computes.
+        kv_mask = pos >= np.repeat(np.array(kv_froms, dtype=i64), ks_a)
+        kv_idx = np.flatnonzero(kv_mask)
+        kv_vals = np.repeat(bases_a, ks_a)[kv_idx] + pos[kv_idx]
+        # Verification: every position [0, end) of every request.
+        ends_a = starts_a + ks_a
+        total = int(ends_a.sum())
+        v_cols = ar[:total] - np.repeat(np.cumsum(ends_a) - ends_a, ends_a)
+        v_rows = np.repeat(rows_a, ends_a)
+        v_slots = self._mirror[v_rows, v_cols]
+        v_vals = np.repeat(bases_a, ends_a) + v_cols
         self.step_id += 1
         gate = threading.Event() if (self.cfg.gate and self.overlap) else None
         return Step(
-            self.step_id, entries, rows, n_new, slot_start, exp_lens, exp_cols, offs, row_idx, gate
+            self.step_id,
+            entries,
+            rows,
+            ks,
+            row_idx,
+            offs,
+            slots,
+            kv_idx,
+            kv_vals,
+            (v_rows, v_cols, v_slots, v_vals),
+            gate,
         )
 
     def _launch(self, step: Step) -> None:
         fence = self.forward.launch(step)
         if self.fenced:
-            # One fence per step, covering every row the step touches.
-            self.pool.record_use(step.rows, fence)
+            # One fence per step, covering every row (and its pages) the step touches.
+            self.mem.record_use(step.rows, fence)
         if step.gate is not None:
             self._gated.append(step)
         self.steps += 1
         self.batch_total += len(step.rows)
-        self.computed_tokens += step.tokens
+        self.computed_tokens += step.kv_tokens
 
     # -- results -------------------------------------------------------------
 
@@ -350,48 +631,71 @@ class Scheduler:
         self._verify(step)
         for req, epoch, length in step.entries:
             if req.epoch != epoch or req.state != RUNNING:
-                continue  # retracted or finished after this step was launched
+                continue  # retracted, finished or aborted after this step was launched
             req.generated += 1
             self.output_tokens += 1
             if req.generated >= req.spec.output_len:
                 self._finish(req, length)
+            elif req.spec.abort == "decode" and req.generated >= req.spec.abort_after:
+                self._abort(req, "decode")
+        if self._held:
+            await self._land_held(step)
+
+    async def _land_held(self, step: Step) -> None:
+        """Gate mode: let a held (aborted) transfer land once a new owner of
+        one of its pages has been verified, and wait until it has landed."""
+        owners = [r for r, epoch, _ in step.entries if r.epoch == epoch and r.state == RUNNING]
+        for item in list(self._held):
+            t, pages = item
+            if any(pages.intersection(r.page_list) for r in owners):
+                self._held.remove(item)
+                self.transfers.release(t)
+                await wait_fence(t)
 
     def _verify(self, step: Step) -> None:
-        """Compare the step's view of the device tables with the host's truth.
+        """Compare the step's view of the rows and the KV with the host's truth.
 
-        The clean case is two vectorised compares. Mismatches are counted per
-        (request, step); details are built only when debug logging is on, so
-        a run full of corruption is not slowed down by reporting it.
+        The clean case is three vectorised compares. Mismatches are counted
+        per (request, step); details are built only when debug logging is on,
+        so a run full of corruption is not slowed down by reporting it.
         """
-        out_lens, out_slots = step.out_lens, step.out_slots
-        assert out_lens is not None and out_slots is not None
+        out_lens, out_row, out_kv = step.out_lens, step.out_row, step.out_kv
+        assert out_lens is not None and out_row is not None and out_kv is not None
         exp_lens = torch.tensor(step.exp_lens, dtype=out_lens.dtype)
-        slots = step.inputs[4].to(out_slots.device)
+        v_slots = torch.from_numpy(step.v_slots)
+        v_vals = torch.from_numpy(step.v_vals)
         lens_bad = not torch.equal(out_lens, exp_lens)
-        slots_bad = not torch.equal(out_slots, slots)
-        if not (lens_bad or slots_bad):
+        row_bad = not torch.equal(out_row.long(), v_slots)
+        kv_bad = not torch.equal(out_kv, v_vals)
+        if not (lens_bad or row_bad or kv_bad):
             return
+        ends = list(itertools.accumulate(step.exp_lens))
         bad: set[int] = set()
         if lens_bad:
             bad.update(torch.nonzero(out_lens != exp_lens).flatten().tolist())
-        bad_tokens: list[int] = []
-        if slots_bad:
-            bad_tokens = torch.nonzero(out_slots != slots).flatten().tolist()
-            ends = list(itertools.accumulate(step.n_new))
-            bad.update(bisect.bisect_right(ends, t) for t in bad_tokens)
+        if row_bad:
+            tokens = torch.nonzero(out_row.long() != v_slots).flatten().tolist()
+            bad.update(bisect.bisect_right(ends, t) for t in tokens)
+        kv_bad_entries: set[int] = set()
+        if kv_bad:
+            tokens = torch.nonzero(out_kv != v_vals).flatten().tolist()
+            kv_bad_entries.update(bisect.bisect_right(ends, t) for t in tokens)
         debug = logger.isEnabledFor(logging.DEBUG)
-        for i in sorted(bad):
+        for i in sorted(bad | kv_bad_entries):
             req, epoch, _ = step.entries[i]
             if req.epoch != epoch or req.state != RUNNING:
                 continue  # the host no longer expects anything of that row
-            self._corrupt(req)
+            if i in bad:
+                self._corrupt(req)
+            if i in kv_bad_entries:
+                self._kv_corrupt(req)
             if debug:
                 logger.debug(
                     "corruption: request %d, step %d, row %d: %s",
                     req.spec.rid,
                     step.step_id,
                     step.rows[i],
-                    _describe(step, i, out_lens, out_slots, slots, bad_tokens),
+                    _describe(step, i, ends, out_lens, out_row, out_kv),
                 )
 
     def _corrupt(self, req: Req) -> None:
@@ -400,61 +704,80 @@ class Scheduler:
             req.corrupted = True
             self.corruptions += 1
 
+    def _kv_corrupt(self, req: Req) -> None:
+        self.kv_mismatches += 1
+        if not req.kv_corrupted:
+            req.kv_corrupted = True
+            self.kv_corruptions += 1
+
     def _finish(self, req: Req, length: int) -> None:
         # Columns [0, length) are the request's content; a step in flight may
         # still write column `length` (its extra, unneeded token).
-        req.snapshot = self.forward.snapshot(req.row, length)
-        del req.slots[length:]
+        req.slots = self._mirror[req.row, :length].copy()
+        req.snapshot, req.kv_snapshot = self.forward.snapshot(
+            req.row, length, torch.from_numpy(req.slots)
+        )
+        req.kv_len = length
         self.running.remove(req)
-        self.kv_used -= req.kv_len
+        self.pages_held -= req.n_pages
         req.state = FINISHED
-        self.pool.free([req.row])
+        self.mem.free([req.row])
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(1)
 
     def _final_check(self) -> None:
-        """Every finished request's row content, as it was when it finished."""
+        """Every finished request's row and KV, as they were when it finished."""
         self.forward.synchronize()
         for req in self.reqs:
-            if req.snapshot is None:
+            if req.snapshot is None or req.kv_snapshot is None or req.slots is None:
                 continue
-            expected = torch.tensor(req.slots, dtype=torch.int32)
+            n = req.kv_len
+            expected = torch.from_numpy(req.slots.astype(np.int32))
             found = req.snapshot.cpu()
             if not torch.equal(found, expected):
                 self._corrupt(req)
                 where = torch.nonzero(found != expected).flatten()
-                col = int(where[0])
                 logger.debug(
-                    "corruption: request %d, final check of row %d: %d column(s) differ, "
-                    "first col %d: expected %d, found %d",
+                    "corruption: request %d, final check of its row: %d column(s) differ, "
+                    "first col %d",
                     req.spec.rid,
-                    req.row,
                     where.numel(),
-                    col,
-                    int(expected[col]),
-                    int(found[col]),
+                    int(where[0]),
                 )
+            values = torch.arange(req.base, req.base + n, dtype=torch.int64)
+            if not torch.equal(req.kv_snapshot.cpu(), values):
+                self._kv_corrupt(req)
+                logger.debug("kv corruption: request %d, final check of its KV", req.spec.rid)
 
 
 def _describe(
     step: Step,
     i: int,
+    ends: list[int],
     out_lens: torch.Tensor,
-    out_slots: torch.Tensor,
-    slots: torch.Tensor,
-    bad_tokens: list[int],
+    out_row: torch.Tensor,
+    out_kv: torch.Tensor,
 ) -> str:
     """What entry ``i`` of ``step`` should have read, and what it read."""
     parts = []
     if int(out_lens[i]) != step.exp_lens[i]:
         parts.append(f"verified_len expected {step.exp_lens[i]}, found {int(out_lens[i])}")
-    start = sum(step.n_new[:i])
-    for t in bad_tokens:
-        if start <= t < start + step.n_new[i]:
+    start = ends[i - 1] if i else 0
+    for t in range(start, ends[i]):
+        if int(out_row[t]) != int(step.v_slots[t]):
             parts.append(
-                f"req_to_token[{step.rows[i]}, {step.exp_cols[t]}] expected {int(slots[t])}, "
-                f"found {int(out_slots[t])}"
+                f"req_to_token[{step.rows[i]}, {t - start}] expected {int(step.v_slots[t])}, "
+                f"found {int(out_row[t])}"
             )
             break  # the first wrong column is enough
+    for t in range(start, ends[i]):
+        if int(out_kv[t]) != int(step.v_vals[t]):
+            found = int(out_kv[t])
+            parts.append(
+                f"kv[{int(step.v_slots[t])}] (position {t - start}) expected "
+                f"{int(step.v_vals[t])}, found request {(found >> _POS_BITS) - 1} "
+                f"position {found & ((1 << _POS_BITS) - 1)}"
+            )
+            break
     return "; ".join(parts)

@@ -12,6 +12,12 @@ Lengths are drawn from a :class:`LengthDist`, written on the command line as
 Every draw is at least 1 and a request never needs more than
 ``max_total_len`` table columns: the prompt is cut first to leave room for one
 output token, then the output to fit.
+
+A fraction ``abort_rate`` of the requests is aborted by its client, drawn
+from a second seeded stream (so the lengths and arrivals do not depend on
+it): half while the prompt's KV is still being transferred (at a fraction
+``abort_at`` of the transfer), half while decoding (after ``abort_at`` of
+the output was generated).
 """
 
 from __future__ import annotations
@@ -88,6 +94,13 @@ class RequestSpec:
     arrival_s: float  # seconds after the start of the run
     prompt_len: int
     output_len: int
+    abort: str = ""  # "", "transfer" or "decode": when the client aborts it
+    abort_at: float = 0.0  # the fraction of the transfer / of the output done by then
+
+    @property
+    def abort_after(self) -> int:
+        """For a decode abort: output tokens generated when the client aborts."""
+        return max(1, min(self.output_len - 1, int(self.abort_at * self.output_len)))
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,7 @@ class WorkloadConfig:
     output_len: LengthDist
     max_total_len: int
     seed: int = 0
+    abort_rate: float = 0.0
 
 
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
@@ -110,7 +124,10 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         raise ValueError("rate must be >= 0 (0 means every request arrives at once)")
     if cfg.max_total_len < 2:
         raise ValueError("max_total_len must be >= 2")
+    if not 0.0 <= cfg.abort_rate <= 1.0:
+        raise ValueError("abort_rate must be in [0, 1]")
     rng = random.Random(cfg.seed)
+    aborts = random.Random(f"abort:{cfg.seed}")
     t = 0.0
     out: list[RequestSpec] = []
     for rid in range(cfg.num_requests):
@@ -118,5 +135,10 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
             t += rng.expovariate(cfg.rate)
         prompt = min(cfg.prompt_len.sample(rng), cfg.max_total_len - 1)
         output = min(cfg.output_len.sample(rng), cfg.max_total_len - prompt)
-        out.append(RequestSpec(rid, t, prompt, output))
+        kind, at = "", 0.0
+        if aborts.random() < cfg.abort_rate:
+            # A decode abort needs at least two output tokens to land mid-decode.
+            kind = "transfer" if output < 2 or aborts.random() < 0.5 else "decode"
+            at = aborts.uniform(0.05, 0.6)
+        out.append(RequestSpec(rid, t, prompt, output, kind, at))
     return out

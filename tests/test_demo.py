@@ -2,8 +2,10 @@
 
 The hazard tests use the demo's gate: each forward step's table writes wait
 until the scheduler has finished its next iteration (it has freed the rows the
-step still writes and handed them to waiting requests). That is the worst lag
-a real stream can have, made deterministic, so the unsafe run *must* corrupt
+step still writes and handed them to waiting requests), and an aborted
+request's transfer lands only once a new owner of one of its pages has been
+verified. Those are the worst lags a real stream and a real transfer can
+have, made deterministic, so the unsafe run *must* corrupt rows and KV pages
 and the fenced run must not, on any machine and under any load.
 """
 
@@ -25,19 +27,23 @@ from scheduler_demo.compare import main as compare_main
 from scheduler_demo.plot import save_plot
 from scheduler_demo.workload import LengthDist, WorkloadConfig, generate
 
-# 48 requests arriving at once on 8 rows and a tight KV budget: admission
-# waits, requests are retracted, and every free has a waiter to take the row.
+# 48 requests arriving at once on 8 rows and 32 KV pages of 8 slots: admission
+# waits, requests are retracted, a quarter of them are aborted by their
+# client (mid-transfer and mid-decode), and every free has a taker.
 SMALL = DemoConfig(
     num_requests=48,
     rate=0.0,
     prompt_len="uniform:4:48",
     output_len="exp:12",
+    abort_rate=0.25,
     seed=1,
     rows=8,
     max_context_len=128,
-    kv_budget=384,
+    kv_pages=32,
+    page_size=8,
     admit_watermark=1.0,
     max_prefill_tokens=256,
+    transfer_ms=2.0,
     forward_ms=0.2,
     forward_us_per_token=1.0,
     sched_ms=0.0,
@@ -49,6 +55,13 @@ JSON_FIELDS = {
     "completed",
     "tokens_per_s",
     "corruptions",
+    "kv_corruptions",
+    "aborts",
+    "deferred_page_frees",
+    "row_utilization",
+    "admission",
+    "transfer_ms",
+    "pages",
     "retractions",
     "deferred_frees",
     "steps_per_s",
@@ -69,9 +82,12 @@ def _cli_args(cfg: DemoConfig) -> list[str]:
         f"--prompt-len={cfg.prompt_len}",
         f"--output-len={cfg.output_len}",
         f"--seed={cfg.seed}",
+        f"--abort-rate={cfg.abort_rate}",
         f"--rows={cfg.rows}",
         f"--max-context-len={cfg.max_context_len}",
-        f"--kv-budget={cfg.kv_budget}",
+        f"--kv-pages={cfg.kv_pages}",
+        f"--page-size={cfg.page_size}",
+        f"--transfer-ms={cfg.transfer_ms}",
         f"--admit-watermark={cfg.admit_watermark}",
         f"--forward-ms={cfg.forward_ms}",
         f"--forward-us-per-token={cfg.forward_us_per_token}",
@@ -94,53 +110,93 @@ def _assert_png(path: Path) -> None:
 # -- the demo runs ---------------------------------------------------------------
 
 
+def _all_served(report: Report) -> bool:
+    return report.completed + report.aborts == report.requests == SMALL.num_requests
+
+
 async def test_fenced_overlap_completes_without_corruption() -> None:
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, gate=True))
-    assert report.completed == report.requests == SMALL.num_requests
+    assert _all_served(report)
     assert report.corruptions == 0 and report.mismatches == 0
-    # Every finished or retracted request's row was still being written by
-    # the gated step in flight: all those frees were deferred behind a fence.
+    assert report.kv_corruptions == 0 and report.kv_mismatches == 0
+    assert report.aborts_in_transfer > 0 and report.aborts_in_decode > 0
     assert report.retractions > 0
-    assert report.deferred_frees >= report.requests
+    # Every finished, retracted or aborted request's row was still being
+    # written by the gated step in flight (or its transfer): all deferred.
+    assert report.deferred_frees >= report.completed
+    assert report.deferred_page_frees > 0
     assert report.ok
 
 
 async def test_fenced_overlap_ungated_completes_without_corruption() -> None:
     async with bounded(LONG_S):
         report = await run_demo(SMALL)
-    assert report.completed == SMALL.num_requests
-    assert report.corruptions == 0
+    assert _all_served(report)
+    assert report.corruptions == 0 and report.kv_corruptions == 0
     assert report.ok
 
 
-async def test_unsafe_overlap_detects_corruption() -> None:
+async def test_unsafe_overlap_detects_row_and_kv_corruption() -> None:
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, gate=True, unsafe=True))
     # The demo keeps serving through the corruption, and counts it.
-    assert report.completed == SMALL.num_requests
-    assert report.deferred_frees == 0
+    assert _all_served(report)
+    assert report.deferred_frees == 0 and report.deferred_page_frees == 0
     assert report.corruptions > 0
     assert report.mismatches >= report.corruptions
+    assert report.kv_corruptions > 0
+    assert report.kv_mismatches >= report.kv_corruptions
     assert not report.ok
 
 
-async def test_unsafe_sync_has_nothing_in_flight_to_corrupt() -> None:
-    # Without overlap no step is in flight when rows are freed: even the
-    # seed's immediate free is safe, and nothing is deferred.
+async def test_unsafe_sync_still_corrupts_kv_through_the_transfer() -> None:
+    # Without overlap no step is in flight when rows are freed: the rows stay
+    # clean even with the seed's immediate free. But an aborted request's
+    # transfer is still on its way: its pages, freed at once, are written by
+    # their next owner and then by the late transfer.
     async with bounded(LONG_S):
-        report = await run_demo(replace(SMALL, mode="sync", unsafe=True))
-    assert report.completed == SMALL.num_requests
+        report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True))
+    assert _all_served(report)
     assert report.corruptions == 0
+    assert report.kv_corruptions > 0
     assert report.deferred_frees == 0
 
 
 async def test_sync_mode_completes() -> None:
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, mode="sync"))
-    assert report.completed == SMALL.num_requests
-    assert report.corruptions == 0
+    assert _all_served(report)
+    assert report.corruptions == 0 and report.kv_corruptions == 0
     assert report.ok
+
+
+async def test_row_first_admission_holds_rows_without_pages() -> None:
+    async with bounded(LONG_S):
+        atomic = await run_demo(replace(SMALL, gate=True))
+    async with bounded(LONG_S):
+        row_first = await run_demo(replace(SMALL, gate=True, admission="row-first"))
+    assert row_first.ok and row_first.admission == "row-first"
+    # Row-first, every row is taken at arrival and held while its request
+    # waits for pages; atomic, a row is only held with its pages.
+    assert row_first.mean_rows_allocated > atomic.mean_rows_allocated
+    assert row_first.row_utilization < atomic.row_utilization
+
+
+async def test_row_first_unsafe_detects_kv_corruption() -> None:
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, gate=True, unsafe=True, admission="row-first"))
+    assert _all_served(report)
+    assert report.kv_corruptions > 0
+
+
+async def test_no_aborts_no_transfer_hazard() -> None:
+    # Without aborts nothing frees pages a transfer still writes: unsafe
+    # sync mode (no step in flight either) is then clean.
+    async with bounded(LONG_S):
+        report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True, abort_rate=0.0))
+    assert report.completed == SMALL.num_requests and report.aborts == 0
+    assert report.corruptions == 0 and report.kv_corruptions == 0
 
 
 async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
@@ -150,39 +206,54 @@ async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
     report.write_json(path)
     data = json.loads(path.read_text())
     assert data.keys() >= JSON_FIELDS
-    assert data["completed"] == SMALL.num_requests
-    assert data["corruptions"] == 0
+    assert data["completed"] + data["aborts"] == SMALL.num_requests
+    assert data["corruptions"] == 0 and data["kv_corruptions"] == 0
     assert data["tokens_per_s"] > 0
+    assert data["admission"] == "atomic"
+    assert data["transfer_ms"] == SMALL.transfer_ms
+    assert 0 < data["row_utilization"] <= 1.0
     assert data["config"]["rows"] == SMALL.rows
+    assert data["config"]["kv_pages"] == SMALL.kv_pages
+    pages = data["pages"]
+    assert set(pages) == {"t_s", "allocated", "pending", "free"}
+    assert 0 < len(pages["t_s"]) <= 200
+    for a, p, f in zip(pages["allocated"], pages["pending"], pages["free"], strict=True):
+        assert a + p + f == SMALL.kv_pages
+    assert max(pages["pending"]) > 0
     assert "trace" not in data
 
-    assert report.trace.timeline and report.trace.alloc_waits
+    assert report.trace.timeline and report.trace.alloc_waits and report.trace.abort_times
     png = tmp_path / "plot.png"
     save_plot(report, png)
     _assert_png(png)
-    assert isinstance(report.table(), str) and "corruptions" in report.table()
+    table = report.table()
+    assert "kv_corruptions" in table and "row utilization" in table
 
 
 async def test_timeout_cleans_up() -> None:
-    # A run cut short: the gated worker is released, the stream joined, the
-    # admission tasks cancelled; nothing leaks (tests run with -W error).
-    threads = threading.active_count()
+    # A run cut short: the gated worker is released, the streams joined, the
+    # transfers landed, the admission tasks cancelled; nothing leaks (tests
+    # run with -W error).
+    before = set(threading.enumerate())
     cfg = replace(SMALL, num_requests=400, forward_ms=5.0, gate=True, timeout_s=0.3)
     with pytest.raises(TimeoutError):
         async with bounded(LONG_S):
             await run_demo(cfg)
-    assert threading.active_count() == threads
+    # Only the loop's default executor may remain (the pool stops its fence
+    # watcher there); it is shut down with the loop.
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert all(n.startswith(("asyncio_", "uvloop_", "ThreadPoolExecutor")) for n in left), left
 
 
 @pytest.mark.cuda
 async def test_cuda_fenced_overlap() -> None:
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
-    assert report.completed == SMALL.num_requests
-    assert report.corruptions == 0
+    assert _all_served(report)
+    assert report.corruptions == 0 and report.kv_corruptions == 0
     async with bounded(LONG_S):
         unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
-    assert unsafe.completed == SMALL.num_requests
+    assert _all_served(unsafe)
 
 
 # -- the command line --------------------------------------------------------------
@@ -196,17 +267,26 @@ def test_cli_safe_run_writes_json_and_plot(
     assert rc == 0
     data = json.loads(js.read_text())
     assert data.keys() >= JSON_FIELDS
-    assert data["completed"] == SMALL.num_requests and data["corruptions"] == 0
+    assert data["completed"] + data["aborts"] == SMALL.num_requests
+    assert data["corruptions"] == 0 and data["kv_corruptions"] == 0
     _assert_png(png)
     out = capsys.readouterr().out
-    assert "requests completed" in out and "corruptions" in out
+    assert "requests completed" in out and "kv_corruptions" in out
 
 
 def test_cli_unsafe_run_exits_1(tmp_path: Path) -> None:
     js = tmp_path / "out.json"
     rc = main([*_cli_args(SMALL), "--gate", "--unsafe", f"--json={js}"])
     assert rc == 1
-    assert json.loads(js.read_text())["corruptions"] > 0
+    data = json.loads(js.read_text())
+    assert data["corruptions"] > 0 and data["kv_corruptions"] > 0
+
+
+def test_cli_row_first(tmp_path: Path) -> None:
+    js = tmp_path / "out.json"
+    rc = main([*_cli_args(SMALL), "--gate", "--admission=row-first", f"--json={js}"])
+    assert rc == 0
+    assert json.loads(js.read_text())["admission"] == "row-first"
 
 
 def test_compare_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,10 +294,16 @@ def test_compare_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rc = compare_main(["--rounds=1", f"--out={out}", *_cli_args(SMALL), "--gate"])
     assert rc == 0  # fenced runs clean, the unsafe run caught corruption
     data = json.loads(out.read_text())
-    assert set(data["runs"]) == {"overlap", "sync", "unsafe"}
+    assert set(data["runs"]) == {"overlap", "sync", "unsafe", "row-first"}
     assert data["runs"]["unsafe"][0]["corruptions"] > 0
-    assert data["summary"]["ratios"]["overlap_vs_sync_best"] > 0
-    assert "overlap / sync" in capsys.readouterr().out
+    assert data["runs"]["unsafe"][0]["kv_corruptions"] > 0
+    assert data["runs"]["row-first"][0]["admission"] == "row-first"
+    ratios = data["summary"]["ratios"]
+    assert ratios["overlap_vs_sync_best"] > 0
+    assert ratios["atomic_vs_row_first_median"] > 0
+    assert ratios["row_utilization_atomic_vs_row_first"] > 1.0
+    out = capsys.readouterr().out
+    assert "overlap / sync" in out and "atomic / row-first" in out
 
 
 def test_cli_help_explains_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
@@ -232,8 +318,12 @@ def test_cli_help_explains_every_knob(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_cli_rejects_bad_knobs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--kv-budget=10", "--max-context-len=1024"])
+        main(["--kv-pages=10", "--page-size=16", "--max-context-len=1024"])
     assert exc.value.code == 2
+    for bad in (["--abort-rate=1.5"], ["--transfer-ms=-1"], ["--admission=lazy"]):
+        with pytest.raises(SystemExit) as exc:
+            main(bad)
+        assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["--prompt-len=zipf:2"])
     capsys.readouterr()
@@ -262,6 +352,35 @@ def test_workload_is_seeded_and_bounded() -> None:
     mean_gap = a[-1].arrival_s / len(a)
     assert 0.008 < mean_gap < 0.012
     assert all(r.arrival_s == 0 for r in generate(replace(cfg, rate=0.0)))
+    assert all(r.abort == "" for r in a)  # abort_rate defaults to 0
+
+
+def test_workload_aborts_are_seeded_and_leave_lengths_alone() -> None:
+    cfg = WorkloadConfig(
+        num_requests=2000,
+        rate=100.0,
+        prompt_len=LengthDist.parse("uniform:8:64"),
+        output_len=LengthDist.parse("exp:20"),
+        max_total_len=254,
+        seed=3,
+        abort_rate=0.1,
+    )
+    a = generate(cfg)
+    assert a == generate(cfg)
+    plain = generate(replace(cfg, abort_rate=0.0))
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in a] == [
+        (r.arrival_s, r.prompt_len, r.output_len) for r in plain
+    ]
+    kinds = [r.abort for r in a if r.abort]
+    assert 150 < len(kinds) < 250
+    assert kinds.count("transfer") > 50 and kinds.count("decode") > 50
+    for r in a:
+        if r.abort == "decode":
+            assert r.output_len >= 2 and 1 <= r.abort_after < r.output_len
+        if r.abort:
+            assert 0 < r.abort_at < 1
+    with pytest.raises(ValueError):
+        generate(replace(cfg, abort_rate=1.5))
 
 
 @pytest.mark.parametrize(
@@ -288,8 +407,12 @@ def test_report_ok_needs_a_safe_complete_clean_run() -> None:
         mode="overlap",
         unsafe=False,
         device="cpu",
-        requests=2,
+        admission="atomic",
+        requests=3,
         completed=2,
+        aborts=1,
+        aborts_in_transfer=1,
+        aborts_in_decode=0,
         output_tokens=4,
         computed_tokens=8,
         elapsed_s=1.0,
@@ -301,11 +424,20 @@ def test_report_ok_needs_a_safe_complete_clean_run() -> None:
         alloc_wait_p99_ms=0.0,
         retractions=0,
         deferred_frees=0,
+        deferred_page_frees=0,
         fence_latency_p50_ms=0.0,
         fence_latency_p99_ms=0.0,
         corruptions=0,
         mismatches=0,
+        kv_corruptions=0,
+        kv_mismatches=0,
         peak_allocated=2,
+        row_utilization=1.0,
+        mean_rows_allocated=2.0,
+        mean_pages_allocated=4.0,
+        transfer_ms=1.0,
+        transfers=3,
+        stalls=0,
         forward_busy=0.5,
         forward_ms_per_step=1.0,
         sched_cpu_ms_per_step=1.0,
@@ -313,4 +445,56 @@ def test_report_ok_needs_a_safe_complete_clean_run() -> None:
     assert base.ok
     assert not replace(base, unsafe=True).ok
     assert not replace(base, corruptions=1).ok
+    assert not replace(base, kv_corruptions=1).ok
     assert not replace(base, completed=1).ok
+
+
+# -- the transfer engine ----------------------------------------------------------
+
+
+async def test_transfer_lands_when_due_and_a_held_one_waits_for_release() -> None:
+    import torch
+
+    from scheduler_demo.forward import wait_fence
+    from scheduler_demo.transfer import TransferEngine
+
+    engine = TransferEngine("cpu", transfer_ms=1.0, mean_tokens=4.0)
+    kv = torch.zeros(32, dtype=torch.int64)
+    engine.attach(kv)
+    try:
+        slots = torch.tensor([4, 5, 6, 7])
+        # Same length, so the held one started first is due first.
+        held = engine.start(2, slots, torch.tensor([21, 22, 23, 24]))
+        assert engine.hold(held)
+        later = engine.start(1, slots, torch.tensor([11, 12, 13, 14]))
+        assert not later.query() and not held.query()  # a fence: not landed yet
+        async with bounded(LONG_S):
+            await wait_fence(later)
+        assert kv[4:8].tolist() == [11, 12, 13, 14]
+        # Due, but held: it has not landed, and the slots keep the later one's values.
+        assert held.is_due and not held.launched and not held.query()
+        assert kv[4:8].tolist() == [11, 12, 13, 14]
+        engine.release(held)  # the late write lands now, over the slots
+        async with bounded(LONG_S):
+            await wait_fence(held)
+        assert kv[4:8].tolist() == [21, 22, 23, 24]
+        assert not engine.hold(held)  # already launched
+    finally:
+        engine.flush()
+        engine.close()
+
+
+async def test_transfer_flush_lands_everything() -> None:
+    import torch
+
+    from scheduler_demo.transfer import TransferEngine
+
+    engine = TransferEngine("cpu", transfer_ms=10_000.0, mean_tokens=1.0)
+    kv = torch.zeros(8, dtype=torch.int64)
+    engine.attach(kv)
+    t = engine.start(1, torch.tensor([3]), torch.tensor([9]))
+    engine.hold(t)
+    engine.flush()  # on the way out: nothing may stay in flight
+    t.synchronize()
+    engine.close()
+    assert t.query() and int(kv[3]) == 9

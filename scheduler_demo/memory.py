@@ -62,9 +62,11 @@ class AllOf:
             f.synchronize()
 
 
-def make_page_pool(num_pages: int, page_size: int, device: str) -> KVPagePool:
+def make_page_pool(
+    num_pages: int, page_size: int, device: str, reclaim: str = "auto"
+) -> KVPagePool:
     """The KV page pool: ``num_pages`` pages (page 0 is padding) of ``page_size`` slots."""
-    return KVPagePool(num_pages, page_size, device=device)
+    return KVPagePool(num_pages, page_size, device=device, reclaim=reclaim)
 
 
 class Memory:

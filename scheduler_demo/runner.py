@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward
@@ -24,12 +25,20 @@ __all__ = ["run_demo"]
 logger = logging.getLogger(__name__)
 
 
-async def run_demo(config: DemoConfig | None = None) -> Report:
+async def run_demo(
+    config: DemoConfig | None = None,
+    *,
+    reclaim: str = "auto",
+    scheduler_factory: Callable[..., Scheduler] = Scheduler,
+    memory_factory: Callable[[AsyncReqToTokenPool, KVPagePool], Memory] = Memory,
+) -> Report:
     """Run the demo once and return its :class:`Report`.
 
     Creates the forward and transfer streams, the KV pages and the pool in
     the running loop (the pool is loop-affine), serves the whole workload,
-    lands every transfer, drains the pool, closes everything.
+    lands every transfer, drains the pool, closes everything. ``reclaim``
+    and the two factories are for ``--tp`` (:mod:`scheduler_demo.tp`):
+    explicit pools, a replicated scheduler and its memory adapter.
     """
     cfg = config or DemoConfig()
     cfg.validate()
@@ -48,21 +57,27 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         # every step; unsafe, it resets them on the current stream, as the
         # seed does, racing the forward.
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
-        kv_pages = make_page_pool(cfg.kv_pages + 1, cfg.page_size, cfg.device)
-        pool_kwargs: dict[str, Any] = {"device": cfg.device, "stream": pool_stream}
+        kv_pages = make_page_pool(cfg.kv_pages + 1, cfg.page_size, cfg.device, reclaim=reclaim)
+        pool_kwargs: dict[str, Any] = {
+            "device": cfg.device,
+            "stream": pool_stream,
+            "reclaim": reclaim,
+        }
         if _pool_takes_kv():
             pool_kwargs["kv"] = kv_pages
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
         kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
         async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **pool_kwargs) as pool:
-            memory = Memory(pool, kv_pages)
+            memory = memory_factory(pool, kv_pages)
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
             if forward.is_cuda:
                 torch.cuda.synchronize()  # the zeroed KV and tables land before any stream writes
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
-            sched = Scheduler(cfg, memory, forward, transfers, specs, on_complete=on_complete)
+            sched = scheduler_factory(
+                cfg, memory, forward, transfers, specs, on_complete=on_complete
+            )
             try:
                 if cfg.timeout_s is not None:
                     await asyncio.wait_for(sched.run(), cfg.timeout_s)

@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--device cuda, one GPU per rank), with reclaim=\"explicit\" pools; every step "
         "checks that all ranks built the same batch (default: 1, no replicas)",
     )
+    e.add_argument(
+        "--tp-reclaim",
+        choices=("explicit", "auto"),
+        default="explicit",
+        help="with --tp: the pools' reclaim mode; auto is the control run, whose replicas "
+        "decide by local fence timing and diverge (default: %(default)s)",
+    )
     t = p.add_argument_group("timing")
     t.add_argument(
         "--forward-ms",
@@ -327,12 +334,16 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
     """``--tp N``: rank 0 prints its report; then the agreement figures."""
     import json
 
-    from .tp import format_summary, run_tp
+    from .tp import TPMismatchError, format_summary, run_tp
 
     if cfg.admission != "atomic" or cfg.gate:
         print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
         return 2
-    res = run_tp(cfg, args.tp)
+    try:
+        res = run_tp(cfg, args.tp, args.tp_reclaim)
+    except TPMismatchError as exc:
+        print(f"scheduler_demo: {exc}", file=sys.stderr)
+        return 1
     print(format_summary(res))
     report = res["ranks"][0]["report"]
     if args.json:

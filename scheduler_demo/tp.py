@@ -112,6 +112,10 @@ class TPScheduler(Scheduler):
         self._in_transfer: dict[int, Req] = {}
         self._hash = hashlib.blake2b(digest_size=8)
         self._width = self.capacity + 4  # transfers in flight <= rows
+        # "auto" pools only for the control run (--tp-reclaim auto): no
+        # retire/agree, the pools reclaim by local fence timing, and the
+        # ranks diverge.
+        self.explicit = self.mem.kv.reclaim_mode == "explicit"
         self.tp_checks = 0
         self.tp_mismatches = 0
         self.agree_s = 0.0
@@ -216,6 +220,8 @@ class TPScheduler(Scheduler):
                 self.ready_join.append(req)
                 del self._in_transfer[req.spec.rid]
         t1 = time.perf_counter()
+        if not self.explicit:
+            return
         self.mem.pool.agree(self.group)
         if not self.mem.native:
             self.mem.kv.agree(self.group)
@@ -235,6 +241,8 @@ class TPScheduler(Scheduler):
 
     async def _process(self, step: Any) -> None:
         await super()._process(step)
+        if not self.explicit:
+            return
         # The scheduler has processed this step: what it held comes back.
         self.mem.pool.retire(step.fence)
         if not self.mem.native:
@@ -278,7 +286,9 @@ def _landed(req: Req) -> int:
 # -- processes -------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, init: str, out_dir: str, cfg_dict: dict[str, Any]) -> None:
+def _rank_main(
+    rank: int, world: int, init: str, out_dir: str, cfg_dict: dict[str, Any], reclaim: str
+) -> None:
     import torch.distributed as dist
 
     from .runner import run_demo
@@ -303,7 +313,7 @@ def _rank_main(rank: int, world: int, init: str, out_dir: str, cfg_dict: dict[st
         return sched
 
     try:
-        report = _run(run_demo(cfg, reclaim="explicit", scheduler_factory=factory,
+        report = _run(run_demo(cfg, reclaim=reclaim, scheduler_factory=factory,
                                memory_factory=TPMemory))
         summary = holder["s"].tp_summary()
         summary["report"] = json.loads(json.dumps(report.to_dict(), default=str))
@@ -322,16 +332,31 @@ def _run(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def run_tp(cfg: DemoConfig, world: int) -> dict[str, Any]:
+def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, Any]:
     """Run the demo on ``world`` ranks; return every rank's summary (rank
-    order) plus the figures the CLI prints. Raises if a rank failed."""
-    from torch.multiprocessing.spawn import spawn
+    order) plus the figures the CLI prints.
+
+    ``reclaim="auto"`` is the control: the same replicas with pools that
+    reclaim by local fence timing, which diverge. Raises
+    :class:`TPMismatchError` when the ranks diverged, and whatever a rank
+    raised otherwise.
+    """
+    from torch.multiprocessing.spawn import ProcessRaisedException, spawn
 
     if world < 1:
         raise ValueError(f"--tp must be >= 1, got {world}")
+    if reclaim not in ("explicit", "auto"):
+        raise ValueError(f'reclaim must be "explicit" or "auto", got {reclaim!r}')
     with tempfile.TemporaryDirectory() as tmp:
-        args = (world, os.path.join(tmp, "init"), tmp, dataclasses.asdict(cfg))
-        spawn(_rank_main, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
+        args = (world, os.path.join(tmp, "init"), tmp, dataclasses.asdict(cfg), reclaim)
+        try:
+            spawn(_rank_main, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
+        except ProcessRaisedException as exc:
+            text = str(exc)
+            marker = "TPMismatchError: "
+            if marker in text:
+                raise TPMismatchError(text[text.rindex(marker) + len(marker) :].strip()) from exc
+            raise
         ranks = [
             json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8"))
             for r in range(world)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_demo.config import DemoConfig
-from scheduler_demo.tp import check_agreed, format_summary, run_tp
+from scheduler_demo.tp import TPMismatchError, check_agreed, format_summary, run_tp
 
 
 @pytest.mark.timeout(240)
@@ -32,3 +32,12 @@ def test_the_check_names_what_differs() -> None:
     assert check_agreed([5, -5, 2, -2, 1, 0]) is None
     assert check_agreed([5, -7, 2, -2]) == "batch hashes 5..7"
     assert check_agreed([5, -5, 1, -2]) == "transfers in flight 1..2"
+
+
+@pytest.mark.timeout(240)
+def test_auto_pools_diverge_and_the_check_says_so() -> None:
+    """The control: the same replicas with reclaim="auto" pools decide by
+    local fence timing; the per-iteration check fails every rank."""
+    cfg = DemoConfig(num_requests=100, progress=False, timeout_s=120.0)
+    with pytest.raises(TPMismatchError, match="batch hashes"):
+        run_tp(cfg, 2, reclaim="auto")

@@ -24,7 +24,7 @@ from .errors import (
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
 from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
-from .stats import LatencySummary, PoolStats
+from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
 
@@ -37,6 +37,8 @@ __all__ = [
     "DoubleFreeError",
     "Fence",
     "FenceError",
+    "Histogram",
+    "HistogramSnapshot",
     "HostFence",
     "HostStream",
     "InvalidSlotError",

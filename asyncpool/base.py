@@ -146,21 +146,30 @@ class PoolCore:
         """Raise AssertionError unless every bookkeeping invariant holds."""
         self._ledger.check_invariants()
 
-    def _stats(self, **extra: Any) -> PoolStats:
+    def _stats(self, summaries: bool = True, **extra: Any) -> PoolStats:
         led = self._ledger
+        # Lifetime row totals first, then the counts now: read from another
+        # thread, a grant in between then lowers `frees` instead of raising it.
+        granted = led.granted
+        allocs = granted - led.returned
+        allocated = led.allocated
         return PoolStats(
             capacity=led.capacity,
             free=led.free_count,
-            allocated=led.allocated,
+            allocated=allocated,
             pending=led.pending,
             quarantined=led.quarantined,
-            allocs=led.allocs,
-            frees=led.frees,
+            allocs=allocs,
+            frees=allocs - allocated,
+            rows_granted=granted,
             deferred_frees=led.deferred_frees,
             reclaimed=led.reclaimed,
             peak_allocated=led.peak_allocated,
             resets=led.resets,
             fence_errors=led.fence_errors,
-            fence_latency=LatencySummary.of(led.fence_latencies),
+            fence_latency=(
+                LatencySummary.of(led.fence_latencies) if summaries else LatencySummary()
+            ),
+            fence_latency_histogram=led.fence_histogram.snapshot(),
             **extra,
         )

@@ -50,6 +50,7 @@ from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
 from .fences import Fence
+from .stats import Histogram
 
 __all__ = ["Deferrals", "Deferred", "check_ordered", "newest_per_stream", "stream_key"]
 
@@ -175,6 +176,7 @@ class Deferrals(Generic[T]):
         self.explicit = False
         self._retired: dict[int, int] = {}
         self.agreed_overdue: set[int] = set()
+        self.fence_histogram = Histogram()  # every batch's latency, for metrics
 
     def set_hooks(
         self,
@@ -369,7 +371,9 @@ class Deferrals(Generic[T]):
         if self.agreed_overdue:
             self.agreed_overdue.discard(batch.did)
         self.pending -= n
-        self.fence_latencies.append(self._clock() - batch.t0)
+        latency = self._clock() - batch.t0
+        self.fence_latencies.append(latency)
+        self.fence_histogram.observe(latency)
         self._release_items(batch.items)
         self.reclaimed += n
         return n

@@ -69,9 +69,9 @@ PageArray: TypeAlias = npt.NDArray[np.int64]
 #: Validated page ids: a short list of Python ints, or an int64 array.
 PageIds: TypeAlias = "list[int] | PageArray"
 
-# Up to this many pages, alloc and free work on Python ints instead of
-# numpy calls (each numpy call costs about a microsecond; a Python step on
-# one page a few tens of nanoseconds).
+# Up to this many pages, free checks and returns Python ints instead of
+# making numpy calls (reading a tensor with tolist() and a Python step per
+# page beat numpy's per-call overhead there; measured crossover 16-32).
 _TINY = 16
 _I64 = np.dtype(np.int64)
 _TOP_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64's eight
@@ -226,12 +226,7 @@ class PageLedger(Deferrals[PageArray]):
         else:
             out = np.concatenate((ring[head:], ring[: end - capacity]))
             self._head = end - capacity
-        if n <= _TINY:
-            state = self._state_bytes
-            for page in out.tolist():
-                state[page] = ALLOCATED
-        else:
-            self._state[out] = ALLOCATED
+        self._state[out] = ALLOCATED  # as cheap as a Python loop even for one page
         self.free_count -= n
         self._taken += n
         allocated = capacity - self.free_count - self.pending - self.quarantined
@@ -412,6 +407,8 @@ class PageLedger(Deferrals[PageArray]):
 
     @staticmethod
     def _numpy_array(arr: npt.NDArray[Any], owned: bool) -> tuple[PageArray, bool]:
+        if arr.dtype is _I64 and arr.strides == (8,):  # 1-D, contiguous int64: as is
+            return arr, owned
         kind = arr.dtype.kind
         if kind != "i" and kind != "u":
             raise _dtype_error(arr.dtype)

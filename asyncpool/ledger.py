@@ -128,7 +128,17 @@ class SlotLedger(Deferrals[int]):
     @property
     def allocs(self) -> int:
         """Rows handed out over the pool's life (derived: no hot-path counter)."""
-        return sum(self._gen) + (sum(self._gen_hi) << 8) - self._returned
+        return self.granted - self._returned
+
+    @property
+    def granted(self) -> int:
+        """Rows handed out, counting those given back by ``put_back`` (monotonic)."""
+        return sum(self._gen) + (sum(self._gen_hi) << 8)
+
+    @property
+    def returned(self) -> int:
+        """Rows given back by ``put_back`` (granted to a waiter that was cancelled)."""
+        return self._returned
 
     @property
     def frees(self) -> int:

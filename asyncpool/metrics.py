@@ -1,85 +1,240 @@
-"""An optional Prometheus collector for a pool's statistics.
+"""An optional Prometheus collector for pools' statistics.
 
 Needs the ``metrics`` extra (``prometheus-client``)::
 
     from prometheus_client import REGISTRY
     from asyncpool.metrics import PoolCollector
-    REGISTRY.register(PoolCollector(pool, name="decode"))
 
-The collector reads ``pool.stats()`` at scrape time. Scrapes usually run on
-another thread (the HTTP server's); ``stats()`` only reads ints and copies
-bounded sample windows, so a scrape never mutates the pool, but its numbers
-may be a few operations apart from one another.
+    collector = PoolCollector(decode_pool, name="decode")
+    collector.add(prefill_pool, name="prefill")  # more pools: the same collector
+    REGISTRY.register(collector)
+
+One collector exports every pool of a process, each labelled
+``pool="<name>"``: a metric family may come from one collector only (two
+collectors emitting ``asyncpool_free_rows`` would give the scrape two
+``# TYPE`` blocks for one name). :meth:`PoolCollector.describe` names every
+family, so ``prometheus_client`` refuses a second collector with the same
+names (``ValueError``), and :meth:`PoolCollector.add` refuses a pool name it
+already has.
+
+Names follow Prometheus' rules and the serving engines' conventions (vLLM's
+``vllm:num_requests_waiting`` and ``vllm:request_queue_time_seconds``,
+SGLang's ``sglang:num_queue_reqs``): base units in the name (``_seconds``,
+``_rows``), ``_total`` on counters, calls and rows counted apart. The
+table :data:`FAMILIES` lists them all (the README has the same table).
+
+Thread rules: a scrape runs on the HTTP server's thread. It calls
+``pool.stats(summaries=False)``, which only reads ints and copies histogram
+counts: it never mutates the pool, and costs microseconds whatever the
+sample windows hold. Its figures may be a few operations apart from one
+another (each histogram is consistent in itself: its ``+Inf`` bucket equals
+its ``_count``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .stats import PoolStats
+from .stats import HistogramSnapshot, PoolStats
 
-__all__ = ["PoolCollector"]
+__all__ = ["FAMILIES", "Family", "PoolCollector"]
 
 
 class _HasStats(Protocol):
-    def stats(self) -> PoolStats: ...
+    def stats(self, *, summaries: bool = True) -> PoolStats: ...
 
 
-_GAUGES = {
-    "capacity": "Rows that can be handed out (size - 1).",
-    "free": "Rows free right now.",
-    "allocated": "Rows held by requests.",
-    "pending": "Rows freed but waiting for their fences.",
-    "quarantined": "Rows kept out of circulation after a fence faulted.",
-    "waiters": "alloc() calls queued.",
-    "peak_allocated": "Most rows held at once.",
-}
-_COUNTERS = {
-    "allocs": "Rows handed out.",
-    "frees": "Rows given back.",
-    "deferred_frees": "Rows whose free waited for a fence.",
-    "reclaimed": "Rows returned to circulation by completed fences.",
-    "timeouts": "alloc() calls that timed out.",
-    "cancellations": "alloc() calls cancelled while waiting.",
-    "rejections": "alloc() calls refused because max_waiters queued.",
-    "fence_errors": "Fences that faulted.",
-    "resets": "Bulk row resets (one vectorised op each).",
-}
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One exported metric family: how to name, type, explain and read it.
+
+    ``name`` is the full name after the prefix, without ``_total`` (which
+    ``prometheus_client`` appends to counters) and ending in ``unit`` when
+    there is one. ``get`` reads the value from a :class:`PoolStats`: a
+    number for gauges and counters, a :class:`HistogramSnapshot` for
+    histograms.
+    """
+
+    name: str
+    type: str  # "gauge", "counter" or "histogram"
+    unit: str
+    help: str
+    get: Callable[[PoolStats], Any]
+
+
+#: Every exported family. Adding a figure is one line here (and a field on
+#: :class:`PoolStats`).
+FAMILIES: tuple[Family, ...] = (
+    # gauges: state right now
+    Family("capacity_rows", "gauge", "rows",
+           "Rows that can ever be handed out (size - 1).", lambda s: s.capacity),
+    Family("free_rows", "gauge", "rows",
+           "Rows free right now, ready to hand out.", lambda s: s.free),
+    Family("allocated_rows", "gauge", "rows",
+           "Rows held by requests right now.", lambda s: s.allocated),
+    Family("pending_rows", "gauge", "rows",
+           "Rows freed but waiting for their fences to complete.", lambda s: s.pending),
+    Family("quarantined_rows", "gauge", "rows",
+           "Rows kept out of circulation because their fence faulted.",
+           lambda s: s.quarantined),
+    Family("peak_allocated_rows", "gauge", "rows",
+           "Most rows held by requests at once.", lambda s: s.peak_allocated),
+    Family("waiting_requests", "gauge", "",
+           "alloc() calls queued for rows right now.", lambda s: s.waiters),
+    Family("closed", "gauge", "", "1 once the pool is closed, else 0.", lambda s: s.closed),
+    Family("released", "gauge", "",
+           "1 while the pool's memory region is released, else 0.", lambda s: s.released),
+    # counters: lifetime totals
+    Family("alloc_calls", "counter", "",
+           "Allocation calls granted rows (alloc, successful try_alloc).",
+           lambda s: s.alloc_calls),
+    Family("rows_allocated", "counter", "",
+           "Rows handed out (also those a waiter cancelled after its grant gave back).",
+           lambda s: s.rows_granted),
+    Family("rows_freed", "counter", "",
+           "Rows that left the allocated state: freed, or given back by a cancelled waiter.",
+           lambda s: s.rows_granted - s.allocated),
+    Family("rows_deferred", "counter", "",
+           "Freed rows that had to wait for a fence.", lambda s: s.deferred_frees),
+    Family("rows_reclaimed", "counter", "",
+           "Rows returned to circulation by completed fences.", lambda s: s.reclaimed),
+    Family("alloc_timeouts", "counter", "",
+           "alloc() calls that timed out while queued.", lambda s: s.timeouts),
+    Family("alloc_cancellations", "counter", "",
+           "alloc() calls cancelled while queued (or granted, before resuming).",
+           lambda s: s.cancellations),
+    Family("alloc_rejections", "counter", "",
+           "alloc() calls refused because max_waiters calls already queued.",
+           lambda s: s.rejections),
+    Family("fence_errors", "counter", "",
+           "Fences that faulted (their rows are quarantined).", lambda s: s.fence_errors),
+    Family("row_resets", "counter", "",
+           "Bulk resets of freed rows' table entries (one vectorised op each).",
+           lambda s: s.resets),
+    # histograms: every event over the pool's life
+    Family("alloc_wait_seconds", "histogram", "seconds",
+           "Wait of each granted allocation, from the call to its grant "
+           "(0 when granted without queueing). Timed-out, cancelled and rejected "
+           "calls are not observed: see their counters.",
+           lambda s: s.wait_histogram),
+    Family("fence_latency_seconds", "histogram", "seconds",
+           "Latency of each completed fence batch, from the deferred free to the "
+           "reclaim that saw the fence complete.",
+           lambda s: s.fence_latency_histogram),
+)
+
+
+_cumsum = itertools.accumulate
+
+
+@functools.lru_cache(maxsize=16)
+def _le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label values of ``bounds`` plus ``+Inf``, formatted once."""
+    from prometheus_client.utils import floatToGoString
+
+    fmt: Callable[[float], str] = floatToGoString  # untyped upstream
+    return (*(fmt(b) for b in bounds), "+Inf")
 
 
 class PoolCollector:
-    """A ``prometheus_client`` custom collector for one pool."""
+    """A ``prometheus_client`` custom collector for one or more pools.
 
-    def __init__(self, pool: _HasStats, name: str = "default", prefix: str = "asyncpool") -> None:
-        self._pool = pool
-        self._name = name
+    ``PoolCollector(pool, name="decode")`` exports ``pool`` with the label
+    ``pool="decode"``; :meth:`add` adds more pools. Register it once per
+    registry: its :meth:`describe` names every family, so a second
+    collector in the same registry raises ``ValueError`` at ``register``.
+
+    :meth:`add` and :meth:`remove` may run on any thread, also while a
+    scrape runs (it exports the pools it found when it started).
+    """
+
+    def __init__(
+        self, pool: _HasStats | None = None, name: str = "default", prefix: str = "asyncpool"
+    ) -> None:
         self._prefix = prefix
+        self._pools: dict[str, _HasStats] = {}
+        # Last value exported per (counter, pool): a scrape on another thread
+        # reads figures a few operations apart, and a counter must never be
+        # seen to go down (Prometheus would take it for a restart).
+        self._last: dict[tuple[str, str], float] = {}
+        if pool is not None:
+            self.add(pool, name)
+
+    def add(self, pool: _HasStats, name: str) -> None:
+        """Export ``pool`` too, labelled ``pool=name``.
+
+        Raises ``ValueError`` if ``name`` is taken (two pools with one label
+        would make an invalid scrape) and ``TypeError`` for a non-str name.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"a pool name must be a str, got {name!r}")
+        if name in self._pools:
+            raise ValueError(f"this collector already exports a pool named {name!r}")
+        self._pools[name] = pool
+
+    def remove(self, name: str) -> None:
+        """Stop exporting the pool labelled ``name`` (``KeyError`` if none).
+
+        A pool added later under the same name starts its counters afresh.
+        """
+        del self._pools[name]
+        for key in [k for k in self._last if k[1] == name]:
+            self._last.pop(key, None)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The pool labels exported, in the order added."""
+        return tuple(self._pools)
+
+    def _families(self) -> list[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        kinds: dict[str, Any] = {
+            "gauge": GaugeMetricFamily,
+            "counter": CounterMetricFamily,
+            "histogram": HistogramMetricFamily,
+        }
+        return [
+            kinds[f.type](f"{self._prefix}_{f.name}", f.help, labels=["pool"], unit=f.unit)
+            for f in FAMILIES
+        ]
 
     def describe(self) -> list[Any]:
-        return []
+        """Every family this collector exports, without samples."""
+        return self._families()
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        stats = self._pool.stats()
-        labels = ["pool"]
-        for field, doc in _GAUGES.items():
-            gauge = GaugeMetricFamily(f"{self._prefix}_{field}", doc, labels=labels)
-            gauge.add_metric([self._name], float(getattr(stats, field)))
-            yield gauge
-        for field, doc in _COUNTERS.items():
-            counter = CounterMetricFamily(f"{self._prefix}_{field}", doc, labels=labels)
-            counter.add_metric([self._name], float(getattr(stats, field)))
-            yield counter
-        for summary_name in ("wait_time", "fence_latency"):
-            summary = getattr(stats, summary_name)
-            gauge = GaugeMetricFamily(
-                f"{self._prefix}_{summary_name}_seconds",
-                f"Recent {summary_name.replace('_', ' ')} quantiles (bounded sample window).",
-                labels=[*labels, "quantile"],
-            )
-            gauge.add_metric([self._name, "0.5"], summary.p50_s)
-            gauge.add_metric([self._name, "0.99"], summary.p99_s)
-            gauge.add_metric([self._name, "max"], summary.max_s)
-            yield gauge
+        """One snapshot per pool (``stats(summaries=False)``), as families."""
+        pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
+        snapshots = [(name, pool.stats(summaries=False)) for name, pool in pools]
+        for fam, family in zip(FAMILIES, self._families(), strict=True):
+            get = fam.get
+            if fam.type == "histogram":
+                for name, stats in snapshots:
+                    h: HistogramSnapshot = get(stats)
+                    les = _le_labels(h.bounds)
+                    family.add_metric(
+                        [name], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
+                    )
+            elif fam.type == "counter":
+                last = self._last
+                for name, stats in snapshots:
+                    key = (fam.name, name)
+                    v = float(get(stats))
+                    if v < last.get(key, 0.0):
+                        v = last[key]  # read skew, never a real decrease
+                    else:
+                        last[key] = v
+                    family.add_metric([name], v)
+            else:
+                for name, stats in snapshots:
+                    family.add_metric([name], float(get(stats)))
+            yield family

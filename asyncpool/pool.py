@@ -53,7 +53,7 @@ from .errors import (
 )
 from .fences import Fence, HostFence, HostStream
 from .ledger import ALLOCATED, FREE, Rows
-from .stats import LatencySummary, PoolStats
+from .stats import Histogram, LatencySummary, PoolStats
 from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
@@ -64,6 +64,14 @@ _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
 
+
+# drain() polls fences without a done callback with this backoff (seconds).
+_DRAIN_POLL_MIN_S = 50e-6
+_DRAIN_POLL_MAX_S = 1e-3
+# close() joins the watcher's idle threads for at most this long in all: they
+# exit within microseconds of stop(); the bound only guards against a fence
+# whose query() blocks, against the protocol.
+_CLOSE_JOIN_S = 0.05
 
 # A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
 # than an object, and the future says whether it is still wanted.
@@ -95,13 +103,6 @@ def _check_wait_args(priority: object, timeout: object) -> None:
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
     ):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-
-
-def _synchronize_quietly(fence: Fence) -> None:
-    try:
-        fence.synchronize()
-    except Exception:  # reclaim quarantines the fence's rows
-        pass
 
 
 class AsyncReqToTokenPool(PoolCore):
@@ -178,6 +179,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._wait_histogram = Histogram()  # queued allocs' waits, at grant
+        self._fast_allocs = 0  # allocs granted without queueing (zero waits)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         self._timeouts = 0
@@ -308,6 +311,7 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
+                self._fast_allocs += 1
                 return [row]
         if self._owner != ident:
             self._bind_thread()
@@ -330,14 +334,17 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
+                self._fast_allocs += 1
                 return [row]
             rows = self._take(n)
             if rows is not None:
+                self._fast_allocs += 1
                 return rows
             if led.pending and led.reclaim():
                 # Capacity only waiting on a fence is not exhaustion.
                 rows = self._take(n)
                 if rows is not None:
+                    self._fast_allocs += 1
                     return rows
         # Slow path, inline (no nested coroutine per wait): queue and wait
         # for a grant.
@@ -490,6 +497,7 @@ class AsyncReqToTokenPool(PoolCore):
             if not now:
                 now = _perf_counter()
             self._wait_times.append(now - t0)
+            self._wait_histogram.observe(now - t0)
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -518,6 +526,8 @@ class AsyncReqToTokenPool(PoolCore):
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():
             rows = self._take(n)
+        if rows is not None:
+            self._fast_allocs += 1
         return rows
 
     # ------------------------------------------------------------ free
@@ -734,59 +744,114 @@ class AsyncReqToTokenPool(PoolCore):
 
     # ------------------------------------------------------------ lifecycle
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
         """Wait until no row is pending behind a fence.
 
         Works before and after :meth:`close`. Rows of faulted fences are
-        quarantined, not waited for. Cancelling ``drain`` changes nothing.
-        With ``reclaim="explicit"`` it waits for each pending fence in turn
-        (``synchronize()`` in a worker thread) and settles what is behind
-        it as :meth:`retire` would: the outcome, nothing pending, does not
-        depend on timing, so ranks that drain at the same point stay alike.
+        quarantined, not waited for. Host fences wake it through their done
+        callbacks; other fences (CUDA events, fences of unknown origin) are
+        polled with ``query()`` on the loop, backing off from 50 µs to 1 ms,
+        never by blocking a thread in their ``synchronize()``, so a fence
+        that never completes leaves no thread behind.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: no
+        limit) with rows still pending; the pool is then as it was, apart
+        from fences that completed meanwhile, which are reclaimed as any call
+        would. Cancelling ``drain`` changes nothing either. Raises
+        ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
+
+        With ``reclaim="explicit"`` it waits the same way for each pending
+        fence in turn and settles what is behind it as :meth:`retire` would
+        (faulted: quarantined). The outcome, nothing pending, does not depend
+        on timing, so ranks that drain at the same point stay alike.
         """
         self._check_thread()
+        if timeout is not None:
+            _check_wait_args(0, timeout)
         loop = self._running_loop()
         led = self._ledger
         if led.explicit:
-            await self._drain_explicit(loop)
+            await self._drain_explicit(loop, timeout)
             return
-        while True:
-            if led.pending:
-                self.reclaim()
-            if not led.pending:
-                return
-            head = led.pending_fences()[0]
-            if isinstance(head, HostFence):
-                fut: asyncio.Future[None] = loop.create_future()
-                head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
-                await fut
-            else:
-                await loop.run_in_executor(None, _synchronize_quietly, head)
+        if led.pending:
+            self.reclaim()
+        if not led.pending:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                head: Fence | None = None
+                seen = -1
+                while True:
+                    if led.pending != seen:  # O(pending) only after progress
+                        seen = led.pending
+                        head = led.pending_fences()[0]
+                    if head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                        delay = _DRAIN_POLL_MIN_S
+                        seen = -1  # its rows may wait on another fence now
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+                    if led.pending:
+                        self.reclaim()
+                    if not led.pending:
+                        return
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {led.pending} rows still pending "
+                f"behind fences"
+            ) from None
 
-    async def _drain_explicit(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _drain_explicit(
+        self, loop: asyncio.AbstractEventLoop, timeout: float | None
+    ) -> None:
         # Explicit pools ask no fence on their own: wait for each pending
-        # fence in turn and settle what is behind it as retire() would. The
-        # outcome (nothing pending) is the same on every rank whatever the
-        # timing, so replicas that drain at the same point stay in step.
+        # fence in turn (as drain() does) and settle what is behind it as
+        # retire() would. The outcome (nothing pending) is the same on every
+        # rank whatever the timing, so replicas that drain at the same point
+        # stay in step.
         led = self._ledger
-        while led.pending:
-            head = led.pending_fences()[0]
-            error: BaseException | None = None
-            try:
-                await loop.run_in_executor(None, head.synchronize)
-            except Exception as exc:  # a faulted fence: quarantine its rows
-                error = exc
-            if led.conclude(head, error) and self._nwaiters:
-                self._grant()
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                while led.pending:
+                    head = led.pending_fences()[0]
+                    error: BaseException | None = None
+                    try:
+                        done = head.query()
+                    except Exception as exc:  # a faulted fence: quarantine its rows
+                        done, error = True, exc
+                    if done:
+                        if led.conclude(head, error) and self._nwaiters:
+                            self._grant()
+                        delay = _DRAIN_POLL_MIN_S
+                    elif head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {led.pending} rows still pending "
+                f"behind fences"
+            ) from None
 
     async def close(self) -> None:
         """Close the pool: new allocations and current waiters fail.
 
         Every queued ``alloc`` raises :class:`PoolClosedError`; later
         ``alloc``/``try_alloc`` calls too. ``free`` still works, and rows
-        pending behind fences stay pending (``drain()`` waits for them). The
-        fence watcher thread, if one was started, is stopped and joined.
-        Idempotent.
+        pending behind fences stay pending (``drain()`` waits for them).
+        Never waits for a fence: the fence watcher is told to stop, and only
+        its threads that are not inside a fence's ``synchronize()`` are
+        joined (they exit within microseconds; the join is bounded at 50 ms
+        in all). A watcher thread stuck in a CUDA event that never completes
+        is a daemon and keeps nothing alive. Idempotent.
         """
         self._check_thread()
         if self._closed:
@@ -804,10 +869,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._nwaiters = 0
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
-            if watcher.running:
-                await asyncio.get_running_loop().run_in_executor(None, watcher.stop)
-            else:
-                watcher.stop()
+            watcher.stop()
+            watcher.join(_CLOSE_JOIN_S)
         logger.debug("closed %r", self)
 
     @property
@@ -867,16 +930,26 @@ class AsyncReqToTokenPool(PoolCore):
         """How many ``alloc`` calls are queued."""
         return self._nwaiters
 
-    def stats(self) -> PoolStats:
-        """A frozen snapshot of counts, totals and latency summaries."""
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        """A frozen snapshot of counts, totals, histograms and latency summaries.
+
+        Never mutates the pool. ``summaries=False`` leaves ``wait_time`` and
+        ``fence_latency`` empty (sorting their sample windows is the costly
+        part); metrics scrapes use it. May be called from another thread (a
+        scrape): the figures are then read a few operations apart.
+        """
+        waits = self._wait_histogram.snapshot(zeros=self._fast_allocs)
         return self._stats(
+            summaries,
             waiters=self._nwaiters,
             timeouts=self._timeouts,
             cancellations=self._cancellations,
             rejections=self._rejections,
             closed=self._closed,
             released=self._released,
-            wait_time=LatencySummary.of(self._wait_times),
+            wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
+            alloc_calls=waits.count,
+            wait_histogram=waits,
         )
 
     def check_invariants(self) -> None:

@@ -1,16 +1,129 @@
-"""Frozen statistics snapshots of a pool."""
+"""Frozen statistics snapshots of a pool, and the fixed-bucket histogram.
+
+Two kinds of latency figures live side by side:
+
+* :class:`Histogram` counts *every* observation over the pool's life into
+  fixed buckets (cumulative ``_bucket``/``_count``/``_sum`` for Prometheus,
+  aggregatable across pools and over time);
+* :class:`LatencySummary` summarises a bounded window of *recent* samples
+  (percentiles for ``stats()`` and logs; not aggregatable).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LatencySummary", "PoolStats"]
+__all__ = [
+    "DEFAULT_BOUNDS_S",
+    "Histogram",
+    "HistogramSnapshot",
+    "LatencySummary",
+    "PoolStats",
+]
+
+#: Bucket upper bounds (seconds) for scheduler latencies: 1, 2.5 and 5 per
+#: decade from 10 µs to 10 s (19 bounds; ``+Inf`` is implicit). A zero wait
+#: (an allocation granted without queueing) lands in the first bucket.
+DEFAULT_BOUNDS_S: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5,
+    1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+    10.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """A histogram frozen at one moment.
+
+    ``bounds`` are the buckets' inclusive upper bounds in seconds (ascending;
+    the ``+Inf`` bucket is implied). ``counts`` holds one count per bucket,
+    *not* cumulative, with the ``+Inf`` bucket's last: ``len(counts) ==
+    len(bounds) + 1``. ``count`` is the number of observations (always
+    ``sum(counts)``) and ``sum_s`` their total in seconds.
+    """
+
+    bounds: tuple[float, ...] = DEFAULT_BOUNDS_S
+    counts: tuple[int, ...] = (0,) * (len(DEFAULT_BOUNDS_S) + 1)
+    count: int = 0
+    sum_s: float = 0.0
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """Cumulative ``(upper bound, count)`` pairs, as Prometheus exposes them.
+
+        The last pair is ``(inf, count)``.
+        """
+        out: list[tuple[float, int]] = []
+        total = 0
+        for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += c
+            out.append((bound, total))
+        return out
+
+
+class Histogram:
+    """Counts of observations in fixed buckets, plus their count and sum.
+
+    ``observe(value)`` costs one ``bisect`` into :attr:`bounds` and three
+    adds; keep it off the per-call fast path (count zero-valued events in a
+    plain int instead and pass it as ``zeros`` to :meth:`snapshot`).
+
+    Thread rules: observe from one thread (the pool's). :meth:`snapshot` may
+    run on another (a metrics scrape): it copies the counts in one C-level
+    step, so the snapshot's buckets and count agree with each other; its
+    ``sum_s`` may be one observation apart.
+    """
+
+    __slots__ = ("_counts", "_sum", "bounds")
+
+    def __init__(self, bounds: Sequence[float] = DEFAULT_BOUNDS_S) -> None:
+        b = tuple(float(x) for x in bounds)
+        if (
+            not b
+            or not all(math.isfinite(x) for x in b)
+            or any(not lo < hi for lo, hi in itertools.pairwise(b))
+        ):
+            raise ValueError(
+                f"histogram bounds must be finite, increasing and not empty (+Inf is "
+                f"implicit), got {bounds!r}"
+            )
+        self.bounds = b
+        self._counts = [0] * (len(b) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count ``value`` into the first bucket whose bound is >= it."""
+        self._counts[bisect_left(self.bounds, value)] += 1
+        self._sum += value
+
+    def snapshot(self, zeros: int = 0) -> HistogramSnapshot:
+        """A frozen copy, with ``zeros`` extra observations of 0.0 folded in.
+
+        ``zeros`` lets a hot path count zero-valued events (allocations that
+        never waited) with one integer add and still have them in the
+        histogram. Never mutates the histogram.
+        """
+        counts = list(self._counts)  # one C-level copy: consistent buckets
+        if zeros:
+            counts[0] += zeros
+        return HistogramSnapshot(self.bounds, tuple(counts), sum(counts), self._sum)
 
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    """Summary of recent latencies in seconds (a bounded window of samples)."""
+    """Summary of recent latencies in seconds (a bounded window of samples).
+
+    ``count`` is the number of samples in the window (not a lifetime total:
+    see the histograms for that); ``mean_s``, ``p50_s``, ``p99_s`` and
+    ``max_s`` are in seconds (nearest-rank percentiles), all 0.0 when empty.
+    """
 
     count: int = 0
     mean_s: float = 0.0
@@ -39,6 +152,55 @@ class PoolStats:
 
     ``free + allocated + pending + quarantined == capacity`` always holds.
     Rows only waiting on a fence count as ``pending``, not ``allocated``.
+    Counts of rows are in rows, of calls in calls; totals (``allocs`` ...
+    ``fence_errors``, ``alloc_calls``) only grow over the pool's life.
+
+    Attributes:
+        capacity: rows that can ever be handed out (``size - 1``; row 0 is
+            reserved padding).
+        free: rows free right now, ready to hand out.
+        allocated: rows held by requests right now.
+        pending: rows freed but waiting for their fences to complete.
+        quarantined: rows kept out of circulation because a fence faulted.
+        waiters: ``alloc`` calls queued right now (0 for the sync pool).
+        allocs: rows handed out, total. Rows granted to a waiter that was
+            cancelled before it resumed (and gave them back) are not counted.
+        frees: rows given back by requests, total (``allocs - allocated``).
+        deferred_frees: rows whose free had to wait for a fence, total.
+        reclaimed: rows returned to circulation by completed fences, total.
+        timeouts: ``alloc`` calls that raised ``TimeoutError``, total.
+        cancellations: ``alloc`` calls cancelled while queued (or after
+            their grant, before they resumed: their rows were given back),
+            total.
+        rejections: ``alloc`` calls refused with ``PoolBusyError`` because
+            ``max_waiters`` calls already queued, total.
+        peak_allocated: the most rows ever held at once.
+        resets: bulk row resets, total (one vectorised tensor op each).
+        fence_errors: fences that faulted, total (their rows quarantined).
+        closed: ``close()`` was called.
+        released: the memory region is released (``release_memory()``).
+        wait_time: percentiles (seconds) of the recent window of queued
+            allocations' waits, from queueing to grant; allocations granted
+            without queueing are not in the window. Empty when ``stats``
+            was asked for no summaries.
+        fence_latency: percentiles (seconds) of the recent window of fence
+            latencies, from a deferred free to the reclaim that saw its fence
+            complete. Empty when ``stats`` was asked for no summaries.
+        alloc_calls: allocation calls that were granted rows, total
+            (``alloc``, successful ``try_alloc``, the sync pool's successful
+            ``alloc``); equals ``wait_histogram.count``. A waiter granted
+            rows and cancelled before it resumed is counted here (it was
+            granted) and in ``cancellations``.
+        wait_histogram: every granted allocation's wait in seconds, from the
+            call (or its queueing) to its grant; one granted without
+            queueing counts as a zero wait. Timed-out, cancelled-while-queued
+            and rejected calls are not in it (see their counters).
+        fence_latency_histogram: every completed fence batch's latency in
+            seconds, from the deferred free to the reclaim that saw the fence
+            complete (the same figure as ``fence_latency``, for every batch).
+        rows_granted: rows handed out, total, counting those a waiter
+            cancelled after its grant gave back (unlike ``allocs``, it never
+            decreases: the ``rows_allocated`` counter of the metrics).
     """
 
     capacity: int
@@ -61,3 +223,7 @@ class PoolStats:
     released: bool = False
     wait_time: LatencySummary = field(default_factory=LatencySummary)
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
+    alloc_calls: int = 0
+    wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    fence_latency_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    rows_granted: int = 0

@@ -24,9 +24,11 @@ from .base import PoolCore
 from .deferral import check_ordered
 from .fences import Fence, HostStream
 from .ledger import Rows
-from .stats import PoolStats
+from .stats import Histogram, PoolStats
 
 __all__ = ["ReqToTokenPool"]
+
+_NO_WAITS = Histogram()  # never observed: the sync pool's waits are all zero
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class ReqToTokenPool(PoolCore):
         if explicit:
             self._ledger.make_explicit()
         self.reclaim_mode = reclaim
+        self._alloc_calls = 0  # successful alloc() calls (each a zero wait)
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -81,6 +84,8 @@ class ReqToTokenPool(PoolCore):
         rows = led.take(need_size)
         if rows is None and led.pending and led.reclaim():
             rows = led.take(need_size)
+        if rows is not None:
+            self._alloc_calls += 1
         return rows
 
     def record_use(self, rows: Rows, fence: Fence) -> None:
@@ -155,7 +160,22 @@ class ReqToTokenPool(PoolCore):
         self._tables.reset_all()
         led.restore_fresh_order()
 
-    def stats(self) -> PoolStats:
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        """A frozen snapshot of counts, totals, histograms and latency summaries.
+
+        Every successful :meth:`alloc` counts as a zero wait.
+        ``summaries=False`` leaves the percentile summaries empty (sorting
+        their sample windows is the costly part); metrics scrapes use it.
+        """
+        calls = self._alloc_calls
         return self._stats(
-            waiters=0, timeouts=0, cancellations=0, rejections=0, closed=False, released=False
+            summaries,
+            waiters=0,
+            timeouts=0,
+            cancellations=0,
+            rejections=0,
+            closed=False,
+            released=False,
+            alloc_calls=calls,
+            wait_histogram=_NO_WAITS.snapshot(zeros=calls),
         )

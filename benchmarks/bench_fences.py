@@ -23,6 +23,10 @@
   when the waiter costs nothing (no polling).
   :func:`bench_wake_latency` takes ``device`` so ``scripts/gpu_check.sh``
   can run it on CUDA events.
+* Wake-up latency with 100 slow fences of unknown origin watched (transfer
+  handles that stay open): a fence of unknown origin, or a host fence,
+  completes among them; against the single-fence figure above, and the CPU
+  the watcher's poller burns meanwhile (:func:`bench_wake_slow_fences`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +44,12 @@ from typing import Any
 from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name, median
 from .naive_pool import NaiveReqToTokenPool
 
-__all__ = ["bench_fenced_free", "bench_reclaim_sweep", "bench_wake_latency"]
+__all__ = [
+    "bench_fenced_free",
+    "bench_reclaim_sweep",
+    "bench_wake_latency",
+    "bench_wake_slow_fences",
+]
 
 RECLAIM_FLAT = Target("<=", 1.5)
 
@@ -441,3 +451,131 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
     row.samples["bare_idle_cpu_fraction"] = [bare]
     row.samples["pool_median_us"] = [median(pool_lat) / 1e3]
     return [row]
+
+
+class _SlowFence:
+    """A fence of unknown origin (a transfer handle): no ``stream_key``,
+    completes when its event is set; the watcher polls its ``query()``."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def query(self) -> bool:
+        return self.event.is_set()
+
+    def synchronize(self) -> None:
+        self.event.wait()
+
+
+async def bench_wake_slow_fences(cfg: Config) -> list[Row]:
+    """Wake-up latency with ``cfg.slow_fences`` slow fences of unknown origin watched.
+
+    A pool holds ``cfg.slow_fences`` rows behind fences of unknown origin
+    that stay open for the whole run (slow transfers) plus one row that a
+    waiter wants. That row is freed behind (a) a host fence or (b) a fence
+    of unknown origin, which completes ``cfg.wake_settle_s`` later (long
+    enough for the watcher's poll backoff to reach its cap: the steady state
+    of slow transfers; plus a random phase). Latency: the stream's worker stamps just before it
+    completes the fence; the waiter stamps when it resumes. Reference: the
+    existing single-fence figure (a pool with nothing else pending, host
+    fence), interleaved in the same run. Also: the process's CPU while the
+    slow fences are watched and the loop idles.
+    """
+    from asyncpool import AsyncReqToTokenPool, HostStream
+
+    loop_kind = loop_name()
+    n_slow = cfg.slow_fences
+    stream = HostStream(name="bench-wake-slow")
+    single = AsyncReqToTokenPool(2, 16)
+    crowded = AsyncReqToTokenPool(n_slow + 2, 16)
+    slow = [_SlowFence() for _ in range(n_slow)]
+    for slot, fence in zip(await crowded.alloc(n_slow), slow, strict=True):
+        crowded.free([slot], fence=fence)
+    held = {id(single): await single.alloc(1), id(crowded): await crowded.alloc(1)}
+
+    rng = random.Random(0)
+
+    async def once(pool: Any, unknown: bool) -> float:
+        gate = threading.Event()
+        cell = [0]
+        stream.launch(gate.wait)
+        stream.launch(_stamp, cell)
+        fence: Any
+        if unknown:
+            fence = _SlowFence()
+            stream.launch(fence.event.set)
+        else:
+            fence = stream.record()
+        pool.free(held[id(pool)], fence=fence)
+
+        async def waiter() -> tuple[list[int], int]:
+            rows = await pool.alloc(1)
+            return rows, perf_counter_ns()
+
+        task = asyncio.ensure_future(waiter())
+        # The waiter queues and the poll backoff reaches its cap; a random
+        # extra up to one cap period spreads the completion uniformly over
+        # the poll schedule instead of phase-locking to it.
+        await asyncio.sleep(cfg.wake_settle_s + rng.uniform(0.0, 0.001))
+        gate.set()
+        rows, t1 = await task
+        held[id(pool)] = rows
+        return float(t1 - cell[0])
+
+    cases = {
+        "single": (single, False),
+        "crowded-host": (crowded, False),
+        "crowded-unknown": (crowded, True),
+        "single-unknown": (single, True),
+    }
+    lat: dict[str, list[float]] = {name: [] for name in cases}
+    try:
+        for _ in range(2):  # warm-up
+            for pool, unknown in cases.values():
+                await once(pool, unknown)
+        names = list(cases)
+        for i in range(cfg.wake_samples):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:  # rotate who goes first
+                lat[name].append(await once(*cases[name]))
+        watcher = crowded._watcher
+        assert watcher is not None and watcher.polled == n_slow, watcher
+        polls0 = watcher.polls
+        c0, w0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(cfg.idle_wait_s)
+        c1, w1 = time.process_time(), time.perf_counter()
+        cpu = (c1 - c0) / (w1 - w0)
+        poll_rate = (watcher.polls - polls0) / (w1 - w0)
+    finally:
+        for fence in slow:
+            fence.event.set()
+        for pool in (single, crowded):
+            pool.free(held[id(pool)])
+            await pool.drain(timeout=30)
+            await pool.close()
+        stream.close()
+
+    def us(xs: list[float]) -> str:
+        return f"{median(xs) / 1e3:.1f} µs"
+
+    note = (f"{n_slow} slow fences of unknown origin stay open; the fence completes "
+            f"{cfg.wake_settle_s * 1e3:g}-{cfg.wake_settle_s * 1e3 + 1:g} ms after the waiter "
+            f"queued; a fence of unknown "
+            f"origin alone: {us(lat['single-unknown'])}. While the {n_slow} are watched and "
+            f"the loop idles: {cpu * 100:.1f}% of a core, {poll_rate:.0f} polls/s")
+    rows = [
+        compare(lat, bench=f"wake-up latency, {n_slow} slow fences watched", loop=loop_kind,
+                subject="crowded-unknown", reference="single", unit="ns", speedup=False,
+                subject_label="a fence of unknown origin completes (polled)",
+                reference_label="single host fence, nothing else pending", note=note),
+        compare(lat, bench=f"wake-up latency, {n_slow} slow fences watched", loop=loop_kind,
+                subject="crowded-host", reference="single", unit="ns", speedup=False,
+                subject_label="a host fence completes (done-callback)",
+                reference_label="single host fence, nothing else pending", note=note),
+    ]
+    for row in rows:
+        row.samples["idle_cpu_fraction"] = [cpu]
+        row.samples["polls_per_s"] = [poll_rate]
+    return rows

@@ -80,10 +80,22 @@ class Config:
     #: how long a waiter idles on an open fence when measuring CPU burn (s);
     #: a window pays one loop wake-up (~0.1 ms), so shorter ones read higher
     idle_wait_s: float = 1.0
+    #: slow fences of unknown origin kept open in the crowded wake-up benchmark
+    slow_fences: int = 100
+    #: how long after the waiter queues its fence completes (the watcher's
+    #: poll backoff reaches its 1 ms cap in about 1.6 ms)
+    wake_settle_s: float = 0.003
     #: scheduler_demo: requests per run, and rounds of (overlap, sync, unsafe)
     demo_requests: int = 200
     demo_repeats: int = 5
     demo_timeout_s: float = 120.0
+    #: queued allocs and fence batches behind the metrics scrape benchmark
+    metrics_samples: int = 10_000
+    #: KV page allocators: pool size in pages (page 0 included, kept half
+    #: allocated), token slots per page, and the alloc(n) sizes measured
+    pages_num_pages: int = 32_768
+    pages_page_size: int = 16
+    pages_counts: tuple[int, ...] = (1, 16, 256)
 
 
 PRESETS: dict[str, Config] = {
@@ -119,6 +131,8 @@ PRESETS: dict[str, Config] = {
         demo_requests=4,
         demo_repeats=1,
         demo_timeout_s=60.0,
+        metrics_samples=50,
+        pages_num_pages=1_024,
     ),
 }
 

@@ -6,6 +6,7 @@ import datetime as _dt
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,31 @@ from typing import Any
 from .bench_scaling import HANDOUTS
 from .harness import Config, Row
 
-__all__ = ["loadavg", "machine_info", "render_markdown", "to_json"]
+__all__ = ["PEERS_INSTALL", "loadavg", "machine_info", "render_markdown", "to_json"]
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: The commands ``benchmarks/install_peers.sh VENV`` runs to put SGLang's and
+#: vLLM's allocators in a venv of their own (the smoke test checks that each
+#: line is in the script, so the docs cannot drift from it).
+PEERS_INSTALL = (
+    'python3 -m venv "$VENV"',
+    '"$VENV/bin/python" -m pip install --upgrade pip',
+    '"$VENV/bin/python" -m pip install torch==2.13.0',
+    '"$VENV/bin/python" -m pip install numpy uvloop',
+    '"$VENV/bin/python" -m pip install --no-deps sglang==0.5.23',
+    '"$VENV/bin/python" -m pip install orjson psutil pybase64 requests triton packaging '
+    "pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp",
+    '"$VENV/bin/python" -m pip download --no-deps vllm==0.33.0 -d "$WHEELS"',
+    '"$VENV/bin/python" -m zipfile -e "$WHEELS"/vllm-0.33.0-*.whl "$VENV/vllm-src"',
+    "\"$VENV/bin/python\" -c 'import os, sys, sysconfig; open(os.path.join(sysconfig.get_paths()"
+    '["purelib"], "vllm_src.pth"), "w").write(os.path.abspath(sys.argv[1]) + "\\n")\' '
+    '"$VENV/vllm-src"',
+    '"$VENV/bin/python" -m pip install regex cbor2 cachetools cloudpickle py-cpuinfo '
+    "prometheus-client openai openai-harmony partial-json-parser transformers==5.19.0 "
+    'tokenizers==0.23.2 xgrammar==0.2.8 "fastapi>=0.133.0,<0.137.0" '
+    '"llguidance>=1.7.0,<1.8.0" apache-tvm-ffi==0.1.11',
+)
 
 
 def _cpu_model() -> str:
@@ -165,6 +188,39 @@ def _sweep_table(rows: list[Row], tag: str, title: str, col: str) -> list[str]:
     return out
 
 
+_PAGES_BENCH = re.compile(r"KV pages alloc\((\d+)\)\+free$")  # bench_pages.bench_name
+
+
+def _pages_table(rows: list[Row]) -> list[str]:
+    """Every page allocator's median cycle at each ``n``, from the pages rows."""
+    cells: dict[str, dict[int, float]] = {}
+    for r in rows:
+        m = _PAGES_BENCH.match(r.bench)
+        if m is None:
+            continue
+        n = int(m.group(1))
+        cells.setdefault(r.subject, {})[n] = r.subject_value
+        cells.setdefault(r.reference, {})[n] = r.reference_value
+    if not cells:
+        return []
+    counts = sorted({n for by_n in cells.values() for n in by_n})
+    out = [
+        "## KV page allocators",
+        "",
+        "Median time of one `alloc(n)` + `free` cycle (per page in brackets), all "
+        "allocators interleaved in one run; the ratios are in the tables above.",
+        "",
+        "| Allocator | " + " | ".join(f"n = {n}" for n in counts) + " |",
+        "| --- |" + " --- |" * len(counts),
+    ]
+    for name, by_n in cells.items():
+        out.append(f"| {name} | " + " | ".join(
+            "n/a" if n not in by_n else f"{_time(by_n[n])} ({_time(by_n[n] / n)}/page)"
+            for n in counts) + " |")
+    out.append("")
+    return out
+
+
 def render_markdown(
     rows: list[Row],
     *,
@@ -224,6 +280,8 @@ def render_markdown(
     lines += ["## Other comparisons", "", _HEADER]
     lines += [_row_line(r) for r in rows if r.target is None and not r.note.startswith("sweep:")]
     lines.append("")
+
+    lines += _pages_table(rows)
 
     sweeps = [
         ("sweep:idle", "reclaim() with nothing completed, vs pending fences", "pending fences"),
@@ -289,6 +347,32 @@ def render_markdown(
         "- Wake-up: the stream's worker stamps the time just before it reaches the fence; "
         "the waiter stamps when it resumes. The floor is a bare future resolved with "
         "`call_soon_threadsafe` from the same fence's done-callback.",
+        "- Metrics: after 10^4 queued allocs and 10^4 fence batches (full sample windows, "
+        "histograms of 10^4), `prometheus_client.generate_latest` of a registry holding one "
+        "`PoolCollector`; its target is absolute (under 1 ms per scrape), shown as the ratio "
+        "to a constant 1 ms.",
+        f"- KV pages: `pages = alloc(n); free(pages)` for n in {list(cfg.pages_counts)}, on a "
+        f"{cfg.pages_num_pages:,}-page pool (page 0 reserved) of which half was allocated at "
+        f"setup and stays held, {cfg.pages_page_size} token slots a page. Synchronous, so it "
+        "runs once (loop column `sync`). Contenders, interleaved in one run: asyncpool's "
+        "`KVPagePool`; the seed-style allocator of `benchmarks/naive_pages.py` (a torch "
+        "free-list tensor sliced on alloc, `torch.cat` on free, as SGLang's allocator does; "
+        "page ids in and out, so it skips SGLang's `torch.unique`); SGLang's "
+        "`PagedTokenToKVPoolAllocator` on CPU (`alloc(n * page_size)` token slots, "
+        "`free(slots)`, `need_sort=False`); vLLM's `BlockPool` with prefix caching off "
+        "(`get_new_blocks(n)` + `free_blocks`).",
+        "- Peers: SGLang and vLLM are measured only where they import, and are never "
+        "installed in the project's venv (CI does not depend on them). "
+        "`bash benchmarks/install_peers.sh VENV` puts them in a venv of their own; "
+        "`VENV/bin/python -m benchmarks`, run from the repo root, then measures everything "
+        "with the peers' rows (`--only pages --no-md` for those alone, leaving this page as "
+        "it is). The "
+        "script runs exactly these commands (`$WHEELS` is a temporary folder); vLLM is its "
+        "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",
+        "",
+        "```bash",
+        *PEERS_INSTALL,
+        "```",
         "- Agree (tensor parallel): two processes over gloo (CPU), each with explicit "
         "row and page pools holding k pending transfer batches per ledger; back-to-back "
         "`agree()` calls after a barrier (lockstep), beside a bare one-int64 `all_reduce` and "

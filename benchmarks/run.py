@@ -1,11 +1,12 @@
 """The benchmark entry point: ``python -m benchmarks`` or ``python benchmarks/run.py``.
 
-Runs every benchmark on asyncio and on uvloop, prints a markdown report to
-stdout, writes it to ``docs/benchmarks.md`` under the current directory
-(``--md PATH`` elsewhere, ``--no-md`` not at all) and, with ``--json PATH``,
-every sample as JSON. It never writes anywhere else. ``--quick`` is the short
-run. Progress goes to stderr. The package is not installed by ``pip install
-.``: run it from the root of a checkout.
+Runs every benchmark on asyncio and on uvloop (the synchronous page-allocator
+benchmark, ``pages``, once), prints a markdown report to stdout, writes it to
+``docs/benchmarks.md`` under the current directory (``--md PATH`` elsewhere,
+``--no-md`` not at all) and, with ``--json PATH``, every sample as JSON. It
+never writes anywhere else. ``--quick`` is the short run. Progress goes to
+stderr. The package is not installed by ``pip install .``: run it from the
+root of a checkout.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
 BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
-              "demo", "agree")
+              "metrics", "pages", "demo", "agree")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -84,20 +85,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
-    from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+    from benchmarks.bench_fences import (
+        bench_fenced_free,
+        bench_reclaim_sweep,
+        bench_wake_latency,
+        bench_wake_slow_fences,
+    )
+    from benchmarks.bench_metrics import bench_metrics_scrape
+    from benchmarks.bench_pages import bench_pages
     from benchmarks.bench_scaling import bench_scaling
 
     rows: list[Row] = []
     memory: list[dict[str, float]] = []
     unavailable: dict[str, str] = {}
     extra: dict[str, Any] = {}
+    async def wake_all(cfg: Config) -> list[Row]:
+        return [*await bench_wake_latency(cfg), *await bench_wake_slow_fences(cfg)]
+
     simple: dict[str, Callable[[Config], Coroutine[Any, Any, list[Row]]]] = {
         "uncontended": bench_uncontended,
         "batched": bench_batched,
         "contended": bench_contended,
         "fenced": bench_fenced_free,
         "reclaim": bench_reclaim_sweep,
-        "wake": bench_wake_latency,
+        "wake": wake_all,
+        "metrics": bench_metrics_scrape,
     }
     load_before = loadavg()
     t_start = time.perf_counter()
@@ -123,6 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if info.get("unavailable"):
                 unavailable["demo"] = str(info["unavailable"])
             _log(f"[demo] done in {time.perf_counter() - t0:.1f}s")
+            continue
+        if name == "pages":
+            # Synchronous: the event loop plays no part, so it runs once (on the
+            # first loop) and its rows say "sync" in the loop column.
+            _log(f"[{name}] (synchronous, runs once) ...")
+            t0 = time.perf_counter()
+            prows, skipped = run_on(loops[0], functools.partial(bench_pages, cfg))
+            rows += prows
+            unavailable.update(skipped)
+            _log(f"[{name}] done in {time.perf_counter() - t0:.1f}s")
             continue
         for lp in loops:
             _log(f"[{name}] on {lp} ...")

@@ -14,11 +14,20 @@ from pathlib import Path
 import pytest
 from helpers import LONG_S, bounded
 
+from benchmarks import bench_pages as pages_mod
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
-from benchmarks.bench_fences import bench_fenced_free, bench_reclaim_sweep, bench_wake_latency
+from benchmarks.bench_fences import (
+    bench_fenced_free,
+    bench_reclaim_sweep,
+    bench_wake_latency,
+    bench_wake_slow_fences,
+)
+from benchmarks.bench_pages import bench_pages
 from benchmarks.bench_scaling import bench_scaling
 from benchmarks.harness import PRESETS, Row
+from benchmarks.naive_pages import NaivePagePool
 from benchmarks.naive_pool import NaiveReqToTokenPool
+from benchmarks.report import PEERS_INSTALL, REPO
 
 SMOKE = PRESETS["smoke"]
 
@@ -45,6 +54,91 @@ def test_naive_pool_behaves_like_the_seed() -> None:
     assert pool.alloc(7) == [4, 5, 6, 7, 1, 2, 3]  # FIFO by list order, as the seed
     pool.clear()
     assert pool.available_size() == 7
+
+
+def test_naive_page_pool_behaves_like_sglangs_allocator() -> None:
+    pool = NaivePagePool(8, 16)
+    assert pool.available_size() == 7
+    pages = pool.alloc(3)
+    assert pages is not None and pages.tolist() == [1, 2, 3]
+    assert pool.alloc(5) is None and pool.available_size() == 4
+    pool.free(pages[1:])
+    pool.free(pages[:0])
+    assert pool.available_size() == 6
+    again = pool.alloc(6)
+    assert again is not None and again.tolist() == [2, 3, 4, 5, 6, 7]  # freed first (LIFO)
+    pool.clear()
+    assert pool.available_size() == 7
+    with pytest.raises(ValueError):
+        NaivePagePool(1, 16)
+
+
+def _check_pages(rows: list[Row]) -> None:
+    assert rows
+    for row in rows:
+        assert row.loop == pages_mod.LOOP
+        assert row.ratio > 0 and math.isfinite(row.ratio), row
+        assert row.subject_value > 0 and row.reference_value > 0, row
+        assert row.subject.startswith("asyncpool KVPagePool"), row
+        json.dumps(row.to_json())
+
+
+async def test_pages() -> None:
+    rows, skipped = await bench_pages(SMOKE)
+    _check_pages(rows)
+    counts = SMOKE.pages_counts
+    # The seed-style peer is always there, at every n.
+    assert {r.bench for r in rows if r.reference.startswith("seed-style")} == {
+        pages_mod.bench_name(n) for n in counts}
+    flat = [r for r in rows if r.target is pages_mod.FLATNESS]
+    assert len(flat) == 1 and "256 pages" in flat[0].subject
+    # Each real peer is measured (its rows, with their targets) or said skipped, never both.
+    for peer in (pages_mod.SGLANG, pages_mod.VLLM):
+        measured = [r for r in rows if r.reference.startswith(peer)]
+        why = skipped.get(f"pages vs {peer}")
+        assert bool(measured) != bool(why), (peer, measured, why)
+        if why:
+            assert why.startswith("skipped:") and "install_peers.sh" in why
+        else:
+            assert sum(r.target is not None for r in measured) == 2
+
+
+async def test_pages_peers_found_skipped_and_broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing peer and one that fails to build are skipped with the reason;
+    an importable one is timed and its targets are judged."""
+
+    def broken(num_pages: int, page_size: int) -> pages_mod.Contender:
+        raise RuntimeError("no CUDA here")
+
+    def stand_in(num_pages: int, page_size: int) -> pages_mod.Contender:
+        pool = NaivePagePool(num_pages, page_size)
+        return pages_mod.Contender(pages_mod.VLLM, "vLLM stand-in", pool.alloc, pool.free, 1,
+                                   lambda t: int(t.numel()), pool.available_size)
+
+    monkeypatch.setattr(pages_mod, "PEERS", {
+        pages_mod.SGLANG: ("asyncpool_no_such_peer", broken),
+        pages_mod.VLLM: ("numpy", stand_in),
+        "Broken": ("numpy", broken),
+    })
+    rows, skipped = await bench_pages(SMOKE)
+    _check_pages(rows)
+    assert set(skipped) == {"pages vs SGLang", "pages vs Broken"}
+    assert "`asyncpool_no_such_peer` is not importable" in skipped["pages vs SGLang"]
+    assert "RuntimeError: no CUDA here" in skipped["pages vs Broken"]
+    judged = {(r.bench, r.target) for r in rows if r.reference == "vLLM stand-in"}
+    assert judged == {(pages_mod.bench_name(n), pages_mod.TARGETS.get((pages_mod.VLLM, n)))
+                      for n in SMOKE.pages_counts}
+    one = next(r for r in rows if r.reference == "vLLM stand-in"
+               and r.bench == pages_mod.bench_name(1))
+    assert one.ratio_label.startswith("cost")  # "within 3x of vLLM" is a cost ratio
+
+
+def test_peers_install_lines_are_the_scripts() -> None:
+    """docs/benchmarks.md shows PEERS_INSTALL; the script must run exactly those lines."""
+    script = (REPO / "benchmarks" / "install_peers.sh").read_text(encoding="utf-8")
+    lines = script.splitlines()
+    for line in PEERS_INSTALL:
+        assert line in lines, line
 
 
 async def test_uncontended() -> None:
@@ -79,6 +173,22 @@ async def test_wake_latency() -> None:
         rows = await bench_wake_latency(SMOKE, device="cpu")
     _check(rows)
     assert rows[0].samples["idle_cpu_fraction"][0] >= 0
+
+
+async def test_metrics_scrape() -> None:
+    from benchmarks.bench_metrics import bench_metrics_scrape
+
+    rows = await bench_metrics_scrape(SMOKE)
+    _check(rows)
+    assert rows[0].target is not None and rows[0].reference_value == 1e6
+
+
+async def test_wake_latency_with_slow_fences_watched() -> None:
+    async with bounded(LONG_S):
+        rows = await bench_wake_slow_fences(SMOKE)
+    _check(rows)
+    assert len(rows) == 2 and all("100 slow fences" in r.bench for r in rows)
+    assert rows[0].samples["polls_per_s"][0] > 0
 
 
 async def test_scaling() -> None:
@@ -123,6 +233,12 @@ def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
     assert {r["loop"] for r in data["rows"]} >= {"asyncio"}
     # The demo is either measured or reported as not available, never silently dropped.
     assert any("demo" in b for b in benches) or "demo" in data["unavailable"]
+    # So are the page allocators: KVPagePool always, each peer measured or said skipped.
+    assert any(b.startswith("KV pages alloc(") for b in benches)
+    assert "## KV page allocators" in text and "install_peers.sh" in text
+    for peer in ("SGLang", "vLLM"):
+        assert (any(r["reference"].startswith(peer) for r in data["rows"])
+                or f"pages vs {peer}" in data["unavailable"])
     # A saved run re-renders to the same markdown without measuring anything.
     again = tmp_path / "again.md"
     assert main(["--from-json", str(js), "--md", str(again)]) == 0

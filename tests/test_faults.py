@@ -439,11 +439,12 @@ async def _lease_and_hold(pool: AsyncReqToTokenPool) -> None:
 
 
 async def test_close_with_a_watched_fence_pending() -> None:
-    """close() fails waiters at once; it returns when the watched fence completes.
+    """close() fails waiters at once and returns without waiting for the fence.
 
-    The watcher thread is synchronizing a fence of unknown origin; stopping it
-    joins that thread, so ``close()`` itself waits for the fence (documented in
-    ``FenceWatcher``). No thread is left once it returns.
+    The watcher polls the fence of unknown origin (it never blocks in its
+    ``synchronize()``), so stopping it does not wait for the fence; the rows
+    stay pending until ``drain()`` sees the fence complete. No watcher thread
+    is left once ``close()`` returns.
     """
     pool = AsyncReqToTokenPool(3, 4)
     fence = ManualFence()
@@ -461,6 +462,9 @@ async def test_close_with_a_watched_fence_pending() -> None:
         assert waiter.done()
         with pytest.raises(PoolClosedError):
             waiter.result()
+        assert closing.done() and not fence.ev.is_set()
+        assert not our_threads()
+        assert pool.stats().pending == 2
         fence.ev.set()
         async with asyncio.timeout(10):
             await closing

@@ -1,34 +1,511 @@
-"""The optional Prometheus collector exposes the pool's stats."""
+"""The Prometheus collector and the histograms behind it (issue 11)."""
 
 from __future__ import annotations
 
-import pytest
-from helpers import bounded
+import asyncio
+import dataclasses
+from typing import Any
 
-from asyncpool import AsyncReqToTokenPool
+import pytest
+from helpers import WAIT_S, FakeStream, Streams, spin
+
+import asyncpool.pool as pool_module
+from asyncpool import AsyncReqToTokenPool, ReqToTokenPool
+from asyncpool.ledger import SlotLedger
+from asyncpool.stats import DEFAULT_BOUNDS_S, Histogram, HistogramSnapshot, PoolStats
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.openmetrics.exposition import (  # noqa: E402
+    generate_latest as generate_openmetrics,
+)
+from prometheus_client.openmetrics.parser import (  # noqa: E402
+    text_string_to_metric_families as parse_openmetrics,
+)
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-async def test_collector_exposes_counts_and_totals() -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+from asyncpool.metrics import FAMILIES, PoolCollector  # noqa: E402
 
-    from asyncpool.metrics import PoolCollector
+GAUGES = {
+    "asyncpool_capacity_rows": "rows",
+    "asyncpool_free_rows": "rows",
+    "asyncpool_allocated_rows": "rows",
+    "asyncpool_pending_rows": "rows",
+    "asyncpool_quarantined_rows": "rows",
+    "asyncpool_peak_allocated_rows": "rows",
+    "asyncpool_waiting_requests": "",
+    "asyncpool_closed": "",
+    "asyncpool_released": "",
+}
+COUNTERS = {
+    "asyncpool_alloc_calls",
+    "asyncpool_rows_allocated",
+    "asyncpool_rows_freed",
+    "asyncpool_rows_deferred",
+    "asyncpool_rows_reclaimed",
+    "asyncpool_alloc_timeouts",
+    "asyncpool_alloc_cancellations",
+    "asyncpool_alloc_rejections",
+    "asyncpool_fence_errors",
+    "asyncpool_row_resets",
+}
+HISTOGRAMS = {"asyncpool_alloc_wait_seconds", "asyncpool_fence_latency_seconds"}
 
-    pool = AsyncReqToTokenPool(9, 4)
-    async with bounded():
-        rows = await pool.alloc(3)
-    pool.free(rows[:1])
+
+def scrape(*pools: tuple[Any, str]) -> dict[str, Any]:
+    """Register one collector for ``pools`` and parse a text-format scrape."""
     registry = CollectorRegistry()
-    registry.register(PoolCollector(pool, name="decode"))
+    collector = PoolCollector()
+    for pool, name in pools:
+        collector.add(pool, name)
+    registry.register(collector)
     text = generate_latest(registry).decode()
-    assert 'asyncpool_capacity{pool="decode"} 8.0' in text
-    assert 'asyncpool_allocated{pool="decode"} 2.0' in text
-    assert 'asyncpool_free{pool="decode"} 6.0' in text
-    assert 'asyncpool_allocs_total{pool="decode"} 3.0' in text
-    assert 'asyncpool_frees_total{pool="decode"} 1.0' in text
-    assert 'asyncpool_wait_time_seconds{pool="decode",quantile="0.99"}' in text
-    assert registry.get_sample_value("asyncpool_pending", {"pool": "decode"}) == 0.0
-    pool.free(rows[1:])
-    async with bounded():
-        await pool.close()
+    return {fam.name: fam for fam in text_string_to_metric_families(text)}
+
+
+def value(families: dict[str, Any], sample: str, pool: str = "p", **labels: str) -> float:
+    """The value of one sample (by full sample name and labels)."""
+    base = sample
+    for suffix in ("_total", "_bucket", "_count", "_sum"):
+        if sample.endswith(suffix) and sample.removesuffix(suffix) in families:
+            base = sample.removesuffix(suffix)
+    want = {"pool": pool, **labels}
+    hits = [s.value for s in families[base].samples if s.name == sample and s.labels == want]
+    assert len(hits) == 1, (sample, want, families[base].samples)
+    return float(hits[0])
+
+
+def buckets(families: dict[str, Any], name: str, pool: str = "p") -> list[tuple[str, float]]:
+    return [
+        (s.labels["le"], s.value)
+        for s in families[name].samples
+        if s.name == name + "_bucket" and s.labels["pool"] == pool
+    ]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---------------------------------------------------------------- names and types
+
+
+async def test_every_family_has_its_name_type_and_unit() -> None:
+    async with AsyncReqToTokenPool(9, 4) as pool:
+        fams = scrape((pool, "p"))
+        types = {name: fam.type for name, fam in fams.items()}
+        assert types == {
+            **dict.fromkeys(GAUGES, "gauge"),
+            **dict.fromkeys(COUNTERS, "counter"),
+            **dict.fromkeys(HISTOGRAMS, "histogram"),
+        }
+        # Counters expose "_total" samples; nothing else does.
+        for name in COUNTERS:
+            assert [s.name for s in fams[name].samples] == [name + "_total"]
+        for name in GAUGES:
+            assert [s.name for s in fams[name].samples] == [name]
+        # Units: declared in the OpenMetrics exposition, and the name ends in them.
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="p"))
+        om = {f.name: f for f in parse_openmetrics(generate_openmetrics(registry).decode())}
+        for name, unit in GAUGES.items():
+            assert om[name].unit == unit
+        for name in HISTOGRAMS:
+            assert om[name].unit == "seconds" and name.endswith("_seconds")
+        for name in COUNTERS:
+            assert om[name].unit == ""
+        assert len(FAMILIES) == len(GAUGES) + len(COUNTERS) + len(HISTOGRAMS)
+
+
+async def test_gauges_and_counters_track_the_pool() -> None:
+    # The old collector's figures, under their new names.
+    async with AsyncReqToTokenPool(9, 4) as pool, asyncio.timeout(WAIT_S):
+        rows = await pool.alloc(3)
+        pool.free(rows[:1])
+        fams = scrape((pool, "decode"))
+        assert value(fams, "asyncpool_capacity_rows", "decode") == 8
+        assert value(fams, "asyncpool_allocated_rows", "decode") == 2
+        assert value(fams, "asyncpool_free_rows", "decode") == 6
+        assert value(fams, "asyncpool_pending_rows", "decode") == 0
+        assert value(fams, "asyncpool_peak_allocated_rows", "decode") == 3
+        # Calls and rows are counted apart: one call, three rows.
+        assert value(fams, "asyncpool_alloc_calls_total", "decode") == 1
+        assert value(fams, "asyncpool_rows_allocated_total", "decode") == 3
+        assert value(fams, "asyncpool_rows_freed_total", "decode") == 1
+        assert value(fams, "asyncpool_closed", "decode") == 0
+        assert value(fams, "asyncpool_released", "decode") == 0
+        pool.free(rows[1:])
+        await pool.release_memory()
+        assert value(scrape((pool, "decode")), "asyncpool_released", "decode") == 1
+        await pool.resume_memory()
+    assert value(scrape((pool, "decode")), "asyncpool_closed", "decode") == 1
+
+
+# ---------------------------------------------------------------- the wait histogram
+
+
+async def test_every_alloc_is_in_the_wait_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(pool_module, "_perf_counter", clock)
+    async with AsyncReqToTokenPool(12, 4) as pool, asyncio.timeout(WAIT_S):
+        held = []
+        for _ in range(10):  # fast path: ten zero waits
+            held += await pool.alloc(1)
+        assert pool.try_alloc(1) is not None  # an eleventh, through try_alloc
+        # Two waited allocs, granted 3 ms and 2 s after queueing.
+        clock.t = 100.0
+        w1 = asyncio.create_task(pool.alloc(1))
+        await spin()
+        clock.t = 100.003
+        pool.free(held[:1])
+        assert (await w1) == held[:1]
+        clock.t = 200.0
+        w2 = asyncio.create_task(pool.alloc(1))
+        await spin()
+        clock.t = 202.0
+        pool.free(held[1:2])
+        await w2
+
+        fams = scrape((pool, "p"))
+        name = "asyncpool_alloc_wait_seconds"
+        assert value(fams, name + "_count") == 13 == pool.stats().alloc_calls
+        assert value(fams, "asyncpool_alloc_calls_total") == 13
+        assert value(fams, name + "_sum") == pytest.approx(2.003)
+        cum = dict(buckets(fams, name))
+        assert cum["1e-05"] == 11  # the zero waits
+        assert cum["0.0025"] == 11 and cum["0.005"] == 12  # 3 ms
+        assert cum["1.0"] == 12 and cum["2.5"] == 13 == cum["+Inf"]  # 2 s
+        counts = [c for _, c in buckets(fams, name)]
+        assert counts == sorted(counts)  # cumulative
+
+
+async def test_each_fast_path_counts_its_call_once(kit: Streams) -> None:
+    async with AsyncReqToTokenPool(6, 4) as pool, asyncio.timeout(WAIT_S):
+
+        def calls() -> int:
+            st = pool.stats(summaries=False)
+            assert st.alloc_calls == st.wait_histogram.count == st.wait_histogram.counts[0]
+            return st.alloc_calls
+
+        a = await pool.alloc(1)  # a clean row, inlined
+        assert calls() == 1
+        pool.free(a)  # dirty now, at the tail of the free queue
+        b = await pool.alloc(3)  # several rows, through the ledger
+        assert calls() == 2
+        c = await pool.alloc(1)  # the last clean row, inlined
+        d = await pool.alloc(1)  # the dirty row `a`, through the ledger
+        assert d == a and calls() == 4
+        s = kit.stream()
+        gate = kit.gate(s)
+        pool.free(b + c + d, after=s)  # five rows pending behind one fence
+        assert pool.pending_size() == 5 and pool.available_size() == 0
+        gate.open()
+        s.synchronize()  # the fence completed; the loop has not heard of it yet
+        e = await pool.alloc(2)  # short until the alloc itself reclaims
+        assert calls() == 5 and pool.waiting() == 0
+        f = pool.try_alloc(1)
+        assert f is not None and calls() == 6
+        assert pool.try_alloc(3) is None and calls() == 6  # refused: not counted
+        pool.free(e + f)
+
+
+async def test_timeouts_cancellations_and_rejections_are_counted_apart() -> None:
+    async with AsyncReqToTokenPool(3, 4, max_waiters=1) as pool, asyncio.timeout(WAIT_S):
+        held = await pool.alloc(2)
+        with pytest.raises(TimeoutError):
+            await pool.alloc(1, timeout=0)
+        t = asyncio.create_task(pool.alloc(1))
+        await spin()
+        with pytest.raises(Exception, match="max_waiters"):
+            await pool.alloc(1)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        fams = scrape((pool, "p"))
+        assert value(fams, "asyncpool_alloc_timeouts_total") == 1
+        assert value(fams, "asyncpool_alloc_cancellations_total") == 1
+        assert value(fams, "asyncpool_alloc_rejections_total") == 1
+        # None of them was granted: only the first alloc is in the histogram.
+        assert value(fams, "asyncpool_alloc_wait_seconds_count") == 1
+        assert value(fams, "asyncpool_alloc_calls_total") == 1
+        pool.free(held)
+
+
+def test_sync_pool_allocs_are_zero_waits() -> None:
+    pool = ReqToTokenPool(5, 4)
+    a = pool.alloc(2)
+    b = pool.alloc(2)
+    assert a is not None and b is not None
+    assert pool.alloc(1) is None  # refused: not a granted call
+    fams = scrape((pool, "p"))
+    assert value(fams, "asyncpool_alloc_calls_total") == 2
+    assert value(fams, "asyncpool_rows_allocated_total") == 4
+    assert dict(buckets(fams, "asyncpool_alloc_wait_seconds"))["1e-05"] == 2
+    assert value(fams, "asyncpool_waiting_requests") == 0
+
+
+# ---------------------------------------------------------------- fence latency
+
+
+def test_fence_latency_is_bucketed_per_completed_batch() -> None:
+    clock = FakeClock()
+    led = SlotLedger(9, clock=clock)
+    s = FakeStream()
+    rows = led.take(4)
+    assert rows is not None
+    led.free(rows[:2], s.record())
+    led.free(rows[2:], s.record())
+    clock.t += 0.004
+    s.complete(1)
+    assert led.reclaim() == 2
+    clock.t += 0.5
+    s.complete()
+    assert led.reclaim() == 2
+    snap = led.fence_histogram.snapshot()
+    assert snap.count == 2 and snap.sum_s == pytest.approx(0.004 + 0.504)
+    cum = {f"{b:g}": c for b, c in snap.cumulative()}
+    assert cum["0.0025"] == 0 and cum["0.005"] == 1 and cum["0.5"] == 1 and cum["1"] == 2
+
+
+def test_fence_latency_histogram_is_exported() -> None:
+    pool = ReqToTokenPool(9, 4)
+    s = FakeStream()
+    rows = pool.alloc(3)
+    assert rows is not None
+    pool.free(rows, fence=s.record())
+    s.complete()
+    assert pool.reclaim() == 3
+    fams = scrape((pool, "p"))
+    assert value(fams, "asyncpool_fence_latency_seconds_count") == 1
+    assert value(fams, "asyncpool_rows_deferred_total") == 3
+    assert value(fams, "asyncpool_rows_reclaimed_total") == 3
+    assert pool.stats().fence_latency.count == 1  # the window stays for stats()
+
+
+# ---------------------------------------------------------------- registration
+
+
+async def test_a_duplicate_registration_raises() -> None:
+    async with AsyncReqToTokenPool(5, 4) as pool, AsyncReqToTokenPool(5, 4) as other:
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="decode"))
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(PoolCollector(other, name="decode"))
+        # A second collector is refused whatever its label: the scrape would
+        # carry two TYPE blocks per name. More pools go into the same one.
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(PoolCollector(other, name="prefill"))
+
+
+async def test_one_collector_exports_several_pools() -> None:
+    async with AsyncReqToTokenPool(5, 4) as a, AsyncReqToTokenPool(9, 4) as b:
+        collector = PoolCollector(a, name="decode")
+        collector.add(b, name="prefill")
+        with pytest.raises(ValueError, match="decode"):
+            collector.add(b, name="decode")
+        with pytest.raises(TypeError):
+            collector.add(b, name=3)  # type: ignore[arg-type]
+        assert collector.names == ("decode", "prefill")
+        registry = CollectorRegistry()
+        registry.register(collector)
+        text = generate_latest(registry).decode()
+        assert text.count("# TYPE asyncpool_free_rows gauge") == 1
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        assert value(fams, "asyncpool_capacity_rows", "decode") == 4
+        assert value(fams, "asyncpool_capacity_rows", "prefill") == 8
+        collector.remove("prefill")
+        assert 'pool="prefill"' not in generate_latest(registry).decode()
+
+
+def test_describe_names_every_family_without_samples() -> None:
+    pool = ReqToTokenPool(5, 4)
+    described = PoolCollector(pool, name="p").describe()
+    assert [f.name for f in described] == [f.name for f in PoolCollector(pool).collect()]
+    assert all(not f.samples for f in described)
+
+
+# ---------------------------------------------------------------- scrapes are read-only
+
+
+async def test_collect_leaves_stats_unchanged() -> None:
+    async with AsyncReqToTokenPool(5, 4) as pool, asyncio.timeout(WAIT_S):
+        held = await pool.alloc(4)
+        w = asyncio.create_task(pool.alloc(1))
+        await spin()
+        pool.free(held[:1])
+        await w
+        before = pool.stats()
+        collector = PoolCollector(pool, name="p")
+        for _ in range(3):
+            list(collector.collect())
+        assert pool.stats() == before
+        pool.check_invariants()
+
+
+# ---------------------------------------------------------------- Histogram
+
+
+def test_histogram_buckets_are_inclusive_upper_bounds() -> None:
+    h = Histogram((1.0, 2.0))
+    for v in (0.0, 1.0, 1.5, 2.0, 3.0):
+        h.observe(v)
+    snap = h.snapshot()
+    assert snap.counts == (2, 2, 1) and snap.count == 5 and snap.sum_s == 7.5
+    assert snap.cumulative() == [(1.0, 2), (2.0, 4), (float("inf"), 5)]
+    folded = h.snapshot(zeros=3)
+    assert folded.counts == (5, 2, 1) and folded.count == 8 and folded.sum_s == 7.5
+    assert h.snapshot() == snap  # snapshot(zeros=) does not mutate
+
+
+@pytest.mark.parametrize(
+    "bounds", [(), (2.0, 1.0), (1.0, 1.0), (1.0, float("inf")), (float("nan"),)]
+)
+def test_histogram_refuses_bad_bounds(bounds: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError):
+        Histogram(bounds)
+
+
+def test_default_bounds_span_10us_to_10s() -> None:
+    assert DEFAULT_BOUNDS_S[0] == 1e-5 and DEFAULT_BOUNDS_S[-1] == 10.0
+    assert len(DEFAULT_BOUNDS_S) == 19 and list(DEFAULT_BOUNDS_S) == sorted(DEFAULT_BOUNDS_S)
+    empty = HistogramSnapshot()
+    assert empty.count == 0 and len(empty.counts) == len(empty.bounds) + 1
+
+
+def test_pool_stats_fields_are_documented() -> None:
+    doc = PoolStats.__doc__ or ""
+    for f in dataclasses.fields(PoolStats):
+        assert f"{f.name}:" in doc, f.name
+
+
+def test_existing_constructors_keep_working() -> None:
+    st = PoolStats(8, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert st.alloc_calls == 0 and st.wait_histogram == HistogramSnapshot()
+
+
+async def test_stats_without_summaries_skips_only_the_windows() -> None:
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(WAIT_S):
+        held = await pool.alloc(2)
+        w = asyncio.create_task(pool.alloc(1))
+        await spin()
+        pool.free(held[:1])
+        await w
+        full, cheap = pool.stats(), pool.stats(summaries=False)
+        assert full.wait_time.count == 1 and cheap.wait_time.count == 0
+        assert dataclasses.replace(full, wait_time=cheap.wait_time) == cheap
+
+
+def test_readme_table_lists_every_family() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("asyncpool_"):
+            listed[cells[0]] = cells[1]
+    exported = {
+        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): f.type
+        for f in FAMILIES
+    }
+    assert listed == exported
+
+
+async def test_scrapes_from_another_thread_see_consistent_monotonic_figures() -> None:
+    import threading
+
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(4 * WAIT_S):
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="p"))
+        stop = threading.Event()
+        seen: list[dict[str, Any]] = []
+        errors: list[BaseException] = []
+
+        def scraper() -> None:
+            try:
+                while not stop.is_set():
+                    text = generate_latest(registry).decode()
+                    seen.append({f.name: f for f in text_string_to_metric_families(text)})
+            except BaseException as exc:  # reported by the test below
+                errors.append(exc)
+
+        thread = threading.Thread(target=scraper, daemon=True)
+        thread.start()
+        try:
+            for _ in range(300):
+                held = await pool.alloc(2)  # fast
+                waiter = asyncio.create_task(pool.alloc(1))  # waits, then granted
+                await asyncio.sleep(0)
+                pool.free(held)
+                pool.free(await waiter)
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+        assert not errors and not thread.is_alive() and seen
+        last: dict[str, float] = {}
+        for fams in seen:
+            for name in ("asyncpool_alloc_wait_seconds", "asyncpool_fence_latency_seconds"):
+                counts = [c for _, c in buckets(fams, name)]
+                assert counts == sorted(counts)
+                assert counts[-1] == value(fams, name + "_count")
+            for sample in ("asyncpool_alloc_calls_total", "asyncpool_rows_allocated_total",
+                           "asyncpool_alloc_wait_seconds_count"):
+                v = value(fams, sample)
+                assert v >= last.get(sample, 0.0), sample
+                last[sample] = v
+        final = scrape((pool, "p"))
+        assert value(final, "asyncpool_alloc_wait_seconds_count") == 600
+
+
+async def test_a_grant_given_back_by_a_cancelled_waiter_never_lowers_a_counter() -> None:
+    async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(WAIT_S):
+        held = await pool.alloc(2)
+        w = asyncio.create_task(pool.alloc(2))
+        await spin()
+        pool.free(held)  # w is granted both rows...
+        before = scrape((pool, "p"))
+        w.cancel()  # ...and cancelled before it resumes: it gives them back
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        after = scrape((pool, "p"))
+        assert pool.stats().allocs == 2  # stats() keeps not counting the given-back grant
+        assert value(before, "asyncpool_rows_allocated_total") == 4
+        assert value(after, "asyncpool_rows_allocated_total") == 4
+        assert value(before, "asyncpool_rows_freed_total") == 2
+        assert value(after, "asyncpool_rows_freed_total") == 4  # given back = left allocated
+        assert value(after, "asyncpool_alloc_calls_total") == 2  # it was granted
+        assert value(after, "asyncpool_alloc_cancellations_total") == 1
+        assert value(after, "asyncpool_free_rows") == 2
+
+
+class StatsSequence:
+    """A stand-in pool whose ``stats()`` answers from a list (read skew)."""
+
+    def __init__(self, *stats: PoolStats) -> None:
+        self.answers = list(stats)
+
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        return self.answers.pop(0)
+
+
+def test_a_skewed_read_never_shows_a_counter_going_down() -> None:
+    base = PoolStats(8, 4, 4, 0, 0, 0, 10, 6, 0, 0, 0, 0, 0, 4, rows_granted=10)
+    skewed = dataclasses.replace(base, rows_granted=10, allocated=5)  # freed 6 -> 5
+    later = dataclasses.replace(base, rows_granted=12, allocated=4)
+    fake = StatsSequence(base, skewed, later, skewed)
+    registry = CollectorRegistry()
+    collector = PoolCollector(fake, name="p")
+    registry.register(collector)
+    freed = "asyncpool_rows_freed_total"
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 6
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 6  # not 5
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 8
+    collector.remove("p")
+    collector.add(fake, name="p")  # a new pool under the old name starts afresh
+    assert registry.get_sample_value(freed, {"pool": "p"}) == 5

@@ -189,6 +189,8 @@ class Scheduler:
         self.cpu_s = 0.0  # CPU time of the scheduler's thread (the event loop's)
 
         self._tasks: set[asyncio.Task[None]] = set()
+        # Atomic admissions queued in the pool: req -> (task, pages, priority).
+        self._admitting: dict[Req, tuple[asyncio.Task[None], int, int]] = {}
         self._timers: set[asyncio.TimerHandle] = set()
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -349,7 +351,8 @@ class Scheduler:
                         self._granted(req, grant.pages)
                     else:  # waits in the pool's queue for a fence to release memory
                         req.state = ADMITTING
-                        self._spawn(self._admit(req, n, priority))
+                        task = self._spawn(self._admit(req, n, priority))
+                        self._admitting[req] = (task, n, priority)
                     continue
                 pages = self.mem.extend(req.row, n)
                 if pages is None:
@@ -361,8 +364,29 @@ class Scheduler:
 
     async def _admit(self, req: Req, n: int, priority: int) -> None:
         grant = await self.mem.admit(pages=n, priority=priority)
+        del self._admitting[req]
         req.row = grant.row
         self._granted(req, grant.pages)
+
+    def _withdraw_admissions(self) -> None:
+        """Growth goes first: take the admissions queued in the pool back out.
+
+        The pool grants freed pages to its queued waiters as soon as their
+        fence completes, before a stalled request can ``extend`` again; a
+        victim retracted for that request would take its pages straight back
+        (livelock). Cancelled means nothing was allocated (a waiter granted
+        but not yet resumed gives row and pages back), so the pages stay free
+        for the stalled request, and the admissions wait in the scheduler's
+        queue, at its head, in order.
+        """
+        for req, (task, n, priority) in reversed(list(self._admitting.items())):
+            task.cancel()
+            self.pages_held -= n
+            req.state = WAITING
+            (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).appendleft(
+                req
+            )
+        self._admitting.clear()
 
     def _granted(self, req: Req, pages: torch.Tensor) -> None:
         """``req`` holds its row and first pages: start its transfer, or queue
@@ -445,10 +469,11 @@ class Scheduler:
             self.on_complete(1)
         self._wake.set()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -471,8 +496,11 @@ class Scheduler:
     def _schedule(self) -> Step | None:
         """Build the next batch: grow (retract when short), admit, join."""
         stalled = self._grow()
+        if stalled:
+            self._withdraw_admissions()
         self.mem.pump()
-        self._admit_more()
+        if not stalled:
+            self._admit_more()
         joined: list[Req] = list(self.ready_join)
         self.ready_join.clear()
         prefill = 0

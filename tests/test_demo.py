@@ -11,6 +11,7 @@ and the fenced run must not, on any machine and under any load.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import struct
@@ -498,3 +499,61 @@ async def test_transfer_flush_lands_everything() -> None:
     t.synchronize()
     engine.close()
     assert t.query() and int(kv[3]) == 9
+
+
+# -- growth before admission -------------------------------------------------------
+
+
+async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> None:
+    # Four pages of two slots, all held: A (running, out of slots) and B
+    # (running, the victim); C waits in the pool for two pages. A cannot
+    # grow, so B is retracted; its pages are handed over to C at once. The
+    # scheduler must take C's admission back out, so that A gets a page on
+    # the next step instead of C, and B's re-admission, taking them back
+    # forever (the livelock this guards against).
+    from asyncpool import AsyncReqToTokenPool
+    from scheduler_demo.forward import Forward
+    from scheduler_demo.memory import Memory, make_page_pool
+    from scheduler_demo.scheduler import DECODE, RUNNING, Scheduler
+    from scheduler_demo.transfer import TransferEngine
+    from scheduler_demo.workload import RequestSpec
+
+    cfg = replace(SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=3)
+    kv = make_page_pool(cfg.kv_pages + 1, cfg.page_size, "cpu")
+    kwargs = {"kv": kv} if hasattr(AsyncReqToTokenPool, "admit") else {}
+    forward = Forward("cpu", 0.0, 0.0)
+    transfers = TransferEngine("cpu", 1.0, 2.0)
+    specs = [RequestSpec(i, 0.0, 2, 4) for i in range(3)]
+    try:
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **kwargs) as pool:
+            mem = Memory(pool, kv)
+            sched = Scheduler(cfg, mem, forward, transfers, specs)
+            a, b, c = sched.reqs
+            for req, generated in ((a, 3), (b, 1)):
+                grant = await mem.admit(pages=2)
+                req.row = grant.row
+                sched._add_pages(req, grant.pages)
+                req.kv_len, req.generated, req.entry, req.state = 4, generated, DECODE, RUNNING
+                sched.running.append(req)
+                sched.pages_held += 2
+            # C admitted past the budget (as a burst of frees can make it): it
+            # waits in the pool, no page being free.
+            assert mem.try_admit(2) is None
+            task = sched._spawn(sched._admit(c, 2, 0))
+            sched._admitting[c] = (task, 2, 0)
+            sched.pages_held += 2
+            await asyncio.sleep(0)
+            assert mem.waiting() == 1
+
+            step = sched._schedule()  # A stalls, B is retracted
+            assert step is None and sched.running == [a] and b.row == -1
+            for _ in range(3):
+                await asyncio.sleep(0)  # the cancelled admission gives its grant back
+            assert not sched._admitting
+            step = sched._schedule()
+            assert step is not None and step.rows == [a.row]
+            assert a.n_pages == 3  # A grew into one of B's pages
+            await sched._stop_tasks()
+    finally:
+        forward.close()
+        transfers.close()

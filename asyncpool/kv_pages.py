@@ -646,7 +646,6 @@ class KVPagePool:
         self._ledger = PageLedger(num_pages)
         if explicit:
             self._ledger.make_explicit()
-        self.reclaim_mode = reclaim
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
@@ -733,6 +732,11 @@ class KVPagePool:
         if after is not None:
             fences.append(record_fence(after))
         return led.free_prepared(ids, owned, fences)
+
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
 
     def reclaim(self) -> int:
         """Return pages whose fences completed; the number made free.

@@ -148,7 +148,6 @@ class AsyncReqToTokenPool(PoolCore):
         led = self._ledger
         if explicit:
             led.make_explicit()
-        self.reclaim_mode = reclaim
         self._capacity = led.capacity
         self._take = led.take
         # The single-row fast paths of alloc() and free() below work on the
@@ -589,6 +588,11 @@ class AsyncReqToTokenPool(PoolCore):
         if immediate and self._nwaiters:
             self._grant()
         return immediate
+
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
 
     def reclaim(self) -> int:
         """Return rows whose fences completed; grant waiters; the rows made free.

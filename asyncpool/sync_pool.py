@@ -61,7 +61,6 @@ class ReqToTokenPool(PoolCore):
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
         if explicit:
             self._ledger.make_explicit()
-        self.reclaim_mode = reclaim
         self._alloc_calls = 0  # successful alloc() calls (each a zero wait)
 
     def __repr__(self) -> str:
@@ -112,6 +111,11 @@ class ReqToTokenPool(PoolCore):
         if after is not None:
             free_index = self._use_until_now(free_index, after, fence)
         return led.free(free_index, fence)
+
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
 
     def reclaim(self) -> int:
         """Return rows whose fences completed; the number made free.

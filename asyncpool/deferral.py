@@ -276,7 +276,7 @@ class Deferrals(Generic[T]):
             batch = Deferred(fence, fseq, rest, self._next_did, items, n, now)
             self._next_did += 1
             queue.insert(index, batch)
-        if self._on_pending is not None:
+        if self._on_pending is not None and not self.explicit:
             self._on_pending(fence)
 
     def _enqueue(self, batch: Deferred[T]) -> None:
@@ -295,7 +295,7 @@ class Deferrals(Generic[T]):
             while index > 0 and queue[index - 1].seq > fseq:
                 index -= 1
             queue.insert(index, batch)
-        if self._on_pending is not None:
+        if self._on_pending is not None and not self.explicit:
             self._on_pending(batch.fence)
 
     # ------------------------------------------------------------ reclaim
@@ -444,13 +444,12 @@ class Deferrals(Generic[T]):
         (the newest per stream) unless that fence was already retired, and
         ids return only through :meth:`retire`, :meth:`apply_agreement`,
         :meth:`conclude` and ``force_release``. The ``on_pending`` hook is
-        dropped (an owner must not arrange wake-ups). Call it on a fresh
-        ledger (nothing pending).
+        no longer called (an owner must not arrange wake-ups). Call it on a
+        fresh ledger (nothing pending).
         """
         if self.pending or self.quarantined:
             raise RuntimeError("make_explicit() needs a ledger with nothing pending")
         self.explicit = True
-        self._on_pending = None  # no wake-ups: nothing completes by itself here
 
     @property
     def deferral_counter(self) -> int:

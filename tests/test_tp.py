@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from tp_worker import run_rank
+from tp_worker import APIS, run_rank
 
 
 def _run(tmp_path: Path, world: int, **cfg: Any) -> list[dict[str, Any]]:
@@ -30,18 +30,22 @@ def _run(tmp_path: Path, world: int, **cfg: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_explicit_mode_grants_identically_on_every_rank(tmp_path: Path, world: int) -> None:
-    res = _run(tmp_path, world, reclaim="explicit")
+def test_explicit_mode_grants_identically_on_every_rank(
+    tmp_path: Path, world: int, api: str
+) -> None:
+    res = _run(tmp_path, world, reclaim="explicit", api=api)
     assert [r["diverged_at"] for r in res] == [-1] * world
     assert len({r["hash"] for r in res}) == 1
     assert all(r["ops"] >= 10_000 for r in res), [r["ops"] for r in res]
 
 
 @pytest.mark.timeout(240)
-def test_auto_mode_diverges(tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", APIS)
+def test_auto_mode_diverges(tmp_path: Path, api: str) -> None:
     """The control: the same loop reclaiming by local fence timing diverges."""
-    res = _run(tmp_path, 2, reclaim="auto")
+    res = _run(tmp_path, 2, reclaim="auto", api=api)
     steps = {r["diverged_at"] for r in res}
     assert len(steps) == 1 and steps != {-1}, res
 

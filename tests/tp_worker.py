@@ -25,6 +25,7 @@ control, whose grants must diverge across ranks.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -76,6 +77,99 @@ class Req:
     last: Any = None  # fence of the last batch that used it
 
 
+class RowsAndPages:
+    """Rows from a ReqToTokenPool, pages from a KVPagePool: two calls per admission."""
+
+    def __init__(self, c: Config) -> None:
+        self.rows = ReqToTokenPool(c.rows, 8, reclaim=c.reclaim)
+        self.kv = KVPagePool(c.pages, PAGE, reclaim=c.reclaim)
+        self.ops = 0
+
+    def admit(self, pages: int) -> tuple[int, list[int]] | None:
+        row = self.rows.alloc(1)
+        self.ops += 1
+        if row is None:
+            return None
+        got = self.kv.alloc(pages)
+        self.ops += 1
+        if got is None:
+            self.rows.free(row)  # never touched: free at once in both modes
+            self.ops += 1
+            return None
+        return row[0], got.tolist()
+
+    def extend(self, row: int) -> list[int] | None:
+        self.ops += 1
+        got = self.kv.alloc(1)
+        return None if got is None else got.tolist()
+
+    def use(self, rows: list[int], fence: Any) -> None:
+        self.rows.record_use(rows, fence)
+
+    def release(self, req: Req) -> None:
+        """The row behind its recorded uses; the pages behind the last batch
+        that touched them, or the request's open transfer."""
+        self.rows.free([req.row])
+        fence = req.transfer if req.transfer is not None else req.last
+        self.kv.free(req.pages, fence=fence)
+        self.ops += 2
+
+    def retire(self, fence: Any) -> None:
+        self.rows.retire(fence)
+        self.kv.retire(fence)
+
+    def agree(self, group: Any) -> None:
+        # One tensor for both ledgers (what the pool's agree() does with kv=).
+        agree(group, [self.rows._ledger, self.kv.ledger])
+
+    def check(self) -> None:
+        self.rows.check_invariants()
+        self.kv.check_invariants()
+
+
+class Admission:
+    """AsyncReqToTokenPool(kv=KVPagePool(...)): admit(pages=n), extend, free."""
+
+    def __init__(self, c: Config) -> None:
+        from asyncpool import AsyncReqToTokenPool
+
+        kv = KVPagePool(c.pages, PAGE, reclaim=c.reclaim)
+        self.pool: Any = AsyncReqToTokenPool(c.rows, 8, kv=kv, reclaim=c.reclaim)
+        self.ops = 0
+
+    def admit(self, pages: int) -> tuple[int, list[int]] | None:
+        self.ops += 1
+        g = self.pool.try_admit(pages=pages)
+        return None if g is None else (int(g.row), g.pages.tolist())
+
+    def extend(self, row: int) -> list[int] | None:
+        self.ops += 1
+        got = self.pool.extend(row, 1)
+        return None if got is None else got.tolist()
+
+    def use(self, rows: list[int], fence: Any) -> None:
+        self.pool.record_use(rows, fence)  # covers the rows' pages too
+
+    def release(self, req: Req) -> None:
+        self.pool.free([req.row])  # and its pages, behind the row's uses
+        self.ops += 1
+
+    def retire(self, fence: Any) -> None:
+        self.pool.retire(fence)
+
+    def agree(self, group: Any) -> None:
+        self.pool.agree(group)
+
+    def check(self) -> None:
+        self.pool.check_invariants()
+
+
+#: the memory APIs this checkout has ("admit" once the pool can admit)
+APIS = ("rows", "admit") if hasattr(__import__("asyncpool").AsyncReqToTokenPool, "admit") else (
+    "rows",
+)
+
+
 @dataclass
 class Config:
     steps: int = 500
@@ -85,6 +179,7 @@ class Config:
     fwd_delay_s: float = 0.0006  # rank r sleeps up to r * this per step
     transfer_delay_s: float = 0.002  # rank r's transfers land within (r + 1) * this
     seed: int = 1234
+    api: str = "rows"  # or "admit" (see APIS)
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str, Any]) -> None:
@@ -98,7 +193,14 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str,
         timeout=timedelta(seconds=60),
     )
     try:
-        summary = _loop(rank, world, c)
+        if c.api == "admit":
+            # The pool is loop-affine: run the (synchronous) loop inside one.
+            async def main() -> dict[str, Any]:
+                return _loop(rank, world, c)
+
+            summary = asyncio.run(main())
+        else:
+            summary = _loop(rank, world, c)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -109,14 +211,12 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
     shared = random.Random(c.seed)  # same on every rank: the workload
     local = random.Random(c.seed * 1000 + rank)  # this rank's timing
     explicit = c.reclaim == "explicit"
-    rows = ReqToTokenPool(c.rows, 8, reclaim=c.reclaim)
-    kv = KVPagePool(c.pages, PAGE, reclaim=c.reclaim)
+    mem: RowsAndPages | Admission = Admission(c) if c.api == "admit" else RowsAndPages(c)
     stream = HostStream(f"forward-{rank}")
     group = dist.group.WORLD
     waiting: deque[Req] = deque()
     running: list[Req] = []
     h = hashlib.blake2b(digest_size=8)
-    counts = {"ops": 0}
     next_rid = 0
     prev: Any = None
     diverged_at = -1
@@ -126,12 +226,7 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
     step = 0
 
     def release(req: Req) -> None:
-        """Free a request's row (behind its recorded uses) and its pages
-        (behind the last batch that touched them, or its open transfer)."""
-        rows.free([req.row])
-        fence = req.transfer if req.transfer is not None else req.last
-        kv.free(req.pages, fence=fence)
-        counts["ops"] += 2
+        mem.release(req)
         req.row, req.pages, req.last, req.transfer = 0, [], None, None
 
     try:
@@ -157,42 +252,33 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
                 if req not in running or step < req.ready_at:
                     continue
                 if req.tokens + 1 > len(req.pages) * PAGE:
-                    got = kv.alloc(1)
-                    counts["ops"] += 1
+                    got = mem.extend(req.row)
                     while got is None and running[-1] is not req:
                         newest = running.pop()
                         events.append(("retract", newest.rid, newest.row))
                         release(newest)
                         newest.tokens = 0
                         waiting.appendleft(newest)
-                        got = kv.alloc(1)
-                        counts["ops"] += 1
+                        got = mem.extend(req.row)
                     if got is None:
                         continue  # stalls this step
-                    req.pages.extend(got.tolist())
-                    events.append(("extend", req.rid, got.tolist()))
+                    req.pages.extend(got)
+                    events.append(("extend", req.rid, got))
                 req.tokens += 1
             # -- admissions: a row and the prompt's pages, all or nothing ----
             while waiting:
                 req = waiting[0]
-                row = rows.alloc(1)
-                counts["ops"] += 1
-                if row is None:
-                    break
-                pages = kv.alloc(-(-req.prompt // PAGE))
-                counts["ops"] += 1
-                if pages is None:
-                    rows.free(row)  # never touched: free at once in both modes
-                    counts["ops"] += 1
+                got = mem.admit(-(-req.prompt // PAGE))
+                if got is None:
                     break
                 waiting.popleft()
-                req.row, req.pages, req.tokens = row[0], pages.tolist(), req.prompt
+                req.row, req.pages, req.tokens = got[0], got[1], req.prompt
                 req.ready_at = step + req.transfer_steps
                 if req.transfer_steps:
                     # Its prompt KV arrives from another engine: the pages
                     # are written by the transfer until it lands.
                     req.transfer = Transfer(local.uniform(0, c.transfer_delay_s * (rank + 1)))
-                    rows.record_use([req.row], req.transfer)
+                    mem.use([req.row], req.transfer)
                 running.append(req)
                 events.append(("admit", req.rid, req.row, req.pages))
             # -- 2. launch batch t ------------------------------------------
@@ -200,7 +286,7 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
             fence = stream.record()
             batch = [r for r in running if step >= r.ready_at]
             if batch:
-                rows.record_use([r.row for r in batch], fence)
+                mem.use([r.row for r in batch], fence)
                 for r in batch:
                     r.last = fence
             # -- 3. process batch t-1 ---------------------------------------
@@ -217,10 +303,8 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
             if explicit:
                 t0 = time.perf_counter()
                 if prev is not None:
-                    rows.retire(prev)
-                    kv.retire(prev)
-                # One tensor for both ledgers (what the pool's agree() does).
-                agree(group, [rows._ledger, kv.ledger])
+                    mem.retire(prev)
+                mem.agree(group)
                 agree_s += time.perf_counter() - t0
             prev = fence
             h.update(repr((step, events)).encode())
@@ -229,14 +313,13 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
             if len({int(g.item()) for g in gathered}) != 1:
                 diverged_at = step
                 break
-        rows.check_invariants()
-        kv.check_invariants()
+        mem.check()
     finally:
         stream.close()
     return {
         "rank": rank,
         "steps": step + 1,
-        "ops": counts["ops"],
+        "ops": mem.ops,
         "diverged_at": diverged_at,
         "hash": h.hexdigest(),
         "requests": next_rid,

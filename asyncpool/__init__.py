@@ -24,6 +24,7 @@ from .errors import (
 from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
 from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
+from .row_pages import Grant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
@@ -37,6 +38,7 @@ __all__ = [
     "DoubleFreeError",
     "Fence",
     "FenceError",
+    "Grant",
     "Histogram",
     "HistogramSnapshot",
     "HostFence",

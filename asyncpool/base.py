@@ -120,6 +120,17 @@ class PoolCore:
         """How many times ``row`` has been handed out (for stale-handle checks)."""
         return self._ledger.generation(row)
 
+    @staticmethod
+    def _check_stream(after: object) -> None:
+        """Raise TypeError unless a fence can be recorded on ``after``."""
+        if not isinstance(after, HostStream) and getattr(
+            getattr(after, "device", None), "type", None
+        ) != "cuda":
+            raise TypeError(
+                f"after= must be a HostStream or a CUDA stream to record a fence on, "
+                f"got {after!r} of type {type(after).__name__}"
+            )
+
     def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
 
@@ -128,13 +139,7 @@ class PoolCore:
         must survive both passes).
         """
         led = self._ledger
-        if not isinstance(after, HostStream) and getattr(
-            getattr(after, "device", None), "type", None
-        ) != "cuda":
-            raise TypeError(
-                f"after= must be a HostStream or a CUDA stream to record a fence on, "
-                f"got {after!r} of type {type(after).__name__}"
-            )
+        self._check_stream(after)
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)

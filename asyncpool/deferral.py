@@ -378,6 +378,49 @@ class Deferrals(Generic[T]):
         self.reclaimed += n
         return n
 
+    # ------------------------------------------------------------ force release
+
+    def force_release(self, fence: Fence) -> int:
+        """Treat ``fence`` as completed for every batch waiting on it.
+
+        The escape hatch for a fence known never to complete (its writer is
+        dead): batches waiting behind ``fence`` settle as if it had completed
+        (released, or moved behind their next open fence) and ``fence`` is
+        dropped from every other batch's remaining fences. Never asks
+        ``fence`` anything. Returns the ids released; 0 if it held nothing.
+        O(pending batches).
+        """
+        hits: list[Deferred[T]] = []
+        for key, queue in list(self._streams.items()):
+            if not any(b.fence is fence or b.rest for b in queue):
+                continue
+            keep: collections.deque[Deferred[T]] = collections.deque()
+            for batch in queue:
+                if batch.fence is fence:
+                    hits.append(batch)
+                    continue
+                if any(f is fence for f in batch.rest):
+                    batch.rest = tuple(f for f in batch.rest if f is not fence)
+                keep.append(batch)
+            if keep:
+                self._streams[key] = keep
+            else:
+                del self._streams[key]
+        if self._unordered:
+            keep_list: list[Deferred[T]] = []
+            for batch in self._unordered:
+                if batch.fence is fence:
+                    hits.append(batch)
+                    continue
+                if any(f is fence for f in batch.rest):
+                    batch.rest = tuple(f for f in batch.rest if f is not fence)
+                keep_list.append(batch)
+            self._unordered = keep_list
+        released = 0
+        for batch in hits:
+            released += self._settle(batch)
+        return released
+
     # ------------------------------------------------------------ faults
 
     def _fault_batch(self, batch: Deferred[T], fence: Fence, exc: BaseException) -> None:

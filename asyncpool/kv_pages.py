@@ -651,6 +651,7 @@ class KVPagePool:
         self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        self._on_free: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -665,6 +666,12 @@ class KVPagePool:
         """The page ledger, for an owning pool that wires its hooks
         (:meth:`~asyncpool.deferral.Deferrals.set_hooks`) and holds pages per row."""
         return self._ledger
+
+    def set_on_free(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` after :meth:`free` or :meth:`reclaim` made pages
+        free (for an owning pool: its queued waiters may fit now). The hook
+        runs on the caller's thread, inside the call."""
+        self._on_free = hook
 
     @property
     def capacity(self) -> int:
@@ -723,15 +730,19 @@ class KVPagePool:
         led = self._ledger
         if fence is None and after is None:
             ids, owned = led.prepare(pages)
-            return led.free_prepared(ids, owned)
-        fences: list[Fence] = []
-        if fence is not None:
-            led.check_fence(fence)
-            fences.append(fence)
-        ids, owned = led.prepare(pages)
-        if after is not None:
-            fences.append(record_fence(after))
-        return led.free_prepared(ids, owned, fences)
+            n = led.free_prepared(ids, owned)
+        else:
+            fences: list[Fence] = []
+            if fence is not None:
+                led.check_fence(fence)
+                fences.append(fence)
+            ids, owned = led.prepare(pages)
+            if after is not None:
+                fences.append(record_fence(after))
+            n = led.free_prepared(ids, owned, fences)
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     @property
     def reclaim_mode(self) -> str:
@@ -744,7 +755,10 @@ class KVPagePool:
         With ``reclaim="explicit"`` it asks no fence and returns 0: pages
         come back through :meth:`retire` and :meth:`agree` only.
         """
-        return self._ledger.reclaim()
+        n = self._ledger.reclaim()
+        if n and self._on_free is not None:
+            self._on_free()
+        return n
 
     def retire(self, fence: Fence) -> int:
         """The scheduler processed the step ``fence`` ends (``reclaim="explicit"``).
@@ -758,7 +772,10 @@ class KVPagePool:
         led = self._ledger
         check_explicit(led, "retire")
         check_ordered(fence)
-        return led.retire(fence)
+        n = led.retire(fence)
+        if n and self._on_free is not None:
+            self._on_free()  # an owning pool's grant loop
+        return n
 
     def agree(self, group: Any = None) -> int:
         """Settle pending fences identically on every rank of ``group``
@@ -768,7 +785,10 @@ class KVPagePool:
         nothing, when the ranks' pools disagree.
         """
         check_explicit(self._ledger, "agree")
-        return agree(group, [self._ledger]).released[0]
+        n = agree(group, [self._ledger]).released[0]
+        if n and self._on_free is not None:
+            self._on_free()  # an owning pool's grant loop
+        return n
 
     def clear(self) -> None:
         """Flush: free every allocated page at once and reclaim completed fences.

@@ -9,7 +9,11 @@ rows free (``free``, a completed fence, a cancelled or timed-out head,
 ``resume_memory``) runs the grant loop, which takes the rows for the waiters
 at the head of the queues and resolves their futures *with the rows*. A woken
 waiter never re-checks and competes; ``try_alloc`` answers ``None`` while
-anyone waits.
+anyone waits. With a :class:`~asyncpool.KVPagePool` (``kv=``), ``admit``
+grants a request its row and its KV pages in one await, in the same queue.
+The queues and the grant loop live in :mod:`asyncpool.waiters`; this class
+supplies what a need means (rows; a row and pages) and composes the ledgers,
+the tables, the waiters and the wake-ups.
 
 Cancellation contract: if ``alloc`` raises (``CancelledError``,
 ``TimeoutError``, ``PoolClosedError``), nothing was allocated to the caller.
@@ -30,7 +34,6 @@ loop only through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import functools
 import logging
@@ -43,7 +46,7 @@ import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore
-from .deferral import check_ordered
+from .deferral import Deferrals, check_ordered
 from .errors import (
     CapacityError,
     DoubleFreeError,
@@ -51,9 +54,13 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream
+from .fences import Fence, HostFence, HostStream, record_fence
+from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, Rows
+from .overdue import OverdueFences, check_fence_timeout
+from .row_pages import Grant, RowPages, check_page_count
 from .stats import Histogram, LatencySummary, PoolStats
+from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
@@ -73,9 +80,9 @@ _DRAIN_POLL_MAX_S = 1e-3
 # whose query() blocks, against the protocol.
 _CLOSE_JOIN_S = 0.05
 
-# A queued alloc() is the tuple (n, future, enqueue time): cheaper to build
-# than an object, and the future says whether it is still wanted.
-_Waiter = tuple[int, "asyncio.Future[list[int]]", float]
+# What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
+# for alloc(n), ``(1, k)`` for admit(pages=k).
+_Need = int | tuple[int, int]
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -94,6 +101,16 @@ def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Non
 def _count(n: int, noun: str) -> str:
     """``"1 row"``, ``"2 rows"``: messages read as sentences."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _describe(need: _Need) -> tuple[str, str]:
+    """A need as (the call, what it asks for), for the waiter module's messages."""
+    if need.__class__ is int:
+        assert isinstance(need, int)
+        return f"alloc({need})", _count(need, "row")
+    assert isinstance(need, tuple)
+    k = need[1]
+    return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
 
 
 def _check_wait_args(priority: object, timeout: object) -> None:
@@ -117,17 +134,29 @@ class AsyncReqToTokenPool(PoolCore):
     stream
         The pool's stream: on CUDA, row resets are launched on it.
     max_waiters
-        At most this many ``alloc`` calls may queue; one more raises
+        At most this many ``alloc``/``admit`` calls may queue; one more raises
         :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.
+    kv
+        A :class:`KVPagePool` whose pages this pool hands out with its rows
+        (:meth:`admit`); it then serves this pool only. Without it the pool
+        manages rows only, exactly as fast as before.
+    fence_timeout
+        Seconds after which a fence still holding rows or pages is
+        *overdue*: logged once at WARNING and counted in :meth:`stats`; its
+        memory stays held (see :meth:`force_release`). ``None``: never.
+        With ``reclaim="explicit"`` a fence is overdue only when
+        :meth:`agree` finds it so on every rank (same step everywhere).
     reclaim
-        ``"auto"`` (default): rows return as soon as their fences complete
-        (fence callbacks, a watcher thread, reclaim inside ``alloc``).
+        ``"auto"`` (default): memory returns as soon as its fences complete
+        (fence callbacks, watcher threads, reclaim inside ``alloc``).
         ``"explicit"``, for engines that run one scheduler replica per
         tensor-parallel rank: the pool never asks a fence whether it has
-        completed; rows return through :meth:`retire` (the scheduler has
+        completed; memory returns through :meth:`retire` (the scheduler has
         processed that step) and :meth:`agree` (a collective over the ranks
         for fences the scheduler does not observe), so ranks that make the
-        same calls make the same grants. See the README's TP section.
+        same calls make the same grants. ``kv`` follows the pool's mode (a
+        fresh ``"auto"`` page pool is switched to explicit). See the
+        README's tensor-parallel section.
     """
 
     def __init__(
@@ -138,16 +167,36 @@ class AsyncReqToTokenPool(PoolCore):
         enable_memory_saver: bool = False,
         stream: Any | None = None,
         max_waiters: int | None = None,
+        kv: KVPagePool | None = None,
+        fence_timeout: float | None = None,
         *,
         reclaim: str = "auto",
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+        timeout_s = check_fence_timeout(fence_timeout)
         explicit = check_reclaim_mode(reclaim)
+        if kv is not None:
+            if not isinstance(kv, KVPagePool):
+                raise TypeError(f"kv must be a KVPagePool, got {type(kv).__name__}")
+            if kv.ledger._on_pending is not None:
+                raise ValueError(f"{kv!r} already serves a pool; give each pool its own")
+            if kv.ledger.explicit and not explicit:
+                raise ValueError(
+                    f'{kv!r} is reclaim="explicit" and would never return pages to a '
+                    'reclaim="auto" pool; build both with the same mode'
+                )
+            if explicit and not kv.ledger.explicit and (kv.ledger.pending or kv.ledger.quarantined):
+                raise ValueError(
+                    f'{kv!r} has pages behind fences; a reclaim="explicit" pool needs a '
+                    'fresh page pool (or one built with reclaim="explicit")'
+                )
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
         led = self._ledger
         if explicit:
             led.make_explicit()
+            if kv is not None and not kv.ledger.explicit:
+                kv.ledger.make_explicit()
         self._capacity = led.capacity
         self._take = led.take
         # The single-row fast paths of alloc() and free() below work on the
@@ -158,22 +207,29 @@ class AsyncReqToTokenPool(PoolCore):
         self._state = led._state
         self._gen = led._gen
         self._uses = led._uses
-        self._size = led.size
+        # The bound of free()'s one-row fast path: 0 (never) with kv, where a
+        # row may own pages, so that check costs rows-only pools nothing.
+        self._size = led.size if kv is None else 0
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
         self._owner_name = ""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[int, collections.deque[_Waiter]] = {}
-        self._prios: list[int] = []
-        self._nwaiters = 0
-        self._max_waiters = max_waiters
+        # The waiter queues and the grant loop (asyncpool.waiters), gated
+        # while closed or released (no fast path, no grants).
+        self._waiters = WaiterQueues(
+            self._take_for_waiter,
+            self._give_back,
+            self._reclaim_for_waiter,
+            _describe,
+            max_waiters,
+        )
         self._closed = False
         self._released = False
-        self._gated = False  # closed or released: no fast path, no grants
         # The owner's ident while alloc's fast path is open (bound, nobody
         # queued, not gated), else None: one compare checks all three. Set
-        # to None wherever one of them stops holding; re-derived by the next
-        # alloc that takes the general path (stale None is only slower).
+        # to None wherever one of them stops holding (a waiter queues, the
+        # gate closes); re-derived by the next alloc that takes the general
+        # path (stale None is only slower).
         self._fast: int | None = None
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
@@ -182,9 +238,19 @@ class AsyncReqToTokenPool(PoolCore):
         self._fast_allocs = 0  # allocs granted without queueing (zero waits)
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
-        self._timeouts = 0
-        self._cancellations = 0
-        self._rejections = 0
+        # Admission (kv=...): the pages each row owns, and the page ledger,
+        # whose pending fences and frees wake waiters as the row ledger's do.
+        self._pages: RowPages | None = None
+        if kv is not None:
+            self._pages = RowPages(kv, size)
+            kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+            kv.set_on_free(self._on_pages_freed)  # the caller freed detached pages
+        self._overdue: OverdueFences | None = None
+        if timeout_s is not None:
+            ledgers: list[Deferrals[Any]] = [led]
+            if kv is not None:
+                ledgers.append(kv.ledger)
+            self._overdue = OverdueFences(timeout_s, ledgers)
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -192,8 +258,13 @@ class AsyncReqToTokenPool(PoolCore):
         return (
             f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} "
-            f"quarantined={led.quarantined} waiters={self._nwaiters}>"
+            f"quarantined={led.quarantined} waiters={self._waiters.count}>"
         )
+
+    @property
+    def kv(self) -> KVPagePool | None:
+        """The :class:`KVPagePool` whose pages :meth:`admit` hands out, or None."""
+        return self._pages.kv if self._pages is not None else None
 
     async def __aenter__(self) -> AsyncReqToTokenPool:
         self._check_thread()
@@ -251,11 +322,15 @@ class AsyncReqToTokenPool(PoolCore):
         a row is pending behind a fence (their wake-ups belong to the old
         loop); free or drain first.
         """
-        if self._nwaiters or self._ledger.pending or self._unwatched:
+        if self._waiters.count or self._pending_any() or self._unwatched:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = _count(self._ledger.pending, "row") + (
+                f" and {_count(pages, 'page')}" if pages else ""
+            )
             raise PoolBusyError(
                 f"cannot bind the pool to thread {threading.current_thread().name!r} while "
-                f"{_count(self._nwaiters, 'waiter')} queue and "
-                f"{_count(self._ledger.pending, 'row')} wait behind fences; "
+                f"{_count(self._waiters.count, 'waiter')} queue and "
+                f"{held} wait behind fences; "
                 "let them finish (await pool.drain()) first"
             )
         self._flush_resets()  # a flush queued on the old loop must not be needed
@@ -318,7 +393,8 @@ class AsyncReqToTokenPool(PoolCore):
             n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
-        if not self._nwaiters and not self._gated:
+        waiters = self._waiters
+        if not waiters.count and not waiters.gated:
             if self._owner is not None:
                 self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
@@ -345,18 +421,30 @@ class AsyncReqToTokenPool(PoolCore):
                 if rows is not None:
                     self._fast_allocs += 1
                     return rows
-        # Slow path, inline (no nested coroutine per wait): queue and wait
-        # for a grant.
+        # Slow path: queue and wait for a grant. WaiterQueues.wait() inlined
+        # (enqueue, await, cancelled): no nested coroutine per wait; the
+        # rules stay in asyncpool.waiters.
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
-        if self._max_waiters is not None and self._nwaiters >= self._max_waiters:
-            self._rejections += 1
-            raise PoolBusyError(
-                f"{_count(self._nwaiters, 'waiter')} already queued, the limit set by "
-                f"max_waiters={self._max_waiters}; refusing to queue alloc({n})"
-            )
+        loop = self._prepare_wait()
+        waiter, handle = waiters.enqueue(
+            n, priority, timeout, loop, self._wait_times, self._wait_histogram
+        )
+        self._fast = None
+        try:
+            granted: list[int] = await waiter[1]
+            return granted
+        except asyncio.CancelledError:
+            waiters.cancelled(waiter)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _prepare_wait(self) -> asyncio.AbstractEventLoop:
+        """Bind the running loop and watch fences deferred before it ran."""
         loop = _get_running_loop()
         if loop is not self._loop:
             self._rebind_loop(loop)
@@ -364,139 +452,97 @@ class AsyncReqToTokenPool(PoolCore):
             unwatched, self._unwatched = self._unwatched, []
             for pending_fence in unwatched:
                 self._on_pending(pending_fence)
-        fut: asyncio.Future[list[int]] = loop.create_future()
-        waiter = (n, fut, _perf_counter())
-        queue = self._queues.get(priority)
-        if queue is None:
-            queue = self._queues[priority] = collections.deque()
-            bisect.insort(self._prios, priority)
-        queue.append(waiter)
-        self._nwaiters += 1
-        self._fast = None
-        handle = None if timeout is None else loop.call_later(
-            timeout, self._expire, waiter, priority, timeout
-        )
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._cancellations += 1
-            if fut.cancelled():
-                self._dequeue(waiter, priority)
-            elif fut.exception() is None:
-                # Granted, then cancelled before it could resume: give the
-                # rows back and let the next waiters have them.
-                self._give_back(fut.result())
-            self._grant()
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
+        return loop
 
     def _rebind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         old = self._loop
-        if old is not None and not old.is_closed() and (self._nwaiters or self._ledger.pending):
+        if (
+            old is not None
+            and not old.is_closed()
+            and (self._waiters.count or self._pending_any())
+        ):
             raise WrongThreadError(
                 "AsyncReqToTokenPool is bound to another event loop that still has "
                 "waiters or pending fences; a pool is loop-affine"
             )
         self._loop = loop
 
-    def _dequeue(self, waiter: _Waiter, priority: int) -> None:
-        queue = self._queues.get(priority)
-        if queue is None:
-            return
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return  # already taken off by the grant loop, expiry or close
-        self._nwaiters -= 1
-        if not queue:
-            del self._queues[priority]
-            self._prios.remove(priority)
+    # ------------------------------------------------------------ grants
+    # The supply side of the waiter queues (asyncpool.waiters): what a need
+    # means, how it is taken at hand-over and given back after a cancel.
 
-    def _expire(self, waiter: _Waiter, priority: int, timeout: float) -> None:
-        n, fut, _ = waiter
-        if fut.done():
-            return
-        self._dequeue(waiter, priority)
-        self._timeouts += 1
-        fut.set_exception(TimeoutError(
-            f"alloc({n}) timed out after {timeout} s: {_count(n, 'row')} could not be "
-            "granted in time"
-        ))
-        self._grant()
+    def _take_for_waiter(self, need: _Need) -> list[int] | Grant | None:
+        """Take what a waiter needs at hand-over, or None if it does not fit.
 
-    def _give_back(self, rows: list[int]) -> None:
+        Rows that need a reset are zeroed by one callback scheduled *before*
+        the waiter's future is resolved: callbacks run in order, so every
+        granted task resumes after its rows read zero, and a burst of grants
+        costs one tensor op.
+        """
+        if need.__class__ is not int:
+            return self._take_admission(need[1])  # type: ignore[index]
+        n: int = need
+        free = self._free_q
+        if n > len(free):
+            return None
+        led = self._ledger
+        if n == 1:
+            # Inlined SlotLedger.take_unreset(1): under saturation the row
+            # was freed a moment ago and is still dirty.
+            row = free.popleft()
+            self._state[row] = 1  # ALLOCATED
+            g = self._gen[row] + 1
+            self._gen[row] = g if g != 256 else led._carry(row)
+            if len(free) < led._peak_bound:
+                led._note_peak()
+            clean = led._clean
+            if clean:
+                led._clean = clean - 1
+            else:
+                if not self._unreset:
+                    self._running_loop().call_soon(self._flush_resets)
+                self._unreset.append(row)
+            return [row]
+        rows, dirty = led.take_unreset(n)
+        if dirty:
+            if not self._unreset:
+                self._running_loop().call_soon(self._flush_resets)
+            self._unreset.extend(dirty)
+        return rows
+
+    def _take_admission(self, k: int) -> Grant | None:
+        """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
+        pages = self._pages
+        assert pages is not None
+        if not self._free_q or k > pages.ledger.free_count:
+            return None
+        taken = pages.take(k)
+        assert taken is not None
+        rows = self._take_for_waiter(1)
+        assert isinstance(rows, list)
+        return pages.grant(rows[0], taken)
+
+    def _give_back(self, granted: list[int] | Grant) -> None:
+        if granted.__class__ is Grant:
+            assert self._pages is not None and isinstance(granted, Grant)
+            self._pages.give_back(granted.row)
+            rows = [granted.row]
+        else:
+            assert isinstance(granted, list)
+            rows = granted
         # Their reset may still be scheduled: do it now, since put_back
         # files them as clean rows at the head of the free queue.
         self._flush_resets()
         self._ledger.put_back(rows)
 
-    def _grant(self) -> None:
-        """Hand rows to waiters in order until the head does not fit.
-
-        Runs synchronously; resolves each granted waiter's future with its
-        rows, so nobody else can take them in between. Rows that need a
-        reset are zeroed by one callback scheduled *before* the first future
-        is resolved: callbacks run in order, so every granted task resumes
-        after its rows read zero, and a burst of grants costs one tensor op.
-        """
-        if not self._nwaiters or self._gated:
-            return
+    def _reclaim_for_waiter(self) -> bool:
+        """Reclaim both ledgers; True if anything was made free."""
         led = self._ledger
-        free = self._free_q
-        queues = self._queues
-        prios = self._prios
-        now = 0.0
-        while self._nwaiters:
-            prio = prios[0]
-            queue = queues[prio]
-            waiter = queue[0]
-            n, fut, t0 = waiter
-            if fut.done():  # cancelled; its task has not run its handler yet
-                queue.popleft()
-                self._nwaiters -= 1
-                if not queue:
-                    del queues[prio]
-                    prios.pop(0)
-                continue
-            if n > len(free):
-                if led.pending and led.reclaim():
-                    continue
-                return
-            queue.popleft()
-            self._nwaiters -= 1
-            if not queue:
-                del queues[prio]
-                prios.pop(0)
-            if n == 1:
-                # Inlined SlotLedger.take_unreset(1): under saturation the
-                # row was freed a moment ago and is still dirty.
-                row = free.popleft()
-                self._state[row] = 1  # ALLOCATED
-                g = self._gen[row] + 1
-                self._gen[row] = g if g != 256 else led._carry(row)
-                if len(free) < led._peak_bound:
-                    led._note_peak()
-                rows = [row]
-                clean = led._clean
-                if clean:
-                    led._clean = clean - 1
-                else:
-                    if not self._unreset:
-                        self._running_loop().call_soon(self._flush_resets)
-                    self._unreset.append(row)
-            else:
-                rows, dirty = led.take_unreset(n)
-                if dirty:
-                    if not self._unreset:
-                        self._running_loop().call_soon(self._flush_resets)
-                    self._unreset.extend(dirty)
-            fut.set_result(rows)
-            if not now:
-                now = _perf_counter()
-            self._wait_times.append(now - t0)
-            self._wait_histogram.observe(now - t0)
+        made = bool(led.pending and led.reclaim())
+        pages = self._pages
+        if pages is not None and pages.ledger.pending and pages.ledger.reclaim():
+            made = True
+        return made
 
     def _flush_resets(self) -> None:
         rows = self._unreset
@@ -520,7 +566,7 @@ class AsyncReqToTokenPool(PoolCore):
             n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
-        if self._nwaiters or self._released:
+        if self._waiters.count or self._released:
             return None
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():
@@ -528,6 +574,162 @@ class AsyncReqToTokenPool(PoolCore):
         if rows is not None:
             self._fast_allocs += 1
         return rows
+
+    # ------------------------------------------------------------ admission
+
+    async def admit(
+        self, pages: int, *, priority: int = 0, timeout: float | None = None
+    ) -> Grant:
+        """Admit a request: one row and ``pages`` KV pages, granted together.
+
+        All or nothing (System V ``semop`` semantics): a waiter short of
+        pages holds no row, and one short of rows holds no pages. Waits in
+        the same queue as :meth:`alloc`, FIFO within ``priority``; the head
+        blocks those behind it whatever they need. Returns at once, without
+        suspending, when nobody is queued and both fit (reclaiming completed
+        fences first). The row owns its pages until it is freed (with them)
+        or they are detached; do not modify ``grant.pages`` in place.
+
+        Raises :class:`CapacityError` at once for a page count that is not an
+        int in ``0..kv.capacity`` (or a pool without ``kv``), or one that can
+        never fit because of quarantine; :class:`PoolBusyError`,
+        :class:`PoolClosedError` and ``TimeoutError`` as :meth:`alloc` does.
+        On any exception, cancellation included, nothing was allocated; a
+        waiter cancelled after its grant gives row and pages back.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(pages, 0)
+        if timeout is not None or priority.__class__ is not int:
+            _check_wait_args(priority, timeout)
+        waiters = self._waiters
+        if not waiters.count and not waiters.gated:
+            grant = self._admit_now(k)
+            if grant is not None:
+                return grant
+        if self._closed:
+            raise PoolClosedError("the pool is closed; nothing can be admitted")
+        need = (1, k)
+        error = self._unfittable_need(need)
+        if error is not None:
+            raise error
+        loop = self._prepare_wait()
+        assert self._pages is not None
+        self._fast = None
+        pages_ = self._pages
+        granted: Grant = await waiters.wait(
+            need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
+        )
+        return granted
+
+    def try_admit(self, pages: int) -> Grant | None:
+        """Admit now (one row and ``pages`` pages), or return None; never waits.
+
+        None while anyone is queued (no queue jumping), while the memory is
+        released, or when either does not fit after reclaiming completed
+        fences. Raises as :meth:`admit` does for bad input, and
+        :class:`PoolClosedError` after :meth:`close`.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(pages, 0)
+        if self._closed:
+            raise PoolClosedError("the pool is closed; nothing can be admitted")
+        if self._waiters.count or self._released:
+            return None
+        return self._admit_now(k)
+
+    def _admit_now(self, k: int) -> Grant | None:
+        pages = self._pages
+        assert pages is not None
+        free = self._free_q
+        pled = pages.ledger
+        # Capacity only waiting on a fence is not exhaustion: reclaim once.
+        if (not free or k > pled.free_count) and (
+            not self._reclaim_for_waiter() or not free or k > pled.free_count
+        ):
+            return None
+        taken = pages.take(k)
+        assert taken is not None
+        rows = self._take(1)
+        assert rows is not None
+        pages.fast_admits += 1
+        return pages.grant(rows[0], taken)
+
+    def _page_count(self, k: object, least: int) -> int:
+        pages = self._pages
+        if pages is None:
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv=KVPagePool(...) to admit or "
+                "extend with pages"
+            )
+        if k.__class__ is int and least <= k <= pages.capacity:
+            return k
+        return check_page_count(k, pages.capacity, least=least)
+
+    def _allocated_row(self, row: object, what: str) -> int:
+        """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
+        if row.__class__ is int and 0 < row < self.size and self._state[row] == 1:
+            return row  # ALLOCATED
+        raise self._ledger._row_error(row, what)
+
+    def pages_of(self, row: int) -> torch.Tensor:
+        """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
+
+        Raises :class:`InvalidSlotError` unless ``row`` is allocated. Read
+        only: the tensor is the pool's record.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        row = self._allocated_row(row, "asked for its pages")
+        if self._pages is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._pages.of(row)
+
+    def extend(self, row: int, k: int) -> torch.Tensor | None:
+        """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
+
+        Returns the new pages (they belong to the row from now on), or None
+        when fewer than ``k`` are free after reclaiming completed fences, or
+        while the memory is released: the scheduler then retracts, as every
+        engine does (waiting here behind new admissions could deadlock). A
+        running request's growth goes before queued admissions. Raises
+        :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
+        :class:`InvalidSlotError` unless ``row`` is allocated,
+        :class:`PoolClosedError` after :meth:`close`; changing nothing.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        k = self._page_count(k, 1)
+        row = self._allocated_row(row, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        if self._released:
+            return None
+        pages = self._pages
+        assert pages is not None
+        reclaimed = pages.ledger.reclaimed
+        got = pages.extend(row, k)
+        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
+            self._waiters.grant()  # it reclaimed more than it took
+        return got
+
+    def detach_pages(self, row: int) -> torch.Tensor:
+        """Hand ``row``'s pages to the caller, who owns them from now on.
+
+        For prefix caching: the caller keeps them (in a radix tree, say) and
+        frees them to the :class:`KVPagePool` later, fenced as well (its
+        ``free(pages, fence=..., after=...)``; a completion wakes this
+        pool's waiters). A later :meth:`free` of ``row`` frees only pages
+        it owns then. Raises :class:`InvalidSlotError` unless ``row`` is
+        allocated.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        row = self._allocated_row(row, "asked for its pages")
+        if self._pages is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._pages.detach(row)
 
     # ------------------------------------------------------------ free
 
@@ -568,7 +770,8 @@ class AsyncReqToTokenPool(PoolCore):
         if self._owner != _get_ident():
             self._bind_thread()
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
-            # Inlined SlotLedger.free fast path: one row, no fence, no use.
+            # Inlined SlotLedger.free fast path: one row, no fence, no use,
+            # no pages (_size is 0 with kv, so it never matches there).
             row = rows[0]
             if (
                 row.__class__ is int
@@ -578,87 +781,155 @@ class AsyncReqToTokenPool(PoolCore):
             ):
                 self._state[row] = 0  # FREE
                 self._free_q.append(row)
-                if self._nwaiters:
-                    self._grant()
+                if self._waiters.count:
+                    self._waiters.grant()
                 return 1
+        if self._pages is not None:
+            return self._free_with_pages(rows, after, fence)
         led = self._ledger
         if after is not None:
             rows = self._use_until_now(rows, after, fence)
         immediate = led.free(rows, fence)
-        if immediate and self._nwaiters:
-            self._grant()
+        if immediate and self._waiters.count:
+            self._waiters.grant()
         return immediate
+
+    def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
+        """:meth:`free` on a pool with ``kv``: rows and the pages they own.
+
+        Checks everything (rows, fence, ``after``, the pages in the page
+        ledger) before changing anything, and records no fence on ``after``
+        for a refused free. Each row's pages wait for the row's recorded use
+        plus ``fence`` and ``after``: exactly the row's own fences.
+        """
+        pages = self._pages
+        assert pages is not None
+        led = self._ledger
+        if after is not None:
+            self._check_stream(after)
+        if fence is not None:
+            led.check_fence(fence)
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "freed")
+        prepared = pages.prepare_free(seq, self._uses)
+        extra: tuple[Fence, ...] = () if fence is None else (fence,)
+        if after is not None:
+            step = record_fence(after)
+            led.record_use(seq, step, "freed")
+            extra = (*extra, step)
+        freed_pages = pages.free(prepared, extra)
+        immediate = led.free(seq, fence)
+        if (immediate or freed_pages) and self._waiters.count:
+            self._waiters.grant()
+        return immediate
+
+    def reclaim(self) -> int:
+        """Return memory whose fences completed; grant waiters; the rows made free."""
+        if self._owner != _get_ident():
+            self._bind_thread()
+        released = self._ledger.reclaim()
+        pages = self._pages
+        freed = pages.ledger.reclaim() if pages is not None and pages.ledger.pending else 0
+        if (released or freed) and self._waiters.count:
+            self._waiters.grant()
+        return released
 
     @property
     def reclaim_mode(self) -> str:
         """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
         return "explicit" if self._ledger.explicit else "auto"
 
-    def reclaim(self) -> int:
-        """Return rows whose fences completed; grant waiters; the rows made free.
-
-        With ``reclaim="explicit"`` it asks no fence and returns 0.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        released = self._ledger.reclaim()
-        if released and self._nwaiters:
-            self._grant()
-        return released
-
-    # ------------------------------------------------------------ explicit reclaim
-
-    def retire(self, fence: Fence) -> int:
+    def retire(self, fence: Fence) -> tuple[int, int]:
         """The scheduler has processed the step ``fence`` ends (``reclaim="explicit"``).
 
-        Returns to circulation exactly the rows behind fences of ``fence``'s
-        stream up to it, in record order, then grants waiters (the grant loop
-        runs synchronously inside this call). Never calls ``query()``: call
-        it once the step's outputs are in (you waited for them anyway), at
-        the same point of the loop on every rank. Returns the rows made
-        free; 0 when nothing waited on it. Raises ``TypeError`` for a fence
-        that is not ordered (a transfer handle: :meth:`agree` settles those)
-        and ``RuntimeError`` on an ``"auto"`` pool; either way nothing
-        changes. Loop thread only.
+        Returns to circulation exactly the rows and pages behind fences of
+        ``fence``'s stream up to it, in record order, then grants waiters
+        (the grant loop runs synchronously inside this call). Never calls
+        ``query()``: call it once the step's outputs are in (you waited for
+        them anyway), at the same point of the loop on every rank. Returns
+        ``(rows, pages)`` made free; ``(0, 0)`` when nothing waited on it.
+        Raises ``TypeError`` for a fence that is not ordered (a transfer
+        handle: :meth:`agree` settles those) and ``RuntimeError`` on an
+        ``"auto"`` pool; either way nothing changes. Loop thread only.
         """
         if self._owner != _get_ident():
             self._bind_thread()
         led = self._ledger
         check_explicit(led, "retire")
         check_ordered(fence)
-        released = led.retire(fence)
-        if released and self._nwaiters:
-            self._grant()
-        return released
+        rows = led.retire(fence)
+        pages = self._pages.ledger.retire(fence) if self._pages is not None else 0
+        if (rows or pages) and self._waiters.count:
+            self._waiters.grant()
+        return rows, pages
 
-    def agree(self, group: Any = None) -> int:
+    def agree(self, group: Any = None) -> tuple[int, int]:
         """Settle pending fences identically on every tensor-parallel rank.
 
         A collective over the ``torch.distributed`` process group ``group``
         (None: the default group), for ``reclaim="explicit"`` pools: each
-        rank asks its pending fences locally, one small tensor of flags is
-        all-reduced with MIN, and every rank releases exactly what all of
-        them saw complete, then grants waiters. Every rank must call it at
-        the same point of its loop. Blocks the loop for one collective
-        (:mod:`asyncpool.agreement`). Returns the rows made free. Raises
-        :class:`AgreementError` on every rank, changing nothing, when the
-        ranks' pools hold different pending batches (they did not make the
-        same calls); ``RuntimeError`` on an ``"auto"`` pool.
+        rank asks its pending fences (rows and pages) locally, ONE small
+        tensor of flags is all-reduced with MIN, and every rank releases
+        exactly what all of them saw complete, quarantines what all saw
+        fault, marks overdue what all saw pending past ``fence_timeout``,
+        then grants waiters. Every rank must call it at the same point of
+        its loop; it blocks the loop for the collective
+        (:mod:`asyncpool.agreement`). Returns ``(rows, pages)`` made free.
+        Raises :class:`AgreementError` on every rank, changing nothing,
+        when the ranks' pools hold different pending batches (they did not
+        make the same calls); ``RuntimeError`` on an ``"auto"`` pool.
         """
         if self._owner != _get_ident():
             self._bind_thread()
         led = self._ledger
         check_explicit(led, "agree")
-        released = agree(group, [led]).released[0]
-        if released and self._nwaiters:
-            self._grant()
-        return released
+        ledgers: list[Deferrals[Any]] = [led]
+        if self._pages is not None:
+            ledgers.append(self._pages.ledger)
+        timeout = self._overdue.timeout if self._overdue is not None else None
+        res = agree(group, ledgers, overdue_after=timeout)
+        rows = res.released[0]
+        pages = res.released[1] if len(res.released) > 1 else 0
+        if (rows or pages or res.quarantined) and self._waiters.count:
+            self._waiters.grant()
+        return rows, pages
+
+    def force_release(self, fence: Fence) -> tuple[int, int]:
+        """Release the rows and pages held behind ``fence``, done or not.
+
+        The escape hatch for an operator who knows the writer behind a stuck
+        fence (a transfer whose peer died) will never write again: memory
+        waiting on ``fence`` is treated as if it had completed (released, or
+        still waiting for its other fences), logged at WARNING, and the
+        waiters are served. Never asks ``fence`` anything. Returns ``(rows,
+        pages)`` made free; ``(0, 0)`` for a fence that holds nothing.
+        Raises ``TypeError`` for a non-fence.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        led.check_fence(fence)
+        rows = led.force_release(fence)
+        pled = self._pages.ledger if self._pages is not None else None
+        pages = pled.force_release(fence) if pled is not None else 0
+        if self._overdue is not None:
+            self._overdue.forget(fence)
+        logger.warning(
+            "force_release(%r): %s and %s returned to circulation without the fence "
+            "completing",
+            fence,
+            _count(rows, "row"),
+            _count(pages, "page"),
+        )
+        if rows or pages:
+            self._waiters.grant()
+        return rows, pages
 
     # ------------------------------------------------------------ fence wake-ups
 
     def _on_pending(self, fence: Fence) -> None:
-        # Called by the ledger in the loop's thread when a fence starts
-        # holding rows: arrange to be told when it completes.
+        # Called by either ledger in the loop's thread when a fence starts
+        # holding rows or pages: arrange to be told when it completes.
         if self._loop is None:
             try:
                 self._loop = asyncio.get_running_loop()
@@ -666,6 +937,9 @@ class AsyncReqToTokenPool(PoolCore):
                 # No loop yet: watch it once a waiter binds one.
                 self._unwatched.append(fence)
                 return
+        overdue = self._overdue
+        if overdue is not None and overdue.timer is None:
+            self._arm_overdue(overdue.timeout)
         if fence.__class__ is HostFence:
             fence.add_done_callback(self._fence_done_threadsafe)
             return
@@ -697,24 +971,60 @@ class AsyncReqToTokenPool(PoolCore):
 
     def _on_fences_done(self) -> None:
         self._wake_scheduled = False
-        self._ledger.reclaim()
-        self._grant()
+        self._reclaim_for_waiter()
+        self._waiters.grant()
+
+    def _on_pages_freed(self) -> None:
+        # KVPagePool.free/reclaim called by the caller (detached pages) made
+        # pages free: the same grant loop as any other free.
+        if self._waiters.count:
+            self._waiters.grant()
+
+    def _arm_overdue(self, delay: float) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and not self._closed:
+            assert self._overdue is not None
+            self._overdue.timer = loop.call_later(delay, self._check_overdue)
+
+    def _check_overdue(self) -> None:
+        # Loop thread, while fences are pending: log newly overdue fences
+        # once, then look again when the next pending one becomes overdue.
+        assert self._overdue is not None
+        self._overdue.timer = None
+        due = self._overdue.check()
+        if due is not None:
+            self._arm_overdue(due + 0.001)
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
-        # The ledger quarantined rows (loop thread, maybe inside _grant): a
-        # waiter that can no longer ever fit would block its queue forever,
-        # so fail those waiters on the next loop iteration.
-        if self._nwaiters and self._loop is not None:
+        # A ledger quarantined rows or pages (loop thread, maybe inside the
+        # grant loop): a waiter that can no longer ever fit would block its
+        # queue forever, so fail those waiters on the next loop iteration.
+        if self._waiters.count and self._loop is not None:
             self._loop.call_soon(self._shed_unfittable)
 
     def _shed_unfittable(self) -> None:
-        usable = self._capacity - self._ledger.quarantined
-        for prio in list(self._prios):
-            for waiter in [w for w in self._queues.get(prio, ()) if w[0] > usable]:
-                self._dequeue(waiter, prio)
-                if not waiter[1].done():
-                    waiter[1].set_exception(self._unfittable(waiter[0]))
-        self._grant()
+        self._waiters.shed(self._unfittable_need)
+
+    def _unfittable_need(self, need: _Need) -> CapacityError | None:
+        """The error for a need that can never be met any more, else None."""
+        if need.__class__ is int:
+            n: int = need
+            if n > self._capacity - self._ledger.quarantined:
+                return self._unfittable(n)
+            return None
+        if self._ledger.quarantined >= self._capacity:
+            return self._unfittable(1)
+        k = need[1]  # type: ignore[index]
+        pages = self._pages
+        assert pages is not None
+        cap, q = pages.capacity, pages.ledger.quarantined
+        if k > cap - q:
+            return CapacityError(
+                f"cannot admit a request for {_count(k, 'page')}: only {cap - q} of {cap} "
+                f"can ever be free again ({_count(q, 'page')} quarantined behind faulted "
+                "fences)"
+            )
+        return None
 
     def _unfittable(self, n: int) -> CapacityError:
         q = self._ledger.quarantined
@@ -749,9 +1059,9 @@ class AsyncReqToTokenPool(PoolCore):
     # ------------------------------------------------------------ lifecycle
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Wait until no row is pending behind a fence.
+        """Wait until no row (and no page, with ``kv``) is pending behind a fence.
 
-        Works before and after :meth:`close`. Rows of faulted fences are
+        Works before and after :meth:`close`. Memory of faulted fences is
         quarantined, not waited for. Host fences wake it through their done
         callbacks; other fences (CUDA events, fences of unknown origin) are
         polled with ``query()`` on the loop, backing off from 50 µs to 1 ms,
@@ -765,21 +1075,22 @@ class AsyncReqToTokenPool(PoolCore):
         ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
 
         With ``reclaim="explicit"`` it waits the same way for each pending
-        fence in turn and settles what is behind it as :meth:`retire` would
-        (faulted: quarantined). The outcome, nothing pending, does not depend
-        on timing, so ranks that drain at the same point stay alike.
+        fence in turn and settles what is behind it (rows and pages) as
+        :meth:`retire` would (faulted: quarantined). The outcome, nothing
+        pending, does not depend on timing, so ranks that drain at the same
+        point stay alike.
         """
         self._check_thread()
         if timeout is not None:
             _check_wait_args(0, timeout)
         loop = self._running_loop()
-        led = self._ledger
-        if led.explicit:
+        if self._ledger.explicit:
             await self._drain_explicit(loop, timeout)
             return
-        if led.pending:
+        pending = self._pending_any
+        if pending():
             self.reclaim()
-        if not led.pending:
+        if not pending():
             return
         try:
             async with asyncio.timeout(timeout):
@@ -787,9 +1098,9 @@ class AsyncReqToTokenPool(PoolCore):
                 head: Fence | None = None
                 seen = -1
                 while True:
-                    if led.pending != seen:  # O(pending) only after progress
-                        seen = led.pending
-                        head = led.pending_fences()[0]
+                    if pending() != seen:  # O(pending) only after progress
+                        seen = pending()
+                        head = self._pending_fences()[0]
                     if head.__class__ is HostFence:
                         fut: asyncio.Future[None] = loop.create_future()
                         head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
@@ -799,38 +1110,42 @@ class AsyncReqToTokenPool(PoolCore):
                     else:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
-                    if led.pending:
+                    if pending():
                         self.reclaim()
-                    if not led.pending:
+                    if not pending():
                         return
         except TimeoutError:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
             raise TimeoutError(
-                f"drain timed out after {timeout} s with {led.pending} rows still pending "
-                f"behind fences"
+                f"drain timed out after {timeout} s with {held} still pending behind fences"
             ) from None
 
     async def _drain_explicit(
         self, loop: asyncio.AbstractEventLoop, timeout: float | None
     ) -> None:
         # Explicit pools ask no fence on their own: wait for each pending
-        # fence in turn (as drain() does) and settle what is behind it as
+        # fence in turn and settle what is behind it (rows and pages) as
         # retire() would. The outcome (nothing pending) is the same on every
         # rank whatever the timing, so replicas that drain at the same point
         # stay in step.
-        led = self._ledger
+        ledgers: list[Deferrals[Any]] = [self._ledger]
+        if self._pages is not None:
+            ledgers.append(self._pages.ledger)
         try:
             async with asyncio.timeout(timeout):
                 delay = _DRAIN_POLL_MIN_S
-                while led.pending:
-                    head = led.pending_fences()[0]
+                while self._pending_any():
+                    head = self._pending_fences()[0]
                     error: BaseException | None = None
                     try:
                         done = head.query()
-                    except Exception as exc:  # a faulted fence: quarantine its rows
+                    except Exception as exc:  # a faulted fence: quarantine what it holds
                         done, error = True, exc
                     if done:
-                        if led.conclude(head, error) and self._nwaiters:
-                            self._grant()
+                        made = sum(led.conclude(head, error) for led in ledgers)
+                        if made and self._waiters.count:
+                            self._waiters.grant()
                         delay = _DRAIN_POLL_MIN_S
                     elif head.__class__ is HostFence:
                         fut: asyncio.Future[None] = loop.create_future()
@@ -841,15 +1156,28 @@ class AsyncReqToTokenPool(PoolCore):
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
         except TimeoutError:
             raise TimeoutError(
-                f"drain timed out after {timeout} s with {led.pending} rows still pending "
-                f"behind fences"
+                f"drain timed out after {timeout} s with {self._ledger.pending} rows still "
+                "pending behind fences"
             ) from None
+
+    def _pending_any(self) -> int:
+        """Rows plus pages pending behind fences."""
+        pages = self._pages
+        return self._ledger.pending + (pages.ledger.pending if pages is not None else 0)
+
+    def _pending_fences(self) -> list[Fence]:
+        """The fences holding rows, then those holding pages."""
+        fences = self._ledger.pending_fences()
+        if self._pages is not None:
+            fences.extend(self._pages.ledger.pending_fences())
+        return fences
 
     async def close(self) -> None:
         """Close the pool: new allocations and current waiters fail.
 
-        Every queued ``alloc`` raises :class:`PoolClosedError`; later
-        ``alloc``/``try_alloc`` calls too. ``free`` still works, and rows
+        Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
+        later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend`` calls
+        too. ``free`` still works, and rows
         pending behind fences stay pending (``drain()`` waits for them).
         Never waits for a fence: the fence watcher is told to stop, and only
         its threads that are not inside a fence's ``synchronize()`` are
@@ -861,16 +1189,11 @@ class AsyncReqToTokenPool(PoolCore):
         if self._closed:
             return
         self._closed = True
-        self._gated = True
         self._fast = None
-        error = PoolClosedError("the pool was closed while this request waited")
-        for queue in list(self._queues.values()):
-            for _, fut, _ in queue:
-                if not fut.done():
-                    fut.set_exception(error)
-        self._queues.clear()
-        self._prios.clear()
-        self._nwaiters = 0
+        self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
+        if self._overdue is not None and self._overdue.timer is not None:
+            self._overdue.timer.cancel()
+            self._overdue.timer = None
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.stop()
@@ -884,9 +1207,11 @@ class AsyncReqToTokenPool(PoolCore):
     async def release_memory(self) -> None:
         """Drain fences and release the ``kv_cache`` memory region.
 
-        While released, ``alloc`` waits and ``try_alloc`` returns None.
-        Raises :class:`PoolBusyError` (and stays serving) if rows are still
-        allocated once fences are drained. Without the memory saver the
+        While released, ``alloc``/``admit`` wait and ``try_alloc``,
+        ``try_admit`` and ``extend`` return None. Raises
+        :class:`PoolBusyError` (and stays serving) if rows, or pages of the
+        ``kv`` pool (detached ones included), are still allocated once
+        fences are drained. Without the memory saver the
         memory step is a no-op and the state machine is the same.
         """
         self._check_thread()
@@ -894,7 +1219,7 @@ class AsyncReqToTokenPool(PoolCore):
             raise PoolClosedError("the pool is closed")
         if self._released:
             return
-        self._released = self._gated = True
+        self._released = self._waiters.gated = True
         self._fast = None
         try:
             await self.drain()
@@ -904,11 +1229,17 @@ class AsyncReqToTokenPool(PoolCore):
                 raise PoolBusyError(
                     f"cannot release memory while {rows} still allocated; free them first"
                 )
+            pages = self._pages.ledger.allocated if self._pages is not None else 0
+            if pages:
+                raise PoolBusyError(
+                    f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
+                    "are still allocated; free them first"
+                )
             self._tables.pause()
         except BaseException:
             self._released = False
-            self._gated = self._closed
-            self._grant()
+            self._waiters.gated = self._closed
+            self._waiters.grant()
             raise
         logger.info("released the kv_cache region of %r", self)
 
@@ -920,8 +1251,8 @@ class AsyncReqToTokenPool(PoolCore):
         self._tables.resume()
         self._ledger.reset_all()
         self._released = False
-        self._gated = self._closed
-        self._grant()
+        self._waiters.gated = self._closed
+        self._waiters.grant()
         logger.info("resumed the kv_cache region of %r", self)
 
     @property
@@ -931,8 +1262,8 @@ class AsyncReqToTokenPool(PoolCore):
     # ------------------------------------------------------------ views
 
     def waiting(self) -> int:
-        """How many ``alloc`` calls are queued."""
-        return self._nwaiters
+        """How many ``alloc`` and ``admit`` calls are queued."""
+        return self._waiters.count
 
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.
@@ -942,34 +1273,49 @@ class AsyncReqToTokenPool(PoolCore):
         part); metrics scrapes use it. May be called from another thread (a
         scrape): the figures are then read a few operations apart.
         """
+        waiters = self._waiters
         waits = self._wait_histogram.snapshot(zeros=self._fast_allocs)
+        extra: dict[str, Any] = {}
+        pages = self._pages
+        if pages is not None:
+            pled = pages.ledger
+            extra = {
+                "pages_capacity": pled.capacity,
+                "pages_free": pled.free_count,
+                "pages_allocated": pled.allocated,
+                "pages_pending": pled.pending,
+                "pages_quarantined": pled.quarantined,
+                "admits": pages.admits,
+                "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
+                "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),
+            }
+        if self._overdue is not None:
+            # Explicit: overdue is what agree() found so on every rank.
+            fences, held = self._overdue.counts(agreed=self._ledger.explicit)
+            extra["overdue_fences"] = fences
+            extra["overdue_rows"] = held.get("rows", 0)
+            extra["overdue_pages"] = held.get("pages", 0)
         return self._stats(
             summaries,
-            waiters=self._nwaiters,
-            timeouts=self._timeouts,
-            cancellations=self._cancellations,
-            rejections=self._rejections,
+            waiters=waiters.count,
+            timeouts=waiters.timeouts,
+            cancellations=waiters.cancellations,
+            rejections=waiters.rejections,
             closed=self._closed,
             released=self._released,
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,
+            **extra,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ledger and waiter queues are consistent."""
         super().check_invariants()
-        queued = sum(len(q) for q in self._queues.values())
-        if queued != self._nwaiters:
-            raise AssertionError(f"waiter count {self._nwaiters} != queued {queued}")
-        if sorted(self._queues) != self._prios:
-            raise AssertionError("priority index out of sync with the queues")
-        for queue in self._queues.values():
-            for n, fut, _ in queue:
-                # A cancelled future stays queued until its task resumes and
-                # dequeues it (legal); a granted or failed one never does.
-                if fut.done() and not fut.cancelled():
-                    raise AssertionError(f"a settled waiter is still queued: {n} rows")
+        self._waiters.check_invariants()
+        if self._pages is not None:
+            self._pages.ledger.check_invariants()
+            self._pages.check_invariants(self._ledger.allocated_rows())
         for row in self._unreset:
             if self._ledger.state_of(row) != "allocated":
                 raise AssertionError(f"row {row} awaits its reset but is not allocated")

@@ -201,6 +201,31 @@ class PoolStats:
         rows_granted: rows handed out, total, counting those a waiter
             cancelled after its grant gave back (unlike ``allocs``, it never
             decreases: the ``rows_allocated`` counter of the metrics).
+        pages_capacity: pages the pool's ``KVPagePool`` (``kv=``) can hand
+            out (``num_pages - 1``); 0 without ``kv``, as every page figure.
+            ``pages_free + pages_allocated + pages_pending +
+            pages_quarantined == pages_capacity`` always holds.
+        pages_free: pages free right now.
+        pages_allocated: pages held right now, by rows or by callers that
+            detached them from their rows.
+        pages_pending: pages freed but waiting for their fences.
+        pages_quarantined: pages kept out of circulation because a fence
+            faulted.
+        overdue_fences: pending fences older than ``fence_timeout`` right now
+            (0 without it). Their memory stays held (a late write may still
+            land) until they complete or ``force_release``.
+        overdue_rows: rows held by the overdue fences.
+        overdue_pages: pages held by the overdue fences.
+        admits: ``admit``/``try_admit`` calls granted a row and its pages,
+            total; equals ``admit_wait_histogram.count``. A waiter granted and
+            cancelled before it resumed is counted here (it was granted) and
+            in ``cancellations``.
+        admit_wait: percentiles (seconds) of the recent window of queued
+            admissions' waits (``wait_time`` is the waits of ``alloc``).
+            Empty when ``stats`` was asked for no summaries.
+        admit_wait_histogram: every granted admission's wait in seconds, from
+            the call (or its queueing) to its grant; one granted without
+            queueing counts as a zero wait.
     """
 
     capacity: int
@@ -227,3 +252,14 @@ class PoolStats:
     wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     fence_latency_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     rows_granted: int = 0
+    pages_capacity: int = 0
+    pages_free: int = 0
+    pages_allocated: int = 0
+    pages_pending: int = 0
+    pages_quarantined: int = 0
+    overdue_fences: int = 0
+    overdue_rows: int = 0
+    overdue_pages: int = 0
+    admits: int = 0
+    admit_wait: LatencySummary = field(default_factory=LatencySummary)
+    admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)

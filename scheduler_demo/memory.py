@@ -89,7 +89,7 @@ class Memory:
     async def admit(self, pages: int, *, priority: int = 0) -> Grant:
         """One row and ``pages`` pages, granted together (FIFO within priority)."""
         if self.native:
-            grant = await self.pool.admit(pages=pages, priority=priority)  # type: ignore[attr-defined]
+            grant = await self.pool.admit(pages=pages, priority=priority)  # type: ignore[attr-defined,unused-ignore]
             return Grant(int(grant.row), grant.pages)
         if not self._waiters:
             got = self._try_admit(pages)
@@ -108,7 +108,7 @@ class Memory:
     def try_admit(self, pages: int) -> Grant | None:
         """A row and ``pages`` pages now, or None (also while admissions queue)."""
         if self.native:
-            grant = self.pool.try_admit(pages=pages)  # type: ignore[attr-defined]
+            grant = self.pool.try_admit(pages=pages)  # type: ignore[attr-defined,unused-ignore]
             return None if grant is None else Grant(int(grant.row), grant.pages)
         if any(not w[3].done() for w in self._waiters):
             return None
@@ -161,7 +161,7 @@ class Memory:
     def extend(self, row: int, k: int) -> torch.Tensor | None:
         """``k`` more pages for ``row``, or None when short; never waits."""
         if self.native:
-            got: torch.Tensor | None = self.pool.extend(row, k)  # type: ignore[attr-defined]
+            got: torch.Tensor | None = self.pool.extend(row, k)  # type: ignore[attr-defined,unused-ignore]
             return got
         got = self.kv.alloc(k)
         if got is not None:

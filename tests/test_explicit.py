@@ -464,7 +464,7 @@ async def test_async_explicit_pool_grants_a_waiter_on_retire() -> None:
     assert not waiter.done()
     assert pool.try_alloc(1) is None
     assert pool.reclaim() == 0
-    assert pool.retire(f) == 2
+    assert pool.retire(f) == (2, 0)
     # Granted inside retire(), at hand-over: nobody queues, nothing is free.
     assert pool.waiting() == 0 and pool.available_size() == 0
     async with bounded():
@@ -501,9 +501,9 @@ async def test_async_explicit_pool_agree_grants(group: Any) -> None:
     pool.free(rows, fence=t)
     waiter = asyncio.ensure_future(pool.alloc(1))
     await asyncio.sleep(0)
-    assert pool.agree(group) == 0
+    assert pool.agree(group) == (0, 0)
     t.done = True
-    assert pool.agree(group) == 1
+    assert pool.agree(group) == (1, 0)
     async with bounded():
         assert await waiter == rows
     await pool.close()

@@ -10,6 +10,7 @@ import pytest
 from helpers import WAIT_S, FakeStream, Streams, spin
 
 import asyncpool.pool as pool_module
+import asyncpool.waiters as waiters_module
 from asyncpool import AsyncReqToTokenPool, ReqToTokenPool
 from asyncpool.ledger import SlotLedger
 from asyncpool.stats import DEFAULT_BOUNDS_S, Histogram, HistogramSnapshot, PoolStats
@@ -35,11 +36,20 @@ GAUGES = {
     "asyncpool_quarantined_rows": "rows",
     "asyncpool_peak_allocated_rows": "rows",
     "asyncpool_waiting_requests": "",
+    "asyncpool_capacity_pages": "pages",
+    "asyncpool_free_pages": "pages",
+    "asyncpool_allocated_pages": "pages",
+    "asyncpool_pending_pages": "pages",
+    "asyncpool_quarantined_pages": "pages",
+    "asyncpool_overdue_fences": "",
+    "asyncpool_overdue_rows": "rows",
+    "asyncpool_overdue_pages": "pages",
     "asyncpool_closed": "",
     "asyncpool_released": "",
 }
 COUNTERS = {
     "asyncpool_alloc_calls",
+    "asyncpool_admit_calls",
     "asyncpool_rows_allocated",
     "asyncpool_rows_freed",
     "asyncpool_rows_deferred",
@@ -50,7 +60,11 @@ COUNTERS = {
     "asyncpool_fence_errors",
     "asyncpool_row_resets",
 }
-HISTOGRAMS = {"asyncpool_alloc_wait_seconds", "asyncpool_fence_latency_seconds"}
+HISTOGRAMS = {
+    "asyncpool_alloc_wait_seconds",
+    "asyncpool_admit_wait_seconds",
+    "asyncpool_fence_latency_seconds",
+}
 
 
 def scrape(*pools: tuple[Any, str]) -> dict[str, Any]:
@@ -152,6 +166,7 @@ async def test_gauges_and_counters_track_the_pool() -> None:
 async def test_every_alloc_is_in_the_wait_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(pool_module, "_perf_counter", clock)
+    monkeypatch.setattr(waiters_module, "_perf_counter", clock)  # queueing and grant times
     async with AsyncReqToTokenPool(12, 4) as pool, asyncio.timeout(WAIT_S):
         held = []
         for _ in range(10):  # fast path: ten zero waits
@@ -509,3 +524,32 @@ def test_a_skewed_read_never_shows_a_counter_going_down() -> None:
     collector.remove("p")
     collector.add(fake, name="p")  # a new pool under the old name starts afresh
     assert registry.get_sample_value(freed, {"pool": "p"}) == 5
+
+
+async def test_admission_figures_are_exported(kit: Streams) -> None:
+    from asyncpool import KVPagePool
+
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    kv = KVPagePool(17, 4)
+    async with AsyncReqToTokenPool(3, 4, kv=kv) as pool, asyncio.timeout(WAIT_S):
+        a = await pool.admit(pages=10)
+        b = await pool.admit(pages=4)
+        pool.free([b.row], after=stream)
+        w = asyncio.create_task(pool.admit(pages=6))
+        await spin()
+        fams = scrape((pool, "p"))
+        assert value(fams, "asyncpool_capacity_pages") == 16
+        assert value(fams, "asyncpool_free_pages") == 2
+        assert value(fams, "asyncpool_allocated_pages") == 10
+        assert value(fams, "asyncpool_pending_pages") == 4
+        assert value(fams, "asyncpool_quarantined_pages") == 0
+        assert value(fams, "asyncpool_admit_calls_total") == 2
+        assert value(fams, "asyncpool_waiting_requests") == 1
+        gate.open()
+        g = await w
+        fams = scrape((pool, "p"))
+        assert value(fams, "asyncpool_admit_calls_total") == 3
+        assert value(fams, "asyncpool_admit_wait_seconds_count") == 3
+        assert dict(buckets(fams, "asyncpool_admit_wait_seconds"))["1e-05"] >= 2  # fast ones
+        pool.free([a.row, g.row])

@@ -1,0 +1,136 @@
+"""Fences that hold memory too long: counted, logged once, never released.
+
+A fence that never completes (a stuck KV transfer, a hung stream) must
+neither free its memory (a late write may still land) nor hang a pool
+silently. Past ``fence_timeout`` seconds since it started holding ids, a
+pending fence is *overdue*: :class:`OverdueFences` logs it once, at WARNING,
+naming the fence and what it holds in each ledger, and counts it for
+``stats()``. The memory stays held; releasing it is an operator's explicit
+call (``force_release``).
+
+Knows the ledgers' pending batches (:class:`~asyncpool.deferral.Deferrals`)
+and a clock; knows nothing of asyncio (the owning pool arms the timer that
+calls :meth:`OverdueFences.check`) or of what the ids are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .deferral import Deferrals
+from .fences import Fence
+
+__all__ = ["OverdueFences", "check_fence_timeout"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_fence_timeout(timeout: object) -> float | None:
+    """``timeout`` as a positive finite float, or None; ValueError otherwise."""
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
+        raise ValueError(f"fence_timeout must be None or a number > 0, got {timeout!r}")
+    return float(timeout)
+
+
+class OverdueFences:
+    """Overdue pending fences across ledgers; see the module docstring.
+
+    A fence is overdue once a batch of ids has waited for it (as the fence
+    it waits for now) longer than ``timeout``; it then counts with
+    everything it holds in every ledger.
+
+    ``ledgers`` are the ledgers to watch (each with a ``unit``: "rows",
+    "pages"); their clock must be ``clock``.
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        ledgers: Sequence[Deferrals[Any]],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.timeout = timeout
+        self._ledgers = list(ledgers)
+        self._clock = clock
+        # Fences already reported, by id (the value keeps the fence alive so
+        # its id cannot be reused while it is in here).
+        self._logged: dict[int, Fence] = {}
+        #: The owner's pending check (an ``asyncio.TimerHandle``), if armed.
+        self.timer: Any = None
+
+    def add_ledger(self, ledger: Deferrals[Any]) -> None:
+        self._ledgers.append(ledger)
+
+    def scan(
+        self, *, agreed: bool = False
+    ) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:
+        """Overdue fences now, with everything each holds per unit; and the
+        seconds until the next pending fence becomes overdue (None: none
+        pending that is not overdue yet). O(pending batches).
+
+        ``agreed`` (``reclaim="explicit"``): overdue means every rank agreed
+        so (the ledgers' ``agreed_overdue``), not this process's clock.
+        """
+        now = self._clock()
+        cutoff = now - self.timeout
+        batches = [(led, b) for led in self._ledgers if led.pending
+                   for b in led.pending_batches()]
+        overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
+        for led, batch in batches:
+            late = batch.did in led.agreed_overdue if agreed else batch.t0 <= cutoff
+            if late:  # the fence it waits for now is overdue
+                overdue.setdefault(id(batch.fence), (batch.fence, {}))
+        next_t0: float | None = None
+        for led, batch in batches:
+            entry = overdue.get(id(batch.fence))
+            if entry is not None:  # all it holds, in every ledger
+                entry[1][led.unit] = entry[1].get(led.unit, 0) + batch.n
+            elif next_t0 is None or batch.t0 < next_t0:
+                next_t0 = batch.t0
+        due = None if next_t0 is None else max(0.0, next_t0 + self.timeout - now)
+        return overdue, due
+
+    def counts(self, *, agreed: bool = False) -> tuple[int, dict[str, int]]:
+        """(overdue fences, the ids they hold per unit); ``agreed`` as in :meth:`scan`."""
+        overdue, _ = self.scan(agreed=agreed)
+        held: dict[str, int] = {}
+        for _, per_unit in overdue.values():
+            for unit, n in per_unit.items():
+                held[unit] = held.get(unit, 0) + n
+        return len(overdue), held
+
+    def check(self) -> float | None:
+        """Log each newly overdue fence once; return when to check again."""
+        overdue, due = self.scan()
+        for key in [k for k in self._logged if k not in overdue]:
+            del self._logged[key]  # no longer pending: forget it
+        for key, (fence, held) in overdue.items():
+            if key in self._logged:
+                continue
+            self._logged[key] = fence
+            what = " and ".join(f"{n} {_unit(unit, n)}" for unit, n in held.items())
+            logger.warning(
+                "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "
+                "%s; the memory stays held (a late write may still land); call "
+                "force_release(fence) only if its writer is known to be dead",
+                fence,
+                self.timeout,
+                what,
+            )
+        return due
+
+    def forget(self, fence: Fence) -> None:
+        self._logged.pop(id(fence), None)
+
+
+def _unit(unit: str, n: int) -> str:
+    return unit[:-1] if n == 1 and unit.endswith("s") else unit

@@ -1,0 +1,235 @@
+"""Which KV pages each request row owns: the page side of admission.
+
+A request holds a row of ``req_to_token`` and the KV pages that row lists.
+While the row is allocated its pages belong to it: :class:`RowPages` keeps,
+per row, the pages granted with it (``admit``), grown for decode
+(``extend``), or handed to the caller (``detach``), and frees them with the
+row, behind the same fences.
+
+Knows the page ledger (:class:`~asyncpool.kv_pages.PageLedger`) and the row
+ledger's recorded uses; knows nothing of asyncio, waiting, or tensors beyond
+wrapping page-id arrays (``torch.from_numpy``, no torch op on the host).
+
+Not thread-safe: the owning pool serialises calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from .errors import CapacityError
+from .fences import Fence
+from .kv_pages import KVPagePool, PageLedger
+from .stats import Histogram
+
+__all__ = ["Grant", "RowPages", "check_page_count"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class Grant(NamedTuple):
+    """What ``admit`` grants: one row and the pages it owns (frozen).
+
+    ``pages`` is a 1-D int64 tensor of page ids (on the ``KVPagePool``'s
+    device); it belongs to the row until the row is freed or the pages are
+    detached. Unpacks as ``row, pages = grant``.
+    """
+
+    row: int
+    pages: torch.Tensor
+
+
+_new_grant = tuple.__new__
+
+
+def check_page_count(k: Any, capacity: int, *, least: int) -> int:
+    """``k`` as an int in ``least..capacity``; :class:`CapacityError` otherwise.
+
+    Accepts anything ``operator.index`` accepts (numpy integers among them),
+    but never a bool.
+    """
+    if k.__class__ is not int:
+        if isinstance(k, bool):
+            raise CapacityError(f"a page count must be an int, got {k!r}")
+        try:
+            k = operator.index(k)
+        except TypeError:
+            raise CapacityError(
+                f"a page count must be an int, got {k!r} of type {type(k).__name__}"
+            ) from None
+    assert isinstance(k, int)
+    if k < least:
+        raise CapacityError(f"cannot allocate {k} pages: at least {least} needed")
+    if k > capacity:
+        raise CapacityError(
+            f"cannot allocate {k} pages: the KV pool has only {capacity} "
+            "(num_pages - 1, page 0 is reserved)"
+        )
+    return k
+
+
+class RowPages:
+    """The pages each allocated row owns, over one :class:`KVPagePool`.
+
+    ``owned[row]`` is the row's page ids as a host int64 tensor, or None.
+    Every page held here is ALLOCATED in the page ledger and owned by
+    exactly one row (:meth:`check_invariants`).
+    """
+
+    def __init__(self, kv: KVPagePool, size: int) -> None:
+        self.kv = kv
+        self.ledger: PageLedger = kv.ledger
+        self.capacity = kv.capacity
+        self.owned: list[torch.Tensor | None] = [None] * size
+        self._device = kv.device
+        self._on_host = kv.device.type == "cpu"
+        self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
+        self.fast_admits = 0  # granted without queueing (zero waits)
+        #: Waits of admissions granted after queueing (seconds): a recent
+        #: window, and a histogram of all of them.
+        self.waits: collections.deque[float] = collections.deque(maxlen=4096)
+        self.wait_histogram = Histogram()
+
+    # ------------------------------------------------------------ handing out
+
+    def out(self, pages: torch.Tensor) -> torch.Tensor:
+        """The caller's view of host page ids: on the KV pool's device."""
+        if self._on_host:
+            return pages
+        return pages.to(self._device, non_blocking=True)
+
+    def take(self, k: int) -> torch.Tensor | None:
+        """``k`` pages as a host tensor (empty for 0), or None when short.
+
+        Does not reclaim; ``k`` must be validated.
+        """
+        if not k:
+            return torch.from_numpy(_EMPTY)
+        arr = self.ledger.take(k)
+        if arr is None:
+            return None
+        return torch.from_numpy(arr)
+
+    def grant(self, row: int, pages: torch.Tensor) -> Grant:
+        """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
+        self.owned[row] = pages if len(pages) else None
+        self.admits += 1
+        return _new_grant(Grant, (row, self.out(pages)))
+
+    def give_back(self, row: int) -> None:
+        """Undo :meth:`grant` for a waiter cancelled before it resumed: the
+        pages return to the head of the free ring, as if never taken."""
+        pages = self.owned[row]
+        self.owned[row] = None
+        if pages is not None:
+            self.ledger.put_back(pages)
+
+    def extend(self, row: int, k: int) -> torch.Tensor | None:
+        """Add ``k`` free pages to ``row`` (reclaiming first if short), or None."""
+        led = self.ledger
+        arr = led.take(k)
+        if arr is None:
+            if not (led.pending and led.reclaim()):
+                return None
+            arr = led.take(k)
+            if arr is None:
+                return None
+        new = torch.from_numpy(arr)
+        old = self.owned[row]
+        self.owned[row] = new if old is None else torch.from_numpy(
+            np.concatenate((old.numpy(), arr))
+        )
+        return self.out(new)
+
+    def of(self, row: int) -> torch.Tensor:
+        pages = self.owned[row]
+        return self.out(pages if pages is not None else torch.from_numpy(_EMPTY))
+
+    def detach(self, row: int) -> torch.Tensor:
+        pages = self.owned[row]
+        self.owned[row] = None
+        return self.out(pages if pages is not None else torch.from_numpy(_EMPTY))
+
+    # ------------------------------------------------------------ freeing with rows
+
+    def prepare_free(
+        self, rows: Sequence[int], uses: Sequence[Any]
+    ) -> list[tuple[Any, Any, bool, tuple[Fence, ...]]]:
+        """Check the pages of ``rows`` before they are freed; change nothing.
+
+        Groups the rows' pages by the rows' recorded use (one group for the
+        usual step whose rows share one fence) and validates each group with
+        the page ledger, so pages freed behind the pool's back raise here.
+        Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
+        """
+        owned = self.owned
+        groups: dict[int, tuple[Any, list[int], list[torch.Tensor]]] = {}
+        for row in rows:
+            pages = owned[row]
+            if pages is None:
+                continue
+            use = uses[row]
+            entry = groups.get(id(use))
+            if entry is None:
+                groups[id(use)] = (use, [row], [pages])
+            else:
+                entry[1].append(row)
+                entry[2].append(pages)
+        prepared = []
+        prepare = self.ledger.prepare
+        for use, group_rows, parts in groups.values():
+            if len(parts) == 1:
+                ids, fresh = prepare(parts[0])
+            else:  # numpy views of host tensors: no torch op
+                ids, fresh = prepare(np.concatenate([p.numpy() for p in parts]))
+            if use is None:
+                fences: tuple[Fence, ...] = ()
+            elif use.__class__ is tuple:
+                fences = use
+            else:
+                fences = (use,)
+            prepared.append((group_rows, ids, fresh, fences))
+        return prepared
+
+    def free(
+        self,
+        prepared: list[tuple[Any, Any, bool, tuple[Fence, ...]]],
+        extra: tuple[Fence, ...],
+    ) -> int:
+        """Free what :meth:`prepare_free` checked, each group behind its use
+        fences plus ``extra`` (the free's ``fence=`` and ``after=``).
+
+        Returns the pages free at once.
+        """
+        owned = self.owned
+        free_prepared = self.ledger.free_prepared
+        immediate = 0
+        for group_rows, ids, fresh, fences in prepared:
+            for row in group_rows:
+                owned[row] = None
+            immediate += free_prepared(ids, fresh, fences + extra)
+        return immediate
+
+    # ------------------------------------------------------------ proof
+
+    def check_invariants(self, allocated_rows: Sequence[int]) -> None:
+        allocated = set(allocated_rows)
+        seen: list[int] = []
+        for row, pages in enumerate(self.owned):
+            if pages is None:
+                continue
+            if row not in allocated:
+                raise AssertionError(f"row {row} owns pages but is not allocated")
+            seen.extend(pages.tolist())
+        if len(set(seen)) != len(seen):
+            raise AssertionError("a page is owned by two rows")
+        for page in seen:
+            if self.ledger.state_of(page) != "allocated":
+                state = self.ledger.state_of(page)
+                raise AssertionError(f"page {page} is owned by a row but is {state}")

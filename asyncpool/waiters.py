@@ -1,0 +1,311 @@
+"""Prioritised FIFO waiter queues and the grant loop, generic over the need.
+
+A waiter asks for a *need* (the pool's ``alloc`` asks for ``n`` rows, its
+``admit`` for one row and ``k`` pages); this module never looks inside one.
+It queues waiters FIFO within a priority (lower number first), and its grant
+loop hands resources over in that order through three callables the owner
+supplies:
+
+* ``take(need) -> grant | None``: take everything ``need`` asks for *now*,
+  all or nothing (None: it does not fit yet, and nothing was taken);
+* ``give_back(grant)``: undo a ``take`` whose waiter was cancelled before it
+  could resume (the resources return as if never taken);
+* ``reclaim() -> bool``: return memory whose fences completed; True if
+  anything was made free (the loop then tries the head again).
+
+The rules that every waiting call shares live here, once (the design follows
+``asyncio.Semaphore`` in CPython's ``Lib/asyncio/locks.py``, with the change
+that removes its lost-wake-up and queue-jumping bugs):
+
+* **grant at hand-over**: whoever makes memory free runs :meth:`WaiterQueues.grant`,
+  which takes the head's need and resolves its future *with the grant*; a
+  woken waiter never re-checks and competes;
+* **the head blocks those behind it**, whatever they need: a head that does
+  not fit ends the loop (no starvation of big requests, no bypass);
+* **cancelled or timed out means nothing was granted**; a waiter cancelled
+  after its grant gives everything back and the loop runs again; a cancelled
+  or expired head re-runs the loop too, since smaller waiters behind it may
+  fit now;
+* **bounded**: past ``max_waiters`` a new waiter is refused with
+  :class:`PoolBusyError` at once (load shedding);
+* **gate**: while :attr:`WaiterQueues.gated` is set (the owner's memory is
+  released, or the owner closed) the loop grants nothing; :meth:`fail_all`
+  fails every waiter (close).
+
+Thread rules: loop-affine, like the pool that owns it; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import PoolBusyError
+from .stats import Histogram
+
+__all__ = ["Waiter", "WaiterQueues"]
+
+_perf_counter = time.perf_counter
+
+# A queued request is the tuple (need, future, enqueue time, priority, wait
+# window, wait histogram): cheaper to build than an object, and the future
+# says whether it is still wanted. Each grant records its wait in the
+# waiter's own window and histogram (the owner's), so an owner can keep one
+# pair per kind of request.
+Waiter = tuple[Any, "asyncio.Future[Any]", float, int, "collections.deque[float]", Histogram]
+
+
+def _waiters(n: int) -> str:
+    return "1 waiter" if n == 1 else f"{n} waiters"
+
+
+class WaiterQueues:
+    """Waiters queued FIFO within priority, and the grant loop that serves them.
+
+    See the module docstring for the rules. ``count`` (waiters queued) and
+    ``gated`` are plain attributes so an owner's fast path can read them
+    cheaply: a caller may skip the queue only while both are falsy.
+    """
+
+    __slots__ = (
+        "_describe",
+        "_give_back",
+        "_max",
+        "_prios",
+        "_queues",
+        "_reclaim",
+        "_take",
+        "cancellations",
+        "count",
+        "gated",
+        "rejections",
+        "timeouts",
+    )
+
+    def __init__(
+        self,
+        take: Callable[[Any], Any | None],
+        give_back: Callable[[Any], None],
+        reclaim: Callable[[], bool],
+        describe: Callable[[Any], tuple[str, str]],
+        max_waiters: int | None = None,
+    ) -> None:
+        self._take = take
+        self._give_back = give_back
+        self._reclaim = reclaim
+        self._describe = describe
+        self._max = max_waiters
+        self._queues: dict[int, collections.deque[Waiter]] = {}
+        self._prios: list[int] = []  # sorted keys of _queues
+        self.count = 0
+        self.gated = False
+        self.timeouts = 0
+        self.cancellations = 0
+        self.rejections = 0
+
+    # ------------------------------------------------------------ waiting
+
+    def enqueue(
+        self,
+        need: Any,
+        priority: int,
+        timeout: float | None,
+        loop: asyncio.AbstractEventLoop,
+        window: collections.deque[float],
+        histogram: Histogram,
+    ) -> tuple[Waiter, asyncio.TimerHandle | None]:
+        """Queue a request for ``need``; return it and its timeout handle.
+
+        The caller awaits ``waiter[1]`` (the future: it resolves with the
+        grant), calls :meth:`cancelled` if that await is cancelled, and
+        cancels the handle when done. :meth:`wait` does exactly this; a hot
+        caller may inline it to save a coroutine frame per wait. The wait,
+        from now to the grant, goes to ``window`` and ``histogram``. Raises
+        :class:`PoolBusyError` (queueing nothing) past ``max_waiters``.
+        """
+        if self._max is not None and self.count >= self._max:
+            self.rejections += 1
+            raise PoolBusyError(
+                f"{_waiters(self.count)} already queued, the limit set by "
+                f"max_waiters={self._max}; refusing to queue {self._describe(need)[0]}"
+            )
+        fut: asyncio.Future[Any] = loop.create_future()
+        waiter: Waiter = (need, fut, _perf_counter(), priority, window, histogram)
+        queue = self._queues.get(priority)
+        if queue is None:
+            queue = self._queues[priority] = collections.deque()
+            bisect.insort(self._prios, priority)
+        queue.append(waiter)
+        self.count += 1
+        handle = None if timeout is None else loop.call_later(
+            timeout, self._expire, waiter, timeout
+        )
+        return waiter, handle
+
+    def cancelled(self, waiter: Waiter) -> None:
+        """The task awaiting ``waiter`` was cancelled: settle what it held.
+
+        Not yet granted: it leaves the queue. Granted but not resumed: the
+        grant is given back. Either way the grant loop runs again, since the
+        head may have changed or memory may be free.
+        """
+        self.cancellations += 1
+        fut = waiter[1]
+        if fut.cancelled():
+            self._dequeue(waiter)
+        elif fut.exception() is None:
+            self._give_back(fut.result())
+        self.grant()
+
+    async def wait(
+        self,
+        need: Any,
+        priority: int,
+        timeout: float | None,
+        loop: asyncio.AbstractEventLoop,
+        window: collections.deque[float],
+        histogram: Histogram,
+    ) -> Any:
+        """Queue for ``need`` and return its grant once the loop hands it over.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds, the owner's error
+        if it fails the waiter (:meth:`fail_all`, :meth:`shed`), and
+        :class:`PoolBusyError` past ``max_waiters``. On any exception,
+        cancellation included, nothing was granted.
+        """
+        waiter, handle = self.enqueue(need, priority, timeout, loop, window, histogram)
+        try:
+            return await waiter[1]
+        except asyncio.CancelledError:
+            self.cancelled(waiter)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _dequeue(self, waiter: Waiter) -> None:
+        priority = waiter[3]
+        queue = self._queues.get(priority)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return  # already taken off by the grant loop, expiry or close
+        self.count -= 1
+        if not queue:
+            del self._queues[priority]
+            self._prios.remove(priority)
+
+    def _expire(self, waiter: Waiter, timeout: float) -> None:
+        fut = waiter[1]
+        if fut.done():
+            return
+        self._dequeue(waiter)
+        self.timeouts += 1
+        call, what = self._describe(waiter[0])
+        fut.set_exception(
+            TimeoutError(f"{call} timed out after {timeout} s: {what} could not be granted in time")
+        )
+        self.grant()
+
+    # ------------------------------------------------------------ the grant loop
+
+    def grant(self) -> None:
+        """Hand memory to waiters in order until the head does not fit.
+
+        Runs synchronously and resolves each granted waiter's future with its
+        grant, so nobody else can take it in between. A cancelled head still
+        queued (its task has not run its handler yet) is dropped on the way.
+        """
+        if not self.count or self.gated:
+            return
+        take = self._take
+        queues = self._queues
+        prios = self._prios
+        now = 0.0
+        while self.count:
+            prio = prios[0]
+            queue = queues[prio]
+            need, fut, t0, _, window, histogram = queue[0]
+            if fut.done():  # cancelled; its task has not run its handler yet
+                got = None
+            else:
+                got = take(need)
+                if got is None:
+                    if self._reclaim():
+                        continue
+                    return
+            queue.popleft()
+            self.count -= 1
+            if not queue:
+                del queues[prio]
+                prios.pop(0)
+            if got is None:
+                continue
+            fut.set_result(got)
+            if not now:
+                now = _perf_counter()
+            window.append(now - t0)
+            histogram.observe(now - t0)
+
+    # ------------------------------------------------------------ failing waiters
+
+    def shed(self, error_for: Callable[[Any], BaseException | None]) -> int:
+        """Fail every waiter whose need ``error_for`` answers with an error.
+
+        For needs that can never be met any more (memory quarantined behind
+        faulted fences); then runs the grant loop, since a failed head may
+        have blocked others. Returns how many waiters were failed.
+        """
+        failed = 0
+        for prio in list(self._prios):
+            for waiter in list(self._queues.get(prio, ())):
+                fut = waiter[1]
+                if fut.done():
+                    continue
+                error = error_for(waiter[0])
+                if error is not None:
+                    self._dequeue(waiter)
+                    fut.set_exception(error)
+                    failed += 1
+        self.grant()
+        return failed
+
+    def fail_all(self, error: BaseException) -> None:
+        """Gate the loop for good and fail every queued waiter with ``error``."""
+        self.gated = True
+        for queue in self._queues.values():
+            for waiter in queue:
+                fut = waiter[1]
+                if not fut.done():
+                    fut.set_exception(error)
+        self._queues.clear()
+        self._prios.clear()
+        self.count = 0
+
+    # ------------------------------------------------------------ views
+
+    def needs(self) -> list[Any]:
+        """The needs of the queued waiters, in grant order (for tests and repr)."""
+        return [w[0] for p in self._prios for w in self._queues[p] if not w[1].done()]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the queues and their index agree."""
+        queued = sum(len(q) for q in self._queues.values())
+        if queued != self.count:
+            raise AssertionError(f"waiter count {self.count} != queued {queued}")
+        if sorted(self._queues) != self._prios:
+            raise AssertionError("priority index out of sync with the queues")
+        for queue in self._queues.values():
+            if not queue:
+                raise AssertionError("an empty priority queue is still indexed")
+            for need, fut, *_ in queue:
+                # A cancelled future stays queued until its task resumes and
+                # dequeues it (legal); a granted or failed one never does.
+                if fut.done() and not fut.cancelled():
+                    raise AssertionError(f"a settled waiter is still queued: {need!r}")

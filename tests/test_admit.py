@@ -1,0 +1,998 @@
+"""Atomic admission: one await grants a request its row and its KV pages.
+
+``await pool.admit(pages=n)`` waits in the same queue as ``alloc``: FIFO
+within priority, the head blocks those behind it whatever it needs, grant at
+hand-over for both resources, ``try_admit`` answers None while anyone waits.
+Pages belong to their row while it is allocated (``pages_of``, ``extend``,
+``detach_pages``), and ``free(rows)`` frees each row with its pages behind the
+row's newest recorded use plus ``fence``/``after``. Every wait is bounded by
+``asyncio.timeout``; every test ends with nothing leaked in either ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+import torch
+from helpers import WAIT_S, assert_conserved, spin
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    DoubleFreeError,
+    FenceError,
+    Grant,
+    InvalidSlotError,
+    KVPagePool,
+    PoolBusyError,
+    PoolClosedError,
+)
+
+
+def make(rows: int = 4, pages: int = 16, page_size: int = 4, **kw) -> AsyncReqToTokenPool:
+    """A pool of ``rows`` grantable rows and ``pages`` grantable pages."""
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, page_size), **kw)
+
+
+def kv_of(pool: AsyncReqToTokenPool) -> KVPagePool:
+    kv = pool.kv
+    assert kv is not None
+    return kv
+
+
+def ids(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.tolist()]
+
+
+def conserved(pool: AsyncReqToTokenPool) -> None:
+    """Nothing leaked in either ledger, and the pool's page ownership adds up."""
+    assert_conserved(pool)
+    kv = kv_of(pool)
+    kv.check_invariants()
+    st = pool.stats()
+    assert st.pages_free + st.pages_allocated + st.pages_pending + st.pages_quarantined == (
+        st.pages_capacity
+    )
+
+
+def settled(stream) -> None:
+    """Block until everything launched on ``stream`` ran (or it faulted)."""
+    try:
+        stream.record().wait(WAIT_S)
+    except FenceError:
+        pass
+
+
+async def outcome(task: asyncio.Task):
+    async with asyncio.timeout(WAIT_S):
+        try:
+            return await task
+        except BaseException as exc:  # CancelledError included
+            return exc
+
+
+async def queued(pool: AsyncReqToTokenPool, *coros) -> list[asyncio.Task]:
+    tasks = [asyncio.create_task(c) for c in coros]
+    await spin()
+    assert pool.waiting() == len(coros)
+    return tasks
+
+
+# ---------------------------------------------------------------- the grant
+
+
+async def test_admit_grants_a_row_and_its_pages_without_suspending():
+    async with make() as pool:
+        coro = pool.admit(pages=3)
+        with pytest.raises(StopIteration) as stop:
+            coro.send(None)  # the fast path never suspends
+        g = stop.value.value
+        assert isinstance(g, Grant) and g.row.__class__ is int
+        assert g.pages.dtype in (torch.int32, torch.int64) and g.pages.dim() == 1
+        assert len(g.pages) == 3 and 0 not in ids(g.pages)
+        assert ids(pool.pages_of(g.row)) == ids(g.pages)
+        assert pool.allocated_size() == 1 and kv_of(pool).available_size() == 13
+        row, pages = g  # unpacks
+        assert row == g.row and pages is g.pages
+        pool.free([g.row])
+        assert kv_of(pool).available_size() == 16 and pool.available_size() == 4
+        conserved(pool)
+
+
+async def test_grant_is_frozen():
+    async with make() as pool:
+        g = await pool.admit(pages=1)
+        with pytest.raises(AttributeError):
+            g.row = 3  # type: ignore[misc]
+        with pytest.raises(AttributeError):
+            g.pages = torch.zeros(1)  # type: ignore[misc]
+        pool.free(g.row)
+
+
+async def test_admit_zero_pages_grants_a_row_with_no_pages():
+    async with make() as pool:
+        g = await pool.admit(pages=0)
+        assert len(g.pages) == 0 and len(pool.pages_of(g.row)) == 0
+        pool.free([g.row])
+        conserved(pool)
+
+
+async def test_try_admit_grants_or_answers_none():
+    async with make(rows=1, pages=4) as pool:
+        g = pool.try_admit(pages=4)
+        assert g is not None and len(g.pages) == 4
+        assert pool.try_admit(pages=1) is None  # no row
+        pool.free(g.row)
+        g2 = pool.try_admit(pages=4)
+        assert g2 is not None
+        pool.free(g2.row)
+        conserved(pool)
+
+
+async def test_try_admit_none_while_anyone_waits():
+    async with make(rows=2, pages=8) as pool:
+        g = await pool.admit(pages=6)
+        [w] = await queued(pool, pool.admit(pages=4))
+        # A row and 2 pages are free: a small admit would fit, but may not jump.
+        assert pool.try_admit(pages=1) is None
+        assert pool.try_alloc(1) is None
+        pool.free(g.row)
+        got = await outcome(w)
+        assert isinstance(got, Grant)
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_try_admit_reclaims_completed_fences_before_answering_none(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pool.free([g.row], after=stream)
+        assert kv_of(pool).pending_size() == 4
+        gate.open()
+        await asyncio.to_thread(stream.synchronize)
+        g2 = pool.try_admit(pages=4)
+        assert g2 is not None
+        pool.free(g2.row)
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- no hold-and-wait
+
+
+async def test_a_waiter_short_of_pages_holds_no_row():
+    async with make(rows=4, pages=8) as pool:
+        g = await pool.admit(pages=6)
+        [w] = await queued(pool, pool.admit(pages=4))
+        assert pool.allocated_size() == 1  # the waiter holds no row
+        assert pool.available_size() == 3
+        assert pool.stats().pages_allocated == 6
+        pool.free(g.row)
+        got = await outcome(w)
+        assert len(got.pages) == 4 and pool.allocated_size() == 1
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_a_waiter_short_of_rows_holds_no_pages():
+    async with make(rows=1, pages=8) as pool:
+        g = await pool.admit(pages=2)
+        [w] = await queued(pool, pool.admit(pages=2))
+        assert kv_of(pool).available_size() == 6  # the waiter holds no pages
+        assert pool.stats().pages_allocated == 2
+        pool.free(g.row)
+        got = await outcome(w)
+        assert got.row == g.row
+        pool.free(got.row)
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- one queue
+
+
+async def test_row_only_alloc_queued_behind_a_page_starved_head_waits():
+    async with make(rows=4, pages=8) as pool:
+        g = await pool.admit(pages=8)
+        head, alloc = await queued(pool, pool.admit(pages=4), pool.alloc(1))
+        # Three rows are free, yet the alloc waits behind the admit head.
+        assert pool.available_size() == 3 and not alloc.done()
+        assert pool.try_alloc(1) is None
+        pool.free(g.row)  # pages for the head: both granted, in order
+        got = await outcome(head)
+        rows = await outcome(alloc)
+        assert isinstance(got, Grant) and len(rows) == 1
+        assert pool.stats().admit_wait.count == 1
+        pool.free([got.row, *rows])
+        conserved(pool)
+
+
+async def test_admit_queued_behind_a_row_starved_alloc_head_waits():
+    async with make(rows=2, pages=8) as pool:
+        held = await pool.alloc(1)
+        head, adm = await queued(pool, pool.alloc(2), pool.admit(pages=1))
+        assert pool.available_size() == 1 and kv_of(pool).available_size() == 8
+        assert not adm.done()
+        pool.free(held)
+        rows = await outcome(head)
+        assert len(rows) == 2 and not adm.done()
+        pool.free(rows)
+        got = await outcome(adm)
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_fifo_across_alloc_and_admit():
+    async with make(rows=1, pages=8) as pool:
+        held = await pool.alloc(1)
+        order: list[str] = []
+
+        async def admit(tag: str) -> None:
+            g = await pool.admit(pages=1)
+            order.append(tag)
+            await asyncio.sleep(0)
+            pool.free(g.row)
+
+        async def alloc(tag: str) -> None:
+            rows = await pool.alloc(1)
+            order.append(tag)
+            await asyncio.sleep(0)
+            pool.free(rows)
+
+        tasks = await queued(pool, admit("a1"), alloc("r1"), admit("a2"), alloc("r2"))
+        pool.free(held)
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*tasks)
+        assert order == ["a1", "r1", "a2", "r2"]
+        conserved(pool)
+
+
+async def test_priority_orders_admits_and_allocs_together():
+    async with make(rows=1, pages=8) as pool:
+        held = await pool.alloc(1)
+        late = asyncio.create_task(pool.alloc(1))
+        await spin()
+        urgent = asyncio.create_task(pool.admit(pages=2, priority=-1))
+        await spin()
+        pool.free(held)
+        got = await outcome(urgent)
+        assert isinstance(got, Grant) and not late.done()
+        pool.free(got.row)
+        rows = await outcome(late)
+        pool.free(rows)
+        conserved(pool)
+
+
+async def test_a_big_page_head_blocks_smaller_admits_behind_it():
+    async with make(rows=4, pages=8) as pool:
+        g = await pool.admit(pages=4)
+        big, small = await queued(pool, pool.admit(pages=8), pool.admit(pages=1))
+        assert not small.done()  # 4 pages free, but the head needs 8
+        big.cancel()  # a cancelled head lets the smaller one through
+        assert isinstance(await outcome(big), asyncio.CancelledError)
+        got = await outcome(small)
+        assert len(got.pages) == 1
+        pool.free([g.row, got.row])
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- wake-ups and fences
+
+
+async def test_page_fence_completion_wakes_an_admit_waiter(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=4, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)  # the row is free at once; its pages went to the caller
+        kv_of(pool).free(pages, after=stream)  # pending behind the gated stream
+        [w] = await queued(pool, pool.admit(pages=4))
+        assert pool.stats().pages_pending == 4
+        gate.open()  # nobody calls the pool after this
+        got = await outcome(w)
+        assert sorted(ids(got.pages)) == sorted(ids(pages))
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_a_transfer_handle_fence_defers_a_freed_rows_pages(kit):
+    handle = kit.event_fence()  # query()/synchronize(), no stream: unknown origin
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=3)
+        pool.free([g.row], fence=handle)
+        kv = kv_of(pool)
+        assert pool.pending_size() == 1 and kv.pending_size() == 3
+        assert pool.try_admit(pages=2) is None  # only 1 page free
+        [w] = await queued(pool, pool.admit(pages=4))
+        handle.set()  # the watcher thread sees it; nobody calls the pool
+        got = await outcome(w)
+        assert len(got.pages) == 4 and kv.pending_size() == 0
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_record_use_covers_the_pages(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pool.record_use([g.row], stream.record())  # one call per step
+        pool.free([g.row])
+        kv = kv_of(pool)
+        assert pool.pending_size() == 1 and kv.pending_size() == 4
+        assert kv.available_size() == 0
+        [w] = await queued(pool, pool.admit(pages=1))
+        gate.open()
+        got = await outcome(w)
+        assert kv.pending_size() == 0
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_free_waits_for_use_and_explicit_fence_on_pages(kit):
+    s1, s2 = kit.stream(), kit.stream()
+    g1, g2 = kit.gate(s1), kit.gate(s2)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pool.record_use([g.row], s1.record())
+        pool.free([g.row], fence=s2.record())
+        kv = kv_of(pool)
+        assert kv.pending_size() == 2
+        g1.open()
+        await asyncio.to_thread(s1.synchronize)
+        pool.reclaim()
+        assert kv.pending_size() == 2  # still behind s2's fence
+        g2.open()
+        await asyncio.to_thread(s2.synchronize)
+        pool.reclaim()
+        assert kv.pending_size() == 0 and pool.pending_size() == 0
+        conserved(pool)
+
+
+async def test_a_faulted_fence_quarantines_row_and_pages(kit, caplog):
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    stream = kit.stream()
+    gate = kit.gate(stream)
+
+    def boom() -> None:
+        raise RuntimeError("kernel fault")
+
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=3)
+        stream.launch(boom)
+        pool.free([g.row], after=stream)
+        gate.open()
+        await asyncio.to_thread(settled, stream)
+        pool.reclaim()
+        st = pool.stats()
+        assert st.quarantined == 1 and st.pages_quarantined == 3
+        # Only one page can ever be free again: an admit for two fails at once.
+        with pytest.raises(CapacityError, match="pages"):
+            await pool.admit(pages=2)
+        conserved(pool)
+
+
+async def test_a_page_waiter_that_can_never_fit_after_a_fault_fails(kit, caplog):
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    stream = kit.stream()
+    gate = kit.gate(stream)
+
+    def boom() -> None:
+        raise RuntimeError("kernel fault")
+
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=3)
+        stream.launch(boom)
+        pool.free([g.row], after=stream)
+        [w] = await queued(pool, pool.admit(pages=4))
+        gate.open()
+        res = await outcome(w)
+        assert isinstance(res, CapacityError) and "pages" in str(res)
+        assert pool.waiting() == 0
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- same-tick races
+
+
+async def test_cancel_then_free_in_the_same_tick_admits_nothing():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        [w] = await queued(pool, pool.admit(pages=2))
+        w.cancel()
+        pool.free(g.row)  # no yield between the cancel and the free
+        assert isinstance(await outcome(w), asyncio.CancelledError)
+        assert pool.available_size() == 1 and kv_of(pool).available_size() == 4
+        assert pool.stats().cancellations == 1
+        conserved(pool)
+
+
+async def test_free_then_cancel_in_the_same_tick_gives_both_back():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        [w] = await queued(pool, pool.admit(pages=3))
+        pool.free(g.row)  # w is granted the row and three pages...
+        assert pool.waiting() == 0 and pool.available_size() == 0
+        assert kv_of(pool).available_size() == 1
+        w.cancel()  # ...and cancelled before it resumes
+        assert isinstance(await outcome(w), asyncio.CancelledError)
+        assert pool.available_size() == 1 and kv_of(pool).available_size() == 4
+        assert pool.allocated_size() == 0 and pool.stats().pages_allocated == 0
+        conserved(pool)
+
+
+async def test_cancelled_after_grant_hands_both_to_the_next_waiter():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        w1, w2 = await queued(pool, pool.admit(pages=4), pool.admit(pages=4))
+        pool.free(g.row)
+        assert pool.waiting() == 1
+        w1.cancel()
+        assert isinstance(await outcome(w1), asyncio.CancelledError)
+        got = await outcome(w2)
+        assert isinstance(got, Grant) and len(got.pages) == 4
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_timeout_expiring_as_the_grant_lands():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        w = asyncio.create_task(pool.admit(pages=4, timeout=0))
+        await asyncio.sleep(0)  # queued; its zero timer is due next iteration
+        assert pool.waiting() == 1
+        pool.free(g.row)  # the grant and the expiry meet
+        res = await outcome(w)
+        if isinstance(res, TimeoutError):
+            assert pool.stats().timeouts == 1
+        else:
+            assert isinstance(res, Grant)
+            pool.free(res.row)
+        assert pool.available_size() == 1 and kv_of(pool).available_size() == 4
+        conserved(pool)
+
+
+async def test_external_timeout_as_the_grant_lands_gives_both_back():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+
+        async def waiter() -> Grant:
+            async with asyncio.timeout(0):
+                return await pool.admit(pages=4)
+
+        w = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        pool.free(g.row)
+        res = await outcome(w)
+        assert isinstance(res, TimeoutError)
+        assert pool.available_size() == 1 and kv_of(pool).available_size() == 4
+        conserved(pool)
+
+
+async def test_timeout_means_nothing_admitted():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=1)
+        async with asyncio.timeout(WAIT_S):
+            with pytest.raises(TimeoutError, match=r"admit\(pages=2\) timed out .*1 row and 2 p"):
+                await pool.admit(pages=2, timeout=0.01)
+        assert pool.waiting() == 0 and kv_of(pool).available_size() == 3
+        pool.free(g.row)
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- extend, detach
+
+
+async def test_extend_adds_pages_to_the_row_and_never_waits():
+    async with make(rows=2, pages=6) as pool:
+        g = await pool.admit(pages=2)
+        more = pool.extend(g.row, 3)
+        assert more is not None and len(more) == 3
+        assert ids(pool.pages_of(g.row)) == ids(g.pages) + ids(more)
+        assert pool.extend(g.row, 2) is None  # one page left: short, no wait
+        assert len(pool.pages_of(g.row)) == 5 and kv_of(pool).available_size() == 1
+        pool.free(g.row)  # frees all five
+        assert kv_of(pool).available_size() == 6
+        conserved(pool)
+
+
+async def test_extend_with_waiters_queued_still_answers_at_once():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=1)
+        [w] = await queued(pool, pool.admit(pages=1))
+        # A running request grows before new admissions (it holds its row).
+        assert pool.extend(g.row, 2) is not None
+        assert pool.extend(g.row, 3) is None
+        pool.free(g.row)
+        got = await outcome(w)
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_extend_reclaims_completed_page_fences_first(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        a = await pool.admit(pages=3)
+        b = await pool.admit(pages=1)
+        pool.free([a.row], after=stream)
+        assert pool.extend(b.row, 3) is None  # behind the gate
+        gate.open()
+        await asyncio.to_thread(stream.synchronize)
+        more = pool.extend(b.row, 3)
+        assert more is not None and len(pool.pages_of(b.row)) == 4
+        pool.free(b.row)
+        conserved(pool)
+
+
+async def test_detach_pages_hands_them_to_the_caller():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=3)
+        pages = pool.detach_pages(g.row)
+        assert ids(pages) == ids(g.pages) and len(pool.pages_of(g.row)) == 0
+        pool.free(g.row)
+        kv = kv_of(pool)
+        assert kv.available_size() == 1  # the caller owns three pages now
+        assert pool.stats().pages_allocated == 3
+        kv.free(pages)
+        assert kv.available_size() == 4
+        conserved(pool)
+
+
+async def test_the_caller_freeing_detached_pages_serves_a_waiter():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        [w] = await queued(pool, pool.admit(pages=3))
+        kv_of(pool).free(pages)  # straight to the KVPagePool, no fence
+        got = await outcome(w)
+        assert len(got.pages) == 3
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_detach_then_extend_then_free_frees_only_the_new_pages():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        kept = pool.detach_pages(g.row)
+        more = pool.extend(g.row, 1)
+        assert more is not None and ids(pool.pages_of(g.row)) == ids(more)
+        pool.free(g.row)
+        assert kv_of(pool).available_size() == 2
+        kv_of(pool).free(kept)
+        conserved(pool)
+
+
+async def test_alloc_rows_own_no_pages_until_extended():
+    async with make(rows=2, pages=4) as pool:
+        rows = await pool.alloc(1)
+        assert len(pool.pages_of(rows[0])) == 0
+        assert pool.extend(rows[0], 2) is not None
+        pool.free(rows)
+        assert kv_of(pool).available_size() == 4
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- overdue fences
+
+
+class _Seen(logging.Handler):
+    """Sets an asyncio.Event on the first record containing ``word``."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__(logging.WARNING)
+        self.word = word
+        self.event = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.word in record.getMessage():
+            self.records.append(record)
+            self.event.set()  # logged on the loop's thread (a timer callback)
+
+
+async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog):
+    caplog.set_level(logging.WARNING, logger="asyncpool")  # another module mutes it
+    stuck = kit.event_fence()  # a transfer that never completes
+    seen = _Seen("overdue")
+    released = _Seen("force_release")
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    log.addHandler(released)
+    try:
+        async with make(rows=2, pages=4, fence_timeout=0.05) as pool:
+            g = await pool.admit(pages=3)
+            pool.free([g.row], fence=stuck)
+            [w] = await queued(pool, pool.admit(pages=4))
+            assert pool.stats().overdue_fences == 0
+            async with asyncio.timeout(WAIT_S):
+                await seen.event.wait()  # nobody calls the pool meanwhile
+            st = pool.stats()
+            assert st.overdue_fences == 1 and st.overdue_rows == 1 and st.overdue_pages == 3
+            assert st.pending == 1 and st.pages_pending == 3  # still held
+            [record] = seen.records
+            assert record.levelno == logging.WARNING
+            msg = record.getMessage()
+            assert repr(stuck) in msg and "1 row " in msg and "3 pages" in msg
+            await asyncio.sleep(0.15)  # later checks do not log it again
+            assert len(seen.records) == 1 and not w.done()
+            assert pool.force_release(stuck) == (1, 3)
+            stuck.set()  # let the watcher thread go (close() joins it)
+            assert released.records and repr(stuck) in released.records[0].getMessage()
+            got = await outcome(w)  # the waiter is served
+            assert len(got.pages) == 4
+            st = pool.stats()
+            assert st.overdue_fences == 0 and st.pending == 0 and st.pages_pending == 0
+            pool.free(got.row)
+            conserved(pool)
+    finally:
+        stuck.set()  # let the watcher thread go (close() joins it)
+        log.removeHandler(seen)
+        log.removeHandler(released)
+
+
+async def test_a_fence_younger_than_fence_timeout_is_not_overdue(kit):
+    stuck = kit.event_fence()
+    async with make(rows=2, pages=4, fence_timeout=60) as pool:
+        g = await pool.admit(pages=3)
+        pool.free([g.row], fence=stuck)
+        st = pool.stats()
+        assert st.overdue_fences == 0 and st.pending == 1
+        stuck.set()
+
+
+async def test_force_release_without_fence_timeout_and_of_a_fence_holding_nothing(kit):
+    stuck = kit.event_fence()
+    other = kit.event_fence()
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pool.free([g.row], fence=stuck)
+        assert pool.stats().overdue_fences == 0  # no fence_timeout: never overdue
+        assert pool.force_release(other) == (0, 0)
+        assert pool.force_release(stuck) == (1, 2)
+        assert pool.available_size() == 2 and kv_of(pool).available_size() == 4
+        assert pool.force_release(stuck) == (0, 0)
+        conserved(pool)
+        stuck.set()
+        other.set()
+
+
+async def test_force_release_of_pages_freed_by_the_caller(kit):
+    stuck = kit.event_fence()
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, fence=stuck)
+        [w] = await queued(pool, pool.admit(pages=4))
+        assert pool.force_release(stuck) == (0, 2)
+        got = await outcome(w)
+        pool.free(got.row)
+        conserved(pool)
+        stuck.set()
+
+
+async def test_force_release_of_one_fence_of_two_keeps_waiting_for_the_other(kit):
+    stuck = kit.event_fence()
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pool.record_use([g.row], stream.record())
+        pool.free([g.row], fence=stuck)
+        pool.force_release(stuck)
+        assert pool.pending_size() == 1 and kv_of(pool).pending_size() == 2
+        gate.open()
+        await asyncio.to_thread(stream.synchronize)
+        pool.reclaim()
+        assert pool.pending_size() == 0 and kv_of(pool).pending_size() == 0
+        conserved(pool)
+        stuck.set()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+async def test_close_fails_admit_waiters_and_later_admits():
+    pool = make(rows=1, pages=4)
+    g = await pool.admit(pages=1)
+    [w] = await queued(pool, pool.admit(pages=1))
+    await pool.close()
+    assert isinstance(await outcome(w), PoolClosedError)
+    with pytest.raises(PoolClosedError):
+        await pool.admit(pages=1)
+    with pytest.raises(PoolClosedError):
+        pool.try_admit(pages=1)
+    pool.free(g.row)  # free still works after close
+    conserved(pool)
+
+
+async def test_drain_waits_for_page_fences(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, after=stream)
+        drain = asyncio.create_task(pool.drain())
+        await spin()
+        assert not drain.done()
+        gate.open()
+        async with asyncio.timeout(WAIT_S):
+            await drain
+        assert kv_of(pool).pending_size() == 0
+        conserved(pool)
+
+
+async def test_max_waiters_covers_admissions():
+    async with make(rows=1, pages=4, max_waiters=1) as pool:
+        g = await pool.admit(pages=4)
+        [w] = await queued(pool, pool.admit(pages=1))
+        with pytest.raises(PoolBusyError, match=r"admit\(pages=2\)"):
+            await pool.admit(pages=2)
+        assert pool.stats().rejections == 1
+        pool.free(g.row)
+        got = await outcome(w)
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_release_memory_refuses_while_pages_are_allocated_and_resume_restores():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        with pytest.raises(PoolBusyError, match="pages"):
+            await pool.release_memory()
+        assert not pool.released
+        kv_of(pool).free(pages)
+        await pool.release_memory()
+        assert pool.try_admit(pages=1) is None  # released: admissions wait
+        w = asyncio.create_task(pool.admit(pages=1))
+        await spin()
+        assert not w.done()
+        await pool.resume_memory()
+        got = await outcome(w)
+        pool.free(got.row)
+        conserved(pool)
+
+
+async def test_release_memory_drains_page_fences(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pool.free([g.row], after=stream)
+        release = asyncio.create_task(pool.release_memory())
+        await spin()
+        assert not release.done()
+        gate.open()
+        async with asyncio.timeout(WAIT_S):
+            await release
+        assert kv_of(pool).pending_size() == 0
+        await pool.resume_memory()
+        conserved(pool)
+
+
+# ---------------------------------------------------------------- stats
+
+
+async def test_stats_carry_page_figures_and_admit_waits(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=8) as pool:
+        a = await pool.admit(pages=3)
+        b = await pool.admit(pages=2)
+        pool.free([b.row], after=stream)
+        st = pool.stats()
+        assert (st.pages_capacity, st.pages_free, st.pages_allocated, st.pages_pending) == (
+            8,
+            3,
+            3,
+            2,
+        )
+        assert st.pages_quarantined == 0 and st.overdue_pages == 0 and st.admits == 2
+        [w] = await queued(pool, pool.admit(pages=5))
+        gate.open()
+        got = await outcome(w)
+        st = pool.stats()
+        assert st.admit_wait.count == 1 and st.admits == 3
+        assert st.wait_time.count == 0  # alloc waits are apart
+        pool.free([a.row, got.row])
+        conserved(pool)
+
+
+async def test_stats_without_kv_have_zero_page_figures():
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        st = pool.stats()
+        assert st.pages_capacity == 0 and st.pages_free == 0 and st.admits == 0
+        assert pool.kv is None
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def snapshot(pool: AsyncReqToTokenPool, check: bool = True):
+    stats = dataclasses.asdict(pool.stats())
+    for key in ("wait_time", "fence_latency", "admit_wait"):
+        stats.pop(key, None)
+    kv = kv_of(pool)
+    if check:
+        kv.check_invariants()
+        pool.check_invariants()
+    owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
+    return stats, pool.waiting(), kv.available_size(), kv.pending_size(), owned
+
+
+@pytest.mark.parametrize("n", [-1, 17, 1.0, "2", None, True, 2**70])
+async def test_bad_page_counts_raise_and_change_nothing(n):
+    async with make(rows=2, pages=16) as pool:
+        g = await pool.admit(pages=1)
+        before = snapshot(pool)
+        with pytest.raises(CapacityError):
+            await pool.admit(pages=n)
+        with pytest.raises(CapacityError):
+            pool.try_admit(pages=n)
+        with pytest.raises(CapacityError):
+            pool.extend(g.row, n)
+        assert snapshot(pool) == before
+        pool.free(g.row)
+
+
+async def test_admit_accepts_index_like_page_counts():
+    import numpy as np
+
+    async with make(rows=2, pages=16) as pool:
+        g = await pool.admit(pages=np.int64(2))
+        assert len(g.pages) == 2
+        more = pool.extend(g.row, np.int32(1))
+        assert more is not None and len(more) == 1
+        pool.free(g.row)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+async def test_extend_needs_at_least_one_page(k):
+    async with make() as pool:
+        g = await pool.admit(pages=1)
+        before = snapshot(pool)
+        with pytest.raises(CapacityError):
+            pool.extend(g.row, k)
+        assert snapshot(pool) == before
+        pool.free(g.row)
+
+
+async def test_bad_wait_arguments_on_admit_queue_nothing():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        before = snapshot(pool)
+        with pytest.raises(TypeError):
+            await pool.admit(pages=1, priority=1.5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            await pool.admit(pages=1, timeout=-1)
+        assert snapshot(pool) == before
+        pool.free(g.row)
+
+
+@pytest.mark.parametrize("row", [0, -1, 99, "1", 1.0, None])
+async def test_bad_rows_for_page_calls_raise_and_change_nothing(row):
+    async with make(rows=2) as pool:
+        g = await pool.admit(pages=1)
+        before = snapshot(pool)
+        for call in (pool.pages_of, pool.detach_pages, lambda r: pool.extend(r, 1)):
+            with pytest.raises(InvalidSlotError):
+                call(row)
+        assert snapshot(pool) == before
+        pool.free(g.row)
+
+
+async def test_page_calls_on_a_row_not_allocated_raise_and_change_nothing(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=3) as pool:
+        g = await pool.admit(pages=1)
+        p = await pool.admit(pages=1)
+        pool.free([p.row], after=stream)  # pending
+        free_row = next(r for r in range(1, 4) if r not in (g.row, p.row))
+        before = snapshot(pool)
+        for row in (p.row, free_row):
+            for call in (pool.pages_of, pool.detach_pages, lambda r: pool.extend(r, 1)):
+                with pytest.raises(InvalidSlotError):
+                    call(row)
+        assert snapshot(pool) == before
+        gate.open()
+        pool.free(g.row)
+
+
+async def test_bad_frees_on_a_kv_pool_keep_rows_and_pages():
+    async with make(rows=3) as pool:
+        a = await pool.admit(pages=2)
+        b = await pool.admit(pages=3)
+        before = snapshot(pool)
+        with pytest.raises(InvalidSlotError):
+            pool.free([a.row, a.row])
+        with pytest.raises(InvalidSlotError):
+            pool.free([a.row, 0])
+        with pytest.raises(TypeError):
+            pool.free([a.row], fence=object())  # type: ignore[arg-type]
+        assert snapshot(pool) == before
+        pool.free([a.row, b.row])
+        with pytest.raises(DoubleFreeError):
+            pool.free([a.row])
+        conserved(pool)
+
+
+async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_nothing():
+    async with make(rows=2) as pool:
+        a = await pool.admit(pages=2)
+        b = await pool.admit(pages=2)
+        kv_of(pool).free(a.pages)  # misuse: the row still owns them
+        before = snapshot(pool, check=False)
+        with pytest.raises(DoubleFreeError):
+            pool.free([b.row, a.row])
+        assert snapshot(pool, check=False) == before
+        pool.detach_pages(a.row)
+        pool.free([a.row, b.row])
+        conserved(pool)
+
+
+async def test_force_release_of_a_non_fence_is_a_type_error():
+    async with make() as pool:
+        before = snapshot(pool)
+        with pytest.raises(TypeError):
+            pool.force_release(object())  # type: ignore[arg-type]
+        assert snapshot(pool) == before
+
+
+async def test_admit_and_page_calls_without_kv_raise():
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        rows = await pool.alloc(1)
+        with pytest.raises(CapacityError, match="kv"):
+            await pool.admit(pages=1)
+        with pytest.raises(CapacityError, match="kv"):
+            pool.try_admit(pages=1)
+        with pytest.raises(CapacityError, match="kv"):
+            pool.extend(rows[0], 1)
+        assert len(pool.pages_of(rows[0])) == 0
+        assert len(pool.detach_pages(rows[0])) == 0
+        pool.free(rows)
+        assert_conserved(pool)
+
+
+@pytest.mark.parametrize("bad", [-1, "1", float("nan"), True, float("inf")])
+def test_bad_fence_timeout_is_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        make(fence_timeout=bad)
+
+
+def test_kv_must_be_a_kv_page_pool_and_serve_one_pool():
+    with pytest.raises(TypeError):
+        AsyncReqToTokenPool(3, 4, kv=object())  # type: ignore[arg-type]
+    kv = KVPagePool(5, 4)
+    AsyncReqToTokenPool(3, 4, kv=kv)
+    with pytest.raises(ValueError, match="already"):
+        AsyncReqToTokenPool(3, 4, kv=kv)
+
+
+async def test_a_faulted_page_fence_counts_in_pool_stats(kit, caplog):
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    stream = kit.stream()
+
+    def boom() -> None:
+        raise RuntimeError("fault")
+
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=1)
+        stream.launch(boom)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, after=stream)
+        await asyncio.to_thread(settled, stream)
+        pool.reclaim()
+        assert pool.stats().pages_quarantined == 1
+        assert kv_of(pool).stats().fence_errors == 1

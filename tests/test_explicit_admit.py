@@ -108,7 +108,7 @@ async def test_overdue_is_what_every_rank_agreed(
     await asyncio.sleep(0.01)  # long past the timeout on this clock
     assert pool.stats().overdue_fences == 0  # no rank agreed yet: not overdue
     assert pool._overdue is not None and pool._overdue.timer is None  # no local clock
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="asyncpool.agreement"):
         pool.agree(group)
         pool.agree(group)
     st = pool.stats()

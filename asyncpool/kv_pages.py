@@ -29,6 +29,18 @@ hold). Free pages are reused oldest-freed first.
 
 Every public method is atomic: one that raises has changed nothing. Not
 thread-safe: call a pool from one thread (the scheduler's).
+
+Cost (issue 9): an ``alloc(n)`` + ``free`` cycle is mostly fixed per-call
+overhead (making and dropping one tensor is about 1 us), so the hot paths
+keep numpy calls and Python frames few: ``alloc(1)`` is ``take(1)`` inlined
+over a one-id ``array.array`` (``torch.frombuffer``); ``take`` marks up to
+``_TINY_MARK`` pages with Python steps; ``free`` of a tensor without fences
+skips :meth:`PageLedger.prepare`: one page is checked and freed inline, up
+to ``_TINY`` pages of an int64 tensor in one pass
+(:meth:`PageLedger._free_now_small`, which a duplicate fails on its own
+mark), more through the vectorised check of the tensor's zero-copy numpy
+view. Anything a fast path refuses goes the checked way, which raises the
+same error as for any other input form (tests/test_kv_pages_fast.py).
 """
 
 from __future__ import annotations
@@ -73,7 +85,22 @@ PageIds: TypeAlias = "list[int] | PageArray"
 # making numpy calls (reading a tensor with tolist() and a Python step per
 # page beat numpy's per-call overhead there; measured crossover 16-32).
 _TINY = 16
+# Up to this many pages, take marks them ALLOCATED with a Python step per
+# page (one numpy fancy assignment costs about as much as eight of those).
+_TINY_MARK = 8
 _I64 = np.dtype(np.int64)
+
+
+def _state_0d(state: int) -> npt.NDArray[np.uint8]:
+    # A fancy assignment of a 0-d uint8 array skips the conversion of a
+    # Python int (about 130 ns of 530 for 256 pages). Read-only: shared.
+    value = np.array(state, dtype=np.uint8)
+    value.flags.writeable = False
+    return value
+
+
+_ALLOCATED_0D = _state_0d(ALLOCATED)
+_FREE_0D = _state_0d(FREE)
 _TOP_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64's eight
 
 
@@ -211,7 +238,8 @@ class PageLedger(Deferrals[PageArray]):
         ``n`` must already be validated (an int in ``1..capacity``). Does not
         reclaim: the caller decides when to.
         """
-        if n > self.free_count:
+        free_count = self.free_count
+        if n > free_count:
             return None
         capacity = self.capacity
         head = self._head
@@ -226,10 +254,17 @@ class PageLedger(Deferrals[PageArray]):
         else:
             out = np.concatenate((ring[head:], ring[: end - capacity]))
             self._head = end - capacity
-        self._state[out] = ALLOCATED  # as cheap as a Python loop even for one page
-        self.free_count -= n
+        if n == 1:
+            self._state_bytes[self._ring_ids[head]] = ALLOCATED
+        elif n <= _TINY_MARK:
+            state = self._state_bytes
+            for page in out.tolist():
+                state[page] = ALLOCATED
+        else:
+            self._state[out] = _ALLOCATED_0D
+        self.free_count = free_count = free_count - n
         self._taken += n
-        allocated = capacity - self.free_count - self.pending - self.quarantined
+        allocated = capacity - free_count - self.pending - self.quarantined
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
         return out
@@ -259,7 +294,7 @@ class PageLedger(Deferrals[PageArray]):
             split = capacity - head
             self._ring[head:] = arr[:split]
             self._ring[: end - capacity] = arr[split:]
-        self._state[arr] = FREE
+        self._state[arr] = _FREE_0D
         self._head = head
         self.free_count += n
         self._returned += n
@@ -306,7 +341,13 @@ class PageLedger(Deferrals[PageArray]):
                 small = pages.tolist()
                 if self._small_ok(small):
                     return small, True
-            return self._checked(*self._tensor_array(pages), what)
+            try:
+                arr = pages.numpy()  # zero-copy on the CPU
+            except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
+                return self._checked(*self._tensor_array(pages), what)
+            if arr.dtype is _I64 and arr.strides == (8,):  # 1-D, contiguous int64: as is
+                return self._checked(arr, False, what)
+            return self._checked(*self._numpy_array(arr, owned=False), what)
         if cls is np.ndarray:
             assert isinstance(pages, np.ndarray)
             return self._checked(*self._numpy_array(pages, owned=False), what)
@@ -380,8 +421,52 @@ class PageLedger(Deferrals[PageArray]):
                 split = capacity - tail
                 self._ring[tail:] = ids[:split]
                 self._ring[: end - capacity] = ids[split:]
-            self._state[ids] = FREE
+            self._state[ids] = _FREE_0D
         self.free_count += n
+
+    def _free_now_small(self, ids: list[Any]) -> bool:
+        """Free a few pages at once (no fence) in one pass; True if done.
+
+        ``ids`` is what ``tolist()`` of an int64 tensor gave: Python ints,
+        or nested lists for a tensor of more than one dimension. One pass
+        checks each page (``0 < page``, ALLOCATED, not seen earlier in the
+        call: the pass has just marked it FREE) and marks it FREE; on the
+        first bad one it puts back every mark it made and returns False,
+        having changed nothing, so that the caller's checked path
+        (:meth:`prepare`) raises the error for it.
+        """
+        state = self._state_bytes
+        done = 0
+        try:
+            for page in ids:
+                if page <= 0 or state[page] != ALLOCATED:  # IndexError past the end
+                    break
+                state[page] = FREE
+                done += 1
+        except (TypeError, IndexError):  # a nested list, an id past the end
+            pass
+        n = len(ids)
+        if done != n:
+            for page in ids[:done]:
+                state[page] = ALLOCATED
+            return False
+        capacity = self.capacity
+        tail = self._head + self.free_count
+        if tail >= capacity:
+            tail -= capacity
+        if n == 1:
+            self._ring_ids[tail] = ids[0]
+        elif tail + n <= capacity:
+            self._ring_ids[tail : tail + n] = array.array("q", ids)
+        else:
+            ring = self._ring_ids
+            for page in ids:
+                ring[tail] = page
+                tail += 1
+                if tail == capacity:
+                    tail = 0
+        self.free_count += n
+        return True
 
     # ------------------------------------------------------------------ checks
 
@@ -437,19 +522,20 @@ class PageLedger(Deferrals[PageArray]):
         if not n:
             return arr, owned
         # No negative id and none past 2**56: every top byte is zero.
-        ok = arr.tobytes()[_TOP_BYTE::8] == self._zero_bytes[:n]
+        # (x.startswith(y), x a constant at least as long as y: y == x[:len(y)]
+        # without the slice.)
+        ok = self._zero_bytes.startswith(arr.tobytes()[_TOP_BYTE::8])
         if ok:
             try:
                 states = self._state[arr]  # IndexError past num_pages
             except IndexError:
                 ok = False
             else:
-                ok = states.tobytes() == self._all_allocated[:n]  # page 0 is RESERVED
+                ok = self._all_allocated.startswith(states.tobytes())  # page 0 is RESERVED
         if ok and n > 1:
             mark = self._mark
-            iota = self._iota[:n]
-            mark[arr] = iota
-            ok = mark[arr].tobytes() == self._iota_bytes[: 4 * n]
+            mark[arr] = self._iota[:n]
+            ok = self._iota_bytes.startswith(mark[arr].tobytes())
         if not ok:
             raise self._page_error(arr.tolist(), what)
         return arr, owned
@@ -689,6 +775,25 @@ class KVPagePool:
         ``1..capacity`` (numpy and 0-d torch integers are accepted).
         """
         led = self._ledger
+        if n == 1 and n.__class__ is int and led.free_count and self._on_host:
+            # take(1), inlined: one page is the commonest request (decode),
+            # and the call is 5% of an alloc(1) + free. Kept step for step
+            # with take (tests/test_kv_pages_fast.py compares the two).
+            head = led._head
+            ring = led._ring_ids
+            # A one-id array.array of its own under the tensor: a fresh
+            # buffer (never the ring's), and 10% cheaper to make and drop
+            # than a numpy copy under from_numpy.
+            one = ring[head : head + 1]
+            led._state_bytes[ring[head]] = ALLOCATED
+            head += 1
+            led._head = 0 if head == led.capacity else head
+            led._taken += 1
+            led.free_count = free_count = led.free_count - 1
+            allocated = led.capacity - free_count - led.pending - led.quarantined
+            if allocated > led.peak_allocated:
+                led.peak_allocated = allocated
+            return torch.frombuffer(one, dtype=torch.int64)
         if n.__class__ is not int or not 0 < n <= led.capacity:
             n = led.check_n(n)
         pages = led.take(n)
@@ -729,8 +834,55 @@ class KVPagePool:
         """
         led = self._ledger
         if fence is None and after is None:
+            # What alloc handed out (an int64 tensor) skips a few steps: a
+            # few pages are checked and freed in one Python pass; anything
+            # that pass refuses goes the checked way, which raises for it.
+            # Not for a page pool an AsyncReqToTokenPool owns (_on_free runs
+            # its grant loop, below).
+            if type(pages) is not torch.Tensor or self._on_free is not None:
+                pass
+            elif pages.numel() <= _TINY:
+                small = pages.tolist()
+                # Not for the int of a 0-d tensor, nor for [] (an empty
+                # tensor of any shape: the checked path refuses one of more
+                # than one dimension).
+                if small.__class__ is list:
+                    if len(small) == 1:
+                        # _free_now_small of one page, inlined (decode frees
+                        # one page at a time). The int test refuses what a
+                        # bool, float or complex tensor gives and [p] (from a
+                        # 2-D tensor); an integer tensor of another dtype gives
+                        # an int the checked path would accept as well.
+                        page = small[0]
+                        state = led._state_bytes
+                        if (
+                            page.__class__ is int
+                            and 0 < page < led.num_pages
+                            and state[page] == ALLOCATED
+                        ):
+                            state[page] = FREE
+                            tail = led._head + led.free_count
+                            if tail >= led.capacity:
+                                tail -= led.capacity
+                            led._ring_ids[tail] = page
+                            led.free_count += 1
+                            return 1
+                    elif small and pages.dtype is torch.int64 and led._free_now_small(small):
+                        return len(small)
+            elif pages.dtype is torch.int64:
+                try:
+                    arr = pages.numpy()  # zero-copy
+                except (TypeError, RuntimeError):  # on a device: the checked path copies
+                    pass
+                else:
+                    if arr.strides == (8,):  # 1-D and contiguous: prepare's fast case
+                        led._checked(arr, False, "freed")
+                        led._push(arr)
+                        return len(arr)
             ids, owned = led.prepare(pages)
-            n = led.free_prepared(ids, owned)
+            n = len(ids)
+            if n:
+                led._push(ids)  # free_prepared without fences
         else:
             fences: list[Fence] = []
             if fence is not None:

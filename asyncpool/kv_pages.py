@@ -837,9 +837,7 @@ class KVPagePool:
             # What alloc handed out (an int64 tensor) skips a few steps: a
             # few pages are checked and freed in one Python pass; anything
             # that pass refuses goes the checked way, which raises for it.
-            # Not for a page pool an AsyncReqToTokenPool owns (_on_free runs
-            # its grant loop, below).
-            if type(pages) is not torch.Tensor or self._on_free is not None:
+            if type(pages) is not torch.Tensor:
                 pass
             elif pages.numel() <= _TINY:
                 small = pages.tolist()
@@ -866,8 +864,12 @@ class KVPagePool:
                                 tail -= led.capacity
                             led._ring_ids[tail] = page
                             led.free_count += 1
+                            if self._on_free is not None:  # an owning pool's waiters
+                                self._on_free()
                             return 1
                     elif small and pages.dtype is torch.int64 and led._free_now_small(small):
+                        if self._on_free is not None:
+                            self._on_free()
                         return len(small)
             elif pages.dtype is torch.int64:
                 try:
@@ -878,20 +880,24 @@ class KVPagePool:
                     if arr.strides == (8,):  # 1-D and contiguous: prepare's fast case
                         led._checked(arr, False, "freed")
                         led._push(arr)
+                        if self._on_free is not None and len(arr):
+                            self._on_free()
                         return len(arr)
             ids, owned = led.prepare(pages)
             n = len(ids)
             if n:
                 led._push(ids)  # free_prepared without fences
-        else:
-            fences: list[Fence] = []
-            if fence is not None:
-                led.check_fence(fence)
-                fences.append(fence)
-            ids, owned = led.prepare(pages)
-            if after is not None:
-                fences.append(record_fence(after))
-            n = led.free_prepared(ids, owned, fences)
+                if self._on_free is not None:
+                    self._on_free()
+            return n
+        fences: list[Fence] = []
+        if fence is not None:
+            led.check_fence(fence)
+            fences.append(fence)
+        ids, owned = led.prepare(pages)
+        if after is not None:
+            fences.append(record_fence(after))
+        n = led.free_prepared(ids, owned, fences)
         if n and self._on_free is not None:
             self._on_free()
         return n

@@ -216,13 +216,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._loop: asyncio.AbstractEventLoop | None = None
         # The waiter queues and the grant loop (asyncpool.waiters), gated
         # while closed or released (no fast path, no grants).
-        self._waiters = WaiterQueues(
-            self._take_for_waiter,
-            self._give_back,
-            self._reclaim_for_waiter,
-            _describe,
-            max_waiters,
-        )
+        self._waiters = WaiterQueues(self._take_for_waiter, self._give_back, _describe, max_waiters)
         self._closed = False
         self._released = False
         # The owner's ident while alloc's fast path is open (bound, nobody
@@ -428,7 +422,9 @@ class AsyncReqToTokenPool(PoolCore):
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
-        loop = self._prepare_wait()
+        loop = _get_running_loop()
+        if loop is not self._loop or self._unwatched:
+            self._prepare_wait(loop)
         waiter, handle = waiters.enqueue(
             n, priority, timeout, loop, self._wait_times, self._wait_histogram
         )
@@ -443,9 +439,8 @@ class AsyncReqToTokenPool(PoolCore):
             if handle is not None:
                 handle.cancel()
 
-    def _prepare_wait(self) -> asyncio.AbstractEventLoop:
-        """Bind the running loop and watch fences deferred before it ran."""
-        loop = _get_running_loop()
+    def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        """Bind the running ``loop`` and watch fences deferred before it ran."""
         if loop is not self._loop:
             self._rebind_loop(loop)
         if self._unwatched:
@@ -474,6 +469,9 @@ class AsyncReqToTokenPool(PoolCore):
     def _take_for_waiter(self, need: _Need) -> list[int] | Grant | None:
         """Take what a waiter needs at hand-over, or None if it does not fit.
 
+        Short, it first reclaims completed fences (capacity only waiting on
+        a fence is not exhaustion).
+
         Rows that need a reset are zeroed by one callback scheduled *before*
         the waiter's future is resolved: callbacks run in order, so every
         granted task resumes after its rows read zero, and a burst of grants
@@ -483,9 +481,9 @@ class AsyncReqToTokenPool(PoolCore):
             return self._take_admission(need[1])  # type: ignore[index]
         n: int = need
         free = self._free_q
-        if n > len(free):
-            return None
         led = self._ledger
+        if n > len(free) and not (led.pending and led.reclaim() and n <= len(free)):
+            return None
         if n == 1:
             # Inlined SlotLedger.take_unreset(1): under saturation the row
             # was freed a moment ago and is still dirty.
@@ -514,7 +512,9 @@ class AsyncReqToTokenPool(PoolCore):
         """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
         pages = self._pages
         assert pages is not None
-        if not self._free_q or k > pages.ledger.free_count:
+        if (not self._free_q or k > pages.ledger.free_count) and (
+            not self._reclaim_both() or not self._free_q or k > pages.ledger.free_count
+        ):
             return None
         taken = pages.take(k)
         assert taken is not None
@@ -535,7 +535,7 @@ class AsyncReqToTokenPool(PoolCore):
         self._flush_resets()
         self._ledger.put_back(rows)
 
-    def _reclaim_for_waiter(self) -> bool:
+    def _reclaim_both(self) -> bool:
         """Reclaim both ledgers; True if anything was made free."""
         led = self._ledger
         made = bool(led.pending and led.reclaim())
@@ -613,7 +613,7 @@ class AsyncReqToTokenPool(PoolCore):
         error = self._unfittable_need(need)
         if error is not None:
             raise error
-        loop = self._prepare_wait()
+        loop = self._prepare_wait(_get_running_loop())
         assert self._pages is not None
         self._fast = None
         pages_ = self._pages
@@ -646,7 +646,7 @@ class AsyncReqToTokenPool(PoolCore):
         pled = pages.ledger
         # Capacity only waiting on a fence is not exhaustion: reclaim once.
         if (not free or k > pled.free_count) and (
-            not self._reclaim_for_waiter() or not free or k > pled.free_count
+            not self._reclaim_both() or not free or k > pled.free_count
         ):
             return None
         taken = pages.take(k)
@@ -804,6 +804,28 @@ class AsyncReqToTokenPool(PoolCore):
         """
         pages = self._pages
         assert pages is not None
+        if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
+            # Fast path: one row, no fence, no recorded use: its pages and
+            # then the row are free at once (the pages are checked first).
+            row = rows[0]
+            state = self._state
+            if (
+                row.__class__ is int
+                and 0 < row < self.size
+                and state[row] == 1  # ALLOCATED
+                and self._uses[row] is None
+            ):
+                arr = pages.owned[row]
+                if arr is not None:
+                    pled = pages.ledger
+                    ids, fresh = pled.prepare(arr)
+                    pages.owned[row] = None
+                    pled.free_prepared(ids, fresh)
+                state[row] = 0  # FREE
+                self._free_q.append(row)
+                if self._waiters.count:
+                    self._waiters.grant()
+                return 1
         led = self._ledger
         if after is not None:
             self._check_stream(after)
@@ -971,7 +993,7 @@ class AsyncReqToTokenPool(PoolCore):
 
     def _on_fences_done(self) -> None:
         self._wake_scheduled = False
-        self._reclaim_for_waiter()
+        self._reclaim_both()
         self._waiters.grant()
 
     def _on_pages_freed(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .errors import CapacityError
@@ -77,7 +78,7 @@ def check_page_count(k: Any, capacity: int, *, least: int) -> int:
 class RowPages:
     """The pages each allocated row owns, over one :class:`KVPagePool`.
 
-    ``owned[row]`` is the row's page ids as a host int64 tensor, or None.
+    ``owned[row]`` is the row's page ids as a private int64 array, or None.
     Every page held here is ALLOCATED in the page ledger and owned by
     exactly one row (:meth:`check_invariants`).
     """
@@ -86,7 +87,7 @@ class RowPages:
         self.kv = kv
         self.ledger: PageLedger = kv.ledger
         self.capacity = kv.capacity
-        self.owned: list[torch.Tensor | None] = [None] * size
+        self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
@@ -98,27 +99,25 @@ class RowPages:
 
     # ------------------------------------------------------------ handing out
 
-    def out(self, pages: torch.Tensor) -> torch.Tensor:
-        """The caller's view of host page ids: on the KV pool's device."""
+    def out(self, pages: npt.NDArray[np.int64]) -> torch.Tensor:
+        """The caller's view of page ids: a tensor on the KV pool's device
+        (on the host, a zero-copy view of the pool's record: read only)."""
         if self._on_host:
-            return pages
-        return pages.to(self._device, non_blocking=True)
+            return torch.from_numpy(pages)
+        return torch.from_numpy(pages).to(self._device, non_blocking=True)
 
-    def take(self, k: int) -> torch.Tensor | None:
-        """``k`` pages as a host tensor (empty for 0), or None when short.
+    def take(self, k: int) -> npt.NDArray[np.int64] | None:
+        """``k`` pages (empty for 0), or None when short.
 
         Does not reclaim; ``k`` must be validated.
         """
         if not k:
-            return torch.from_numpy(_EMPTY)
-        arr = self.ledger.take(k)
-        if arr is None:
-            return None
-        return torch.from_numpy(arr)
+            return _EMPTY
+        return self.ledger.take(k)
 
-    def grant(self, row: int, pages: torch.Tensor) -> Grant:
+    def grant(self, row: int, pages: npt.NDArray[np.int64]) -> Grant:
         """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
-        self.owned[row] = pages if len(pages) else None
+        self.owned[row] = pages if pages.shape[0] else None
         self.admits += 1
         return _new_grant(Grant, (row, self.out(pages)))
 
@@ -140,21 +139,18 @@ class RowPages:
             arr = led.take(k)
             if arr is None:
                 return None
-        new = torch.from_numpy(arr)
         old = self.owned[row]
-        self.owned[row] = new if old is None else torch.from_numpy(
-            np.concatenate((old.numpy(), arr))
-        )
-        return self.out(new)
+        self.owned[row] = arr if old is None else np.concatenate((old, arr))
+        return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
         pages = self.owned[row]
-        return self.out(pages if pages is not None else torch.from_numpy(_EMPTY))
+        return self.out(pages if pages is not None else _EMPTY)
 
     def detach(self, row: int) -> torch.Tensor:
         pages = self.owned[row]
         self.owned[row] = None
-        return self.out(pages if pages is not None else torch.from_numpy(_EMPTY))
+        return self.out(pages if pages is not None else _EMPTY)
 
     # ------------------------------------------------------------ freeing with rows
 
@@ -169,7 +165,7 @@ class RowPages:
         Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
         """
         owned = self.owned
-        groups: dict[int, tuple[Any, list[int], list[torch.Tensor]]] = {}
+        groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
         for row in rows:
             pages = owned[row]
             if pages is None:
@@ -186,8 +182,8 @@ class RowPages:
         for use, group_rows, parts in groups.values():
             if len(parts) == 1:
                 ids, fresh = prepare(parts[0])
-            else:  # numpy views of host tensors: no torch op
-                ids, fresh = prepare(np.concatenate([p.numpy() for p in parts]))
+            else:
+                ids, fresh = prepare(np.concatenate(parts))
             if use is None:
                 fences: tuple[Fence, ...] = ()
             elif use.__class__ is tuple:

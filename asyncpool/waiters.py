@@ -7,11 +7,10 @@ loop hands resources over in that order through three callables the owner
 supplies:
 
 * ``take(need) -> grant | None``: take everything ``need`` asks for *now*,
-  all or nothing (None: it does not fit yet, and nothing was taken);
+  all or nothing, reclaiming memory whose fences completed before it
+  concludes that it is short (None: it does not fit yet, nothing was taken);
 * ``give_back(grant)``: undo a ``take`` whose waiter was cancelled before it
-  could resume (the resources return as if never taken);
-* ``reclaim() -> bool``: return memory whose fences completed; True if
-  anything was made free (the loop then tries the head again).
+  could resume (the resources return as if never taken).
 
 The rules that every waiting call shares live here, once (the design follows
 ``asyncio.Semaphore`` in CPython's ``Lib/asyncio/locks.py``, with the change
@@ -77,7 +76,6 @@ class WaiterQueues:
         "_max",
         "_prios",
         "_queues",
-        "_reclaim",
         "_take",
         "cancellations",
         "count",
@@ -90,13 +88,11 @@ class WaiterQueues:
         self,
         take: Callable[[Any], Any | None],
         give_back: Callable[[Any], None],
-        reclaim: Callable[[], bool],
         describe: Callable[[Any], tuple[str, str]],
         max_waiters: int | None = None,
     ) -> None:
         self._take = take
         self._give_back = give_back
-        self._reclaim = reclaim
         self._describe = describe
         self._max = max_waiters
         self._queues: dict[int, collections.deque[Waiter]] = {}
@@ -237,9 +233,7 @@ class WaiterQueues:
             else:
                 got = take(need)
                 if got is None:
-                    if self._reclaim():
-                        continue
-                    return
+                    return  # the head does not fit: it blocks those behind it
             queue.popleft()
             self.count -= 1
             if not queue:

@@ -69,6 +69,11 @@ class Config:
     contended_tasks: int = 1000
     contended_rows: int = 64
     contended_rounds: int = 5
+    #: admission (``--only admit``): pages per admit, pages of the uncontended
+    #: pools (page 0 included), and grantable pages of the contended pool
+    admit_pages: int = 16
+    admit_num_pages: int = 4097
+    contended_pages: int = 512
     #: batches of ``batch_k`` rows freed behind fences per fenced sample
     fenced_batches: int = 64
     reclaim_pending: tuple[int, ...] = (1, 10, 100, 1_000, 10_000)
@@ -120,6 +125,9 @@ PRESETS: dict[str, Config] = {
         batch_k=8,
         contended_tasks=20,
         contended_rows=4,
+        admit_pages=2,
+        admit_num_pages=65,
+        contended_pages=8,
         contended_rounds=2,
         fenced_batches=4,
         reclaim_pending=(1, 10),

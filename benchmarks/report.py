@@ -342,6 +342,11 @@ def render_markdown(
         "`await sem.acquire(); sem.release()` in one coroutine loop.",
         "- Contended: tasks each doing `alloc(1)`, `await asyncio.sleep(0)`, `free` a few "
         "times, gathered; same with `asyncio.Semaphore`; time per grant.",
+        "- Admission: `g = await pool.admit(pages=16); pool.free([g.row])` on a pool with "
+        "`kv=` vs, side by side, `alloc(1)` + `free` on a rows-only pool plus `alloc(16)` + "
+        "`free` on a bare `KVPagePool`; contended, 1,000 tasks each admitting 1 row + 16 "
+        "pages on 64 rows / 512 pages (admit, `sleep(0)`, free, a few times) vs the same "
+        "tasks on `asyncio.Semaphore(64)`; time per grant.",
         "- Fenced: frees behind still-open host fences (a gate holds the stream), then the "
         "stream runs past them and `reclaim()` + one loop turn return the rows.",
         "- Wake-up: the stream's worker stamps the time just before it reaches the fence; "

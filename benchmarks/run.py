@@ -29,8 +29,8 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 #: relative, so it lands under the current directory, never beside the package
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
-BENCHMARKS = ("uncontended", "batched", "contended", "fenced", "reclaim", "scaling", "wake",
-              "metrics", "pages", "demo", "agree")
+BENCHMARKS = ("uncontended", "batched", "contended", "admit", "fenced", "reclaim", "scaling",
+              "wake", "metrics", "pages", "demo", "agree")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json:
         return _render_saved(args)
 
+    from benchmarks.bench_admit import bench_admit
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
     from benchmarks.bench_demo import bench_demo
     from benchmarks.bench_fences import (
@@ -106,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "uncontended": bench_uncontended,
         "batched": bench_batched,
         "contended": bench_contended,
+        "admit": bench_admit,
         "fenced": bench_fenced_free,
         "reclaim": bench_reclaim_sweep,
         "wake": wake_all,

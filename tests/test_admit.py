@@ -543,16 +543,22 @@ async def test_detach_pages_hands_them_to_the_caller():
         conserved(pool)
 
 
-async def test_the_caller_freeing_detached_pages_serves_a_waiter():
-    async with make(rows=2, pages=4) as pool:
-        g = await pool.admit(pages=4)
-        pages = pool.detach_pages(g.row)
+@pytest.mark.parametrize("n", [1, 4, 12])
+@pytest.mark.parametrize("form", ["tensor", "list", "numpy"])
+async def test_the_caller_freeing_detached_pages_serves_a_waiter(n, form):
+    # Every path of KVPagePool.free (one page, a few, many; tensor, list,
+    # array) runs the pool's grant loop.
+    async with make(rows=2, pages=12) as pool:
+        g = await pool.admit(pages=n)
+        pages = pool.detach_pages(g.row).clone()
         pool.free(g.row)
-        [w] = await queued(pool, pool.admit(pages=3))
-        kv_of(pool).free(pages)  # straight to the KVPagePool, no fence
+        rest = await pool.admit(pages=12 - n)
+        [w] = await queued(pool, pool.admit(pages=n))
+        arg = {"tensor": pages, "list": pages.tolist(), "numpy": pages.numpy()}[form]
+        kv_of(pool).free(arg)  # straight to the KVPagePool, no fence
         got = await outcome(w)
-        assert len(got.pages) == 3
-        pool.free(got.row)
+        assert len(got.pages) == n
+        pool.free([got.row, rest.row])
         conserved(pool)
 
 

@@ -15,6 +15,7 @@ import pytest
 from helpers import LONG_S, bounded
 
 from benchmarks import bench_pages as pages_mod
+from benchmarks.bench_admit import bench_admit
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
 from benchmarks.bench_fences import (
     bench_fenced_free,
@@ -156,6 +157,15 @@ async def test_contended() -> None:
         _check(await bench_contended(SMOKE))
 
 
+async def test_admit() -> None:
+    async with bounded(LONG_S):
+        rows = await bench_admit(SMOKE)
+    _check(rows)
+    benches = [r.bench for r in rows]
+    assert any(b.startswith("uncontended admit(") for b in benches)
+    assert any(b.startswith("contended admit") for b in benches)
+
+
 async def test_fenced_free() -> None:
     async with bounded(LONG_S):
         _check(await bench_fenced_free(SMOKE))
@@ -230,6 +240,7 @@ def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
     assert data["rows"] and data["machine"]["python"]
     benches = {r["bench"] for r in data["rows"]}
     assert any("uncontended" in b for b in benches)
+    assert any(b.startswith("contended admit") for b in benches)
     assert {r["loop"] for r in data["rows"]} >= {"asyncio"}
     # The demo is either measured or reported as not available, never silently dropped.
     assert any("demo" in b for b in benches) or "demo" in data["unavailable"]

@@ -1,0 +1,188 @@
+"""Issue 13: what atomic admission costs.
+
+* Uncontended: ``g = await pool.admit(pages=16); pool.free([g.row])`` on a
+  pool with ``kv=``, against the same work done apart, side by side:
+  ``rows = await rows_pool.alloc(1); rows_pool.free(rows)`` on a rows-only
+  pool plus ``pages = kv.alloc(16); kv.free(pages)`` on a bare
+  ``KVPagePool``. Atomicity may cost little (target: within 1.5x).
+* Contended: 1,000 tasks each admitting one row and 16 pages on a pool of 64
+  rows and 512 pages (``admit``, one ``sleep(0)`` while holding, ``free``, a
+  few times), against the same tasks on ``asyncio.Semaphore(64)``, the
+  contended figure of the existing suite. Figure: time per grant, task
+  creation and the gather included on both sides (target: within 1.5x).
+* Context: ``alloc(1)`` + ``free`` on a pool *with* ``kv`` (its free
+  takes the page-aware path) against a rows-only pool; the rows-only figure
+  itself is the ``uncontended`` benchmark's, unchanged by admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name, pool_cycles
+
+__all__ = ["bench_admit"]
+
+ADMIT_VS_APART = Target("<=", 1.5)
+CONTENDED_ADMIT_VS_SEM = Target("<=", 1.5)
+
+
+async def bench_admit(cfg: Config) -> list[Row]:
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+    loop = loop_name()
+    now = clock_of(cfg)
+    k = cfg.admit_pages
+    # Uncontended: one pool with kv, one rows-only pool and one bare page pool.
+    admit_pool = AsyncReqToTokenPool(
+        cfg.size, cfg.max_context_len, kv=KVPagePool(cfg.admit_num_pages, 16)
+    )
+    rows_pool = AsyncReqToTokenPool(cfg.size, cfg.max_context_len)
+    bare_kv = KVPagePool(cfg.admit_num_pages, 16)
+
+    async def admit_sample(n: int) -> int:
+        admit, free = admit_pool.admit, admit_pool.free
+        t0 = now()
+        for _ in range(n):
+            g = await admit(k)
+            free([g.row])
+        return now() - t0
+
+    async def apart_sample(n: int) -> int:
+        alloc, free = rows_pool.alloc, rows_pool.free
+        kv_alloc, kv_free = bare_kv.alloc, bare_kv.free
+        t0 = now()
+        for _ in range(n):
+            rows = await alloc(1)
+            pages = kv_alloc(k)
+            kv_free(pages)
+            free(rows)
+        return now() - t0
+
+    kv_rows_sample = pool_cycles(admit_pool, 1, now)
+    rows_sample = pool_cycles(rows_pool, 1, now)
+    try:
+        per_op = await interleave(
+            {
+                "admit": admit_sample,
+                "apart": apart_sample,
+                "alloc(1), kv pool": kv_rows_sample,
+                "alloc(1), rows-only pool": rows_sample,
+            },
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+        )
+    finally:
+        await admit_pool.close()
+        await rows_pool.close()
+    rows = [
+        compare(per_op, bench=f"uncontended admit(pages={k})+free", loop=loop,
+                subject="admit", reference="apart", unit="ns/cycle", speedup=False,
+                target=ADMIT_VS_APART,
+                subject_label=f"admit(pages={k}) + free",
+                reference_label=f"alloc(1)+free (rows pool) + alloc({k})+free (bare KVPagePool)"),
+        compare(per_op, bench="uncontended alloc(1)+free, pool with kv", loop=loop,
+                subject="alloc(1), kv pool", reference="alloc(1), rows-only pool",
+                unit="ns/cycle", speedup=False,
+                note="context: with kv, free() takes the page-aware path"),
+    ]
+    rows += await _contended(cfg)
+    return rows
+
+
+async def _contended(cfg: Config) -> list[Row]:
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+    loop = loop_name()
+    now = clock_of(cfg)
+    tasks, rounds = cfg.contended_tasks, cfg.contended_rounds
+    k = cfg.admit_pages
+    pool = AsyncReqToTokenPool(
+        cfg.contended_rows + 1, cfg.max_context_len,
+        kv=KVPagePool(cfg.contended_pages + 1, 16),
+    )
+    sem = asyncio.Semaphore(cfg.contended_rows)
+    # The same page work without atomic admission: as many holders as the
+    # pages allow, each taking and freeing its pages on a bare KVPagePool.
+    holders = max(1, min(cfg.contended_rows, cfg.contended_pages // k))
+    sem_kv = asyncio.Semaphore(holders)
+    bare_kv = KVPagePool(cfg.contended_pages + 1, 16)
+    sleep = asyncio.sleep
+
+    async def pool_worker() -> None:
+        admit, free = pool.admit, pool.free
+        for _ in range(rounds):
+            g = await admit(k)
+            await sleep(0)
+            free([g.row])
+
+    async def sem_worker() -> None:
+        acquire, release = sem.acquire, sem.release
+        for _ in range(rounds):
+            await acquire()
+            await sleep(0)
+            release()
+
+    async def sem_kv_worker() -> None:
+        acquire, release = sem_kv.acquire, sem_kv.release
+        kv_alloc, kv_free = bare_kv.alloc, bare_kv.free
+        for _ in range(rounds):
+            await acquire()
+            pages = kv_alloc(k)
+            await sleep(0)
+            kv_free(pages)
+            release()
+
+    async def sem_kv_sample(n: int) -> int:
+        t0 = now()
+        for _ in range(n):
+            await asyncio.gather(*[sem_kv_worker() for _ in range(tasks)])
+        return now() - t0
+
+    async def pool_sample(n: int) -> int:
+        t0 = now()
+        for _ in range(n):
+            await asyncio.gather(*[pool_worker() for _ in range(tasks)])
+        return now() - t0
+
+    async def sem_sample(n: int) -> int:
+        t0 = now()
+        for _ in range(n):
+            await asyncio.gather(*[sem_worker() for _ in range(tasks)])
+        return now() - t0
+
+    try:
+        per_op = await interleave(
+            {"asyncpool": pool_sample, "Semaphore": sem_sample, "Semaphore+kv": sem_kv_sample},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s * 5,
+            ops_per_call={
+                "asyncpool": tasks * rounds,
+                "Semaphore": tasks * rounds,
+                "Semaphore+kv": tasks * rounds,
+            },
+            start=1,
+            disable_gc=False,
+        )
+        st = pool.stats()
+        assert st.allocated == 0 and st.pages_allocated == 0, st
+    finally:
+        await pool.close()
+    return [
+        compare(per_op,
+                bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
+                f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
+                loop=loop, subject="asyncpool", reference="Semaphore", unit="ns/grant",
+                speedup=False, target=CONTENDED_ADMIT_VS_SEM,
+                subject_label=f"admit(pages={k})",
+                reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
+                note=f"each task: {rounds}x (admit, sleep(0), free); gc on"),
+        compare(per_op,
+                bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
+                f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
+                loop=loop, subject="asyncpool", reference="Semaphore+kv", unit="ns/grant",
+                speedup=False, subject_label=f"admit(pages={k})",
+                reference_label=f"asyncio.Semaphore({holders}) + bare KVPagePool "
+                f"alloc({k})+free",
+                note="context: the same page work, without atomic admission"),
+    ]

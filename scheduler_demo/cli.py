@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the worst legal lag, deterministic (CPU only): hold each step's "
         "table writes until the scheduler finished its next iteration, and "
-        "an aborted request's transfer until a new owner wrote one of its pages",
+        "an aborted request's transfer until a new owner of its pages has "
+        "written and verified a slot it writes",
     )
     t.add_argument(
         "--timeout",

@@ -43,8 +43,9 @@ class DemoConfig:
     spends ``sched_ms`` of busy CPU per step besides its real bookkeeping.
     ``gate`` makes the late writes deterministic (used by the tests): each
     step's table writes wait until the scheduler has finished its next
-    iteration, and an aborted request's transfer lands only once one of its
-    pages has been written by a new owner (or the scheduler would idle).
+    iteration, and an aborted request's transfer lands only once a new owner
+    of its pages has written and verified a slot it writes (fenced, when the
+    scheduler would otherwise idle: its pages are held behind it).
     """
 
     num_requests: int = 1500

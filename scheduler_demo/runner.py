@@ -14,7 +14,6 @@ from asyncpool import AsyncReqToTokenPool, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward
-from .memory import Memory, make_page_pool
 from .report import Report, Trace, percentile
 from .scheduler import Scheduler
 from .transfer import TransferEngine
@@ -30,15 +29,14 @@ async def run_demo(
     *,
     reclaim: str = "auto",
     scheduler_factory: Callable[..., Scheduler] = Scheduler,
-    memory_factory: Callable[[AsyncReqToTokenPool, KVPagePool], Memory] = Memory,
 ) -> Report:
     """Run the demo once and return its :class:`Report`.
 
     Creates the forward and transfer streams, the KV pages and the pool in
     the running loop (the pool is loop-affine), serves the whole workload,
     lands every transfer, drains the pool, closes everything. ``reclaim``
-    and the two factories are for ``--tp`` (:mod:`scheduler_demo.tp`):
-    explicit pools, a replicated scheduler and its memory adapter.
+    and ``scheduler_factory`` are for ``--tp`` (:mod:`scheduler_demo.tp`):
+    explicit pools and a replicated scheduler.
     """
     cfg = config or DemoConfig()
     cfg.validate()
@@ -57,18 +55,21 @@ async def run_demo(
         # every step; unsafe, it resets them on the current stream, as the
         # seed does, racing the forward.
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
-        kv_pages = make_page_pool(cfg.kv_pages + 1, cfg.page_size, cfg.device, reclaim=reclaim)
-        pool_kwargs: dict[str, Any] = {
-            "device": cfg.device,
-            "stream": pool_stream,
-            "reclaim": reclaim,
-        }
-        if _pool_takes_kv():
-            pool_kwargs["kv"] = kv_pages
+        # The pool owns the pages: a row and its pages are admitted, extended
+        # and freed together.
+        kv_pages = KVPagePool(
+            cfg.kv_pages + 1, cfg.page_size, device=cfg.device, reclaim=reclaim
+        )
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
         kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
-        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **pool_kwargs) as pool:
-            memory = memory_factory(pool, kv_pages)
+        async with AsyncReqToTokenPool(
+            cfg.rows + 1,
+            cfg.max_context_len,
+            device=cfg.device,
+            stream=pool_stream,
+            kv=kv_pages,
+            reclaim=reclaim,
+        ) as pool:
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
             if forward.is_cuda:
@@ -76,7 +77,7 @@ async def run_demo(
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
             sched = scheduler_factory(
-                cfg, memory, forward, transfers, specs, on_complete=on_complete
+                cfg, pool, kv_pages, forward, transfers, specs, on_complete=on_complete
             )
             try:
                 if cfg.timeout_s is not None:
@@ -88,12 +89,11 @@ async def run_demo(
                 transfers.flush()
                 transfers.synchronize()
             await pool.drain()
-            memory.pump()
-            kv_pages.reclaim()
             pool.check_invariants()
+            kv_pages.check_invariants()
             stats = pool.stats()
             busy = forward.busy_s - busy0
-            deferred_pages = memory.deferred_pages()
+            deferred_pages = kv_pages.stats().deferred_frees
     finally:
         if bar is not None:
             bar.close()
@@ -149,7 +149,7 @@ async def run_demo(
             sched.timeline,
             sched.admit_waits,
             stats.capacity,
-            memory.page_capacity,
+            kv_pages.capacity,
             sched.abort_times,
         ),
     )
@@ -166,11 +166,6 @@ async def run_demo(
         report.kv_corruptions,
     )
     return report
-
-
-def _pool_takes_kv() -> bool:
-    """Whether this asyncpool owns KV pages (``AsyncReqToTokenPool(..., kv=)``)."""
-    return hasattr(AsyncReqToTokenPool, "admit")
 
 
 def _progress_bar(cfg: DemoConfig) -> Any:

@@ -50,9 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncpool import AsyncReqToTokenPool, KVPagePool
+
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
-from .memory import Memory
 from .report import Sample
 from .transfer import Transfer, TransferEngine
 from .workload import RequestSpec
@@ -90,7 +91,6 @@ class Req:
         "kv_len",
         "kv_snapshot",
         "n_pages",
-        "page_list",
         "row",
         "slots",
         "snapshot",
@@ -112,7 +112,6 @@ class Req:
         # are the scheduler's mirror of the request's row).
         self.slots: np.ndarray | None = None
         self.n_pages = 0
-        self.page_list: list[int] = []
         self.transfer: Transfer | None = None
         self.snapshot: torch.Tensor | None = None  # the row's content when it finished
         self.kv_snapshot: torch.Tensor | None = None  # its KV when it finished
@@ -126,23 +125,26 @@ class Req:
 
 
 class Scheduler:
-    """Runs one workload to completion on ``memory``, ``forward`` and ``transfers``."""
+    """Runs one workload to completion on ``pool`` (which owns ``kv``'s pages),
+    ``forward`` and ``transfers``."""
 
     def __init__(
         self,
         cfg: DemoConfig,
-        memory: Memory,
+        pool: AsyncReqToTokenPool,
+        kv: KVPagePool,
         forward: Forward,
         transfers: TransferEngine,
         specs: list[RequestSpec],
         on_complete: Callable[[int], object] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.mem = memory
-        self.pool = memory.pool
+        self.pool = pool
+        self.kv = kv
+        self.page_capacity = kv.capacity
         self.forward = forward
         self.transfers = transfers
-        self.ps = memory.page_size
+        self.ps = kv.page_size
         max_slots = math.ceil(cfg.max_context_len / self.ps) * self.ps
         self.reqs = [Req(s) for s in specs]
         # The host's truth of req_to_token: mirror[row, pos] is the KV slot of
@@ -164,7 +166,8 @@ class Scheduler:
         self.ready_prefill: collections.deque[Req] = collections.deque()
         self.pages_held = 0  # pages owned by live requests or promised to admissions
         self.step_id = 0
-        self._held: list[tuple[Transfer, set[int]]] = []  # gated aborted transfers
+        # Gate mode: aborted transfers held back, with the KV slots they write.
+        self._held: list[tuple[Transfer, set[int]]] = []
 
         # Results.
         self.completed = 0
@@ -251,11 +254,13 @@ class Scheduler:
     async def _idle(self) -> None:
         """Nothing to launch: wait for an arrival, a grant, a landed transfer.
 
-        Gated transfers are let go first (the scheduler would otherwise wait
-        for a transfer it holds). Pages behind a fence wake nobody here, so
-        the wait is bounded by a short poll while requests wait for pages.
+        Fenced, gated transfers are let go first: their pages are held behind
+        them, so the scheduler may be waiting for exactly those. (Unsafe,
+        they hold nothing back: they stay held until a new owner of their
+        pages has been verified, or the end.) Pages behind a fence wake
+        nobody here, so the wait is bounded by a short poll.
         """
-        if self._held:
+        if self._held and self.fenced:
             for t, _ in self._held:
                 self.transfers.release(t)
             self._held.clear()
@@ -278,14 +283,16 @@ class Scheduler:
     def _sample(self) -> None:
         free = self.pool.available_size()
         pending = self.pool.pending_size()
-        p_alloc, p_pending, p_free = self.mem.page_counts()
+        p_free = self.kv.available_size()
+        p_pending = self.kv.pending_size()
+        p_alloc = self.page_capacity - p_free - p_pending
         self.timeline.append(
             Sample(
                 time.perf_counter() - self.t0,
                 self.capacity - free - pending,
                 pending,
                 free,
-                self.mem.waiting() + len(self.waiting_new) + len(self.waiting_retracted),
+                self.pool.waiting() + len(self.waiting_new) + len(self.waiting_retracted),
                 len(self.running),
                 p_alloc,
                 p_pending,
@@ -319,7 +326,7 @@ class Scheduler:
 
     async def _alloc_row(self, req: Req, priority: int) -> None:
         req.state = ADMITTING
-        req.row = await self.mem.alloc_row(priority=priority)
+        req.row = (await self.pool.alloc(1, priority=priority))[0]
         req.state = WAITING
         (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).append(req)
         self._wake.set()
@@ -331,7 +338,7 @@ class Scheduler:
     def _admit_more(self) -> None:
         """Admit waiting requests while the pages held stay under the budget,
         keeping a page per ``page_size`` running requests for decode growth."""
-        limit = self.cfg.admit_watermark * self.mem.page_capacity
+        limit = self.cfg.admit_watermark * self.page_capacity
         reserve = len(self.running) // self.ps + 1
         for queue, priority in (
             (self.waiting_retracted, RETRACTED_PRIORITY),
@@ -345,7 +352,7 @@ class Scheduler:
                 if self.atomic:
                     queue.popleft()
                     self.pages_held += n
-                    grant = self.mem.try_admit(n)
+                    grant = self.pool.try_admit(pages=n)
                     if grant is not None:
                         req.row = grant.row
                         self._granted(req, grant.pages)
@@ -354,7 +361,7 @@ class Scheduler:
                         task = self._spawn(self._admit(req, n, priority))
                         self._admitting[req] = (task, n, priority)
                     continue
-                pages = self.mem.extend(req.row, n)
+                pages = self.pool.extend(req.row, n)
                 if pages is None:
                     return  # pages still behind a fence: next iteration
                 queue.popleft()
@@ -363,7 +370,7 @@ class Scheduler:
             # FIFO: the head that does not fit blocks those behind it.
 
     async def _admit(self, req: Req, n: int, priority: int) -> None:
-        grant = await self.mem.admit(pages=n, priority=priority)
+        grant = await self.pool.admit(pages=n, priority=priority)
         del self._admitting[req]
         req.row = grant.row
         self._granted(req, grant.pages)
@@ -410,8 +417,6 @@ class Scheduler:
             self._mirror[req.row, at : at + ps] = p * ps + self._offsets
             at += ps
         req.n_pages += len(ids)
-        if self.cfg.gate:
-            req.page_list.extend(ids)
 
     def _start_transfer(self, req: Req) -> None:
         n = req.spec.prompt_len
@@ -442,11 +447,13 @@ class Scheduler:
             return
         in_transfer = req.state == TRANSFER
         if req.state == READY:
-            self.ready_join.remove(req)
+            # Landed, not joined yet (or, the timer being late, retracted since
+            # and waiting for its prefill).
+            (self.ready_join if req in self.ready_join else self.ready_prefill).remove(req)
         if in_transfer and self.cfg.gate and self.transfers.hold(t):
             # Deterministic worst case: it lands only after a new owner of
             # one of its pages has written it (or when the scheduler idles).
-            self._held.append((t, set(req.page_list)))
+            self._held.append((t, set(t.slots.tolist())))
         self._abort(req, "transfer" if in_transfer else "decode", fence=t)
 
     def _abort(self, req: Req, phase: str, fence: Any = None) -> None:
@@ -455,7 +462,7 @@ class Scheduler:
         if req.state == RUNNING:
             self.running.remove(req)
         self.pages_held -= req.n_pages
-        self.mem.free([req.row], fence=fence if self.fenced else None)
+        self.pool.free([req.row], fence=fence if self.fenced else None)
         req.state = ABORTED
         req.epoch += 1
         req.row = -1
@@ -498,7 +505,6 @@ class Scheduler:
         stalled = self._grow()
         if stalled:
             self._withdraw_admissions()
-        self.mem.pump()
         if not stalled:
             self._admit_more()
         joined: list[Req] = list(self.ready_join)
@@ -532,7 +538,7 @@ class Scheduler:
         ps = self.ps
         for req in self.running:
             if req.entry == DECODE and req.kv_len >= req.n_pages * ps:
-                pages = self.mem.extend(req.row, 1)
+                pages = self.pool.extend(req.row, 1)
                 if pages is None:
                     stalled.append(req)
                     continue
@@ -562,11 +568,10 @@ class Scheduler:
         row = req.row
         # The row and pages are in the step in flight; the pool defers them
         # behind that step's recorded use (or, unsafe, hands them out at once).
-        self.mem.free([row])
+        self.pool.free([row])
         req.row = -1
         req.kv_len = 0
         req.n_pages = 0
-        req.page_list = []
         req.epoch += 1
         req.state = WAITING
         req.admit_t0 = time.perf_counter()
@@ -643,7 +648,7 @@ class Scheduler:
         fence = self.forward.launch(step)
         if self.fenced:
             # One fence per step, covering every row (and its pages) the step touches.
-            self.mem.record_use(step.rows, fence)
+            self.pool.record_use(step.rows, fence)
         if step.gate is not None:
             self._gated.append(step)
         self.steps += 1
@@ -670,12 +675,15 @@ class Scheduler:
             await self._land_held(step)
 
     async def _land_held(self, step: Step) -> None:
-        """Gate mode: let a held (aborted) transfer land once a new owner of
-        one of its pages has been verified, and wait until it has landed."""
-        owners = [r for r, epoch, _ in step.entries if r.epoch == epoch and r.state == RUNNING]
+        """Gate mode: let a held (aborted) transfer land once a new owner has
+        written, and had verified, one of the slots it writes; wait until it
+        has landed, so the owner's next verification sees it."""
+        owners = [
+            (r, end) for r, epoch, end in step.entries if r.epoch == epoch and r.state == RUNNING
+        ]
         for item in list(self._held):
-            t, pages = item
-            if any(pages.intersection(r.page_list) for r in owners):
+            t, slots = item
+            if any(slots.intersection(self._mirror[r.row, :end].tolist()) for r, end in owners):
                 self._held.remove(item)
                 self.transfers.release(t)
                 await wait_fence(t)
@@ -749,7 +757,7 @@ class Scheduler:
         self.running.remove(req)
         self.pages_held -= req.n_pages
         req.state = FINISHED
-        self.mem.free([req.row])
+        self.pool.free([req.row])
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(1)

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from .config import DemoConfig
-from .memory import AllOf, Memory
 from .scheduler import NEW_PRIORITY, READY, RUNNING, TRANSFER, Req, Scheduler
 
 __all__ = ["TPMismatchError", "TPScheduler", "check_agreed", "format_summary", "run_tp"]
@@ -55,29 +54,6 @@ _MASK = (1 << 62) - 1  # hashes stay far from int64's edges (we negate them)
 
 class TPMismatchError(RuntimeError):
     """The tensor-parallel ranks built different batches."""
-
-
-class TPMemory(Memory):
-    """The demo's memory adapter without its one timing-dependent step.
-
-    The adapter (used until the pool has ``admit``) frees a row's pages
-    behind the row's last use and ``fence`` only if those are not done yet,
-    which asks the fences; here they always wait behind both, and the
-    explicit pools' ``retire``/``agree`` decide when they return.
-    """
-
-    def free(self, rows: list[int], *, fence: Any = None) -> None:
-        if self.native:
-            super().free(rows, fence=fence)
-            return
-        self.pool.free(rows, fence=fence)
-        for row in rows:
-            use = self._uses.pop(row, None)
-            fences = [f for f in (use, fence) if f is not None]
-            held = None if not fences else fences[0] if len(fences) == 1 else AllOf(fences)
-            pages = self._pages.pop(row)
-            if pages:
-                self.kv.free(pages[0] if len(pages) == 1 else torch.cat(pages), fence=held)
 
 
 class TPScheduler(Scheduler):
@@ -115,7 +91,7 @@ class TPScheduler(Scheduler):
         # "auto" pools only for the control run (--tp-reclaim auto): no
         # retire/agree, the pools reclaim by local fence timing, and the
         # ranks diverge.
-        self.explicit = self.mem.kv.reclaim_mode == "explicit"
+        self.explicit = self.pool.reclaim_mode == "explicit"
         self.tp_checks = 0
         self.tp_mismatches = 0
         self.agree_s = 0.0
@@ -152,7 +128,7 @@ class TPScheduler(Scheduler):
     # -- admission: try at the scheduling point only -----------------------------
 
     def _admit_more(self) -> None:
-        limit = self.cfg.admit_watermark * self.mem.page_capacity
+        limit = self.cfg.admit_watermark * self.page_capacity
         reserve = len(self.running) // self.ps + 1
         for queue in (self.waiting_retracted, self.waiting_new):
             while queue:
@@ -160,7 +136,7 @@ class TPScheduler(Scheduler):
                 n = self._need_pages(req)
                 if self.pages_held and self.pages_held + n + reserve > limit:
                     return
-                grant = self.mem.try_admit(n)
+                grant = self.pool.try_admit(pages=n)
                 if grant is None:
                     return  # the head retries next iteration, on every rank alike
                 queue.popleft()
@@ -222,9 +198,7 @@ class TPScheduler(Scheduler):
         t1 = time.perf_counter()
         if not self.explicit:
             return
-        self.mem.pool.agree(self.group)
-        if not self.mem.native:
-            self.mem.kv.agree(self.group)
+        self.pool.agree(self.group)  # rows and pages, one all-reduce
         t2 = time.perf_counter()
         self.agree_s += t2 - t1
         self.exchange_s += t2 - t0
@@ -244,9 +218,7 @@ class TPScheduler(Scheduler):
         if not self.explicit:
             return
         # The scheduler has processed this step: what it held comes back.
-        self.mem.pool.retire(step.fence)
-        if not self.mem.native:
-            self.mem.kv.retire(step.fence)
+        self.pool.retire(step.fence)  # rows and pages
 
     def tp_summary(self) -> dict[str, Any]:
         steps = max(self.steps, 1)
@@ -313,8 +285,7 @@ def _rank_main(
         return sched
 
     try:
-        report = _run(run_demo(cfg, reclaim=reclaim, scheduler_factory=factory,
-                               memory_factory=TPMemory))
+        report = _run(run_demo(cfg, reclaim=reclaim, scheduler_factory=factory))
         summary = holder["s"].tp_summary()
         summary["report"] = json.loads(json.dumps(report.to_dict(), default=str))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary), encoding="utf-8")

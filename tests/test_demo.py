@@ -173,11 +173,13 @@ async def test_sync_mode_completes() -> None:
 
 
 async def test_row_first_admission_holds_rows_without_pages() -> None:
+    # Twice the rows the pages can keep busy: pages, not rows, bound the batch.
+    cfg = replace(SMALL, gate=True, rows=16)
     async with bounded(LONG_S):
-        atomic = await run_demo(replace(SMALL, gate=True))
+        atomic = await run_demo(cfg)
     async with bounded(LONG_S):
-        row_first = await run_demo(replace(SMALL, gate=True, admission="row-first"))
-    assert row_first.ok and row_first.admission == "row-first"
+        row_first = await run_demo(replace(cfg, admission="row-first"))
+    assert atomic.ok and row_first.ok and row_first.admission == "row-first"
     # Row-first, every row is taken at arrival and held while its request
     # waits for pages; atomic, a row is only held with its pages.
     assert row_first.mean_rows_allocated > atomic.mean_rows_allocated
@@ -511,26 +513,23 @@ async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> No
     # scheduler must take C's admission back out, so that A gets a page on
     # the next step instead of C, and B's re-admission, taking them back
     # forever (the livelock this guards against).
-    from asyncpool import AsyncReqToTokenPool
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
     from scheduler_demo.forward import Forward
-    from scheduler_demo.memory import Memory, make_page_pool
     from scheduler_demo.scheduler import DECODE, RUNNING, Scheduler
     from scheduler_demo.transfer import TransferEngine
     from scheduler_demo.workload import RequestSpec
 
     cfg = replace(SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=3)
-    kv = make_page_pool(cfg.kv_pages + 1, cfg.page_size, "cpu")
-    kwargs = {"kv": kv} if hasattr(AsyncReqToTokenPool, "admit") else {}
+    kv = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
     forward = Forward("cpu", 0.0, 0.0)
     transfers = TransferEngine("cpu", 1.0, 2.0)
     specs = [RequestSpec(i, 0.0, 2, 4) for i in range(3)]
     try:
-        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, **kwargs) as pool:
-            mem = Memory(pool, kv)
-            sched = Scheduler(cfg, mem, forward, transfers, specs)
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv) as pool:
+            sched = Scheduler(cfg, pool, kv, forward, transfers, specs)
             a, b, c = sched.reqs
             for req, generated in ((a, 3), (b, 1)):
-                grant = await mem.admit(pages=2)
+                grant = await pool.admit(pages=2)
                 req.row = grant.row
                 sched._add_pages(req, grant.pages)
                 req.kv_len, req.generated, req.entry, req.state = 4, generated, DECODE, RUNNING
@@ -538,12 +537,12 @@ async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> No
                 sched.pages_held += 2
             # C admitted past the budget (as a burst of frees can make it): it
             # waits in the pool, no page being free.
-            assert mem.try_admit(2) is None
+            assert pool.try_admit(pages=2) is None
             task = sched._spawn(sched._admit(c, 2, 0))
             sched._admitting[c] = (task, 2, 0)
             sched.pages_held += 2
             await asyncio.sleep(0)
-            assert mem.waiting() == 1
+            assert pool.waiting() == 1
 
             step = sched._schedule()  # A stalls, B is retracted
             assert step is None and sched.running == [a] and b.row == -1

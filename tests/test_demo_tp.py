@@ -39,5 +39,5 @@ def test_auto_pools_diverge_and_the_check_says_so() -> None:
     """The control: the same replicas with reclaim="auto" pools decide by
     local fence timing; the per-iteration check fails every rank."""
     cfg = DemoConfig(num_requests=100, progress=False, timeout_s=120.0)
-    with pytest.raises(TPMismatchError, match="batch hashes"):
+    with pytest.raises(TPMismatchError, match="ranks diverged"):
         run_tp(cfg, 2, reclaim="auto")

@@ -48,6 +48,7 @@ scheduler's thread, every rank at the same point, as for any collective.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,12 +121,29 @@ def _device_for(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce_min(values: list[int], group: Any, device: torch.device) -> list[int]:
+# Reused all-reduce buffers, per (thread, device, length): gloo pays a few
+# hundred microseconds to set up a tensor it has not seen (measured: a fresh
+# 112-element tensor per call cost 0.7-0.9 ms against 0.5-0.6 ms for a reused
+# one, 2 ranks on one host), and the first round always has the same length.
+_buffers: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _all_reduce_min(
+    values: list[int], group: Any, device: torch.device, *, reuse: bool = True
+) -> list[int]:
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cpu":
-        t = t.to(device)
+    key = (threading.get_ident(), str(device), len(values))
+    bufs = _buffers.get(key) if reuse else None
+    if bufs is None:
+        host = torch.zeros(len(values), dtype=torch.int64)
+        bufs = (host, host if device.type == "cpu" else host.to(device))
+        if reuse:
+            _buffers[key] = bufs
+    host, t = bufs
+    host.numpy()[:] = values
+    if t is not host:
+        t.copy_(host)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     out: list[int] = t.tolist()
     return out
@@ -185,7 +203,7 @@ def agree(
         raise AgreementError(_disagreement(ledgers, low, high))
     agreed = reduced[2 * nh : 2 * nh + 3 * min(total, WIDTH)]
     if total > WIDTH:
-        agreed.extend(_all_reduce_min(flags[3 * WIDTH :], group, device))
+        agreed.extend(_all_reduce_min(flags[3 * WIDTH :], group, device, reuse=False))
         collectives = 2
     released: list[int] = []
     quarantined = 0

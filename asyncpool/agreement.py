@@ -65,7 +65,7 @@ __all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"
 logger = logging.getLogger(__name__)
 
 #: Pending batches whose flags ride in the first (always sent) all-reduce.
-WIDTH = 32
+WIDTH = 64
 _HEADER = ("pending batches", "deferral counter", "pending ids", "free ids")
 
 

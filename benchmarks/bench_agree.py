@@ -6,7 +6,7 @@ rendezvous in a temporary directory, CPU tensors), each with an explicit
 transfer fences (fences of unknown origin, one row and four pages each, so
 the agreement tensor carries ``2k`` batches). Timed on each rank: ``n``
 back-to-back ``agree`` calls over both ledgers (one collective each when
-``2k <= WIDTH``), after a barrier, so the ranks run in lockstep and the
+``2k <= WIDTH`` = 64, two for k = 48), after a barrier, so the ranks run in lockstep and the
 figure is the agreement itself, not one rank waiting for a slower one.
 Nothing is released (the transfers never complete), so every call sees the
 same ``k``.
@@ -36,7 +36,7 @@ __all__ = ["DEMO_STEP_MS", "PENDING", "bench_agree"]
 #: The scheduler demo's step time with its default settings (milliseconds).
 DEMO_STEP_MS = 6.0
 #: pending batches per ledger in each variant
-PENDING = (0, 4, 32)
+PENDING = (0, 4, 32, 48)
 
 
 class _Never:

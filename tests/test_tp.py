@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from tp_worker import APIS, run_rank
+from tp_worker import APIS, disagree_rank, run_rank
 
 
 def _run(tmp_path: Path, world: int, **cfg: Any) -> list[dict[str, Any]]:
@@ -50,3 +50,15 @@ def test_auto_mode_diverges(tmp_path: Path, api: str) -> None:
     assert len(steps) == 1 and steps != {-1}, res
 
 
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_all_raise(tmp_path: Path) -> None:
+    """Different pending batches on one rank: every rank raises AgreementError
+    at the same call, none hangs in a collective of another size."""
+    world = 2
+    mp.spawn(disagree_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
+    for text in outcomes:
+        assert text.startswith("AgreementError"), outcomes
+        assert "rows pending batches 1..2" in text

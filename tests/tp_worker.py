@@ -325,3 +325,34 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
         "requests": next_rid,
         "agree_s": agree_s,
     }
+
+
+def disagree_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Rank 1 makes one more deferred free than the others; every rank's
+    agree() must raise AgreementError (and none may hang)."""
+    from asyncpool import AgreementError
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        rows = ReqToTokenPool(8, 4, reclaim="explicit")
+        got = rows.alloc(2 if rank == 1 else 1)
+        assert got is not None
+        rows.free(got, fence=Transfer(10.0))
+        if rank == 1:
+            rows.free(rows.alloc(1) or [], fence=Transfer(10.0))
+        try:
+            rows.agree(dist.group.WORLD)
+            outcome = "agreed"
+        except AgreementError as exc:
+            outcome = f"AgreementError: {exc}"
+        rows.check_invariants()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)

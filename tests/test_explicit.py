@@ -545,3 +545,30 @@ async def test_async_retire_bad_input_changes_nothing() -> None:
         AsyncReqToTokenPool(3, 4, reclaim="manual")
     await pool.close()
     await auto.close()
+
+
+@pytest.mark.cuda
+def test_agree_over_nccl_uses_a_cuda_tensor(group: Any) -> None:
+    """NCCL (one GPU, a one-rank NCCL group beside the gloo default group):
+    the flags travel in a CUDA tensor and CUDA fences are settled."""
+    from asyncpool import record_fence
+
+    nccl = dist.new_group(ranks=[0], backend="nccl")
+    stream = torch.cuda.Stream()
+    pool = ReqToTokenPool(4, 4, device="cuda", reclaim="explicit")
+    kv = KVPagePool(9, 4, device="cuda", reclaim="explicit")
+    rows = pool.alloc(2)
+    pages = kv.alloc(4)
+    assert rows is not None and pages is not None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1_000_000)
+    f = record_fence(stream)
+    pool.record_use(rows, f)
+    pool.free(rows)
+    kv.free(pages, fence=f)
+    stream.synchronize()
+    res = agree(nccl, [pool._ledger, kv.ledger])
+    assert res.released == (2, 4)
+    pool.check_invariants()
+    kv.check_invariants()
+    dist.destroy_process_group(nccl)

@@ -182,11 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--tp",
         type=int,
-        default=1,
+        default=0,
         metavar="N",
         help="run N tensor-parallel scheduler replicas, one process each (gloo; NCCL with "
         "--device cuda, one GPU per rank), with reclaim=\"explicit\" pools; every step "
-        "checks that all ranks built the same batch (default: 1, no replicas)",
+        "checks that all ranks built the same batch (default: 0, the plain demo; 1 runs "
+        "the replica machinery on one rank)",
     )
     e.add_argument(
         "--tp-reclaim",
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available here")
-    if args.tp > 1:
+    if args.tp:
         return _main_tp(args, cfg)
     try:
         report: Report = _run(run_demo(cfg))
@@ -337,6 +338,9 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
 
     from .tp import TPMismatchError, format_summary, run_tp
 
+    if args.tp < 0:
+        print(f"scheduler_demo: --tp must be >= 0, got {args.tp}", file=sys.stderr)
+        return 2
     if cfg.admission != "atomic" or cfg.gate:
         print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
         return 2

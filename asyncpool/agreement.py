@@ -175,7 +175,8 @@ def agree(
     """Settle the pending fences of ``ledgers`` identically on every rank of ``group``.
 
     A collective: every rank of ``group`` must call it at the same point,
-    with ledgers driven by the same calls. See the module docstring for what
+    with the same number of ledgers (pools built alike: with ``kv`` on every
+    rank or on none), driven by the same calls. See the module docstring for what
     is sent. Raises :class:`AgreementError` on every rank, changing nothing,
     when the ranks' ledgers disagree (different pending batches, deferral
     counters, pending or free counts): the ranks did not make the same

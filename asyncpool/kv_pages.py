@@ -59,7 +59,7 @@ import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
 from .deferral import Deferrals, check_ordered
-from .errors import CapacityError, DoubleFreeError, InvalidSlotError
+from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, record_fence
 from .ledger import (
     ALLOCATED,
@@ -955,8 +955,15 @@ class KVPagePool:
         pending stay pending and return through :meth:`reclaim` once their
         fences complete; quarantined pages stay quarantined. Allocated pages
         carry no fence the pool knows of, so call this only when no work in
-        flight still writes them.
+        flight still writes them. Raises :class:`PoolBusyError`, changing
+        nothing, while the pool serves an ``AsyncReqToTokenPool`` (``kv=``):
+        its rows own pages, which only the row pool may free.
         """
+        if self._on_free is not None:
+            raise PoolBusyError(
+                "this KVPagePool serves an AsyncReqToTokenPool whose rows own pages; free "
+                "the rows through that pool instead of clearing the page pool"
+            )
         led = self._ledger
         led.free_all_allocated()
         led.reclaim()

@@ -611,11 +611,11 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
     log.addHandler(seen)
     log.addHandler(released)
     try:
-        async with make(rows=2, pages=4, fence_timeout=0.05) as pool:
+        async with make(rows=2, pages=4, fence_timeout=0.1) as pool:
             g = await pool.admit(pages=3)
+            h = await pool.admit(pages=0)
             pool.free([g.row], fence=stuck)
             [w] = await queued(pool, pool.admit(pages=4))
-            assert pool.stats().overdue_fences == 0
             async with asyncio.timeout(WAIT_S):
                 await seen.event.wait()  # nobody calls the pool meanwhile
             st = pool.stats()
@@ -625,13 +625,19 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
             assert record.levelno == logging.WARNING
             msg = record.getMessage()
             assert repr(stuck) in msg and "1 row " in msg and "3 pages" in msg
-            await asyncio.sleep(0.15)  # later checks do not log it again
+            other = kit.event_fence()
+            pool.free([h.row], fence=other)  # arms another check, past the timeout
+            await asyncio.sleep(0.3)  # later checks do not log the same fence again
+            assert len(seen.records) == 2 and repr(other) in seen.records[1].getMessage()
+            del seen.records[1]
+            other.set()
             assert len(seen.records) == 1 and not w.done()
             assert pool.force_release(stuck) == (1, 3)
             stuck.set()  # let the watcher thread go (close() joins it)
             assert released.records and repr(stuck) in released.records[0].getMessage()
             got = await outcome(w)  # the waiter is served
             assert len(got.pages) == 4
+            await pool.drain(timeout=WAIT_S)  # h's row, behind `other` (set above)
             st = pool.stats()
             assert st.overdue_fences == 0 and st.pending == 0 and st.pages_pending == 0
             pool.free(got.row)
@@ -716,6 +722,55 @@ async def test_close_fails_admit_waiters_and_later_admits():
         pool.try_admit(pages=1)
     pool.free(g.row)  # free still works after close
     conserved(pool)
+
+
+async def test_extend_after_close_raises_and_changes_nothing():
+    pool = make(rows=2, pages=4)
+    g = await pool.admit(pages=1)
+    assert pool.extend(g.row, 1) is not None
+    await pool.close()
+    before = snapshot(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend(g.row, 1)
+    assert snapshot(pool) == before
+    pool.free(g.row)  # free still works after close, pages included
+    assert kv_of(pool).available_size() == 4
+    conserved(pool)
+
+
+async def test_extend_answers_none_while_release_memory_drains(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=1)
+        p = await pool.admit(pages=1)
+        pool.free([p.row], after=stream)
+        release = asyncio.create_task(pool.release_memory())
+        await spin()
+        assert not release.done()  # draining: the gate is closed already
+        assert pool.extend(g.row, 1) is None and pool.try_admit(pages=1) is None
+        gate.open()
+        with pytest.raises(PoolBusyError):  # g's row is still allocated
+            async with asyncio.timeout(WAIT_S):
+                await release
+        assert not pool.released and pool.extend(g.row, 1) is not None
+        pool.free(g.row)
+        conserved(pool)
+
+
+async def test_bind_refuses_while_pages_are_pending(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, after=stream)  # only pages pending
+        with pytest.raises(PoolBusyError, match="2 pages"):
+            pool.bind()
+        gate.open()
+        await pool.drain(timeout=WAIT_S)
+        pool.bind()  # nothing pending: allowed
 
 
 async def test_drain_waits_for_page_fences(kit):
@@ -945,6 +1000,16 @@ async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_noth
         pool.detach_pages(a.row)
         pool.free([a.row, b.row])
         conserved(pool)
+
+
+async def test_clearing_a_page_pool_that_serves_a_row_pool_is_refused():
+    async with make(rows=2) as pool:
+        g = await pool.admit(pages=2)
+        before = snapshot(pool)
+        with pytest.raises(PoolBusyError, match="rows own pages"):
+            kv_of(pool).clear()
+        assert snapshot(pool) == before
+        pool.free(g.row)
 
 
 async def test_force_release_of_a_non_fence_is_a_type_error():

@@ -9,6 +9,7 @@ the forward stream has run past every write to it.
 from __future__ import annotations
 
 from .errors import (
+    AgreementError,
     CapacityError,
     DeviceError,
     DoubleFreeError,
@@ -29,6 +30,7 @@ from .sync_pool import ReqToTokenPool
 from .tables import ReqToTokenPoolInfo
 
 __all__ = [
+    "AgreementError",
     "AsyncReqToTokenPool",
     "CapacityError",
     "CudaFence",

@@ -52,7 +52,7 @@ from .errors import FenceError
 from .fences import Fence
 from .stats import Histogram
 
-__all__ = ["Deferrals", "Deferred", "newest_per_stream", "stream_key"]
+__all__ = ["Deferrals", "Deferred", "check_ordered", "newest_per_stream", "stream_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,25 @@ T = TypeVar("T")
 def stream_key(fence: object) -> int | None:
     """The fence's stream, or None for a fence of unknown origin."""
     return getattr(fence, "stream_key", None)
+
+
+def check_ordered(fence: object, what: str = "retire()") -> None:
+    """Raise TypeError unless ``fence`` is an ordered fence (it has ``query()``,
+    ``synchronize()``, an int ``stream_key`` and an int ``seq``)."""
+    key = getattr(fence, "stream_key", None)
+    seq = getattr(fence, "seq", None)
+    if (
+        key.__class__ is not int
+        or seq.__class__ is not int
+        or not callable(getattr(fence, "query", None))
+        or not callable(getattr(fence, "synchronize", None))
+    ):
+        raise TypeError(
+            f"{what} needs an ordered fence, one recorded on a stream (a HostFence or "
+            f"CudaFence from record_fence(), with an int stream_key and seq), got {fence!r} "
+            f"of type {type(fence).__name__}; fences of unknown origin (transfer handles) "
+            "are settled by agree(group)"
+        )
 
 
 def newest_per_stream(fences: Sequence[Fence]) -> list[Fence]:
@@ -151,6 +170,12 @@ class Deferrals(Generic[T]):
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
+        # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
+        # the newest retired seq per stream, and the deferral ids of batches
+        # every rank agreed are overdue.
+        self.explicit = False
+        self._retired: dict[int, int] = {}
+        self.agreed_overdue: set[int] = set()
         self.fence_histogram = Histogram()  # every batch's latency, for metrics
 
     def set_hooks(
@@ -191,6 +216,8 @@ class Deferrals(Generic[T]):
         order, and the first fence that raised with its exception (then
         ``open`` is meaningless: the ids must be quarantined).
         """
+        if self.explicit:  # never ask a fence: only retire() says it is done
+            return [f for f in newest_per_stream(fences) if not self.is_retired(f)], None, None
         waits: list[Fence] = []
         for f in newest_per_stream(fences) if len(fences) > 1 else fences:
             try:
@@ -249,7 +276,7 @@ class Deferrals(Generic[T]):
             batch = Deferred(fence, fseq, rest, self._next_did, items, n, now)
             self._next_did += 1
             queue.insert(index, batch)
-        if self._on_pending is not None:
+        if self._on_pending is not None and not self.explicit:
             self._on_pending(fence)
 
     def _enqueue(self, batch: Deferred[T]) -> None:
@@ -268,7 +295,7 @@ class Deferrals(Generic[T]):
             while index > 0 and queue[index - 1].seq > fseq:
                 index -= 1
             queue.insert(index, batch)
-        if self._on_pending is not None:
+        if self._on_pending is not None and not self.explicit:
             self._on_pending(batch.fence)
 
     # ------------------------------------------------------------ reclaim
@@ -280,9 +307,11 @@ class Deferrals(Generic[T]):
         complete in order) and at the side list: O(completed + streams +
         unordered), never O(pending). A fence that raises quarantines its
         batch. A batch whose head completed but that waits for more fences
-        moves behind the next one.
+        moves behind the next one. In explicit mode (:meth:`make_explicit`)
+        it asks nothing and returns 0: only :meth:`retire`, :meth:`apply_agreement`
+        and ``force_release`` return ids there.
         """
-        if not self.pending:
+        if not self.pending or self.explicit:
             return 0
         released = 0
         empty: list[int] = []
@@ -339,6 +368,8 @@ class Deferrals(Generic[T]):
                 return 0
             batch.rest = ()
         n = batch.n
+        if self.agreed_overdue:
+            self.agreed_overdue.discard(batch.did)
         self.pending -= n
         latency = self._clock() - batch.t0
         self.fence_latencies.append(latency)
@@ -394,6 +425,8 @@ class Deferrals(Generic[T]):
 
     def _fault_batch(self, batch: Deferred[T], fence: Fence, exc: BaseException) -> None:
         """Quarantine a pending batch (already out of its queue)."""
+        if self.agreed_overdue:
+            self.agreed_overdue.discard(batch.did)
         self.pending -= batch.n
         self._fault(batch.items, batch.n, fence, exc)
 
@@ -443,6 +476,186 @@ class Deferrals(Generic[T]):
         for queue in self._streams.values():
             yield from queue
         yield from self._unordered
+
+    # ------------------------------------------------------------ explicit reclaim
+
+    def make_explicit(self) -> None:
+        """Switch to scheduler-driven reclaim (``reclaim="explicit"``).
+
+        From now on the ledger never asks a fence whether it has completed:
+        :meth:`reclaim` returns 0, a free waits behind every fence it names
+        (the newest per stream) unless that fence was already retired, and
+        ids return only through :meth:`retire`, :meth:`apply_agreement`,
+        :meth:`conclude` and ``force_release``. The ``on_pending`` hook is
+        no longer called (an owner must not arrange wake-ups). Call it on a
+        fresh ledger (nothing pending).
+        """
+        if self.pending or self.quarantined:
+            raise RuntimeError("make_explicit() needs a ledger with nothing pending")
+        self.explicit = True
+
+    @property
+    def deferral_counter(self) -> int:
+        """Deferral ids issued so far (the next batch gets this one)."""
+        return self._next_did
+
+    def is_retired(self, fence: Fence) -> bool:
+        """Whether :meth:`retire` has covered ``fence`` (an ordered fence whose
+        stream was retired up to its ``seq`` or past it)."""
+        key = stream_key(fence)
+        if key is None:
+            return False
+        mark = self._retired.get(key)
+        return mark is not None and getattr(fence, "seq", 0) <= mark
+
+    def retire(self, fence: Fence) -> int:
+        """The scheduler processed the step ``fence`` ends: release what waits on it.
+
+        ``fence`` must be ordered (``stream_key``/``seq``; the caller checks
+        with :func:`check_ordered`). Every batch queued behind a fence of
+        that stream with ``seq <= fence.seq`` settles in record order (it is
+        released, or moves behind its next fence not yet retired), and later
+        frees behind such fences are free at once. Never calls ``query()``.
+        Returns the ids released (0 if nothing waited on it).
+        """
+        key = stream_key(fence)
+        assert key is not None
+        seq: int = getattr(fence, "seq", 0)
+        mark = self._retired.get(key)
+        if mark is None or seq > mark:
+            self._retired[key] = seq
+        queue = self._streams.get(key)
+        if not queue:
+            return 0
+        released = 0
+        while queue and queue[0].seq <= seq:
+            released += self._settle(queue.popleft())
+        if not queue and self._streams.get(key) is queue:
+            del self._streams[key]
+        return released
+
+    def conclude(self, fence: Fence, error: BaseException | None) -> int:
+        """``fence`` was waited for (``synchronize()`` returned, or raised
+        ``error``): settle every batch whose head it is, as :meth:`retire`
+        would for an ordered fence; quarantine them if it raised. For an
+        explicit owner's ``drain()``, whose outcome (nothing pending) does not
+        depend on timing. Returns the ids released. O(pending batches).
+        """
+        if error is None and stream_key(fence) is not None:
+            return self.retire(fence)
+        hits: list[Deferred[T]] = []
+        for key, queue in list(self._streams.items()):
+            if any(b.fence is fence for b in queue):
+                hits.extend(b for b in queue if b.fence is fence)
+                keep = collections.deque(b for b in queue if b.fence is not fence)
+                if keep:
+                    self._streams[key] = keep
+                else:
+                    del self._streams[key]
+        hits.extend(b for b in self._unordered if b.fence is fence)
+        self._unordered = [b for b in self._unordered if b.fence is not fence]
+        released = 0
+        for i, batch in enumerate(hits):
+            if error is None:
+                released += self._settle(batch)
+            else:
+                self.agreed_overdue.discard(batch.did)
+                self.pending -= batch.n
+                self._fault(batch.items, batch.n, fence, error, count=i == 0)
+        return released
+
+    # ------------------------------------------------------------ agreement
+
+    def agreement_flags(
+        self,
+        batches: Sequence[Deferred[T]],
+        cache: dict[int, tuple[Fence, int, BaseException | None]],
+        overdue_after: float | None,
+        now: float,
+    ) -> list[int]:
+        """This replica's view of ``batches`` (in deferral order): three
+        flags per batch, ``[done, overdue, faulted]`` each 0 or 1.
+
+        ``done``: every fence the batch waits for is retired or answers
+        ``query()`` True here; ``faulted``: one of them raised; ``overdue``:
+        not done and pending for ``overdue_after`` seconds or more. Each
+        fence is asked at most once per ``cache`` (shared by every ledger of
+        one agreement; it keeps the fences alive while it lives).
+        """
+        out: list[int] = []
+        for batch in batches:
+            done = 1
+            faulted = 0
+            for f in (batch.fence, *batch.rest):
+                if self.is_retired(f):
+                    continue
+                entry = cache.get(id(f))
+                if entry is None:
+                    try:
+                        entry = (f, 1 if f.query() else 0, None)
+                    except Exception as exc:  # a faulted stream
+                        entry = (f, 2, exc)
+                    cache[id(f)] = entry
+                if entry[1] == 2:
+                    faulted = 1
+                    done = 0
+                elif entry[1] == 0:
+                    done = 0
+            overdue = int(
+                not done and overdue_after is not None and now - batch.t0 >= overdue_after
+            )
+            out.extend((done, overdue, faulted))
+        return out
+
+    def apply_agreement(
+        self,
+        batches: Sequence[Deferred[T]],
+        flags: Sequence[int],
+        cache: dict[int, tuple[Fence, int, BaseException | None]],
+    ) -> tuple[int, list[Deferred[T]]]:
+        """Act on flags agreed by every replica (the MIN over ranks of
+        :meth:`agreement_flags`), in deferral order.
+
+        A batch agreed faulted is quarantined; one agreed done is released
+        (all its fences completed on every rank); one agreed overdue (and
+        neither) joins :attr:`agreed_overdue`. Returns the ids released and
+        the batches newly agreed overdue. O(pending batches).
+        """
+        gone: set[int] = set()
+        for i, batch in enumerate(batches):
+            if flags[3 * i] or flags[3 * i + 2]:
+                gone.add(batch.did)
+        if gone:
+            for key, queue in list(self._streams.items()):
+                if any(b.did in gone for b in queue):
+                    keep = collections.deque(b for b in queue if b.did not in gone)
+                    if keep:
+                        self._streams[key] = keep
+                    else:
+                        del self._streams[key]
+            self._unordered = [b for b in self._unordered if b.did not in gone]
+        released = 0
+        newly: list[Deferred[T]] = []
+        for i, batch in enumerate(batches):
+            done, overdue, faulted = flags[3 * i : 3 * i + 3]
+            if faulted:
+                culprit = batch.fence
+                local: BaseException | None = None
+                for f in (batch.fence, *batch.rest):
+                    entry = cache.get(id(f))
+                    if entry is not None and entry[1] == 2:
+                        culprit, local = f, entry[2]
+                        break
+                err = FenceError(f"fence {culprit!r} faulted on every rank")
+                err.__cause__ = local
+                self._fault_batch(batch, culprit, err)
+            elif done:
+                batch.rest = ()
+                released += self._settle(batch)
+            elif overdue and batch.did not in self.agreed_overdue:
+                self.agreed_overdue.add(batch.did)
+                newly.append(batch)
+        return released, newly
 
     # ------------------------------------------------------------ proof
 

@@ -9,6 +9,7 @@ A call that raises any of these has changed nothing in the pool.
 from __future__ import annotations
 
 __all__ = [
+    "AgreementError",
     "CapacityError",
     "DeviceError",
     "DoubleFreeError",
@@ -87,4 +88,14 @@ class WrongThreadError(PoolError, RuntimeError):
 
     The pool is not thread-safe, like every asyncio object: call it from its
     event loop's thread, or hand work over with ``loop.call_soon_threadsafe``.
+    """
+
+
+class AgreementError(PoolError, RuntimeError):
+    """Tensor-parallel replicas of a pool disagree about their state.
+
+    Raised by ``agree(group)`` on every rank at once, changing nothing, when
+    the ranks' pools hold different pending batches (or counts): the ranks
+    did not make the same pool calls in the same order, so their admission
+    decisions have already diverged.
     """

@@ -57,7 +57,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .deferral import Deferrals
+from .agreement import agree, check_explicit, check_reclaim_mode
+from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, record_fence
 from .ledger import (
@@ -710,6 +711,11 @@ class KVPagePool:
     host-to-device copy per call), and freeing a device tensor reads it back
     (which waits for the current stream): keep and free the host ids where
     that matters. Not thread-safe: call it from one thread.
+
+    ``reclaim="explicit"`` (one scheduler replica per tensor-parallel rank):
+    the pool never asks a fence whether it completed, not even in
+    :meth:`alloc`; pending pages come back through :meth:`retire` and
+    :meth:`agree` only, identically on every rank that makes the same calls.
     """
 
     def __init__(
@@ -717,10 +723,15 @@ class KVPagePool:
         num_pages: int,
         page_size: int,
         device: str | torch.device = "cpu",
+        *,
+        reclaim: str = "auto",
     ) -> None:
         if page_size.__class__ is not int or page_size < 1:
             raise CapacityError(f"page_size must be an int >= 1, got {page_size!r}")
+        explicit = check_reclaim_mode(reclaim)
         self._ledger = PageLedger(num_pages)
+        if explicit:
+            self._ledger.make_explicit()
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
@@ -891,11 +902,50 @@ class KVPagePool:
             self._on_free()
         return n
 
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
+
     def reclaim(self) -> int:
-        """Return pages whose fences completed; the number made free."""
+        """Return pages whose fences completed; the number made free.
+
+        With ``reclaim="explicit"`` it asks no fence and returns 0: pages
+        come back through :meth:`retire` and :meth:`agree` only.
+        """
         n = self._ledger.reclaim()
         if n and self._on_free is not None:
             self._on_free()
+        return n
+
+    def retire(self, fence: Fence) -> int:
+        """The scheduler processed the step ``fence`` ends (``reclaim="explicit"``).
+
+        Returns to circulation exactly the pages behind fences of
+        ``fence``'s stream up to it, in record order; never calls
+        ``query()``. Returns the pages made free. Raises ``TypeError`` for a
+        fence that is not ordered, ``RuntimeError`` on an ``"auto"`` pool;
+        either way nothing changes.
+        """
+        led = self._ledger
+        check_explicit(led, "retire")
+        check_ordered(fence)
+        n = led.retire(fence)
+        if n and self._on_free is not None:
+            self._on_free()  # an owning pool's grant loop
+        return n
+
+    def agree(self, group: Any = None) -> int:
+        """Settle pending fences identically on every rank of ``group``
+        (``reclaim="explicit"``; see :mod:`asyncpool.agreement`). A
+        collective: every rank calls it at the same point. Returns the pages
+        made free; raises :class:`AgreementError` on every rank, changing
+        nothing, when the ranks' pools disagree.
+        """
+        check_explicit(self._ledger, "agree")
+        n = agree(group, [self._ledger]).released[0]
+        if n and self._on_free is not None:
+            self._on_free()  # an owning pool's grant loop
         return n
 
     def clear(self) -> None:

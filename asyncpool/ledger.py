@@ -425,7 +425,9 @@ class SlotLedger(Deferrals[int]):
                     last = use
                     last_error = None
                     try:
-                        last_done = use.query()
+                        last_done = (
+                            use.query() if not self.explicit else self.is_retired(use)
+                        )
                     except Exception as exc:  # a faulted stream
                         last_error = exc
                         self._fault([row], 1, use, exc)

@@ -70,31 +70,38 @@ class OverdueFences:
     def add_ledger(self, ledger: Deferrals[Any]) -> None:
         self._ledgers.append(ledger)
 
-    def scan(self) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:
+    def scan(
+        self, *, agreed: bool = False
+    ) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:
         """Overdue fences now, with everything each holds per unit; and the
         seconds until the next pending fence becomes overdue (None: none
-        pending that is not overdue yet). O(pending batches)."""
+        pending that is not overdue yet). O(pending batches).
+
+        ``agreed`` (``reclaim="explicit"``): overdue means every rank agreed
+        so (the ledgers' ``agreed_overdue``), not this process's clock.
+        """
         now = self._clock()
         cutoff = now - self.timeout
-        batches = [(led.unit, b) for led in self._ledgers if led.pending
+        batches = [(led, b) for led in self._ledgers if led.pending
                    for b in led.pending_batches()]
         overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
-        for _, batch in batches:
-            if batch.t0 <= cutoff:  # the fence it waits for now is overdue
+        for led, batch in batches:
+            late = batch.did in led.agreed_overdue if agreed else batch.t0 <= cutoff
+            if late:  # the fence it waits for now is overdue
                 overdue.setdefault(id(batch.fence), (batch.fence, {}))
         next_t0: float | None = None
-        for unit, batch in batches:
+        for led, batch in batches:
             entry = overdue.get(id(batch.fence))
             if entry is not None:  # all it holds, in every ledger
-                entry[1][unit] = entry[1].get(unit, 0) + batch.n
+                entry[1][led.unit] = entry[1].get(led.unit, 0) + batch.n
             elif next_t0 is None or batch.t0 < next_t0:
                 next_t0 = batch.t0
         due = None if next_t0 is None else max(0.0, next_t0 + self.timeout - now)
         return overdue, due
 
-    def counts(self) -> tuple[int, dict[str, int]]:
-        """(overdue fences, the ids they hold per unit)."""
-        overdue, _ = self.scan()
+    def counts(self, *, agreed: bool = False) -> tuple[int, dict[str, int]]:
+        """(overdue fences, the ids they hold per unit); ``agreed`` as in :meth:`scan`."""
+        overdue, _ = self.scan(agreed=agreed)
         held: dict[str, int] = {}
         for _, per_unit in overdue.values():
             for unit, n in per_unit.items():

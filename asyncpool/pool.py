@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
+from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore
-from .deferral import Deferrals
+from .deferral import Deferrals, check_ordered
 from .errors import (
     CapacityError,
     DoubleFreeError,
@@ -143,6 +144,19 @@ class AsyncReqToTokenPool(PoolCore):
         Seconds after which a fence still holding rows or pages is
         *overdue*: logged once at WARNING and counted in :meth:`stats`; its
         memory stays held (see :meth:`force_release`). ``None``: never.
+        With ``reclaim="explicit"`` a fence is overdue only when
+        :meth:`agree` finds it so on every rank (same step everywhere).
+    reclaim
+        ``"auto"`` (default): memory returns as soon as its fences complete
+        (fence callbacks, watcher threads, reclaim inside ``alloc``).
+        ``"explicit"``, for engines that run one scheduler replica per
+        tensor-parallel rank: the pool never asks a fence whether it has
+        completed; memory returns through :meth:`retire` (the scheduler has
+        processed that step) and :meth:`agree` (a collective over the ranks
+        for fences the scheduler does not observe), so ranks that make the
+        same calls make the same grants. ``kv`` follows the pool's mode (a
+        fresh ``"auto"`` page pool is switched to explicit). See the
+        README's tensor-parallel section.
     """
 
     def __init__(
@@ -155,17 +169,34 @@ class AsyncReqToTokenPool(PoolCore):
         max_waiters: int | None = None,
         kv: KVPagePool | None = None,
         fence_timeout: float | None = None,
+        *,
+        reclaim: str = "auto",
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
         timeout_s = check_fence_timeout(fence_timeout)
+        explicit = check_reclaim_mode(reclaim)
         if kv is not None:
             if not isinstance(kv, KVPagePool):
                 raise TypeError(f"kv must be a KVPagePool, got {type(kv).__name__}")
             if kv.ledger._on_pending is not None:
                 raise ValueError(f"{kv!r} already serves a pool; give each pool its own")
+            if kv.ledger.explicit and not explicit:
+                raise ValueError(
+                    f'{kv!r} is reclaim="explicit" and would never return pages to a '
+                    'reclaim="auto" pool; build both with the same mode'
+                )
+            if explicit and not kv.ledger.explicit and (kv.ledger.pending or kv.ledger.quarantined):
+                raise ValueError(
+                    f'{kv!r} has pages behind fences; a reclaim="explicit" pool needs a '
+                    'fresh page pool (or one built with reclaim="explicit")'
+                )
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
         led = self._ledger
+        if explicit:
+            led.make_explicit()
+            if kv is not None and not kv.ledger.explicit:
+                kv.ledger.make_explicit()
         self._capacity = led.capacity
         self._take = led.take
         # The single-row fast paths of alloc() and free() below work on the
@@ -825,6 +856,66 @@ class AsyncReqToTokenPool(PoolCore):
             self._waiters.grant()
         return released
 
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
+
+    def retire(self, fence: Fence) -> tuple[int, int]:
+        """The scheduler has processed the step ``fence`` ends (``reclaim="explicit"``).
+
+        Returns to circulation exactly the rows and pages behind fences of
+        ``fence``'s stream up to it, in record order, then grants waiters
+        (the grant loop runs synchronously inside this call). Never calls
+        ``query()``: call it once the step's outputs are in (you waited for
+        them anyway), at the same point of the loop on every rank. Returns
+        ``(rows, pages)`` made free; ``(0, 0)`` when nothing waited on it.
+        Raises ``TypeError`` for a fence that is not ordered (a transfer
+        handle: :meth:`agree` settles those) and ``RuntimeError`` on an
+        ``"auto"`` pool; either way nothing changes. Loop thread only.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        check_explicit(led, "retire")
+        check_ordered(fence)
+        rows = led.retire(fence)
+        pages = self._pages.ledger.retire(fence) if self._pages is not None else 0
+        if (rows or pages) and self._waiters.count:
+            self._waiters.grant()
+        return rows, pages
+
+    def agree(self, group: Any = None) -> tuple[int, int]:
+        """Settle pending fences identically on every tensor-parallel rank.
+
+        A collective over the ``torch.distributed`` process group ``group``
+        (None: the default group), for ``reclaim="explicit"`` pools: each
+        rank asks its pending fences (rows and pages) locally, ONE small
+        tensor of flags is all-reduced with MIN, and every rank releases
+        exactly what all of them saw complete, quarantines what all saw
+        fault, marks overdue what all saw pending past ``fence_timeout``,
+        then grants waiters. Every rank must call it at the same point of
+        its loop; it blocks the loop for the collective
+        (:mod:`asyncpool.agreement`). Returns ``(rows, pages)`` made free.
+        Raises :class:`AgreementError` on every rank, changing nothing,
+        when the ranks' pools hold different pending batches (they did not
+        make the same calls); ``RuntimeError`` on an ``"auto"`` pool.
+        """
+        if self._owner != _get_ident():
+            self._bind_thread()
+        led = self._ledger
+        check_explicit(led, "agree")
+        ledgers: list[Deferrals[Any]] = [led]
+        if self._pages is not None:
+            ledgers.append(self._pages.ledger)
+        timeout = self._overdue.timeout if self._overdue is not None else None
+        res = agree(group, ledgers, overdue_after=timeout)
+        rows = res.released[0]
+        pages = res.released[1] if len(res.released) > 1 else 0
+        if (rows or pages or res.quarantined) and self._waiters.count:
+            self._waiters.grant()
+        return rows, pages
+
     def force_release(self, fence: Fence) -> tuple[int, int]:
         """Release the rows and pages held behind ``fence``, done or not.
 
@@ -1004,11 +1095,20 @@ class AsyncReqToTokenPool(PoolCore):
         from fences that completed meanwhile, which are reclaimed as any call
         would. Cancelling ``drain`` changes nothing either. Raises
         ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
+
+        With ``reclaim="explicit"`` it waits the same way for each pending
+        fence in turn and settles what is behind it (rows and pages) as
+        :meth:`retire` would (faulted: quarantined). The outcome, nothing
+        pending, does not depend on timing, so ranks that drain at the same
+        point stay alike.
         """
         self._check_thread()
         if timeout is not None:
             _check_wait_args(0, timeout)
         loop = self._running_loop()
+        if self._ledger.explicit:
+            await self._drain_explicit(loop, timeout)
+            return
         pending = self._pending_any
         if pending():
             self.reclaim()
@@ -1041,6 +1141,45 @@ class AsyncReqToTokenPool(PoolCore):
             held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
             raise TimeoutError(
                 f"drain timed out after {timeout} s with {held} still pending behind fences"
+            ) from None
+
+    async def _drain_explicit(
+        self, loop: asyncio.AbstractEventLoop, timeout: float | None
+    ) -> None:
+        # Explicit pools ask no fence on their own: wait for each pending
+        # fence in turn and settle what is behind it (rows and pages) as
+        # retire() would. The outcome (nothing pending) is the same on every
+        # rank whatever the timing, so replicas that drain at the same point
+        # stay in step.
+        ledgers: list[Deferrals[Any]] = [self._ledger]
+        if self._pages is not None:
+            ledgers.append(self._pages.ledger)
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                while self._pending_any():
+                    head = self._pending_fences()[0]
+                    error: BaseException | None = None
+                    try:
+                        done = head.query()
+                    except Exception as exc:  # a faulted fence: quarantine what it holds
+                        done, error = True, exc
+                    if done:
+                        made = sum(led.conclude(head, error) for led in ledgers)
+                        if made and self._waiters.count:
+                            self._waiters.grant()
+                        delay = _DRAIN_POLL_MIN_S
+                    elif head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {self._ledger.pending} rows still "
+                "pending behind fences"
             ) from None
 
     def _pending_any(self) -> int:
@@ -1173,7 +1312,8 @@ class AsyncReqToTokenPool(PoolCore):
                 "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),
             }
         if self._overdue is not None:
-            fences, held = self._overdue.counts()
+            # Explicit: overdue is what agree() found so on every rank.
+            fences, held = self._overdue.counts(agreed=self._ledger.explicit)
             extra["overdue_fences"] = fences
             extra["overdue_rows"] = held.get("rows", 0)
             extra["overdue_pages"] = held.get("pages", 0)

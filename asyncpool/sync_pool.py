@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore
+from .deferral import check_ordered
 from .fences import Fence, HostStream
 from .ledger import Rows
 from .stats import Histogram, PoolStats
@@ -37,6 +39,12 @@ class ReqToTokenPool(PoolCore):
     incomplete fence, or ``fence=``/``after=`` name one: then the row is
     *pending* and comes back through :meth:`reclaim`, which :meth:`alloc` runs
     before answering ``None``.
+
+    ``reclaim="explicit"`` (for one scheduler replica per tensor-parallel
+    rank): the pool never asks a fence whether it completed; pending rows
+    come back through :meth:`retire` (the scheduler processed that step) and
+    :meth:`agree` (a collective over the ranks), so every rank that makes the
+    same calls makes the same decisions.
     """
 
     def __init__(
@@ -46,8 +54,13 @@ class ReqToTokenPool(PoolCore):
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: Any | None = None,
+        *,
+        reclaim: str = "auto",
     ) -> None:
+        explicit = check_reclaim_mode(reclaim)
         super().__init__(size, max_context_len, device, enable_memory_saver, stream)
+        if explicit:
+            self._ledger.make_explicit()
         self._alloc_calls = 0  # successful alloc() calls (each a zero wait)
 
     def __repr__(self) -> str:
@@ -99,9 +112,44 @@ class ReqToTokenPool(PoolCore):
             free_index = self._use_until_now(free_index, after, fence)
         return led.free(free_index, fence)
 
+    @property
+    def reclaim_mode(self) -> str:
+        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
+        return "explicit" if self._ledger.explicit else "auto"
+
     def reclaim(self) -> int:
-        """Return rows whose fences completed; the number made free."""
+        """Return rows whose fences completed; the number made free.
+
+        With ``reclaim="explicit"`` it asks no fence and returns 0: rows
+        come back through :meth:`retire` and :meth:`agree` only.
+        """
         return self._ledger.reclaim()
+
+    def retire(self, fence: Fence) -> int:
+        """The scheduler processed the step ``fence`` ends (``reclaim="explicit"``).
+
+        Returns to circulation exactly the rows behind fences of ``fence``'s
+        stream up to it, in record order; never calls ``query()``. Returns
+        the rows made free (0 when nothing waited on it). Raises
+        ``TypeError`` for a fence that is not ordered, ``RuntimeError`` on an
+        ``"auto"`` pool; either way nothing changes.
+        """
+        led = self._ledger
+        check_explicit(led, "retire")
+        check_ordered(fence)
+        return led.retire(fence)
+
+    def agree(self, group: Any = None) -> int:
+        """Settle pending fences identically on every rank of ``group``
+        (``reclaim="explicit"``); see :mod:`asyncpool.agreement`.
+
+        A collective over a ``torch.distributed`` process group (None: the
+        default group): every rank calls it at the same point. Returns the
+        rows made free. Raises :class:`AgreementError` on every rank,
+        changing nothing, when the ranks' pools disagree.
+        """
+        check_explicit(self._ledger, "agree")
+        return agree(group, [self._ledger]).released[0]
 
     def clear(self) -> None:
         """Flush: free every allocated row at once and zero the tables.

@@ -30,7 +30,7 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
 BENCHMARKS = ("uncontended", "batched", "contended", "admit", "fenced", "reclaim", "scaling",
-              "wake", "metrics", "pages", "demo")
+              "wake", "metrics", "pages", "demo", "agree")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -117,6 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     for name in BENCHMARKS:
         if name not in only:
+            continue
+        if name == "agree":
+            _log("[agree] spawning 2 gloo ranks ...")
+            t0 = time.perf_counter()
+            from benchmarks.bench_agree import bench_agree
+
+            agree_rows, info = bench_agree(cfg)
+            rows += agree_rows
+            extra["agree"] = info
+            _log(f"[agree] done in {time.perf_counter() - t0:.1f}s")
             continue
         if name == "demo":
             _log("[demo] running scheduler_demo ...")

@@ -179,6 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
         "one step (default %(default)s)",
     )
 
+    e.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N tensor-parallel scheduler replicas, one process each (gloo; NCCL with "
+        "--device cuda, one GPU per rank), with reclaim=\"explicit\" pools; every step "
+        "checks that all ranks built the same batch (default: 0, the plain demo; 1 runs "
+        "the replica machinery on one rank)",
+    )
+    e.add_argument(
+        "--tp-reclaim",
+        choices=("explicit", "auto"),
+        default="explicit",
+        help="with --tp: the pools' reclaim mode; auto is the control run, whose replicas "
+        "decide by local fence timing and diverge (default: %(default)s)",
+    )
     t = p.add_argument_group("timing")
     t.add_argument(
         "--forward-ms",
@@ -298,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available here")
+    if args.tp:
+        return _main_tp(args, cfg)
     try:
         report: Report = _run(run_demo(cfg))
     except TimeoutError:
@@ -311,3 +330,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         save_plot(report, args.plot)
     return 0 if report.ok else 1
+
+
+def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
+    """``--tp N``: rank 0 prints its report; then the agreement figures."""
+    import json
+
+    from .tp import TPMismatchError, format_summary, run_tp
+
+    if args.tp < 0:
+        print(f"scheduler_demo: --tp must be >= 0, got {args.tp}", file=sys.stderr)
+        return 2
+    if cfg.admission != "atomic" or cfg.gate:
+        print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
+        return 2
+    try:
+        res = run_tp(cfg, args.tp, args.tp_reclaim)
+    except TPMismatchError as exc:
+        print(f"scheduler_demo: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(res))
+    report = res["ranks"][0]["report"]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**report, "tp": {k: v for k, v in res.items() if k != "ranks"}}, f,
+                      indent=1, default=str)
+    if args.plot:
+        print("scheduler_demo: --plot is not drawn with --tp", file=sys.stderr)
+    ok = res["mismatches"] == 0 and report.get("corruptions", 1) == 0 and report.get(
+        "kv_corruptions", 1) == 0
+    return 0 if ok else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,12 +24,19 @@ __all__ = ["run_demo"]
 logger = logging.getLogger(__name__)
 
 
-async def run_demo(config: DemoConfig | None = None) -> Report:
+async def run_demo(
+    config: DemoConfig | None = None,
+    *,
+    reclaim: str = "auto",
+    scheduler_factory: Callable[..., Scheduler] = Scheduler,
+) -> Report:
     """Run the demo once and return its :class:`Report`.
 
     Creates the forward and transfer streams, the KV pages and the pool in
     the running loop (the pool is loop-affine), serves the whole workload,
-    lands every transfer, drains the pool, closes everything.
+    lands every transfer, drains the pool, closes everything. ``reclaim``
+    and ``scheduler_factory`` are for ``--tp`` (:mod:`scheduler_demo.tp`):
+    explicit pools and a replicated scheduler.
     """
     cfg = config or DemoConfig()
     cfg.validate()
@@ -49,11 +57,18 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
         # The pool owns the pages: a row and its pages are admitted, extended
         # and freed together.
-        kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size, device=cfg.device)
+        kv_pages = KVPagePool(
+            cfg.kv_pages + 1, cfg.page_size, device=cfg.device, reclaim=reclaim
+        )
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
         kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
         async with AsyncReqToTokenPool(
-            cfg.rows + 1, cfg.max_context_len, device=cfg.device, stream=pool_stream, kv=kv_pages
+            cfg.rows + 1,
+            cfg.max_context_len,
+            device=cfg.device,
+            stream=pool_stream,
+            kv=kv_pages,
+            reclaim=reclaim,
         ) as pool:
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
@@ -61,7 +76,7 @@ async def run_demo(config: DemoConfig | None = None) -> Report:
                 torch.cuda.synchronize()  # the zeroed KV and tables land before any stream writes
             busy0 = forward.busy_s
             on_complete = None if bar is None else bar.update
-            sched = Scheduler(
+            sched = scheduler_factory(
                 cfg, pool, kv_pages, forward, transfers, specs, on_complete=on_complete
             )
             try:

@@ -16,6 +16,8 @@
 #   5. the scheduler demo on CUDA, fenced: must complete with 0 corruptions
 #   6. the scheduler demo on CUDA, --unsafe: must show corruptions (exit 1)
 #   7. examples/overlap_step.py and examples/sync_dropin.py on CUDA streams
+#   8. the demo as one tensor-parallel replica over NCCL (--tp 1): explicit
+#      pools, agree() with CUDA tensors; must finish with 0 mismatches
 # Writes $OUT/gpu_check_summary.txt and $OUT/gpu_check_summary.json, per-step
 # logs, junit XML, and the demo reports ($OUT/demo_fenced.json, demo_unsafe.json).
 # Exit status: 0 when every step passed, 1 otherwise.
@@ -123,7 +125,7 @@ skip_step() {
 }
 if [ "$HAVE_CUDA" != 1 ]; then
     say "no CUDA device visible to torch: the cuda tests above skipped; skipping the rest"
-    for step in memory_saver_preload demo_fenced demo_unsafe examples; do
+    for step in memory_saver_preload demo_fenced demo_unsafe examples demo_tp; do
         skip_step "$step" "no CUDA device"
     done
 else
@@ -146,6 +148,8 @@ run_step demo_unsafe 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --uns
     --timeout 80 --json "$OUT_DIR/demo_unsafe.json"
 # --------------------------------------------------------------------------- 7. examples
 run_step examples 60 bash -c '"$PY" examples/overlap_step.py --device cuda && "$PY" examples/sync_dropin.py --device cuda'
+# --------------------------------------------------------------------------- 8. --tp over NCCL
+run_step demo_tp 90 "$PY" -m scheduler_demo --device cuda --tp 1 -n 200 --no-progress --timeout 80
 fi
 
 # --------------------------------------------------------------------------- summary
@@ -215,10 +219,13 @@ ok["demo_fenced"] = bool(
 )
 ok["demo_unsafe"] = bool(unsafe and (unsafe.get("corruptions") or 0) > 0)
 ok["examples"] = steps.get("examples", {}).get("rc") == "0"
+ok["demo_tp"] = steps.get("demo_tp", {}).get("rc") == "0" and bool(
+    grep("demo_tp.log", r"tensor parallel: .* 0 mismatches")
+)
 ok["install"] = steps.get("install", {}).get("rc") == "0"
 summary = {
     "passed": all(ok[k] for k in ("cuda_tests", "memory_saver_preload", "demo_fenced", "demo_unsafe",
-                                  "examples")),
+                                  "examples", "demo_tp")),
     "cuda_available": have_cuda == "1",
     "total_seconds": int(total),
     "ok": ok,

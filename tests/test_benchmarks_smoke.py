@@ -265,3 +265,16 @@ def test_entry_point_rejects_unknown_names(argv: list[str]) -> None:
 
     with pytest.raises(SystemExit):
         main(["--preset", "smoke", "--no-md", *argv])
+
+
+@pytest.mark.timeout(180)
+def test_agree_benchmark_runs_two_ranks() -> None:
+    from benchmarks.bench_agree import PENDING, bench_agree
+
+    rows, info = bench_agree(SMOKE)
+    assert len(rows) == 2 * len(PENDING)
+    for row in rows:
+        assert row.bench == "agree" and row.unit == "us"
+        assert row.subject_value > 0 and math.isfinite(row.ratio), row
+        json.dumps(row.to_json())
+    assert info["world"] == 2

@@ -1,0 +1,574 @@
+"""reclaim="explicit": the pools never ask a fence; retire() and agree() decide.
+
+Single process. The multi-process agreement test is tests/test_tp.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import FakeFence, FakeStream, bounded
+
+from asyncpool import (
+    AgreementError,
+    AsyncReqToTokenPool,
+    FenceError,
+    HostStream,
+    KVPagePool,
+    ReqToTokenPool,
+)
+from asyncpool.agreement import WIDTH, agree
+from asyncpool.deferral import check_ordered
+
+
+class CountingFence:
+    """A fence of unknown origin (a transfer handle) that counts query() calls."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.queries = 0
+        self.error: BaseException | None = None
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def synchronize(self) -> None:
+        # Only drain() waits for fences; the tests never make it wait long.
+        if self.error is not None:
+            raise self.error
+        if not self.done:
+            raise AssertionError("synchronize() on a fence the test has not completed")
+
+
+def rows_pool(reclaim: str = "explicit", size: int = 9) -> ReqToTokenPool:
+    return ReqToTokenPool(size, 4, reclaim=reclaim)
+
+
+def kv_pool(reclaim: str = "explicit", num_pages: int = 65) -> KVPagePool:
+    return KVPagePool(num_pages, 4, reclaim=reclaim)
+
+
+def snapshot(pool: Any) -> tuple[Any, ...]:
+    led = pool._ledger
+    batches = [(b.did, b.fence, b.rest, b.n) for b in led.pending_batches()]
+    free = list(led._free) if hasattr(led, "_free") else led._ring.tolist()
+    return (free, led.pending, led.quarantined, batches, dict(led._retired))
+
+
+# ---------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("bad", ["Explicit", "", None, 1, b"auto"])
+def test_reclaim_mode_is_checked(bad: object) -> None:
+    with pytest.raises(ValueError, match="reclaim must be"):
+        ReqToTokenPool(4, 4, reclaim=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reclaim must be"):
+        KVPagePool(4, 4, reclaim=bad)  # type: ignore[arg-type]
+
+
+def test_auto_is_the_default() -> None:
+    assert ReqToTokenPool(4, 4).reclaim_mode == "auto"
+    assert KVPagePool(4, 4).reclaim_mode == "auto"
+
+
+# ---------------------------------------------------------------- never query
+
+
+def test_explicit_rows_never_query_a_fence() -> None:
+    pool = rows_pool()
+    s = FakeStream()
+    transfer = CountingFence(done=True)
+    rows = pool.alloc(8)
+    assert rows is not None
+    f1 = s.record()
+    pool.record_use(rows[:4], f1)
+    s.complete()  # f1 is done, but nobody retired it
+    assert pool.free(rows[:2]) == 0  # behind f1 even though it is done
+    assert pool.free(rows[2:4], fence=transfer) == 0
+    assert pool.free(rows[4:6], fence=f1) == 0
+    assert pool.alloc(3) is None  # no reclaim inside alloc
+    assert pool.reclaim() == 0
+    assert f1.queries == 0 and transfer.queries == 0
+    pool.check_invariants()
+
+
+def test_explicit_pages_never_query_a_fence() -> None:
+    kv = kv_pool(num_pages=9)
+    s = FakeStream()
+    transfer = CountingFence(done=True)
+    pages = kv.alloc(8)
+    assert pages is not None
+    f1 = s.record()
+    s.complete()
+    assert kv.free(pages[:3], fence=f1) == 0
+    assert kv.free(pages[3:5], fence=transfer) == 0
+    assert kv.free(pages[5:], fence=f1) == 0
+    assert kv.alloc(1) is None  # alloc does not reclaim in explicit mode
+    assert kv.reclaim() == 0
+    assert f1.queries == 0 and transfer.queries == 0
+    kv.check_invariants()
+
+
+def test_auto_mode_does_query_the_same_fences() -> None:
+    """The control for the tests above: in auto mode the same calls query."""
+    pool = rows_pool("auto")
+    s = FakeStream()
+    rows = pool.alloc(2)
+    assert rows is not None
+    f1 = s.record()
+    s.complete()
+    assert pool.free(rows, fence=f1) == 2  # done: free at once
+    assert f1.queries == 1
+
+
+# ---------------------------------------------------------------- retire
+
+
+def test_retire_returns_rows_in_record_order_up_to_the_fence() -> None:
+    pool = rows_pool(size=9)
+    s = FakeStream()
+    f1, f2, f3 = s.record(), s.record(), s.record()
+    rows = pool.alloc(8)
+    assert rows is not None
+    # Frees arrive out of record order: f3 first, then f1, then f2.
+    pool.free(rows[0:2], fence=f3)
+    pool.free(rows[2:4], fence=f1)
+    pool.free(rows[4:6], fence=f2)
+    assert pool.available_size() == 0
+    assert pool.retire(f2) == 4
+    # f1's rows first, then f2's: the free queue is in record order.
+    assert list(pool._ledger._free) == rows[2:4] + rows[4:6]
+    assert pool.pending_size() == 2
+    assert pool.retire(f3) == 2
+    assert list(pool._ledger._free) == rows[2:4] + rows[4:6] + rows[0:2]
+    assert f1.queries == f2.queries == f3.queries == 0
+    pool.check_invariants()
+
+
+def test_retire_of_a_fence_with_nothing_behind_it() -> None:
+    pool = rows_pool()
+    kv = kv_pool()
+    s = FakeStream()
+    f = s.record()
+    before = snapshot(pool)
+    assert pool.retire(f) == 0
+    assert kv.retire(f) == 0
+    assert snapshot(pool)[:4] == before[:4]
+    # A later free behind a retired fence (or an older one) is free at once:
+    # every rank retired it at the same point, so this is deterministic.
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.record_use(rows, f)
+    assert pool.free(rows) == 2
+    pages = kv.alloc(3)
+    assert pages is not None
+    assert kv.free(pages, fence=f) == 3
+    g = s.record()
+    rows = pool.alloc(1)
+    assert rows is not None
+    assert pool.free(rows, fence=g) == 0  # g is newer than what was retired
+    assert f.queries == g.queries == 0
+
+
+def test_retire_covers_only_its_own_stream() -> None:
+    pool = rows_pool()
+    a, b = FakeStream(), FakeStream()
+    fa, fb = a.record(), b.record()
+    rows = pool.alloc(4)
+    assert rows is not None
+    pool.free(rows[:2], fence=fa)
+    pool.free(rows[2:], fence=fb)
+    assert pool.retire(fa) == 2
+    assert pool.pending_size() == 2
+    assert pool.retire(fb) == 2
+
+
+def test_row_used_on_two_streams_waits_for_both_retires() -> None:
+    pool = rows_pool()
+    a, b = FakeStream(), FakeStream()
+    rows = pool.alloc(1)
+    assert rows is not None
+    fa, fb = a.record(), b.record()
+    pool.record_use(rows, fa)
+    pool.record_use(rows, fb)
+    pool.free(rows)
+    assert pool.retire(fa) == 0  # moved behind fb
+    assert pool.pending_size() == 1
+    assert pool.retire(fb) == 1
+    pool.check_invariants()
+
+
+def test_retire_then_transfer_fence_goes_to_agreement() -> None:
+    """A row behind a step fence and a transfer: retire moves it behind the
+    transfer, which only agree() settles."""
+    pool = rows_pool()
+    s = FakeStream()
+    transfer = CountingFence(done=True)
+    rows = pool.alloc(1)
+    assert rows is not None
+    f = s.record()
+    pool.record_use(rows, f)
+    pool.free(rows, fence=transfer)
+    assert pool.retire(f) == 0
+    assert pool.pending_size() == 1
+    assert transfer.queries == 0
+
+
+def test_retire_and_agree_on_an_auto_pool_are_errors() -> None:
+    pool = rows_pool("auto")
+    kv = kv_pool("auto")
+    f = FakeStream().record()
+    for target in (pool, kv):
+        with pytest.raises(RuntimeError, match='reclaim="explicit"'):
+            target.retire(f)
+        with pytest.raises(RuntimeError, match='reclaim="explicit"'):
+            target.agree(None)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [CountingFence(), None, 3, object(), "fence"],
+    ids=["unknown-origin", "none", "int", "object", "str"],
+)
+def test_retire_refuses_a_fence_not_from_an_ordered_stream(bad: object) -> None:
+    pool = rows_pool()
+    kv = kv_pool()
+    s = FakeStream()
+    f = s.record()
+    rows = pool.alloc(2)
+    pages = kv.alloc(2)
+    assert rows is not None and pages is not None
+    pool.free(rows, fence=f)
+    kv.free(pages, fence=f)
+    before_rows, before_pages = snapshot(pool), snapshot(kv)
+    with pytest.raises(TypeError, match="needs an ordered fence"):
+        pool.retire(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs an ordered fence"):
+        kv.retire(bad)  # type: ignore[arg-type]
+    assert snapshot(pool) == before_rows
+    assert snapshot(kv) == before_pages
+
+
+def test_check_ordered_wants_int_stream_key_and_seq() -> None:
+    f = FakeStream().record()
+    check_ordered(f)
+    f.seq = 1.0  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        check_ordered(f)
+
+
+def test_pages_retire_in_record_order() -> None:
+    kv = kv_pool(num_pages=9)
+    s = FakeStream()
+    f1, f2 = s.record(), s.record()
+    pages = kv.alloc(8)
+    assert pages is not None
+    kv.free(pages[:4], fence=f2)
+    kv.free(pages[4:], fence=f1)
+    assert kv.retire(f1) == 4
+    assert kv.retire(f2) == 4
+    got = kv.alloc(8)
+    assert got is not None
+    assert got.tolist() == pages[4:].tolist() + pages[:4].tolist()
+    kv.check_invariants()
+
+
+# ---------------------------------------------------------------- agree (world size 1)
+
+
+def test_agree_without_torch_distributed_is_a_clear_error() -> None:
+    if dist.is_initialized():
+        pytest.skip("the module's group fixture is live")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        rows_pool().agree(None)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    if dist.is_initialized():  # pragma: no cover - another module left one
+        pytest.skip("a default process group already exists in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
+        )
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def test_agree_releases_transfers_that_are_done(group: Any) -> None:
+    pool = rows_pool()
+    t1, t2 = CountingFence(done=True), CountingFence(done=False)
+    rows = pool.alloc(4)
+    assert rows is not None
+    pool.free(rows[:2], fence=t1)
+    pool.free(rows[2:], fence=t2)
+    assert pool.agree(group) == 2
+    assert t1.queries == 1 and t2.queries == 1
+    assert pool.pending_size() == 2
+    t2.done = True
+    assert pool.agree(group) == 2
+    assert pool.pending_size() == 0
+    pool.check_invariants()
+
+
+def test_agree_covers_ordered_fences_not_yet_retired(group: Any) -> None:
+    kv = kv_pool()
+    s = FakeStream()
+    f1, f2 = s.record(), s.record()
+    pages = kv.alloc(6)
+    assert pages is not None
+    kv.free(pages[:3], fence=f1)
+    kv.free(pages[3:], fence=f2)
+    s.complete(1)
+    assert kv.agree(group) == 3
+    assert kv.retire(f1) == 0  # already settled: nothing left behind it
+    assert kv.retire(f2) == 3
+    kv.check_invariants()
+
+
+def test_agree_with_nothing_pending(group: Any) -> None:
+    assert rows_pool().agree(group) == 0
+
+
+def test_agree_quarantines_a_faulted_fence(group: Any) -> None:
+    pool = rows_pool()
+    t = CountingFence()
+    t.error = RuntimeError("transfer failed")
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=t)
+    assert pool.agree(group) == 0
+    assert pool.quarantined_size() == 2 and pool.pending_size() == 0
+    assert isinstance(pool._ledger.last_fence_error, FenceError)
+    pool.check_invariants()
+
+
+def test_agree_marks_overdue_once_and_keeps_the_memory(
+    group: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = rows_pool()
+    t = CountingFence()
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=t)
+    led = pool._ledger
+    with caplog.at_level(logging.WARNING, logger="asyncpool.agreement"):
+        res = agree(group, [led], overdue_after=1e-9)
+        again = agree(group, [led], overdue_after=1e-9)
+    assert res.newly_overdue == 1 and again.newly_overdue == 0
+    assert len(led.agreed_overdue) == 1
+    assert sum("overdue on every rank" in r.message for r in caplog.records) == 1
+    assert pool.pending_size() == 2
+    t.done = True
+    assert pool.agree(group) == 2
+    assert not led.agreed_overdue
+
+
+def test_agree_beyond_the_first_width_uses_a_second_collective(group: Any) -> None:
+    n = WIDTH + 5
+    pool = rows_pool(size=n + 1)
+    rows = pool.alloc(n)
+    assert rows is not None
+    fences = [CountingFence(done=i % 2 == 0) for i in range(n)]
+    for row, f in zip(rows, fences, strict=True):
+        pool.free([row], fence=f)
+    res = agree(group, [pool._ledger])
+    assert res.batches == n and res.collectives == 2
+    assert res.released == ((n + 1) // 2,)
+    released = set(rows) - {b.items[0] for b in pool._ledger.pending_batches()}
+    assert released == {rows[i] for i in range(0, n, 2)}
+
+
+def test_agree_refuses_a_non_group(group: Any) -> None:
+    pool = rows_pool()
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        pool.agree("world")
+
+
+def test_agreement_error_on_disagreeing_ranks(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulate a second rank holding one more batch: MIN over ranks of the
+    header then differs from MAX, and nothing changes."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    t = CountingFence(done=True)
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=t)
+    real = agreement._all_reduce_min
+
+    def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[0] = min(out[0], 1)  # this rank: 1 batch
+        out[4] = min(out[4], -2)  # the other: 2 batches (stored negated)
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
+    before = snapshot(pool)
+    with pytest.raises(AgreementError, match=r"rows pending batches 1\.\.2"):
+        pool.agree(group)
+    assert snapshot(pool) == before
+
+
+def test_agree_merges_both_ledgers_in_one_tensor(group: Any) -> None:
+    pool = rows_pool()
+    kv = kv_pool()
+    t = CountingFence(done=True)
+    rows = pool.alloc(1)
+    pages = kv.alloc(2)
+    assert rows is not None and pages is not None
+    pool.free(rows, fence=t)
+    kv.free(pages, fence=t)
+    res = agree(group, [pool._ledger, kv._ledger])
+    assert res.released == (1, 2) and res.collectives == 1
+    assert t.queries == 1  # one question per fence per agreement
+    assert kv.available_size() == kv.capacity and pool.available_size() == pool.capacity
+
+
+def test_fake_fence_helper_counts_queries() -> None:
+    f: FakeFence = FakeStream().record()
+    f.query()
+    assert f.queries == 1
+
+
+# ---------------------------------------------------------------- the asyncio pool
+
+
+async def test_async_explicit_pool_grants_a_waiter_on_retire() -> None:
+    pool = AsyncReqToTokenPool(3, 4, reclaim="explicit")
+    s = FakeStream()
+    rows = await pool.alloc(2)
+    f = s.record()
+    pool.record_use(rows, f)
+    s.complete()  # done, but the pool does not look
+    pool.free(rows)
+    waiter = asyncio.ensure_future(pool.alloc(2))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiter.done()
+    assert pool.try_alloc(1) is None
+    assert pool.reclaim() == 0
+    assert pool.retire(f) == (2, 0)
+    # Granted inside retire(), at hand-over: nobody queues, nothing is free.
+    assert pool.waiting() == 0 and pool.available_size() == 0
+    async with bounded():
+        assert sorted(await waiter) == sorted(rows)
+    assert f.queries == 0
+    assert pool._watcher is None
+    await pool.close()
+
+
+async def test_async_explicit_pool_starts_no_watcher_and_registers_no_callback() -> None:
+    pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
+    with HostStream() as stream:
+        gate = threading.Event()
+        stream.launch(gate.wait)
+        f = stream.record()
+        t = CountingFence()
+        rows = await pool.alloc(3)
+        pool.free(rows[:1], fence=f)
+        pool.free(rows[1:2], fence=t)
+        pool.free(rows[2:], after=stream)
+        assert pool._watcher is None and t.queries == 0
+        gate.set()
+        stream.synchronize()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert pool.pending_size() == 3  # completion changed nothing
+        await pool.close()
+
+
+async def test_async_explicit_pool_agree_grants(group: Any) -> None:
+    pool = AsyncReqToTokenPool(2, 4, reclaim="explicit")
+    t = CountingFence()
+    rows = await pool.alloc(1)
+    pool.free(rows, fence=t)
+    waiter = asyncio.ensure_future(pool.alloc(1))
+    await asyncio.sleep(0)
+    assert pool.agree(group) == (0, 0)
+    t.done = True
+    assert pool.agree(group) == (1, 0)
+    async with bounded():
+        assert await waiter == rows
+    await pool.close()
+
+
+async def test_async_explicit_drain_settles_everything() -> None:
+    pool = AsyncReqToTokenPool(5, 4, reclaim="explicit")
+    with HostStream() as stream:
+        rows = await pool.alloc(4)
+        f = stream.record()
+        pool.record_use(rows[:2], f)
+        t = CountingFence(done=True)
+        bad = CountingFence()
+        bad.error = RuntimeError("transfer failed")
+        pool.free(rows[:2])
+        pool.free(rows[2:3], fence=t)
+        pool.free(rows[3:], fence=bad)
+        async with bounded():
+            await pool.drain()
+    assert pool.pending_size() == 0
+    assert pool.quarantined_size() == 1 and pool.available_size() == 3
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_async_retire_bad_input_changes_nothing() -> None:
+    pool = AsyncReqToTokenPool(3, 4, reclaim="explicit")
+    auto = AsyncReqToTokenPool(3, 4)
+    f = FakeStream().record()
+    rows = await pool.alloc(2)
+    pool.free(rows, fence=f)
+    before = snapshot(pool)
+    with pytest.raises(TypeError, match="ordered fence"):
+        pool.retire(CountingFence())  # type: ignore[arg-type]
+    assert snapshot(pool) == before
+    with pytest.raises(RuntimeError, match='reclaim="explicit"'):
+        auto.retire(f)
+    with pytest.raises(ValueError, match="reclaim must be"):
+        AsyncReqToTokenPool(3, 4, reclaim="manual")
+    await pool.close()
+    await auto.close()
+
+
+@pytest.mark.cuda
+def test_agree_over_nccl_uses_a_cuda_tensor(group: Any) -> None:
+    """NCCL (one GPU, a one-rank NCCL group beside the gloo default group):
+    the flags travel in a CUDA tensor and CUDA fences are settled."""
+    from asyncpool import record_fence
+
+    nccl = dist.new_group(ranks=[0], backend="nccl")
+    stream = torch.cuda.Stream()
+    pool = ReqToTokenPool(4, 4, device="cuda", reclaim="explicit")
+    kv = KVPagePool(9, 4, device="cuda", reclaim="explicit")
+    rows = pool.alloc(2)
+    pages = kv.alloc(4)
+    assert rows is not None and pages is not None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1_000_000)
+    f = record_fence(stream)
+    pool.record_use(rows, f)
+    pool.free(rows)
+    kv.free(pages, fence=f)
+    stream.synchronize()
+    res = agree(nccl, [pool._ledger, kv.ledger])
+    assert res.released == (2, 4)
+    pool.check_invariants()
+    kv.check_invariants()
+    dist.destroy_process_group(nccl)

@@ -1,0 +1,358 @@
+"""One tensor-parallel rank's scheduler loop, for tests/test_tp.py.
+
+Every rank runs the same seeded overlap-scheduling loop (the shared RNG
+decides arrivals, lengths, aborts and finishes), on its own HostStream, with
+delays drawn from a per-rank RNG: the forward step sleeps, KV transfers land
+after a random delay. Each step the ranks all-gather a running hash of every
+grant made so far (row and page ids per request, step by step) and stop at
+the first step where they differ. Each rank writes a JSON summary.
+
+The loop per step t (overlap: batch t is built while batch t-1 runs):
+
+1. schedule batch t: client aborts (a request whose prompt KV is still
+   arriving frees its row and pages behind the transfer fence), decode
+   growth (a page when a request crosses a page boundary; when short, the
+   newest running request is retracted behind the step in flight),
+   admissions (a row and its prompt pages, all or nothing, FIFO);
+2. launch batch t on the forward stream, record fence f_t, record_use;
+3. process batch t-1's outputs: f_{t-1}.synchronize(); requests that hit
+   their length finish (freed behind f_t: batch t already uses them);
+   explicit mode: retire(f_{t-1}) and agree(group).
+
+In "auto" mode the pools reclaim when fences happen to be done here: the
+control, whose grants must diverge across ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncpool import HostStream, KVPagePool, ReqToTokenPool
+from asyncpool.agreement import agree
+
+PAGE = 4
+
+
+class Transfer:
+    """A KV transfer handle: a fence of unknown origin (no stream_key) that
+    completes ``delay`` seconds after it starts."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, delay: float) -> None:
+        self.deadline = time.monotonic() + delay
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def synchronize(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt: int
+    out: int
+    transfer_steps: int  # steps until its prompt KV has landed
+    row: int = 0
+    pages: list[int] = field(default_factory=list)
+    tokens: int = 0
+    transfer: Transfer | None = None
+    ready_at: int = 0
+    last: Any = None  # fence of the last batch that used it
+
+
+class RowsAndPages:
+    """Rows from a ReqToTokenPool, pages from a KVPagePool: two calls per admission."""
+
+    def __init__(self, c: Config) -> None:
+        self.rows = ReqToTokenPool(c.rows, 8, reclaim=c.reclaim)
+        self.kv = KVPagePool(c.pages, PAGE, reclaim=c.reclaim)
+        self.ops = 0
+
+    def admit(self, pages: int) -> tuple[int, list[int]] | None:
+        row = self.rows.alloc(1)
+        self.ops += 1
+        if row is None:
+            return None
+        got = self.kv.alloc(pages)
+        self.ops += 1
+        if got is None:
+            self.rows.free(row)  # never touched: free at once in both modes
+            self.ops += 1
+            return None
+        return row[0], got.tolist()
+
+    def extend(self, row: int) -> list[int] | None:
+        self.ops += 1
+        got = self.kv.alloc(1)
+        return None if got is None else got.tolist()
+
+    def use(self, rows: list[int], fence: Any) -> None:
+        self.rows.record_use(rows, fence)
+
+    def release(self, req: Req) -> None:
+        """The row behind its recorded uses; the pages behind the last batch
+        that touched them, or the request's open transfer."""
+        self.rows.free([req.row])
+        fence = req.transfer if req.transfer is not None else req.last
+        self.kv.free(req.pages, fence=fence)
+        self.ops += 2
+
+    def retire(self, fence: Any) -> None:
+        self.rows.retire(fence)
+        self.kv.retire(fence)
+
+    def agree(self, group: Any) -> None:
+        # One tensor for both ledgers (what the pool's agree() does with kv=).
+        agree(group, [self.rows._ledger, self.kv.ledger])
+
+    def check(self) -> None:
+        self.rows.check_invariants()
+        self.kv.check_invariants()
+
+
+class Admission:
+    """AsyncReqToTokenPool(kv=KVPagePool(...)): admit(pages=n), extend, free."""
+
+    def __init__(self, c: Config) -> None:
+        from asyncpool import AsyncReqToTokenPool
+
+        kv = KVPagePool(c.pages, PAGE, reclaim=c.reclaim)
+        self.pool: Any = AsyncReqToTokenPool(c.rows, 8, kv=kv, reclaim=c.reclaim)
+        self.ops = 0
+
+    def admit(self, pages: int) -> tuple[int, list[int]] | None:
+        self.ops += 1
+        g = self.pool.try_admit(pages=pages)
+        return None if g is None else (int(g.row), g.pages.tolist())
+
+    def extend(self, row: int) -> list[int] | None:
+        self.ops += 1
+        got = self.pool.extend(row, 1)
+        return None if got is None else got.tolist()
+
+    def use(self, rows: list[int], fence: Any) -> None:
+        self.pool.record_use(rows, fence)  # covers the rows' pages too
+
+    def release(self, req: Req) -> None:
+        self.pool.free([req.row])  # and its pages, behind the row's uses
+        self.ops += 1
+
+    def retire(self, fence: Any) -> None:
+        self.pool.retire(fence)
+
+    def agree(self, group: Any) -> None:
+        self.pool.agree(group)
+
+    def check(self) -> None:
+        self.pool.check_invariants()
+
+
+#: the memory APIs this checkout has ("admit" once the pool can admit)
+APIS = ("rows", "admit") if hasattr(__import__("asyncpool").AsyncReqToTokenPool, "admit") else (
+    "rows",
+)
+
+
+@dataclass
+class Config:
+    steps: int = 500
+    rows: int = 40
+    pages: int = 240
+    reclaim: str = "explicit"
+    fwd_delay_s: float = 0.0006  # rank r sleeps up to r * this per step
+    transfer_delay_s: float = 0.002  # rank r's transfers land within (r + 1) * this
+    seed: int = 1234
+    api: str = "rows"  # or "admit" (see APIS)
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    c = Config(**cfg)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        if c.api == "admit":
+            # The pool is loop-affine: run the (synchronous) loop inside one.
+            async def main() -> dict[str, Any]:
+                return _loop(rank, world, c)
+
+            summary = asyncio.run(main())
+        else:
+            summary = _loop(rank, world, c)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(summary, f)
+
+
+def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
+    shared = random.Random(c.seed)  # same on every rank: the workload
+    local = random.Random(c.seed * 1000 + rank)  # this rank's timing
+    explicit = c.reclaim == "explicit"
+    mem: RowsAndPages | Admission = Admission(c) if c.api == "admit" else RowsAndPages(c)
+    stream = HostStream(f"forward-{rank}")
+    group = dist.group.WORLD
+    waiting: deque[Req] = deque()
+    running: list[Req] = []
+    h = hashlib.blake2b(digest_size=8)
+    next_rid = 0
+    prev: Any = None
+    diverged_at = -1
+    agree_s = 0.0
+    mine = torch.zeros(1, dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    step = 0
+
+    def release(req: Req) -> None:
+        mem.release(req)
+        req.row, req.pages, req.last, req.transfer = 0, [], None, None
+
+    try:
+        for step in range(c.steps):
+            events: list[tuple[Any, ...]] = []
+            # -- 1. arrivals and aborts (shared RNG) ------------------------
+            for _ in range(shared.choice((0, 1, 2, 3, 4))):
+                waiting.append(
+                    Req(
+                        next_rid,
+                        shared.randint(4, 40),
+                        shared.randint(4, 48),
+                        shared.choice((0, 0, 1, 2, 3)),
+                    )
+                )
+                next_rid += 1
+            if running and shared.random() < 0.2:
+                victim = running.pop(shared.randrange(len(running)))
+                events.append(("abort", victim.rid, victim.row))
+                release(victim)
+            # -- decode growth: a page per boundary; retract when short -----
+            for req in list(running):
+                if req not in running or step < req.ready_at:
+                    continue
+                if req.tokens + 1 > len(req.pages) * PAGE:
+                    got = mem.extend(req.row)
+                    while got is None and running[-1] is not req:
+                        newest = running.pop()
+                        events.append(("retract", newest.rid, newest.row))
+                        release(newest)
+                        newest.tokens = 0
+                        waiting.appendleft(newest)
+                        got = mem.extend(req.row)
+                    if got is None:
+                        continue  # stalls this step
+                    req.pages.extend(got)
+                    events.append(("extend", req.rid, got))
+                req.tokens += 1
+            # -- admissions: a row and the prompt's pages, all or nothing ----
+            while waiting:
+                req = waiting[0]
+                got = mem.admit(-(-req.prompt // PAGE))
+                if got is None:
+                    break
+                waiting.popleft()
+                req.row, req.pages, req.tokens = got[0], got[1], req.prompt
+                req.ready_at = step + req.transfer_steps
+                if req.transfer_steps:
+                    # Its prompt KV arrives from another engine: the pages
+                    # are written by the transfer until it lands.
+                    req.transfer = Transfer(local.uniform(0, c.transfer_delay_s * (rank + 1)))
+                    mem.use([req.row], req.transfer)
+                running.append(req)
+                events.append(("admit", req.rid, req.row, req.pages))
+            # -- 2. launch batch t ------------------------------------------
+            stream.launch(time.sleep, local.uniform(0, c.fwd_delay_s * rank))
+            fence = stream.record()
+            batch = [r for r in running if step >= r.ready_at]
+            if batch:
+                mem.use([r.row for r in batch], fence)
+                for r in batch:
+                    r.last = fence
+            # -- 3. process batch t-1 ---------------------------------------
+            if prev is not None:
+                prev.synchronize()
+            for req in list(running):
+                if req.transfer is not None and step + 1 >= req.ready_at:
+                    req.transfer.synchronize()  # batch t+1 reads its prompt KV
+                    req.transfer = None
+                if step >= req.ready_at and req.tokens >= req.prompt + req.out:
+                    running.remove(req)
+                    events.append(("finish", req.rid, req.row))
+                    release(req)
+            if explicit:
+                t0 = time.perf_counter()
+                if prev is not None:
+                    mem.retire(prev)
+                mem.agree(group)
+                agree_s += time.perf_counter() - t0
+            prev = fence
+            h.update(repr((step, events)).encode())
+            mine[0] = int.from_bytes(h.digest(), "little", signed=True)
+            dist.all_gather(gathered, mine, group=group)
+            if len({int(g.item()) for g in gathered}) != 1:
+                diverged_at = step
+                break
+        mem.check()
+    finally:
+        stream.close()
+    return {
+        "rank": rank,
+        "steps": step + 1,
+        "ops": mem.ops,
+        "diverged_at": diverged_at,
+        "hash": h.hexdigest(),
+        "requests": next_rid,
+        "agree_s": agree_s,
+    }
+
+
+def disagree_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Rank 1 makes one more deferred free than the others; every rank's
+    agree() must raise AgreementError (and none may hang)."""
+    from asyncpool import AgreementError
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        rows = ReqToTokenPool(8, 4, reclaim="explicit")
+        got = rows.alloc(2 if rank == 1 else 1)
+        assert got is not None
+        rows.free(got, fence=Transfer(10.0))
+        if rank == 1:
+            rows.free(rows.alloc(1) or [], fence=Transfer(10.0))
+        try:
+            rows.agree(dist.group.WORLD)
+            outcome = "agreed"
+        except AgreementError as exc:
+            outcome = f"AgreementError: {exc}"
+        rows.check_invariants()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)

@@ -198,7 +198,10 @@ class AsyncReqToTokenPool(PoolCore):
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
-        self._fast_allocs = 0  # allocs granted without queueing (zero waits)
+        # Allocs granted without queueing (zero waits), except those of the
+        # two inlined single-row paths of alloc(): they are derived at stats
+        # time (_zero_wait_allocs), so the hottest path counts nothing.
+        self._fast_allocs = 0
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         # Admission (kv=...): the pages each row owns, and the page ledger,
@@ -348,8 +351,7 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
-                self._fast_allocs += 1
-                return [row]
+                return [row]  # counted at stats time (see _zero_wait_allocs)
         if self._owner != ident:
             self._bind_thread()
         if n.__class__ is not int or not 0 < n <= self._capacity:
@@ -372,8 +374,7 @@ class AsyncReqToTokenPool(PoolCore):
                 gen[row] = g if g != 256 else led._carry(row)
                 if len(free) < led._peak_bound:
                     led._note_peak()
-                self._fast_allocs += 1
-                return [row]
+                return [row]  # counted at stats time (see _zero_wait_allocs)
             rows = self._take(n)
             if rows is not None:
                 self._fast_allocs += 1
@@ -456,6 +457,7 @@ class AsyncReqToTokenPool(PoolCore):
         if n == 1:
             # Inlined SlotLedger.take_unreset(1): under saturation the row
             # was freed a moment ago and is still dirty.
+            led._popped += 1  # as SlotLedger._pop counts
             row = free.popleft()
             self._state[row] = 1  # ALLOCATED
             g = self._gen[row] + 1
@@ -1148,6 +1150,20 @@ class AsyncReqToTokenPool(PoolCore):
         """How many ``alloc`` and ``admit`` calls are queued."""
         return self._waiters.count
 
+    def _zero_wait_allocs(self) -> int:
+        """Allocs granted without queueing, the inlined single-row ones included.
+
+        Every row handed out bumps its generation, so ``granted`` counts
+        them all; every hand-out but alloc()'s two inlined single-row paths
+        also counts in ``_popped``. The difference is those inlined calls
+        (one row each). ``granted`` is read first: a read racing a hand-out
+        from the owner's thread (a scrape) can only undercount, never run
+        ahead of a later read.
+        """
+        led = self._ledger
+        granted = led.granted
+        return granted - led._popped + self._fast_allocs
+
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.
 
@@ -1157,7 +1173,7 @@ class AsyncReqToTokenPool(PoolCore):
         scrape): the figures are then read a few operations apart.
         """
         waiters = self._waiters
-        waits = self._wait_histogram.snapshot(zeros=self._fast_allocs)
+        waits = self._wait_histogram.snapshot(zeros=self._zero_wait_allocs())
         extra: dict[str, Any] = {}
         pages = self._pages
         if pages is not None:

@@ -82,6 +82,10 @@ _CLOSE_JOIN_S = 0.05
 # What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
 # for alloc(n), ``(1, k)`` for admit(pages=k).
 _Need = int | tuple[int, int]
+# Freeing a row's own pages (no fence): up to this many go through the page
+# ledger's one-pass check-and-free (about 0.1 us a page), more through its
+# vectorised check (about 3 us whatever the count); measured crossover ~30.
+_TRUSTED_PASS = 32
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -789,9 +793,17 @@ class AsyncReqToTokenPool(PoolCore):
                 arr = pages.owned[row]
                 if arr is not None:
                     pled = pages.ledger
-                    ids, fresh = pled.prepare(arr)
+                    # The row's own record: distinct in-range ids by
+                    # construction, so one pass that checks each is still
+                    # ALLOCATED (pages freed behind the pool's back are
+                    # not) and frees it will do; it changes nothing if one
+                    # is not, and prepare() then raises for it.
+                    if not (
+                        arr.shape[0] <= _TRUSTED_PASS and pled._free_now_small(arr.tolist())
+                    ):
+                        ids, fresh = pled.prepare(arr)
+                        pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
-                    pled.free_prepared(ids, fresh)
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:

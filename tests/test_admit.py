@@ -1002,6 +1002,24 @@ async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_noth
         conserved(pool)
 
 
+async def test_a_row_owning_a_page_twice_after_misuse_makes_free_raise_and_change_nothing():
+    # Pages freed behind the pool's back and taken again by the same row
+    # (extend) leave the row owning each of them twice, all ALLOCATED: the
+    # one-row free of the row's own pages must still refuse the duplicates.
+    async with make(rows=2, pages=4) as pool:
+        a = await pool.admit(pages=2)
+        kv_of(pool).free(a.pages)  # misuse: the row still owns them
+        assert pool.extend(a.row, 4) is not None  # takes them again
+        assert sorted(ids(pool.pages_of(a.row))) == [1, 1, 2, 2, 3, 4]
+        before = snapshot(pool, check=False)
+        with pytest.raises(InvalidSlotError, match="more than once"):
+            pool.free([a.row])
+        assert snapshot(pool, check=False) == before
+        pool.detach_pages(a.row)
+        pool.free([a.row])
+        kv_of(pool).free([1, 2, 3, 4])
+
+
 async def test_clearing_a_page_pool_that_serves_a_row_pool_is_refused():
     async with make(rows=2) as pool:
         g = await pool.admit(pages=2)

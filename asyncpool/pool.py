@@ -487,8 +487,12 @@ class AsyncReqToTokenPool(PoolCore):
         """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
         pages = self._pages
         assert pages is not None
-        if (not self._free_q or k > pages.ledger.free_count) and (
-            not self._reclaim_both() or not self._free_q or k > pages.ledger.free_count
+        pled = pages.ledger
+        if (not self._free_q or k > pled.free_count) and (
+            not (self._ledger.pending or pled.pending)  # nothing to reclaim
+            or not self._reclaim_both()
+            or not self._free_q
+            or k > pled.free_count
         ):
             return None
         taken = pages.take(k)
@@ -588,14 +592,25 @@ class AsyncReqToTokenPool(PoolCore):
         error = self._unfittable_need(need)
         if error is not None:
             raise error
-        loop = self._prepare_wait(_get_running_loop())
-        assert self._pages is not None
-        self._fast = None
+        loop = _get_running_loop()
+        if loop is not self._loop or self._unwatched:
+            self._prepare_wait(loop)
         pages_ = self._pages
-        granted: Grant = await waiters.wait(
+        assert pages_ is not None
+        # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
+        waiter, handle = waiters.enqueue(
             need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
         )
-        return granted
+        self._fast = None
+        try:
+            granted: Grant = await waiter[1]
+            return granted
+        except asyncio.CancelledError:
+            waiters.cancelled(waiter)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     def try_admit(self, pages: int) -> Grant | None:
         """Admit now (one row and ``pages`` pages), or return None; never waits.

@@ -339,14 +339,15 @@ class AsyncReqToTokenPool(PoolCore):
         cancellation included, nothing was allocated.
         """
         ident = _get_ident()
-        if self._fast == ident and n == 1 and n.__class__ is int:
+        if n == 1 and self._fast == ident and n.__class__ is int:
             # The owner's thread, nobody queued, not gated: one clean row.
             if timeout is not None or priority.__class__ is not int:
                 _check_wait_args(priority, timeout)
             led = self._ledger
-            if led._clean:
+            clean = led._clean
+            if clean:
                 # Inlined SlotLedger.take(1) for a clean row.
-                led._clean -= 1
+                led._clean = clean - 1
                 free = self._free_q
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED

@@ -424,6 +424,28 @@ class PageLedger(Deferrals[PageArray]):
             self._state[ids] = _FREE_0D
         self.free_count += n
 
+    def free_owned(self, arr: PageArray) -> bool:
+        """Free pages an owner recorded from :meth:`take` (no fence); True if done.
+
+        For an owning pool's own record: ``arr`` is a 1-D contiguous int64
+        array of in-range ids (``take`` made it), so only what misuse can
+        break is checked: every page is still ALLOCATED (not freed behind
+        the owner's back) and none repeats (freed that way and taken again).
+        Vectorised (about 1 us over the push for any count); returns False,
+        having changed nothing, if a check fails, so that the caller's
+        checked path (:meth:`prepare`) raises the error for it.
+        """
+        n = arr.shape[0]
+        if not self._all_allocated.startswith(self._state[arr].tobytes()):
+            return False
+        if n > 1:
+            mark = self._mark
+            mark[arr] = self._iota[:n]
+            if not self._iota_bytes.startswith(mark[arr].tobytes()):
+                return False
+        self._push(arr)
+        return True
+
     def _free_now_small(self, ids: list[Any]) -> bool:
         """Free a few pages at once (no fence) in one pass; True if done.
 

@@ -113,6 +113,10 @@ class SlotLedger(Deferrals[int]):
         # queue shorter than this bound: a one-compare pre-filter per take.
         self._peak_bound = self.capacity
         self._returned = 0  # rows given back by put_back (never really allocated)
+        # Rows handed out by _pop (and by the pool's grant loop, which
+        # inlines it): every hand-out except the async pool's inlined
+        # single-row alloc paths, which it derives as granted - _popped.
+        self._popped = 0
         self.resets = 0
 
     # ------------------------------------------------------------------ counts
@@ -190,6 +194,7 @@ class SlotLedger(Deferrals[int]):
 
     def _pop(self, n: int) -> list[int]:
         free = self._free
+        self._popped += n
         if n == 1:
             row = free.popleft()
             self._state[row] = ALLOCATED

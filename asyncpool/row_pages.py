@@ -47,6 +47,7 @@ class Grant(NamedTuple):
 
 
 _new_grant = tuple.__new__
+_from_numpy = torch.from_numpy
 
 
 def check_page_count(k: Any, capacity: int, *, least: int) -> int:
@@ -119,6 +120,8 @@ class RowPages:
         """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
         self.owned[row] = pages if pages.shape[0] else None
         self.admits += 1
+        if self._on_host:  # out(), inlined
+            return _new_grant(Grant, (row, _from_numpy(pages)))
         return _new_grant(Grant, (row, self.out(pages)))
 
     def give_back(self, row: int) -> None:

@@ -988,18 +988,44 @@ async def test_bad_frees_on_a_kv_pool_keep_rows_and_pages():
         conserved(pool)
 
 
-async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_nothing():
-    async with make(rows=2) as pool:
-        a = await pool.admit(pages=2)
+@pytest.mark.parametrize("k", [2, 12])  # one Python pass; vectorised
+async def test_pages_freed_behind_the_pools_back_make_free_raise_and_change_nothing(k: int):
+    async with make(rows=2, pages=16) as pool:
+        a = await pool.admit(pages=k)
         b = await pool.admit(pages=2)
         kv_of(pool).free(a.pages)  # misuse: the row still owns them
         before = snapshot(pool, check=False)
         with pytest.raises(DoubleFreeError):
             pool.free([b.row, a.row])
         assert snapshot(pool, check=False) == before
+        with pytest.raises(DoubleFreeError):
+            pool.free([a.row])  # one row: the fast path checks its own pages too
+        assert snapshot(pool, check=False) == before
         pool.detach_pages(a.row)
         pool.free([a.row, b.row])
         conserved(pool)
+
+
+@pytest.mark.parametrize("first, total", [(2, 4), (5, 10)])  # one Python pass; vectorised
+async def test_a_row_owning_a_page_twice_after_misuse_makes_free_raise_and_change_nothing(
+    first: int, total: int
+):
+    # Pages freed behind the pool's back and taken again by the same row
+    # (extend) leave the row owning each of them twice, all ALLOCATED: the
+    # one-row free of the row's own pages must still refuse the duplicates.
+    async with make(rows=2, pages=total) as pool:
+        a = await pool.admit(pages=first)
+        kv_of(pool).free(a.pages)  # misuse: the row still owns them
+        assert pool.extend(a.row, total) is not None  # takes them again
+        owned = sorted(ids(pool.pages_of(a.row)))
+        assert owned == sorted([*range(1, first + 1), *range(1, total + 1)])
+        before = snapshot(pool, check=False)
+        with pytest.raises(InvalidSlotError, match="more than once"):
+            pool.free([a.row])
+        assert snapshot(pool, check=False) == before
+        pool.detach_pages(a.row)
+        pool.free([a.row])
+        kv_of(pool).free(list(range(1, total + 1)))
 
 
 async def test_clearing_a_page_pool_that_serves_a_row_pool_is_refused():

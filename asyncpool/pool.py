@@ -399,18 +399,6 @@ class AsyncReqToTokenPool(PoolCore):
             if self._owner is not None:
                 self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
-            if n == 1 and led._clean:
-                # Inlined SlotLedger.take(1) for a clean row.
-                led._clean -= 1
-                free = self._free_q
-                row = free.popleft()
-                self._state[row] = 1  # ALLOCATED
-                gen = self._gen
-                g = gen[row] + 1
-                gen[row] = g if g != 256 else led._carry(row)
-                if len(free) < led._peak_bound:
-                    led._note_peak()
-                return [row]  # counted at stats time (see _zero_wait_allocs)
             rows = self._take(n)
             if rows is not None:
                 self._fast_allocs += 1

@@ -23,12 +23,31 @@ granted re-runs it too, since smaller waiters behind it may now fit.
 
 Thread rules: the pool is loop-affine like every asyncio object. It binds to
 the thread of the first call made *inside a running event loop* (and to that
-loop); calls from another thread then raise :class:`WrongThreadError`.
-Synchronous calls made while no loop runs (building and warming a pool in a
-set-up thread) do not bind, so an engine may build the pool in one thread
-and run its scheduler in another. :meth:`AsyncReqToTokenPool.bind` hands a
-bound pool over explicitly. Fence completions on other threads reach the
-loop only through ``loop.call_soon_threadsafe``.
+loop); calls from another thread then raise :class:`WrongThreadError`,
+changing nothing. Synchronous calls made while no loop runs (building and
+warming a pool in a set-up thread) do not bind, so an engine may build the
+pool in one thread and run its scheduler in another.
+:meth:`AsyncReqToTokenPool.bind` hands a bound pool over explicitly. Fence
+completions on other threads reach the loop only through
+``loop.call_soon_threadsafe``.
+
+Like asyncio (whose ``call_soon`` checks the thread only in debug mode), the
+two hottest paths do not ask which thread calls them: ``alloc(1)`` of a
+clean row and ``free`` of one row with no fence, while nobody waits. They
+cannot corrupt the pool from a foreign thread either: each is straight-line
+code with no call between its check and its commit (on a GIL build of
+CPython 3.10+ a thread switch happens only at a call, a backward jump or a
+function entry), the row a fast ``alloc`` commits to is one that
+``deque.popleft`` gave it alone, and a fast ``free`` never runs the grant
+loop (it is open only while nobody waits; a waiter that queued while a
+foreign ``free`` landed is served by the re-check after queueing). So a
+foreign call there completes as the owner's would have; everything else
+(waiting, the grant loop, fences, pages, ``try_alloc``) raises
+:class:`WrongThreadError`. In asyncio's debug mode (the loop's
+``get_debug()`` when the pool binds, ``PYTHONASYNCIODEBUG=1``, ``-X dev``)
+and on a free-threaded build the fast paths are closed, so every call from a
+foreign thread raises. ``tests/test_thread_fast_paths.py`` hammers the
+unchecked paths from two threads with a tiny switch interval.
 """
 
 from __future__ import annotations
@@ -37,6 +56,8 @@ import asyncio
 import collections
 import functools
 import logging
+import os
+import sys
 import threading
 import time
 from types import TracebackType
@@ -70,6 +91,19 @@ logger = logging.getLogger(__name__)
 _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
+
+# The unchecked fast paths rely on the GIL's switch points (see the module
+# docstring): closed on a free-threaded build, where every call is checked.
+_GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
+def _asyncio_debug(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """asyncio's debug mode: the loop's flag, else the environment's."""
+    if loop is not None:
+        return loop.get_debug()
+    return sys.flags.dev_mode or (
+        not sys.flags.ignore_environment and bool(os.environ.get("PYTHONASYNCIODEBUG"))
+    )
 
 
 # drain() polls fences without a done callback with this backoff (seconds).
@@ -213,22 +247,27 @@ class AsyncReqToTokenPool(PoolCore):
         self._uses = led._uses
         # The bound of free()'s one-row fast path: 0 (never) with kv, where a
         # row may own pages, so that check costs rows-only pools nothing.
-        self._size = led.size if kv is None else 0
+        self._rows_end = led.size if kv is None else 0
         assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
         self._owner: int | None = None
         self._owner_name = ""
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Whether the unchecked fast paths may open (see the module
+        # docstring): decided when the pool binds (_choose_fast_paths).
+        self._unchecked = False
         # The waiter queues and the grant loop (asyncpool.waiters), gated
         # while closed or released (no fast path, no grants).
         self._waiters = WaiterQueues(self._take_for_waiter, self._give_back, _describe, max_waiters)
         self._closed = False
         self._released = False
-        # The owner's ident while alloc's fast path is open (bound, nobody
-        # queued, not gated), else None: one compare checks all three. Set
-        # to None wherever one of them stops holding (a waiter queues, the
-        # gate closes); re-derived by the next alloc that takes the general
-        # path (stale None is only slower).
-        self._fast: int | None = None
+        # True while the unchecked fast paths of alloc and free are open:
+        # bound, nobody queued, not gated, unchecked paths allowed, and no
+        # checked call under way. Every checked call clears it before it
+        # reads the ledger (so no unchecked call from another thread can
+        # interleave with it); a successful general alloc, and a checked
+        # one-row free with nobody waiting, reopen it (stale False is only
+        # slower).
+        self._fast = False
         self._wake_scheduled = False
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
@@ -237,6 +276,7 @@ class AsyncReqToTokenPool(PoolCore):
         # two inlined single-row paths of alloc(): they are derived at stats
         # time (_zero_wait_allocs), so the hottest path counts nothing.
         self._fast_allocs = 0
+        self._zero_waits_seen = 0  # the largest _zero_wait_allocs() reported
         self._unreset: list[int] = []  # granted rows whose reset is scheduled
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         # Admission (kv=...): the pages each row owns, and the page ledger,
@@ -284,6 +324,7 @@ class AsyncReqToTokenPool(PoolCore):
     def _check_thread(self) -> None:
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
 
     def _bind_thread(self) -> None:
         # Off the fast path: the pool is unbound, or called from a thread
@@ -295,10 +336,9 @@ class AsyncReqToTokenPool(PoolCore):
                 loop = _get_running_loop()
             except RuntimeError:
                 return  # set-up code outside any loop: do not bind
-            self._owner = ident
-            self._owner_name = threading.current_thread().name
             if self._loop is None:
                 self._loop = loop
+            self._set_owner(loop)
             return
         if owner != ident:
             here = threading.current_thread().name
@@ -335,14 +375,24 @@ class AsyncReqToTokenPool(PoolCore):
                 "let them finish (await pool.drain()) first"
             )
         self._flush_resets()  # a flush queued on the old loop must not be needed
-        self._owner = _get_ident()
-        self._owner_name = threading.current_thread().name
-        self._fast = None
         try:
             self._loop = _get_running_loop()
         except RuntimeError:
             self._loop = None
+        self._set_owner(self._loop)
         self._wake_scheduled = False  # nothing is pending, so nothing to wake
+
+    def _set_owner(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Bind to the calling thread; open or close the unchecked fast paths."""
+        self._owner = _get_ident()
+        self._owner_name = threading.current_thread().name
+        self._choose_fast_paths(loop)
+
+    def _choose_fast_paths(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        # Open the unchecked fast paths only where they are safe and wanted:
+        # a rows-only pool, a GIL build, asyncio not in debug mode.
+        self._fast = False
+        self._unchecked = self._pages is None and _GIL and not _asyncio_debug(loop)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -369,11 +419,17 @@ class AsyncReqToTokenPool(PoolCore):
         ``TimeoutError`` after ``timeout`` seconds. On any exception,
         cancellation included, nothing was allocated.
         """
-        ident = _get_ident()
-        if n == 1 and self._fast == ident and n.__class__ is int:
-            # The owner's thread, nobody queued, not gated: one clean row.
-            if timeout is not None or priority.__class__ is not int:
-                _check_wait_args(priority, timeout)
+        if (
+            n == 1
+            and self._fast
+            and n.__class__ is int
+            and timeout is None
+            and priority.__class__ is int
+        ):
+            # Bound, nobody queued, not gated, no owner call under way: one
+            # clean row. Unchecked for the thread, and safe from any (module
+            # docstring): no call from the test of _fast to the popleft that
+            # gives this call its row alone.
             led = self._ledger
             clean = led._clean
             if clean:
@@ -388,27 +444,24 @@ class AsyncReqToTokenPool(PoolCore):
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 return [row]  # counted at stats time (see _zero_wait_allocs)
-        if self._owner != ident:
+        if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
-            if self._owner is not None:
-                self._fast = self._owner  # reopen the fast path (see __init__)
             led = self._ledger
             rows = self._take(n)
-            if rows is not None:
-                self._fast_allocs += 1
-                return rows
-            if led.pending and led.reclaim():
+            if rows is None and led.pending and led.reclaim():
                 # Capacity only waiting on a fence is not exhaustion.
                 rows = self._take(n)
-                if rows is not None:
-                    self._fast_allocs += 1
-                    return rows
+            if rows is not None:
+                self._fast_allocs += 1
+                self._fast = self._unchecked  # reopen the fast paths
+                return rows
         # Slow path: queue and wait for a grant. WaiterQueues.wait() inlined
         # (enqueue, await, cancelled): no nested coroutine per wait; the
         # rules stay in asyncpool.waiters.
@@ -419,10 +472,12 @@ class AsyncReqToTokenPool(PoolCore):
         loop = _get_running_loop()
         if loop is not self._loop or self._unwatched:
             self._prepare_wait(loop)
+        # _fast stays False from the check above: no unchecked free can land
+        # between the take that came up short and this enqueue (it would
+        # grant nobody), so nothing needs re-checking.
         waiter, handle = waiters.enqueue(
             n, priority, timeout, loop, self._wait_times, self._wait_histogram
         )
-        self._fast = None
         try:
             granted: list[int] = await waiter[1]
             return granted
@@ -455,6 +510,7 @@ class AsyncReqToTokenPool(PoolCore):
                 "waiters or pending fences; a pool is loop-affine"
             )
         self._loop = loop
+        self._choose_fast_paths(loop)
 
     # ------------------------------------------------------------ grants
     # The supply side of the waiter queues (asyncpool.waiters): what a need
@@ -560,6 +616,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = led.check_n(n)
@@ -598,6 +655,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         k = self._page_count(pages, 0)
         if timeout is not None or priority.__class__ is not int:
             _check_wait_args(priority, timeout)
@@ -621,7 +679,6 @@ class AsyncReqToTokenPool(PoolCore):
         waiter, handle = waiters.enqueue(
             need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
         )
-        self._fast = None
         try:
             granted: Grant = await waiter[1]
             return granted
@@ -642,6 +699,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
@@ -691,6 +749,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         row = self._allocated_row(row, "asked for its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
@@ -710,6 +769,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         k = self._page_count(k, 1)
         row = self._allocated_row(row, "extended")
         if self._closed:
@@ -736,6 +796,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         row = self._allocated_row(row, "asked for its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
@@ -753,6 +814,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         self._ledger.record_use(rows, fence)
 
     def free(
@@ -777,23 +839,37 @@ class AsyncReqToTokenPool(PoolCore):
         duplicates, and a ``fence`` that is not a fence. Allowed after
         :meth:`close`.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
             # Inlined SlotLedger.free fast path: one row, no fence, no use,
-            # no pages (_size is 0 with kv, so it never matches there).
+            # no pages (_rows_end is 0 with kv, so it never matches there).
             row = rows[0]
             if (
                 row.__class__ is int
-                and 0 < row < self._size
+                and 0 < row < self._rows_end
                 and self._state[row] == 1  # ALLOCATED
                 and self._uses[row] is None
             ):
+                if self._fast:
+                    # Unchecked for the thread, and safe from any (module
+                    # docstring): no call between the checks and the commit.
+                    self._state[row] = 0  # FREE
+                    self._free_q.append(row)
+                    return 1
+                # Checked. The unchecked paths are closed, so no foreign
+                # call can change this row during the thread check.
+                if self._owner != _get_ident():
+                    self._bind_thread()
                 self._state[row] = 0  # FREE
                 self._free_q.append(row)
-                if self._waiters.count:
-                    self._waiters.grant()
+                waiters = self._waiters
+                if waiters.count:
+                    waiters.grant()  # the owner's thread only
+                elif not waiters.gated:
+                    self._fast = self._unchecked  # reopen the fast paths
                 return 1
+        if self._owner != _get_ident():
+            self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         if self._pages is not None:
             return self._free_with_pages(rows, after, fence)
         led = self._ledger
@@ -869,6 +945,7 @@ class AsyncReqToTokenPool(PoolCore):
         """Return memory whose fences completed; grant waiters; the rows made free."""
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         released = self._ledger.reclaim()
         pages = self._pages
         freed = pages.ledger.reclaim() if pages is not None and pages.ledger.pending else 0
@@ -896,6 +973,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         led = self._ledger
         check_explicit(led, "retire")
         check_ordered(fence)
@@ -923,6 +1001,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         led = self._ledger
         check_explicit(led, "agree")
         ledgers: list[Deferrals[Any]] = [led]
@@ -949,6 +1028,7 @@ class AsyncReqToTokenPool(PoolCore):
         """
         if self._owner != _get_ident():
             self._bind_thread()
+        self._fast = False  # no unchecked call may interleave with this one
         led = self._ledger
         led.check_fence(fence)
         rows = led.force_release(fence)
@@ -1013,6 +1093,7 @@ class AsyncReqToTokenPool(PoolCore):
 
     def _on_fences_done(self) -> None:
         self._wake_scheduled = False
+        self._fast = False  # no unchecked call may interleave with this one
         self._reclaim_both()
         self._waiters.grant()
 
@@ -1231,7 +1312,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._closed:
             return
         self._closed = True
-        self._fast = None
+        self._fast = False
         self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
         if self._overdue is not None and self._overdue.timer is not None:
             self._overdue.timer.cancel()
@@ -1262,7 +1343,7 @@ class AsyncReqToTokenPool(PoolCore):
         if self._released:
             return
         self._released = self._waiters.gated = True
-        self._fast = None
+        self._fast = False
         try:
             await self.drain()
             allocated = self._ledger.allocated
@@ -1313,13 +1394,18 @@ class AsyncReqToTokenPool(PoolCore):
         Every row handed out bumps its generation, so ``granted`` counts
         them all; every hand-out but alloc()'s two inlined single-row paths
         also counts in ``_popped``. The difference is those inlined calls
-        (one row each). ``granted`` is read first: a read racing a hand-out
-        from the owner's thread (a scrape) can only undercount, never run
-        ahead of a later read.
+        (one row each). ``granted`` is read first and ``_popped`` is bumped
+        before the generations, so a read racing a hand-out on the owner's
+        thread (a scrape from another thread) can only undercount; the
+        figure reported is the largest seen so far, so a counter built on
+        it never goes down between scrapes and never runs ahead of the truth.
         """
         led = self._ledger
         granted = led.granted
-        return granted - led._popped + self._fast_allocs
+        count = granted - led._popped + self._fast_allocs
+        if count > self._zero_waits_seen:
+            self._zero_waits_seen = count
+        return self._zero_waits_seen
 
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.

@@ -792,6 +792,9 @@ def test_max_waiters_must_be_none_or_non_negative_int(bad):
 
 
 async def test_wrong_thread_is_refused_and_changes_nothing():
+    # In asyncio's debug mode every call is checked, the unchecked fast
+    # paths included (tests/test_thread_fast_paths.py covers normal mode).
+    asyncio.get_running_loop().set_debug(True)
     async with bounded(), make(5) as pool:
         rows = pool.try_alloc(2)
         before = pool_snapshot(pool)

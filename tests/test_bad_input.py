@@ -400,6 +400,11 @@ async def test_bad_call(case: Case) -> None:
         pool = ReqToTokenPool(SIZE, MAX_CONTEXT)
         rows = pool.alloc(5)
     else:
+        if case.kind == "thread":
+            # Every call from a foreign thread is refused in asyncio's debug
+            # mode; outside it the unchecked fast paths complete instead
+            # (tests/test_thread_fast_paths.py).
+            asyncio.get_running_loop().set_debug(True)
         pool = AsyncReqToTokenPool(SIZE, MAX_CONTEXT)
         rows = await pool.alloc(5)
     try:

@@ -257,7 +257,9 @@ class AsyncReqToTokenPool(PoolCore):
         self._unchecked = False
         # The waiter queues and the grant loop (asyncpool.waiters), gated
         # while closed or released (no fast path, no grants).
-        self._waiters = WaiterQueues(self._take_for_waiter, self._give_back, _describe, max_waiters)
+        self._waiters = WaiterQueues(
+            self._take_for_waiter, self._give_back, _describe, max_waiters, supply=led._free
+        )
         self._closed = False
         self._released = False
         # True while the unchecked fast paths of alloc and free are open:

@@ -10,7 +10,12 @@ supplies:
   all or nothing, reclaiming memory whose fences completed before it
   concludes that it is short (None: it does not fit yet, nothing was taken);
 * ``give_back(grant)``: undo a ``take`` whose waiter was cancelled before it
-  could resume (the resources return as if never taken).
+  could resume (the resources return as if never taken);
+* optionally ``supply``: a container that every need draws at least one item
+  from (the pool's free rows). Once it is empty after a grant the loop ends
+  without probing the next head, which could only be served by reclaiming
+  memory whose fences completed, and each such completion runs the loop
+  itself. Under saturation this saves a failed ``take`` per grant.
 
 The rules that every waiting call shares live here, once (the design follows
 ``asyncio.Semaphore`` in CPython's ``Lib/asyncio/locks.py``, with the change
@@ -40,7 +45,7 @@ import asyncio
 import bisect
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any
 
 from .errors import PoolBusyError
@@ -76,6 +81,7 @@ class WaiterQueues:
         "_max",
         "_prios",
         "_queues",
+        "_supply",
         "_take",
         "cancellations",
         "count",
@@ -90,8 +96,10 @@ class WaiterQueues:
         give_back: Callable[[Any], None],
         describe: Callable[[Any], tuple[str, str]],
         max_waiters: int | None = None,
+        supply: Sized | None = None,
     ) -> None:
         self._take = take
+        self._supply = supply
         self._give_back = give_back
         self._describe = describe
         self._max = max_waiters
@@ -223,6 +231,7 @@ class WaiterQueues:
         take = self._take
         queues = self._queues
         prios = self._prios
+        supply = self._supply
         now = 0.0
         while self.count:
             prio = prios[0]
@@ -246,6 +255,8 @@ class WaiterQueues:
                 now = _perf_counter()
             window.append(now - t0)
             histogram.observe(now - t0)
+            if supply is not None and not supply:
+                return  # nothing left to take without a reclaim (see above)
 
     # ------------------------------------------------------------ failing waiters
 

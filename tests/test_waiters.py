@@ -1,0 +1,75 @@
+"""The generic grant loop (asyncpool.waiters) on its own: order and supply."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+from helpers import bounded
+
+from asyncpool.stats import Histogram
+from asyncpool.waiters import WaiterQueues
+
+
+class Rows:
+    """A supply of rows that records every take the grant loop makes."""
+
+    def __init__(self) -> None:
+        self.free: collections.deque[int] = collections.deque()
+        self.takes: list[int] = []
+
+    def take(self, n: int) -> list[int] | None:
+        self.takes.append(n)
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def give_back(self, rows: list[int]) -> None:
+        self.free.extendleft(reversed(rows))
+
+
+def _describe(need: Any) -> tuple[str, str]:
+    return f"alloc({need})", f"{need} rows"
+
+
+async def _queue(queues: WaiterQueues, needs: list[int]) -> list[asyncio.Future[Any]]:
+    loop = asyncio.get_running_loop()
+    window: collections.deque[float] = collections.deque()
+    return [queues.enqueue(n, 0, None, loop, window, Histogram())[0][1] for n in needs]
+
+
+async def test_an_empty_supply_ends_the_loop_without_probing_the_next_head() -> None:
+    rows = Rows()
+    queues = WaiterQueues(rows.take, rows.give_back, _describe, supply=rows.free)
+    async with bounded():
+        futs = await _queue(queues, [1, 1])
+        rows.free.append(7)
+        queues.grant()
+        assert rows.takes == [1]  # the second head was not probed
+        assert futs[0].result() == [7] and not futs[1].done()
+        rows.free.append(8)
+        queues.grant()
+        assert futs[1].result() == [8] and queues.count == 0
+
+
+async def test_without_a_supply_the_loop_probes_until_the_head_does_not_fit() -> None:
+    rows = Rows()
+    queues = WaiterQueues(rows.take, rows.give_back, _describe)
+    async with bounded():
+        futs = await _queue(queues, [1, 1])
+        rows.free.append(7)
+        queues.grant()
+        assert rows.takes == [1, 1]  # granted the head, probed the next
+        assert futs[0].result() == [7] and not futs[1].done()
+
+
+async def test_a_supply_left_after_a_grant_serves_the_next_waiters_in_order() -> None:
+    rows = Rows()
+    queues = WaiterQueues(rows.take, rows.give_back, _describe, supply=rows.free)
+    async with bounded():
+        futs = await _queue(queues, [2, 1, 3])
+        rows.free.extend([1, 2, 3, 4])
+        queues.grant()
+        assert [f.result() for f in futs[:2]] == [[1, 2], [3]]
+        assert not futs[2].done() and rows.takes == [2, 1, 3]

@@ -373,27 +373,28 @@ class SlotLedger(Deferrals[int]):
         non-int ids, rows not allocated, duplicates, and a non-fence.
         """
         if fence is None and rows.__class__ is list:
-            # Fast path: distinct allocated rows, no fence, no recorded use:
-            # one checking pass, one setting pass. Anything else (including
-            # every error) takes the careful path below.
+            # Fast path: distinct allocated rows, no fence, no recorded use,
+            # in one pass that checks each row and marks it FREE; a repeated
+            # row finds itself already FREE. On the first row that fails,
+            # the marks made are undone and the careful path below runs
+            # (and raises, for every error).
             state = self._state
             uses = self._uses
             size = self.size
-            for row in rows:
+            for done, row in enumerate(rows):
                 if (
                     row.__class__ is not int
                     or not 0 < row < size
                     or state[row] != ALLOCATED
                     or uses[row] is not None
                 ):
+                    for row in rows[:done]:
+                        state[row] = ALLOCATED
                     break
+                state[row] = FREE
             else:
-                n = len(rows)
-                if n == 1 or len(set(rows)) == n:
-                    for row in rows:
-                        state[row] = FREE
-                    self._free.extend(rows)
-                    return n
+                self._free.extend(rows)
+                return len(rows)
         seq = self.as_rows(rows)
         if fence is not None:
             self.check_fence(fence)

@@ -54,6 +54,7 @@ from .stats import Histogram
 __all__ = ["Waiter", "WaiterQueues"]
 
 _perf_counter = time.perf_counter
+_bisect_left = bisect.bisect_left
 
 # A queued request is the tuple (need, future, enqueue time, priority, wait
 # window, wait histogram): cheaper to build than an object, and the future
@@ -253,8 +254,11 @@ class WaiterQueues:
             fut.set_result(got)
             if not now:
                 now = _perf_counter()
-            window.append(now - t0)
-            histogram.observe(now - t0)
+            waited = now - t0
+            window.append(waited)
+            # Histogram.observe, inlined (a call is a third of its cost here).
+            histogram._counts[_bisect_left(histogram.bounds, waited)] += 1
+            histogram._sum += waited
             if supply is not None and not supply:
                 return  # nothing left to take without a reclaim (see above)
 

@@ -33,21 +33,26 @@ completions on other threads reach the loop only through
 
 Like asyncio (whose ``call_soon`` checks the thread only in debug mode), the
 two hottest paths do not ask which thread calls them: ``alloc(1)`` of a
-clean row and ``free`` of one row with no fence, while nobody waits. They
-cannot corrupt the pool from a foreign thread either: each is straight-line
-code with no call between its check and its commit (on a GIL build of
-CPython 3.10+ a thread switch happens only at a call, a backward jump or a
-function entry), the row a fast ``alloc`` commits to is one that
-``deque.popleft`` gave it alone, and a fast ``free`` never runs the grant
-loop (it is open only while nobody waits; a waiter that queued while a
-foreign ``free`` landed is served by the re-check after queueing). So a
-foreign call there completes as the owner's would have; everything else
+clean row and ``free`` of one row with no fence while nobody waits. They
+cannot corrupt the pool from a foreign thread either:
+
+* each is straight-line code from its gate (``_fast``) to its commit, with
+  no call in between, and on a GIL build of CPython 3.10+ a thread switches
+  only at a call, a backward jump or a function entry; the row a fast
+  ``alloc`` commits to is one that ``deque.popleft`` gave it alone;
+* every checked call closes the gate before it reads the ledger, so no
+  unchecked call can interleave with one (a reset in progress, a batched
+  free, the grant loop); the gate is closed while anyone waits, so a fast
+  ``free`` never runs the grant loop, and none can land between an
+  ``alloc`` that found too little and its enqueue (a lost wake-up).
+
+So a foreign call there completes as the owner's would have; everything else
 (waiting, the grant loop, fences, pages, ``try_alloc``) raises
-:class:`WrongThreadError`. In asyncio's debug mode (the loop's
-``get_debug()`` when the pool binds, ``PYTHONASYNCIODEBUG=1``, ``-X dev``)
-and on a free-threaded build the fast paths are closed, so every call from a
-foreign thread raises. ``tests/test_thread_fast_paths.py`` hammers the
-unchecked paths from two threads with a tiny switch interval.
+:class:`WrongThreadError`, changing nothing. In asyncio's debug mode (the
+loop's ``get_debug()`` when the pool binds, ``PYTHONASYNCIODEBUG=1``,
+``-X dev``), on a free-threaded build and with ``kv`` the gate never opens,
+so every call from a foreign thread raises. ``tests/test_thread_fast_paths.py``
+hammers the unchecked paths from two threads with a 1 us switch interval.
 """
 
 from __future__ import annotations

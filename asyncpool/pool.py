@@ -535,7 +535,13 @@ class AsyncReqToTokenPool(PoolCore):
         costs one tensor op.
         """
         if need.__class__ is not int:
-            return self._take_admission(need[1])  # type: ignore[index]
+            k: int = need[1]  # type: ignore[index]
+            pled = self._pages.ledger  # type: ignore[union-attr]
+            if (not self._free_q or k > pled.free_count) and not (
+                self._ledger.pending or pled.pending
+            ):
+                return None  # short, with nothing to reclaim: the usual probe
+            return self._take_admission(k)
         n: int = need
         free = self._free_q
         led = self._ledger
@@ -674,14 +680,17 @@ class AsyncReqToTokenPool(PoolCore):
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
         need = (1, k)
-        error = self._unfittable_need(need)
-        if error is not None:
-            raise error
+        pages_ = self._pages
+        assert pages_ is not None
+        if self._ledger.quarantined or pages_.ledger.quarantined:
+            # k is within capacity (checked above): only quarantine can
+            # make it unfittable.
+            error = self._unfittable_need(need)
+            if error is not None:
+                raise error
         loop = _get_running_loop()
         if loop is not self._loop or self._unwatched:
             self._prepare_wait(loop)
-        pages_ = self._pages
-        assert pages_ is not None
         # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
         waiter, handle = waiters.enqueue(
             need, priority, timeout, loop, pages_.waits, pages_.wait_histogram

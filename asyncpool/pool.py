@@ -46,7 +46,9 @@ cannot corrupt the pool from a foreign thread either:
   ``free`` never runs the grant loop, and none can land between an
   ``alloc`` that found too little and its enqueue (a lost wake-up).
 
-So a foreign call there completes as the owner's would have; everything else
+So a foreign call there completes as the owner's would have (only the
+``peak_allocated`` statistic, updated after the commit, may then miss a
+peak); everything else
 (waiting, the grant loop, fences, pages, ``try_alloc``) raises
 :class:`WrongThreadError`, changing nothing. In asyncio's debug mode (the
 loop's ``get_debug()`` when the pool binds, ``PYTHONASYNCIODEBUG=1``,

@@ -12,11 +12,26 @@ from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
-__all__ = ["PoolCore"]
+__all__ = ["PoolCore", "check_wait_args", "count_of"]
 
 # From this many dirty rows on, a bulk reset uses a mask of the FREE rows
 # instead of an index list (measured: about 3x cheaper at 1,024 rows).
 _MASK_RESET_ROWS = 128
+
+
+def count_of(n: int, noun: str) -> str:
+    """``"1 row"``, ``"2 rows"``: messages read as sentences."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def check_wait_args(priority: object, timeout: object) -> None:
+    """Raise for a ``priority`` that is not an int or a bad ``timeout``."""
+    if priority.__class__ is not int:
+        raise TypeError(f"priority must be an int, got {priority!r}")
+    if timeout is not None and (
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
+    ):
+        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
 
 
 class PoolCore:

@@ -72,8 +72,11 @@ from typing import Any
 
 import torch
 
+from .admission import Admission, Need
 from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore
+from .base import check_wait_args as _check_wait_args
+from .base import count_of as _count
 from .deferral import Deferrals, check_ordered
 from .errors import (
     CapacityError,
@@ -82,11 +85,11 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream, record_fence
+from .fences import Fence, HostFence, HostStream
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, Rows
 from .overdue import OverdueFences, check_fence_timeout
-from .row_pages import Grant, RowPages, check_page_count
+from .row_pages import Grant, RowPages
 from .stats import Histogram, LatencySummary, PoolStats
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
@@ -121,13 +124,7 @@ _DRAIN_POLL_MAX_S = 1e-3
 # whose query() blocks, against the protocol.
 _CLOSE_JOIN_S = 0.05
 
-# What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an int)
-# for alloc(n), ``(1, k)`` for admit(pages=k).
-_Need = int | tuple[int, int]
-# Freeing a row's own pages (no fence): up to this many go through the page
-# ledger's one-pass check-and-free (about 0.1 us a page), more through its
-# vectorised free_owned (about 2 us whatever the count); crossover ~10.
-_TRUSTED_PASS = 8
+_Need = Need
 
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
@@ -143,11 +140,6 @@ def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Non
         pass
 
 
-def _count(n: int, noun: str) -> str:
-    """``"1 row"``, ``"2 rows"``: messages read as sentences."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _describe(need: _Need) -> tuple[str, str]:
     """A need as (the call, what it asks for), for the waiter module's messages."""
     if need.__class__ is int:
@@ -158,16 +150,7 @@ def _describe(need: _Need) -> tuple[str, str]:
     return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
 
 
-def _check_wait_args(priority: object, timeout: object) -> None:
-    if priority.__class__ is not int:
-        raise TypeError(f"priority must be an int, got {priority!r}")
-    if timeout is not None and (
-        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
-    ):
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-
-
-class AsyncReqToTokenPool(PoolCore):
+class AsyncReqToTokenPool(PoolCore, Admission):
     """A request-row pool whose allocation is awaitable and fence-safe.
 
     Parameters
@@ -574,24 +557,6 @@ class AsyncReqToTokenPool(PoolCore):
             self._unreset.extend(dirty)
         return rows
 
-    def _take_admission(self, k: int) -> Grant | None:
-        """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
-        pages = self._pages
-        assert pages is not None
-        pled = pages.ledger
-        if (not self._free_q or k > pled.free_count) and (
-            not (self._ledger.pending or pled.pending)  # nothing to reclaim
-            or not self._reclaim_both()
-            or not self._free_q
-            or k > pled.free_count
-        ):
-            return None
-        taken = pages.take(k)
-        assert taken is not None
-        rows = self._take_for_waiter(1)
-        assert isinstance(rows, list)
-        return pages.grant(rows[0], taken)
-
     def _give_back(self, granted: list[int] | Grant) -> None:
         if granted.__class__ is Grant:
             assert self._pages is not None and isinstance(granted, Grant)
@@ -645,180 +610,6 @@ class AsyncReqToTokenPool(PoolCore):
         if rows is not None:
             self._fast_allocs += 1
         return rows
-
-    # ------------------------------------------------------------ admission
-
-    async def admit(
-        self, pages: int, *, priority: int = 0, timeout: float | None = None
-    ) -> Grant:
-        """Admit a request: one row and ``pages`` KV pages, granted together.
-
-        All or nothing (System V ``semop`` semantics): a waiter short of
-        pages holds no row, and one short of rows holds no pages. Waits in
-        the same queue as :meth:`alloc`, FIFO within ``priority``; the head
-        blocks those behind it whatever they need. Returns at once, without
-        suspending, when nobody is queued and both fit (reclaiming completed
-        fences first). The row owns its pages until it is freed (with them)
-        or they are detached; do not modify ``grant.pages`` in place.
-
-        Raises :class:`CapacityError` at once for a page count that is not an
-        int in ``0..kv.capacity`` (or a pool without ``kv``), or one that can
-        never fit because of quarantine; :class:`PoolBusyError`,
-        :class:`PoolClosedError` and ``TimeoutError`` as :meth:`alloc` does.
-        On any exception, cancellation included, nothing was allocated; a
-        waiter cancelled after its grant gives row and pages back.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
-        k = self._page_count(pages, 0)
-        if timeout is not None or priority.__class__ is not int:
-            _check_wait_args(priority, timeout)
-        waiters = self._waiters
-        if not waiters.count and not waiters.gated:
-            grant = self._admit_now(k)
-            if grant is not None:
-                return grant
-        if self._closed:
-            raise PoolClosedError("the pool is closed; nothing can be admitted")
-        need = (1, k)
-        pages_ = self._pages
-        assert pages_ is not None
-        if self._ledger.quarantined or pages_.ledger.quarantined:
-            # k is within capacity (checked above): only quarantine can
-            # make it unfittable.
-            error = self._unfittable_need(need)
-            if error is not None:
-                raise error
-        loop = _get_running_loop()
-        if loop is not self._loop or self._unwatched:
-            self._prepare_wait(loop)
-        # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
-        waiter, handle = waiters.enqueue(
-            need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
-        )
-        try:
-            granted: Grant = await waiter[1]
-            return granted
-        except asyncio.CancelledError:
-            waiters.cancelled(waiter)
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
-
-    def try_admit(self, pages: int) -> Grant | None:
-        """Admit now (one row and ``pages`` pages), or return None; never waits.
-
-        None while anyone is queued (no queue jumping), while the memory is
-        released, or when either does not fit after reclaiming completed
-        fences. Raises as :meth:`admit` does for bad input, and
-        :class:`PoolClosedError` after :meth:`close`.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
-        k = self._page_count(pages, 0)
-        if self._closed:
-            raise PoolClosedError("the pool is closed; nothing can be admitted")
-        if self._waiters.count or self._released:
-            return None
-        return self._admit_now(k)
-
-    def _admit_now(self, k: int) -> Grant | None:
-        pages = self._pages
-        assert pages is not None
-        free = self._free_q
-        pled = pages.ledger
-        # Capacity only waiting on a fence is not exhaustion: reclaim once.
-        if (not free or k > pled.free_count) and (
-            not self._reclaim_both() or not free or k > pled.free_count
-        ):
-            return None
-        taken = pages.take(k)
-        assert taken is not None
-        rows = self._take(1)
-        assert rows is not None
-        pages.fast_admits += 1
-        return pages.grant(rows[0], taken)
-
-    def _page_count(self, k: object, least: int) -> int:
-        pages = self._pages
-        if pages is None:
-            raise CapacityError(
-                "this pool has no KV pages: build it with kv=KVPagePool(...) to admit or "
-                "extend with pages"
-            )
-        if k.__class__ is int and least <= k <= pages.capacity:
-            return k
-        return check_page_count(k, pages.capacity, least=least)
-
-    def _allocated_row(self, row: object, what: str) -> int:
-        """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
-        if row.__class__ is int and 0 < row < self.size and self._state[row] == 1:
-            return row  # ALLOCATED
-        raise self._ledger._row_error(row, what)
-
-    def pages_of(self, row: int) -> torch.Tensor:
-        """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
-
-        Raises :class:`InvalidSlotError` unless ``row`` is allocated. Read
-        only: the tensor is the pool's record.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
-        row = self._allocated_row(row, "asked for its pages")
-        if self._pages is None:
-            return torch.zeros(0, dtype=torch.int64)
-        return self._pages.of(row)
-
-    def extend(self, row: int, k: int) -> torch.Tensor | None:
-        """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
-
-        Returns the new pages (they belong to the row from now on), or None
-        when fewer than ``k`` are free after reclaiming completed fences, or
-        while the memory is released: the scheduler then retracts, as every
-        engine does (waiting here behind new admissions could deadlock). A
-        running request's growth goes before queued admissions. Raises
-        :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
-        :class:`InvalidSlotError` unless ``row`` is allocated,
-        :class:`PoolClosedError` after :meth:`close`; changing nothing.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
-        k = self._page_count(k, 1)
-        row = self._allocated_row(row, "extended")
-        if self._closed:
-            raise PoolClosedError("the pool is closed; no pages can be allocated")
-        if self._released:
-            return None
-        pages = self._pages
-        assert pages is not None
-        reclaimed = pages.ledger.reclaimed
-        got = pages.extend(row, k)
-        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
-            self._waiters.grant()  # it reclaimed more than it took
-        return got
-
-    def detach_pages(self, row: int) -> torch.Tensor:
-        """Hand ``row``'s pages to the caller, who owns them from now on.
-
-        For prefix caching: the caller keeps them (in a radix tree, say) and
-        frees them to the :class:`KVPagePool` later, fenced as well (its
-        ``free(pages, fence=..., after=...)``; a completion wakes this
-        pool's waiters). A later :meth:`free` of ``row`` frees only pages
-        it owns then. Raises :class:`InvalidSlotError` unless ``row`` is
-        allocated.
-        """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
-        row = self._allocated_row(row, "asked for its pages")
-        if self._pages is None:
-            return torch.zeros(0, dtype=torch.int64)
-        return self._pages.detach(row)
 
     # ------------------------------------------------------------ free
 
@@ -895,67 +686,6 @@ class AsyncReqToTokenPool(PoolCore):
             rows = self._use_until_now(rows, after, fence)
         immediate = led.free(rows, fence)
         if immediate and self._waiters.count:
-            self._waiters.grant()
-        return immediate
-
-    def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
-        """:meth:`free` on a pool with ``kv``: rows and the pages they own.
-
-        Checks everything (rows, fence, ``after``, the pages in the page
-        ledger) before changing anything, and records no fence on ``after``
-        for a refused free. Each row's pages wait for the row's recorded use
-        plus ``fence`` and ``after``: exactly the row's own fences.
-        """
-        pages = self._pages
-        assert pages is not None
-        if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
-            # Fast path: one row, no fence, no recorded use: its pages and
-            # then the row are free at once (the pages are checked first).
-            row = rows[0]
-            state = self._state
-            if (
-                row.__class__ is int
-                and 0 < row < self.size
-                and state[row] == 1  # ALLOCATED
-                and self._uses[row] is None
-            ):
-                arr = pages.owned[row]
-                if arr is not None:
-                    pled = pages.ledger
-                    # The row's own record: in-range int64 ids by
-                    # construction, so only what misuse breaks is checked
-                    # (each page still ALLOCATED, none repeated): a few in
-                    # one Python pass, more vectorised. Either changes
-                    # nothing if a check fails; prepare() then raises.
-                    if not (
-                        pled._free_now_small(arr.tolist())
-                        if arr.shape[0] <= _TRUSTED_PASS
-                        else pled.free_owned(arr)
-                    ):
-                        ids, fresh = pled.prepare(arr)
-                        pled.free_prepared(ids, fresh)
-                    pages.owned[row] = None
-                state[row] = 0  # FREE
-                self._free_q.append(row)
-                if self._waiters.count:
-                    self._waiters.grant()
-                return 1
-        led = self._ledger
-        if after is not None:
-            self._check_stream(after)
-        if fence is not None:
-            led.check_fence(fence)
-        seq = led.as_rows(rows)
-        led.check_allocated(seq, "freed")
-        prepared = pages.prepare_free(seq, self._uses)
-        extra: tuple[Fence, ...] = () if fence is None else (fence,)
-        if after is not None:
-            step = record_fence(after)
-            led.record_use(seq, step, "freed")
-            extra = (*extra, step)
-        freed_pages = pages.free(prepared, extra)
-        immediate = led.free(seq, fence)
-        if (immediate or freed_pages) and self._waiters.count:
             self._waiters.grant()
         return immediate
 

@@ -1,0 +1,284 @@
+"""Closing, draining and releasing the memory of an ``AsyncReqToTokenPool``.
+
+The pool's lifecycle half (a mixin with no state of its own): ``drain``
+(wait, with a timeout, for every pending fence of both ledgers, in either
+reclaim mode), ``close`` (fail the waiters, stop the fence watcher without
+waiting for any fence) and ``release_memory``/``resume_memory`` (the
+``kv_cache`` memory-saver region). It knows nothing of how rows or pages are
+granted.
+
+Thread rules: the pool's (:mod:`asyncpool.pool`); every call here is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .base import check_wait_args as _check_wait_args
+from .base import count_of as _count
+from .deferral import Deferrals
+from .errors import PoolBusyError, PoolClosedError
+from .fences import Fence, HostFence
+from .ledger import SlotLedger
+from .overdue import OverdueFences
+from .row_pages import RowPages
+from .tables import TokenTables
+from .waiters import WaiterQueues
+from .watcher import FenceWatcher
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger(__name__)
+
+# drain() polls fences without a done callback with this backoff (seconds).
+_DRAIN_POLL_MIN_S = 50e-6
+_DRAIN_POLL_MAX_S = 1e-3
+# close() joins the watcher's idle threads for at most this long in all: they
+# exit within microseconds of stop(); the bound only guards against a fence
+# whose query() blocks, against the protocol.
+_CLOSE_JOIN_S = 0.05
+
+
+def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Resolve ``fut`` from any thread; a closed loop means nobody waits."""
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
+class Lifecycle:
+    """Close, drain, release and resume, mixed into ``AsyncReqToTokenPool``.
+
+    The attributes and methods below are the pool's; see
+    :class:`~asyncpool.AsyncReqToTokenPool` for the contract of each call.
+    """
+
+    _ledger: SlotLedger
+    _pages: RowPages | None
+    _waiters: WaiterQueues
+    _tables: TokenTables
+    _overdue: OverdueFences | None
+    _watcher: FenceWatcher | None
+    _fast: bool
+    _closed: bool
+    _released: bool
+
+    if TYPE_CHECKING:
+
+        def _check_thread(self) -> None: ...
+
+        def _running_loop(self) -> asyncio.AbstractEventLoop: ...
+
+        def reclaim(self) -> int: ...
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until no row (and no page, with ``kv``) is pending behind a fence.
+
+        Works before and after :meth:`close`. Memory of faulted fences is
+        quarantined, not waited for. Host fences wake it through their done
+        callbacks; other fences (CUDA events, fences of unknown origin) are
+        polled with ``query()`` on the loop, backing off from 50 µs to 1 ms,
+        never by blocking a thread in their ``synchronize()``, so a fence
+        that never completes leaves no thread behind.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: no
+        limit) with rows still pending; the pool is then as it was, apart
+        from fences that completed meanwhile, which are reclaimed as any call
+        would. Cancelling ``drain`` changes nothing either. Raises
+        ``ValueError`` for a ``timeout`` that is not None or a number >= 0.
+
+        With ``reclaim="explicit"`` it waits the same way for each pending
+        fence in turn and settles what is behind it (rows and pages) as
+        :meth:`retire` would (faulted: quarantined). The outcome, nothing
+        pending, does not depend on timing, so ranks that drain at the same
+        point stay alike.
+        """
+        self._check_thread()
+        if timeout is not None:
+            _check_wait_args(0, timeout)
+        loop = self._running_loop()
+        if self._ledger.explicit:
+            await self._drain_explicit(loop, timeout)
+            return
+        pending = self._pending_any
+        if pending():
+            self.reclaim()
+        if not pending():
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                head: Fence | None = None
+                seen = -1
+                while True:
+                    if pending() != seen:  # O(pending) only after progress
+                        seen = pending()
+                        head = self._pending_fences()[0]
+                    if head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                        delay = _DRAIN_POLL_MIN_S
+                        seen = -1  # its rows may wait on another fence now
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+                    if pending():
+                        self.reclaim()
+                    if not pending():
+                        return
+        except TimeoutError:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {held} still pending behind fences"
+            ) from None
+
+    async def _drain_explicit(
+        self, loop: asyncio.AbstractEventLoop, timeout: float | None
+    ) -> None:
+        # Explicit pools ask no fence on their own: wait for each pending
+        # fence in turn and settle what is behind it (rows and pages) as
+        # retire() would. The outcome (nothing pending) is the same on every
+        # rank whatever the timing, so replicas that drain at the same point
+        # stay in step.
+        ledgers: list[Deferrals[Any]] = [self._ledger]
+        if self._pages is not None:
+            ledgers.append(self._pages.ledger)
+        try:
+            async with asyncio.timeout(timeout):
+                delay = _DRAIN_POLL_MIN_S
+                while self._pending_any():
+                    head = self._pending_fences()[0]
+                    error: BaseException | None = None
+                    try:
+                        done = head.query()
+                    except Exception as exc:  # a faulted fence: quarantine what it holds
+                        done, error = True, exc
+                    if done:
+                        made = sum(led.conclude(head, error) for led in ledgers)
+                        if made and self._waiters.count:
+                            self._waiters.grant()
+                        delay = _DRAIN_POLL_MIN_S
+                    elif head.__class__ is HostFence:
+                        fut: asyncio.Future[None] = loop.create_future()
+                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
+                        await fut
+                    else:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain timed out after {timeout} s with {self._ledger.pending} rows still "
+                "pending behind fences"
+            ) from None
+
+    def _pending_any(self) -> int:
+        """Rows plus pages pending behind fences."""
+        pages = self._pages
+        return self._ledger.pending + (pages.ledger.pending if pages is not None else 0)
+
+    def _pending_fences(self) -> list[Fence]:
+        """The fences holding rows, then those holding pages."""
+        fences = self._ledger.pending_fences()
+        if self._pages is not None:
+            fences.extend(self._pages.ledger.pending_fences())
+        return fences
+
+    async def close(self) -> None:
+        """Close the pool: new allocations and current waiters fail.
+
+        Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
+        later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend`` calls
+        too. ``free`` still works, and rows
+        pending behind fences stay pending (``drain()`` waits for them).
+        Never waits for a fence: the fence watcher is told to stop, and only
+        its threads that are not inside a fence's ``synchronize()`` are
+        joined (they exit within microseconds; the join is bounded at 50 ms
+        in all). A watcher thread stuck in a CUDA event that never completes
+        is a daemon and keeps nothing alive. Idempotent.
+        """
+        self._check_thread()
+        if self._closed:
+            return
+        self._closed = True
+        self._fast = False
+        self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
+        if self._overdue is not None and self._overdue.timer is not None:
+            self._overdue.timer.cancel()
+            self._overdue.timer = None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+            watcher.join(_CLOSE_JOIN_S)
+        logger.debug("closed %r", self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def release_memory(self) -> None:
+        """Drain fences and release the ``kv_cache`` memory region.
+
+        While released, ``alloc``/``admit`` wait and ``try_alloc``,
+        ``try_admit`` and ``extend`` return None. Raises
+        :class:`PoolBusyError` (and stays serving) if rows, or pages of the
+        ``kv`` pool (detached ones included), are still allocated once
+        fences are drained. Without the memory saver the
+        memory step is a no-op and the state machine is the same.
+        """
+        self._check_thread()
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        if self._released:
+            return
+        self._released = self._waiters.gated = True
+        self._fast = False
+        try:
+            await self.drain()
+            allocated = self._ledger.allocated
+            if allocated:
+                rows = "1 row is" if allocated == 1 else f"{allocated} rows are"
+                raise PoolBusyError(
+                    f"cannot release memory while {rows} still allocated; free them first"
+                )
+            pages = self._pages.ledger.allocated if self._pages is not None else 0
+            if pages:
+                raise PoolBusyError(
+                    f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
+                    "are still allocated; free them first"
+                )
+            self._tables.pause()
+        except BaseException:
+            self._released = False
+            self._waiters.gated = self._closed
+            self._waiters.grant()
+            raise
+        logger.info("released the kv_cache region of %r", self)
+
+    async def resume_memory(self) -> None:
+        """Restore the memory region, zero the tables, and wake waiters."""
+        self._check_thread()
+        if not self._released:
+            return
+        self._tables.resume()
+        self._ledger.reset_all()
+        self._released = False
+        self._waiters.gated = self._closed
+        self._waiters.grant()
+        logger.info("resumed the kv_cache region of %r", self)
+
+    @property
+    def released(self) -> bool:
+        return self._released

@@ -53,8 +53,11 @@ peak); everything else
 :class:`WrongThreadError`, changing nothing. In asyncio's debug mode (the
 loop's ``get_debug()`` when the pool binds, ``PYTHONASYNCIODEBUG=1``,
 ``-X dev``), on a free-threaded build and with ``kv`` the gate never opens,
-so every call from a foreign thread raises. ``tests/test_thread_fast_paths.py``
-hammers the unchecked paths from two threads with a 1 us switch interval.
+so every call from a foreign thread raises. ``tests/test_thread_interleavings.py``
+runs a foreign call at every switch point of the owner's call in turn (a
+profile hook sees them as ``call`` and ``c_return`` events), and
+``tests/test_thread_fast_paths.py`` hammers the paths from two real threads
+with a 1 us switch interval.
 """
 
 from __future__ import annotations

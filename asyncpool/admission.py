@@ -74,6 +74,8 @@ class Admission:
 
         def _bind_thread(self) -> None: ...
 
+        def _check_thread(self) -> None: ...
+
         def _reclaim_both(self) -> bool: ...
 
         def _take_for_waiter(self, need: Need) -> list[int] | Grant | None: ...
@@ -172,9 +174,7 @@ class Admission:
         fences. Raises as :meth:`admit` does for bad input, and
         :class:`PoolClosedError` after :meth:`close`.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
@@ -222,9 +222,7 @@ class Admission:
         Raises :class:`InvalidSlotError` unless ``row`` is allocated. Read
         only: the tensor is the pool's record.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         row = self._allocated_row(row, "asked for its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
@@ -242,9 +240,7 @@ class Admission:
         :class:`InvalidSlotError` unless ``row`` is allocated,
         :class:`PoolClosedError` after :meth:`close`; changing nothing.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         k = self._page_count(k, 1)
         row = self._allocated_row(row, "extended")
         if self._closed:
@@ -269,9 +265,7 @@ class Admission:
         it owns then. Raises :class:`InvalidSlotError` unless ``row`` is
         allocated.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         row = self._allocated_row(row, "asked for its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)

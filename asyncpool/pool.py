@@ -119,10 +119,7 @@ def _asyncio_debug(loop: asyncio.AbstractEventLoop | None) -> bool:
     )
 
 
-_Need = Need
-
-
-def _describe(need: _Need) -> tuple[str, str]:
+def _describe(need: Need) -> tuple[str, str]:
     """A need as (the call, what it asks for), for the waiter module's messages."""
     if need.__class__ is int:
         assert isinstance(need, int)
@@ -296,6 +293,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # ------------------------------------------------------------ affinity
 
     def _check_thread(self) -> None:
+        # The prologue of every checked call: refuse a foreign thread, then
+        # close the unchecked fast paths before reading the ledger. alloc,
+        # admit and free inline it (their general paths are hot).
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
@@ -490,7 +490,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # The supply side of the waiter queues (asyncpool.waiters): what a need
     # means, how it is taken at hand-over and given back after a cancel.
 
-    def _take_for_waiter(self, need: _Need) -> list[int] | Grant | None:
+    def _take_for_waiter(self, need: Need) -> list[int] | Grant | None:
         """Take what a waiter needs at hand-over, or None if it does not fit.
 
         Short, it first reclaims completed fences (capacity only waiting on
@@ -576,9 +576,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Raises :class:`CapacityError` for bad ``n`` and
         :class:`PoolClosedError` after :meth:`close`.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = led.check_n(n)
@@ -603,9 +601,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         row then waits for the newest use recorded for it (per stream).
         Raises, changing nothing, unless every row is allocated.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         self._ledger.record_use(rows, fence)
 
     def free(
@@ -673,9 +669,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def reclaim(self) -> int:
         """Return memory whose fences completed; grant waiters; the rows made free."""
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         released = self._ledger.reclaim()
         pages = self._pages
         freed = pages.ledger.reclaim() if pages is not None and pages.ledger.pending else 0
@@ -701,9 +695,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         handle: :meth:`agree` settles those) and ``RuntimeError`` on an
         ``"auto"`` pool; either way nothing changes. Loop thread only.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         led = self._ledger
         check_explicit(led, "retire")
         check_ordered(fence)
@@ -729,9 +721,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         when the ranks' pools hold different pending batches (they did not
         make the same calls); ``RuntimeError`` on an ``"auto"`` pool.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         led = self._ledger
         check_explicit(led, "agree")
         ledgers: list[Deferrals[Any]] = [led]
@@ -756,9 +746,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         pages)`` made free; ``(0, 0)`` for a fence that holds nothing.
         Raises ``TypeError`` for a non-fence.
         """
-        if self._owner != _get_ident():
-            self._bind_thread()
-        self._fast = False  # no unchecked call may interleave with this one
+        self._check_thread()
         led = self._ledger
         led.check_fence(fence)
         rows = led.force_release(fence)
@@ -858,7 +846,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def _shed_unfittable(self) -> None:
         self._waiters.shed(self._unfittable_need)
 
-    def _unfittable_need(self, need: _Need) -> CapacityError | None:
+    def _unfittable_need(self, need: Need) -> CapacityError | None:
         """The error for a need that can never be met any more, else None."""
         if need.__class__ is int:
             n: int = need

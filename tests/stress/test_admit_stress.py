@@ -27,14 +27,14 @@ import asyncio
 import itertools
 import os
 import random
-import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+from harness import Cond, ShadowBase, loop_id, run_phases, show
 
-from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool
+from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, PoolStats
 
 SCALE = float(os.environ.get("ASYNCPOOL_STRESS_SCALE") or "1")
 TARGET_OPS = max(2_000, int(100_000 * SCALE))
@@ -43,95 +43,44 @@ ROWS = 64
 PAGES = 512
 NSTREAMS = 3
 MAX_OPEN_GATES = 6
+MAX_HANDLES = 12  # transfer handles (fences of unknown origin) open at once
+HANDLE_SHARE = 0.25  # of the fences picked: transfer handles
+HANDLE_SYNC_S = 60.0  # a handle's synchronize() gives up after this
 CHECK_EVERY = 500
 # Few workers first (fast paths, try_admit hits), then many (always queued).
 PHASES = ((16, 0.4, 3), (400, 0.6, 2))  # workers, share of ops, max held requests
 BUDGET_S = 240 * max(1.0, SCALE)
 
 
-class Handle:
-    """A transfer handle: a fence of unknown origin that completes on ``set``."""
-
-    __slots__ = ("_ev",)
-
-    def __init__(self) -> None:
-        self._ev = threading.Event()
-
-    def query(self) -> bool:
-        return self._ev.is_set()
-
-    def synchronize(self) -> None:
-        self._ev.wait(60)
-
-    def set(self) -> None:
-        self._ev.set()
-
-
-def _gate(ev: threading.Event, passed: list[int], s: int, k: int) -> None:
-    ev.wait()
-    passed[s] = k
-
-
-class Shadow:
+class Shadow(ShadowBase):
     """Who holds which row and page, and what each freed one waits for."""
 
     def __init__(self, pool: AsyncReqToTokenPool, kv: KVPagePool, streams: list[HostStream]):
-        self.pool = pool
+        super().__init__(
+            pool,
+            streams,
+            seed=SEED,
+            target=TARGET_OPS,
+            check_every=CHECK_EVERY,
+            max_open_gates=MAX_OPEN_GATES,
+            max_manual=MAX_HANDLES,
+            manual_share=HANDLE_SHARE,
+            sync_timeout=HANDLE_SYNC_S,
+        )
         self.kv = kv
-        self.streams = streams
         self.tokens = itertools.count(1)
         self.row_owner: dict[int, int] = {}
         self.page_owner: dict[int, int] = {}
-        self.uses: dict[int, list[Any]] = {}  # row -> fences recorded on it
-        self.waits: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
-        self.launched = [0] * len(streams)
-        self.passed = [0] * len(streams)
-        self.current: list[Any] = [None] * len(streams)
-        self.open_gates: list[list[threading.Event]] = [[] for _ in streams]
-        self.handles: list[Handle] = []
-        self.handle_done = Handle()
-        self.handle_done.set()
-        self.ops = 0
-        self.counts: dict[str, int] = {}
-        self.failures: list[str] = []
-        self.stop = False
-        self.done = False
-        self.target = TARGET_OPS
-        self.checks = 0
+        self.waits: dict[tuple[str, int], list[Cond]] = {}
 
-    # ------------------------------------------------------------ bookkeeping
-
-    def count(self, what: str) -> None:
-        self.ops += 1
-        self.counts[what] = self.counts.get(what, 0) + 1
-        if self.ops >= self.target:
-            self.stop = True
-        if self.ops % CHECK_EVERY == 0:
-            self.check()
-
-    def note(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
-
-    def fail(self, msg: str) -> None:
-        if len(self.failures) < 50:
-            self.failures.append(msg)
-        self.stop = True
+    # ------------------------------------------------------------ owners
 
     def _take(self, kind: str, ident: int, tok: int) -> None:
         owners = self.row_owner if kind == "row" else self.page_owner
         prev = owners.get(ident)
         if prev is not None:
             self.fail(f"{kind} {ident} granted to {tok} while held by {prev} (double grant)")
-        for cond in self.waits.pop((kind, ident), ()):
-            if cond[0] == "fence":
-                if not cond[1].query():
-                    self.fail(f"{kind} {ident} granted to {tok} while {cond[1]!r} is open")
-            else:
-                _, s, k = cond
-                if self.passed[s] < k:
-                    self.fail(
-                        f"{kind} {ident} granted to {tok} before stream {s} ran past gate {k}"
-                    )
+        self.check_conds(f"{kind} {ident}", tok, self.waits.pop((kind, ident), ()))
         owners[ident] = tok
 
     def grant_row(self, row: int, tok: int) -> None:
@@ -148,13 +97,7 @@ class Shadow:
                 self.fail(f"page {p} out of range")
             self._take("page", p, tok)
 
-    def conds(self, fences: list[Any], after: int | None) -> list[tuple[Any, ...]]:
-        out: list[tuple[Any, ...]] = [("fence", f) for f in fences]
-        if after is not None:
-            out.append(("gate", after, self.launched[after]))
-        return out
-
-    def release_pages(self, tok: int, pages: list[int], conds: list[tuple[Any, ...]]) -> None:
+    def release_pages(self, tok: int, pages: list[int], conds: list[Cond]) -> None:
         for p in pages:
             if self.page_owner.get(p) != tok:
                 self.fail(f"page {p} freed by {tok} but owned by {self.page_owner.get(p)}")
@@ -162,32 +105,21 @@ class Shadow:
             if conds:
                 self.waits[("page", p)] = conds
 
-    def release_row(self, tok: int, row: int, fence: Any, after: int | None) -> list[Any]:
+    def release_row(self, tok: int, row: int, fence: Any, after: int | None) -> list[Cond]:
         if self.row_owner.get(row) != tok:
             self.fail(f"row {row} freed by {tok} but owned by {self.row_owner.get(row)}")
         self.row_owner.pop(row, None)
-        fences = self.uses.pop(row, [])
-        if fence is not None:
-            fences = [*fences, fence]
-        conds = self.conds(fences, after)
+        conds = self.row_conds(row, fence, after)
         if conds:
             self.waits[("row", row)] = conds
         return conds
 
-    def check(self) -> None:
-        self.checks += 1
-        pool, kv = self.pool, self.kv
-        try:
-            pool.check_invariants()
-        except AssertionError as exc:
-            self.fail(f"check_invariants after {self.ops} ops: {exc}")
-            return
-        st = pool.stats()
+    def cross_check(self, st: PoolStats) -> None:
         if st.quarantined or st.pages_quarantined:
             self.fail("memory quarantined without any fault")
         if st.pages_free + st.pages_allocated + st.pages_pending != st.pages_capacity:
             self.fail(f"page stats do not add up: {st}")
-        led, pled = pool._ledger, kv.ledger
+        led, pled = self.pool._ledger, self.kv.ledger
         for r, tok in self.row_owner.items():
             if led.state_of(r) != "allocated":
                 self.fail(f"row {r} held by {tok} but the pool says {led.state_of(r)}")
@@ -197,60 +129,6 @@ class Shadow:
         # (More may be allocated: granted waiters that have not resumed yet.)
         if len(self.page_owner) > st.pages_allocated:
             self.fail(f"shadow holds {len(self.page_owner)} pages, pool {st.pages_allocated}")
-
-    # ------------------------------------------------------------ fences
-
-    def new_gate(self, rng: random.Random) -> None:
-        s = rng.randrange(len(self.streams))
-        if len(self.open_gates[s]) >= MAX_OPEN_GATES:
-            return
-        ev = threading.Event()
-        k = self.launched[s] + 1
-        self.streams[s].launch(_gate, ev, self.passed, s, k)
-        self.launched[s] = k
-        self.current[s] = self.streams[s].record()
-        self.open_gates[s].append(ev)
-
-    def open_random_gate(self, rng: random.Random) -> None:
-        gates = self.open_gates[rng.randrange(len(self.streams))]
-        if gates:
-            i = rng.randrange(len(gates))
-            gates[i], gates[-1] = gates[-1], gates[i]
-            gates.pop().set()
-
-    def pick_fence(self, rng: random.Random) -> Any:
-        if rng.random() < 0.25:  # a transfer handle
-            if self.handles and rng.random() < 0.7:
-                return rng.choice(self.handles)
-            return self.handle_done
-        f = self.current[rng.randrange(len(self.streams))]
-        return f if f is not None else self.handle_done
-
-    def open_everything(self) -> None:
-        for gates in self.open_gates:
-            for ev in gates:
-                ev.set()
-            gates.clear()
-        for hd in self.handles:
-            hd.set()
-        self.handles.clear()
-
-
-async def clock(h: Shadow) -> None:
-    rng = random.Random(SEED)
-    while not h.done:
-        for _ in range(4):
-            if rng.random() < 0.4:
-                h.new_gate(rng)
-            if rng.random() < 0.55:
-                h.open_random_gate(rng)
-            if rng.random() < 0.03 and len(h.handles) < 12:
-                h.handles.append(Handle())
-            if h.handles and rng.random() < 0.03:
-                h.handles.pop(rng.randrange(len(h.handles))).set()
-        if h.stop:
-            h.open_random_gate(rng)
-        await asyncio.sleep(0)
 
 
 def pick_pages(rng: random.Random) -> int:
@@ -334,8 +212,10 @@ async def worker(h: Shadow, wid: int, max_held: int) -> None:
         k = pick_pages(rng)
         # Waiting unbounded only while holding nothing (no hold-and-wait in
         # the workload itself).
-        timeout = rng.choice((0.0, 0.0005, 0.002, 0.01)) if held or detached else rng.choice(
-            (None, None, 0.001, 0.01)
+        timeout = (
+            rng.choice((0.0, 0.0005, 0.002, 0.01))
+            if held or detached
+            else rng.choice((None, None, 0.001, 0.01))
         )
         h.count("admit")
         try:
@@ -410,10 +290,7 @@ async def worker(h: Shadow, wid: int, max_held: int) -> None:
         elif op < 0.68:
             if held:
                 req = held[rng.randrange(len(held))]
-                f = h.pick_fence(rng)
-                h.count("record_use")
-                pool.record_use([req.row], f)
-                h.uses[req.row].append(f)
+                h.record_use([req.row], h.pick_fence(rng))
         elif op < 0.74:
             if detached:
                 free_detached()
@@ -437,54 +314,28 @@ async def test_admit_stress(request: pytest.FixtureRequest, capsys: Any) -> None
     kv = KVPagePool(PAGES + 1, 4)
     pool = AsyncReqToTokenPool(ROWS + 1, 8, kv=kv)
     h = Shadow(pool, kv, streams)
-    clock_task = asyncio.create_task(clock(h))
-    results: list[BaseException | None] = []
-    hung = False
-    try:
-        wid = 0
-        for nworkers, share, max_held in PHASES:
-            if h.failures:
-                break
-            h.stop = False
-            h.target = h.ops + int(TARGET_OPS * share)
-            workers = [asyncio.create_task(worker(h, wid + i, max_held)) for i in range(nworkers)]
-            wid += nworkers
-            try:
-                async with asyncio.timeout(BUDGET_S):
-                    results += await asyncio.gather(*workers, return_exceptions=True)
-            except TimeoutError:
-                hung = True
-                for t in workers:
-                    t.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-                break
-        errors = [r for r in results if isinstance(r, BaseException)]
-        h.done = True
-        await clock_task
-        h.open_everything()
-        async with asyncio.timeout(30):
-            await pool.drain()
-        h.check()
-        st = pool.stats()
-    finally:
-        h.done = True
-        h.open_everything()
-        if not clock_task.done():
-            clock_task.cancel()
-            await asyncio.gather(clock_task, return_exceptions=True)
-        await pool.close()
-        for s in streams:
-            s.close()
+
+    def begin(phase: tuple[int, float, int]) -> int:
+        nworkers, share, _max_held = phase
+        h.target = h.ops + int(TARGET_OPS * share)
+        return nworkers
+
+    run = await run_phases(
+        h,
+        PHASES,
+        begin=begin,
+        worker=lambda wid, phase: worker(h, wid, phase[2]),
+        budget_s=BUDGET_S,
+    )
+    hung, errors, st = run.hung, run.errors, run.stats
     elapsed = time.perf_counter() - t0
-    loop_name = request.node.callspec.id if hasattr(request.node, "callspec") else "?"
     summary = (
-        f"admit stress[{loop_name}]: {h.ops} pool ops in {elapsed:.1f}s; admits={st.admits} "
-        f"timeouts={st.timeouts} cancellations={st.cancellations} "
+        f"admit stress[{loop_id(request)}]: {h.ops} pool ops in {elapsed:.1f}s; "
+        f"admits={st.admits} timeouts={st.timeouts} cancellations={st.cancellations} "
         f"page fences={kv.stats().deferred_frees} pages deferred, fences={sum(h.launched)} "
         f"checks={h.checks} counts={dict(sorted(h.counts.items()))}"
     )
-    with capsys.disabled():
-        print("\n" + summary)
+    show(capsys, summary)
 
     assert not hung, f"workers hung after {h.ops} ops: {summary}"
     assert not errors, errors[:3]

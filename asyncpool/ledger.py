@@ -31,7 +31,6 @@ Not thread-safe: the owning pool serialises calls.
 
 from __future__ import annotations
 
-import array
 import collections
 import itertools
 import logging
@@ -95,14 +94,14 @@ class SlotLedger(Deferrals[int]):
         self._clean = size - 1  # the tables start zeroed
         self._state = bytearray(size)
         self._state[0] = RESERVED
-        # Generations (hand-outs per row) in two parts, so bookkeeping stays
-        # the same size however long the pool runs: a list of the counts mod
-        # 256 (always CPython's shared small ints, so 8 B a row; a plain
-        # count would become a separate int object per row past 256, +32 B)
-        # and an array of the carries, touched once every 256 hand-outs.
-        # The fast paths increment _gen and call _carry when it reaches 256.
-        self._gen = [0] * size
-        self._gen_hi = array.array("Q", bytes(8 * size))
+        # Generations: each row's tag from its latest hand-out, the value of
+        # _granted (rows handed out over the pool's life) just after it; 0
+        # for a row never handed out. A tag changes on every hand-out, which
+        # is all a stale lease or a double free needs, and one hand-out of
+        # n rows stores one shared int n times: no read-modify-write per
+        # row. The fast paths bump _granted and store the tag themselves.
+        self._gen: list[int] = [0] * size
+        self._granted = 0
         self._uses: list[Any] = [None] * size
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
@@ -137,7 +136,7 @@ class SlotLedger(Deferrals[int]):
     @property
     def granted(self) -> int:
         """Rows handed out, counting those given back by ``put_back`` (monotonic)."""
-        return sum(self._gen) + (sum(self._gen_hi) << 8)
+        return self._granted
 
     @property
     def returned(self) -> int:
@@ -154,13 +153,13 @@ class SlotLedger(Deferrals[int]):
         return STATE_NAMES[self._state[row]]
 
     def generation(self, row: int) -> int:
-        """How many times ``row`` has been handed out."""
-        return (self._gen_hi[row] << 8) | self._gen[row]
+        """A tag that changes each time ``row`` is handed out; 0 if never.
 
-    def _carry(self, row: int) -> int:
-        """``_gen[row]`` reached 256: carry into the high part; the new low part."""
-        self._gen_hi[row] += 1
-        return 0
+        The pool's count of rows handed out (:attr:`granted`) just after
+        the row's latest hand-out: strictly larger at each hand-out of the
+        row, shared by the rows handed out together.
+        """
+        return self._gen[row]
 
     # ------------------------------------------------------------------ take
 
@@ -194,12 +193,15 @@ class SlotLedger(Deferrals[int]):
 
     def _pop(self, n: int) -> list[int]:
         free = self._free
+        # _popped before _granted: a read of both from another thread (the
+        # pool's zero-wait count, granted - _popped) can only undercount.
         self._popped += n
+        tag = self._granted + n
+        self._granted = tag
         if n == 1:
             row = free.popleft()
             self._state[row] = ALLOCATED
-            g = self._gen[row] + 1
-            self._gen[row] = g if g != 256 else self._carry(row)
+            self._gen[row] = tag
             rows = [row]
         else:
             state = self._state
@@ -208,8 +210,7 @@ class SlotLedger(Deferrals[int]):
             rows = list(itertools.starmap(pop, itertools.repeat((), n)))  # a C loop
             for row in rows:
                 state[row] = ALLOCATED
-                g = gen[row] + 1
-                gen[row] = g if g != 256 else self._carry(row)
+                gen[row] = tag
         if len(free) < self._peak_bound:
             self._note_peak()
         return rows
@@ -376,20 +377,19 @@ class SlotLedger(Deferrals[int]):
             # Fast path: distinct allocated rows, no fence, no recorded use,
             # in one pass that checks each row and marks it FREE; a repeated
             # row finds itself already FREE. On the first row that fails,
-            # the marks made are undone and the careful path below runs
-            # (and raises, for every error).
+            # the marks made are undone (_undo_marks) and the careful path
+            # below runs (and raises, for every error).
             state = self._state
             uses = self._uses
             size = self.size
-            for done, row in enumerate(rows):
+            for row in rows:
                 if (
                     row.__class__ is not int
                     or not 0 < row < size
                     or state[row] != ALLOCATED
                     or uses[row] is not None
                 ):
-                    for row in rows[:done]:
-                        state[row] = ALLOCATED
+                    self._undo_marks(rows)
                     break
                 state[row] = FREE
             else:
@@ -480,6 +480,29 @@ class SlotLedger(Deferrals[int]):
             for head, rest, batch_rows in deferred.values():
                 self._defer(head, batch_rows, len(batch_rows), now, rest)
         return immediate
+
+    def _undo_marks(self, rows: list[Any]) -> None:
+        """Undo the FREE marks that free()'s fast pass made before it failed.
+
+        The pass marked a prefix of ``rows``: distinct ints in range, each
+        ALLOCATED before the call (so not in the free queue) and FREE now.
+        The row that failed is the first that is not one of those: not an
+        int in range, not FREE (a repeat of a prefix row is ALLOCATED again
+        by the time it is reached), or FREE before the call (then it is in
+        the free queue). Only an error costs this second pass.
+        """
+        state = self._state
+        size = self.size
+        queued = set(self._free)
+        for row in rows:
+            if (
+                row.__class__ is not int
+                or not 0 < row < size
+                or state[row] != FREE
+                or row in queued
+            ):
+                return
+            state[row] = ALLOCATED
 
     # ------------------------------------------------------------------ deferral hooks
 

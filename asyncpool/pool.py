@@ -412,9 +412,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 free = self._free_q
                 row = free.popleft()
                 self._state[row] = 1  # ALLOCATED
-                gen = self._gen
-                g = gen[row] + 1
-                gen[row] = g if g != 256 else led._carry(row)
+                tag = led._granted + 1
+                led._granted = tag
+                self._gen[row] = tag
                 if len(free) < led._peak_bound:
                     led._note_peak()
                 return [row]  # counted at stats time (see _zero_wait_allocs)
@@ -517,11 +517,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if n == 1:
             # Inlined SlotLedger.take_unreset(1): under saturation the row
             # was freed a moment ago and is still dirty.
-            led._popped += 1  # as SlotLedger._pop counts
+            led._popped += 1  # as SlotLedger._pop counts, and before _granted
+            tag = led._granted + 1
+            led._granted = tag
             row = free.popleft()
             self._state[row] = 1  # ALLOCATED
-            g = self._gen[row] + 1
-            self._gen[row] = g if g != 256 else led._carry(row)
+            self._gen[row] = tag
             if len(free) < led._peak_bound:
                 led._note_peak()
             clean = led._clean
@@ -906,11 +907,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def _zero_wait_allocs(self) -> int:
         """Allocs granted without queueing, the inlined single-row ones included.
 
-        Every row handed out bumps its generation, so ``granted`` counts
-        them all; every hand-out but alloc()'s two inlined single-row paths
-        also counts in ``_popped``. The difference is those inlined calls
-        (one row each). ``granted`` is read first and ``_popped`` is bumped
-        before the generations, so a read racing a hand-out on the owner's
+        ``granted`` counts every row handed out; every hand-out but
+        alloc()'s inlined single-row path also counts in ``_popped``. The
+        difference is those inlined calls (one row each). ``granted`` is
+        read first and ``_popped`` is bumped before it, so a read racing a
+        hand-out on the owner's
         thread (a scrape from another thread) can only undercount; the
         figure reported is the largest seen so far, so a counter built on
         it never goes down between scrapes and never runs ahead of the truth.

@@ -215,6 +215,7 @@ def ledger_snapshot(led: SlotLedger) -> tuple[Any, ...]:
         led._clean,
         bytes(led._state),
         list(led._gen),
+        led._granted,
         list(led._uses),
         {
             k: [(b.fence, b.seq, b.rest, b.did, b.n, list(b.items)) for b in q]

@@ -459,16 +459,19 @@ async def test_grants_in_separate_iterations_each_reset_before_the_owner_resumes
 # ---------------------------------------------------------------- bytes per row
 
 
-def _bookkeeping_bytes(size: int, handouts: int) -> int:
+def _bookkeeping_bytes(size: int, rounds: int, batch: int) -> int:
+    """Python bytes a pool holds after ``rounds`` of handing out every row,
+    ``batch`` rows per alloc (tracemalloc: tensors are not counted)."""
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         pool = ReqToTokenPool(size, 4)
-        for _ in range(handouts):
-            rows = pool.alloc(size - 1)
-            assert rows is not None
-            pool.free(rows)
+        for _ in range(rounds):
+            for _ in range((size - 1) // batch):
+                rows = pool.alloc(batch)
+                assert rows is not None
+                pool.free(rows)
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
     finally:
@@ -477,37 +480,50 @@ def _bookkeeping_bytes(size: int, handouts: int) -> int:
     return used
 
 
-def test_bookkeeping_does_not_grow_once_generations_pass_256():
-    fresh = _bookkeeping_bytes(1024, 1)
-    worn = _bookkeeping_bytes(1024, 300)
-    # A list of generation ints grows 32 B a row here (one int object each).
-    assert worn - fresh < 2 * 1024, (fresh, worn)
+def test_bookkeeping_is_bounded_however_long_the_pool_runs():
+    size = 257
+    # Two rounds: every tag is then past CPython's cached small ints.
+    batched_once = _bookkeeping_bytes(size, 2, size - 1)
+    batched = _bookkeeping_bytes(size, 300, size - 1)
+    single_once = _bookkeeping_bytes(size, 2, 1)
+    single = _bookkeeping_bytes(size, 300, 1)
+    # Nothing grows with the number of hand-outs.
+    assert abs(batched - batched_once) < 512, (batched_once, batched)
+    assert abs(single - single_once) < 512, (single_once, single)
+    # A batch shares one generation tag; single-row hand-outs leave each
+    # row a tag of its own (an int object, 32 B), and no more.
+    assert single_once - batched_once <= 40 * (size - 1), (batched_once, single_once)
 
 
-async def test_generations_count_on_past_256_on_every_path():
+async def test_generations_change_on_every_hand_out_on_every_path():
     sync = ReqToTokenPool(2, 4)
-    for _ in range(600):
+    for i in range(1, 301):
         sync.free(sync.alloc(1))  # ledger take
-    assert sync.generation(1) == 600 and sync.stats().allocs == 600
+        assert sync.generation(1) == i  # one row: its tag is the count
+    assert sync.stats().allocs == 300
     async with AsyncReqToTokenPool(3, 4) as pool:
-        for _ in range(300):
-            pool.free(await pool.alloc(1))  # inlined fast path, rows 1 and 2 alternate
-        assert pool.generation(1) + pool.generation(2) == 300
-        assert pool.generation(1) == 150
-        for _ in range(300):
-            pool.free(await pool.alloc(2))  # ledger _pop, n > 1
-        assert pool.generation(1) == pool.generation(2) == 450
-        held = await pool.alloc(2)
-        assert held == [1, 2] and pool.generation(1) == 451
         led = pool._ledger
-        led._gen[1] = 255  # as if row 1 had been handed out 511 times
-        assert pool.generation(1) == 511
+        last = {1: 0, 2: 0}
+        for _ in range(300):
+            [row] = await pool.alloc(1)  # inlined fast path, rows 1 and 2 alternate
+            assert pool.generation(row) == led.granted > last[row]
+            last[row] = pool.generation(row)
+            pool.free([row])
+        for _ in range(300):
+            rows = await pool.alloc(2)  # ledger _pop, n > 1: one tag for the batch
+            assert pool.generation(1) == pool.generation(2) == led.granted > max(last.values())
+            last = {1: led.granted, 2: led.granted}
+            pool.free(rows)
+        held = await pool.alloc(2)
+        assert held == [1, 2]
         waiter = asyncio.create_task(pool.alloc(1))
         await spin()
-        pool.free([1])  # the grant loop's inlined take carries too
+        pool.free([1])  # the grant loop's inlined take
         async with asyncio.timeout(WAIT_S):
             assert await waiter == [1]
-        assert pool.generation(1) == 512 and led._gen[1] == 0
+        assert pool.generation(1) == led.granted == 300 + 600 + 2 + 1
+        assert pool.generation(2) == 902
+        assert pool.stats().allocs == 903
         pool.free([1, 2])
 
 

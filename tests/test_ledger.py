@@ -82,13 +82,17 @@ def test_fifo_reuse_oldest_freed_first():
     led.check_invariants()
 
 
-def test_generation_counts_hand_outs_and_stats():
+def test_generation_tags_hand_outs_and_stats():
     led = SlotLedger(4)
     assert [led.generation(r) for r in (1, 2, 3)] == [0, 0, 0]
     a = led.take(2)
+    # The tag of a hand-out: rows handed out so far, shared by the batch.
+    assert led.generation(1) == led.generation(2) == led.granted == 2
     led.free(a)
+    assert led.generation(1) == 2  # a free keeps the tag: a double free is told apart
     led.take(3)
-    assert led.generation(1) == 2 and led.generation(2) == 2 and led.generation(3) == 1
+    assert [led.generation(r) for r in (1, 2, 3)] == [5, 5, 5]
+    assert led.granted == 5
     assert led.allocs == 5
     assert led.frees == 2
     assert led.peak_allocated == 3

@@ -75,7 +75,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.pending: dict[int, list[FakeFence | LooseFence]] = {}
         self.quarantined: set[int] = set()
         self.uses: dict[int, list[FakeFence | LooseFence]] = {}
-        self.gen = [0] * SIZE
+        self.gen = [0] * SIZE  # generation tags, as the ledger should have them
+        self.handed_out = 0
         self.allocs = 0
         self.dirty: set[int] = set()
 
@@ -165,8 +166,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert rows is not None and len(rows) == n
         assert not set(rows) & self.dirty, "a dirty row was handed out"
         self._consume(rows)
+        self.handed_out += n
         for r in rows:
-            self.gen[r] += 1
+            self.gen[r] = self.handed_out  # the tag: rows handed out so far
         self.allocated.update(rows)
         self.allocs += n
 
@@ -178,8 +180,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert rows is not None
         self._consume(rows)
         self.led.put_back(rows)
+        self.handed_out += n
         for r in rows:
-            self.gen[r] += 1
+            self.gen[r] = self.handed_out
         self.blocks[:0] = [{r} for r in rows]
 
     @precondition(lambda self: self.allocated)

@@ -212,8 +212,8 @@ class Admission:
 
     def _allocated_row(self, row: object, what: str) -> int:
         """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
-        if row.__class__ is int and 0 < row < self.size and self._state[row] == 1:
-            return row  # ALLOCATED
+        if row.__class__ is int and 0 < row < self.size and self._state[row] in (1, 6):
+            return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 
     def pages_of(self, row: int) -> torch.Tensor:
@@ -289,8 +289,7 @@ class Admission:
             if (
                 row.__class__ is int
                 and 0 < row < self.size
-                and state[row] == 1  # ALLOCATED
-                and self._uses[row] is None
+                and state[row] == 1  # ALLOCATED (USED: a recorded use)
             ):
                 arr = pages.owned[row]
                 if arr is not None:

@@ -89,7 +89,7 @@ from .errors import (
 )
 from .fences import Fence, HostFence, HostStream
 from .kv_pages import KVPagePool
-from .ledger import ALLOCATED, FREE, Rows
+from .ledger import ALLOCATED, FREE, USED, Rows
 from .lifecycle import Lifecycle
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages
@@ -217,7 +217,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # The bound of free()'s one-row fast path: 0 (never) with kv, where a
         # row may own pages, so that check costs rows-only pools nothing.
         self._rows_end = led.size if kv is None else 0
-        assert ALLOCATED == 1 and FREE == 0  # the literals in the fast paths
+        assert ALLOCATED == 1 and FREE == 0 and USED == 6  # the literals in the fast paths
         self._owner: int | None = None
         self._owner_name = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -634,8 +634,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if (
                 row.__class__ is int
                 and 0 < row < self._rows_end
-                and self._state[row] == 1  # ALLOCATED
-                and self._uses[row] is None
+                and self._state[row] == 1  # ALLOCATED (USED: a recorded use)
             ):
                 if self._fast:
                     # Unchecked for the thread, and safe from any (module

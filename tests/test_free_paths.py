@@ -74,3 +74,38 @@ def test_a_refused_free_after_a_stream_records_no_fence_on_it(bad: list[int]) ->
         assert pool.free([1], after=stream) in (0, 1)
         assert stream.record().seq == seq_before + 3  # the free's fence, then this probe
     pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        lambda pool, rows, fence: pool.free([*rows, 7]),  # then a row never allocated
+        lambda pool, rows, fence: pool.record_use([*rows, 0], fence),
+        lambda pool, rows, fence: pool.free([*rows, *rows]),  # a repeat
+    ],
+    ids=["free-never", "record_use-row-0", "free-repeat"],
+)
+def test_a_refused_call_keeps_each_rows_recorded_use(refused) -> None:
+    # A row with a recorded use is marked so by its state byte (USED): a
+    # refused call that checked it must put that mark back, or the next
+    # free would take the fast path and skip the open use.
+    pool = ReqToTokenPool(8, 4)
+    gate = threading.Event()
+    with HostStream() as stream:
+        try:
+            stream.launch(gate.wait)
+            in_flight = stream.record()
+            rows = pool.alloc(2)
+            assert rows is not None
+            pool.record_use(rows, in_flight)
+            with pytest.raises(InvalidSlotError):
+                refused(pool, rows, in_flight)
+            pool.check_invariants()
+            assert pool.free(rows) == 0  # both wait for the open use
+            assert pool.pending_size() == 2
+            gate.set()
+            in_flight.synchronize()
+            assert pool.reclaim() == 2
+            pool.check_invariants()
+        finally:
+            gate.set()

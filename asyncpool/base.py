@@ -132,7 +132,13 @@ class PoolCore:
         self._tables.write(indices, values)
 
     def generation(self, row: int) -> int:
-        """How many times ``row`` has been handed out (for stale-handle checks)."""
+        """A tag that changes each time ``row`` is handed out; 0 if never.
+
+        For stale-handle checks: keep the tag with the row and compare it
+        later; a different tag means the row was freed and handed out again.
+        The tag is the pool's running count of rows handed out, taken just
+        after the row's latest hand-out (not a count of this row's own).
+        """
         return self._ledger.generation(row)
 
     @staticmethod

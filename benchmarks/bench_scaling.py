@@ -7,10 +7,13 @@ size (whose free-list slice is O(size)).
 
 Memory: the tables (every tensor the pool exposes, exact ``nbytes``) and
 the Python bookkeeping (``tracemalloc``: objects allocated by constructing
-the pool and handing every row out ``HANDOUTS`` times, past the 256 where
-plain generation counters would stop being shared small ints; the
-seed-style pool, which keeps no counters, once; torch's tensor storage is
-not allocated through Python and so is not counted twice). Tables use a
+the pool and handing every row out ``HANDOUTS`` times). Twice for asyncpool:
+with rows handed out all at once (one hand-out stores one shared
+generation tag), and then, the worst case, with every row handed out on its
+own after the pool's hand-out count passed 256, so each row keeps a tag
+that is an int object of its own. The seed-style pool, which keeps no
+counters, hands out once; torch's tensor storage is not allocated through
+Python and so is not counted twice. Tables use a
 short ``max_context_len`` here so 65,536 rows fit a laptop; they grow as
 ``size * max_context_len * 4`` bytes in any case.
 """
@@ -51,11 +54,16 @@ def table_bytes(pool: object) -> int:
     return total
 
 
-async def _cycle_all(pool: Any, is_async: bool) -> None:
+async def _cycle_all(pool: Any, is_async: bool, singly: bool = False) -> None:
     cap = pool.available_size()
     for _ in range(HANDOUTS if is_async else 1):
         rows = (await pool.alloc(cap)) if is_async else pool.alloc(cap)
         pool.free(rows)
+    if singly:
+        # The hand-out count is past 256 now: each row handed out on its own
+        # keeps a tag that no other row shares (the worst case).
+        held = [r for _ in range(cap) for r in await pool.alloc(1)]
+        pool.free(held)
 
 
 async def measure_memory(size: int, max_context_len: int) -> dict[str, float]:
@@ -63,16 +71,21 @@ async def measure_memory(size: int, max_context_len: int) -> dict[str, float]:
     from asyncpool import AsyncReqToTokenPool
 
     out: dict[str, float] = {"size": size}
-    for label, factory, is_async in (
-        ("asyncpool", lambda: AsyncReqToTokenPool(size, max_context_len, device="cpu"), True),
-        ("seed-style", lambda: NaiveReqToTokenPool(size, max_context_len), False),
+
+    def fresh_async() -> AsyncReqToTokenPool:
+        return AsyncReqToTokenPool(size, max_context_len, device="cpu")
+
+    for label, factory, is_async, singly in (
+        ("asyncpool", fresh_async, True, False),
+        ("asyncpool_singly", fresh_async, True, True),
+        ("seed-style", lambda: NaiveReqToTokenPool(size, max_context_len), False, False),
     ):
         gc.collect()
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
             pool = factory()
-            await _cycle_all(pool, is_async)
+            await _cycle_all(pool, is_async, singly)
             gc.collect()
             current, peak = tracemalloc.get_traced_memory()
         finally:

@@ -304,19 +304,25 @@ def render_markdown(
             "",
             f"Tables at max_context_len={cfg.scaling_context_len} (they scale with it); "
             "bookkeeping is Python objects after every asyncpool row was handed out "
-            f"{HANDOUTS} times (the seed-style pool's once; tracemalloc). Reproduce: "
-            "`python -m benchmarks --only scaling`.",
+            f"{HANDOUTS} times in batches (rows handed out together share one generation "
+            "tag), then, for the worst case, once more each on its own (each row keeps a "
+            "tag of its own, an int object past 256); the seed-style pool's once; "
+            "tracemalloc. Reproduce: `python -m benchmarks --only scaling`.",
             "",
-            "| size | asyncpool tables | asyncpool bookkeeping | per row "
+            "| size | asyncpool tables | asyncpool bookkeeping, batches | per row "
+            "| asyncpool, each row its own tag | per row "
             "| seed-style bookkeeping | per row |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for mem in memory:
             s = mem["size"]
             ab, nb = mem["asyncpool_bookkeeping_bytes"], mem["seed-style_bookkeeping_bytes"]
+            sb = mem.get("asyncpool_singly_bookkeeping_bytes", float("nan"))
             lines.append(
                 f"| {int(s):,} | {mem['asyncpool_table_bytes'] / 2**20:.2f} MiB "
-                f"| {ab / 1024:,.1f} KiB | {ab / s:.0f} B | {nb / 1024:,.1f} KiB | {nb / s:.0f} B |"
+                f"| {ab / 1024:,.1f} KiB | {ab / s:.0f} B "
+                f"| {sb / 1024:,.1f} KiB | {sb / s:.0f} B "
+                f"| {nb / 1024:,.1f} KiB | {nb / s:.0f} B |"
             )
         lines.append("")
 

@@ -7,13 +7,16 @@ with ``-W error``). The async tests run on every loop conftest provides.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 from helpers import LONG_S, bounded
 
+from benchmarks import ablation
 from benchmarks import bench_pages as pages_mod
 from benchmarks.bench_admit import bench_admit
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
@@ -155,6 +158,36 @@ async def test_batched() -> None:
 async def test_contended() -> None:
     async with bounded(LONG_S):
         _check(await bench_contended(SMOKE))
+
+
+async def test_contended_ablation() -> None:
+    async with bounded(LONG_S):
+        per_op = await ablation.ablate_contended(SMOKE)
+    assert set(per_op) == {*ablation.SUBJECTS, "Semaphore"}
+    for samples in per_op.values():
+        assert len(samples) == SMOKE.rounds
+        assert all(x > 0 and math.isfinite(x) for x in samples)
+    table = ablation.render({"asyncio": per_op})
+    assert all(name in table for name in ablation.SUBJECTS)
+    # The clock swap is undone, whatever the run did.
+    from asyncpool import waiters
+
+    assert waiters._perf_counter is time.perf_counter
+
+
+async def test_hand_over_floor_grants_in_order() -> None:
+    pool = ablation.HandOverPool(1)
+    first = await pool.alloc(1)
+    loop = asyncio.get_running_loop()
+    second, third = loop.create_task(pool.alloc(1)), loop.create_task(pool.alloc(1))
+    await asyncio.sleep(0)
+    pool.free(first)
+    async with bounded(LONG_S):
+        assert await second == first
+    assert not third.done()
+    third.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await third
 
 
 async def test_admit() -> None:

@@ -1,0 +1,204 @@
+"""Where the contended grant's cost goes: the pool with parts switched off.
+
+``python -m benchmarks.ablation`` runs the contended benchmark's workload
+(1,000 tasks, each ``alloc(1)``, ``sleep(0)``, ``free`` five times, on 64
+rows) for these subjects, interleaved round by round on each loop, and
+prints each one's cost per grant as a ratio to ``asyncio.Semaphore(64)``
+measured in the same rounds:
+
+* ``asyncpool``: the pool as shipped;
+* ``no resets``: the same pool with the row resets skipped (the one
+  vectorised op per loop tick that zeroes the lengths of rows handed out
+  dirty);
+* ``no wait timing``: the same pool with the waiter queues' clock replaced by
+  a constant (the wait window and histogram still fill, with zeros);
+* ``no resets, no timing``: both;
+* ``hand-over floor``: :class:`HandOverPool`, grant at hand-over and nothing
+  else (a deque of rows, a deque of futures), the least any pool with the
+  same fairness rule pays.
+
+The variants are measurement aids, never configurations: a pool without
+resets hands out rows with stale lengths. Nothing here is a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import functools
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .harness import PRESETS, Config, Sampler, interleave, loop_factories, run_on
+
+__all__ = ["SUBJECTS", "HandOverPool", "ablate_contended", "main"]
+
+SUBJECTS = (
+    "asyncpool",
+    "no resets",
+    "no wait timing",
+    "no resets, no timing",
+    "hand-over floor",
+)
+
+
+class HandOverPool:
+    """Rows granted at hand-over, FIFO, with nothing else: no checks, no
+    stats, no resets, no fences. The floor for the contended grant."""
+
+    def __init__(self, rows: int) -> None:
+        self._free: collections.deque[int] = collections.deque(range(1, rows + 1))
+        self._waiters: collections.deque[asyncio.Future[list[int]]] = collections.deque()
+
+    async def alloc(self, n: int) -> list[int]:
+        if not self._waiters and self._free:
+            return [self._free.popleft()]
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return await fut
+
+    def free(self, rows: list[int]) -> int:
+        free, waiters = self._free, self._waiters
+        free.extend(rows)
+        while waiters and free:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result([free.popleft()])
+        return len(rows)
+
+
+@contextmanager
+def _constant_wait_clock() -> Iterator[None]:
+    from asyncpool import waiters
+
+    real = waiters._perf_counter
+    waiters._perf_counter = lambda: 1.0
+    try:
+        yield
+    finally:
+        waiters._perf_counter = real
+
+
+def _skip_resets(pool: Any) -> None:
+    def drop() -> None:
+        pool._unreset.clear()
+
+    pool._flush_resets = drop
+
+
+async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
+    """Per-round ratios to ``asyncio.Semaphore(64)``, per subject."""
+    from asyncpool import AsyncReqToTokenPool
+
+    tasks, rounds, rows = cfg.contended_tasks, cfg.contended_rounds, cfg.contended_rows
+    sleep = asyncio.sleep
+    pools: dict[str, Any] = {}
+    for name in SUBJECTS:
+        if name == "hand-over floor":
+            pools[name] = HandOverPool(rows)
+            continue
+        pool = AsyncReqToTokenPool(rows + 1, cfg.max_context_len, device="cpu")
+        if "no resets" in name:
+            _skip_resets(pool)
+        pools[name] = pool
+    sem = asyncio.Semaphore(rows)
+
+    def pool_sampler(name: str) -> Sampler:
+        pool = pools[name]
+        timed = "timing" not in name
+
+        async def worker() -> None:
+            alloc, free = pool.alloc, pool.free
+            for _ in range(rounds):
+                got = await alloc(1)
+                await sleep(0)
+                free(got)
+
+        async def sample(n: int) -> int:
+            with _constant_wait_clock() if not timed else _nothing():
+                t0 = time.perf_counter_ns()
+                for _ in range(n):
+                    await asyncio.gather(*[worker() for _ in range(tasks)])
+                return time.perf_counter_ns() - t0
+
+        return sample
+
+    async def sem_worker() -> None:
+        acquire, release = sem.acquire, sem.release
+        for _ in range(rounds):
+            await acquire()
+            await sleep(0)
+            release()
+
+    async def sem_sample(n: int) -> int:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            await asyncio.gather(*[sem_worker() for _ in range(tasks)])
+        return time.perf_counter_ns() - t0
+
+    samplers: dict[str, Sampler] = {name: pool_sampler(name) for name in SUBJECTS}
+    samplers["Semaphore"] = sem_sample
+    per_grant = tasks * rounds
+    try:
+        per_op = await interleave(
+            samplers,
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s * 5,
+            ops_per_call=dict.fromkeys(samplers, per_grant),
+            start=1,
+            disable_gc=False,
+        )
+    finally:
+        for pool in pools.values():
+            if isinstance(pool, AsyncReqToTokenPool):
+                await pool.close()
+    return per_op
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def render(results: dict[str, dict[str, list[float]]]) -> str:
+    """A markdown table: per subject and loop, the median ratio and ns/grant."""
+    loops = list(results)
+    lines = [
+        "| subject | " + " | ".join(f"{lp}: vs Semaphore | {lp}: per grant" for lp in loops) + " |",
+        "| --- | " + " | ".join("--- | ---" for _ in loops) + " |",
+    ]
+    for name in (*SUBJECTS, "Semaphore"):
+        cells = []
+        for lp in loops:
+            per_op = results[lp]
+            ratios = [a / b for a, b in zip(per_op[name], per_op["Semaphore"], strict=True)]
+            cells.append(
+                f"{statistics.median(ratios):.2f}x | {statistics.median(per_op[name]) / 1e3:.2f} µs"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(cfg: Config, loops: Sequence[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    """Run the ablation on each loop (all available by default)."""
+    kinds = list(loops) if loops else list(loop_factories())
+    return {kind: run_on(kind, functools.partial(ablate_contended, cfg)) for kind in kinds}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ablation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--loop", action="append", choices=sorted(loop_factories()),
+                   help="a loop to run on (repeatable; default: all)")
+    args = p.parse_args(argv)
+    print(render(run(PRESETS[args.preset], args.loop)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

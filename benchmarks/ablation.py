@@ -28,12 +28,22 @@ import asyncio
 import collections
 import functools
 import statistics
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .harness import PRESETS, Config, Sampler, interleave, loop_factories, run_on
+from .harness import (
+    PRESETS,
+    Config,
+    Sampler,
+    clock_of,
+    gathered,
+    interleave,
+    loop_factories,
+    pool_worker,
+    run_on,
+    semaphore_worker,
+)
 
 __all__ = ["SUBJECTS", "HandOverPool", "ablate_contended", "main"]
 
@@ -95,7 +105,7 @@ async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
     from asyncpool import AsyncReqToTokenPool
 
     tasks, rounds, rows = cfg.contended_tasks, cfg.contended_rounds, cfg.contended_rows
-    sleep = asyncio.sleep
+    now = clock_of(cfg)
     pools: dict[str, Any] = {}
     for name in SUBJECTS:
         if name == "hand-over floor":
@@ -108,37 +118,17 @@ async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
     sem = asyncio.Semaphore(rows)
 
     def pool_sampler(name: str) -> Sampler:
-        pool = pools[name]
-        timed = "timing" not in name
+        sample = gathered(pool_worker(pools[name], rounds), tasks, now)
+        if "timing" in name:
 
-        async def worker() -> None:
-            alloc, free = pool.alloc, pool.free
-            for _ in range(rounds):
-                got = await alloc(1)
-                await sleep(0)
-                free(got)
+            async def sample_untimed(n: int) -> int:
+                with _constant_wait_clock():
+                    return await sample(n)
 
-        async def sample(n: int) -> int:
-            with _constant_wait_clock() if not timed else _nothing():
-                t0 = time.perf_counter_ns()
-                for _ in range(n):
-                    await asyncio.gather(*[worker() for _ in range(tasks)])
-                return time.perf_counter_ns() - t0
-
+            return sample_untimed
         return sample
 
-    async def sem_worker() -> None:
-        acquire, release = sem.acquire, sem.release
-        for _ in range(rounds):
-            await acquire()
-            await sleep(0)
-            release()
-
-    async def sem_sample(n: int) -> int:
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            await asyncio.gather(*[sem_worker() for _ in range(tasks)])
-        return time.perf_counter_ns() - t0
+    sem_sample = gathered(semaphore_worker(sem, rounds), tasks, now)
 
     samplers: dict[str, Sampler] = {name: pool_sampler(name) for name in SUBJECTS}
     samplers["Semaphore"] = sem_sample
@@ -157,11 +147,6 @@ async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
             if isinstance(pool, AsyncReqToTokenPool):
                 await pool.close()
     return per_op
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def render(results: dict[str, dict[str, list[float]]]) -> str:

@@ -19,7 +19,18 @@ from __future__ import annotations
 
 import asyncio
 
-from .harness import Config, Row, Target, clock_of, compare, interleave, loop_name, pool_cycles
+from .harness import (
+    Config,
+    Row,
+    Target,
+    clock_of,
+    compare,
+    gathered,
+    interleave,
+    loop_name,
+    pool_cycles,
+    semaphore_worker,
+)
 
 __all__ = ["bench_admit"]
 
@@ -116,13 +127,6 @@ async def _contended(cfg: Config) -> list[Row]:
             await sleep(0)
             free([g.row])
 
-    async def sem_worker() -> None:
-        acquire, release = sem.acquire, sem.release
-        for _ in range(rounds):
-            await acquire()
-            await sleep(0)
-            release()
-
     async def sem_kv_worker() -> None:
         acquire, release = sem_kv.acquire, sem_kv.release
         kv_alloc, kv_free = bare_kv.alloc, bare_kv.free
@@ -133,23 +137,9 @@ async def _contended(cfg: Config) -> list[Row]:
             kv_free(pages)
             release()
 
-    async def sem_kv_sample(n: int) -> int:
-        t0 = now()
-        for _ in range(n):
-            await asyncio.gather(*[sem_kv_worker() for _ in range(tasks)])
-        return now() - t0
-
-    async def pool_sample(n: int) -> int:
-        t0 = now()
-        for _ in range(n):
-            await asyncio.gather(*[pool_worker() for _ in range(tasks)])
-        return now() - t0
-
-    async def sem_sample(n: int) -> int:
-        t0 = now()
-        for _ in range(n):
-            await asyncio.gather(*[sem_worker() for _ in range(tasks)])
-        return now() - t0
+    sem_kv_sample = gathered(sem_kv_worker, tasks, now)
+    pool_sample = gathered(pool_worker, tasks, now)
+    sem_sample = gathered(semaphore_worker(sem, rounds), tasks, now)
 
     try:
         per_op = await interleave(

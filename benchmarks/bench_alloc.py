@@ -22,10 +22,13 @@ from .harness import (
     Target,
     clock_of,
     compare,
+    gathered,
     interleave,
     loop_name,
     pool_cycles,
+    pool_worker,
     seed_cycles,
+    semaphore_worker,
 )
 from .naive_pool import NaiveReqToTokenPool
 
@@ -132,33 +135,8 @@ async def bench_contended(cfg: Config) -> list[Row]:
     # +1: slot 0 is reserved padding, so 65 rows give 64 grantable ones.
     pool = AsyncReqToTokenPool(cfg.contended_rows + 1, cfg.max_context_len, device="cpu")
     sem = asyncio.Semaphore(cfg.contended_rows)
-    sleep = asyncio.sleep
-
-    async def pool_worker() -> None:
-        alloc, free = pool.alloc, pool.free
-        for _ in range(rounds):
-            rows = await alloc(1)
-            await sleep(0)
-            free(rows)
-
-    async def sem_worker() -> None:
-        acquire, release = sem.acquire, sem.release
-        for _ in range(rounds):
-            await acquire()
-            await sleep(0)
-            release()
-
-    async def pool_sample(n: int) -> int:
-        t0 = now()
-        for _ in range(n):
-            await asyncio.gather(*[pool_worker() for _ in range(tasks)])
-        return now() - t0
-
-    async def sem_sample(n: int) -> int:
-        t0 = now()
-        for _ in range(n):
-            await asyncio.gather(*[sem_worker() for _ in range(tasks)])
-        return now() - t0
+    pool_sample = gathered(pool_worker(pool, rounds), tasks, now)
+    sem_sample = gathered(semaphore_worker(sem, rounds), tasks, now)
 
     try:
         per_op = await interleave(

@@ -32,13 +32,17 @@ __all__ = [
     "Row",
     "Sampler",
     "Target",
+    "Worker",
     "calibrate",
     "clock_of",
+    "gathered",
     "interleave",
     "loop_factories",
     "median",
+    "pool_worker",
     "quantiles",
     "run_on",
+    "semaphore_worker",
 ]
 
 T = TypeVar("T")
@@ -223,6 +227,50 @@ def pool_cycles(pool: Any, k: int, now: Callable[[], int]) -> Sampler:
         return now() - t0
 
     return sample
+
+
+#: A contended workload's task body: one task's few acquire/hold/release rounds.
+Worker = Callable[[], Coroutine[Any, Any, None]]
+
+
+def gathered(worker: Worker, tasks: int, now: Callable[[], int]) -> Sampler:
+    """A sampler timing ``n`` times ``tasks`` copies of ``worker`` gathered."""
+
+    async def sample(n: int) -> int:
+        t0 = now()
+        for _ in range(n):
+            await asyncio.gather(*[worker() for _ in range(tasks)])
+        return now() - t0
+
+    return sample
+
+
+def pool_worker(pool: Any, rounds: int) -> Worker:
+    """``rounds`` times: ``rows = await pool.alloc(1)``, ``sleep(0)``, ``free``."""
+    sleep = asyncio.sleep
+
+    async def worker() -> None:
+        alloc, free = pool.alloc, pool.free
+        for _ in range(rounds):
+            rows = await alloc(1)
+            await sleep(0)
+            free(rows)
+
+    return worker
+
+
+def semaphore_worker(sem: asyncio.Semaphore, rounds: int) -> Worker:
+    """``rounds`` times: ``await sem.acquire()``, ``sleep(0)``, ``release``."""
+    sleep = asyncio.sleep
+
+    async def worker() -> None:
+        acquire, release = sem.acquire, sem.release
+        for _ in range(rounds):
+            await acquire()
+            await sleep(0)
+            release()
+
+    return worker
 
 
 def seed_cycles(naive: Any, k: int, now: Callable[[], int]) -> Sampler:

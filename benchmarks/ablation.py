@@ -13,6 +13,9 @@ measured in the same rounds:
 * ``no wait timing``: the same pool with the waiter queues' clock replaced by
   a constant (the wait window and histogram still fill, with zeros);
 * ``no resets, no timing``: both;
+* ``no alloc checks``: the same pool with ``alloc``'s preamble stripped to
+  what queueing needs (no thread, argument, closed, quarantine or loop
+  checks; the take-or-enqueue-and-await core is the shipped one's);
 * ``hand-over floor``: :class:`HandOverPool`, grant at hand-over and nothing
   else (a deque of rows, a deque of futures), the least any pool with the
   same fairness rule pays.
@@ -52,6 +55,7 @@ SUBJECTS = (
     "no resets",
     "no wait timing",
     "no resets, no timing",
+    "no alloc checks",
     "hand-over floor",
 )
 
@@ -79,6 +83,39 @@ class HandOverPool:
             if not fut.done():
                 fut.set_result([free.popleft()])
         return len(rows)
+
+
+def _unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
+    """An AsyncReqToTokenPool whose ``alloc`` skips every check (see above)."""
+    from asyncpool import AsyncReqToTokenPool
+
+    class UncheckedAlloc(AsyncReqToTokenPool):
+        async def alloc(
+            self, n: int, *, priority: int = 0, timeout: float | None = None
+        ) -> list[int]:
+            waiters = self._waiters
+            self._fast = False  # as the shipped alloc: no unchecked free meanwhile
+            if not waiters.count and not waiters.gated:
+                rows = self._take(n)
+                if rows is not None:
+                    self._fast_allocs += 1
+                    self._fast = self._unchecked
+                    return rows
+            waiter, handle = waiters.enqueue(
+                n, priority, timeout, asyncio.get_running_loop(),
+                self._wait_times, self._wait_histogram,
+            )
+            try:
+                granted: list[int] = await waiter[1]
+                return granted
+            except asyncio.CancelledError:
+                waiters.cancelled(waiter)
+                raise
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    return UncheckedAlloc(size, max_context_len, device="cpu")
 
 
 @contextmanager
@@ -110,6 +147,9 @@ async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
     for name in SUBJECTS:
         if name == "hand-over floor":
             pools[name] = HandOverPool(rows)
+            continue
+        if name == "no alloc checks":
+            pools[name] = _unchecked_alloc_pool(rows + 1, cfg.max_context_len)
             continue
         pool = AsyncReqToTokenPool(rows + 1, cfg.max_context_len, device="cpu")
         if "no resets" in name:

@@ -86,7 +86,13 @@ class HandOverPool:
 
 
 def _unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
-    """An AsyncReqToTokenPool whose ``alloc`` skips every check (see above)."""
+    """An AsyncReqToTokenPool whose ``alloc`` skips every check (see above).
+
+    Its body is a deliberate copy of the shipped ``alloc``'s take-or-enqueue
+    core (``asyncpool/pool.py``), inlined as the shipped one inlines
+    ``WaiterQueues.wait``: calling ``wait`` would add a coroutine frame and
+    measure something else. Keep the two in step.
+    """
     from asyncpool import AsyncReqToTokenPool
 
     class UncheckedAlloc(AsyncReqToTokenPool):

@@ -120,7 +120,7 @@ async def _contended(cfg: Config) -> list[Row]:
     bare_kv = KVPagePool(cfg.contended_pages + 1, 16)
     sleep = asyncio.sleep
 
-    async def pool_worker() -> None:
+    async def admit_worker() -> None:
         admit, free = pool.admit, pool.free
         for _ in range(rounds):
             g = await admit(k)
@@ -138,7 +138,7 @@ async def _contended(cfg: Config) -> list[Row]:
             release()
 
     sem_kv_sample = gathered(sem_kv_worker, tasks, now)
-    pool_sample = gathered(pool_worker, tasks, now)
+    pool_sample = gathered(admit_worker, tasks, now)
     sem_sample = gathered(semaphore_worker(sem, rounds), tasks, now)
 
     try:

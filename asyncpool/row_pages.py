@@ -151,9 +151,15 @@ class RowPages:
         return self.out(pages if pages is not None else _EMPTY)
 
     def detach(self, row: int) -> torch.Tensor:
+        """Hand ``row``'s pages to the caller; the tensor is theirs (on the
+        host the page pool remembers it, so freeing it there is cheap)."""
         pages = self.owned[row]
         self.owned[row] = None
-        return self.out(pages if pages is not None else _EMPTY)
+        if pages is None:
+            return self.out(_EMPTY)
+        if self._on_host and pages.shape[0] > 1:
+            return self.kv._hand_out(pages)
+        return self.out(pages)
 
     # ------------------------------------------------------------ freeing with rows
 

@@ -544,21 +544,48 @@ async def test_detach_pages_hands_them_to_the_caller():
 
 
 @pytest.mark.parametrize("n", [1, 4, 12])
-@pytest.mark.parametrize("form", ["tensor", "list", "numpy"])
+@pytest.mark.parametrize("form", ["detached tensor", "tensor", "list", "numpy"])
 async def test_the_caller_freeing_detached_pages_serves_a_waiter(n, form):
-    # Every path of KVPagePool.free (one page, a few, many; tensor, list,
-    # array) runs the pool's grant loop.
+    # Every path of KVPagePool.free (one page, a few, many; the very tensor
+    # detach_pages handed out, another tensor, list, array) runs the pool's
+    # grant loop.
     async with make(rows=2, pages=12) as pool:
         g = await pool.admit(pages=n)
-        pages = pool.detach_pages(g.row).clone()
+        detached = pool.detach_pages(g.row)
+        pages = detached.clone()
         pool.free(g.row)
         rest = await pool.admit(pages=12 - n)
         [w] = await queued(pool, pool.admit(pages=n))
-        arg = {"tensor": pages, "list": pages.tolist(), "numpy": pages.numpy()}[form]
+        arg = {
+            "detached tensor": detached,
+            "tensor": pages,
+            "list": pages.tolist(),
+            "numpy": pages.numpy(),
+        }[form]
         kv_of(pool).free(arg)  # straight to the KVPagePool, no fence
         got = await outcome(w)
         assert len(got.pages) == n
         pool.free([got.row, rest.row])
+        conserved(pool)
+
+
+async def test_detached_pages_free_without_id_checks(monkeypatch):
+    # The page pool remembers the tensor detach_pages handed out, as it
+    # does for its own alloc: freeing it unchanged skips the id checks.
+    async with make(rows=2, pages=8) as pool:
+        g = await pool.admit(pages=5)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv = kv_of(pool)
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise AssertionError("an id check was run")
+
+        for name in ("prepare", "_free_now_small", "_checked"):
+            monkeypatch.setattr(kv.ledger, name, broken)
+        assert kv.free(pages) == 5
+        monkeypatch.undo()
+        assert kv.available_size() == 8
         conserved(pool)
 
 

@@ -295,3 +295,136 @@ def test_free_now_small_wraps_the_ring():
     assert kv.ledger._free_now_small(a[3:].tolist()) is True
     kv.check_invariants()
     assert kv.alloc(8) is not None and kv.available_size() == 0
+
+
+# ---------------------------------------------------------------- handed-out tensors
+# A host pool remembers each tensor of 2+ pages it handed out; freeing that
+# very tensor, unchanged, only checks that its pages are still ALLOCATED.
+
+
+def _break_checks(monkeypatch: pytest.MonkeyPatch, led: PageLedger) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a check the handed-out path skips was run")
+
+    for name in ("prepare", "_free_now_small", "_checked"):
+        monkeypatch.setattr(led, name, broken)
+
+
+@pytest.mark.parametrize("n", [2, _TINY, _TINY + 1, 200])
+def test_freeing_a_handed_out_tensor_skips_every_id_check(n, monkeypatch):
+    kv = KVPagePool(256, 4)
+    pages = kv.alloc(n)
+    assert pages is not None
+    _break_checks(monkeypatch, kv.ledger)
+    assert kv.free(pages) == n
+    monkeypatch.undo()
+    kv.check_invariants()
+    assert kv.available_size() == 255 and not kv._handed
+
+
+@pytest.mark.parametrize("n", [2, _TINY, _TINY + 1, 40])
+def test_a_handed_out_tensor_freed_in_another_form_first_is_a_double_free(n):
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(n)
+    assert pages is not None
+    assert kv.free(pages.clone()) == n  # another tensor: the entry stays
+    before = snapshot(kv)
+    with pytest.raises(DoubleFreeError, match=f"double free: page {int(pages[0])} "):
+        kv.free(pages)
+    assert snapshot(kv) == before
+
+
+def test_a_handed_out_tensor_freed_twice_is_a_double_free():
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(5)
+    assert pages is not None and kv.free(pages) == 5
+    before = snapshot(kv)
+    with pytest.raises(DoubleFreeError):
+        kv.free(pages)
+    assert snapshot(kv) == before
+
+
+def test_a_handed_out_tensor_written_into_goes_the_checked_way():
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(6)
+    other = kv.alloc(2)
+    assert pages is not None and other is not None
+    pages[1] = pages[0]  # a duplicate: distinctness is no longer given
+    before = snapshot(kv)
+    with pytest.raises(InvalidSlotError, match="appears more than once"):
+        kv.free(pages)
+    assert snapshot(kv) == before
+    # Rewritten to other allocated pages: it frees exactly those.
+    pages[:] = torch.tensor([*range(1, 5), *other.tolist()])
+    assert kv.free(pages) == 6
+    assert [kv.ledger.state_of(p) for p in (1, 4, 5, 6, 7, 8)] == [
+        "free", "free", "allocated", "allocated", "free", "free"]
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "view, error, freed",
+    [
+        (lambda t: t.view(2, 4), InvalidSlotError, 0),  # 2-D: refused as ever
+        (lambda t: t.view(torch.float64), InvalidSlotError, 0),  # same bytes, a float dtype
+        (lambda t: t[:3], None, 3),  # same address, fewer pages
+        (lambda t: t.view(-1), None, 8),  # a view of all of it
+    ],
+    ids=["2-D view", "float view", "prefix slice", "whole view"],
+)
+def test_views_of_a_handed_out_tensor_free_as_any_tensor_would(view, error, freed):
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(8)
+    assert pages is not None
+    arg = view(pages)
+    before = snapshot(kv)
+    if error is not None:
+        with pytest.raises(error):
+            kv.free(arg)
+        assert snapshot(kv) == before
+    else:
+        assert kv.free(arg) == freed
+        assert kv.allocated_size() == 8 - freed
+    kv.check_invariants()
+
+
+def test_handed_out_tensors_freed_in_other_forms_are_forgotten_in_bulk():
+    kv = KVPagePool(1024, 4)
+    most = 0
+    for _ in range(50):
+        held = [kv.alloc(2) for _ in range(20)]
+        for pages in held:
+            assert pages is not None
+            kv.free(pages.tolist())  # the entry stays behind
+        most = max(most, len(kv._handed))
+    # Never more than the allocated pages (at most 40 here) plus twice the slack.
+    assert most <= 40 + 2 * 64
+    # A forgotten tensor still frees, the checked way.
+    pages = kv.alloc(3)
+    kv._handed.clear()
+    assert pages is not None and kv.free(pages) == 3
+    kv.check_invariants()
+
+
+def test_a_fenced_free_of_a_handed_out_tensor_forgets_it():
+    kv = KVPagePool(64, 4)
+    fs = FakeStream()
+    pages = kv.alloc(4)
+    assert pages is not None
+    kv.free(pages, fence=fs.record())
+    assert not kv._handed
+    with pytest.raises(DoubleFreeError):
+        kv.free(pages)
+    fs.complete()
+    assert kv.reclaim() == 4
+    kv.check_invariants()
+
+
+def test_clear_forgets_handed_out_tensors():
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(4)
+    assert pages is not None
+    kv.clear()
+    assert not kv._handed
+    with pytest.raises(DoubleFreeError):
+        kv.free(pages)

@@ -42,8 +42,8 @@ _get_running_loop = asyncio.get_running_loop
 Need = int | tuple[int, int]
 
 # Freeing a row's own pages (no fence): up to this many go through the page
-# ledger's one-pass check-and-free (about 0.1 us a page), more through its
-# vectorised free_owned (about 2 us whatever the count); crossover ~10.
+# ledger's one-pass check-and-free (about 0.1 us a page), more through the
+# seal test and its vectorised free_owned (under 1 us whatever the count).
 _TRUSTED_PASS = 8
 
 
@@ -294,19 +294,21 @@ class Admission:
                 arr = pages.owned[row]
                 if arr is not None:
                     pled = pages.ledger
-                    # The row's own record: in-range int64 ids by
-                    # construction, so only what misuse breaks is checked
-                    # (each page still ALLOCATED, none repeated): a few in
-                    # one Python pass, more vectorised. Either changes
-                    # nothing if a check fails; prepare() then raises.
+                    # The row's own record: a few pages in one checking
+                    # Python pass; more, while the record is as sealed (in
+                    # range and distinct), with a vectorised check that each
+                    # is still ALLOCATED. Either changes nothing if a check
+                    # fails, and prepare() then raises (or frees a record
+                    # that was written into but is still valid).
                     if not (
                         pled._free_now_small(arr.tolist())
                         if arr.shape[0] <= _TRUSTED_PASS
-                        else pled.free_owned(arr)
+                        else arr.tobytes() == pages.sealed[row] and pled.free_owned(arr)
                     ):
                         ids, fresh = pled.prepare(arr)
                         pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
+                    pages.sealed[row] = None
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:

@@ -82,6 +82,13 @@ class RowPages:
     ``owned[row]`` is the row's page ids as a private int64 array, or None.
     Every page held here is ALLOCATED in the page ledger and owned by
     exactly one row (:meth:`check_invariants`).
+
+    ``sealed[row]`` is the bytes of ``owned[row]`` as this class made it
+    (None: no pages, or a record the caller wrote into before ``extend``
+    copied it). The caller sees the record through a zero-copy tensor and
+    may write into it, against the contract; while the record still equals
+    its seal its ids are in range and distinct, so freeing it only checks
+    that each is still ALLOCATED (:meth:`PageLedger.free_owned`).
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -89,6 +96,7 @@ class RowPages:
         self.ledger: PageLedger = kv.ledger
         self.capacity = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
+        self.sealed: list[bytes | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
@@ -118,7 +126,9 @@ class RowPages:
 
     def grant(self, row: int, pages: npt.NDArray[np.int64]) -> Grant:
         """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
-        self.owned[row] = pages if pages.shape[0] else None
+        if pages.shape[0]:
+            self.owned[row] = pages
+            self.sealed[row] = pages.tobytes()
         self.admits += 1
         if self._on_host:  # out(), inlined
             return _new_grant(Grant, (row, _from_numpy(pages)))
@@ -129,6 +139,7 @@ class RowPages:
         pages return to the head of the free ring, as if never taken."""
         pages = self.owned[row]
         self.owned[row] = None
+        self.sealed[row] = None
         if pages is not None:
             self.ledger.put_back(pages)
 
@@ -143,7 +154,15 @@ class RowPages:
             if arr is None:
                 return None
         old = self.owned[row]
-        self.owned[row] = arr if old is None else np.concatenate((old, arr))
+        if old is None:
+            self.owned[row] = arr
+            self.sealed[row] = arr.tobytes()
+        else:
+            new = np.concatenate((old, arr))
+            self.owned[row] = new
+            # Written into since it was sealed: the copy is not trusted either.
+            trusted = old.tobytes() == self.sealed[row]
+            self.sealed[row] = new.tobytes() if trusted else None
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
@@ -155,6 +174,7 @@ class RowPages:
         host the page pool remembers it, so freeing it there is cheap)."""
         pages = self.owned[row]
         self.owned[row] = None
+        self.sealed[row] = None
         if pages is None:
             return self.out(_EMPTY)
         if self._on_host and pages.shape[0] > 1:
@@ -213,11 +233,13 @@ class RowPages:
         Returns the pages free at once.
         """
         owned = self.owned
+        sealed = self.sealed
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
             for row in group_rows:
                 owned[row] = None
+                sealed[row] = None
             immediate += free_prepared(ids, fresh, fences + extra)
         return immediate
 
@@ -228,6 +250,8 @@ class RowPages:
         seen: list[int] = []
         for row, pages in enumerate(self.owned):
             if pages is None:
+                if self.sealed[row] is not None:
+                    raise AssertionError(f"row {row} owns no pages but has a seal")
                 continue
             if row not in allocated:
                 raise AssertionError(f"row {row} owns pages but is not allocated")

@@ -1120,3 +1120,64 @@ async def test_a_faulted_page_fence_counts_in_pool_stats(kit, caplog):
         pool.reclaim()
         assert pool.stats().pages_quarantined == 1
         assert kv_of(pool).stats().fence_errors == 1
+
+
+# ---------------------------------------------------------------- grant.pages written into
+# grant.pages is a view of the row's record ("do not modify it in place"). A
+# caller who does anyway gets a typed error from free, and the pool stays as
+# it was: the pool trusts its record only while it is as granted.
+
+
+@pytest.mark.parametrize("form", ["[row]", "row"])  # the fast path, the general one
+@pytest.mark.parametrize("n", [3, 8, 9, 12])
+@pytest.mark.parametrize(
+    "write, error",
+    [
+        ("the last page as -1", "out of range"),  # numpy would read -1 as page n
+        ("a page past the end", "out of range"),
+        ("a duplicate", "appears more than once"),
+        ("page 0", "reserved"),
+    ],
+)
+async def test_free_of_a_row_whose_pages_were_written_into_raises_and_changes_nothing(
+    n, write, error, form
+):
+    async with make(rows=2, pages=n) as pool:  # every page granted: page n is allocated
+        g = await pool.admit(pages=n)
+        last = ids(g.pages).index(n)
+        if write == "the last page as -1":
+            g.pages[last] = -1
+        elif write == "a page past the end":
+            g.pages[last] = 10**6
+        elif write == "a duplicate":
+            g.pages[last] = g.pages[(last + 1) % n]
+        else:
+            g.pages[last] = 0
+        arg = [g.row] if form == "[row]" else g.row
+        before = pool.stats()
+        with pytest.raises(InvalidSlotError, match=error):
+            pool.free(arg)
+        after = pool.stats()
+        assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
+        kv_of(pool).check_invariants()
+        g.pages[last] = n  # put right: it frees
+        assert pool.free(arg) == 1
+        assert kv_of(pool).available_size() == n
+        conserved(pool)
+
+
+async def test_extend_does_not_seal_pages_written_into():
+    # The record is re-made by extend: a write before it must still be seen.
+    async with make(rows=2, pages=12) as pool:
+        g = await pool.admit(pages=10)
+        g.pages[0] = g.pages[1]
+        more = pool.extend(g.row, 2)
+        assert more is not None
+        with pytest.raises(InvalidSlotError, match="appears more than once"):
+            pool.free([g.row])
+        detached = pool.detach_pages(g.row)
+        detached[0] = 1 if int(detached[1]) != 1 else 2  # a page the row did own
+        assert sorted(ids(detached)) == list(range(1, 13))
+        pool.free(g.row)
+        assert kv_of(pool).free(detached) == 12
+        conserved(pool)

@@ -43,14 +43,14 @@ view. Anything a fast path refuses goes the checked way, which raises the
 same error as for any other input form (tests/test_kv_pages_fast.py).
 
 A host pool also remembers each tensor of two or more pages it hands out
-(``alloc``, and ``detach_pages`` of an owning row pool), by data pointer,
-with the bytes it held then (:meth:`KVPagePool._hand_out`). Freeing that
-very tensor, unchanged, skips the tensor-to-Python conversion and the
-distinctness check: only "still ALLOCATED" is checked (0.8 us of a 3.9 us
-``alloc(16)`` + ``free``, measured). A tensor written into since, or freed
-already in another form, goes the checked way. Entries of tensors freed in
-another form are forgotten in bulk once they outnumber the allocated pages
-(:meth:`KVPagePool._trim_handed`).
+(``alloc``, and ``detach_pages`` of an owning row pool), with the array
+under it and the bytes it held then (:meth:`KVPagePool._hand_out`). Freeing
+that very tensor object, unchanged, skips the tensor-to-Python conversion
+and the distinctness check: only "still ALLOCATED" is checked (0.8 us of a
+3.9 us ``alloc(16)`` + ``free``, measured). Anything else (a view, a copy, a
+list, the tensor written into, or freed already in another form) goes the
+checked way. The pages of tensors freed in another form are forgotten in
+bulk once they outnumber the allocated pages (:meth:`KVPagePool._trim_handed`).
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ _TINY = 16
 # page (one numpy fancy assignment costs about as much as eight of those).
 _TINY_MARK = 8
 _I64 = np.dtype(np.int64)
-# KVPagePool remembers the tensors it handed out; past this many entries
-# beyond its allocated pages it forgets them (see KVPagePool._trim_handed).
-_HANDED_SLACK = 64
+# KVPagePool remembers the tensors it hands out; past this many of their
+# pages beyond its allocated pages it forgets them (KVPagePool._trim_handed).
+_HANDED_SLACK = 1024
 
 
 def _state_0d(state: int) -> npt.NDArray[np.uint8]:
@@ -516,7 +516,8 @@ class PageLedger(Deferrals[PageArray]):
         except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
             if pages.dtype is torch.bool or pages.is_floating_point() or pages.is_complex():
                 raise _dtype_error(pages.dtype) from None
-            arr = pages.detach().cpu().numpy()
+            # A negative view (torch._neg_view) reads negated: resolve it.
+            arr = pages.detach().cpu().resolve_neg().numpy()
         return PageLedger._numpy_array(arr, owned=False)
 
     @staticmethod
@@ -767,10 +768,12 @@ class KVPagePool:
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
         self._on_free: Callable[[], None] | None = None
-        # Tensors handed out on the host, by data pointer: the array under
-        # each and its bytes when handed out (see _hand_out). Trimmed past
-        # _handed_limit entries.
-        self._handed: dict[int, tuple[PageArray, bytes]] = {}
+        # Tensors handed out on the host, by id(): the tensor itself (which
+        # keeps the id unique while remembered), its data pointer, the array
+        # under it and its bytes when handed out (see _hand_out); and how
+        # many pages they hold, trimmed past _handed_limit.
+        self._handed: dict[int, tuple[torch.Tensor, int, PageArray, bytes]] = {}
+        self._handed_pages = 0
         self._handed_limit = _HANDED_SLACK
 
     def __repr__(self) -> str:
@@ -840,46 +843,50 @@ class KVPagePool:
         if self._on_host:
             # _hand_out, inlined.
             out = torch.from_numpy(pages)
-            handed = self._handed
-            if len(handed) >= self._handed_limit:
+            self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes())
+            self._handed_pages += n
+            if self._handed_pages > self._handed_limit:
                 self._trim_handed()
-            handed[out.data_ptr()] = (pages, pages.tobytes())
             return out
         return torch.from_numpy(pages).to(self.device)
 
     def _hand_out(self, pages: PageArray) -> torch.Tensor:
-        """The tensor over ``pages`` (a private array the pool just took),
-        remembered so that :meth:`free` of that very tensor can trust it.
+        """The tensor over ``pages`` (distinct ids the pool owns, in a private
+        array), remembered so that :meth:`free` of that very tensor can
+        trust it. Host pools only.
 
-        The entry keeps ``pages`` alive, so no other buffer can take its
-        address while it is remembered: a tensor at that address of the
-        same length, int64 and contiguous, is ``pages`` itself (or a view of
-        all of it). Its bytes as handed out tell whether anyone wrote into
-        it since; if not, its ids are still distinct and in range, and free
-        only checks that each is still ALLOCATED. Host pools only.
+        The entry keeps the tensor, and so ``pages``, alive: its id names
+        no other object and no other buffer takes its address while it is
+        remembered. :meth:`free` trusts a tensor found by id only while it
+        still lies over that address, int64, 1-D contiguous and as long
+        (``.data =`` and in-place reshapes change those), and its bytes are
+        as handed out (nobody wrote into it); its ids are then still
+        distinct and in range, and free only checks that each is still
+        ALLOCATED.
         """
         out = torch.from_numpy(pages)
-        handed = self._handed
-        if len(handed) >= self._handed_limit:
+        self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes())
+        self._handed_pages += pages.shape[0]
+        if self._handed_pages > self._handed_limit:
             self._trim_handed()
-        handed[out.data_ptr()] = (pages, pages.tobytes())
         return out
 
     def _trim_handed(self) -> None:
         """Forget every handed-out tensor once some must be stale.
 
         A tensor freed in another form (a list, a slice, its numpy copy)
-        leaves its entry behind. Each live entry holds an allocated page, so
-        past ``allocated`` entries some are stale: drop them all (a live
-        one's free then takes the checked path, as any other input does).
-        Checked once per ``_HANDED_SLACK`` new entries at most, so the cost
-        is O(1) amortised and the entries stay within the peak of allocated
-        pages plus twice the slack.
+        leaves its entry behind. The tensors still out hold distinct
+        allocated pages, so once the remembered ones hold more pages than
+        are allocated, some are stale: forget them all (a live one's free
+        then takes the checked path, as any other input does). Checked once
+        per ``_HANDED_SLACK`` pages remembered, so the cost is O(1)
+        amortised, and what is remembered stays within the allocated pages
+        plus twice the slack (a few tens of bytes a page).
         """
-        handed = self._handed
-        if len(handed) > self._ledger.allocated + _HANDED_SLACK:
-            handed.clear()
-        self._handed_limit = len(handed) + _HANDED_SLACK
+        if self._handed_pages > self._ledger.allocated + _HANDED_SLACK:
+            self._handed.clear()
+            self._handed_pages = 0
+        self._handed_limit = self._handed_pages + _HANDED_SLACK
 
     # ------------------------------------------------------------------ free
 
@@ -913,18 +920,19 @@ class KVPagePool:
             # that pass refuses goes the checked way, which raises for it.
             if type(pages) is not torch.Tensor:
                 pass
-            elif (numel := pages.numel()) > 1 and (
-                entry := self._handed.pop(pages.data_ptr(), None)
-            ) is not None:
-                # A tensor this pool handed out (_hand_out): unchanged since,
-                # its ids are distinct and in range; check they are still
-                # ALLOCATED (not freed in another form) and push them.
-                arr, handed_bytes = entry
+            elif (entry := self._handed.pop(id(pages), None)) is not None:
+                # The very tensor this pool handed out (_hand_out): over the
+                # same memory and unchanged since, its ids are distinct and
+                # in range; check they are still ALLOCATED (not freed in
+                # another form) and push them.
+                _, ptr, arr, handed_bytes = entry
+                numel: int = arr.shape[0]
+                self._handed_pages -= numel
                 if (
-                    pages.dtype is torch.int64
-                    and pages.is_cpu  # host memory, where arr lives
+                    pages.data_ptr() == ptr
+                    and pages.dtype is torch.int64
                     and pages.stride() == (1,)
-                    and numel == arr.shape[0]
+                    and pages.numel() == numel
                     and arr.tobytes() == handed_bytes
                     and led.free_owned(arr)
                 ):
@@ -933,7 +941,7 @@ class KVPagePool:
                     return numel
                 # Changed since, or freed already: the checked path (below)
                 # says why.
-            elif numel <= _TINY:
+            elif pages.numel() <= _TINY:
                 small = pages.tolist()
                 # Not for the int of a 0-d tensor, nor for [] (an empty
                 # tensor of any shape: the checked path refuses one of more
@@ -989,8 +997,8 @@ class KVPagePool:
             led.check_fence(fence)
             fences.append(fence)
         ids, owned = led.prepare(pages)
-        if self._handed and type(pages) is torch.Tensor:
-            self._handed.pop(pages.data_ptr(), None)  # checked above, not trusted
+        if self._handed and (entry := self._handed.pop(id(pages), None)) is not None:
+            self._handed_pages -= entry[2].shape[0]  # checked above, not trusted
         if after is not None:
             fences.append(record_fence(after))
         n = led.free_prepared(ids, owned, fences)
@@ -1064,6 +1072,7 @@ class KVPagePool:
         led.free_all_allocated()
         led.reclaim()
         self._handed.clear()
+        self._handed_pages = 0
 
     # ------------------------------------------------------------------ views
 

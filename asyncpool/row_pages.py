@@ -84,11 +84,16 @@ class RowPages:
     exactly one row (:meth:`check_invariants`).
 
     ``sealed[row]`` is the bytes of ``owned[row]`` as this class made it
-    (None: no pages, or a record the caller wrote into before ``extend``
-    copied it). The caller sees the record through a zero-copy tensor and
-    may write into it, against the contract; while the record still equals
-    its seal its ids are in range and distinct, so freeing it only checks
-    that each is still ALLOCATED (:meth:`PageLedger.free_owned`).
+    (None: no pages, or a record not to be trusted). The caller sees the
+    record through a zero-copy tensor and may write into it, against the
+    contract; while the record still equals its seal its ids are in range
+    and distinct, so freeing it only checks that each is still ALLOCATED
+    (:meth:`PageLedger.free_owned`), and ``detach`` may vouch for it to the
+    page pool. Distinct, because :meth:`extend` seals the longer record
+    only when the old one was as sealed *and* all its pages were still
+    ALLOCATED before the take: a page of the row freed behind its back (by
+    the caller, straight to the page pool) could be taken again and listed
+    twice.
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -146,6 +151,13 @@ class RowPages:
     def extend(self, row: int, k: int) -> torch.Tensor | None:
         """Add ``k`` free pages to ``row`` (reclaiming first if short), or None."""
         led = self.ledger
+        old = self.owned[row]
+        # Decided before the take, which may hand out again a page of the
+        # row that was freed behind its back (see the class docstring).
+        trusted = old is None or (
+            old.tobytes() == self.sealed[row]
+            and led._all_allocated.startswith(led._state[old].tobytes())
+        )
         arr = led.take(k)
         if arr is None:
             if not (led.pending and led.reclaim()):
@@ -153,16 +165,9 @@ class RowPages:
             arr = led.take(k)
             if arr is None:
                 return None
-        old = self.owned[row]
-        if old is None:
-            self.owned[row] = arr
-            self.sealed[row] = arr.tobytes()
-        else:
-            new = np.concatenate((old, arr))
-            self.owned[row] = new
-            # Written into since it was sealed: the copy is not trusted either.
-            trusted = old.tobytes() == self.sealed[row]
-            self.sealed[row] = new.tobytes() if trusted else None
+        new = arr if old is None else np.concatenate((old, arr))
+        self.owned[row] = new
+        self.sealed[row] = new.tobytes() if trusted else None
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
@@ -174,11 +179,11 @@ class RowPages:
         host the page pool remembers it, so freeing it there is cheap)."""
         pages = self.owned[row]
         self.owned[row] = None
-        self.sealed[row] = None
+        sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
             return self.out(_EMPTY)
-        if self._on_host and pages.shape[0] > 1:
-            return self.kv._hand_out(pages)
+        if self._on_host and pages.shape[0] > 1 and pages.tobytes() == sealed:
+            return self.kv._hand_out(pages)  # distinct and in range: vouched for
         return self.out(pages)
 
     # ------------------------------------------------------------ freeing with rows

@@ -1181,3 +1181,53 @@ async def test_extend_does_not_seal_pages_written_into():
         pool.free(g.row)
         assert kv_of(pool).free(detached) == 12
         conserved(pool)
+
+
+@pytest.mark.parametrize("then", ["free", "detach and free"])
+async def test_pages_freed_behind_the_rows_back_and_taken_again_by_extend_are_refused(then):
+    # Misuse: the caller frees a row's pages straight to the page pool; the
+    # row's extend may take them again, listing each twice. The row's record
+    # is then not trusted: freeing it, or its detached tensor, raises.
+    async with make(rows=2, pages=20) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=10)
+        others = kv.alloc(10)  # the free pages left are the row's own, once freed
+        kv.free(g.pages.clone())
+        more = pool.extend(g.row, 10)
+        assert more is not None and sorted(ids(more)) == sorted(ids(g.pages))
+        before = pool.stats()
+        with pytest.raises(InvalidSlotError, match="appears more than once"):
+            if then == "free":
+                pool.free([g.row])
+            else:
+                detached = pool.detach_pages(g.row)
+                kv.free(detached)
+        after = pool.stats()
+        assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
+        kv.check_invariants()
+        if then == "free":
+            pool.detach_pages(g.row)
+        pool.free([g.row])
+        kv.free(g.pages)  # the ten pages, once
+        kv.free(others)
+        conserved(pool)
+
+
+@pytest.mark.parametrize("write", [-1, 10**6, "duplicate"])
+async def test_detach_does_not_vouch_for_pages_written_into(write):
+    async with make(rows=2, pages=10) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=10)
+        last = ids(g.pages).index(10)
+        g.pages[last] = g.pages[0] if write == "duplicate" else write
+        detached = pool.detach_pages(g.row)
+        pool.free(g.row)
+        before = pool.stats()
+        with pytest.raises(InvalidSlotError):
+            kv.free(detached)
+        after = pool.stats()
+        assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
+        kv.check_invariants()
+        detached[last] = 10
+        assert kv.free(detached) == 10
+        conserved(pool)

@@ -22,7 +22,7 @@ from helpers import FakeStream
 from test_kv_pages import snapshot
 
 from asyncpool import DoubleFreeError, InvalidSlotError, KVPagePool, PoolError
-from asyncpool.kv_pages import _TINY, PageLedger
+from asyncpool.kv_pages import _HANDED_SLACK, _TINY, PageLedger
 
 # ---------------------------------------------------------------- equivalence
 
@@ -388,22 +388,66 @@ def test_views_of_a_handed_out_tensor_free_as_any_tensor_would(view, error, free
     kv.check_invariants()
 
 
-def test_handed_out_tensors_freed_in_other_forms_are_forgotten_in_bulk():
-    kv = KVPagePool(1024, 4)
+@pytest.mark.parametrize("n", [2, 2000])
+def test_handed_out_tensors_freed_in_other_forms_are_forgotten_in_bulk(n):
+    # The usual engine habit: the ids are copied out and freed from the
+    # copy, leaving every entry behind. What is remembered is bounded in
+    # pages, not in entries (2,000-page tensors would otherwise pile up).
+    kv = KVPagePool(4097, 4)
     most = 0
-    for _ in range(50):
-        held = [kv.alloc(2) for _ in range(20)]
+    for _ in range(60):
+        held = [kv.alloc(n) for _ in range(max(1, 40 // n))]
         for pages in held:
             assert pages is not None
             kv.free(pages.tolist())  # the entry stays behind
-        most = max(most, len(kv._handed))
-    # Never more than the allocated pages (at most 40 here) plus twice the slack.
-    assert most <= 40 + 2 * 64
+        remembered = sum(entry[2].shape[0] for entry in kv._handed.values())
+        assert remembered == kv._handed_pages
+        most = max(most, remembered)
+    # Never more than the pages allocated at a trim plus twice the slack.
+    assert most <= max(n, 40) + 2 * _HANDED_SLACK
     # A forgotten tensor still frees, the checked way.
     pages = kv.alloc(3)
     kv._handed.clear()
     assert pages is not None and kv.free(pages) == 3
     kv.check_invariants()
+
+
+def test_only_the_very_tensor_handed_out_is_trusted(monkeypatch):
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(8)
+    assert pages is not None
+    _break_checks(monkeypatch, kv.ledger)
+    # Another object over the same memory (a view of all of it) is not
+    # trusted: it takes the checked path, here broken on purpose.
+    with pytest.raises(AssertionError, match="a check the handed-out path skips"):
+        kv.free(pages.view(-1))
+    monkeypatch.undo()
+    assert kv.free(pages.view(-1)) == 8
+    kv.check_invariants()
+
+
+def test_a_tensor_given_other_data_is_not_trusted():
+    # ``t.data = ...`` keeps the object (and its id) but not its memory.
+    kv = KVPagePool(64, 4)
+    pages = kv.alloc(4)
+    other = kv.alloc(4)
+    assert pages is not None and other is not None
+    pages.data = other.clone()
+    assert kv.free(pages) == 4  # frees what it holds now: other's pages
+    assert [kv.ledger.state_of(p) for p in (1, 5)] == ["allocated", "free"]
+    kv.check_invariants()
+
+
+def test_a_negative_view_is_refused_with_a_typed_error():
+    kv = KVPagePool(64, 4)
+    for n in (1, 4, _TINY + 4):
+        pages = kv.alloc(n)
+        assert pages is not None
+        before = snapshot(kv)
+        with pytest.raises(InvalidSlotError, match="out of range"):
+            kv.free(torch._neg_view(pages))
+        assert snapshot(kv) == before
+        assert kv.free(pages) == n
 
 
 def test_a_fenced_free_of_a_handed_out_tensor_forgets_it():

@@ -770,9 +770,10 @@ class KVPagePool:
         self._on_free: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
         # keeps the id unique while remembered), its data pointer, the array
-        # under it and its bytes when handed out (see _hand_out); and how
-        # many pages they hold, trimmed past _handed_limit.
-        self._handed: dict[int, tuple[torch.Tensor, int, PageArray, bytes]] = {}
+        # under it, its bytes when handed out and its length (see
+        # _hand_out); and how many pages they hold, trimmed past
+        # _handed_limit.
+        self._handed: dict[int, tuple[torch.Tensor, int, PageArray, bytes, int]] = {}
         self._handed_pages = 0
         self._handed_limit = _HANDED_SLACK
 
@@ -843,9 +844,10 @@ class KVPagePool:
         if self._on_host:
             # _hand_out, inlined.
             out = torch.from_numpy(pages)
-            self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes())
-            self._handed_pages += n
-            if self._handed_pages > self._handed_limit:
+            self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes(), n)
+            remembered = self._handed_pages + n
+            self._handed_pages = remembered
+            if remembered > self._handed_limit:
                 self._trim_handed()
             return out
         return torch.from_numpy(pages).to(self.device)
@@ -865,8 +867,9 @@ class KVPagePool:
         ALLOCATED.
         """
         out = torch.from_numpy(pages)
-        self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes())
-        self._handed_pages += pages.shape[0]
+        n: int = pages.shape[0]
+        self._handed[id(out)] = (out, out.data_ptr(), pages, pages.tobytes(), n)
+        self._handed_pages += n
         if self._handed_pages > self._handed_limit:
             self._trim_handed()
         return out
@@ -925,8 +928,7 @@ class KVPagePool:
                 # same memory and unchanged since, its ids are distinct and
                 # in range; check they are still ALLOCATED (not freed in
                 # another form) and push them.
-                _, ptr, arr, handed_bytes = entry
-                numel: int = arr.shape[0]
+                _, ptr, arr, handed_bytes, numel = entry
                 self._handed_pages -= numel
                 if (
                     pages.data_ptr() == ptr
@@ -934,8 +936,10 @@ class KVPagePool:
                     and pages.stride() == (1,)
                     and pages.numel() == numel
                     and arr.tobytes() == handed_bytes
-                    and led.free_owned(arr)
+                    # free_owned, inlined
+                    and led._all_allocated.startswith(led._state[arr].tobytes())
                 ):
+                    led._push(arr)
                     if self._on_free is not None:
                         self._on_free()
                     return numel
@@ -998,7 +1002,7 @@ class KVPagePool:
             fences.append(fence)
         ids, owned = led.prepare(pages)
         if self._handed and (entry := self._handed.pop(id(pages), None)) is not None:
-            self._handed_pages -= entry[2].shape[0]  # checked above, not trusted
+            self._handed_pages -= entry[4]  # checked above, not trusted
         if after is not None:
             fences.append(record_fence(after))
         n = led.free_prepared(ids, owned, fences)

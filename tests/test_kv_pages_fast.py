@@ -472,3 +472,62 @@ def test_clear_forgets_handed_out_tensors():
     assert not kv._handed
     with pytest.raises(DoubleFreeError):
         kv.free(pages)
+
+
+# A pool that remembers its tensors against one that forgets them before
+# every free: whatever the caller does to them (writes through the tensor,
+# views, copies, other forms), both answer and end the same.
+_FREE_FORMS: list[Callable[[torch.Tensor], Any]] = [
+    lambda t: t,
+    lambda t: t,
+    lambda t: t[: max(2, t.numel() // 2)],
+    lambda t: t[1:],
+    lambda t: t.tolist(),
+    lambda t: t.numpy(),
+    lambda t: t.view(-1),
+    lambda t: t.clone(),
+    lambda t: t.flip(0),
+    lambda t: t.to(torch.int32),
+    lambda t: t.view(1, -1),
+]
+
+
+def _outcome(call: Callable[[], int]) -> tuple[str, Any]:
+    try:
+        return "ok", call()
+    except PoolError as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_remembering_handed_out_tensors_changes_no_answer(seed):
+    rng = random.Random(seed)
+    remembers, forgets = KVPagePool(33, 4), KVPagePool(33, 4)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(300):
+        if rng.random() < 0.35 or not held:
+            n = rng.randint(2, 12)
+            a, b = remembers.alloc(n), forgets.alloc(n)
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert a.tolist() == b.tolist()
+                held.append((a, b))
+            continue
+        a, b = rng.choice(held)
+        if rng.random() < 0.15:  # a write through the tensor, against the contract
+            i = rng.randrange(a.numel())
+            value = rng.choice([0, -1, 40, 10**6, int(a[(i + 1) % a.numel()]), rng.randint(1, 32)])
+            a[i] = b[i] = value
+            continue
+        form = rng.choice(_FREE_FORMS)
+        forgets._handed.clear()
+        assert _outcome(lambda: remembers.free(form(a))) == _outcome(
+            lambda: forgets.free(form(b))
+        )
+        assert snapshot(remembers) == snapshot(forgets)
+        if rng.random() < 0.3:
+            held = [h for h in held if h[0] is not a]
+        if rng.random() < 0.02:
+            remembers.clear()
+            forgets.clear()
+            held.clear()

@@ -89,11 +89,11 @@ class RowPages:
     contract; while the record still equals its seal its ids are in range
     and distinct, so freeing it only checks that each is still ALLOCATED
     (:meth:`PageLedger.free_owned`), and ``detach`` may vouch for it to the
-    page pool. Distinct, because :meth:`extend` seals the longer record
-    only when the old one was as sealed *and* all its pages were still
-    ALLOCATED before the take: a page of the row freed behind its back (by
-    the caller, straight to the page pool) could be taken again and listed
-    twice.
+    page pool. Only a record made by one take is sealed: :meth:`extend`
+    leaves a longer record unsealed, since a page of the row freed behind
+    its back (by the caller, straight to the page pool) may be taken again
+    and listed twice; proving otherwise costs a pass over the record at
+    every extend, where the checked free of an extended row pays it once.
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -151,13 +151,6 @@ class RowPages:
     def extend(self, row: int, k: int) -> torch.Tensor | None:
         """Add ``k`` free pages to ``row`` (reclaiming first if short), or None."""
         led = self.ledger
-        old = self.owned[row]
-        # Decided before the take, which may hand out again a page of the
-        # row that was freed behind its back (see the class docstring).
-        trusted = old is None or (
-            old.tobytes() == self.sealed[row]
-            and led._all_allocated.startswith(led._state[old].tobytes())
-        )
         arr = led.take(k)
         if arr is None:
             if not (led.pending and led.reclaim()):
@@ -165,9 +158,13 @@ class RowPages:
             arr = led.take(k)
             if arr is None:
                 return None
-        new = arr if old is None else np.concatenate((old, arr))
-        self.owned[row] = new
-        self.sealed[row] = new.tobytes() if trusted else None
+        old = self.owned[row]
+        if old is None:
+            self.owned[row] = arr
+            self.sealed[row] = arr.tobytes()  # one take: distinct
+        else:
+            self.owned[row] = np.concatenate((old, arr))
+            self.sealed[row] = None  # not proven distinct (class docstring)
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:

@@ -1231,3 +1231,22 @@ async def test_detach_does_not_vouch_for_pages_written_into(write):
         detached[last] = 10
         assert kv.free(detached) == 10
         conserved(pool)
+
+
+@pytest.mark.parametrize("how", ["admit", "alloc then extend"])
+async def test_a_record_made_by_one_take_frees_without_the_checked_path(how, monkeypatch):
+    async with make(rows=2, pages=12) as pool:
+        if how == "admit":
+            row = (await pool.admit(pages=10)).row
+        else:
+            row = (await pool.alloc(1))[0]
+            assert pool.extend(row, 10) is not None
+        led = kv_of(pool).ledger
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the checked path was taken")
+
+        monkeypatch.setattr(led, "prepare", broken)
+        assert pool.free([row]) == 1
+        monkeypatch.undo()
+        conserved(pool)

@@ -293,22 +293,25 @@ class Admission:
             ):
                 arr = pages.owned[row]
                 if arr is not None:
+                    if arr.tobytes() != pages.sealed[row]:
+                        raise pages.written_error(row)  # nothing changed yet
                     pled = pages.ledger
-                    # The row's own record: a few pages in one checking
-                    # Python pass; more, while the record is as sealed (in
-                    # range and distinct), with a vectorised check that each
-                    # is still ALLOCATED. Either changes nothing if a check
-                    # fails, and prepare() then raises (or frees a record
-                    # that was written into but is still valid).
+                    # The row's own record, as sealed (in range): a few
+                    # pages in one checking Python pass; more, made by one
+                    # take (distinct), with a vectorised check that each is
+                    # still ALLOCATED. Either changes nothing if a check
+                    # fails, and prepare() then raises (an extended record
+                    # goes there at once: it may list a page twice).
                     if not (
                         pled._free_now_small(arr.tolist())
                         if arr.shape[0] <= _TRUSTED_PASS
-                        else arr.tobytes() == pages.sealed[row] and pled.free_owned(arr)
+                        else not pages.extended[row] and pled.free_owned(arr)
                     ):
                         ids, fresh = pled.prepare(arr)
                         pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
                     pages.sealed[row] = None
+                    pages.extended[row] = 0
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:

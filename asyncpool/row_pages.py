@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .errors import CapacityError
+from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
 from .kv_pages import KVPagePool, PageLedger
 from .stats import Histogram
@@ -84,16 +84,18 @@ class RowPages:
     exactly one row (:meth:`check_invariants`).
 
     ``sealed[row]`` is the bytes of ``owned[row]`` as this class made it
-    (None: no pages, or a record not to be trusted). The caller sees the
-    record through a zero-copy tensor and may write into it, against the
-    contract; while the record still equals its seal its ids are in range
-    and distinct, so freeing it only checks that each is still ALLOCATED
-    (:meth:`PageLedger.free_owned`), and ``detach`` may vouch for it to the
-    page pool. Only a record made by one take is sealed: :meth:`extend`
-    leaves a longer record unsealed, since a page of the row freed behind
-    its back (by the caller, straight to the page pool) may be taken again
-    and listed twice; proving otherwise costs a pass over the record at
-    every extend, where the checked free of an extended row pays it once.
+    (None: no pages). The caller sees the record through a zero-copy tensor
+    and may write into it, against the contract; a record that differs from
+    its seal lists pages the pool cannot vouch for (another row's, say), so
+    freeing its row raises (:meth:`check_record`) until the caller detaches
+    the pages or restores them. A record as sealed lists in-range ids; made
+    by one take (``extended[row]`` is 0) they are distinct too, so freeing
+    it only checks that each is still ALLOCATED
+    (:meth:`PageLedger.free_owned`) and ``detach`` may vouch for it to the
+    page pool. An extended record may list a page twice (one of the row's
+    pages freed behind its back, straight to the page pool, and taken again
+    by :meth:`extend`), so its free takes the checked path, which pays the
+    distinctness pass once instead of at every extend.
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -102,6 +104,7 @@ class RowPages:
         self.capacity = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
         self.sealed: list[bytes | None] = [None] * size
+        self.extended = bytearray(size)
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
@@ -145,6 +148,7 @@ class RowPages:
         pages = self.owned[row]
         self.owned[row] = None
         self.sealed[row] = None
+        self.extended[row] = 0
         if pages is not None:
             self.ledger.put_back(pages)
 
@@ -163,8 +167,11 @@ class RowPages:
             self.owned[row] = arr
             self.sealed[row] = arr.tobytes()  # one take: distinct
         else:
+            # The seal grows from the old seal, not from the record as it
+            # reads now: a write into it before this copy is still seen.
             self.owned[row] = np.concatenate((old, arr))
-            self.sealed[row] = None  # not proven distinct (class docstring)
+            self.sealed[row] = self.sealed[row] + arr.tobytes()  # type: ignore[operator]
+            self.extended[row] = 1  # not proven distinct (class docstring)
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
@@ -177,11 +184,31 @@ class RowPages:
         pages = self.owned[row]
         self.owned[row] = None
         sealed, self.sealed[row] = self.sealed[row], None
+        extended, self.extended[row] = self.extended[row], 0
         if pages is None:
             return self.out(_EMPTY)
-        if self._on_host and pages.shape[0] > 1 and pages.tobytes() == sealed:
+        if (
+            self._on_host
+            and pages.shape[0] > 1
+            and not extended
+            and pages.tobytes() == sealed
+        ):
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
         return self.out(pages)
+
+    def written_error(self, row: int) -> InvalidSlotError:
+        return InvalidSlotError(
+            f"the pages of row {row} were written into since they were granted "
+            "(grant.pages and pages_of() are read-only views of the row's record); "
+            f"the pool cannot vouch for them: restore them, or take them with "
+            f"detach_pages({row}) and free them to the KVPagePool yourself"
+        )
+
+    def check_record(self, row: int) -> None:
+        """Raise :class:`InvalidSlotError` if ``row``'s record differs from its seal."""
+        pages = self.owned[row]
+        if pages is not None and pages.tobytes() != self.sealed[row]:
+            raise self.written_error(row)
 
     # ------------------------------------------------------------ freeing with rows
 
@@ -190,17 +217,23 @@ class RowPages:
     ) -> list[tuple[Any, Any, bool, tuple[Fence, ...]]]:
         """Check the pages of ``rows`` before they are freed; change nothing.
 
-        Groups the rows' pages by the rows' recorded use (one group for the
-        usual step whose rows share one fence) and validates each group with
-        the page ledger, so pages freed behind the pool's back raise here.
-        Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
+        Raises for a record written into (:meth:`check_record`). Groups the
+        rows' pages by the rows' recorded use (one group for the usual step
+        whose rows share one fence) and validates each group with the page
+        ledger, so pages freed behind the pool's back raise here; with
+        several groups, their pages together must be distinct as well (a
+        page freed behind one row's back and taken by another is listed by
+        both). Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
         """
         owned = self.owned
+        sealed = self.sealed
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
         for row in rows:
             pages = owned[row]
             if pages is None:
                 continue
+            if pages.tobytes() != sealed[row]:
+                raise self.written_error(row)
             use = uses[row]
             entry = groups.get(id(use))
             if entry is None:
@@ -222,6 +255,9 @@ class RowPages:
             else:
                 fences = (use,)
             prepared.append((group_rows, ids, fresh, fences))
+        if len(groups) > 1:
+            everything = np.concatenate([part for _, _, parts in groups.values() for part in parts])
+            self.ledger.prepare(everything)  # raises for a page listed twice
         return prepared
 
     def free(
@@ -236,12 +272,14 @@ class RowPages:
         """
         owned = self.owned
         sealed = self.sealed
+        extended = self.extended
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
             for row in group_rows:
                 owned[row] = None
                 sealed[row] = None
+                extended[row] = 0
             immediate += free_prepared(ids, fresh, fences + extra)
         return immediate
 
@@ -252,7 +290,7 @@ class RowPages:
         seen: list[int] = []
         for row, pages in enumerate(self.owned):
             if pages is None:
-                if self.sealed[row] is not None:
+                if self.sealed[row] is not None or self.extended[row]:
                     raise AssertionError(f"row {row} owns no pages but has a seal")
                 continue
             if row not in allocated:

@@ -25,6 +25,7 @@ from asyncpool import (
     DoubleFreeError,
     FenceError,
     Grant,
+    HostStream,
     InvalidSlotError,
     KVPagePool,
     PoolBusyError,
@@ -1131,56 +1132,99 @@ async def test_a_faulted_page_fence_counts_in_pool_stats(kit, caplog):
 @pytest.mark.parametrize("form", ["[row]", "row"])  # the fast path, the general one
 @pytest.mark.parametrize("n", [3, 8, 9, 12])
 @pytest.mark.parametrize(
-    "write, error",
+    "write",
     [
-        ("the last page as -1", "out of range"),  # numpy would read -1 as page n
-        ("a page past the end", "out of range"),
-        ("a duplicate", "appears more than once"),
-        ("page 0", "reserved"),
+        "the last page as -1",  # numpy would read -1 as page n
+        "a page past the end",
+        "a duplicate",
+        "page 0",
+        "another row's page",  # valid ids: only the seal tells
     ],
 )
 async def test_free_of_a_row_whose_pages_were_written_into_raises_and_changes_nothing(
-    n, write, error, form
+    n, write, form
 ):
-    async with make(rows=2, pages=n) as pool:  # every page granted: page n is allocated
+    async with make(rows=2, pages=n + 1) as pool:
         g = await pool.admit(pages=n)
+        other = await pool.admit(pages=1)  # the last page, n + 1
         last = ids(g.pages).index(n)
-        if write == "the last page as -1":
-            g.pages[last] = -1
-        elif write == "a page past the end":
-            g.pages[last] = 10**6
-        elif write == "a duplicate":
-            g.pages[last] = g.pages[(last + 1) % n]
-        else:
-            g.pages[last] = 0
+        value = {
+            "the last page as -1": -1,
+            "a page past the end": 10**6,
+            "a duplicate": int(g.pages[(last + 1) % n]),
+            "page 0": 0,
+            "another row's page": int(other.pages[0]),
+        }[write]
+        g.pages[last] = value
         arg = [g.row] if form == "[row]" else g.row
         before = pool.stats()
-        with pytest.raises(InvalidSlotError, match=error):
+        with pytest.raises(InvalidSlotError, match=f"pages of row {g.row} were written into"):
             pool.free(arg)
         after = pool.stats()
         assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
         kv_of(pool).check_invariants()
         g.pages[last] = n  # put right: it frees
         assert pool.free(arg) == 1
-        assert kv_of(pool).available_size() == n
+        assert ids(pool.pages_of(other.row)) == [n + 1]
+        pool.free(other.row)
+        assert kv_of(pool).available_size() == n + 1
         conserved(pool)
 
 
-async def test_extend_does_not_seal_pages_written_into():
-    # The record is re-made by extend: a write before it must still be seen.
+async def test_a_write_before_extend_is_still_seen_and_detach_is_the_way_out():
+    # extend copies the record; its seal grows from the old seal, so the
+    # write is still caught. The caller can always take the pages back.
     async with make(rows=2, pages=12) as pool:
         g = await pool.admit(pages=10)
         g.pages[0] = g.pages[1]
         more = pool.extend(g.row, 2)
         assert more is not None
-        with pytest.raises(InvalidSlotError, match="appears more than once"):
-            pool.free([g.row])
+        for arg in ([g.row], g.row):
+            with pytest.raises(InvalidSlotError, match="written into"):
+                pool.free(arg)
         detached = pool.detach_pages(g.row)
         detached[0] = 1 if int(detached[1]) != 1 else 2  # a page the row did own
         assert sorted(ids(detached)) == list(range(1, 13))
         pool.free(g.row)
         assert kv_of(pool).free(detached) == 12
         conserved(pool)
+
+
+@pytest.mark.parametrize("variant", ["written into", "freed behind its back"])
+async def test_rows_with_different_uses_never_free_one_page_twice(variant):
+    # Two rows list the same page; with different recorded uses their pages
+    # are checked in separate groups, and together as well.
+    async with make(rows=3, pages=4 if variant == "written into" else 2) as pool:
+        kv = kv_of(pool)
+        stream = HostStream()
+        try:
+            if variant == "written into":
+                a = await pool.admit(pages=2)
+                b = await pool.admit(pages=2)
+                a.pages[0] = b.pages[0]
+                expected = "written into"
+            else:
+                a = await pool.admit(pages=1)
+                kv.free(pool.pages_of(a.row).clone())  # misuse: behind the row's back
+                b = await pool.admit(pages=2)  # takes that page again
+                assert set(ids(a.pages)) <= set(ids(b.pages))
+                expected = "appears more than once"
+            fence = stream.record()
+            await asyncio.wait_for(asyncio.to_thread(fence.synchronize), WAIT_S)
+            pool.record_use([b.row], fence)  # a's use is None: two groups
+            before = pool.stats()
+            with pytest.raises(InvalidSlotError, match=expected):
+                pool.free([a.row, b.row])
+            after = pool.stats()
+            assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
+            kv.check_invariants()
+            pool.detach_pages(a.row)
+            pool.free([a.row, b.row])
+            if variant == "written into":
+                kv.free([1, 2])  # a's own pages, detached (its record is not)
+            conserved(pool)
+        finally:
+            stream.close()
 
 
 @pytest.mark.parametrize("then", ["free", "detach and free"])

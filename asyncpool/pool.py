@@ -887,8 +887,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     ) -> Lease:
         """``async with pool.lease(n) as rows:`` allocate, then always free.
 
-        On exit (normal, exception or cancellation) the rows are freed,
-        behind a fence recorded on ``after`` at exit when given. If the body
+        On exit (normal, exception or cancellation) the rows granted are
+        freed, whatever the body did to the list it got, behind a fence
+        recorded on ``after`` at exit when given. If the body
         freed any of the rows itself, whether or not they were handed out
         again since, exit frees the rows the lease still owns and then raises
         :class:`DoubleFreeError` naming the others: it never frees a row
@@ -981,7 +982,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 class Lease:
     """The async context manager returned by :meth:`AsyncReqToTokenPool.lease`."""
 
-    __slots__ = ("_after", "_gens", "_n", "_pool", "_priority", "_timeout", "rows")
+    __slots__ = ("_after", "_gens", "_held", "_n", "_pool", "_priority", "_timeout", "rows")
 
     def __init__(
         self,
@@ -997,12 +998,16 @@ class Lease:
         self._timeout = timeout
         self._after = after
         self._gens: list[int] = []
+        # The rows granted, kept apart from the list the body gets (which it
+        # may change): exit frees exactly these.
+        self._held: tuple[int, ...] = ()
         self.rows: list[int] = []
 
     async def __aenter__(self) -> list[int]:
         pool = self._pool
         self.rows = await pool.alloc(self._n, priority=self._priority, timeout=self._timeout)
-        self._gens = [pool.generation(r) for r in self.rows]
+        self._held = tuple(self.rows)
+        self._gens = [pool.generation(r) for r in self._held]
         return self.rows
 
     async def __aexit__(
@@ -1013,12 +1018,13 @@ class Lease:
     ) -> None:
         pool = self._pool
         led = pool._ledger
+        held = self._held
         stale = [
             r
-            for r, g in zip(self.rows, self._gens, strict=True)
+            for r, g in zip(held, self._gens, strict=True)
             if pool.generation(r) != g or led.state_of(r) != "allocated"
         ]
-        rows = [r for r in self.rows if r not in stale] if stale else self.rows
+        rows = [r for r in held if r not in stale] if stale else list(held)
         if rows:
             try:
                 pool.free(rows, after=self._after)

@@ -37,6 +37,20 @@ class ReqToTokenPoolInfo:
     alloced_slots: torch.Tensor
 
 
+def _length(value: object, name: str, row: int) -> int:
+    """A length from ``ReqToTokenPoolInfo`` as an int (integer scalars
+    accepted, bools and floats refused with :class:`InvalidSlotError`)."""
+    if value.__class__ is int:
+        return value
+    try:
+        return as_index(value)
+    except TypeError:
+        raise InvalidSlotError(
+            f"{name} for row {row} must be an integer, got {value!r} of type "
+            f"{type(value).__name__}"
+        ) from None
+
+
 class MemorySaverAdapter:
     """torch-memory-saver when enabled and CUDA is present; a no-op otherwise.
 
@@ -166,28 +180,53 @@ class TokenTables:
         return index
 
     def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
-        """Write a row's lengths and its first ``alloced_len`` token slots."""
-        if not 0 <= info.alloced_len <= self.max_context_len:
-            raise ValueError(
-                f"alloced_len {info.alloced_len} for row {row} is outside "
+        """Write a row's lengths and its first ``alloced_len`` token slots.
+
+        Everything is checked before the first write: lengths that are not
+        integers in range, and ``alloced_slots`` that is not a 1-D integer
+        tensor of ``alloced_len`` entries on a real device, raise
+        :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
+        """
+        alloced = _length(info.alloced_len, "alloced_len", row)
+        verified = _length(info.verified_len, "verified_len", row)
+        if not 0 <= alloced <= self.max_context_len:
+            raise InvalidSlotError(
+                f"alloced_len {alloced} for row {row} is outside "
                 f"0..max_context_len ({self.max_context_len})"
             )
-        if not 0 <= info.verified_len <= info.alloced_len:
-            raise ValueError(
-                f"verified_len {info.verified_len} for row {row} is outside "
-                f"0..alloced_len ({info.alloced_len})"
+        if not 0 <= verified <= alloced:
+            raise InvalidSlotError(
+                f"verified_len {verified} for row {row} is outside 0..alloced_len ({alloced})"
             )
         slots = info.alloced_slots
-        if slots.numel() != info.alloced_len:
-            raise ValueError(
+        if not isinstance(slots, torch.Tensor):
+            raise InvalidSlotError(
+                f"alloced_slots for row {row} must be a 1-D integer tensor, "
+                f"got {type(slots).__name__}"
+            )
+        if (
+            slots.dim() > 1
+            or slots.dtype is torch.bool
+            or slots.is_floating_point()
+            or slots.is_complex()
+            or slots.is_meta
+            or slots.layout is not torch.strided
+        ):
+            raise InvalidSlotError(
+                f"alloced_slots for row {row} must be a 1-D integer tensor with data, got "
+                f"shape {tuple(slots.shape)}, dtype {slots.dtype}, device {slots.device}, "
+                f"layout {slots.layout}"
+            )
+        if slots.numel() != alloced:
+            raise InvalidSlotError(
                 f"alloced_slots has {slots.numel()} entries for row {row}, "
-                f"expected alloced_len={info.alloced_len}"
+                f"expected alloced_len={alloced}"
             )
         self._after_resets()
-        self.verified_lens[row] = info.verified_len
-        self.alloced_lens[row] = info.alloced_len
-        self.alloced_lens_cpu[row] = info.alloced_len
-        self.req_to_token[row, : info.alloced_len] = slots
+        self.verified_lens[row] = verified
+        self.alloced_lens[row] = alloced
+        self.alloced_lens_cpu[row] = alloced
+        self.req_to_token[row, :alloced] = slots
 
     def write(self, indices: Any, values: Any) -> None:
         """``req_to_token[indices] = values`` (the seed's raw write)."""

@@ -324,22 +324,72 @@ def _rows(kind: str) -> list[Case]:
             f"{kind}-set_info-past-max-context",
             kind,
             lambda c: c.pool.set_req_pool_info(1, info(4, MAX_CONTEXT + 1)),
-            ValueError,
+            InvalidSlotError,
             str(MAX_CONTEXT + 1),
         ),
         Case(
             f"{kind}-set_info-verified-over-alloced",
             kind,
             lambda c: c.pool.set_req_pool_info(1, info(7, 5)),
-            ValueError,
+            InvalidSlotError,
             "7",
         ),
         Case(
             f"{kind}-set_info-slots-mismatch",
             kind,
             lambda c: c.pool.set_req_pool_info(2, info(2, 4, slots=3)),
-            ValueError,
+            InvalidSlotError,
             "3",
+        ),
+        # ... each refused before anything is written (a 2-D tensor of
+        # alloced_len entries used to set the lengths, then fail the copy).
+        Case(
+            f"{kind}-set_info-slots-2d",
+            kind,
+            lambda c: c.pool.set_req_pool_info(
+                2, ReqToTokenPoolInfo(2, 6, torch.ones(2, 3, dtype=torch.int32))
+            ),
+            InvalidSlotError,
+            "1-D integer tensor",
+        ),
+        Case(
+            f"{kind}-set_info-slots-list",
+            kind,
+            lambda c: c.pool.set_req_pool_info(2, ReqToTokenPoolInfo(1, 2, [1, 2])),  # type: ignore[arg-type]
+            InvalidSlotError,
+            "list",
+        ),
+        Case(
+            f"{kind}-set_info-slots-float",
+            kind,
+            lambda c: c.pool.set_req_pool_info(2, ReqToTokenPoolInfo(1, 2, torch.ones(2))),
+            InvalidSlotError,
+            "torch.float32",
+        ),
+        Case(
+            f"{kind}-set_info-slots-meta",
+            kind,
+            lambda c: c.pool.set_req_pool_info(
+                2, ReqToTokenPoolInfo(1, 2, torch.ones(2, dtype=torch.int32, device="meta"))
+            ),
+            InvalidSlotError,
+            "meta",
+        ),
+        Case(
+            f"{kind}-set_info-len-str",
+            kind,
+            lambda c: c.pool.set_req_pool_info(2, ReqToTokenPoolInfo(1, "2", torch.ones(2))),  # type: ignore[arg-type]
+            InvalidSlotError,
+            "alloced_len",
+        ),
+        Case(
+            f"{kind}-set_info-len-bool",
+            kind,
+            lambda c: c.pool.set_req_pool_info(
+                2, ReqToTokenPoolInfo(True, 1, torch.ones(1, dtype=torch.int32))
+            ),
+            InvalidSlotError,
+            "verified_len",
         ),
         Case(
             f"{kind}-set_info-never-allocated",

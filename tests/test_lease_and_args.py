@@ -48,3 +48,26 @@ async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
         assert sorted(await pool.alloc(4)) == [1, 2, 3, 4]
     async with bounded():
         await pool.close()
+
+
+@pytest.mark.parametrize("change", ["pop", "overwrite", "clear"])
+async def test_lease_frees_the_rows_it_granted_whatever_the_body_does_to_its_list(
+    change: str,
+) -> None:
+    pool = AsyncReqToTokenPool(5, 4)
+    other = await pool.alloc(1)  # another request's row
+    async with bounded(), pool.lease(2) as rows:
+        granted = list(rows)
+        if change == "pop":
+            rows.pop()
+        elif change == "overwrite":
+            rows[0] = other[0]
+        else:
+            rows.clear()
+    assert all(pool._ledger.state_of(r) == "free" for r in granted)
+    assert pool._ledger.state_of(other[0]) == "allocated"
+    assert pool.stats().allocated == 1
+    pool.free(other)
+    pool.check_invariants()
+    async with bounded():
+        await pool.close()

@@ -768,6 +768,7 @@ class KVPagePool:
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
         self._on_free: Callable[[], None] | None = None
+        self._guard: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
         # keeps the id unique while remembered), its data pointer, the array
         # under it, its bytes when handed out and its length (see
@@ -791,11 +792,21 @@ class KVPagePool:
         (:meth:`~asyncpool.deferral.Deferrals.set_hooks`) and holds pages per row."""
         return self._ledger
 
-    def set_on_free(self, hook: Callable[[], None] | None) -> None:
+    def set_on_free(
+        self, hook: Callable[[], None] | None, guard: Callable[[], None] | None = None
+    ) -> None:
         """Call ``hook()`` after :meth:`free` or :meth:`reclaim` made pages
         free (for an owning pool: its queued waiters may fit now). The hook
-        runs on the caller's thread, inside the call."""
+        runs on the caller's thread, inside the call.
+
+        ``guard()``, when given, runs first in every call that changes the
+        pool (``alloc``, ``free``, ``reclaim``, ``retire``, ``agree``) and
+        may raise to refuse it, changing nothing: an owning pool refuses a
+        thread that is not its own (:class:`WrongThreadError`), since its
+        hook would run that pool's grant loop there.
+        """
         self._on_free = hook
+        self._guard = guard
 
     @property
     def capacity(self) -> int:
@@ -812,6 +823,8 @@ class KVPagePool:
         :class:`CapacityError` for ``n`` that is not an integer in
         ``1..capacity`` (numpy and 0-d torch integers are accepted).
         """
+        if self._guard is not None:
+            self._guard()
         led = self._ledger
         if n == 1 and n.__class__ is int and led.free_count and self._on_host:
             # take(1), inlined: one page is the commonest request (decode),
@@ -916,6 +929,8 @@ class KVPagePool:
         :class:`DoubleFreeError` for pages already free or pending. A call
         with one bad id among good ones frees none.
         """
+        if self._guard is not None:
+            self._guard()
         led = self._ledger
         if fence is None and after is None:
             # What alloc handed out (an int64 tensor) skips a few steps: a
@@ -1021,6 +1036,8 @@ class KVPagePool:
         With ``reclaim="explicit"`` it asks no fence and returns 0: pages
         come back through :meth:`retire` and :meth:`agree` only.
         """
+        if self._guard is not None:
+            self._guard()
         n = self._ledger.reclaim()
         if n and self._on_free is not None:
             self._on_free()
@@ -1035,6 +1052,8 @@ class KVPagePool:
         fence that is not ordered, ``RuntimeError`` on an ``"auto"`` pool;
         either way nothing changes.
         """
+        if self._guard is not None:
+            self._guard()
         led = self._ledger
         check_explicit(led, "retire")
         check_ordered(fence)
@@ -1050,6 +1069,8 @@ class KVPagePool:
         made free; raises :class:`AgreementError` on every rank, changing
         nothing, when the ranks' pools disagree.
         """
+        if self._guard is not None:
+            self._guard()
         check_explicit(self._ledger, "agree")
         n = agree(group, [self._ledger]).released[0]
         if n and self._on_free is not None:

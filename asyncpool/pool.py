@@ -256,7 +256,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if kv is not None:
             self._pages = RowPages(kv, size)
             kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
-            kv.set_on_free(self._on_pages_freed)  # the caller freed detached pages
+            # The caller freed detached pages: run the grant loop. Only from
+            # the pool's thread: the guard refuses any other.
+            kv.set_on_free(self._on_pages_freed, self._guard_kv)
         self._overdue: OverdueFences | None = None
         if timeout_s is not None:
             ledgers: list[Deferrals[Any]] = [led]
@@ -299,6 +301,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
+
+    def _guard_kv(self) -> None:
+        # The KVPagePool's guard (set_on_free): _check_thread, with an error
+        # that says why a page pool call is refused.
+        if self._owner != _get_ident():
+            try:
+                self._bind_thread()
+            except WrongThreadError as exc:
+                raise WrongThreadError(
+                    f"this KVPagePool serves an AsyncReqToTokenPool, so it too may be "
+                    f"called only from that pool's thread: {exc}"
+                ) from None
+        self._fast = False
 
     def _bind_thread(self) -> None:
         # Off the fast path: the pool is unbound, or called from a thread

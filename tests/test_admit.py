@@ -30,6 +30,7 @@ from asyncpool import (
     KVPagePool,
     PoolBusyError,
     PoolClosedError,
+    WrongThreadError,
 )
 
 
@@ -1293,4 +1294,29 @@ async def test_a_record_made_by_one_take_frees_without_the_checked_path(how, mon
         monkeypatch.setattr(led, "prepare", broken)
         assert pool.free([row]) == 1
         monkeypatch.undo()
+        conserved(pool)
+
+
+@pytest.mark.parametrize("call", ["free", "alloc", "reclaim"])
+async def test_the_page_pool_of_a_pool_refuses_a_foreign_thread(call):
+    # Its free would run the row pool's grant loop off the loop's thread
+    # (a waiter resolved there never woke up).
+    async with make(rows=2, pages=4) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=4)
+        detached = pool.detach_pages(g.row)
+        before = pool.stats()
+        act = {
+            "free": lambda: kv.free(detached),
+            "alloc": lambda: kv.alloc(1),
+            "reclaim": kv.reclaim,
+        }[call]
+        with pytest.raises(WrongThreadError, match="this KVPagePool serves"):
+            await asyncio.wait_for(asyncio.to_thread(act), WAIT_S)
+        after = pool.stats()
+        assert dataclasses.replace(after, fence_latency=before.fence_latency) == before
+        [w] = await queued(pool, pool.admit(pages=2))
+        assert kv.free(detached) == 4  # from the pool's own thread: serves the waiter
+        got = await outcome(w)
+        pool.free([g.row, got.row])
         conserved(pool)

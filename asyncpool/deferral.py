@@ -60,8 +60,15 @@ T = TypeVar("T")
 
 
 def stream_key(fence: object) -> int | None:
-    """The fence's stream, or None for a fence of unknown origin."""
-    return getattr(fence, "stream_key", None)
+    """The fence's stream, or None for a fence of unknown origin.
+
+    Ordered (on a stream) means an int ``stream_key`` *and* an int ``seq``;
+    anything else is polled as a fence of unknown origin.
+    """
+    key = getattr(fence, "stream_key", None)
+    if key.__class__ is int and getattr(fence, "seq", None).__class__ is int:
+        return key
+    return None
 
 
 def check_ordered(fence: object, what: str = "retire()") -> None:
@@ -221,7 +228,7 @@ class Deferrals(Generic[T]):
         waits: list[Fence] = []
         for f in newest_per_stream(fences) if len(fences) > 1 else fences:
             try:
-                done = f.query()
+                done = bool(f.query())  # an answer with no truth value is a fault
             except Exception as exc:  # a faulted stream
                 return waits, f, exc
             if not done:
@@ -321,7 +328,7 @@ class Deferrals(Generic[T]):
             while queue:
                 batch = queue[0]
                 try:
-                    done = batch.fence.query()
+                    done = bool(batch.fence.query())
                 except Exception as exc:
                     queue.popleft()
                     self._fault_batch(batch, batch.fence, exc)
@@ -338,19 +345,27 @@ class Deferrals(Generic[T]):
         if self._unordered:
             unordered, self._unordered = self._unordered, []
             keep: list[Deferred[T]] = []
-            for batch in unordered:
-                try:
-                    done = batch.fence.query()
-                except Exception as exc:
-                    self._fault_batch(batch, batch.fence, exc)
-                    continue
-                if done:
-                    released += self._settle(batch)
-                else:
-                    keep.append(batch)
-            # A batch moved here during the loop went to the new list.
-            keep.extend(self._unordered)
-            self._unordered = keep
+            asked = 0
+            try:
+                for batch in unordered:
+                    try:
+                        done = bool(batch.fence.query())
+                    except Exception as exc:
+                        self._fault_batch(batch, batch.fence, exc)
+                        asked += 1
+                        continue
+                    asked += 1
+                    if done:
+                        released += self._settle(batch)
+                    else:
+                        keep.append(batch)
+            finally:
+                # A batch moved here during the loop went to the new list;
+                # after a BaseException from a query() the batches not yet
+                # settled stay too.
+                keep.extend(unordered[asked:])
+                keep.extend(self._unordered)
+                self._unordered = keep
         return released
 
     def _settle(self, batch: Deferred[T]) -> int:
@@ -592,7 +607,7 @@ class Deferrals(Generic[T]):
                 entry = cache.get(id(f))
                 if entry is None:
                     try:
-                        entry = (f, 1 if f.query() else 0, None)
+                        entry = (f, 1 if bool(f.query()) else 0, None)
                     except Exception as exc:  # a faulted stream
                         entry = (f, 2, exc)
                     cache[id(f)] = entry

@@ -419,72 +419,90 @@ class SlotLedger(Deferrals[int]):
         last: Any = None
         last_done = False
         last_error: BaseException | None = None
-        for row in seq:
-            use = uses[row]
-            if use is None and fence is None:
-                state[row] = FREE
-                free.append(row)
-                immediate += 1
-                continue
-            uses[row] = None
-            if use is None:
-                single = fence  # only the explicit fence to wait for
-            elif fence is None and use.__class__ is not tuple:
-                single = use  # only the recorded use
-            else:
-                single = None  # several fences: the general path below
-            if single is not None:
-                # Common case: one fence to wait for; query each distinct
-                # fence once per call.
-                use = single
-                if use is not last:
-                    last = use
-                    last_error = None
-                    try:
-                        last_done = (
-                            use.query() if not self.explicit else self.is_retired(use)
-                        )
-                    except Exception as exc:  # a faulted stream
-                        last_error = exc
-                        self._fault([row], 1, use, exc)
+        row = 0
+        orig: Any = None
+        try:
+            for row in seq:
+                use = uses[row]
+                orig = use
+                if use is None and fence is None:
+                    state[row] = FREE
+                    free.append(row)
+                    immediate += 1
+                    continue
+                uses[row] = None
+                if use is None:
+                    single = fence  # only the explicit fence to wait for
+                elif fence is None and use.__class__ is not tuple:
+                    single = use  # only the recorded use
+                else:
+                    single = None  # several fences: the general path below
+                if single is not None:
+                    # Common case: one fence to wait for; query each distinct
+                    # fence once per call.
+                    use = single
+                    if use is not last:
+                        last = use
+                        last_error = None
+                        try:
+                            # bool() here: an answer with no truth value is a fault.
+                            last_done = (
+                                bool(use.query()) if not self.explicit else self.is_retired(use)
+                            )
+                        except Exception as exc:  # a faulted stream
+                            last_error = exc
+                            self._fault([row], 1, use, exc)
+                            continue
+                    elif last_error is not None:  # same faulted fence: one error
+                        self._fault([row], 1, use, last_error, count=False)
                         continue
-                elif last_error is not None:  # same faulted fence: one error
-                    self._fault([row], 1, use, last_error, count=False)
-                    continue
-                if last_done:
-                    state[row] = FREE
-                    free.append(row)
-                    immediate += 1
-                    continue
-                head = use
-                rest: tuple[Fence, ...] = ()
-                key: Any = id(use)
-            else:
-                candidates: list[Fence] = []
-                if use is not None:
-                    candidates.extend(use if use.__class__ is tuple else (use,))
-                if fence is not None:
-                    candidates.append(fence)
-                waits, faulted, error = self._open_fences(candidates)
-                if faulted is not None:
-                    self._fault([row], 1, faulted, error)
-                    continue
-                if not waits:
-                    state[row] = FREE
-                    free.append(row)
-                    immediate += 1
-                    continue
-                head = waits[0]
-                rest = tuple(waits[1:])
-                key = tuple(map(id, waits)) if rest else id(head)
-            state[row] = PENDING
-            if deferred is None:
-                deferred = {}
-            entry = deferred.get(key)
-            if entry is None:
-                deferred[key] = (head, rest, [row])
-            else:
-                entry[2].append(row)
+                    if last_done:
+                        state[row] = FREE
+                        free.append(row)
+                        immediate += 1
+                        continue
+                    head = use
+                    rest: tuple[Fence, ...] = ()
+                    key: Any = id(use)
+                else:
+                    candidates: list[Fence] = []
+                    if use is not None:
+                        candidates.extend(use if use.__class__ is tuple else (use,))
+                    if fence is not None:
+                        candidates.append(fence)
+                    waits, faulted, error = self._open_fences(candidates)
+                    if faulted is not None:
+                        self._fault([row], 1, faulted, error)
+                        continue
+                    if not waits:
+                        state[row] = FREE
+                        free.append(row)
+                        immediate += 1
+                        continue
+                    head = waits[0]
+                    rest = tuple(waits[1:])
+                    key = tuple(map(id, waits)) if rest else id(head)
+                state[row] = PENDING
+                if deferred is None:
+                    deferred = {}
+                entry = deferred.get(key)
+                if entry is None:
+                    deferred[key] = (head, rest, [row])
+                else:
+                    entry[2].append(row)
+        except BaseException:
+            # Only a fence's query() raising what is not an Exception
+            # (KeyboardInterrupt, CancelledError) gets here, mid-call: keep
+            # the ledger whole. The rows decided stay decided; the row being
+            # decided gets its use back; the rest are allocated again.
+            if state[row] == _CHECKING:
+                uses[row] = orig
+            self._unmark([r for r in seq if state[r] == _CHECKING])
+            if deferred:
+                now = self._clock()
+                for head, rest, batch_rows in deferred.values():
+                    self._defer(head, batch_rows, len(batch_rows), now, rest)
+            raise
         if deferred:
             now = self._clock()
             for head, rest, batch_rows in deferred.values():

@@ -163,7 +163,7 @@ class Lifecycle:
                     head = self._pending_fences()[0]
                     error: BaseException | None = None
                     try:
-                        done = head.query()
+                        done = bool(head.query())
                     except Exception as exc:  # a faulted fence: quarantine what it holds
                         done, error = True, exc
                     if done:

@@ -654,3 +654,113 @@ async def test_host_stream_closed_cancelling_pending_work(
             await pool.close()
         stream.close()
     assert not our_threads("close-cancels-queued")
+
+
+class _OddFence:
+    """A fence of unknown origin whose ``query()`` answers what it is told."""
+
+    def __init__(self, answer: Callable[[], Any], **attrs: Any) -> None:
+        self._answer = answer
+        self.__dict__.update(attrs)
+
+    def query(self) -> Any:
+        return self._answer()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _raise_cancelled() -> None:
+    raise asyncio.CancelledError
+
+
+@pytest.mark.parametrize("answer", ["ndarray", "tensor"])
+@pytest.mark.parametrize("how", ["fence=", "record_use"])
+def test_a_fence_answering_without_a_truth_value_is_a_fault(
+    answer: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import numpy as np
+    import torch
+
+    from asyncpool import KVPagePool, ReqToTokenPool
+
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    value: Any = np.array([False, True]) if answer == "ndarray" else torch.tensor([0, 1])
+    odd = _OddFence(lambda: value)
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(3)
+    assert rows is not None
+    if how == "fence=":
+        assert pool.free(rows, odd) == 0
+    else:
+        pool.record_use(rows, odd)
+        assert pool.free(rows) == 0
+    assert pool.stats().quarantined == 3  # not a raw error, no row stuck mid-call
+    pool.check_invariants()
+    kv = KVPagePool(8, 4)
+    pages = kv.alloc(3)
+    assert kv.free(pages, fence=odd) == 0 and kv.quarantined_size() == 3
+    kv.check_invariants()
+
+
+def test_a_fence_raising_cancelled_error_leaves_the_ledger_whole() -> None:
+    from asyncpool import ReqToTokenPool
+
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(3)
+    assert rows is not None
+    with pytest.raises(asyncio.CancelledError):
+        pool.free(rows, _OddFence(_raise_cancelled))
+    assert [pool._ledger.state_of(r) for r in rows] == ["allocated"] * 3
+    pool.check_invariants()
+    # A use recorded before stays recorded: the row waits for it as before.
+    stream = HostStream()
+    try:
+        gate = threading.Event()
+        stream.launch(gate.wait)
+        used = stream.record()
+        pool.record_use(rows[:1], used)
+        with pytest.raises(asyncio.CancelledError):
+            pool.free(rows, _OddFence(_raise_cancelled))
+        pool.check_invariants()
+        assert pool.free(rows) == 2  # the used row waits for its fence
+        gate.set()
+        used.synchronize()
+        assert pool.reclaim() == 1
+    finally:
+        stream.close()
+    # reclaim: a batch behind a fence of unknown origin is kept, not dropped.
+    rows = pool.alloc(2)
+    assert rows is not None
+    answers: list[Callable[[], Any]] = [lambda: False]
+    odd = _OddFence(lambda: answers[0]())
+    assert pool.free(rows, odd) == 0
+    answers[0] = _raise_cancelled
+    with pytest.raises(asyncio.CancelledError):
+        pool.reclaim()
+    pool.check_invariants()
+    answers[0] = lambda: True
+    assert pool.reclaim() == 2
+    pool.check_invariants()
+
+
+def test_a_fence_with_a_stream_key_but_no_int_seq_is_of_unknown_origin() -> None:
+    from asyncpool import ReqToTokenPool
+
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(2)
+    assert rows is not None
+    done = {"a": False, "b": False, "c": False}
+    a = _OddFence(lambda: done["a"], stream_key="s")
+    b = _OddFence(lambda: done["b"], stream_key="s")
+    c = _OddFence(lambda: done["c"], stream_key="s", seq=None)
+    pool.record_use(rows, a)
+    pool.record_use(rows, b)  # raised AttributeError before, rows left mid-call
+    pool.record_use(rows, c)
+    pool.check_invariants()
+    assert pool.free(rows) == 0  # waits for all three: none is ordered
+    done["a"] = done["b"] = True
+    assert pool.reclaim() == 0
+    done["c"] = True
+    assert pool.reclaim() == 2
+    pool.check_invariants()

@@ -350,9 +350,12 @@ class PageLedger(Deferrals[PageArray]):
         if cls is torch.Tensor:
             assert isinstance(pages, torch.Tensor)
             shape = pages.shape
-            if len(shape) == 1 and shape[0] <= _TINY:
-                small = pages.tolist()
-                if self._small_ok(small):
+            if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
+                try:
+                    small = pages.tolist()
+                except NotImplementedError:  # meta: _tensor_array refuses it
+                    small = None
+                if small is not None and self._small_ok(small):
                     return small, True
             try:
                 arr = pages.numpy()  # zero-copy on the CPU
@@ -517,7 +520,13 @@ class PageLedger(Deferrals[PageArray]):
             if pages.dtype is torch.bool or pages.is_floating_point() or pages.is_complex():
                 raise _dtype_error(pages.dtype) from None
             # A negative view (torch._neg_view) reads negated: resolve it.
-            arr = pages.detach().cpu().resolve_neg().numpy()
+            try:
+                arr = pages.detach().cpu().resolve_neg().numpy()
+            except (TypeError, RuntimeError, NotImplementedError):  # meta, sparse
+                raise InvalidSlotError(
+                    "pages must be a strided integer tensor with data, got a "
+                    f"{pages.layout} tensor of {pages.dtype} on {pages.device}"
+                ) from None
         return PageLedger._numpy_array(arr, owned=False)
 
     @staticmethod
@@ -961,7 +970,10 @@ class KVPagePool:
                 # Changed since, or freed already: the checked path (below)
                 # says why.
             elif pages.numel() <= _TINY:
-                small = pages.tolist()
+                try:
+                    small = pages.tolist()
+                except (RuntimeError, NotImplementedError):  # meta or sparse
+                    small = None  # the checked path (below) refuses it
                 # Not for the int of a 0-d tensor, nor for [] (an empty
                 # tensor of any shape: the checked path refuses one of more
                 # than one dimension).

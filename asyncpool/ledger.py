@@ -667,7 +667,14 @@ def as_row_ids(rows: object) -> Sequence[int]:
             f"{ndim}-D {type(rows).__name__} of shape {tuple(getattr(rows, 'shape', ()))}"
         )
     if ndim == 1 and hasattr(rows, "tolist"):
-        return [_row_id(row) for row in rows.tolist()]
+        try:
+            values = rows.tolist()
+        except (RuntimeError, NotImplementedError):  # a meta or sparse tensor: no data
+            raise InvalidSlotError(
+                f"rows must be a tensor with data (strided, on a real device), got "
+                f"{rows!r:.80}"
+            ) from None
+        return [_row_id(row) for row in values]
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
         raise InvalidSlotError(
             f"rows must be an int or a sequence of ints, got {rows!r} of type "

@@ -529,3 +529,31 @@ def test_remembering_handed_out_tensors_changes_no_answer(seed):
             remembers.clear()
             forgets.clear()
             held.clear()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: torch.tensor([1], device="meta"),
+        lambda: torch.tensor([1, 2], device="meta"),
+        lambda: torch.arange(1, 20, device="meta"),
+        lambda: torch.tensor([1, 2]).to_sparse(),
+        lambda: torch.arange(1, 20).to_sparse(),
+    ],
+    ids=["meta 1", "meta 2", "meta 19", "sparse 2", "sparse 19"],
+)
+def test_tensors_without_data_are_refused_with_a_typed_error(build):
+    from asyncpool import ReqToTokenPool
+
+    kv = KVPagePool(64, 4)
+    assert kv.alloc(30) is not None
+    before = snapshot(kv)
+    with pytest.raises(InvalidSlotError, match="with data"):
+        kv.free(build())
+    assert snapshot(kv) == before
+    pool = ReqToTokenPool(64, 4)
+    assert pool.alloc(30) is not None
+    with pytest.raises(InvalidSlotError, match="with data"):
+        pool.free(build())
+    assert pool.stats().allocated == 30
+    pool.check_invariants()

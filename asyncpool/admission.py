@@ -28,7 +28,7 @@ import torch
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, PoolClosedError
 from .fences import Fence, record_fence
-from .ledger import Rows, SlotLedger
+from .ledger import Rows, SlotLedger, as_index
 from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
@@ -211,8 +211,15 @@ class Admission:
         return check_page_count(k, pages.capacity, least=least)
 
     def _allocated_row(self, row: object, what: str) -> int:
-        """``row`` if it is an allocated row id; InvalidSlotError otherwise."""
-        if row.__class__ is int and 0 < row < self.size and self._state[row] in (1, 6):
+        """``row`` as an int if it is an allocated row id (integer scalars
+        and 0-d tensors accepted, as ``free`` does); InvalidSlotError otherwise."""
+        if row.__class__ is not int:
+            try:
+                row = as_index(row)  # refuses bools and floats
+            except TypeError:
+                raise self._ledger._row_error(row, what) from None
+        assert isinstance(row, int)
+        if 0 < row < self.size and self._state[row] in (1, 6):
             return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 
+import numpy as np
 import pytest
 import torch
 from helpers import WAIT_S, assert_conserved, spin
@@ -1319,4 +1320,25 @@ async def test_the_page_pool_of_a_pool_refuses_a_foreign_thread(call):
         assert kv.free(detached) == 4  # from the pool's own thread: serves the waiter
         got = await outcome(w)
         pool.free([g.row, got.row])
+        conserved(pool)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [np.int64, np.int32, np.uint16, torch.tensor],
+    ids=["np.int64", "np.int32", "np.uint16", "0-d tensor"],
+)
+async def test_row_calls_accept_integer_scalars_as_free_does(form):
+    async with make(rows=2, pages=8) as pool:
+        g = await pool.admit(pages=2)
+        row = form(g.row)
+        assert ids(pool.pages_of(row)) == ids(g.pages)
+        more = pool.extend(row, 2)
+        assert more is not None and len(pool.pages_of(row)) == 4
+        assert len(pool.detach_pages(row)) == 4
+        for bad in (True, float(g.row), str(g.row)):
+            with pytest.raises(InvalidSlotError):
+                pool.pages_of(bad)
+        pool.free(row)
+        kv_of(pool).free(list(range(1, 5)))
         conserved(pool)

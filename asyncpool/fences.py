@@ -148,6 +148,22 @@ class HostFence:
                 return
         _run_callback(fn)
 
+    def remove_done_callback(self, fn: Callable[[], object]) -> bool:
+        """Forget ``fn`` if it is still waiting to run; True if it was.
+
+        For a waiter that gives up (a timeout, a cancellation): without it,
+        every wait on a fence that never completes would leave one callback
+        behind.
+        """
+        with self._lock:
+            callbacks = self._callbacks
+            if callbacks is not None:
+                for i, cb in enumerate(callbacks):
+                    if cb is fn:
+                        del callbacks[i]
+                        return True
+        return False
+
     @classmethod
     def _settled(cls, stream_key: int, seq: int, error: BaseException | None) -> HostFence:
         """A fence that is already complete (or faulted) when it is made."""

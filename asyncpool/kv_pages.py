@@ -828,7 +828,10 @@ class KVPagePool:
         """Take the ``n`` oldest-freed pages, or None when short.
 
         Reclaims completed fences before answering None. Returns a fresh 1-D
-        int64 tensor (it never aliases the pool's memory). Raises
+        int64 tensor (it never aliases the pool's memory). On a page pool
+        that serves an ``AsyncReqToTokenPool`` (``kv=``) this bypasses that
+        pool's queue, its close and its memory release: allocate through the
+        pool (``admit``, ``extend``) unless pages outside any row are meant. Raises
         :class:`CapacityError` for ``n`` that is not an integer in
         ``1..capacity`` (numpy and 0-d torch integers are accepted).
         """

@@ -42,6 +42,29 @@ _DRAIN_POLL_MAX_S = 1e-3
 _CLOSE_JOIN_S = 0.05
 
 
+async def _fence_or_timer(
+    loop: asyncio.AbstractEventLoop, fence: HostFence, delay: float
+) -> None:
+    """Wait until ``fence`` completes or ``delay`` seconds pass, whichever is
+    first, and leave nothing behind on the fence (its callback is removed,
+    however the wait ends). The timer lets a drain notice what no fence
+    callback reports: ``force_release``, ``retire``, ``agree``."""
+    fut: asyncio.Future[None] = loop.create_future()
+    callback = functools.partial(_settle_from_thread, loop, fut)
+    fence.add_done_callback(callback)
+    timer = loop.call_later(delay, _settle, fut)
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        fence.remove_done_callback(callback)
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
     """Resolve ``fut`` from any thread; a closed loop means nobody waits."""
 
@@ -71,6 +94,7 @@ class Lifecycle:
     _fast: bool
     _closed: bool
     _released: bool
+    _releasing: asyncio.Future[None] | None
 
     if TYPE_CHECKING:
 
@@ -125,15 +149,14 @@ class Lifecycle:
                     if pending() != seen:  # O(pending) only after progress
                         seen = pending()
                         head = self._pending_fences()[0]
-                    if head.__class__ is HostFence:
-                        fut: asyncio.Future[None] = loop.create_future()
-                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
-                        await fut
                         delay = _DRAIN_POLL_MIN_S
+                    if head.__class__ is HostFence:
+                        assert isinstance(head, HostFence)
+                        await _fence_or_timer(loop, head, delay)
                         seen = -1  # its rows may wait on another fence now
                     else:
                         await asyncio.sleep(delay)
-                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+                    delay = min(delay * 2, _DRAIN_POLL_MAX_S)
                     if pending():
                         self.reclaim()
                     if not pending():
@@ -172,16 +195,19 @@ class Lifecycle:
                             self._waiters.grant()
                         delay = _DRAIN_POLL_MIN_S
                     elif head.__class__ is HostFence:
-                        fut: asyncio.Future[None] = loop.create_future()
-                        head.add_done_callback(functools.partial(_settle_from_thread, loop, fut))
-                        await fut
+                        # The timer: retire(), agree() and force_release()
+                        # settle fences no callback reports.
+                        assert isinstance(head, HostFence)
+                        await _fence_or_timer(loop, head, delay)
+                        delay = min(delay * 2, _DRAIN_POLL_MAX_S)
                     else:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
         except TimeoutError:
+            pages = self._pages.ledger.pending if self._pages is not None else 0
+            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
             raise TimeoutError(
-                f"drain timed out after {timeout} s with {self._ledger.pending} rows still "
-                "pending behind fences"
+                f"drain timed out after {timeout} s with {held} still pending behind fences"
             ) from None
 
     def _pending_any(self) -> int:
@@ -236,15 +262,28 @@ class Lifecycle:
         :class:`PoolBusyError` (and stays serving) if rows, or pages of the
         ``kv`` pool (detached ones included), are still allocated once
         fences are drained. Without the memory saver the
-        memory step is a no-op and the state machine is the same.
+        memory step is a no-op and the state machine is the same. A call
+        made while another is draining waits for it and shares its outcome
+        (it raises :class:`PoolBusyError` if that one did not release).
         """
         self._check_thread()
         if self._closed:
             raise PoolClosedError("the pool is closed")
+        releasing = self._releasing
+        if releasing is not None:
+            await asyncio.shield(releasing)
+            if not self._released:
+                raise PoolBusyError(
+                    "the release_memory() in progress that this call waited for did not "
+                    "release the memory (rows or pages were still allocated, or it was "
+                    "cancelled)"
+                )
+            return
         if self._released:
             return
         self._released = self._waiters.gated = True
         self._fast = False
+        self._releasing = done = asyncio.get_running_loop().create_future()
         try:
             await self.drain()
             allocated = self._ledger.allocated
@@ -265,11 +304,25 @@ class Lifecycle:
             self._waiters.gated = self._closed
             self._waiters.grant()
             raise
+        finally:
+            self._releasing = None
+            done.set_result(None)
         logger.info("released the kv_cache region of %r", self)
 
     async def resume_memory(self) -> None:
-        """Restore the memory region, zero the tables, and wake waiters."""
+        """Restore the memory region, zero the tables, and wake waiters.
+
+        Raises :class:`PoolBusyError`, changing nothing, while a
+        :meth:`release_memory` is still draining: the rows it waits for may
+        belong to running requests, whose tables a resume would zero. Await
+        (or cancel) the release first.
+        """
         self._check_thread()
+        if self._releasing is not None:
+            raise PoolBusyError(
+                "release_memory() is still draining fences; await it (or cancel it) "
+                "before resume_memory()"
+            )
         if not self._released:
             return
         self._tables.resume()

@@ -231,6 +231,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         )
         self._closed = False
         self._released = False
+        self._releasing: asyncio.Future[None] | None = None  # release_memory() draining
         # True while the unchecked fast paths of alloc and free are open:
         # bound, nobody queued, not gated, unchecked paths allowed, and no
         # checked call under way. Every checked call clears it before it

@@ -1,0 +1,179 @@
+"""drain, release_memory and resume_memory against what else can happen
+meanwhile: a force_release, a retire, a second release, a resume, a fence
+that never completes. Found by an adversarial review; each test fails
+without its fix. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from helpers import Gate, bounded, spin
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    HostFence,
+    HostStream,
+    KVPagePool,
+    PoolBusyError,
+)
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+
+
+def make(**kw: object) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(8, 16, kv=KVPagePool(16, 4), **kw)  # type: ignore[arg-type]
+
+
+async def test_drain_notices_a_force_release() -> None:
+    # drain used to wait only for the head HostFence's callback, which a
+    # force_release never fires: it hung with nothing pending.
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = make()
+    try:
+        g = await pool.admit(pages=2)
+        stuck = stream.record()
+        pool.free([g.row], fence=stuck)
+        drain = asyncio.create_task(pool.drain())
+        await spin()
+        assert pool.force_release(stuck) == (1, 2)
+        async with bounded():
+            await drain
+        assert pool.stats().pending == 0
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()
+
+
+async def test_an_explicit_drain_notices_a_force_release() -> None:
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = AsyncReqToTokenPool(8, 16, kv=KVPagePool(16, 4, reclaim="explicit"), reclaim="explicit")
+    try:
+        g = await pool.admit(pages=2)
+        stuck = stream.record()
+        pool.free([g.row], fence=stuck)
+        drain = asyncio.create_task(pool.drain())
+        await spin()
+        assert pool.force_release(stuck) == (1, 2)
+        async with bounded():
+            await drain
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()
+
+
+async def test_drains_that_give_up_leave_no_callback_on_a_stuck_fence() -> None:
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = make()
+    try:
+        rows = await pool.alloc(1)
+        stuck = stream.record()
+        assert isinstance(stuck, HostFence)
+        pool.free(rows, fence=stuck)
+        before = len(stuck._callbacks or ())
+        for _ in range(50):
+            with pytest.raises(TimeoutError, match="1 rows still pending"):
+                await pool.drain(timeout=0.001)
+        assert len(stuck._callbacks or ()) == before
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()
+
+
+def test_remove_done_callback() -> None:
+    stream = HostStream()
+    gate = Gate(stream)
+    try:
+        fence = stream.record()
+        assert isinstance(fence, HostFence)
+        ran: list[str] = []
+
+        def first() -> None:
+            ran.append("first")
+
+        def second() -> None:
+            ran.append("second")
+
+        fence.add_done_callback(first)
+        fence.add_done_callback(second)
+        assert fence.remove_done_callback(first) is True
+        assert fence.remove_done_callback(first) is False
+        gate.open()
+        fence.synchronize()
+        assert ran == ["second"]
+        assert fence.remove_done_callback(second) is False  # settled: nothing waits
+    finally:
+        gate.open()
+        stream.close()
+
+
+async def test_resume_while_a_release_drains_is_refused_and_wipes_nothing() -> None:
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = make()
+    try:
+        live = await pool.admit(pages=2)  # a running request
+        pool.verified_lens[live.row] = 4
+        pool.req_to_token[live.row, :4] = torch.arange(1, 5, dtype=pool.req_to_token.dtype)
+        other = await pool.admit(pages=1)
+        pool.free([other.row], fence=stream.record())
+        release = asyncio.create_task(pool.release_memory())
+        await spin()
+        with pytest.raises(PoolBusyError, match="still draining"):
+            await pool.resume_memory()
+        assert int(pool.verified_lens[live.row]) == 4
+        assert pool.req_to_token[live.row, :4].tolist() == [1, 2, 3, 4]
+        gate.open()
+        with pytest.raises(PoolBusyError, match="still allocated"):
+            async with bounded():
+                await release
+        assert not pool.released
+        assert int(pool.verified_lens[live.row]) == 4
+        pool.free([live.row])
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()
+
+
+@pytest.mark.parametrize("outcome", ["released", "refused"])
+async def test_a_second_release_shares_the_first_ones_outcome(outcome: str) -> None:
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = make()
+    try:
+        g = await pool.admit(pages=1)
+        pool.free([g.row], fence=stream.record())
+        live = await pool.admit(pages=1) if outcome == "refused" else None
+        first = asyncio.create_task(pool.release_memory())
+        await spin()
+        second = asyncio.create_task(pool.release_memory())
+        await spin()
+        assert not second.done()  # it waits for the first
+        gate.open()
+        async with bounded():
+            results = await asyncio.gather(first, second, return_exceptions=True)
+        if outcome == "released":
+            assert results == [None, None] and pool.released
+            await pool.resume_memory()
+        else:
+            assert [type(r) for r in results] == [PoolBusyError, PoolBusyError]
+            assert "did not release" in str(results[1]) and not pool.released
+            assert live is not None
+            pool.free([live.row])
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()

@@ -178,13 +178,18 @@ class PoolCore:
         # thread, a grant in between then lowers `frees` instead of raising it.
         granted = led.granted
         allocs = granted - led.returned
-        allocated = led.allocated
+        # Each count read once, allocated derived from them: the four add up
+        # to capacity even when read while the owner moves rows.
+        free = led.free_count
+        pending = led.pending
+        quarantined = led.quarantined
+        allocated = led.capacity - free - pending - quarantined
         return PoolStats(
             capacity=led.capacity,
-            free=led.free_count,
+            free=free,
             allocated=allocated,
-            pending=led.pending,
-            quarantined=led.quarantined,
+            pending=pending,
+            quarantined=quarantined,
             allocs=allocs,
             frees=allocs - allocated,
             rows_granted=granted,

@@ -488,9 +488,11 @@ class Deferrals(Generic[T]):
         return sorted(self._batches(), key=lambda b: b.did)
 
     def _batches(self) -> Iterator[Deferred[T]]:
-        for queue in self._streams.values():
-            yield from queue
-        yield from self._unordered
+        # Copies (each one C call, so atomic under the GIL): stats() may scan
+        # from another thread while the owner changes the queues.
+        for queue in list(self._streams.values()):
+            yield from list(queue)
+        yield from list(self._unordered)
 
     # ------------------------------------------------------------ explicit reclaim
 

@@ -421,6 +421,7 @@ class SlotLedger(Deferrals[int]):
         last_error: BaseException | None = None
         row = 0
         orig: Any = None
+        faulted_seen: set[int] | None = None
         try:
             for row in seq:
                 use = uses[row]
@@ -472,7 +473,12 @@ class SlotLedger(Deferrals[int]):
                         candidates.append(fence)
                     waits, faulted, error = self._open_fences(candidates)
                     if faulted is not None:
-                        self._fault([row], 1, faulted, error)
+                        # One fault per fence per call, however many rows.
+                        first = faulted_seen is None or id(faulted) not in faulted_seen
+                        if faulted_seen is None:
+                            faulted_seen = set()
+                        faulted_seen.add(id(faulted))
+                        self._fault([row], 1, faulted, error, count=first)
                         continue
                     if not waits:
                         state[row] = FREE

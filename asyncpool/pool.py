@@ -953,12 +953,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         pages = self._pages
         if pages is not None:
             pled = pages.ledger
+            free, pending, quarantined = pled.free_count, pled.pending, pled.quarantined
             extra = {
                 "pages_capacity": pled.capacity,
-                "pages_free": pled.free_count,
-                "pages_allocated": pled.allocated,
-                "pages_pending": pled.pending,
-                "pages_quarantined": pled.quarantined,
+                "pages_free": free,
+                "pages_allocated": pled.capacity - free - pending - quarantined,
+                "pages_pending": pending,
+                "pages_quarantined": quarantined,
                 "admits": pages.admits,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),

@@ -182,11 +182,18 @@ class TokenTables:
     def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
         """Write a row's lengths and its first ``alloced_len`` token slots.
 
-        Everything is checked before the first write: lengths that are not
-        integers in range, and ``alloced_slots`` that is not a 1-D integer
-        tensor of ``alloced_len`` entries on a real device, raise
+        Everything is checked before the first write: metadata that is not
+        a :class:`ReqToTokenPoolInfo`, lengths that are not integers in
+        range, and ``alloced_slots`` that is not a 1-D integer tensor of
+        ``alloced_len`` entries on a real device (on the host: of slot ids
+        ``>= 0`` that fit ``req_to_token``'s dtype) raise
         :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
         """
+        if not isinstance(info, ReqToTokenPoolInfo):
+            raise InvalidSlotError(
+                f"metadata for row {row} must be a ReqToTokenPoolInfo, got "
+                f"{type(info).__name__}"
+            )
         alloced = _length(info.alloced_len, "alloced_len", row)
         verified = _length(info.verified_len, "verified_len", row)
         if not 0 <= alloced <= self.max_context_len:
@@ -222,6 +229,18 @@ class TokenTables:
                 f"alloced_slots has {slots.numel()} entries for row {row}, "
                 f"expected alloced_len={alloced}"
             )
+        if alloced and slots.device.type == "cpu":
+            # Token slot ids are >= 0 and must fit the table's dtype (a larger
+            # int64 would wrap silently). Host tensors only: on a device the
+            # check would wait for the stream.
+            low, high = int(slots.min()), int(slots.max())
+            limit = torch.iinfo(self.req_to_token.dtype).max
+            if low < 0 or high > limit:
+                bad = low if low < 0 else high
+                raise InvalidSlotError(
+                    f"alloced_slots for row {row} holds {bad}, outside the token slot "
+                    f"ids 0..{limit} that req_to_token ({self.req_to_token.dtype}) can hold"
+                )
         self._after_resets()
         self.verified_lens[row] = verified
         self.alloced_lens[row] = alloced

@@ -392,6 +392,31 @@ def _rows(kind: str) -> list[Case]:
             "verified_len",
         ),
         Case(
+            f"{kind}-set_info-not-info",
+            kind,
+            lambda c: c.pool.set_req_pool_info(2, (1, 2, torch.ones(2))),  # type: ignore[arg-type]
+            InvalidSlotError,
+            "tuple",
+        ),
+        Case(
+            f"{kind}-set_info-slot-negative",
+            kind,
+            lambda c: c.pool.set_req_pool_info(
+                2, ReqToTokenPoolInfo(1, 2, torch.tensor([3, -5]))
+            ),
+            InvalidSlotError,
+            "-5",
+        ),
+        Case(
+            f"{kind}-set_info-slot-past-int32",
+            kind,
+            lambda c: c.pool.set_req_pool_info(
+                2, ReqToTokenPoolInfo(1, 2, torch.tensor([2**40, 3]))
+            ),
+            InvalidSlotError,
+            str(2**40),
+        ),
+        Case(
             f"{kind}-set_info-never-allocated",
             kind,
             lambda c: c.pool.set_req_pool_info(NEVER, info(1, 2)),

@@ -764,3 +764,111 @@ def test_a_fence_with_a_stream_key_but_no_int_seq_is_of_unknown_origin() -> None
     done["c"] = True
     assert pool.reclaim() == 2
     pool.check_invariants()
+
+
+def test_one_faulted_fence_counts_once_however_many_rows_wait_on_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from asyncpool import ReqToTokenPool
+
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(5)
+    assert rows is not None
+    open_use = _OddFence(lambda: False)
+    pool.record_use(rows, open_use)  # two fences per row: the general path
+
+    def fault() -> bool:
+        raise DeviceLost("lost")
+
+    assert pool.free(rows, _OddFence(fault)) == 0
+    st = pool.stats()
+    assert st.quarantined == 5 and st.fence_errors == 1
+    assert len([r for r in caplog.records if "faulted" in r.getMessage()]) == 1
+    pool.check_invariants()
+
+
+async def test_stats_read_from_another_thread_add_up_and_never_raise() -> None:
+    # The owner frees behind fences and reclaims while a thread reads
+    # stats() (with the overdue scan): every snapshot adds up to capacity.
+    # A guard on the whole, timing-dependent; the two tests below pin each
+    # cause deterministically (a scan raising "dictionary changed size
+    # during iteration", counts read a few operations apart).
+    from asyncpool import KVPagePool
+
+    pool = AsyncReqToTokenPool(17, 4, kv=KVPagePool(65, 4), fence_timeout=0.0001)
+    stream = HostStream()
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                st = pool.stats(summaries=False)
+            except Exception as exc:  # pragma: no cover - the failure being guarded
+                bad.append(repr(exc))
+                return
+            if st.free + st.allocated + st.pending + st.quarantined != st.capacity:
+                bad.append(f"rows {st}")
+            pages = st.pages_free + st.pages_allocated + st.pages_pending
+            if pages + st.pages_quarantined != st.pages_capacity:
+                bad.append(f"pages {st}")
+
+    reader = threading.Thread(target=scrape, name="scraper")
+    reader.start()
+    try:
+        async with bounded():
+            for _ in range(200):
+                grants = [await pool.admit(pages=2) for _ in range(8)]
+                fence = stream.record()
+                pool.free([g.row for g in grants], fence=fence)
+                await asyncio.to_thread(fence.synchronize)
+                pool.reclaim()
+                if bad:
+                    break
+    finally:
+        stop.set()
+        reader.join(5)
+        stream.close()
+        await pool.close()
+    assert not bad, bad[:3]
+
+
+def test_a_pending_scan_survives_the_owner_changing_the_queues() -> None:
+    # stats() may scan pending batches from another thread: the scan works
+    # on copies, so a stream queue appearing mid-scan cannot break it.
+    from asyncpool import ReqToTokenPool
+
+    pool = ReqToTokenPool(8, 4)
+    a, b = HostStream(), HostStream()
+    gates = [threading.Event(), threading.Event()]
+    try:
+        a.launch(gates[0].wait)
+        b.launch(gates[1].wait)
+        rows = pool.alloc(2)
+        assert rows is not None
+        pool.free(rows[:1], a.record())
+        scan = pool._ledger._batches()
+        next(scan)
+        pool.free(rows[1:], b.record())  # a new stream queue, mid-scan
+        assert list(scan) == []  # the copy taken when the scan began
+    finally:
+        for gate in gates:
+            gate.set()
+        a.close()
+        b.close()
+
+
+def test_stats_counts_add_up_by_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    # allocated is derived from the same reads of free, pending and
+    # quarantined, not read apart (a reader on another thread saw sums of
+    # 63 and 67 for a capacity of 64).
+    from asyncpool import ReqToTokenPool
+    from asyncpool.ledger import SlotLedger
+
+    pool = ReqToTokenPool(8, 4)
+    assert pool.alloc(3) is not None
+    monkeypatch.setattr(SlotLedger, "allocated", property(lambda self: -999))
+    st = pool.stats()
+    assert st.allocated == 3
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity

@@ -300,7 +300,7 @@ class Admission:
             ):
                 arr = pages.owned[row]
                 if arr is not None:
-                    if arr.tobytes() != pages.sealed[row]:
+                    if arr.tobytes() != pages.sealed[row]:  # check_record, inlined
                         raise pages.written_error(row)  # nothing changed yet
                     pled = pages.ledger
                     # The row's own record, as sealed (in range): a few

@@ -80,6 +80,7 @@ from .ledger import (
     STATE_NAMES,
     SlotLedger,
     as_index,
+    index_or_error,
 )
 from .stats import LatencySummary
 
@@ -125,14 +126,7 @@ def _index(value: object) -> int:
     """One page id from a list element: an int, a numpy or 0-d torch integer
     scalar (the row pool's :func:`~asyncpool.ledger.as_index`); bools and
     floats are refused."""
-    if value.__class__ is int:
-        return value
-    try:
-        return as_index(value)
-    except TypeError:
-        raise InvalidSlotError(
-            f"page ids must be integers, got {value!r} of type {type(value).__name__}"
-        ) from None
+    return index_or_error(value, "page ids must be integers")
 
 
 class PageLedger(Deferrals[PageArray]):

@@ -689,13 +689,21 @@ def as_row_ids(rows: object) -> Sequence[int]:
     return [_row_id(row) for row in rows]
 
 
-def _row_id(row: object) -> int:
+def index_or_error(value: object, rule: str) -> int:
+    """:func:`as_index`, raising ``InvalidSlotError(f"{rule}, got ...")``
+    (naming the value and its type) for what it refuses."""
+    if value.__class__ is int:
+        return value
     try:
-        return as_index(row)
+        return as_index(value)
     except TypeError:
         raise InvalidSlotError(
-            f"row ids must be integers, got {row!r} of type {type(row).__name__}"
+            f"{rule}, got {value!r} of type {type(value).__name__}"
         ) from None
+
+
+def _row_id(row: object) -> int:
+    return index_or_error(row, "row ids must be integers")
 
 
 def _merge_uses(prev: Any, fence: Fence) -> tuple[Fence, ...]:

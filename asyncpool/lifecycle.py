@@ -67,13 +67,8 @@ def _settle(fut: asyncio.Future[None]) -> None:
 
 def _settle_from_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
     """Resolve ``fut`` from any thread; a closed loop means nobody waits."""
-
-    def settle() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
     try:
-        loop.call_soon_threadsafe(settle)
+        loop.call_soon_threadsafe(_settle, fut)
     except RuntimeError:  # the loop is closed
         pass
 

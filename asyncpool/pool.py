@@ -306,15 +306,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def _guard_kv(self) -> None:
         # The KVPagePool's guard (set_on_free): _check_thread, with an error
         # that says why a page pool call is refused.
-        if self._owner != _get_ident():
-            try:
-                self._bind_thread()
-            except WrongThreadError as exc:
-                raise WrongThreadError(
-                    f"this KVPagePool serves an AsyncReqToTokenPool, so it too may be "
-                    f"called only from that pool's thread: {exc}"
-                ) from None
-        self._fast = False
+        try:
+            self._check_thread()
+        except WrongThreadError as exc:
+            raise WrongThreadError(
+                f"this KVPagePool serves an AsyncReqToTokenPool, so it too may be "
+                f"called only from that pool's thread: {exc}"
+            ) from None
 
     def _bind_thread(self) -> None:
         # Off the fast path: the pool is unbound, or called from a thread

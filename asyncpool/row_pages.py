@@ -226,14 +226,12 @@ class RowPages:
         both). Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
         """
         owned = self.owned
-        sealed = self.sealed
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
         for row in rows:
             pages = owned[row]
             if pages is None:
                 continue
-            if pages.tobytes() != sealed[row]:
-                raise self.written_error(row)
+            self.check_record(row)
             use = uses[row]
             entry = groups.get(id(use))
             if entry is None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import DeviceError, InvalidSlotError, MemorySaverError
-from .ledger import as_index
+from .ledger import as_index, index_or_error
 
 __all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables"]
 
@@ -40,15 +40,7 @@ class ReqToTokenPoolInfo:
 def _length(value: object, name: str, row: int) -> int:
     """A length from ``ReqToTokenPoolInfo`` as an int (integer scalars
     accepted, bools and floats refused with :class:`InvalidSlotError`)."""
-    if value.__class__ is int:
-        return value
-    try:
-        return as_index(value)
-    except TypeError:
-        raise InvalidSlotError(
-            f"{name} for row {row} must be an integer, got {value!r} of type "
-            f"{type(value).__name__}"
-        ) from None
+    return index_or_error(value, f"{name} for row {row} must be an integer")
 
 
 class MemorySaverAdapter:

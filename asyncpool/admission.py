@@ -59,7 +59,7 @@ class Admission:
     _pages: RowPages | None
     _waiters: WaiterQueues
     _free_q: collections.deque[int]
-    _state: bytearray
+    _state: list[int]
     _uses: list[Any]
     _owner: int | None
     _fast: bool

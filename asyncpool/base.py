@@ -84,9 +84,9 @@ class PoolCore:
             # zero them all in one op, no index or mask to build.
             self._tables.reset_rows_from_1()
         elif len(rows) >= _MASK_RESET_ROWS:
-            # Many dirty rows: zero every FREE row through a zero-copy view of
-            # the ledger's state bytes (re-zeroing clean rows is harmless);
-            # cheaper than building an index of the rows.
+            # Many dirty rows: zero every FREE row through a mask over a byte
+            # copy of the ledger's states (one C pass; re-zeroing clean rows
+            # is harmless); cheaper than building an index of the rows.
             state = torch.frombuffer(self._ledger.state_bytes(), dtype=torch.uint8)
             self._tables.reset_where(state == FREE)
         else:

@@ -286,8 +286,12 @@ class Deferrals(Generic[T]):
         if self._on_pending is not None and not self.explicit:
             self._on_pending(fence)
 
-    def _enqueue(self, batch: Deferred[T]) -> None:
-        """Queue an existing batch behind its (new) head fence, in record order."""
+    def _enqueue(self, batch: Deferred[T], notify: bool = True) -> None:
+        """Queue an existing batch behind its (new) head fence, in record order.
+
+        ``notify=False`` puts back a batch taken out of its queue whose head
+        is already watched (no second ``on_pending``).
+        """
         key = stream_key(batch.fence)
         if key is None:
             batch.seq = 0
@@ -302,7 +306,7 @@ class Deferrals(Generic[T]):
             while index > 0 and queue[index - 1].seq > fseq:
                 index -= 1
             queue.insert(index, batch)
-        if self._on_pending is not None and not self.explicit:
+        if notify and self._on_pending is not None and not self.explicit:
             self._on_pending(batch.fence)
 
     # ------------------------------------------------------------ reclaim
@@ -372,7 +376,13 @@ class Deferrals(Generic[T]):
         """``batch``'s head completed (it is out of its queue): release it, or
         move it behind its next open fence. Returns the ids released."""
         if batch.rest:
-            waits, faulted, error = self._open_fences(batch.rest)
+            try:
+                waits, faulted, error = self._open_fences(batch.rest)
+            except BaseException:
+                # A query() raised what is not an Exception (KeyboardInterrupt,
+                # CancelledError): the batch waits as it did, behind its head.
+                self._enqueue(batch, notify=False)
+                raise
             if faulted is not None:
                 self._fault_batch(batch, faulted, error)
                 return 0
@@ -432,8 +442,15 @@ class Deferrals(Generic[T]):
                 keep_list.append(batch)
             self._unordered = keep_list
         released = 0
-        for batch in hits:
-            released += self._settle(batch)
+        for index, batch in enumerate(hits):
+            try:
+                released += self._settle(batch)
+            except BaseException:
+                # Mid-way (see _settle): the batches not yet settled wait as
+                # they did, behind the fence; those settled stay settled.
+                for later in hits[index + 1 :]:
+                    self._enqueue(later, notify=False)
+                raise
         return released
 
     # ------------------------------------------------------------ faults

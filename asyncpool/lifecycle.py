@@ -95,7 +95,9 @@ class Lifecycle:
 
         def _check_thread(self) -> None: ...
 
-        def _running_loop(self) -> asyncio.AbstractEventLoop: ...
+        def _prepare_wait(
+            self, loop: asyncio.AbstractEventLoop
+        ) -> asyncio.AbstractEventLoop: ...
 
         def reclaim(self) -> int: ...
 
@@ -126,7 +128,9 @@ class Lifecycle:
         self._check_thread()
         if timeout is not None:
             _check_wait_args(0, timeout)
-        loop = self._running_loop()
+        # The running loop, rebinding to it: the pool may still name a loop
+        # that has since stopped (asyncio.run twice in one thread).
+        loop = self._prepare_wait(asyncio.get_running_loop())
         if self._ledger.explicit:
             await self._drain_explicit(loop, timeout)
             return

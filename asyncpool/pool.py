@@ -240,7 +240,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # one-row free with nobody waiting, reopen it (stale False is only
         # slower).
         self._fast = False
-        self._wake_scheduled = False
+        # The loop a coalesced fence wake-up is queued on, or None. Keyed to
+        # the loop: a wake-up queued on a loop that stopped without running
+        # it must not suppress the wake-ups of the loop the pool moved to.
+        self._wake_scheduled: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
@@ -368,7 +371,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         except RuntimeError:
             self._loop = None
         self._set_owner(self._loop)
-        self._wake_scheduled = False  # nothing is pending, so nothing to wake
+        self._wake_scheduled = None  # nothing is pending, so nothing to wake
 
     def _set_owner(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Bind to the calling thread; open or close the unchecked fast paths."""
@@ -499,6 +502,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             )
         self._loop = loop
         self._choose_fast_paths(loop)
+        # State tied to the old loop: a wake-up queued there that will never
+        # run, and an overdue-fence timer that will never fire.
+        self._wake_scheduled = None
+        overdue = self._overdue
+        if overdue is not None and overdue.timer is not None:
+            overdue.timer.cancel()
+            overdue.timer = None
+            if self._pending_any():
+                self._check_overdue()  # logs what is overdue now, re-arms here
 
     # ------------------------------------------------------------ grants
     # The supply side of the waiter queues (asyncpool.waiters): what a need
@@ -784,13 +796,18 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def _on_pending(self, fence: Fence) -> None:
         # Called by either ledger in the loop's thread when a fence starts
         # holding rows or pages: arrange to be told when it completes.
-        if self._loop is None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
             try:
-                self._loop = asyncio.get_running_loop()
+                running = asyncio.get_running_loop()
             except RuntimeError:
-                # No loop yet: watch it once a waiter binds one.
+                # No loop (yet): watch it once a waiter binds one.
                 self._unwatched.append(fence)
                 return
+            if loop is None:
+                self._loop = running
+            else:  # the pool's loop is gone (asyncio.run twice): move here
+                self._rebind_loop(running)
         overdue = self._overdue
         if overdue is not None and overdue.timer is None:
             self._arm_overdue(overdue.timeout)
@@ -811,20 +828,21 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # Any thread. Coalesce a burst of completions into one loop callback.
         # Benign race: the flag is cleared before reclaim queries the fences,
         # and a fence is marked done before its callbacks run, so a completion
-        # that sees the flag still set is seen by that reclaim.
-        if self._wake_scheduled:
-            return
-        self._wake_scheduled = True
+        # that sees the flag still set is seen by that reclaim. No loop bound
+        # (set-up code, a bind() outside a loop): nothing to wake, and the
+        # next call into the pool reclaims the fence.
         loop = self._loop
-        if loop is None:
+        if loop is None or self._wake_scheduled is loop:
             return
+        self._wake_scheduled = loop
         try:
             loop.call_soon_threadsafe(self._on_fences_done)
         except RuntimeError:  # the loop is closed: nobody is left to wake
-            self._wake_scheduled = False
+            self._wake_scheduled = None
 
     def _on_fences_done(self) -> None:
-        self._wake_scheduled = False
+        if self._wake_scheduled is self._loop:  # not a stale one of a loop left
+            self._wake_scheduled = None
         self._fast = False  # no unchecked call may interleave with this one
         self._reclaim_both()
         self._waiters.grant()

@@ -274,11 +274,13 @@ class RowPages:
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
+            # Freed first, then disowned: a fence's query() raising what is
+            # not an Exception leaves this group's pages with their rows.
+            immediate += free_prepared(ids, fresh, fences + extra)
             for row in group_rows:
                 owned[row] = None
                 sealed[row] = None
                 extended[row] = 0
-            immediate += free_prepared(ids, fresh, fences + extra)
         return immediate
 
     # ------------------------------------------------------------ proof

@@ -744,6 +744,87 @@ def test_a_fence_raising_cancelled_error_leaves_the_ledger_whole() -> None:
     pool.check_invariants()
 
 
+class _Switch:
+    """A fence of unknown origin answering ``state``: True, False or "cancel"."""
+
+    def __init__(self, state: Any = False) -> None:
+        self.state = state
+
+    def query(self) -> bool:
+        if self.state == "cancel":
+            self.state = False  # once
+            raise asyncio.CancelledError
+        return bool(self.state)
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("head", ["ordered", "unordered", "force_release"])
+def test_a_cancelled_query_of_a_second_fence_keeps_the_batch(head: str) -> None:
+    """A batch waiting for two fences: its head completes (or is forced), and
+    the other fence's query() raises CancelledError while the batch is out of
+    its queue. It must wait as before, not vanish with its rows."""
+    pool = AsyncReqToTokenPool(6, 4)  # used outside a loop: nothing binds
+    rows = pool.try_alloc(2)
+    assert rows is not None
+    second = _Switch()
+    stream = HostStream()
+    try:
+        gate = threading.Event()
+        if head == "ordered":
+            stream.launch(gate.wait)
+            first: Any = stream.record()
+        else:
+            first = _Switch()
+        pool.record_use(rows, first)
+        assert pool.free(rows, second) == 0
+        second.state = "cancel"
+        with pytest.raises(asyncio.CancelledError):
+            if head == "ordered":
+                gate.set()
+                first.synchronize()
+                pool.reclaim()
+            elif head == "unordered":
+                first.state = True
+                pool.reclaim()
+            else:
+                pool.force_release(first)
+        pool.check_invariants()
+        assert pool.pending_size() == 2
+        second.state = True
+        if head != "ordered":
+            first.state = True
+        assert pool.reclaim() == 2
+        pool.check_invariants()
+        assert pool.available_size() == 5
+    finally:
+        gate.set()
+        stream.close()
+
+
+def test_a_cancelled_query_leaves_a_rows_pages_with_it() -> None:
+    """free(rows, fence=t) on a pool with kv, t.query() raising CancelledError:
+    the row keeps its pages (before: the record was cleared first and the
+    pages were owned by nobody, leaked for good)."""
+    from asyncpool import KVPagePool
+
+    async def main() -> None:
+        kv = KVPagePool(9, 4)
+        pool = AsyncReqToTokenPool(3, 8, kv=kv)
+        grant = await pool.admit(pages=4)
+        with pytest.raises(asyncio.CancelledError):
+            pool.free([grant.row], fence=_Switch("cancel"))
+        assert pool.pages_of(grant.row).tolist() == grant.pages.tolist()
+        pool.check_invariants()
+        assert pool.free([grant.row]) == 1
+        assert kv.available_size() == 8 and pool.stats().pages_allocated == 0
+        pool.check_invariants()
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_fence_with_a_stream_key_but_no_int_seq_is_of_unknown_origin() -> None:
     from asyncpool import ReqToTokenPool
 

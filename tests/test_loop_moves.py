@@ -1,0 +1,209 @@
+"""A pool that outlives its event loop: ``asyncio.run`` twice in one thread,
+a hand-over with ``bind()``, a loop stopped with a fence wake-up queued.
+
+Each test runs its own loops (not pytest-asyncio's), on asyncio and uvloop.
+Found by a review of the fence machinery; each test failed before its fix:
+
+* a wake-up queued on a loop that stopped without running it left the
+  coalescing flag set, and every later fence completion was dropped (the
+  waiter hung); a stale done-callback of a force-released fence, firing
+  while ``bind()`` had left the pool without a loop, did the same;
+* ``drain()`` on a second loop built its wait on the first, closed one;
+* the ``fence_timeout`` timer armed on a closed loop was never re-armed, so
+  overdue fences on the next loop were never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+from helpers import bounded
+
+from asyncpool import AsyncReqToTokenPool, HostStream
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+def run(factory: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any, Any, Any]) -> Any:
+    loop = factory()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+async def _waiter_is_woken_by(pool: AsyncReqToTokenPool, stream: HostStream) -> None:
+    """Every row pending behind a gated fence; a waiter; the gate opens: the
+    waiter must be granted by the fence's wake-up alone."""
+    rows = await pool.alloc(pool.capacity)
+    gate = threading.Event()
+    stream.launch(gate.wait)
+    fence = stream.record()
+    pool.record_use(rows, fence)
+    pool.free(rows)
+    waiter = asyncio.ensure_future(pool.alloc(1))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    gate.set()
+    async with bounded():
+        assert len(await waiter) == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wake_up_lost_with_a_stopped_loop_does_not_silence_the_next(loop: str) -> None:
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = HostStream()
+    gate = threading.Event()
+    try:
+
+        async def first() -> Any:
+            rows = await pool.alloc(2)
+            stream.launch(gate.wait)
+            fence = stream.record()
+            pool.record_use(rows, fence)
+            pool.free(rows)
+            return fence
+
+        stopped = factory()
+        fence = stopped.run_until_complete(first())
+        gate.set()
+        fence.synchronize()  # its wake-up is queued on a loop that no longer runs
+        stopped.close()
+        run(factory, _waiter_is_woken_by(pool, stream))
+    finally:
+        gate.set()
+        stream.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_stale_callback_after_bind_does_not_silence_wake_ups(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="asyncpool")  # force_release warns
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = HostStream()
+    gate = threading.Event()
+    errors: list[BaseException] = []
+    try:
+
+        async def first() -> None:
+            rows = await pool.alloc(1)
+            stream.launch(gate.wait)
+            fence = stream.record()
+            pool.record_use(rows, fence)
+            pool.free(rows)
+            pool.force_release(fence)  # its done-callback stays on the fence
+
+        run(factory, first())
+
+        def server() -> None:
+            try:
+                pool.bind()  # no loop in this thread yet
+                gate.set()
+                stream.synchronize()  # the stale callback has run
+                run(factory, _waiter_is_woken_by(pool, stream))
+            except BaseException as exc:  # reported to the test's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=server, name="server")
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive()
+        if errors:
+            raise errors[0]
+    finally:
+        gate.set()
+        stream.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_drain_on_a_second_loop(loop: str) -> None:
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = HostStream()
+    gate = threading.Event()
+    try:
+
+        async def first() -> None:
+            pool.free(await pool.alloc(1))
+
+        async def second() -> None:
+            rows = await pool.alloc(1)
+            stream.launch(gate.wait)
+            pool.record_use(rows, stream.record())
+            pool.free(rows)
+            asyncio.get_running_loop().call_soon(gate.set)
+            async with bounded():
+                await pool.drain()  # raised "Event loop is closed" before
+            assert pool.pending_size() == 0
+
+        run(factory, first())
+        run(factory, second())
+    finally:
+        gate.set()
+        stream.close()
+
+
+class _Transfer:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_overdue_fences_are_logged_on_the_next_loop(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    factory = LOOPS[loop]
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    # Long enough that the first loop ends with its timer still armed.
+    pool = AsyncReqToTokenPool(3, 8, fence_timeout=0.2)
+
+    async def first() -> None:
+        transfer = _Transfer()
+        pool.free(await pool.alloc(1), fence=transfer)  # arms the overdue timer here
+        transfer.done = True
+        async with bounded():
+            await pool.drain()
+
+    async def second() -> _Transfer:
+        logged = asyncio.Event()
+
+        class Overdue(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "overdue" in record.getMessage():
+                    logged.set()  # the timer runs on this loop's thread
+
+        handler = Overdue()
+        logging.getLogger("asyncpool").addHandler(handler)
+        try:
+            transfer = _Transfer()
+            pool.free(await pool.alloc(1), fence=transfer)
+            async with bounded():
+                await logged.wait()
+        finally:
+            logging.getLogger("asyncpool").removeHandler(handler)
+        return transfer
+
+    run(factory, first())
+    assert not any("overdue" in r.getMessage() for r in caplog.records)
+    transfer = run(factory, second())
+    assert pool.stats().overdue_fences == 1
+    transfer.done = True
+    assert pool.reclaim() == 1

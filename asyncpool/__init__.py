@@ -21,7 +21,15 @@ from .errors import (
     PoolError,
     WrongThreadError,
 )
-from .fences import CudaFence, Fence, HostFence, HostStream, OrderedFence, record_fence
+from .fences import (
+    CudaFence,
+    Fence,
+    HostFence,
+    HostStream,
+    OrderedFence,
+    new_stream_key,
+    record_fence,
+)
 from .kv_pages import KVPagePool, KVPageStats
 from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant
@@ -57,6 +65,7 @@ __all__ = [
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",
     "WrongThreadError",
+    "new_stream_key",
     "record_fence",
 ]
 

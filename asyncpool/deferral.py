@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
-from .fences import Fence
+from .fences import Fence, is_done
 from .stats import Histogram
 
 __all__ = ["Deferrals", "Deferred", "check_ordered", "newest_per_stream", "stream_key"]
@@ -228,7 +228,9 @@ class Deferrals(Generic[T]):
         waits: list[Fence] = []
         for f in newest_per_stream(fences) if len(fences) > 1 else fences:
             try:
-                done = bool(f.query())  # an answer with no truth value is a fault
+                done = f.query()
+                if done is not True and done is not False:
+                    done = is_done(done)  # not a yes or no: a fault
             except Exception as exc:  # a faulted stream
                 return waits, f, exc
             if not done:
@@ -332,7 +334,9 @@ class Deferrals(Generic[T]):
             while queue:
                 batch = queue[0]
                 try:
-                    done = bool(batch.fence.query())
+                    done = batch.fence.query()
+                    if done is not True and done is not False:
+                        done = is_done(done)
                 except Exception as exc:
                     queue.popleft()
                     self._fault_batch(batch, batch.fence, exc)
@@ -353,7 +357,9 @@ class Deferrals(Generic[T]):
             try:
                 for batch in unordered:
                     try:
-                        done = bool(batch.fence.query())
+                        done = batch.fence.query()
+                        if done is not True and done is not False:
+                            done = is_done(done)
                     except Exception as exc:
                         self._fault_batch(batch, batch.fence, exc)
                         asked += 1
@@ -626,7 +632,7 @@ class Deferrals(Generic[T]):
                 entry = cache.get(id(f))
                 if entry is None:
                     try:
-                        entry = (f, 1 if bool(f.query()) else 0, None)
+                        entry = (f, 1 if is_done(f.query()) else 0, None)
                     except Exception as exc:  # a faulted stream
                         entry = (f, 2, exc)
                     cache[id(f)] = entry

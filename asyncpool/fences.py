@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import operator
 import queue
 import threading
 from collections.abc import Callable
@@ -41,14 +42,30 @@ __all__ = [
     "HostFence",
     "HostStream",
     "OrderedFence",
+    "is_done",
+    "new_stream_key",
     "record_fence",
 ]
 
 logger = logging.getLogger(__name__)
 
-# Stream keys are small ints shared by both stream kinds; each stream gets one
-# the first time a fence is recorded on it.
-_stream_keys = itertools.count(1)
+# Stream keys are ints shared by both stream kinds and by new_stream_key();
+# each stream gets one the first time a fence is recorded on it. They start
+# far from the small ints a caller might pick for a stream of its own.
+_stream_keys = itertools.count(1 << 32)
+
+
+def new_stream_key() -> int:
+    """A stream key no other stream has: for an ordered fence of your own.
+
+    Fences that share a ``stream_key`` are taken to complete in ``seq``
+    order, so the pool waits only for the newest of them. A key a caller
+    makes up may be one a :class:`HostStream` or a CUDA stream already uses,
+    and then a fence of the caller's stream would be skipped for a newer
+    fence of that other stream: memory handed out while the caller's
+    transfer still writes. Take one key per stream from here. Thread-safe.
+    """
+    return next(_stream_keys)
 
 
 @runtime_checkable
@@ -73,6 +90,9 @@ class OrderedFence(Fence, Protocol):
 
     Fences with the same ``stream_key`` complete in ``seq`` order: when one
     has completed, so has every fence of that stream with a smaller ``seq``.
+    Both must be ints. Take ``stream_key`` from :func:`new_stream_key`, one
+    per stream: a key shared with another stream by accident lets the pool
+    skip a fence that has not completed.
     """
 
     stream_key: int
@@ -188,7 +208,7 @@ class HostFence:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
         for fn in callbacks or ():
-            _run_callback(fn)
+            _run_callback_on_worker(fn)
 
     def _fault(self) -> FenceError:
         err = FenceError(
@@ -202,6 +222,16 @@ def _run_callback(fn: Callable[[], object]) -> None:
     try:
         fn()
     except Exception:
+        logger.exception("fence done-callback %r raised", fn)
+
+
+def _run_callback_on_worker(fn: Callable[[], object]) -> None:
+    # On a HostStream's worker nothing may stop the thread: a callback that
+    # raises SystemExit or KeyboardInterrupt would leave every later fence of
+    # the stream unsettled and every callback behind it unrun.
+    try:
+        fn()
+    except BaseException:
         logger.exception("fence done-callback %r raised", fn)
 
 
@@ -308,7 +338,15 @@ class HostStream:
         self.record().synchronize()
 
     def close(self, *, cancel_pending: bool = False) -> None:
-        """Stop the worker after the queued work (or dropping it); idempotent."""
+        """Stop the worker after the queued work (or dropping it); idempotent.
+
+        Joins the worker, so it returns only once the work running now has
+        returned, also with ``cancel_pending=True`` (a thread cannot be
+        interrupted): a stream blocked in work that never returns (a
+        ``wait`` on a fence that never completes) never closes. Queued work
+        is then never started, and the worker, a daemon thread, does not
+        keep the process alive.
+        """
         with self._lock:
             if self._closed:
                 already = True
@@ -454,5 +492,44 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
 
 
 def is_fence(obj: object) -> bool:
-    """True if ``obj`` has callable ``query`` and ``synchronize``."""
-    return callable(getattr(obj, "query", None)) and callable(getattr(obj, "synchronize", None))
+    """True if ``obj`` has callable ``query`` and ``synchronize`` and is not a
+    class (``fence=HostFence`` instead of a fence would fault when asked)."""
+    return (
+        callable(getattr(obj, "query", None))
+        and callable(getattr(obj, "synchronize", None))
+        and not isinstance(obj, type)
+    )
+
+
+def is_done(answer: object) -> bool:
+    """A fence's ``query()`` answer as a bool; ``TypeError`` if it is not yes or no.
+
+    ``True`` and ``False`` are answers, and so are numpy bools, the ints 0
+    and 1 and one-element arrays and tensors of them. An awaitable (an
+    ``async def query``: a coroutine is truthy), a string (a status word
+    such as ``"PENDING"``) or any other int (a status code) is not: taken
+    for "done", it would free memory a transfer may still write. The pool
+    treats a refused answer as a fault of the fence, as it treats an answer
+    with no truth value: the memory is quarantined, not freed.
+    """
+    if answer is True:
+        return True
+    if answer is False:
+        return False
+    if isinstance(answer, (str, bytes)) or hasattr(answer, "__await__"):
+        close = getattr(answer, "close", None)
+        if close is not None and hasattr(answer, "cr_frame"):
+            close()  # a coroutine never awaited: no RuntimeWarning
+        raise TypeError(
+            f"query() answered {answer!r}, not True or False: a fence answers at once "
+            "whether it has completed"
+        )
+    try:
+        value = operator.index(answer)  # type: ignore[arg-type]
+    except TypeError:
+        return bool(answer)  # numpy bools; no truth value: raises, a fault
+    if value != 0 and value != 1:
+        raise TypeError(
+            f"query() answered {answer!r}, not True or False (a status code?)"
+        )
+    return value == 1

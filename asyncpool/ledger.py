@@ -42,7 +42,7 @@ from typing import Any
 
 from .deferral import Deferrals, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
-from .fences import Fence, is_fence
+from .fences import Fence, is_done, is_fence
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "USED", "SlotLedger"]
 
@@ -450,10 +450,13 @@ class SlotLedger(Deferrals[int]):
                         last = use
                         last_error = None
                         try:
-                            # bool() here: an answer with no truth value is a fault.
-                            last_done = (
-                                bool(use.query()) if not self.explicit else self.is_retired(use)
-                            )
+                            # In the try: an answer that is not a yes or no is a fault.
+                            if self.explicit:
+                                last_done = self.is_retired(use)
+                            else:
+                                last_done = use.query()
+                                if last_done is not True and last_done is not False:
+                                    last_done = is_done(last_done)
                         except Exception as exc:  # a faulted stream
                             last_error = exc
                             self._fault([row], 1, use, exc)

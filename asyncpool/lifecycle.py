@@ -21,7 +21,7 @@ from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
 from .deferral import Deferrals
 from .errors import PoolBusyError, PoolClosedError
-from .fences import Fence, HostFence
+from .fences import Fence, HostFence, is_done
 from .ledger import SlotLedger
 from .overdue import OverdueFences
 from .row_pages import RowPages
@@ -185,7 +185,7 @@ class Lifecycle:
                     head = self._pending_fences()[0]
                     error: BaseException | None = None
                     try:
-                        done = bool(head.query())
+                        done = is_done(head.query())
                     except Exception as exc:  # a faulted fence: quarantine what it holds
                         done, error = True, exc
                     if done:

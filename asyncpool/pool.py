@@ -976,6 +976,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "pages_allocated": pled.capacity - free - pending - quarantined,
                 "pages_pending": pending,
                 "pages_quarantined": quarantined,
+                "page_fence_errors": pled.fence_errors,
                 "admits": pages.admits,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),

@@ -214,6 +214,9 @@ class PoolStats:
         pages_pending: pages freed but waiting for their fences.
         pages_quarantined: pages kept out of circulation because a fence
             faulted.
+        page_fence_errors: fences that faulted holding pages, total (their
+            pages quarantined); a fence holding rows too counts in
+            ``fence_errors`` as well.
         overdue_fences: pending fences older than ``fence_timeout`` right now
             (0 without it). Their memory stays held (a late write may still
             land) until they complete or ``force_release``.
@@ -260,6 +263,7 @@ class PoolStats:
     pages_allocated: int = 0
     pages_pending: int = 0
     pages_quarantined: int = 0
+    page_fence_errors: int = 0
     overdue_fences: int = 0
     overdue_rows: int = 0
     overdue_pages: int = 0

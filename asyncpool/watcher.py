@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .fences import CudaFence, Fence
+from .fences import CudaFence, Fence, is_done
 
 __all__ = ["FenceWatcher"]
 
@@ -268,7 +268,7 @@ class FenceWatcher:
                 if i % _STOP_CHECK_EVERY == _STOP_CHECK_EVERY - 1 and self._stopped:
                     return
                 try:
-                    if fence.query():
+                    if is_done(fence.query()):
                         done.append(fence)
                 except Exception as exc:  # faulted: the pool's reclaim quarantines
                     logger.debug("watched fence %r faulted: %r", fence, exc)

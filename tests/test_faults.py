@@ -674,19 +674,35 @@ def _raise_cancelled() -> None:
     raise asyncio.CancelledError
 
 
-@pytest.mark.parametrize("answer", ["ndarray", "tensor"])
+async def _async_query() -> bool:
+    return False
+
+
+def _odd_answer(answer: str) -> Callable[[], Any]:
+    import numpy as np
+    import torch
+
+    return {
+        "ndarray": lambda: np.array([False, True]),
+        "tensor": lambda: torch.tensor([0, 1]),
+        # Truthy, each of them: taken for "done" they freed at once memory a
+        # transfer may still write (an async def query, a status word, a
+        # status code such as SGLang's KVPoll.Transferring = 3).
+        "coroutine": _async_query,
+        "string": lambda: "PENDING",
+        "status code": lambda: 3,
+    }[answer]
+
+
+@pytest.mark.parametrize("answer", ["ndarray", "tensor", "coroutine", "string", "status code"])
 @pytest.mark.parametrize("how", ["fence=", "record_use"])
 def test_a_fence_answering_without_a_truth_value_is_a_fault(
     answer: str, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import numpy as np
-    import torch
-
     from asyncpool import KVPagePool, ReqToTokenPool
 
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
-    value: Any = np.array([False, True]) if answer == "ndarray" else torch.tensor([0, 1])
-    odd = _OddFence(lambda: value)
+    odd = _OddFence(_odd_answer(answer))
     pool = ReqToTokenPool(8, 4)
     rows = pool.alloc(3)
     assert rows is not None
@@ -701,6 +717,104 @@ def test_a_fence_answering_without_a_truth_value_is_a_fault(
     pages = kv.alloc(3)
     assert kv.free(pages, fence=odd) == 0 and kv.quarantined_size() == 3
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("answer", ["coroutine", "string", "status code"])
+def test_a_fence_answering_odd_later_is_a_fault_at_reclaim(
+    answer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from asyncpool import ReqToTokenPool
+
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    answers: list[Callable[[], Any]] = [lambda: False]
+    odd = _OddFence(lambda: answers[0]())
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(3)
+    assert rows is not None
+    assert pool.free(rows, odd) == 0
+    answers[0] = _odd_answer(answer)
+    assert pool.reclaim() == 0  # not freed: quarantined
+    assert pool.stats().quarantined == 3
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("answer", ["numpy bool", "int 1", "tensor", "one-element array"])
+def test_yes_or_no_answers_of_other_types_are_understood(answer: str) -> None:
+    import numpy as np
+    import torch
+
+    from asyncpool import ReqToTokenPool
+
+    done: Any = {
+        "numpy bool": np.True_,
+        "int 1": 1,
+        "tensor": torch.tensor(True),
+        "one-element array": np.array([1]),
+    }[answer]
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(2)
+    assert rows is not None
+    assert pool.free(rows, _OddFence(lambda: done)) == 2  # done: free at once
+    rows = pool.alloc(2)
+    assert rows is not None
+    assert pool.free(rows, _OddFence(lambda: 0 * done)) == 0  # not done: pending
+    pool.check_invariants()
+
+
+def test_an_explicit_drain_takes_an_odd_answer_for_a_fault(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+
+    async def main() -> None:
+        pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
+        pool.free(await pool.alloc(2), fence=_OddFence(_odd_answer("status code")))
+        async with bounded():
+            await pool.drain()
+        assert (pool.stats().quarantined, pool.available_size()) == (2, 1)
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_fence_class_is_not_a_fence() -> None:
+    from asyncpool import ReqToTokenPool
+
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(2)
+    assert rows is not None
+    with pytest.raises(TypeError):
+        pool.free(rows, HostStream)  # the class, not a fence: was quarantined for good
+    with pytest.raises(TypeError):
+        pool.record_use(rows, HostFence)
+    assert pool.free(rows) == 2
+    pool.check_invariants()
+
+
+def test_a_fault_holding_pages_only_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    from asyncpool import KVPagePool
+    from asyncpool.metrics import PoolCollector
+
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+
+    def failed() -> bool:
+        raise RuntimeError("transfer failed")
+
+    async def main() -> None:
+        kv = KVPagePool(17, 4)
+        pool = AsyncReqToTokenPool(3, 8, kv=kv)
+        grant = await pool.admit(pages=4)
+        pages = pool.detach_pages(grant.row)
+        pool.free([grant.row])
+        kv.free(pages, fence=_OddFence(failed))
+        stats = pool.stats()
+        assert (stats.pages_quarantined, stats.page_fence_errors, stats.fence_errors) == (4, 1, 0)
+        families = {m.name: m for m in PoolCollector(pool, name="p").collect()}
+        totals = [s.value for s in families["asyncpool_page_fence_errors"].samples]
+        assert totals == [1]
+        await pool.close()
+
+    asyncio.run(main())
 
 
 def test_a_fence_raising_cancelled_error_leaves_the_ledger_whole() -> None:

@@ -18,6 +18,7 @@ from asyncpool import (
     HostFence,
     HostStream,
     OrderedFence,
+    new_stream_key,
     record_fence,
 )
 from asyncpool.fences import is_fence
@@ -506,3 +507,74 @@ async def test_free_after_an_idle_stream_defers_nothing(kit):
     assert pool.reclaim() == 2
     async with bounded():
         await pool.close()
+
+
+def test_a_callback_raising_system_exit_does_not_stop_the_stream(kit, caplog):
+    """A done-callback raising what is not an Exception (SystemExit) killed
+    the worker: the callbacks behind it (a pool's wake-up) never ran and no
+    later fence of the stream ever completed."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    s = kit.stream()
+    gate = kit.gate(s)
+    f = s.record()
+    ran: list[str] = []
+
+    def exits() -> None:
+        raise SystemExit(3)
+
+    f.add_done_callback(exits)
+    f.add_done_callback(lambda: ran.append("second"))
+    gate.open()
+    assert f.wait(WAIT_S)
+    s.launch(ran.append, "later work")
+    assert s.record().wait(WAIT_S)
+    assert ran == ["second", "later work"]
+
+
+def test_new_stream_keys_are_distinct_and_no_stream_uses_them(kit):
+    keys = {new_stream_key() for _ in range(100)}
+    assert len(keys) == 100 and all(isinstance(k, int) for k in keys)
+    s = kit.stream()
+    gate = kit.gate(s)
+    assert s.record().stream_key not in keys
+    gate.open()
+
+
+def test_a_made_up_small_stream_key_never_meets_a_builtin_stream(kit):
+    """A caller's ordered fence with a small key of its own choosing (0, 1,
+    2, ...) was merged with the HostStream that had the same key, and the
+    pool waited only for the newer of the two: a row went back while the
+    caller's transfer still ran. Built-in streams take keys far from them."""
+    from asyncpool import ReqToTokenPool
+
+    class Transfer:
+        def __init__(self, key: int) -> None:
+            self.stream_key, self.seq, self.done = key, 1, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            pass
+
+    streams = [kit.stream() for _ in range(3)]
+    for stream in streams:
+        gate = kit.gate(stream)
+        assert stream.record().stream_key >= 2**16  # not a key anyone makes up
+        gate.open()
+    for key in range(4):
+        pool = ReqToTokenPool(4, 4)
+        rows = pool.alloc(1)
+        assert rows is not None
+        transfer = Transfer(key)
+        pool.record_use(rows, transfer)
+        for stream in streams:
+            gate = kit.gate(stream)
+            fence = stream.record()  # seq > 1 on its stream
+            pool.record_use(rows, fence)
+            gate.open()
+            assert fence.wait(WAIT_S)
+        assert pool.free(rows) == 0  # the transfer still runs
+        assert pool.reclaim() == 0
+        transfer.done = True
+        assert pool.reclaim() == 1

@@ -58,6 +58,7 @@ COUNTERS = {
     "asyncpool_alloc_cancellations",
     "asyncpool_alloc_rejections",
     "asyncpool_fence_errors",
+    "asyncpool_page_fence_errors",
     "asyncpool_row_resets",
 }
 HISTOGRAMS = {

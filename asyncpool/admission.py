@@ -28,6 +28,7 @@ import torch
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, PoolClosedError
 from .fences import Fence, record_fence
+from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, as_index
 from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
@@ -310,11 +311,11 @@ class Admission:
                     # fails, and prepare() then raises (an extended record
                     # goes there at once: it may list a page twice).
                     if not (
-                        pled._free_now_small(arr.tolist())
+                        pled._free_now_small(arr.tolist(), OWNED)
                         if arr.shape[0] <= _TRUSTED_PASS
-                        else not pages.extended[row] and pled.free_owned(arr)
+                        else not pages.extended[row] and pled.free_owned(arr, OWNED)
                     ):
-                        ids, fresh = pled.prepare(arr)
+                        ids, fresh = pled.prepare(arr, "freed", OWNED)
                         pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
                     pages.sealed[row] = None

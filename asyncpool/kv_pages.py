@@ -72,6 +72,7 @@ from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, record_fence
 from .ledger import (
+    _CHECKING,
     ALLOCATED,
     FREE,
     PENDING,
@@ -84,7 +85,7 @@ from .ledger import (
 )
 from .stats import LatencySummary
 
-__all__ = ["KVPagePool", "KVPageStats", "PageLedger"]
+__all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,15 @@ def _state_0d(state: int) -> npt.NDArray[np.uint8]:
     return value
 
 
+#: A page a row of the served AsyncReqToTokenPool owns (taken by ``admit``
+#: or ``extend``): allocated, but only that row's ``free`` (or
+#: ``detach_pages``, which makes it ALLOCATED) may give it back;
+#: ``KVPagePool.free`` refuses it, as it would skip the row's fences.
+OWNED = 7
+PAGE_STATE_NAMES = (*STATE_NAMES, "owned by a row")
+
 _ALLOCATED_0D = _state_0d(ALLOCATED)
+_OWNED_0D = _state_0d(OWNED)
 _FREE_0D = _state_0d(FREE)
 _TOP_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64's eight
 
@@ -183,6 +192,7 @@ class PageLedger(Deferrals[PageArray]):
         self.peak_allocated = 0
         # Scratch for vectorised checks.
         self._all_allocated = bytes([ALLOCATED]) * capacity
+        self._all_owned = bytes([OWNED]) * capacity
         self._zero_bytes = bytes(capacity)
         self._mark = np.zeros(num_pages, dtype=np.int32)
         self._iota = np.arange(capacity, dtype=np.int32)
@@ -206,7 +216,7 @@ class PageLedger(Deferrals[PageArray]):
 
     def state_of(self, page: int) -> str:
         """The state of ``page`` by name (for messages and tests)."""
-        return STATE_NAMES[self._state_bytes[page]]
+        return PAGE_STATE_NAMES[self._state_bytes[page]]
 
     def states(self) -> npt.NDArray[np.uint8]:
         """Every page's state, one byte per page (a read-only copy)."""
@@ -238,12 +248,13 @@ class PageLedger(Deferrals[PageArray]):
             )
         return n
 
-    def take(self, n: int) -> PageArray | None:
+    def take(self, n: int, mark: int = ALLOCATED) -> PageArray | None:
         """Hand out the ``n`` oldest-freed pages as a fresh int64 array (never
         a view of the ring), or None when fewer are free.
 
         ``n`` must already be validated (an int in ``1..capacity``). Does not
-        reclaim: the caller decides when to.
+        reclaim: the caller decides when to. ``mark``: the state they take,
+        ALLOCATED, or OWNED for a row's pages.
         """
         free_count = self.free_count
         if n > free_count:
@@ -262,13 +273,13 @@ class PageLedger(Deferrals[PageArray]):
             out = np.concatenate((ring[head:], ring[: end - capacity]))
             self._head = end - capacity
         if n == 1:
-            self._state_bytes[self._ring_ids[head]] = ALLOCATED
+            self._state_bytes[self._ring_ids[head]] = mark
         elif n <= _TINY_MARK:
             state = self._state_bytes
             for page in out.tolist():
-                state[page] = ALLOCATED
+                state[page] = mark
         else:
-            self._state[out] = _ALLOCATED_0D
+            self._state[out] = _OWNED_0D if mark == OWNED else _ALLOCATED_0D
         self.free_count = free_count = free_count - n
         self._taken += n
         allocated = capacity - free_count - self.pending - self.quarantined
@@ -276,7 +287,7 @@ class PageLedger(Deferrals[PageArray]):
             self.peak_allocated = allocated
         return out
 
-    def put_back(self, pages: object) -> None:
+    def put_back(self, pages: object, expect: int = ALLOCATED) -> None:
         """Return pages handed out by :meth:`take` but never given to anyone.
 
         They go back to the head of the free ring in the order given, ahead
@@ -285,7 +296,7 @@ class PageLedger(Deferrals[PageArray]):
         :meth:`free` does, changing nothing, unless they are distinct
         allocated pages.
         """
-        ids, _ = self.prepare(pages, "put back")
+        ids, _ = self.prepare(pages, "put back", expect)
         n = len(ids)
         if not n:
             return
@@ -327,7 +338,9 @@ class PageLedger(Deferrals[PageArray]):
         ids, owned = self.prepare(pages)
         return self.free_prepared(ids, owned, fences)
 
-    def prepare(self, pages: object, what: str = "freed") -> tuple[PageIds, bool]:
+    def prepare(
+        self, pages: object, what: str = "freed", expect: int = ALLOCATED
+    ) -> tuple[PageIds, bool]:
         """Validate pages about to be freed; return ``(ids, owned)``.
 
         ``pages`` is a 1-D integer tensor or numpy array, a list, tuple or
@@ -338,7 +351,8 @@ class PageLedger(Deferrals[PageArray]):
         caller's memory). Raises :class:`InvalidSlotError` for page 0, ids
         out of range, non-integer ids or dtypes, duplicates and pages not
         allocated, :class:`DoubleFreeError` for pages already free or
-        pending. Changes nothing.
+        pending. ``expect``: the state they must be in (OWNED for a row's
+        own pages). Changes nothing.
         """
         cls = pages.__class__
         if cls is torch.Tensor:
@@ -349,34 +363,34 @@ class PageLedger(Deferrals[PageArray]):
                     small = pages.tolist()
                 except NotImplementedError:  # meta: _tensor_array refuses it
                     small = None
-                if small is not None and self._small_ok(small):
+                if small is not None and self._small_ok(small, expect):
                     return small, True
             try:
                 arr = pages.numpy()  # zero-copy on the CPU
             except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
-                return self._checked(*self._tensor_array(pages), what)
+                return self._checked(*self._tensor_array(pages), what, expect)
             if arr.dtype is _I64 and arr.strides == (8,):  # 1-D, contiguous int64: as is
-                return self._checked(arr, False, what)
-            return self._checked(*self._numpy_array(arr, owned=False), what)
+                return self._checked(arr, False, what, expect)
+            return self._checked(*self._numpy_array(arr, owned=False), what, expect)
         if cls is np.ndarray:
             assert isinstance(pages, np.ndarray)
-            return self._checked(*self._numpy_array(pages, owned=False), what)
+            return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if cls is list or cls is tuple:
             assert isinstance(pages, (list, tuple))
-            if len(pages) <= _TINY and self._small_ok(pages):
+            if len(pages) <= _TINY and self._small_ok(pages, expect):
                 return list(pages), True
-            return self._checked(self._list_array(pages, what), True, what)
+            return self._checked(self._list_array(pages, what), True, what, expect)
         if cls is int:
             assert isinstance(pages, int)
-            return self._checked(self._list_array([pages], what), True, what)
+            return self._checked(self._list_array([pages], what), True, what, expect)
         if isinstance(pages, torch.Tensor):  # a subclass
-            return self._checked(*self._tensor_array(pages), what)
+            return self._checked(*self._tensor_array(pages), what, expect)
         if isinstance(pages, np.ndarray):
-            return self._checked(*self._numpy_array(pages, owned=False), what)
+            return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if isinstance(pages, (np.integer, int)) and not isinstance(pages, bool):
-            return self._checked(self._list_array([pages], what), True, what)
+            return self._checked(self._list_array([pages], what), True, what, expect)
         if isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, dict)):
-            return self._checked(self._list_array(list(pages), what), True, what)
+            return self._checked(self._list_array(list(pages), what), True, what, expect)
         raise InvalidSlotError(
             "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
             f"got {type(pages).__name__}"
@@ -434,7 +448,7 @@ class PageLedger(Deferrals[PageArray]):
             self._state[ids] = _FREE_0D
         self.free_count += n
 
-    def free_owned(self, arr: PageArray) -> bool:
+    def free_owned(self, arr: PageArray, expect: int = ALLOCATED) -> bool:
         """Free pages an owner took and kept unchanged (no fence); True if done.
 
         For an owner's own record, as :meth:`take` made it and verified
@@ -445,12 +459,13 @@ class PageLedger(Deferrals[PageArray]):
         returns False, having changed nothing, if the check fails, so that
         the caller's checked path (:meth:`prepare`) raises the error for it.
         """
-        if not self._all_allocated.startswith(self._state[arr].tobytes()):
+        every = self._all_owned if expect == OWNED else self._all_allocated
+        if not every.startswith(self._state[arr].tobytes()):
             return False
         self._push(arr)
         return True
 
-    def _free_now_small(self, ids: list[Any]) -> bool:
+    def _free_now_small(self, ids: list[Any], expect: int = ALLOCATED) -> bool:
         """Free a few pages at once (no fence) in one pass; True if done.
 
         ``ids`` is what ``tolist()`` of an int64 tensor gave: Python ints,
@@ -465,7 +480,7 @@ class PageLedger(Deferrals[PageArray]):
         done = 0
         try:
             for page in ids:
-                if page <= 0 or state[page] != ALLOCATED:  # IndexError past the end
+                if page <= 0 or state[page] != expect:  # IndexError past the end
                     break
                 state[page] = FREE
                 done += 1
@@ -474,7 +489,7 @@ class PageLedger(Deferrals[PageArray]):
         n = len(ids)
         if done != n:
             for page in ids[:done]:
-                state[page] = ALLOCATED
+                state[page] = expect
             return False
         capacity = self.capacity
         tail = self._head + self.free_count
@@ -496,12 +511,12 @@ class PageLedger(Deferrals[PageArray]):
 
     # ------------------------------------------------------------------ checks
 
-    def _small_ok(self, ids: Sequence[Any]) -> bool:
-        """True if a few ids are distinct allocated pages (Python ints)."""
+    def _small_ok(self, ids: Sequence[Any], expect: int = ALLOCATED) -> bool:
+        """True if a few ids are distinct pages in state ``expect`` (Python ints)."""
         state = self._state_bytes
         num_pages = self.num_pages
         for page in ids:
-            if page.__class__ is not int or not 0 < page < num_pages or state[page] != ALLOCATED:
+            if page.__class__ is not int or not 0 < page < num_pages or state[page] != expect:
                 return False
         n = len(ids)
         return n < 2 or len(set(ids)) == n
@@ -548,9 +563,11 @@ class PageLedger(Deferrals[PageArray]):
             ids = list(seq)
             raise (self._page_error(ids, what) if what else self._range_error(ids)) from None
 
-    def _checked(self, arr: PageArray, owned: bool, what: str) -> tuple[PageArray, bool]:
+    def _checked(
+        self, arr: PageArray, owned: bool, what: str, expect: int = ALLOCATED
+    ) -> tuple[PageArray, bool]:
         """Vectorised check that ``arr`` (int64, 1-D, contiguous) holds distinct
-        allocated pages; raise the error for the first bad id otherwise."""
+        pages in state ``expect``; raise the error for the first bad id otherwise."""
         n = arr.shape[0]
         if not n:
             return arr, owned
@@ -564,16 +581,19 @@ class PageLedger(Deferrals[PageArray]):
             except IndexError:
                 ok = False
             else:
-                ok = self._all_allocated.startswith(states.tobytes())  # page 0 is RESERVED
+                every = self._all_owned if expect == OWNED else self._all_allocated
+                ok = every.startswith(states.tobytes())  # page 0 is RESERVED
         if ok and n > 1:
             mark = self._mark
             mark[arr] = self._iota[:n]
             ok = self._iota_bytes.startswith(mark[arr].tobytes())
         if not ok:
-            raise self._page_error(arr.tolist(), what)
+            raise self._page_error(arr.tolist(), what, expect)
         return arr, owned
 
-    def _page_error(self, ids: list[int], what: str) -> InvalidSlotError:
+    def _page_error(
+        self, ids: list[int], what: str, expect: int = ALLOCATED
+    ) -> InvalidSlotError:
         """The error for the first bad id of a call (in the call's order)."""
         seen: set[int] = set()
         for page in ids:
@@ -587,8 +607,20 @@ class PageLedger(Deferrals[PageArray]):
                 return InvalidSlotError(f"page {page} appears more than once in one call")
             seen.add(page)
             state = self._state_bytes[page]
-            if state == ALLOCATED:
+            if state == expect:
                 continue
+            if state == OWNED:
+                return InvalidSlotError(
+                    f"page {page} is owned by a row of the AsyncReqToTokenPool this "
+                    f"KVPagePool serves and cannot be {what} here (it would skip the "
+                    "row's fences): free the row, which frees its pages behind them, "
+                    "or take them with detach_pages(row) first"
+                )
+            if state == ALLOCATED and expect == OWNED:
+                return InvalidSlotError(
+                    f"page {page} is not owned by a row (handed out by KVPagePool.alloc "
+                    f"or detached) and cannot be {what} with one"
+                )
             if state == FREE and page > self._taken:
                 return InvalidSlotError(f"page {page} was never allocated and cannot be {what}")
             if state in (FREE, PENDING):
@@ -637,6 +669,16 @@ class PageLedger(Deferrals[PageArray]):
                 return InvalidSlotError(f"page {page} is out of range 1..{self.num_pages - 1}")
         raise AssertionError(f"no bad page among {ids}")  # pragma: no cover
 
+    def disown(self, pages: PageArray) -> None:
+        """Make a row's OWNED pages ALLOCATED: ``detach_pages`` handed them to
+        the caller, who frees them with :meth:`KVPagePool.free`."""
+        if pages.shape[0] <= _TINY_MARK:
+            state = self._state_bytes
+            for page in pages.tolist():
+                state[page] = ALLOCATED
+        else:
+            self._state[pages] = _ALLOCATED_0D
+
     # ------------------------------------------------------------------ deferral hooks
 
     def _release_items(self, items: list[PageArray]) -> None:
@@ -671,8 +713,9 @@ class PageLedger(Deferrals[PageArray]):
         capacity = self.capacity
         if state[0] != RESERVED:
             fail("page 0 is not reserved")
-        counts = np.bincount(state[1:], minlength=len(STATE_NAMES))
-        if counts[RESERVED] or counts[len(STATE_NAMES) - 1] or len(counts) > len(STATE_NAMES):
+        counts = np.bincount(state[1:], minlength=len(PAGE_STATE_NAMES))
+        impossible = counts[RESERVED] or counts[len(STATE_NAMES) - 1] or counts[_CHECKING]
+        if impossible or len(counts) > len(PAGE_STATE_NAMES):
             fail(f"pages in impossible states: {counts.tolist()}")
         if not 0 <= self._head < capacity or not 0 <= self.free_count <= capacity:
             fail(f"ring head {self._head} / free count {self.free_count} out of range")
@@ -692,9 +735,9 @@ class PageLedger(Deferrals[PageArray]):
             fail(f"pending batches ({len(pending)}) != PENDING pages ({counts[PENDING]})")
         if self.quarantined != counts[QUARANTINED]:
             fail(f"quarantined count {self.quarantined} != {counts[QUARANTINED]}")
-        if self.allocated != counts[ALLOCATED]:
-            fail(f"allocated count {self.allocated} != {counts[ALLOCATED]}")
-        if int(counts[:4].sum()) != capacity:
+        if self.allocated != counts[ALLOCATED] + counts[OWNED]:
+            fail(f"allocated count {self.allocated} != {counts[ALLOCATED] + counts[OWNED]}")
+        if int(counts[:4].sum()) + int(counts[OWNED]) != capacity:
             fail("states do not add up to capacity")
         if self._taken < capacity and (state[self._taken + 1 :] != FREE).any():
             fail("a page never handed out is not free")

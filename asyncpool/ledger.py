@@ -379,6 +379,26 @@ class SlotLedger(Deferrals[int]):
             else:
                 uses[row] = _merge_uses(prev, fence)
 
+    def forget_use(self, fence: Fence) -> int:
+        """Drop ``fence`` from the uses recorded on allocated rows; return how
+        many rows it touched. For ``force_release``: a fence treated as
+        completed must not hold a row freed later. O(size)."""
+        uses = self._uses
+        state = self._state
+        touched = 0
+        for row, use in enumerate(uses):
+            if use is None:
+                continue
+            if use is fence:
+                uses[row] = None
+                state[row] = ALLOCATED
+                touched += 1
+            elif use.__class__ is tuple and any(f is fence for f in use):
+                rest = tuple(f for f in use if f is not fence)
+                uses[row] = rest if len(rest) > 1 else rest[0]
+                touched += 1
+        return touched
+
     # ------------------------------------------------------------------ free
 
     def free(self, rows: Rows, fence: Fence | None = None) -> int:

@@ -768,9 +768,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         fence (a transfer whose peer died) will never write again: memory
         waiting on ``fence`` is treated as if it had completed (released, or
         still waiting for its other fences), logged at WARNING, and the
-        waiters are served. Never asks ``fence`` anything. Returns ``(rows,
-        pages)`` made free; ``(0, 0)`` for a fence that holds nothing.
-        Raises ``TypeError`` for a non-fence.
+        waiters are served. Never asks ``fence`` anything, and stops
+        watching it. Rows still allocated with a use recorded on ``fence``
+        forget that use: freed later, they do not wait for it. Returns
+        ``(rows, pages)`` made free; ``(0, 0)`` for a fence that holds
+        nothing. Raises ``TypeError`` for a non-fence.
         """
         self._check_thread()
         led = self._ledger
@@ -778,8 +780,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         rows = led.force_release(fence)
         pled = self._pages.ledger if self._pages is not None else None
         pages = pled.force_release(fence) if pled is not None else 0
+        led.forget_use(fence)  # rows (and their pages) freed later skip it too
         if self._overdue is not None:
             self._overdue.forget(fence)
+        if self._watcher is not None:
+            self._watcher.unwatch(fence)  # nothing waits on it: stop asking
         logger.warning(
             "force_release(%r): %s and %s returned to circulation without the fence "
             "completing",

@@ -26,7 +26,7 @@ import torch
 
 from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
-from .kv_pages import KVPagePool, PageLedger
+from .kv_pages import OWNED, KVPagePool, PageLedger
 from .stats import Histogram
 
 __all__ = ["Grant", "RowPages", "check_page_count"]
@@ -80,8 +80,9 @@ class RowPages:
     """The pages each allocated row owns, over one :class:`KVPagePool`.
 
     ``owned[row]`` is the row's page ids as a private int64 array, or None.
-    Every page held here is ALLOCATED in the page ledger and owned by
-    exactly one row (:meth:`check_invariants`).
+    Every page held here is OWNED in the page ledger (``KVPagePool.free``
+    refuses it: only the row's free or :meth:`detach` gives it back) and
+    owned by exactly one row (:meth:`check_invariants`).
 
     ``sealed[row]`` is the bytes of ``owned[row]`` as this class made it
     (None: no pages). The caller sees the record through a zero-copy tensor
@@ -130,7 +131,7 @@ class RowPages:
         """
         if not k:
             return _EMPTY
-        return self.ledger.take(k)
+        return self.ledger.take(k, OWNED)
 
     def grant(self, row: int, pages: npt.NDArray[np.int64]) -> Grant:
         """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
@@ -150,16 +151,16 @@ class RowPages:
         self.sealed[row] = None
         self.extended[row] = 0
         if pages is not None:
-            self.ledger.put_back(pages)
+            self.ledger.put_back(pages, OWNED)
 
     def extend(self, row: int, k: int) -> torch.Tensor | None:
         """Add ``k`` free pages to ``row`` (reclaiming first if short), or None."""
         led = self.ledger
-        arr = led.take(k)
+        arr = led.take(k, OWNED)
         if arr is None:
             if not (led.pending and led.reclaim()):
                 return None
-            arr = led.take(k)
+            arr = led.take(k, OWNED)
             if arr is None:
                 return None
         old = self.owned[row]
@@ -187,6 +188,10 @@ class RowPages:
         extended, self.extended[row] = self.extended[row], 0
         if pages is None:
             return self.out(_EMPTY)
+        # The row's pages (the seal: a record written into may list others)
+        # are the caller's now, and KVPagePool.free takes them.
+        assert sealed is not None
+        self.ledger.disown(np.frombuffer(sealed, dtype=np.int64))
         if (
             self._on_host
             and pages.shape[0] > 1
@@ -243,9 +248,9 @@ class RowPages:
         prepare = self.ledger.prepare
         for use, group_rows, parts in groups.values():
             if len(parts) == 1:
-                ids, fresh = prepare(parts[0])
+                ids, fresh = prepare(parts[0], "freed", OWNED)
             else:
-                ids, fresh = prepare(np.concatenate(parts))
+                ids, fresh = prepare(np.concatenate(parts), "freed", OWNED)
             if use is None:
                 fences: tuple[Fence, ...] = ()
             elif use.__class__ is tuple:
@@ -255,7 +260,7 @@ class RowPages:
             prepared.append((group_rows, ids, fresh, fences))
         if len(groups) > 1:
             everything = np.concatenate([part for _, _, parts in groups.values() for part in parts])
-            self.ledger.prepare(everything)  # raises for a page listed twice
+            self.ledger.prepare(everything, "freed", OWNED)  # raises for a page listed twice
         return prepared
 
     def free(
@@ -299,6 +304,6 @@ class RowPages:
         if len(set(seen)) != len(seen):
             raise AssertionError("a page is owned by two rows")
         for page in seen:
-            if self.ledger.state_of(page) != "allocated":
+            if self.ledger.state_of(page) != "owned by a row":
                 state = self.ledger.state_of(page)
                 raise AssertionError(f"page {page} is owned by a row but is {state}")

@@ -237,7 +237,9 @@ class FenceWatcher:
                 stream.busy = True
             try:
                 fence.synchronize()
-            except Exception as exc:  # the pool's reclaim quarantines its rows
+            except BaseException as exc:  # the pool's reclaim quarantines its rows
+                # BaseException too: a CancelledError or SystemExit from a
+                # fence must not end the thread that watches every other.
                 logger.debug("watched fence %r faulted: %r", fence, exc)
             with lock:
                 stream.busy = False
@@ -270,7 +272,9 @@ class FenceWatcher:
                 try:
                     if is_done(fence.query()):
                         done.append(fence)
-                except Exception as exc:  # faulted: the pool's reclaim quarantines
+                except BaseException as exc:  # faulted: the pool's reclaim quarantines
+                    # BaseException too (see _wait_stream): the poller serves
+                    # every fence of unknown origin and must not end.
                     logger.debug("watched fence %r faulted: %r", fence, exc)
                     done.append(fence)
             cost = _perf_counter() - t0

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import WAIT_S, EventFence, Streams, pool_snapshot, spin
+from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot, spin
 
 from asyncpool import AsyncReqToTokenPool, CapacityError, FenceError, PoolClosedError
 from asyncpool import fences as fences_mod
@@ -384,3 +384,76 @@ async def test_cuda_a_busy_stream_does_not_delay_another_streams_wake_up() -> No
     finally:
         await pool.close()
         x.synchronize()
+
+
+class _CancellingFence:
+    """A fence of unknown origin whose query() raises CancelledError while
+    ``bad`` is set (and says so through ``asked``)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.bad = False
+        self.asked = threading.Event()
+
+    def query(self) -> bool:
+        if self.bad:
+            self.asked.set()
+            raise asyncio.CancelledError
+        return self.done
+
+    def synchronize(self) -> None:
+        pass
+
+
+async def test_a_fence_raising_cancelled_error_does_not_end_the_poller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poller caught Exception only: a query() raising CancelledError
+    ended the thread, and no fence of unknown origin woke anyone again."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, _context: None)  # the reclaim's raise
+    pool = AsyncReqToTokenPool(2, 4)
+    bad = _CancellingFence()
+    pool.free(await pool.alloc(1), bad)
+    bad.bad = True
+    assert await asyncio.to_thread(bad.asked.wait, WAIT_S)
+    bad.bad = False
+    pool.force_release(bad)
+    good = _CancellingFence()
+    pool.free(await pool.alloc(1), good)
+    waiter = asyncio.ensure_future(pool.alloc(1))
+    await spin()
+    assert not waiter.done()
+    good.done = True  # only the poller can notice
+    async with bounded():
+        assert await waiter == [1]
+    await pool.close()
+
+
+class _CancellingEvent(_StandInEvent):
+    def synchronize(self) -> None:
+        self.entered.set()
+        raise asyncio.CancelledError
+
+
+def test_a_cuda_fence_raising_cancelled_error_does_not_end_its_stream_thread(
+    kit: Streams,
+) -> None:
+    """The stream thread caught Exception only: a synchronize() raising
+    CancelledError ended it, and later fences of the stream were never
+    reported."""
+    fired = threading.Semaphore(0)
+    watcher = watcher_mod.FenceWatcher(fired.release)
+    try:
+        stream = StandInCudaStream(kit)
+        gate = kit.event_fence().event
+        bad = CudaFence(_CancellingEvent(gate), _FAKE_DEVICE, stream.key, 1)  # type: ignore[arg-type]
+        watcher.watch(bad)
+        assert fired.acquire(timeout=WAIT_S)  # reported: the pool asks it and quarantines
+        good, good_gate = stream.record()
+        watcher.watch(good)
+        good_gate.set()
+        assert fired.acquire(timeout=WAIT_S)
+    finally:
+        watcher.stop()

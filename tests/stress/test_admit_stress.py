@@ -123,8 +123,12 @@ class Shadow(ShadowBase):
         for r, tok in self.row_owner.items():
             if led.state_of(r) != "allocated":
                 self.fail(f"row {r} held by {tok} but the pool says {led.state_of(r)}")
+        row_pages = {p for r in self.row_owner for p in self.pool.pages_of(r).tolist()}
         for p, tok in self.page_owner.items():
-            if pled.state_of(p) != "allocated":
+            # A row's pages are OWNED (kv.free refuses them); detached ones
+            # are ALLOCATED, the caller's to free.
+            want = "owned by a row" if p in row_pages else "allocated"
+            if pled.state_of(p) != want:
                 self.fail(f"page {p} held by {tok} but the ledger says {pled.state_of(p)}")
         # (More may be allocated: granted waiters that have not resumed yet.)
         if len(self.page_owner) > st.pages_allocated:

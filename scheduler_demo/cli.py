@@ -344,10 +344,20 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
     if cfg.admission != "atomic" or cfg.gate:
         print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
         return 2
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
     try:
         res = run_tp(cfg, args.tp, args.tp_reclaim)
     except TPMismatchError as exc:
         print(f"scheduler_demo: {exc}", file=sys.stderr)
+        return 1
+    except TimeoutError as exc:
+        print(f"scheduler_demo: {exc}", file=sys.stderr)
+        return 1
+    except (ProcessRaisedException, ProcessExitedException) as exc:
+        lines = str(exc).strip().splitlines()
+        print(f"scheduler_demo: a tensor-parallel rank failed: {lines[-1] if lines else exc}",
+              file=sys.stderr)
         return 1
     print(format_summary(res))
     report = res["ranks"][0]["report"]
@@ -357,6 +367,11 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
                       indent=1, default=str)
     if args.plot:
         print("scheduler_demo: --plot is not drawn with --tp", file=sys.stderr)
-    ok = res["mismatches"] == 0 and report.get("corruptions", 1) == 0 and report.get(
-        "kv_corruptions", 1) == 0
+    # Every rank's corruptions count, not rank 0's only; --unsafe exits 1 as
+    # without --tp.
+    clean = all(
+        r["report"].get("corruptions", 1) == 0 and r["report"].get("kv_corruptions", 1) == 0
+        for r in res["ranks"]
+    )
+    ok = res["mismatches"] == 0 and clean and not cfg.unsafe
     return 0 if ok else 1

@@ -212,6 +212,8 @@ class TPScheduler(Scheduler):
                 (step.step_id, step.rows, [(r.spec.rid, end) for r, _, end in step.entries])
             ).encode()
         )
+        # The token slots the step writes: which KV pages each rank uses.
+        self._hash.update(step.slots.tobytes())
 
     async def _process(self, step: Any) -> None:
         await super()._process(step)
@@ -309,8 +311,10 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
 
     ``reclaim="auto"`` is the control: the same replicas with pools that
     reclaim by local fence timing, which diverge. Raises
-    :class:`TPMismatchError` when the ranks diverged, and whatever a rank
-    raised otherwise.
+    :class:`TPMismatchError` when the ranks diverged, ``TimeoutError`` (the
+    ranks killed) past ``cfg.timeout_s``, and whatever a rank raised
+    otherwise. The timeout is kept here, not in each rank: a rank blocked in
+    a collective cannot time itself out.
     """
     from torch.multiprocessing.spawn import ProcessRaisedException, spawn
 
@@ -320,8 +324,16 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
         raise ValueError(f'reclaim must be "explicit" or "auto", got {reclaim!r}')
     with tempfile.TemporaryDirectory() as tmp:
         args = (world, os.path.join(tmp, "init"), tmp, dataclasses.asdict(cfg), reclaim)
+        context = spawn(_rank_main, args=args, nprocs=world, join=False)  # type: ignore[no-untyped-call]
+        deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
         try:
-            spawn(_rank_main, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
+            while not context.join(None if deadline is None else 0.05):
+                if deadline is not None and time.monotonic() >= deadline:
+                    for process in context.processes:
+                        process.kill()
+                    for process in context.processes:
+                        process.join()
+                    raise TimeoutError(f"gave up after --timeout {cfg.timeout_s} s")
         except ProcessRaisedException as exc:
             text = str(exc)
             marker = "TPMismatchError: "

@@ -41,3 +41,69 @@ def test_auto_pools_diverge_and_the_check_says_so() -> None:
     cfg = DemoConfig(num_requests=100, progress=False, timeout_s=120.0)
     with pytest.raises(TPMismatchError, match="ranks diverged"):
         run_tp(cfg, 2, reclaim="auto")
+
+
+def _rank_with_reversed_pages(rank: int, *args: object) -> None:
+    """A rank 1 that lays out each request's pages in reverse: its batches
+    name the same rows and lengths, but other KV slots."""
+    from scheduler_demo import tp as tpm
+
+    add_pages = tpm.TPScheduler._add_pages
+
+    def reversed_pages(self: object, req: object, pages: object) -> None:
+        if getattr(self, "rank", 0) == 1 and pages.numel() > 1:  # type: ignore[attr-defined]
+            pages = pages.flip(0)  # type: ignore[attr-defined]
+        add_pages(self, req, pages)  # type: ignore[arg-type]
+
+    tpm.TPScheduler._add_pages = reversed_pages  # type: ignore[method-assign,assignment]
+    tpm._rank_main(rank, *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_the_batch_check_sees_the_kv_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch hash named rows and lengths only: ranks writing different
+    KV pages passed with 0 mismatches."""
+    from scheduler_demo import tp as tpm
+
+    monkeypatch.setattr(tpm, "_rank_main", _rank_with_reversed_pages)
+    cfg = DemoConfig(num_requests=40, progress=False, timeout_s=120.0)
+    with pytest.raises(TPMismatchError, match="batch hashes"):
+        run_tp(cfg, 2)
+
+
+@pytest.mark.timeout(120)
+def test_timeout_is_kept_over_all_ranks() -> None:
+    """Each rank blocks its loop in collectives, so a rank cannot time itself
+    out: --timeout under --tp waited for gloo's own 120 s."""
+    import time
+
+    cfg = DemoConfig(num_requests=100_000, progress=False, timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"--timeout 2\.0"):
+        run_tp(cfg, 2)
+    assert time.monotonic() - t0 < 60
+
+
+def _summary(corruptions: list[int]) -> dict[str, object]:
+    return {
+        "world": len(corruptions), "steps": 10, "checks": 20, "mismatches": 0,
+        "agree_ms_per_step": 0.1, "agree_fraction": 0.01, "step_ms": 10.0,
+        "exchange_ms_per_step": 0.2,
+        "ranks": [{"report": {"corruptions": c, "kv_corruptions": 0}} for c in corruptions],
+    }
+
+
+@pytest.mark.parametrize(
+    "corruptions, unsafe, status",
+    [([0, 0], False, 0), ([0, 1], False, 1), ([0, 0], True, 1), ([1, 0], False, 1)],
+)
+def test_the_tp_exit_status_counts_every_rank(
+    monkeypatch: pytest.MonkeyPatch, corruptions: list[int], unsafe: bool, status: int
+) -> None:
+    """It read rank 0's report only, and exited 0 for a clean --unsafe run."""
+    from scheduler_demo import cli
+    from scheduler_demo import tp as tpm
+
+    monkeypatch.setattr(tpm, "run_tp", lambda cfg, world, reclaim: _summary(corruptions))
+    argv = ["--tp", "2", "--no-progress"] + (["--unsafe"] if unsafe else [])
+    assert cli.main(argv) == status

@@ -344,7 +344,7 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
     if cfg.admission != "atomic" or cfg.gate:
         print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
         return 2
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     try:
         res = run_tp(cfg, args.tp, args.tp_reclaim)

@@ -210,6 +210,8 @@ def agree(
     quarantined = 0
     newly = 0
     offset = 0
+    # One warning per fence, naming what it holds in every ledger.
+    overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
     for led, batches in zip(ledgers, views, strict=True):
         k = len(batches)
         before = led.quarantined
@@ -219,15 +221,17 @@ def agree(
         quarantined += led.quarantined - before
         newly += len(new)
         for batch in new:
-            logger.warning(
-                "fence %r is overdue on every rank: %d %s pending longer than %.3g s; "
-                "they stay held (a late write may still land); force_release(fence) on "
-                "every rank only if its writer is known to be dead",
-                batch.fence,
-                batch.n,
-                led.unit,
-                overdue_after,
-            )
+            held = overdue.setdefault(id(batch.fence), (batch.fence, {}))[1]
+            held[led.unit] = held.get(led.unit, 0) + batch.n
+    for fence, held in overdue.values():
+        logger.warning(
+            "fence %r is overdue on every rank: %s pending longer than %.3g s; "
+            "they stay held (a late write may still land); force_release(fence) on "
+            "every rank only if its writer is known to be dead",
+            fence,
+            " and ".join(f"{n} {unit[:-1] if n == 1 else unit}" for unit, n in held.items()),
+            overdue_after,
+        )
     return Agreement(
         released=tuple(released),
         quarantined=quarantined,

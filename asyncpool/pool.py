@@ -94,6 +94,7 @@ from .lifecycle import Lifecycle
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages
 from .stats import Histogram, LatencySummary, PoolStats
+from .tables import ReqToTokenPoolInfo
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
@@ -390,6 +391,21 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         return loop
+
+    def set_req_pool_info(self, req_pool_idx: int, metadata: ReqToTokenPoolInfo) -> None:
+        """Write a row's lengths and token slots (for chunked prefill).
+
+        From the pool's thread only (:class:`WrongThreadError` otherwise): it
+        checks that the row is allocated, which another thread could change.
+        """
+        self._check_thread()
+        super().set_req_pool_info(req_pool_idx, metadata)
+
+    def write(self, indices: Any, values: Any) -> None:
+        """``req_to_token[indices] = values``, as the seed does; from the pool's
+        thread only (:class:`WrongThreadError` otherwise)."""
+        self._check_thread()
+        super().write(indices, values)
 
     # ------------------------------------------------------------ allocation
 

@@ -85,13 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"median {summary['ratios']['overlap_vs_sync_median']:.2f}x"
     )
     print(
-        f"fenced / unsafe  tokens/s: best {summary['ratios']['fenced_vs_unsafe_best']:.3f}, "
-        f"median {summary['ratios']['fenced_vs_unsafe_median']:.3f}"
+        f"fenced / unsafe  tokens/s: best {summary['ratios']['fenced_vs_unsafe_best']:.3f}x, "
+        f"median {summary['ratios']['fenced_vs_unsafe_median']:.3f}x"
     )
     r = summary["ratios"]
     print(
-        f"atomic / row-first tokens/s: best {r['atomic_vs_row_first_best']:.3f}, "
-        f"median {r['atomic_vs_row_first_median']:.3f}; row utilization "
+        f"atomic / row-first tokens/s: best {r['atomic_vs_row_first_best']:.3f}x, "
+        f"median {r['atomic_vs_row_first_median']:.3f}x; row utilization "
         f"{summary['overlap']['row_utilization']:.2f} vs "
         f"{summary['row-first']['row_utilization']:.2f}"
     )

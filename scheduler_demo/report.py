@@ -64,7 +64,8 @@ class Report:
     truth at least once, ``kv_corruptions`` those whose KV pages did (a slot
     they own held another request's value); ``mismatches`` and
     ``kv_mismatches`` count every disagreeing check. ``row_utilization`` is
-    the mean running batch over the mean rows allocated."""
+    the mean of requests running over the mean of rows allocated, both read
+    at the same scheduler iterations."""
 
     mode: str
     unsafe: bool
@@ -147,8 +148,8 @@ class Report:
             ("mean batch size", f"{self.mean_batch_size:.1f}"),
             (
                 "row utilization",
-                f"{self.row_utilization:.2f} (running {self.mean_batch_size:.1f} / "
-                f"rows allocated {self.mean_rows_allocated:.1f})",
+                f"{self.row_utilization:.2f} (requests running / rows allocated, "
+                f"{self.mean_rows_allocated:.1f} rows allocated on average)",
             ),
             (
                 "admission wait p50 / p99",

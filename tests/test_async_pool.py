@@ -809,6 +809,12 @@ async def test_wrong_thread_is_refused_and_changes_nothing():
                 "record_use": lambda: pool.record_use(rows, fs.record()),
                 "reclaim": pool.reclaim,
                 "alloc": lambda: asyncio.run(pool.alloc(1)),
+                # They read the row's state, and wrote the row's lengths
+                # unchecked: a race with the owner's free and re-grant.
+                "set_req_pool_info": lambda: pool.set_req_pool_info(
+                    rows[0], ReqToTokenPoolInfo(0, 0, torch.zeros(0, dtype=torch.int32))
+                ),
+                "write": lambda: pool.write((rows[0], 0), 1),
             }
             for name, call in calls.items():
                 try:
@@ -824,7 +830,7 @@ async def test_wrong_thread_is_refused_and_changes_nothing():
         for name, exc in errors.items():
             assert isinstance(exc, WrongThreadError), (name, exc)
             assert isinstance(exc, RuntimeError)
-        assert len(errors) == 6
+        assert len(errors) == 8
         assert pool_snapshot(pool) == before
         pool.free(rows)  # the owner thread is still served
 

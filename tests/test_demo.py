@@ -200,6 +200,9 @@ async def test_no_aborts_no_transfer_hazard() -> None:
         report = await run_demo(replace(SMALL, mode="sync", unsafe=True, gate=True, abort_rate=0.0))
     assert report.completed == SMALL.num_requests and report.aborts == 0
     assert report.corruptions == 0 and report.kv_corruptions == 0
+    # Both sides from the same samples (per-step batches over per-iteration
+    # rows read above 1 in sync mode).
+    assert 0 < report.row_utilization <= 1.0
 
 
 async def test_report_json_fields_and_plot(tmp_path: Path) -> None:

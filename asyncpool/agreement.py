@@ -19,10 +19,11 @@ What :func:`agree` sends: ONE int64 tensor per call in the common case::
 
     [header, -header, flags of the first WIDTH batches (zero padded)]
 
-``header`` has four numbers per ledger (pending batches, deferral counter,
-pending ids, free ids); MIN of ``header`` and of ``-header`` gives the least
-and the greatest value across ranks, so a rank that made different calls
-(hence holds different batches) is detected *before* any flag is trusted,
+``header`` has five numbers per ledger (pending batches, deferral counter,
+pending ids, free ids, a CRC-32 of the pending ids in deferral order); MIN
+of ``header`` and of ``-header`` gives the least and the greatest value
+across ranks, so a rank that made different calls (hence holds different
+batches) is detected *before* any flag is trusted,
 and every rank raises :class:`AgreementError` at the same call (the reduced
 values are identical everywhere), instead of a collective hanging on
 mismatched sizes. Flags are three per pending batch, in deferral order (the
@@ -47,9 +48,11 @@ scheduler's thread, every rank at the same point, as for any collective.
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 #: Pending batches whose flags ride in the first (always sent) all-reduce.
 WIDTH = 64
-_HEADER = ("pending batches", "deferral counter", "pending ids", "free ids")
+_HEADER = ("pending batches", "deferral counter", "pending ids", "free ids", "pending ids (crc32)")
 
 
 def check_reclaim_mode(reclaim: object) -> bool:
@@ -110,6 +113,20 @@ class Agreement:
 
 def _free_count(led: Deferrals[Any]) -> int:
     return int(getattr(led, "free_count", 0))
+
+
+def _digest(batches: Sequence[Deferred[Any]]) -> int:
+    """A CRC-32 of the pending batches' ids, in deferral order: ranks whose
+    batches are as many but hold different rows or pages disagree."""
+    crc = 0
+    for batch in batches:
+        items = batch.items
+        if items and items[0].__class__ is int:  # row ids
+            crc = zlib.crc32(array.array("q", items).tobytes(), crc)
+        else:  # arrays of page ids
+            for part in items:
+                crc = zlib.crc32(part.tobytes(), crc)
+    return crc
 
 
 def _device_for(group: Any) -> torch.device:
@@ -179,9 +196,11 @@ def agree(
     rank or on none), driven by the same calls. See the module docstring for what
     is sent. Raises :class:`AgreementError` on every rank, changing nothing,
     when the ranks' ledgers disagree (different pending batches, deferral
-    counters, pending or free counts): the ranks did not make the same
-    calls. Errors of the collective itself (a rank gone, a timeout of the
-    group) propagate as torch raises them.
+    counters, pending or free counts, or a CRC-32 of the pending ids: as
+    many batches holding other rows or pages): the ranks did not make the
+    same calls. The order of the free queues is not compared. Errors of the
+    collective itself (a rank gone, a timeout of the group) propagate as
+    torch raises them.
     """
     check_group(group)
     t0 = time.perf_counter()
@@ -191,7 +210,9 @@ def agree(
     header: list[int] = []
     flags: list[int] = []
     for led, batches in zip(ledgers, views, strict=True):
-        header.extend((len(batches), led.deferral_counter, led.pending, _free_count(led)))
+        header.extend(
+            (len(batches), led.deferral_counter, led.pending, _free_count(led), _digest(batches))
+        )
         flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock()))
     total = sum(len(b) for b in views)
     first = flags[: 3 * WIDTH]
@@ -246,7 +267,7 @@ def _disagreement(ledgers: Sequence[Deferrals[Any]], low: list[int], high: list[
     parts = []
     for i, led in enumerate(ledgers):
         for j, name in enumerate(_HEADER):
-            k = 4 * i + j
+            k = len(_HEADER) * i + j
             if low[k] != high[k]:
                 parts.append(f"{led.unit} {name} {low[k]}..{high[k]}")
     return (

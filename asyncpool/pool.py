@@ -760,8 +760,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         its loop; it blocks the loop for the collective
         (:mod:`asyncpool.agreement`). Returns ``(rows, pages)`` made free.
         Raises :class:`AgreementError` on every rank, changing nothing,
-        when the ranks' pools hold different pending batches (they did not
-        make the same calls); ``RuntimeError`` on an ``"auto"`` pool.
+        when the ranks' pools hold different pending batches (in number or
+        in the ids they hold: they did not make the same calls);
+        ``RuntimeError`` on an ``"auto"`` pool.
         """
         self._check_thread()
         led = self._ledger

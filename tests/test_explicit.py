@@ -416,7 +416,8 @@ def test_agreement_error_on_disagreeing_ranks(
     def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
         out = real(values, g, device)
         out[0] = min(out[0], 1)  # this rank: 1 batch
-        out[4] = min(out[4], -2)  # the other: 2 batches (stored negated)
+        n = len(agreement._HEADER)  # one ledger: its header, then the header negated
+        out[n] = min(out[n], -2)  # the other: 2 batches (stored negated)
         return out
 
     monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)

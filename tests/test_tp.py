@@ -57,12 +57,19 @@ def test_auto_mode_diverges(tmp_path: Path, api: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ranks_that_disagree_all_raise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("same_count", [False, True])
+def test_ranks_that_disagree_all_raise(tmp_path: Path, same_count: bool) -> None:
     """Different pending batches on one rank: every rank raises AgreementError
-    at the same call, none hangs in a collective of another size."""
+    at the same call, none hangs in a collective of another size. As many
+    batches but of other rows passed before (counts only were compared), and
+    the ranks then handed out different rows."""
     world = 2
-    mp.spawn(disagree_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    args = (world, str(tmp_path / "init"), str(tmp_path), same_count)
+    mp.spawn(disagree_rank, args=args, nprocs=world)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     for text in outcomes:
         assert text.startswith("AgreementError"), outcomes
-        assert "rows pending batches 1..2" in text
+        if same_count:
+            assert "rows pending ids (crc32)" in text and "pending batches" not in text
+        else:
+            assert "rows pending batches 1..2" in text

@@ -327,9 +327,12 @@ def _loop(rank: int, world: int, c: Config) -> dict[str, Any]:
     }
 
 
-def disagree_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Rank 1 makes one more deferred free than the others; every rank's
-    agree() must raise AgreementError (and none may hang)."""
+def disagree_rank(
+    rank: int, world: int, init_file: str, out_dir: str, same_count: bool = False
+) -> None:
+    """Rank 1 makes one more deferred free than the others (``same_count``:
+    as many, of another row); every rank's agree() must raise AgreementError
+    (and none may hang)."""
     from asyncpool import AgreementError
 
     dist.init_process_group(
@@ -341,11 +344,16 @@ def disagree_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     )
     try:
         rows = ReqToTokenPool(8, 4, reclaim="explicit")
-        got = rows.alloc(2 if rank == 1 else 1)
-        assert got is not None
-        rows.free(got, fence=Transfer(10.0))
-        if rank == 1:
-            rows.free(rows.alloc(1) or [], fence=Transfer(10.0))
+        if same_count:
+            got = rows.alloc(2)
+            assert got is not None
+            rows.free([got[rank % 2]], fence=Transfer(10.0))  # row 1 here, row 2 there
+        else:
+            got = rows.alloc(2 if rank == 1 else 1)
+            assert got is not None
+            rows.free(got, fence=Transfer(10.0))
+            if rank == 1:
+                rows.free(rows.alloc(1) or [], fence=Transfer(10.0))
         try:
             rows.agree(dist.group.WORLD)
             outcome = "agreed"

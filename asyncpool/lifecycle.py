@@ -257,10 +257,10 @@ class Lifecycle:
         """Drain fences and release the ``kv_cache`` memory region.
 
         While released, ``alloc``/``admit`` wait and ``try_alloc``,
-        ``try_admit`` and ``extend`` return None. Raises
-        :class:`PoolBusyError` (and stays serving) if rows, or pages of the
-        ``kv`` pool (detached ones included), are still allocated once
-        fences are drained. Without the memory saver the
+        ``try_admit`` and ``extend`` return None; so they do during the
+        drain. Raises :class:`PoolBusyError` (and stays serving) if rows, or
+        pages of the ``kv`` pool (detached ones included), are allocated:
+        at once, before any drain, and again once fences are drained. Without the memory saver the
         memory step is a no-op and the state machine is the same. A call
         made while another is draining waits for it and shares its outcome
         (it raises :class:`PoolBusyError` if that one did not release).
@@ -280,23 +280,16 @@ class Lifecycle:
             return
         if self._released:
             return
+        # Refused at once when memory is allocated (draining would not free
+        # it), without gating anyone for a drain that cannot succeed; and
+        # once more after the drain.
+        self._refuse_release_if_allocated()
         self._released = self._waiters.gated = True
         self._fast = False
         self._releasing = done = asyncio.get_running_loop().create_future()
         try:
             await self.drain()
-            allocated = self._ledger.allocated
-            if allocated:
-                rows = "1 row is" if allocated == 1 else f"{allocated} rows are"
-                raise PoolBusyError(
-                    f"cannot release memory while {rows} still allocated; free them first"
-                )
-            pages = self._pages.ledger.allocated if self._pages is not None else 0
-            if pages:
-                raise PoolBusyError(
-                    f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
-                    "are still allocated; free them first"
-                )
+            self._refuse_release_if_allocated()
             self._tables.pause()
         except BaseException:
             self._released = False
@@ -307,6 +300,20 @@ class Lifecycle:
             self._releasing = None
             done.set_result(None)
         logger.info("released the kv_cache region of %r", self)
+
+    def _refuse_release_if_allocated(self) -> None:
+        allocated = self._ledger.allocated
+        if allocated:
+            rows = "1 row is" if allocated == 1 else f"{allocated} rows are"
+            raise PoolBusyError(
+                f"cannot release memory while {rows} still allocated; free them first"
+            )
+        pages = self._pages.ledger.allocated if self._pages is not None else 0
+        if pages:
+            raise PoolBusyError(
+                f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
+                "are still allocated; free them first"
+            )
 
     async def resume_memory(self) -> None:
         """Restore the memory region, zero the tables, and wake waiters.

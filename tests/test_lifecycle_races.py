@@ -10,8 +10,7 @@ import asyncio
 import logging
 
 import pytest
-import torch
-from helpers import Gate, bounded, spin
+from helpers import EventFence, Gate, bounded, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -101,32 +100,54 @@ def test_remove_done_callback() -> None:
         stream.close()
 
 
-async def test_resume_while_a_release_drains_is_refused_and_wipes_nothing() -> None:
+async def test_resume_while_a_release_drains_is_refused() -> None:
+    # A resume during the drain zeroed every table (running requests' too,
+    # when a release could still start with rows allocated).
     stream = HostStream()
     gate = Gate(stream)
     pool = make()
     try:
-        live = await pool.admit(pages=2)  # a running request
-        pool.verified_lens[live.row] = 4
-        pool.req_to_token[live.row, :4] = torch.arange(1, 5, dtype=pool.req_to_token.dtype)
         other = await pool.admit(pages=1)
         pool.free([other.row], fence=stream.record())
         release = asyncio.create_task(pool.release_memory())
         await spin()
         with pytest.raises(PoolBusyError, match="still draining"):
             await pool.resume_memory()
-        assert int(pool.verified_lens[live.row]) == 4
-        assert pool.req_to_token[live.row, :4].tolist() == [1, 2, 3, 4]
+        assert not release.done()  # still draining
         gate.open()
-        with pytest.raises(PoolBusyError, match="still allocated"):
-            async with bounded():
-                await release
-        assert not pool.released
-        assert int(pool.verified_lens[live.row]) == 4
-        pool.free([live.row])
+        async with bounded():
+            await release
+        assert pool.released
+        await pool.resume_memory()
     finally:
         gate.open()
         stream.close()
+        await pool.close()
+
+
+async def test_release_with_memory_allocated_is_refused_at_once() -> None:
+    """It drained first, with the pool gated: alloc waited with rows free,
+    and behind a stuck fence the refusal never came."""
+    stuck = EventFence()
+    pool = make()
+    try:
+        live = await pool.admit(pages=2)
+        pool.verified_lens[live.row] = 4
+        other = await pool.admit(pages=1)
+        pool.free([other.row], fence=stuck)  # never completes
+        async with bounded():
+            with pytest.raises(PoolBusyError, match="1 row is still allocated"):
+                await pool.release_memory()
+        assert not pool.released and int(pool.verified_lens[live.row]) == 4
+        async with bounded():
+            got = await pool.admit(pages=1)  # not gated
+        pool.free([got.row, live.row])
+        detached = pool.kv.alloc(2)  # pages only, held by the caller
+        with pytest.raises(PoolBusyError, match="2 KV pages"):
+            await pool.release_memory()
+        pool.kv.free(detached)
+    finally:
+        stuck.set()
         await pool.close()
 
 
@@ -138,9 +159,11 @@ async def test_a_second_release_shares_the_first_ones_outcome(outcome: str) -> N
     try:
         g = await pool.admit(pages=1)
         pool.free([g.row], fence=stream.record())
-        live = await pool.admit(pages=1) if outcome == "refused" else None
         first = asyncio.create_task(pool.release_memory())
         await spin()
+        # Pages taken meanwhile (kv.alloc bypasses the gate): the first
+        # release refuses once drained.
+        live = pool.kv.alloc(1) if outcome == "refused" else None
         second = asyncio.create_task(pool.release_memory())
         await spin()
         assert not second.done()  # it waits for the first
@@ -154,7 +177,7 @@ async def test_a_second_release_shares_the_first_ones_outcome(outcome: str) -> N
             assert [type(r) for r in results] == [PoolBusyError, PoolBusyError]
             assert "did not release" in str(results[1]) and not pool.released
             assert live is not None
-            pool.free([live.row])
+            pool.kv.free(live)
     finally:
         gate.open()
         stream.close()

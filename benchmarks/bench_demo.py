@@ -142,7 +142,7 @@ def bench_demo(cfg: Config, loops: list[str]) -> tuple[list[Row], dict[str, Any]
                          runs, FENCED_VS_UNSAFE, note))
         util = {n: [float(r["row_utilization"]) for r in runs[n]] for n in ("overlap", "row-first")}
         util_note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; row utilization "
-                     f"(mean running batch / mean rows allocated), median: atomic "
+                     f"(requests running / rows allocated, read at the same iterations), median: atomic "
                      f"{median(util['overlap']):.2f}, row-first {median(util['row-first']):.2f}")
         row = _row("demo tokens/s: atomic vs row-first admission (overlap)", loop, "overlap",
                    "row-first", runs, ATOMIC_VS_ROW_FIRST, util_note)

@@ -142,8 +142,9 @@ def bench_demo(cfg: Config, loops: list[str]) -> tuple[list[Row], dict[str, Any]
                          runs, FENCED_VS_UNSAFE, note))
         util = {n: [float(r["row_utilization"]) for r in runs[n]] for n in ("overlap", "row-first")}
         util_note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; row utilization "
-                     f"(requests running / rows allocated, read at the same iterations), median: atomic "
-                     f"{median(util['overlap']):.2f}, row-first {median(util['row-first']):.2f}")
+                     "(requests running / rows allocated, read at the same iterations), "
+                     f"median: atomic {median(util['overlap']):.2f}, "
+                     f"row-first {median(util['row-first']):.2f}")
         row = _row("demo tokens/s: atomic vs row-first admission (overlap)", loop, "overlap",
                    "row-first", runs, ATOMIC_VS_ROW_FIRST, util_note)
         row.samples["row_utilization_atomic"] = util["overlap"]

@@ -304,22 +304,20 @@ class Admission:
                     if arr.tobytes() != pages.sealed[row]:  # check_record, inlined
                         raise pages.written_error(row)  # nothing changed yet
                     pled = pages.ledger
-                    # The row's own record, as sealed (in range): a few
-                    # pages in one checking Python pass; more, made by one
-                    # take (distinct), with a vectorised check that each is
-                    # still ALLOCATED. Either changes nothing if a check
-                    # fails, and prepare() then raises (an extended record
-                    # goes there at once: it may list a page twice).
+                    # The row's own record, as sealed (distinct and in range,
+                    # RowPages docstring): a few pages in one checking Python
+                    # pass; more with a vectorised check that each is still
+                    # OWNED. Either changes nothing if a check fails, and
+                    # prepare() then raises.
                     if not (
                         pled._free_now_small(arr.tolist(), OWNED)
                         if arr.shape[0] <= _TRUSTED_PASS
-                        else not pages.extended[row] and pled.free_owned(arr, OWNED)
+                        else pled.free_owned(arr, OWNED)
                     ):
                         ids, fresh = pled.prepare(arr, "freed", OWNED)
                         pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
                     pages.sealed[row] = None
-                    pages.extended[row] = 0
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:

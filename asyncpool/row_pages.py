@@ -89,14 +89,13 @@ class RowPages:
     and may write into it, against the contract; a record that differs from
     its seal lists pages the pool cannot vouch for (another row's, say), so
     freeing its row raises (:meth:`check_record`) until the caller detaches
-    the pages or restores them. A record as sealed lists in-range ids; made
-    by one take (``extended[row]`` is 0) they are distinct too, so freeing
-    it only checks that each is still ALLOCATED
-    (:meth:`PageLedger.free_owned`) and ``detach`` may vouch for it to the
-    page pool. An extended record may list a page twice (one of the row's
-    pages freed behind its back, straight to the page pool, and taken again
-    by :meth:`extend`), so its free takes the checked path, which pays the
-    distinctness pass once instead of at every extend.
+    the pages or restores them. A record as sealed lists distinct in-range
+    ids, extended or not: :meth:`take` and :meth:`extend` take FREE pages
+    only, and nothing but this class makes an OWNED page anything else (a
+    page freed behind the row's back and taken again by ``extend``, listed
+    twice, was possible before pages were OWNED). So freeing it only checks
+    that each is still OWNED (:meth:`PageLedger.free_owned`), and ``detach``
+    may vouch for it to the page pool.
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -105,7 +104,6 @@ class RowPages:
         self.capacity = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
         self.sealed: list[bytes | None] = [None] * size
-        self.extended = bytearray(size)
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
@@ -149,7 +147,6 @@ class RowPages:
         pages = self.owned[row]
         self.owned[row] = None
         self.sealed[row] = None
-        self.extended[row] = 0
         if pages is not None:
             self.ledger.put_back(pages, OWNED)
 
@@ -166,13 +163,12 @@ class RowPages:
         old = self.owned[row]
         if old is None:
             self.owned[row] = arr
-            self.sealed[row] = arr.tobytes()  # one take: distinct
+            self.sealed[row] = arr.tobytes()
         else:
             # The seal grows from the old seal, not from the record as it
             # reads now: a write into it before this copy is still seen.
             self.owned[row] = np.concatenate((old, arr))
             self.sealed[row] = self.sealed[row] + arr.tobytes()  # type: ignore[operator]
-            self.extended[row] = 1  # not proven distinct (class docstring)
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
@@ -185,7 +181,6 @@ class RowPages:
         pages = self.owned[row]
         self.owned[row] = None
         sealed, self.sealed[row] = self.sealed[row], None
-        extended, self.extended[row] = self.extended[row], 0
         if pages is None:
             return self.out(_EMPTY)
         # The row's pages (the seal: a record written into may list others)
@@ -195,7 +190,6 @@ class RowPages:
         if (
             self._on_host
             and pages.shape[0] > 1
-            and not extended
             and pages.tobytes() == sealed
         ):
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
@@ -275,7 +269,6 @@ class RowPages:
         """
         owned = self.owned
         sealed = self.sealed
-        extended = self.extended
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
@@ -285,7 +278,6 @@ class RowPages:
             for row in group_rows:
                 owned[row] = None
                 sealed[row] = None
-                extended[row] = 0
         return immediate
 
     # ------------------------------------------------------------ proof
@@ -295,7 +287,7 @@ class RowPages:
         seen: list[int] = []
         for row, pages in enumerate(self.owned):
             if pages is None:
-                if self.sealed[row] is not None or self.extended[row]:
+                if self.sealed[row] is not None:
                     raise AssertionError(f"row {row} owns no pages but has a seal")
                 continue
             if row not in allocated:

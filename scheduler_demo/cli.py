@@ -55,6 +55,8 @@ examples:
   python -m scheduler_demo.compare --rounds 3      # overlap, sync, unsafe, row-first
 """
 
+MAX_TP = 64  # ranks, each a process with its own pools
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -315,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available here")
+    if args.tp and not 1 <= args.tp <= MAX_TP:
+        parser.error(f"--tp must be in 1..{MAX_TP} (one process per rank), got {args.tp}")
     if args.tp:
         return _main_tp(args, cfg)
     try:

@@ -9,6 +9,8 @@ from .workload import LengthDist, WorkloadConfig
 
 __all__ = ["ADMISSIONS", "DemoConfig"]
 
+MEMORY_CAP_BYTES = 4 * 2**30  # the demo's big tables, in all
+MAX_REQUESTS = 10_000_000
 MODES = ("overlap", "sync")
 DEVICES = ("cpu", "cuda")
 ADMISSIONS = ("atomic", "row-first")
@@ -112,6 +114,20 @@ class DemoConfig:
             raise ValueError("gate needs device='cpu' (it blocks the HostStream's worker)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+        # The big buffers (req_to_token, its host mirror, the KV stand-in),
+        # checked before any is made: past the cap the demo would swap for
+        # minutes before failing with a raw MemoryError.
+        need = (self.rows + 1) * self.max_context_len * (4 + 8) + (
+            self.kv_pages + 1
+        ) * self.page_size * 8
+        if need > MEMORY_CAP_BYTES:
+            raise ValueError(
+                f"rows x max_context_len and kv_pages x page_size need about "
+                f"{need / 2**30:.1f} GiB of tables; the demo caps them at "
+                f"{MEMORY_CAP_BYTES / 2**30:.0f} GiB"
+            )
+        if self.num_requests > MAX_REQUESTS:
+            raise ValueError(f"num_requests must be <= {MAX_REQUESTS:,}")
         self.workload()  # parses the length distributions
 
     def workload(self) -> WorkloadConfig:

@@ -333,6 +333,19 @@ def test_cli_rejects_bad_knobs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--prompt-len=zipf:2"])
     capsys.readouterr()
+    # Huge tables are refused up front (they swapped for minutes, then died
+    # with a raw MemoryError and the exit status of a corruption), as is a
+    # huge --tp.
+    for huge in (
+        ["--rows=10000000"],
+        ["--max-context-len=100000000", "--kv-pages=100000000"],
+        ["--tp=1000"],
+        ["-n", "100000000"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(huge)
+        assert exc.value.code == 2, huge
+    assert "GiB" in capsys.readouterr().err
 
 
 # -- the workload ------------------------------------------------------------------

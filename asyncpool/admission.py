@@ -270,8 +270,10 @@ class Admission:
         frees them to the :class:`KVPagePool` later, fenced as well (its
         ``free(pages, fence=..., after=...)``; a completion wakes this
         pool's waiters). A later :meth:`free` of ``row`` frees only pages
-        it owns then. Raises :class:`InvalidSlotError` unless ``row`` is
-        allocated.
+        it owns then. The tensor lists the pages the row was granted, even
+        if its record (``grant.pages``, ``pages_of``) was written into since
+        (then a fresh tensor, not that record). Raises
+        :class:`InvalidSlotError` unless ``row`` is allocated.
         """
         self._check_thread()
         row = self._allocated_row(row, "asked for its pages")

@@ -516,6 +516,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "AsyncReqToTokenPool is bound to another event loop that still has "
                 "waiters or pending fences; a pool is loop-affine"
             )
+        if old is not None and old.is_closed() and self._waiters.count:
+            self._drop_stale_waiters()
         self._loop = loop
         self._choose_fast_paths(loop)
         # State tied to the old loop: a wake-up queued there that will never
@@ -532,6 +534,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # The supply side of the waiter queues (asyncpool.waiters): what a need
     # means, how it is taken at hand-over and given back after a cancel.
 
+    def _drop_stale_waiters(self) -> None:
+        dropped = self._waiters.drop_all()
+        logger.warning(
+            "the event loop of %r was closed with %s queued; they are dropped (their "
+            "tasks can never resume) and nothing was granted to them",
+            self,
+            _count(dropped, "waiter"),
+        )
+
     def _take_for_waiter(self, need: Need) -> list[int] | Grant | None:
         """Take what a waiter needs at hand-over, or None if it does not fit.
 
@@ -542,7 +553,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         the waiter's future is resolved: callbacks run in order, so every
         granted task resumes after its rows read zero, and a burst of grants
         costs one tensor op.
+
+        A waiter whose loop was closed under it (a free made on another loop
+        runs this) is dropped with every other, before anything is taken.
         """
+        loop = self._loop
+        if loop is not None and loop.is_closed():
+            self._drop_stale_waiters()
+            return None
         if need.__class__ is not int:
             k: int = need[1]  # type: ignore[index]
             pled = self._pages.ledger  # type: ignore[union-attr]

@@ -183,15 +183,16 @@ class RowPages:
         sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
             return self.out(_EMPTY)
-        # The row's pages (the seal: a record written into may list others)
-        # are the caller's now, and KVPagePool.free takes them.
+        # The row's pages are the caller's now, and KVPagePool.free takes
+        # them. They are the seal's: a record written into may list others
+        # (another holder's page, which kv.free would then take from it),
+        # so the caller gets a fresh copy of the row's own pages instead.
         assert sealed is not None
-        self.ledger.disown(np.frombuffer(sealed, dtype=np.int64))
-        if (
-            self._on_host
-            and pages.shape[0] > 1
-            and pages.tobytes() == sealed
-        ):
+        own = np.frombuffer(sealed, dtype=np.int64)
+        self.ledger.disown(own)
+        if pages.tobytes() != sealed:
+            pages = own.copy()
+        if self._on_host and pages.shape[0] > 1:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
         return self.out(pages)
 
@@ -295,6 +296,11 @@ class RowPages:
             seen.extend(pages.tolist())
         if len(set(seen)) != len(seen):
             raise AssertionError("a page is owned by two rows")
+        owned_pages = int(np.count_nonzero(self.ledger._state == OWNED))
+        if owned_pages != len(seen):
+            raise AssertionError(
+                f"{owned_pages} pages are OWNED but the rows' records list {len(seen)}"
+            )
         for page in seen:
             if self.ledger.state_of(page) != "owned by a row":
                 state = self.ledger.state_of(page)

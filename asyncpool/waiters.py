@@ -297,6 +297,17 @@ class WaiterQueues:
         self._prios.clear()
         self.count = 0
 
+    def drop_all(self) -> int:
+        """Forget every queued waiter without touching its future; return how
+        many. For waiters whose event loop was closed under them: their
+        tasks can never resume, and a future of a closed loop cannot be
+        resolved (its callbacks cannot be scheduled)."""
+        dropped = self.count
+        self._queues.clear()
+        self._prios.clear()
+        self.count = 0
+        return dropped
+
     # ------------------------------------------------------------ views
 
     def needs(self) -> list[Any]:

@@ -207,3 +207,58 @@ def test_overdue_fences_are_logged_on_the_next_loop(
     assert pool.stats().overdue_fences == 1
     transfer.done = True
     assert pool.reclaim() == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("kind", ["alloc", "admit"])
+@pytest.mark.parametrize("then", ["free", "wait, then free"])
+def test_waiters_of_a_closed_loop_are_dropped_not_granted(
+    loop: str, kind: str, then: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter left queued on a loop closed under it: the next free, on
+    another loop, ran the grant loop for it, whose reset (or future) needed
+    the closed loop. The free raised mid-grant, leaving the row (and an
+    admission's pages, taken first) held by nobody."""
+    from asyncpool import KVPagePool
+
+    caplog.set_level(logging.ERROR)  # the abandoned task, destroyed pending
+    factory = LOOPS[loop]
+    kv = KVPagePool(9, 4)
+    pool = AsyncReqToTokenPool(2, 8, kv=kv)  # one row
+
+    abandoned: list[asyncio.Future[Any]] = []
+
+    async def first() -> int:
+        grant = pool.try_admit(pages=2)
+        assert grant is not None
+        waiter = pool.alloc(1) if kind == "alloc" else pool.admit(pages=3)
+        abandoned.append(asyncio.ensure_future(waiter))
+        await asyncio.sleep(0)
+        assert pool.waiting() == 1
+        return grant.row
+
+    closed = factory()
+    row = closed.run_until_complete(first())
+    closed.close()  # the waiting task is abandoned, still queued
+
+    async def second() -> None:
+        if then == "wait, then free":
+            # The new loop's waiter queues behind nobody: binding the pool
+            # to this loop dropped the dead one.
+            live = asyncio.ensure_future(pool.alloc(1))
+            await asyncio.sleep(0)
+            assert pool.waiting() == 1
+            pool.free([row])
+            async with bounded():
+                pool.free(await live)
+            return
+        assert pool.free([row]) == 1  # raised RuntimeError before
+        assert pool.waiting() == 0 and pool.available_size() == 1
+        assert kv.available_size() == 8
+        pool.check_invariants()
+        async with bounded():
+            got = await pool.admit(pages=8)
+        pool.free([got.row])
+
+    run(factory, second())
+    pool.check_invariants()

@@ -105,6 +105,7 @@ logger = logging.getLogger(__name__)
 _get_ident = threading.get_ident
 _perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
+_peek_running_loop = asyncio._get_running_loop  # None outside a loop; never raises
 
 # The unchecked fast paths rely on the GIL's switch points (see the module
 # docstring): closed on a free-threaded build, where every call is checked.
@@ -353,8 +354,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         The previous thread must have stopped calling the pool. Raises
         :class:`PoolBusyError`, changing nothing, while an ``alloc`` waits or
         a row is pending behind a fence (their wake-ups belong to the old
-        loop); free or drain first.
+        loop); free or drain first. Fences that completed are reclaimed
+        first, and waiters of a loop that was closed under them (their tasks
+        can never resume) are dropped, not counted.
         """
+        old = self._loop
+        if old is not None and old.is_closed() and self._waiters.count:
+            self._drop_stale_waiters()  # their tasks can never resume
+        if self._pending_any():
+            self._reclaim_both()  # fences done while no loop could be told
         if self._waiters.count or self._pending_any() or self._unwatched:
             pages = self._pages.ledger.pending if self._pages is not None else 0
             held = _count(self._ledger.pending, "row") + (
@@ -506,22 +514,25 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return loop
 
     def _rebind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Move to ``loop``. Refused while the old loop is open and still runs
+        # or has waiters (their futures are its own). Pending fences move
+        # along: a wake-up reads the pool's loop when it fires.
         old = self._loop
         if (
             old is not None
             and not old.is_closed()
-            and (self._waiters.count or self._pending_any())
+            and (old.is_running() or self._waiters.count)
         ):
             raise WrongThreadError(
-                "AsyncReqToTokenPool is bound to another event loop that still has "
-                "waiters or pending fences; a pool is loop-affine"
+                "AsyncReqToTokenPool is bound to another event loop that is still "
+                "running or has waiters; a pool is loop-affine"
             )
         if old is not None and old.is_closed() and self._waiters.count:
             self._drop_stale_waiters()
         self._loop = loop
         self._choose_fast_paths(loop)
-        # State tied to the old loop: a wake-up queued there that will never
-        # run, and an overdue-fence timer that will never fire.
+        # State tied to the old loop: a wake-up queued there that may never
+        # run, and an overdue-fence timer that may never fire.
         self._wake_scheduled = None
         overdue = self._overdue
         if overdue is not None and overdue.timer is not None:
@@ -529,6 +540,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             overdue.timer = None
             if self._pending_any():
                 self._check_overdue()  # logs what is overdue now, re-arms here
+        if self._pending_any():
+            # Fences that completed while their wake-up went to the old loop
+            # (or to none) would wait for an unrelated call: look now.
+            self._wake_scheduled = loop
+            loop.call_soon(self._on_fences_done, loop)
 
     # ------------------------------------------------------------ grants
     # The supply side of the waiter queues (asyncpool.waiters): what a need
@@ -837,16 +853,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # Called by either ledger in the loop's thread when a fence starts
         # holding rows or pages: arrange to be told when it completes.
         loop = self._loop
-        if loop is None or loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                # No loop (yet): watch it once a waiter binds one.
-                self._unwatched.append(fence)
-                return
-            if loop is None:
+        running = _peek_running_loop()
+        if running is not loop:
+            if running is None:
+                if loop is None or loop.is_closed():
+                    # No loop (yet): watch it once a waiter binds one.
+                    self._unwatched.append(fence)
+                    return
+                # Set-up code between runs of the pool's (open) loop.
+            elif loop is None:
                 self._loop = running
-            else:  # the pool's loop is gone (asyncio.run twice): move here
+            elif loop.is_closed() or not (loop.is_running() or self._waiters.count):
+                # The pool's loop is gone, or stopped with nobody waiting on
+                # it (asyncio.run twice; a warm-up loop left open): move here.
                 self._rebind_loop(running)
         overdue = self._overdue
         if overdue is not None and overdue.timer is None:
@@ -876,13 +895,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             return
         self._wake_scheduled = loop
         try:
-            loop.call_soon_threadsafe(self._on_fences_done)
+            loop.call_soon_threadsafe(self._on_fences_done, loop)
         except RuntimeError:  # the loop is closed: nobody is left to wake
             self._wake_scheduled = None
 
-    def _on_fences_done(self) -> None:
-        if self._wake_scheduled is self._loop:  # not a stale one of a loop left
-            self._wake_scheduled = None
+    def _on_fences_done(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # ``loop``: the loop this wake-up was queued on. One the pool has
+        # left (stopped, then run again after a hand-over) does nothing: the
+        # pool may belong to another thread now, and its own loop is told.
+        if loop is not None and loop is not self._loop:
+            return
+        self._wake_scheduled = None
         self._fast = False  # no unchecked call may interleave with this one
         self._reclaim_both()
         self._waiters.grant()
@@ -912,8 +935,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # A ledger quarantined rows or pages (loop thread, maybe inside the
         # grant loop): a waiter that can no longer ever fit would block its
         # queue forever, so fail those waiters on the next loop iteration.
-        if self._waiters.count and self._loop is not None:
-            self._loop.call_soon(self._shed_unfittable)
+        loop = self._loop
+        if self._waiters.count and loop is not None:
+            if loop.is_closed():  # its waiters can never resume
+                self._drop_stale_waiters()
+            else:
+                loop.call_soon(self._shed_unfittable)
 
     def _shed_unfittable(self) -> None:
         self._waiters.shed(self._unfittable_need)

@@ -291,7 +291,9 @@ class WaiterQueues:
         for queue in self._queues.values():
             for waiter in queue:
                 fut = waiter[1]
-                if not fut.done():
+                # A future of a closed loop cannot be failed (its callbacks
+                # cannot be scheduled) and its task never resumes: skip it.
+                if not fut.done() and not fut.get_loop().is_closed():
                     fut.set_exception(error)
         self._queues.clear()
         self._prios.clear()

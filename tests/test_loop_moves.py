@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import bounded
+from helpers import WAIT_S, bounded
 
 from asyncpool import AsyncReqToTokenPool, HostStream
 
@@ -207,6 +207,7 @@ def test_overdue_fences_are_logged_on_the_next_loop(
     assert pool.stats().overdue_fences == 1
     transfer.done = True
     assert pool.reclaim() == 1
+    run(factory, pool.close())  # stops the watcher thread that polled the transfers
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -262,3 +263,207 @@ def test_waiters_of_a_closed_loop_are_dropped_not_granted(
 
     run(factory, second())
     pool.check_invariants()
+
+
+def _abandon_a_waiter(factory: Callable[[], asyncio.AbstractEventLoop], setup: Any) -> None:
+    """Run ``setup`` (which leaves a waiter queued) on a loop, then close
+    that loop without cancelling the waiter's task."""
+    abandoned: list[asyncio.Future[Any]] = []
+
+    async def body() -> None:
+        abandoned.append(asyncio.ensure_future(setup()))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    loop = factory()
+    loop.run_until_complete(body())
+    loop.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_completion_missed_while_the_loop_was_closed_is_seen_on_the_next(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fence completed while no loop could be told (its wake-up met a
+    closed loop and was dropped); the next loop's alloc queued behind it and
+    waited for an unrelated call. Moving to a loop now looks at once."""
+    caplog.set_level(logging.ERROR)
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(2, 8)  # one row
+    stream = HostStream()
+    gate = threading.Event()
+    try:
+
+        async def setup() -> None:
+            rows = await pool.alloc(1)
+            stream.launch(gate.wait)
+            pool.free(rows, fence=stream.record())
+            await pool.alloc(1)  # queued; abandoned with its loop
+
+        _abandon_a_waiter(factory, setup)
+        gate.set()
+        stream.synchronize()  # completed: its wake-up had no loop to go to
+
+        async def second() -> None:
+            async with bounded():
+                assert await pool.alloc(1) == [1]
+            pool.check_invariants()
+
+        run(factory, second())
+    finally:
+        gate.set()
+        stream.close()
+
+
+class _Dying:
+    def __init__(self) -> None:
+        self.dead = False
+
+    def query(self) -> bool:
+        if self.dead:
+            raise OSError("the transfer's peer died")
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_fault_with_waiters_of_a_closed_loop_keeps_the_ledger_whole(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """_on_fault scheduled its shed on the closed loop: RuntimeError from
+    inside the ledger's reclaim, the batch half settled."""
+    caplog.set_level(logging.CRITICAL)
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(4, 8)
+    dying = _Dying()
+
+    async def setup() -> None:
+        pool.free(await pool.alloc(2), fence=dying)
+        await pool.alloc(3)  # queued; abandoned with its loop
+
+    _abandon_a_waiter(factory, setup)
+    dying.dead = True
+    assert pool.reclaim() == 0  # raised RuntimeError before
+    pool.check_invariants()
+    assert pool.stats().quarantined == 2 and pool.waiting() == 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_close_and_bind_with_waiters_of_a_closed_loop(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() failed the dead waiter's future, whose loop was closed: it
+    raised half-way (marked closed, the watcher left running); bind() from
+    another thread counted the dead waiter and refused."""
+    caplog.set_level(logging.ERROR)
+    factory = LOOPS[loop]
+    for then in ("close", "bind"):
+        pool = AsyncReqToTokenPool(2, 8)
+
+        async def setup(pool: AsyncReqToTokenPool = pool) -> None:
+            await pool.alloc(1)
+            await pool.alloc(1)  # queued; abandoned with its loop
+
+        _abandon_a_waiter(factory, setup)
+        if then == "close":
+            run(factory, pool.close())  # raised RuntimeError before
+            assert pool.closed and pool.waiting() == 0
+        else:
+            errors: list[BaseException] = []
+
+            def other(
+                pool: AsyncReqToTokenPool = pool, errors: list[BaseException] = errors
+            ) -> None:
+                try:
+                    pool.bind()  # refused with PoolBusyError before
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=other, name="new-owner")
+            thread.start()
+            thread.join(WAIT_S)
+            assert not errors, errors
+            assert pool.waiting() == 0
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_warm_up_loop_left_open_does_not_keep_the_pool(loop: str) -> None:
+    """Warmed up on loop A (left open, nobody waiting), served on loop B: a
+    fenced free on B was filed under A, and B's next alloc that had to wait
+    raised WrongThreadError though B made every pending fence."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(2, 8)
+    stream = HostStream()
+    gate = threading.Event()
+    warm = factory()
+    try:
+
+        async def warm_up() -> None:
+            pool.free(await pool.alloc(1))
+
+        warm.run_until_complete(warm_up())  # stopped, not closed
+
+        async def serve() -> None:
+            rows = await pool.alloc(1)
+            stream.launch(gate.wait)
+            pool.free(rows, fence=stream.record())
+            asyncio.get_running_loop().call_soon(gate.set)
+            async with bounded():
+                assert await pool.alloc(1) == [1]
+
+        run(factory, serve())
+    finally:
+        gate.set()
+        warm.close()
+        stream.close()
+
+
+def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left() -> None:
+    """A wake-up queued on loop A (stopped, open) ran when A ran again, after
+    the pool was handed to another thread and loop: it reclaimed and granted
+    on the wrong thread (a row held by nobody, the waiter timed out)."""
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = HostStream()
+    gate = threading.Event()
+    a = asyncio.new_event_loop()
+    try:
+
+        async def first() -> None:
+            rows = await pool.alloc(1)
+            stream.launch(gate.wait)
+            pool.free(rows, fence=stream.record())
+
+        a.run_until_complete(first())
+        gate.set()
+        stream.synchronize()  # its wake-up is queued on A, which is stopped
+        pool.reclaim()
+        reclaims: list[str] = []
+        real = pool._reclaim_both
+
+        def spy() -> bool:
+            reclaims.append(threading.current_thread().name)
+            return real()
+
+        pool._reclaim_both = spy  # type: ignore[method-assign]
+        done = threading.Event()
+
+        def other() -> None:
+            async def serve() -> None:
+                pool.bind()
+                done.set()
+
+            asyncio.run(serve())
+
+        thread = threading.Thread(target=other, name="new-owner")
+        thread.start()
+        thread.join(WAIT_S)
+        assert done.is_set()
+        a.run_until_complete(asyncio.sleep(0))  # the stale wake-up runs here
+        assert threading.current_thread().name not in reclaims
+    finally:
+        gate.set()
+        a.close()
+        stream.close()

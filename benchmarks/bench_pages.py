@@ -8,13 +8,22 @@ in the same process, interleaved round by round with the order rotated (the
 harness's :func:`~benchmarks.harness.interleave`):
 
 * ``asyncpool.KVPagePool``: ``alloc(n)`` returns a 1-D int64 tensor of page
-  ids, ``free(pages)`` takes it back (no fence, so free at once).
+  ids, ``free(pages)`` takes that very tensor back (no fence, so free at
+  once): the pool remembers the tensors it hands out, so only "still
+  allocated" is checked, as for a row's own pages in ``pool.free([row])``.
+  For context it is also freed as a copy (``free(pages.clone())``, the
+  clone's 1.3 us included): the fully checked path that ids read back from
+  ``req_to_token`` or sliced from a larger tensor take.
 * The seed-style pool of :mod:`benchmarks.naive_pages`: a torch free-list
   tensor sliced on alloc and concatenated on free, in the manner of SGLang's
   allocator. Always present, so the table always has a peer.
 * SGLang's ``PagedTokenToKVPoolAllocator`` on CPU (``need_sort=False``, the
-  unsorted path): ``alloc(n * page_size)`` returns token slot ids,
-  ``free(slots)`` takes them back (``torch.unique`` of the pages inside).
+  unsorted path): ``alloc(n * page_size)`` returns token slot ids, taken
+  back two ways: ``free_segment(slots, start_pos=0)``, the path its engine
+  frees a finished request's KV by (``release_kv_cache`` -> ``free_kv_row``
+  -> ``free_segment``: one slot a page, no ``torch.unique``), where the
+  targets are; and ``free(slots)`` (``torch.unique`` of the pages inside),
+  for context.
 * vLLM's ``BlockPool`` with prefix caching off: ``get_new_blocks(n)`` +
   ``free_blocks(blocks)``.
 
@@ -48,8 +57,10 @@ INSTALL_HINT = ("install it with `bash benchmarks/install_peers.sh VENV` and run
                 "benchmarks with `VENV/bin/python -m benchmarks` (docs/benchmarks.md)")
 
 SUBJECT = "KVPagePool"
+SUBJECT_COPY = "KVPagePool, freed as a copy"
 SEED = "seed-style"
 SGLANG = "SGLang"
+SGLANG_UNIQUE = "SGLang free()"
 VLLM = "vLLM"
 
 #: (peer, n) -> target on the ratio that :func:`_rows` reports for that pair
@@ -124,6 +135,16 @@ def _kvpagepool(num_pages: int, page_size: int) -> Contender:
                      lambda t: int(t.numel()), pool.available_size)
 
 
+def _kvpagepool_copy(num_pages: int, page_size: int) -> Contender:
+    from asyncpool import KVPagePool
+
+    pool = KVPagePool(num_pages, page_size, device="cpu")
+    free = pool.free
+    return Contender(SUBJECT_COPY, "asyncpool KVPagePool, freeing a copy (checked path)",
+                     pool.alloc, lambda t: free(t.clone()), 1,
+                     lambda t: int(t.numel()), pool.available_size)
+
+
 def _seed(num_pages: int, page_size: int) -> Contender:
     from .naive_pages import NaivePagePool
 
@@ -132,13 +153,13 @@ def _seed(num_pages: int, page_size: int) -> Contender:
                      lambda t: int(t.numel()), pool.available_size)
 
 
-def _sglang(num_pages: int, page_size: int) -> Contender:
+def _sglang_pool(num_pages: int, page_size: int) -> Any:
     import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
     # SGLang's pages are 1 .. size // page_size, page 0 being its padding:
     # (num_pages - 1) * page_size slots give the same 32,767 pages as ours.
-    pool = PagedTokenToKVPoolAllocator(
+    return PagedTokenToKVPoolAllocator(
         size=(num_pages - 1) * page_size,
         page_size=page_size,
         dtype=torch.bfloat16,  # the KV cache's dtype; the allocator never reads it
@@ -146,7 +167,22 @@ def _sglang(num_pages: int, page_size: int) -> Contender:
         kvcache=None,
         need_sort=False,
     )
-    return Contender(SGLANG, f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator",
+
+
+def _sglang(num_pages: int, page_size: int) -> Contender:
+    # The engine's path for a finished request: free_segment, one slot a page.
+    pool = _sglang_pool(num_pages, page_size)
+    free_segment = pool.free_segment
+    return Contender(SGLANG, f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator, "
+                     "free_segment", pool.alloc, lambda s: free_segment(s, start_pos=0),
+                     page_size, lambda t: int(t.numel()) // page_size,
+                     lambda: int(pool.available_size()) // page_size)
+
+
+def _sglang_unique(num_pages: int, page_size: int) -> Contender:
+    pool = _sglang_pool(num_pages, page_size)
+    return Contender(SGLANG_UNIQUE, f"SGLang {_version('sglang')} "
+                     "PagedTokenToKVPoolAllocator, free (torch.unique)",
                      pool.alloc, pool.free, page_size,
                      lambda t: int(t.numel()) // page_size,
                      lambda: int(pool.available_size()) // page_size)
@@ -165,6 +201,7 @@ def _vllm(num_pages: int, page_size: int) -> Contender:
 #: peer name -> (module that must be importable, loader)
 PEERS: dict[str, tuple[str, Callable[[int, int], Contender]]] = {
     SGLANG: ("sglang", _sglang),
+    SGLANG_UNIQUE: ("sglang", _sglang_unique),
     VLLM: ("vllm", _vllm),
 }
 
@@ -203,7 +240,12 @@ async def bench_pages(cfg: Config) -> tuple[list[Row], dict[str, str]]:
                          f"{num_pages}-page pool")
     now = clock_of(cfg)
     peers, skipped = _load_peers(num_pages, page_size)
-    contenders = [_kvpagepool(num_pages, page_size), _seed(num_pages, page_size), *peers]
+    contenders = [
+        _kvpagepool(num_pages, page_size),
+        _kvpagepool_copy(num_pages, page_size),
+        _seed(num_pages, page_size),
+        *peers,
+    ]
 
     held: dict[str, Any] = {}
     for c in contenders:
@@ -222,7 +264,7 @@ async def bench_pages(cfg: Config) -> tuple[list[Row], dict[str, str]]:
 def _rows(per_op: dict[str, list[float]], contenders: list[Contender], counts: tuple[int, ...],
           num_pages: int, page_size: int) -> list[Row]:
     note = f"{num_pages:,}-page pool, half allocated; {page_size} slots a page"
-    subject = contenders[0]
+    subject, copy = contenders[0], contenders[1]
     rows: list[Row] = []
     for n in counts:
         for peer in contenders[1:]:
@@ -233,6 +275,16 @@ def _rows(per_op: dict[str, list[float]], contenders: list[Contender], counts: t
                 subject_label=subject.label, reference_label=peer.label,
                 unit="ns/cycle", speedup=target is None or target.op == ">=",
                 target=target, note=note,
+            ))
+        # Context: the checked path against the engines' own paths.
+        for peer in contenders[3:]:
+            if peer.key == SGLANG_UNIQUE:
+                continue
+            rows.append(compare(
+                per_op, bench=bench_name(n), loop=LOOP,
+                subject=f"{copy.key}/{n}", reference=f"{peer.key}/{n}",
+                subject_label=copy.label, reference_label=peer.label,
+                unit="ns/cycle", speedup=True, target=None, note=note,
             ))
     if 16 in counts and 256 in counts:
         rows.append(compare(

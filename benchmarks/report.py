@@ -145,6 +145,9 @@ def _row_line(row: Row) -> str:
     if not (math.isnan(row.ratio_p25) or row.ratio_p25 == row.ratio_p75):
         spread = f" ({_ratio(row.ratio_p25)} to {_ratio(row.ratio_p75)})"
     direction = {"speed": " faster", "cost ": " cost"}.get(row.ratio_label[:5], "")
+    if direction == " faster" and row.ratio < 1:
+        # "0.87x faster" says nothing: the reference is faster, by 1/ratio.
+        direction = f" (the reference is {_ratio(1 / row.ratio)} faster)"
     ctx = f"{_value(row.subject_value, row.unit)} vs {_value(row.reference_value, row.unit)}"
     if row.note and not row.note.startswith("sweep:"):
         ctx += f"; {row.note}"

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .deferral import Deferrals, Deferred
+from .deferral import Deferrals, Deferred, held_words
 from .errors import AgreementError
 from .fences import Fence
 
@@ -250,7 +250,7 @@ def agree(
             "they stay held (a late write may still land); force_release(fence) on "
             "every rank only if its writer is known to be dead",
             fence,
-            " and ".join(f"{n} {unit[:-1] if n == 1 else unit}" for unit, n in held.items()),
+            held_words(held),
             overdue_after,
         )
     return Agreement(

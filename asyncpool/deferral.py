@@ -52,11 +52,26 @@ from .errors import FenceError
 from .fences import Fence, is_done
 from .stats import Histogram
 
-__all__ = ["Deferrals", "Deferred", "check_ordered", "newest_per_stream", "stream_key"]
+__all__ = [
+    "Deferrals",
+    "Deferred",
+    "check_ordered",
+    "held_words",
+    "newest_per_stream",
+    "stream_key",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def held_words(held: dict[str, int]) -> str:
+    """What a fence holds, per ledger unit, in words: ``{"rows": 1, "pages":
+    2}`` reads "1 row and 2 pages"."""
+    return " and ".join(
+        f"{n} {unit[:-1] if n == 1 and unit.endswith('s') else unit}" for unit, n in held.items()
+    )
 
 
 def stream_key(fence: object) -> int | None:

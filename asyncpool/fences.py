@@ -208,7 +208,7 @@ class HostFence:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
         for fn in callbacks or ():
-            _run_callback_on_worker(fn)
+            _run_callback(fn, BaseException)
 
     def _fault(self) -> FenceError:
         err = FenceError(
@@ -218,20 +218,15 @@ class HostFence:
         return err
 
 
-def _run_callback(fn: Callable[[], object]) -> None:
+def _run_callback(
+    fn: Callable[[], object], catch: type[BaseException] = Exception
+) -> None:
+    # On a HostStream's worker ``catch`` is BaseException: nothing may stop
+    # the thread, or a callback raising SystemExit would leave every later
+    # fence of the stream unsettled and every callback behind it unrun.
     try:
         fn()
-    except Exception:
-        logger.exception("fence done-callback %r raised", fn)
-
-
-def _run_callback_on_worker(fn: Callable[[], object]) -> None:
-    # On a HostStream's worker nothing may stop the thread: a callback that
-    # raises SystemExit or KeyboardInterrupt would leave every later fence of
-    # the stream unsettled and every callback behind it unrun.
-    try:
-        fn()
-    except BaseException:
+    except catch:
         logger.exception("fence done-callback %r raised", fn)
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .deferral import Deferrals
+from .deferral import Deferrals, held_words
 from .fences import Fence
 
 __all__ = ["OverdueFences", "check_fence_timeout"]
@@ -117,7 +117,7 @@ class OverdueFences:
             if key in self._logged:
                 continue
             self._logged[key] = fence
-            what = " and ".join(f"{n} {_unit(unit, n)}" for unit, n in held.items())
+            what = held_words(held)
             logger.warning(
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "
                 "%s; the memory stays held (a late write may still land); call "
@@ -131,6 +131,3 @@ class OverdueFences:
     def forget(self, fence: Fence) -> None:
         self._logged.pop(id(fence), None)
 
-
-def _unit(unit: str, n: int) -> str:
-    return unit[:-1] if n == 1 and unit.endswith("s") else unit

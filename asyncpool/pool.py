@@ -358,11 +358,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         first, and waiters of a loop that was closed under them (their tasks
         can never resume) are dropped, not counted.
         """
-        old = self._loop
-        if old is not None and old.is_closed() and self._waiters.count:
-            self._drop_stale_waiters()  # their tasks can never resume
-        if self._pending_any():
-            self._reclaim_both()  # fences done while no loop could be told
+        self._drop_dead_waiters()
+        self._reclaim_both()  # fences done while no loop could be told
         if self._waiters.count or self._pending_any() or self._unwatched:
             pages = self._pages.ledger.pending if self._pages is not None else 0
             held = _count(self._ledger.pending, "row") + (
@@ -527,20 +524,20 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "AsyncReqToTokenPool is bound to another event loop that is still "
                 "running or has waiters; a pool is loop-affine"
             )
-        if old is not None and old.is_closed() and self._waiters.count:
-            self._drop_stale_waiters()
+        self._drop_dead_waiters()
         self._loop = loop
         self._choose_fast_paths(loop)
         # State tied to the old loop: a wake-up queued there that may never
         # run, and an overdue-fence timer that may never fire.
         self._wake_scheduled = None
+        pending = self._pending_any()
         overdue = self._overdue
         if overdue is not None and overdue.timer is not None:
             overdue.timer.cancel()
             overdue.timer = None
-            if self._pending_any():
+            if pending:
                 self._check_overdue()  # logs what is overdue now, re-arms here
-        if self._pending_any():
+        if pending:
             # Fences that completed while their wake-up went to the old loop
             # (or to none) would wait for an unrelated call: look now.
             self._wake_scheduled = loop
@@ -549,6 +546,16 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # ------------------------------------------------------------ grants
     # The supply side of the waiter queues (asyncpool.waiters): what a need
     # means, how it is taken at hand-over and given back after a cancel.
+
+    def _drop_dead_waiters(self) -> bool:
+        """Drop every waiter if the pool's loop was closed under them (their
+        tasks can never resume); True if that loop is closed."""
+        loop = self._loop
+        if loop is None or not loop.is_closed():
+            return False
+        if self._waiters.count:
+            self._drop_stale_waiters()
+        return True
 
     def _drop_stale_waiters(self) -> None:
         dropped = self._waiters.drop_all()
@@ -574,7 +581,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         runs this) is dropped with every other, before anything is taken.
         """
         loop = self._loop
-        if loop is not None and loop.is_closed():
+        if loop is not None and loop.is_closed():  # _drop_dead_waiters, inlined: per grant
             self._drop_stale_waiters()
             return None
         if need.__class__ is not int:
@@ -936,11 +943,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # grant loop): a waiter that can no longer ever fit would block its
         # queue forever, so fail those waiters on the next loop iteration.
         loop = self._loop
-        if self._waiters.count and loop is not None:
-            if loop.is_closed():  # its waiters can never resume
-                self._drop_stale_waiters()
-            else:
-                loop.call_soon(self._shed_unfittable)
+        if self._waiters.count and loop is not None and not self._drop_dead_waiters():
+            loop.call_soon(self._shed_unfittable)
 
     def _shed_unfittable(self) -> None:
         self._waiters.shed(self._unfittable_need)

@@ -295,9 +295,7 @@ class WaiterQueues:
                 # cannot be scheduled) and its task never resumes: skip it.
                 if not fut.done() and not fut.get_loop().is_closed():
                     fut.set_exception(error)
-        self._queues.clear()
-        self._prios.clear()
-        self.count = 0
+        self.drop_all()
 
     def drop_all(self) -> int:
         """Forget every queued waiter without touching its future; return how

@@ -109,6 +109,12 @@ class Streams:
         self._gates.append(g)
         return g
 
+    def event(self) -> threading.Event:
+        """A plain event, set on exit (a gate launched by the test itself)."""
+        ev = threading.Event()
+        self._events.append(ev)
+        return ev
+
     def event_fence(self) -> EventFence:
         f = EventFence()
         self._events.append(f.event)

@@ -761,20 +761,17 @@ def test_yes_or_no_answers_of_other_types_are_understood(answer: str) -> None:
     pool.check_invariants()
 
 
-def test_an_explicit_drain_takes_an_odd_answer_for_a_fault(
+async def test_an_explicit_drain_takes_an_odd_answer_for_a_fault(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
 
-    async def main() -> None:
-        pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
-        pool.free(await pool.alloc(2), fence=_OddFence(_odd_answer("status code")))
-        async with bounded():
-            await pool.drain()
-        assert (pool.stats().quarantined, pool.available_size()) == (2, 1)
-        await pool.close()
-
-    asyncio.run(main())
+    pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
+    pool.free(await pool.alloc(2), fence=_OddFence(_odd_answer("status code")))
+    async with bounded():
+        await pool.drain()
+    assert (pool.stats().quarantined, pool.available_size()) == (2, 1)
+    await pool.close()
 
 
 def test_a_fence_class_is_not_a_fence() -> None:
@@ -791,7 +788,9 @@ def test_a_fence_class_is_not_a_fence() -> None:
     pool.check_invariants()
 
 
-def test_a_fault_holding_pages_only_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_fault_holding_pages_only_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from asyncpool import KVPagePool
     from asyncpool.metrics import PoolCollector
 
@@ -800,21 +799,18 @@ def test_a_fault_holding_pages_only_is_counted(caplog: pytest.LogCaptureFixture)
     def failed() -> bool:
         raise RuntimeError("transfer failed")
 
-    async def main() -> None:
-        kv = KVPagePool(17, 4)
-        pool = AsyncReqToTokenPool(3, 8, kv=kv)
-        grant = await pool.admit(pages=4)
-        pages = pool.detach_pages(grant.row)
-        pool.free([grant.row])
-        kv.free(pages, fence=_OddFence(failed))
-        stats = pool.stats()
-        assert (stats.pages_quarantined, stats.page_fence_errors, stats.fence_errors) == (4, 1, 0)
-        families = {m.name: m for m in PoolCollector(pool, name="p").collect()}
-        totals = [s.value for s in families["asyncpool_page_fence_errors"].samples]
-        assert totals == [1]
-        await pool.close()
-
-    asyncio.run(main())
+    kv = KVPagePool(17, 4)
+    pool = AsyncReqToTokenPool(3, 8, kv=kv)
+    grant = await pool.admit(pages=4)
+    pages = pool.detach_pages(grant.row)
+    pool.free([grant.row])
+    kv.free(pages, fence=_OddFence(failed))
+    stats = pool.stats()
+    assert (stats.pages_quarantined, stats.page_fence_errors, stats.fence_errors) == (4, 1, 0)
+    families = {m.name: m for m in PoolCollector(pool, name="p").collect()}
+    totals = [s.value for s in families["asyncpool_page_fence_errors"].samples]
+    assert totals == [1]
+    await pool.close()
 
 
 def test_a_fence_raising_cancelled_error_leaves_the_ledger_whole() -> None:
@@ -917,26 +913,23 @@ def test_a_cancelled_query_of_a_second_fence_keeps_the_batch(head: str) -> None:
         stream.close()
 
 
-def test_a_cancelled_query_leaves_a_rows_pages_with_it() -> None:
+async def test_a_cancelled_query_leaves_a_rows_pages_with_it() -> None:
     """free(rows, fence=t) on a pool with kv, t.query() raising CancelledError:
     the row keeps its pages (before: the record was cleared first and the
     pages were owned by nobody, leaked for good)."""
     from asyncpool import KVPagePool
 
-    async def main() -> None:
-        kv = KVPagePool(9, 4)
-        pool = AsyncReqToTokenPool(3, 8, kv=kv)
-        grant = await pool.admit(pages=4)
-        with pytest.raises(asyncio.CancelledError):
-            pool.free([grant.row], fence=_Switch("cancel"))
-        assert pool.pages_of(grant.row).tolist() == grant.pages.tolist()
-        pool.check_invariants()
-        assert pool.free([grant.row]) == 1
-        assert kv.available_size() == 8 and pool.stats().pages_allocated == 0
-        pool.check_invariants()
-        await pool.close()
-
-    asyncio.run(main())
+    kv = KVPagePool(9, 4)
+    pool = AsyncReqToTokenPool(3, 8, kv=kv)
+    grant = await pool.admit(pages=4)
+    with pytest.raises(asyncio.CancelledError):
+        pool.free([grant.row], fence=_Switch("cancel"))
+    assert pool.pages_of(grant.row).tolist() == grant.pages.tolist()
+    pool.check_invariants()
+    assert pool.free([grant.row]) == 1
+    assert kv.available_size() == 8 and pool.stats().pages_allocated == 0
+    pool.check_invariants()
+    await pool.close()
 
 
 def test_a_fence_with_a_stream_key_but_no_int_seq_is_of_unknown_origin() -> None:

@@ -7,7 +7,9 @@ without its fix. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 from helpers import EventFence, Gate, bounded, spin
@@ -28,6 +30,27 @@ def _quiet(caplog: pytest.LogCaptureFixture) -> None:
 
 def make(reclaim: str = "auto") -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(8, 16, kv=KVPagePool(16, 4, reclaim=reclaim), reclaim=reclaim)
+
+
+@contextlib.asynccontextmanager
+async def draining_release() -> AsyncIterator[
+    tuple[AsyncReqToTokenPool, Gate, asyncio.Task[None]]
+]:
+    """A pool whose ``release_memory()`` task drains behind one row freed
+    behind a gated fence (nothing allocated); closed on exit."""
+    stream = HostStream()
+    gate = Gate(stream)
+    pool = make()
+    try:
+        g = await pool.admit(pages=1)
+        pool.free([g.row], fence=stream.record())
+        release = asyncio.create_task(pool.release_memory())
+        await spin()
+        yield pool, gate, release
+    finally:
+        gate.open()
+        stream.close()
+        await pool.close()
 
 
 @pytest.mark.parametrize("reclaim", ["auto", "explicit"])
@@ -103,14 +126,7 @@ def test_remove_done_callback() -> None:
 async def test_resume_while_a_release_drains_is_refused() -> None:
     # A resume during the drain zeroed every table (running requests' too,
     # when a release could still start with rows allocated).
-    stream = HostStream()
-    gate = Gate(stream)
-    pool = make()
-    try:
-        other = await pool.admit(pages=1)
-        pool.free([other.row], fence=stream.record())
-        release = asyncio.create_task(pool.release_memory())
-        await spin()
+    async with draining_release() as (pool, gate, release):
         with pytest.raises(PoolBusyError, match="still draining"):
             await pool.resume_memory()
         assert not release.done()  # still draining
@@ -119,10 +135,6 @@ async def test_resume_while_a_release_drains_is_refused() -> None:
             await release
         assert pool.released
         await pool.resume_memory()
-    finally:
-        gate.open()
-        stream.close()
-        await pool.close()
 
 
 async def test_release_with_memory_allocated_is_refused_at_once() -> None:
@@ -143,8 +155,9 @@ async def test_release_with_memory_allocated_is_refused_at_once() -> None:
             got = await pool.admit(pages=1)  # not gated
         pool.free([got.row, live.row])
         detached = pool.kv.alloc(2)  # pages only, held by the caller
-        with pytest.raises(PoolBusyError, match="2 KV pages"):
-            await pool.release_memory()
+        async with bounded():  # a drain first would hang behind the stuck fence
+            with pytest.raises(PoolBusyError, match="2 KV pages"):
+                await pool.release_memory()
         pool.kv.free(detached)
     finally:
         stuck.set()
@@ -153,14 +166,7 @@ async def test_release_with_memory_allocated_is_refused_at_once() -> None:
 
 @pytest.mark.parametrize("outcome", ["released", "refused"])
 async def test_a_second_release_shares_the_first_ones_outcome(outcome: str) -> None:
-    stream = HostStream()
-    gate = Gate(stream)
-    pool = make()
-    try:
-        g = await pool.admit(pages=1)
-        pool.free([g.row], fence=stream.record())
-        first = asyncio.create_task(pool.release_memory())
-        await spin()
+    async with draining_release() as (pool, gate, first):
         # Pages taken meanwhile (kv.alloc bypasses the gate): the first
         # release refuses once drained.
         live = pool.kv.alloc(1) if outcome == "refused" else None
@@ -178,7 +184,3 @@ async def test_a_second_release_shares_the_first_ones_outcome(outcome: str) -> N
             assert "did not release" in str(results[1]) and not pool.released
             assert live is not None
             pool.kv.free(live)
-    finally:
-        gate.open()
-        stream.close()
-        await pool.close()

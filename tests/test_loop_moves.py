@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import WAIT_S, bounded
+from helpers import WAIT_S, Streams, bounded
 
 from asyncpool import AsyncReqToTokenPool, HostStream
 
@@ -41,11 +41,12 @@ def run(factory: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any, A
         loop.close()
 
 
-async def _waiter_is_woken_by(pool: AsyncReqToTokenPool, stream: HostStream) -> None:
+async def _waiter_is_woken_by(
+    pool: AsyncReqToTokenPool, stream: HostStream, gate: threading.Event
+) -> None:
     """Every row pending behind a gated fence; a waiter; the gate opens: the
     waiter must be granted by the fence's wake-up alone."""
     rows = await pool.alloc(pool.capacity)
-    gate = threading.Event()
     stream.launch(gate.wait)
     fence = stream.record()
     pool.record_use(rows, fence)
@@ -59,100 +60,90 @@ async def _waiter_is_woken_by(pool: AsyncReqToTokenPool, stream: HostStream) -> 
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_wake_up_lost_with_a_stopped_loop_does_not_silence_the_next(loop: str) -> None:
+def test_a_wake_up_lost_with_a_stopped_loop_does_not_silence_the_next(
+    loop: str, kit: Streams
+) -> None:
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(3, 8)
-    stream = HostStream()
-    gate = threading.Event()
-    try:
+    stream = kit.stream()
+    gate = kit.event()
 
-        async def first() -> Any:
-            rows = await pool.alloc(2)
-            stream.launch(gate.wait)
-            fence = stream.record()
-            pool.record_use(rows, fence)
-            pool.free(rows)
-            return fence
+    async def first() -> Any:
+        rows = await pool.alloc(2)
+        stream.launch(gate.wait)
+        fence = stream.record()
+        pool.record_use(rows, fence)
+        pool.free(rows)
+        return fence
 
-        stopped = factory()
-        fence = stopped.run_until_complete(first())
-        gate.set()
-        fence.synchronize()  # its wake-up is queued on a loop that no longer runs
-        stopped.close()
-        run(factory, _waiter_is_woken_by(pool, stream))
-    finally:
-        gate.set()
-        stream.close()
+    stopped = factory()
+    fence = stopped.run_until_complete(first())
+    gate.set()
+    fence.synchronize()  # its wake-up is queued on a loop that no longer runs
+    stopped.close()
+    run(factory, _waiter_is_woken_by(pool, stream, kit.event()))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_stale_callback_after_bind_does_not_silence_wake_ups(
-    loop: str, caplog: pytest.LogCaptureFixture
+    loop: str, caplog: pytest.LogCaptureFixture, kit: Streams
 ) -> None:
     caplog.set_level(logging.ERROR, logger="asyncpool")  # force_release warns
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(3, 8)
-    stream = HostStream()
-    gate = threading.Event()
+    stream = kit.stream()
+    gate = kit.event()
     errors: list[BaseException] = []
-    try:
 
-        async def first() -> None:
-            rows = await pool.alloc(1)
-            stream.launch(gate.wait)
-            fence = stream.record()
-            pool.record_use(rows, fence)
-            pool.free(rows)
-            pool.force_release(fence)  # its done-callback stays on the fence
+    async def first() -> None:
+        rows = await pool.alloc(1)
+        stream.launch(gate.wait)
+        fence = stream.record()
+        pool.record_use(rows, fence)
+        pool.free(rows)
+        pool.force_release(fence)  # its done-callback stays on the fence
 
-        run(factory, first())
+    run(factory, first())
 
-        def server() -> None:
-            try:
-                pool.bind()  # no loop in this thread yet
-                gate.set()
-                stream.synchronize()  # the stale callback has run
-                run(factory, _waiter_is_woken_by(pool, stream))
-            except BaseException as exc:  # reported to the test's thread
-                errors.append(exc)
+    def server() -> None:
+        try:
+            pool.bind()  # no loop in this thread yet
+            gate.set()
+            stream.synchronize()  # the stale callback has run
+            run(factory, _waiter_is_woken_by(pool, stream, kit.event()))
+        except BaseException as exc:  # reported to the test's thread
+            errors.append(exc)
 
-        thread = threading.Thread(target=server, name="server")
-        thread.start()
-        thread.join(30)
-        assert not thread.is_alive()
-        if errors:
-            raise errors[0]
-    finally:
-        gate.set()
-        stream.close()
+    thread = threading.Thread(target=server, name="server")
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_drain_on_a_second_loop(loop: str) -> None:
+def test_drain_on_a_second_loop(loop: str, kit: Streams) -> None:
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(3, 8)
-    stream = HostStream()
-    gate = threading.Event()
-    try:
+    stream = kit.stream()
+    gate = kit.event()
 
-        async def first() -> None:
-            pool.free(await pool.alloc(1))
+    async def first() -> None:
+        pool.free(await pool.alloc(1))
 
-        async def second() -> None:
-            rows = await pool.alloc(1)
-            stream.launch(gate.wait)
-            pool.record_use(rows, stream.record())
-            pool.free(rows)
-            asyncio.get_running_loop().call_soon(gate.set)
-            async with bounded():
-                await pool.drain()  # raised "Event loop is closed" before
-            assert pool.pending_size() == 0
+    async def second() -> None:
+        rows = await pool.alloc(1)
+        stream.launch(gate.wait)
+        pool.record_use(rows, stream.record())
+        pool.free(rows)
+        asyncio.get_running_loop().call_soon(gate.set)
+        async with bounded():
+            await pool.drain()  # raised "Event loop is closed" before
+        assert pool.pending_size() == 0
 
-        run(factory, first())
-        run(factory, second())
-    finally:
-        gate.set()
-        stream.close()
+    run(factory, first())
+    run(factory, second())
 
 
 class _Transfer:
@@ -282,7 +273,7 @@ def _abandon_a_waiter(factory: Callable[[], asyncio.AbstractEventLoop], setup: A
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_completion_missed_while_the_loop_was_closed_is_seen_on_the_next(
-    loop: str, caplog: pytest.LogCaptureFixture
+    loop: str, caplog: pytest.LogCaptureFixture, kit: Streams
 ) -> None:
     """The fence completed while no loop could be told (its wake-up met a
     closed loop and was dropped); the next loop's alloc queued behind it and
@@ -290,29 +281,25 @@ def test_a_completion_missed_while_the_loop_was_closed_is_seen_on_the_next(
     caplog.set_level(logging.ERROR)
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(2, 8)  # one row
-    stream = HostStream()
-    gate = threading.Event()
-    try:
+    stream = kit.stream()
+    gate = kit.event()
 
-        async def setup() -> None:
-            rows = await pool.alloc(1)
-            stream.launch(gate.wait)
-            pool.free(rows, fence=stream.record())
-            await pool.alloc(1)  # queued; abandoned with its loop
+    async def setup() -> None:
+        rows = await pool.alloc(1)
+        stream.launch(gate.wait)
+        pool.free(rows, fence=stream.record())
+        await pool.alloc(1)  # queued; abandoned with its loop
 
-        _abandon_a_waiter(factory, setup)
-        gate.set()
-        stream.synchronize()  # completed: its wake-up had no loop to go to
+    _abandon_a_waiter(factory, setup)
+    gate.set()
+    stream.synchronize()  # completed: its wake-up had no loop to go to
 
-        async def second() -> None:
-            async with bounded():
-                assert await pool.alloc(1) == [1]
-            pool.check_invariants()
+    async def second() -> None:
+        async with bounded():
+            assert await pool.alloc(1) == [1]
+        pool.check_invariants()
 
-        run(factory, second())
-    finally:
-        gate.set()
-        stream.close()
+    run(factory, second())
 
 
 class _Dying:
@@ -348,6 +335,7 @@ def test_a_fault_with_waiters_of_a_closed_loop_keeps_the_ledger_whole(
     assert pool.reclaim() == 0  # raised RuntimeError before
     pool.check_invariants()
     assert pool.stats().quarantined == 2 and pool.waiting() == 0
+    run(factory, pool.close())  # stops the watcher that polled the dying fence
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -390,14 +378,14 @@ def test_close_and_bind_with_waiters_of_a_closed_loop(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_warm_up_loop_left_open_does_not_keep_the_pool(loop: str) -> None:
+def test_a_warm_up_loop_left_open_does_not_keep_the_pool(loop: str, kit: Streams) -> None:
     """Warmed up on loop A (left open, nobody waiting), served on loop B: a
     fenced free on B was filed under A, and B's next alloc that had to wait
     raised WrongThreadError though B made every pending fence."""
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(2, 8)
-    stream = HostStream()
-    gate = threading.Event()
+    stream = kit.stream()
+    gate = kit.event()
     warm = factory()
     try:
 
@@ -416,18 +404,16 @@ def test_a_warm_up_loop_left_open_does_not_keep_the_pool(loop: str) -> None:
 
         run(factory, serve())
     finally:
-        gate.set()
         warm.close()
-        stream.close()
 
 
-def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left() -> None:
+def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left(kit: Streams) -> None:
     """A wake-up queued on loop A (stopped, open) ran when A ran again, after
     the pool was handed to another thread and loop: it reclaimed and granted
     on the wrong thread (a row held by nobody, the waiter timed out)."""
     pool = AsyncReqToTokenPool(3, 8)
-    stream = HostStream()
-    gate = threading.Event()
+    stream = kit.stream()
+    gate = kit.event()
     a = asyncio.new_event_loop()
     try:
 
@@ -464,6 +450,4 @@ def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left() -> None:
         a.run_until_complete(asyncio.sleep(0))  # the stale wake-up runs here
         assert threading.current_thread().name not in reclaims
     finally:
-        gate.set()
         a.close()
-        stream.close()

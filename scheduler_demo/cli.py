@@ -342,9 +342,6 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
 
     from .tp import TPMismatchError, format_summary, run_tp
 
-    if args.tp < 0:
-        print(f"scheduler_demo: --tp must be >= 0, got {args.tp}", file=sys.stderr)
-        return 2
     if cfg.admission != "atomic" or cfg.gate:
         print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
         return 2

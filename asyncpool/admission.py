@@ -320,6 +320,7 @@ class Admission:
                         pled.free_prepared(ids, fresh)
                     pages.owned[row] = None
                     pages.sealed[row] = None
+                    pages.grown[row] = None
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:

@@ -103,7 +103,11 @@ class RowPages:
         self.ledger: PageLedger = kv.ledger
         self.capacity = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
-        self.sealed: list[bytes | None] = [None] * size
+        self.sealed: list[bytes | bytearray | None] = [None] * size
+        #: An extended row's record is a view of a buffer with room to grow
+        #: (capacity doubling), so a decode step's extend copies only its
+        #: new pages, not the whole record; None for a row never extended.
+        self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
@@ -147,11 +151,17 @@ class RowPages:
         pages = self.owned[row]
         self.owned[row] = None
         self.sealed[row] = None
+        self.grown[row] = None
         if pages is not None:
             self.ledger.put_back(pages, OWNED)
 
     def extend(self, row: int, k: int) -> torch.Tensor | None:
-        """Add ``k`` free pages to ``row`` (reclaiming first if short), or None."""
+        """Add ``k`` free pages to ``row`` (reclaiming first if short), or None.
+
+        Amortised O(k): the record grows inside a buffer that doubles when
+        full (``grown``), and the seal grows in place, so a request grown a
+        page per decode step to n pages costs O(n) in all, not O(n**2).
+        """
         led = self.ledger
         arr = led.take(k, OWNED)
         if arr is None:
@@ -164,11 +174,27 @@ class RowPages:
         if old is None:
             self.owned[row] = arr
             self.sealed[row] = arr.tobytes()
-        else:
-            # The seal grows from the old seal, not from the record as it
-            # reads now: a write into it before this copy is still seen.
-            self.owned[row] = np.concatenate((old, arr))
-            self.sealed[row] = self.sealed[row] + arr.tobytes()  # type: ignore[operator]
+            return self.out(arr)
+        n = old.shape[0]
+        end = n + k
+        buf: npt.NDArray[np.int64] | None = self.grown[row]
+        if buf is None or end > len(buf) or old.base is not buf:
+            # A new buffer: the record as it reads now is copied (a write
+            # into it stays visible against the seal); earlier views of the
+            # record keep the old memory. At most the pool's page count.
+            buf = np.empty(min(max(2 * end, 16), self.capacity), dtype=np.int64)
+            buf[:n] = old
+            self.grown[row] = buf
+        assert buf is not None  # for mypy: `is not` widened it to old.base's type
+        buf[n:end] = arr
+        self.owned[row] = buf[:end]
+        # The seal grows from the old seal, not from the record as it reads
+        # now: a write into the record is still seen. In place: a bytearray.
+        seal = self.sealed[row]
+        assert seal is not None
+        if seal.__class__ is bytes:
+            seal = self.sealed[row] = bytearray(seal)
+        seal += arr.tobytes()
         return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
@@ -180,6 +206,7 @@ class RowPages:
         host the page pool remembers it, so freeing it there is cheap)."""
         pages = self.owned[row]
         self.owned[row] = None
+        self.grown[row] = None
         sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
             return self.out(_EMPTY)
@@ -270,6 +297,7 @@ class RowPages:
         """
         owned = self.owned
         sealed = self.sealed
+        grown = self.grown
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
@@ -279,6 +307,7 @@ class RowPages:
             for row in group_rows:
                 owned[row] = None
                 sealed[row] = None
+                grown[row] = None
         return immediate
 
     # ------------------------------------------------------------ proof
@@ -288,11 +317,14 @@ class RowPages:
         seen: list[int] = []
         for row, pages in enumerate(self.owned):
             if pages is None:
-                if self.sealed[row] is not None:
-                    raise AssertionError(f"row {row} owns no pages but has a seal")
+                if self.sealed[row] is not None or self.grown[row] is not None:
+                    raise AssertionError(f"row {row} owns no pages but has a seal or buffer")
                 continue
             if row not in allocated:
                 raise AssertionError(f"row {row} owns pages but is not allocated")
+            buf = self.grown[row]
+            if buf is not None and pages.base is not buf:
+                raise AssertionError(f"row {row}'s record is not a view of its buffer")
             seen.extend(pages.tolist())
         if len(set(seen)) != len(seen):
             raise AssertionError("a page is owned by two rows")

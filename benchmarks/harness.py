@@ -78,6 +78,10 @@ class Config:
     admit_pages: int = 16
     admit_num_pages: int = 4097
     contended_pages: int = 512
+    #: decode growth: ``extend(row, 1)`` on a record this long (pages),
+    #: against one of ``admit_pages``; extends per admitted record
+    extend_record_pages: int = 16_384
+    extend_chunk: int = 256
     #: batches of ``batch_k`` rows freed behind fences per fenced sample
     fenced_batches: int = 64
     reclaim_pending: tuple[int, ...] = (1, 10, 100, 1_000, 10_000)
@@ -132,6 +136,8 @@ PRESETS: dict[str, Config] = {
         admit_pages=2,
         admit_num_pages=65,
         contended_pages=8,
+        extend_record_pages=64,
+        extend_chunk=8,
         contended_rounds=2,
         fenced_batches=4,
         reclaim_pending=(1, 10),

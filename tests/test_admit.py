@@ -1277,6 +1277,52 @@ async def test_rows_with_different_uses_never_free_one_page_twice():
             stream.close()
 
 
+async def test_decode_growth_copies_only_the_new_pages():
+    # A page per decode step: extend copied the whole record each time
+    # (O(n) a step, O(n**2) a request: 200 us an extend at 128K pages).
+    # The record now grows inside a buffer that doubles when full, so its
+    # memory moves O(log n) times, and it lists every page in order.
+    steps = 500
+    async with make(rows=1, pages=steps + 1) as pool:
+        g = await pool.admit(pages=1)
+        expected = ids(g.pages)
+        moves, where = 0, None
+        for _ in range(steps):
+            more = pool.extend(g.row, 1)
+            assert more is not None
+            expected += ids(more)
+            ptr = pool.pages_of(g.row).data_ptr()
+            moves += ptr != where
+            where = ptr
+        assert moves <= 10
+        assert ids(pool.pages_of(g.row)) == expected
+        pool.check_invariants()
+        detached = pool.detach_pages(g.row)
+        assert ids(detached) == expected
+        pool.free(g.row)
+        assert kv_of(pool).free(detached) == steps + 1
+        conserved(pool)
+
+
+async def test_a_write_through_an_earlier_record_view_after_extend_is_seen():
+    # While the record fits its buffer, a view pages_of() returned before an
+    # extend is still the row's memory: a write through it must be caught.
+    async with make(rows=2, pages=8) as pool:
+        g = await pool.admit(pages=2)
+        assert pool.extend(g.row, 1) is not None  # into a buffer with room
+        view = pool.pages_of(g.row)
+        assert pool.extend(g.row, 1) is not None  # fits: same memory
+        assert pool.pages_of(g.row).data_ptr() == view.data_ptr()
+        own = ids(pool.pages_of(g.row))
+        view[0] = view[1]
+        with pytest.raises(InvalidSlotError, match="written into"):
+            pool.free([g.row])
+        assert sorted(ids(pool.detach_pages(g.row))) == sorted(own)
+        pool.free(g.row)
+        kv_of(pool).free(torch.tensor(own))
+        conserved(pool)
+
+
 async def test_a_row_never_lists_a_page_twice_after_extends():
     # Before pages were OWNED, a row's pages freed straight to the page pool
     # could be taken again by its extend and listed twice. kv.free refuses

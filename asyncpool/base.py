@@ -138,7 +138,11 @@ class PoolCore:
         later; a different tag means the row was freed and handed out again.
         The tag is the pool's running count of rows handed out, taken just
         after the row's latest hand-out (not a count of this row's own).
+        Raises :class:`InvalidSlotError` for a row id that is not an integer
+        in ``0..size - 1`` (a negative id would read another row's tag).
         """
+        if row.__class__ is not int or not 0 <= row < self.size:
+            row = self._tables.check_row(row)
         return self._ledger.generation(row)
 
     @staticmethod

@@ -1154,8 +1154,19 @@ class KVPagePool:
     # ------------------------------------------------------------------ views
 
     def available_size(self) -> int:
-        """Pages free right now (not counting pages pending behind fences)."""
-        return self._ledger.free_count
+        """Pages free right now (not counting pages pending behind fences).
+
+        A page pool of its own first returns pages whose fences completed
+        (only while some are pending; with ``reclaim="explicit"`` it asks no
+        fence): a seed-style scheduler sizes its batch by this count before
+        it calls :meth:`alloc`, and nothing else reclaims such a pool. A
+        page pool serving an ``AsyncReqToTokenPool`` only reads: that
+        pool's fence wake-ups reclaim and grant.
+        """
+        led = self._ledger
+        if led.pending and self._on_free is None:
+            led.reclaim()
+        return led.free_count
 
     def pending_size(self) -> int:
         """Pages freed but waiting for their fences to complete."""

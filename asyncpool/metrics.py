@@ -127,12 +127,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("rows_reclaimed", "counter", "",
            "Rows returned to circulation by completed fences.", lambda s: s.reclaimed),
     Family("alloc_timeouts", "counter", "",
-           "alloc() calls that timed out while queued.", lambda s: s.timeouts),
+           "alloc() and admit() calls that timed out while queued.", lambda s: s.timeouts),
     Family("alloc_cancellations", "counter", "",
-           "alloc() calls cancelled while queued (or granted, before resuming).",
+           "alloc() and admit() calls cancelled while queued (or granted, before resuming).",
            lambda s: s.cancellations),
     Family("alloc_rejections", "counter", "",
-           "alloc() calls refused because max_waiters calls already queued.",
+           "alloc() and admit() calls refused because max_waiters calls already queued.",
            lambda s: s.rejections),
     Family("fence_errors", "counter", "",
            "Fences that faulted (their rows are quarantined).", lambda s: s.fence_errors),
@@ -187,11 +187,15 @@ class PoolCollector:
         self, pool: _HasStats | None = None, name: str = "default", prefix: str = "asyncpool"
     ) -> None:
         self._prefix = prefix
-        self._pools: dict[str, _HasStats] = {}
-        # Last value exported per (counter, pool): a scrape on another thread
-        # reads figures a few operations apart, and a counter must never be
-        # seen to go down (Prometheus would take it for a restart).
-        self._last: dict[tuple[str, str], float] = {}
+        # name -> (pool, token): the token is fresh at each add(), so a pool
+        # added again under a name never inherits its predecessor's counters.
+        self._pools: dict[str, tuple[_HasStats, object]] = {}
+        # Last value exported per (counter, pool token): a scrape on another
+        # thread reads figures a few operations apart, and a counter must
+        # never be seen to go down (Prometheus would take it for a restart).
+        # Keyed by token, not name: a scrape that began before remove(name)
+        # may still write its entries after remove() dropped them.
+        self._last: dict[tuple[str, object], float] = {}
         if pool is not None:
             self.add(pool, name)
 
@@ -205,15 +209,18 @@ class PoolCollector:
             raise TypeError(f"a pool name must be a str, got {name!r}")
         if name in self._pools:
             raise ValueError(f"this collector already exports a pool named {name!r}")
-        self._pools[name] = pool
+        self._pools[name] = (pool, object())
 
     def remove(self, name: str) -> None:
         """Stop exporting the pool labelled ``name`` (``KeyError`` if none).
 
         A pool added later under the same name starts its counters afresh.
         """
-        del self._pools[name]
-        for key in [k for k in self._last if k[1] == name]:
+        _, token = self._pools.pop(name)
+        self._forget(token)
+
+    def _forget(self, token: object) -> None:
+        for key in [k for k in list(self._last) if k[1] is token]:
             self._last.pop(key, None)
 
     @property
@@ -245,11 +252,13 @@ class PoolCollector:
     def collect(self) -> Iterator[Any]:
         """One snapshot per pool (``stats(summaries=False)``), as families."""
         pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
-        snapshots = [(name, pool.stats(summaries=False)) for name, pool in pools]
+        snapshots = [
+            (name, token, pool.stats(summaries=False)) for name, (pool, token) in pools
+        ]
         for fam, family in zip(FAMILIES, self._families(), strict=True):
             get = fam.get
             if fam.type == "histogram":
-                for name, stats in snapshots:
+                for name, _, stats in snapshots:
                     h: HistogramSnapshot = get(stats)
                     les = _le_labels(h.bounds)
                     family.add_metric(
@@ -257,8 +266,8 @@ class PoolCollector:
                     )
             elif fam.type == "counter":
                 last = self._last
-                for name, stats in snapshots:
-                    key = (fam.name, name)
+                for name, token, stats in snapshots:
+                    key = (fam.name, token)
                     v = float(get(stats))
                     if v < last.get(key, 0.0):
                         v = last[key]  # read skew, never a real decrease
@@ -266,6 +275,11 @@ class PoolCollector:
                         last[key] = v
                     family.add_metric([name], v)
             else:
-                for name, stats in snapshots:
+                for name, _, stats in snapshots:
                     family.add_metric([name], float(get(stats)))
             yield family
+        # A pool removed while this scrape ran: drop what it wrote since.
+        current = {token for _, token in self._pools.values()}
+        for _, token, _ in snapshots:
+            if token not in current:
+                self._forget(token)

@@ -144,7 +144,8 @@ class LatencySummary:
             count=n,
             mean_s=sum(data) / n,
             p50_s=data[(n - 1) // 2],
-            p99_s=data[min(n - 1, (n * 99) // 100)],
+            # nearest rank: the ceil(0.99 n)-th sample (1-based)
+            p99_s=data[(n * 99 + 99) // 100 - 1],
             max_s=data[-1],
         )
 
@@ -171,12 +172,13 @@ class PoolStats:
         frees: rows given back by requests, total (``allocs - allocated``).
         deferred_frees: rows whose free had to wait for a fence, total.
         reclaimed: rows returned to circulation by completed fences, total.
-        timeouts: ``alloc`` calls that raised ``TimeoutError``, total.
-        cancellations: ``alloc`` calls cancelled while queued (or after
-            their grant, before they resumed: their rows were given back),
-            total.
-        rejections: ``alloc`` calls refused with ``PoolBusyError`` because
-            ``max_waiters`` calls already queued, total.
+        timeouts: ``alloc`` and ``admit`` calls that raised ``TimeoutError``,
+            total (one waiter queue serves both).
+        cancellations: ``alloc`` and ``admit`` calls cancelled while queued
+            (or after their grant, before they resumed: what they were granted
+            was given back), total.
+        rejections: ``alloc`` and ``admit`` calls refused with
+            ``PoolBusyError`` because ``max_waiters`` calls already queued, total.
         peak_allocated: the most rows ever held at once.
         resets: bulk row resets, total (one vectorised tensor op each).
         fence_errors: fences that faulted, total (their rows quarantined).

@@ -87,6 +87,22 @@ class ReqToTokenPool(PoolCore):
             self._alloc_calls += 1
         return rows
 
+    def available_size(self) -> int:
+        """Rows free right now, after returning rows whose fences completed.
+
+        The seed's schedulers size a batch by ``available_size()`` before
+        they call ``alloc`` (SGLang's ``available_req_slots``); nothing else
+        reclaims a synchronous pool, so a count that left out rows behind
+        completed fences could stay 0 for good. Reclaims only while rows are
+        pending (one ``query()`` per stream head); with
+        ``reclaim="explicit"`` it asks no fence (rows come back through
+        :meth:`retire` and :meth:`agree`).
+        """
+        led = self._ledger
+        if led.pending:
+            led.reclaim()
+        return led.free_count
+
     def record_use(self, rows: Rows, fence: Fence) -> None:
         """Tie ``rows`` to work that completes with ``fence`` (see the ledger)."""
         self._ledger.record_use(rows, fence)

@@ -132,8 +132,22 @@ class TokenTables:
                 f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}); use device='cpu' on this machine"
             )
-        self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
+        if enable_memory_saver and self.device.type != "cuda" and torch.cuda.is_available():
+            # Without CUDA, create() below says so; with it, tables on another
+            # device are not in any region the saver pauses (and create()
+            # would set the saver's process-wide hook mode for nothing).
+            raise MemorySaverError(
+                f"enable_memory_saver=True needs device='cuda': torch-memory-saver "
+                f"pauses CUDA memory, and these tables are on device={device!r}"
+            )
         self._on_cuda = self.device.type == "cuda"
+        if self._on_cuda and stream is not None and not isinstance(stream, torch.cuda.Stream):
+            # Silently ignored, resets would go to whatever stream is current.
+            raise TypeError(
+                f"stream= on a CUDA pool must be a torch.cuda.Stream (the forward "
+                f"stream, say) or None, got {stream!r} of type {type(stream).__name__}"
+            )
+        self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)
         self._cuda_stream = stream if on_cuda_stream else None
         self._allocate()

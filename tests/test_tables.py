@@ -165,6 +165,22 @@ def test_pools_refuse_memory_saver_without_cuda():
         AsyncReqToTokenPool(4, 4, enable_memory_saver=True)
 
 
+def test_memory_saver_with_tables_off_cuda_is_refused_on_a_cuda_machine(monkeypatch):
+    # On a GPU machine device="cpu" with the saver passed: nothing it could
+    # pause, and the saver's process-wide hook mode was set for nothing.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    created = []
+    monkeypatch.setattr(MemorySaverAdapter, "create", classmethod(lambda cls, e: created.append(e)))
+    for make in (
+        lambda: TokenTables(4, 4, "cpu", True),
+        lambda: ReqToTokenPool(4, 4, "cpu", True),
+        lambda: AsyncReqToTokenPool(4, 4, device="cpu", enable_memory_saver=True),
+    ):
+        with pytest.raises(MemorySaverError, match="needs device='cuda'"):
+            make()
+    assert created == []
+
+
 # ---------------------------------------------------------------- CUDA
 
 
@@ -206,6 +222,24 @@ def test_sync_pool_on_cuda_defers_free_behind_cuda_fence():
     stream.synchronize()
     torch.cuda.synchronize()
     assert int(pool.verified_lens[rows[0]]) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stream", ["forward", 7, "a HostStream", "a device-generic torch.Stream"])
+def test_a_cuda_pool_refuses_a_stream_that_is_not_a_cuda_stream(stream):
+    # It was ignored: resets went to whatever stream was current.
+    with HostStream() as host:
+        value = {
+            "a HostStream": host,
+            "a device-generic torch.Stream": torch.Stream(device="cuda"),
+        }.get(stream, stream)
+        for make in (
+            lambda: TokenTables(4, 4, "cuda", stream=value),
+            lambda: ReqToTokenPool(4, 4, "cuda", stream=value),
+            lambda: AsyncReqToTokenPool(4, 4, device="cuda", stream=value),
+        ):
+            with pytest.raises(TypeError, match=r"must be a torch\.cuda\.Stream"):
+                make()
 
 
 @pytest.mark.cuda

@@ -1,0 +1,300 @@
+"""Gaps found by mutation testing of the waiter queues, deferral, overdue
+fences and the fence watcher.
+
+Each test pins one behaviour that a hand-written mutant of the library broke
+while the rest of the suite still passed: a grant that must happen inside
+the call that makes memory free, a waiter shed behind a faulted fence, the
+row state ``force_release`` leaves, overdue accounting and its re-armed
+check, and an idle poller woken by a new fence (the stress suite caught
+that one only after a four-minute hang).
+
+Async tests run on asyncio and uvloop (conftest); every wait that could hang
+is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+import time
+import weakref
+
+import pytest
+from helpers import WAIT_S, EventFence, FakeStream, assert_conserved, bounded, spin
+
+from asyncpool import AsyncReqToTokenPool, CapacityError
+from asyncpool.ledger import SlotLedger
+from asyncpool.overdue import OverdueFences
+from asyncpool.watcher import FenceWatcher
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+
+
+def make(size: int = 3, **kw) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(size, 4, **kw)
+
+
+async def queued(pool: AsyncReqToTokenPool, *specs: int) -> list[asyncio.Task]:
+    """Start one ``alloc`` per spec and step until all of them are queued."""
+    tasks = [asyncio.create_task(pool.alloc(n)) for n in specs]
+    await spin()
+    assert pool.waiting() == len(specs)
+    return tasks
+
+
+class _Seen(logging.Handler):
+    """Collects the records containing ``word``; sets ``event`` at ``count``."""
+
+    def __init__(self, word: str, count: int) -> None:
+        super().__init__(logging.WARNING)
+        self.word = word
+        self.count = count
+        self.event = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.word in record.getMessage():
+            self.records.append(record)
+            if len(self.records) >= self.count:
+                self.event.set()  # logged on the loop's thread (a timer callback)
+
+
+# ---------------------------------------------------------------- grants inside the freeing call
+
+
+async def test_free_grants_a_head_that_fits_only_with_a_completed_fence():
+    """The grant loop reclaims completed fences before it calls the head
+    short: the head is served inside ``free()``, not on a later wake-up."""
+    async with bounded(), make(3) as pool:  # 2 rows
+        a, b = await pool.alloc(2)
+        s = FakeStream()
+        pool.free([a], fence=s.record())
+        [w] = await queued(pool, 2)
+        s.complete()  # its wake-up has not run: nothing yields below
+        assert pool.free([b]) == 1
+        assert pool.waiting() == 0  # granted within free()
+        assert sorted(await w) == sorted([a, b])
+        pool.free(await w)
+        assert_conserved(pool)
+
+
+async def test_reclaim_grants_waiters_inside_the_call():
+    async with bounded(), make(3) as pool:
+        rows = await pool.alloc(2)
+        s = FakeStream()
+        pool.free(rows, fence=s.record())
+        [w] = await queued(pool, 2)
+        s.complete()
+        assert pool.reclaim() == 2
+        assert pool.waiting() == 0  # not left to the watcher's wake-up
+        assert sorted(await w) == sorted(rows)
+        pool.free(rows)
+        assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- cancelled waiters
+
+
+async def test_a_waiter_cancelled_behind_a_blocked_head_leaves_the_queue_at_once():
+    """Cancelled behind a head that does not fit, a waiter stops counting at
+    once: waiting() and max_waiters see the queue as it is."""
+    async with bounded(), make(3, max_waiters=2) as pool:
+        held = await pool.alloc(1)
+        head, behind = await queued(pool, 2, 1)
+        behind.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await behind
+        assert pool.waiting() == 1 and pool.stats().waiters == 1
+        pool.check_invariants()
+        late = asyncio.create_task(pool.alloc(1))
+        await spin()
+        assert not late.done() and pool.waiting() == 2  # queued, not refused
+        assert pool.stats().rejections == 0
+        pool.free(held)
+        got = await head
+        pool.free(got)
+        pool.free(await late)
+        assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- shedding after a fault
+
+
+async def test_shedding_an_unfittable_head_serves_the_waiters_behind_it():
+    """A fault makes the head's need impossible: it fails, and the smaller
+    waiter behind it gets the free row at once (no other wake-up comes)."""
+    async with bounded(), make(5) as pool:  # 4 rows
+        held = await pool.alloc(3)
+        s = FakeStream()
+        pool.free(held[-1:], fence=s.record())  # one row free, one pending
+        big, small = await queued(pool, 4, 1)
+        s.fault()  # the watcher notices: one wake-up, before the shed
+        with pytest.raises(CapacityError):
+            await big
+        [row] = await small
+        assert row not in held and pool.stats().quarantined == 1
+        pool.free([row, *held[:-1]])
+        assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- force_release
+
+
+async def test_force_release_of_a_fence_recorded_on_an_allocated_row_keeps_invariants():
+    async with bounded(), make(3) as pool:
+        [row] = await pool.alloc(1)
+        stuck = FakeStream().record()
+        pool.record_use([row], stuck)
+        pool.force_release(stuck)
+        assert_conserved(pool)  # the row is plain allocated again
+        assert pool.free([row]) == 1
+        assert_conserved(pool)
+
+
+# ---------------------------------------------------------------- overdue fences
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _overdue_ledger(timeout: float) -> tuple[SlotLedger, OverdueFences, _Clock]:
+    clock = _Clock()
+    led = SlotLedger(8, clock=clock)
+    return led, OverdueFences(timeout, [led], clock=clock), clock
+
+
+def test_overdue_counts_every_batch_a_fence_holds():
+    led, overdue, clock = _overdue_ledger(10.0)
+    stuck, other = EventFence(), EventFence()
+    rows = led.take(2)
+    assert rows is not None
+    a, b = rows
+    led.free([a], fence=stuck)
+    led.record_use([b], stuck)
+    led.free([b], fence=other)  # a second batch whose head is `stuck`
+    assert len(led.pending_batches()) == 2
+    clock.now = 10.0  # exactly fence_timeout later: overdue
+    assert overdue.counts() == (1, {"rows": 2})
+
+
+def test_overdue_next_check_is_due_when_the_oldest_batch_turns_overdue():
+    led, overdue, clock = _overdue_ledger(10.0)
+    rows = led.take(2)
+    assert rows is not None
+    led.free(rows[:1], fence=EventFence())  # t0 = 0
+    clock.now = 5.0
+    led.free(rows[1:], fence=EventFence())  # t0 = 5
+    clock.now = 6.0
+    assert overdue.check() == pytest.approx(4.0)  # the oldest, at t = 10
+    clock.now = 10.0
+    assert overdue.counts() == (1, {"rows": 1})
+    assert overdue.check() == pytest.approx(5.0)  # the other, at t = 15
+
+
+def test_overdue_forgets_a_fence_once_it_holds_nothing():
+    led, overdue, clock = _overdue_ledger(1.0)
+    fence = EventFence()
+    ref = weakref.ref(fence)
+    rows = led.take(1)
+    assert rows is not None
+    led.free(rows, fence=fence)
+    clock.now = 2.0
+    overdue.check()  # logs it once
+    fence.set()
+    assert led.reclaim() == 1
+    assert overdue.check() is None
+    del fence
+    gc.collect()
+    assert ref() is None  # not kept alive by the log-once bookkeeping
+
+
+async def test_a_later_fence_is_logged_overdue_without_another_free(caplog):
+    """The overdue check re-arms itself for the next pending fence: a fence
+    freed after the first check was armed is logged with no further call."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    seen = _Seen("overdue", count=2)
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    first, second = EventFence(), EventFence()
+    try:
+        async with make(3, fence_timeout=0.2) as pool:
+            a, b = await pool.alloc(2)
+            pool.free([a], fence=first)  # arms the check for t = 0.2
+            await asyncio.sleep(0.1)  # time passing, not synchronisation
+            pool.free([b], fence=second)  # overdue at t = 0.3: a later check
+            async with bounded():
+                await seen.event.wait()
+            one, two = (r.getMessage() for r in seen.records)
+            assert repr(first) in one and repr(second) not in one
+            assert repr(second) in two
+            first.set()
+            second.set()
+            async with bounded():
+                await pool.drain()
+    finally:
+        first.set()
+        second.set()
+        log.removeHandler(seen)
+
+
+# ---------------------------------------------------------------- wake-ups
+
+
+async def test_a_stale_wake_up_flag_of_another_loop_does_not_suppress_wake_ups(kit):
+    """The coalescing flag is keyed to the loop. A completion that races a
+    loop move (its thread read the old loop, then queued the wake-up there
+    after the move reset the flag) leaves the old loop in the flag; set
+    here directly. Wake-ups of the pool's own loop must still be queued."""
+    stale = asyncio.new_event_loop()  # a loop the pool left; never runs again
+    try:
+        async with bounded(), make(3) as pool:
+            rows = await pool.alloc(2)
+            fence = kit.event_fence()
+            pool.free(rows, fence=fence)
+            [w] = await queued(pool, 2)
+            pool._wake_scheduled = stale
+            fence.set()  # the watcher's wake-up is the only call into the pool
+            assert sorted(await w) == sorted(rows)
+            pool.free(rows)
+            assert_conserved(pool)
+    finally:
+        stale.close()
+
+
+# ---------------------------------------------------------------- the poller
+
+
+def test_a_fence_watched_while_the_poller_idles_wakes_it():
+    fired = threading.Event()
+    watcher = FenceWatcher(fired.set)
+    try:
+        first = EventFence()
+        first.set()
+        watcher.watch(first)
+        assert fired.wait(WAIT_S)
+        # Let the poller run out of fences and block for new ones (a pass
+        # every <= 1 ms while it still polls; none for 20 ms means idle).
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            polls = watcher.polls
+            time.sleep(0.02)
+            if watcher.polls == polls and watcher.polled == 0:
+                break
+        fired.clear()
+        second = EventFence()
+        second.set()
+        watcher.watch(second)
+        assert fired.wait(WAIT_S), "the idle poller was not woken by watch()"
+    finally:
+        watcher.stop()
+        assert watcher.join(WAIT_S)

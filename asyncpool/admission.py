@@ -263,6 +263,46 @@ class Admission:
             self._waiters.grant()  # it reclaimed more than it took
         return got
 
+    def extend_rows(self, rows: Rows, k: int = 1) -> torch.Tensor | None:
+        """Add ``k`` pages to each of ``rows`` at once (a decode step's
+        growth), all or nothing; never waits.
+
+        Returns a ``(len(rows), k)`` int64 tensor, line ``i`` the new pages
+        of ``rows[i]`` (they belong to it from now on), or None when fewer
+        than ``len(rows) * k`` pages are free after reclaiming completed
+        fences, or while the memory is released: nothing changed, and the
+        scheduler retracts, as after :meth:`extend`. One take and one tensor
+        for the batch (``extend`` per row pays both per row). ``rows``: as
+        :meth:`free` takes them. Raises :class:`CapacityError` for ``k`` not
+        an int in ``1..kv.capacity`` or ``len(rows) * k`` past it,
+        :class:`InvalidSlotError` unless the rows are distinct allocated
+        rows, :class:`PoolClosedError` after :meth:`close`; changing nothing.
+        """
+        self._check_thread()
+        k = self._page_count(k, 1)
+        led = self._ledger
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        pages = self._pages
+        assert pages is not None
+        total = len(seq) * k
+        if total > pages.capacity:
+            raise CapacityError(
+                f"cannot extend {len(seq)} rows by {k} pages each: {total} pages, and the "
+                f"KV pool has only {pages.capacity}"
+            )
+        if self._released:
+            return None
+        if not total:
+            return torch.zeros((0, k), dtype=torch.int64, device=pages.kv.device)
+        reclaimed = pages.ledger.reclaimed
+        got = pages.extend_rows(seq, k)
+        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
+            self._waiters.grant()  # it reclaimed more than it took
+        return got
+
     def detach_pages(self, row: int) -> torch.Tensor:
         """Hand ``row``'s pages to the caller, who owns them from now on.
 

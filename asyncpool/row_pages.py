@@ -162,21 +162,46 @@ class RowPages:
         full (``grown``), and the seal grows in place, so a request grown a
         page per decode step to n pages costs O(n) in all, not O(n**2).
         """
-        led = self.ledger
-        arr = led.take(k, OWNED)
+        arr = self._take_reclaiming(k)
         if arr is None:
-            if not (led.pending and led.reclaim()):
-                return None
-            arr = led.take(k, OWNED)
-            if arr is None:
-                return None
+            return None
+        self._append(row, arr)
+        return self.out(arr)
+
+    def extend_rows(self, rows: Sequence[int], k: int) -> torch.Tensor | None:
+        """Add ``k`` pages to each of ``rows`` (distinct, validated), all or
+        nothing; a ``(len(rows), k)`` tensor, row i's pages in line i, or None.
+
+        One take from the page ledger and one tensor for the whole batch.
+        """
+        arr = self._take_reclaiming(len(rows) * k)
+        if arr is None:
+            return None
+        append = self._append
+        if k == 1:
+            for i, row in enumerate(rows):
+                append(row, arr[i : i + 1])
+        else:
+            for i, row in enumerate(rows):
+                append(row, arr[i * k : i * k + k])
+        return self.out(arr.reshape(len(rows), k))
+
+    def _take_reclaiming(self, n: int) -> npt.NDArray[np.int64] | None:
+        led = self.ledger
+        arr = led.take(n, OWNED)
+        if arr is None and led.pending and led.reclaim():
+            arr = led.take(n, OWNED)
+        return arr
+
+    def _append(self, row: int, arr: npt.NDArray[np.int64]) -> None:
+        """Grow ``row``'s record and seal by ``arr`` (pages just taken OWNED)."""
         old = self.owned[row]
         if old is None:
             self.owned[row] = arr
             self.sealed[row] = arr.tobytes()
-            return self.out(arr)
+            return
         n = old.shape[0]
-        end = n + k
+        end = n + arr.shape[0]
         buf: npt.NDArray[np.int64] | None = self.grown[row]
         if buf is None or end > len(buf) or old.base is not buf:
             # A new buffer: the record as it reads now is copied (a write
@@ -195,7 +220,6 @@ class RowPages:
         if seal.__class__ is bytes:
             seal = self.sealed[row] = bytearray(seal)
         seal += arr.tobytes()
-        return self.out(arr)
 
     def of(self, row: int) -> torch.Tensor:
         pages = self.owned[row]

@@ -17,6 +17,9 @@
   lists 16,384 pages against one listing 16 (a page per decode step at
   ``page_size=1``, a 16K-token request). Amortised O(1): about 1x. It was
   O(n) (the record copied per extend) before the record grew in a buffer.
+* Context: a decode step's growth of 256 rows by one page each,
+  ``pool.extend_rows(rows, 1)`` against ``pool.extend(row, 1)`` per row;
+  per row.
 """
 
 from __future__ import annotations
@@ -136,15 +139,58 @@ async def _extend(cfg: Config) -> list[Row]:
 
         return sample
 
+    # A decode step: every row of the batch grows one page, `steps` steps
+    # per batch of freshly admitted rows.
+    batch, steps = cfg.extend_batch_rows, 16
+    batch_pool = AsyncReqToTokenPool(
+        batch + 1, 16, kv=KVPagePool(batch * (steps + 1) + 1, 1)
+    )
+
+    def decode_steps(batched: bool) -> Sampler:
+        async def sample(n: int) -> int:
+            elapsed = done = 0
+            admit, free = batch_pool.try_admit, batch_pool.free
+            extend, extend_rows = batch_pool.extend, batch_pool.extend_rows
+            while done < n:
+                rows = []
+                for _ in range(batch):
+                    grant = admit(pages=1)
+                    assert grant is not None
+                    rows.append(grant.row)
+                t0 = now()
+                for _ in range(steps):
+                    if batched:
+                        extend_rows(rows, 1)
+                    else:
+                        for row in rows:
+                            extend(row, 1)
+                elapsed += now() - t0
+                free(rows)
+                done += batch * steps
+            return elapsed
+
+        return sample
+
     try:
         per_op = await interleave(
-            {"long": extends_at(long), "short": extends_at(short)},
+            {
+                "long": extends_at(long),
+                "short": extends_at(short),
+                "extend_rows": decode_steps(True),
+                "extend each": decode_steps(False),
+            },
             rounds=cfg.rounds,
             target_s=cfg.sample_s,
         )
     finally:
         await pool.close()
+        await batch_pool.close()
     return [
+        compare(per_op, bench=f"decode step: {batch} rows grow 1 page each", loop=loop,
+                subject="extend_rows", reference="extend each", unit="ns/row", speedup=True,
+                subject_label=f"extend_rows(rows, 1), {batch} rows",
+                reference_label=f"extend(row, 1) for each of {batch} rows",
+                note="context: one take and one tensor for the batch"),
         compare(per_op, bench="decode growth: extend(row, 1)", loop=loop,
                 subject="long", reference="short", unit="ns/extend", speedup=False,
                 subject_label=f"extend(row, 1), record of {long:,} pages",

@@ -82,6 +82,8 @@ class Config:
     #: against one of ``admit_pages``; extends per admitted record
     extend_record_pages: int = 16_384
     extend_chunk: int = 256
+    #: a decode step's batch: rows grown one page each, per call or at once
+    extend_batch_rows: int = 256
     #: batches of ``batch_k`` rows freed behind fences per fenced sample
     fenced_batches: int = 64
     reclaim_pending: tuple[int, ...] = (1, 10, 100, 1_000, 10_000)
@@ -138,6 +140,7 @@ PRESETS: dict[str, Config] = {
         contended_pages=8,
         extend_record_pages=64,
         extend_chunk=8,
+        extend_batch_rows=4,
         contended_rounds=2,
         fenced_batches=4,
         reclaim_pending=(1, 10),

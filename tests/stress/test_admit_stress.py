@@ -3,7 +3,7 @@
 Worker tasks ``admit`` (and ``try_admit``, and row-only ``alloc`` in the same
 queue) with random page counts, priorities, timeouts and cancellations
 (including the same-tick ``task.cancel(); pool.free(row)`` race), grow rows
-with ``extend``, hand pages off with ``detach_pages`` and free them later to
+with ``extend`` and ``extend_rows``, hand pages off with ``detach_pages`` and free them later to
 the ``KVPagePool`` themselves, ``record_use`` rows behind step fences, and
 free rows plainly, behind ``fence=`` (ordered host fences and transfer
 handles of unknown origin) or ``after=stream``. A clock task launches gates
@@ -271,6 +271,20 @@ async def worker(h: Shadow, wid: int, max_held: int) -> None:
             await alloc_row()
         elif op < 0.40:
             await cancel_admit()
+        elif op < 0.45 and held:
+            # A decode step's growth: distinct rows, all or nothing.
+            batch = rng.sample(held, rng.randint(1, min(4, len(held))))
+            batch = [req for req in batch if len(req.pages) < 48]
+            k = rng.randint(1, 2)
+            h.count("extend_rows")
+            got = pool.extend_rows([req.row for req in batch], k)
+            if got is not None:
+                h.note("extend_rows_hit")
+                if tuple(got.shape) != (len(batch), k):
+                    h.fail(f"extend_rows gave shape {tuple(got.shape)} for {len(batch)} rows")
+                for req, line in zip(batch, got.tolist(), strict=True):
+                    h.grant_pages(line, req.tok)
+                    req.pages += line
         elif op < 0.52:
             req = held[rng.randrange(len(held))] if held else None
             if req is not None and len(req.pages) < 48:
@@ -352,5 +366,7 @@ async def test_admit_stress(request: pytest.FixtureRequest, capsys: Any) -> None
     # the run exercised what it claims to
     assert kv.stats().deferred_frees > 0 and kv.stats().reclaimed > 0
     assert st.timeouts > 0 and st.cancellations > 0 and st.admit_wait.count > 0
-    for what in ("extend_hit", "detach", "kv_free_fence", "try_admit_hit", "free_after"):
+    for what in (
+        "extend_hit", "extend_rows_hit", "detach", "kv_free_fence", "try_admit_hit", "free_after"
+    ):
         assert h.counts.get(what, 0) > 0, what

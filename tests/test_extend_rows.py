@@ -1,0 +1,228 @@
+"""``pool.extend_rows(rows, k)``: a decode step's growth in one call.
+
+All or nothing, never waits, one take and one tensor for the batch; the
+same rules as ``extend`` for each row (the pages belong to it, are freed with
+it behind its fences, and a write into its record is caught).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_conserved
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    InvalidSlotError,
+    KVPagePool,
+    PoolClosedError,
+)
+
+
+def make(rows: int = 4, pages: int = 16) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
+
+
+def ids(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.reshape(-1).tolist()]
+
+
+def state(pool: AsyncReqToTokenPool):
+    """Everything a refused call must leave as it was."""
+    kv = pool.kv
+    assert kv is not None
+    kv.check_invariants()
+    pool.check_invariants()
+    stats = dataclasses.replace(pool.stats(), fence_latency=None, wait_time=None, admit_wait=None)
+    owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
+    return stats, kv.available_size(), kv.pending_size(), owned
+
+
+def conserved(pool: AsyncReqToTokenPool) -> None:
+    assert_conserved(pool)
+    kv = pool.kv
+    assert kv is not None
+    kv.check_invariants()
+    assert kv.available_size() + kv.pending_size() + kv.allocated_size() == kv.capacity
+
+
+async def test_each_row_gets_its_line_of_pages_in_one_call():
+    async with make(rows=3, pages=16) as pool:
+        a = await pool.admit(pages=2)
+        b = await pool.admit(pages=0)  # a row with no pages yet
+        c = await pool.admit(pages=1)
+        got = pool.extend_rows([a.row, b.row, c.row], 2)
+        assert got is not None and got.shape == (3, 2) and got.dtype == torch.int64
+        assert ids(pool.pages_of(a.row)) == ids(a.pages) + ids(got[0])
+        assert ids(pool.pages_of(b.row)) == ids(got[1])
+        assert ids(pool.pages_of(c.row)) == ids(c.pages) + ids(got[2])
+        every = ids(pool.pages_of(a.row)) + ids(pool.pages_of(b.row)) + ids(pool.pages_of(c.row))
+        assert len(set(every)) == len(every) == 9
+        kv = pool.kv
+        assert kv is not None and kv.available_size() == 16 - 9
+        with pytest.raises(InvalidSlotError, match="owned by a row"):
+            kv.free(got[1].clone())  # the row's now
+        pool.free([a.row, b.row, c.row])
+        assert kv.available_size() == 16
+        conserved(pool)
+
+
+async def test_short_of_pages_it_answers_none_and_changes_nothing():
+    async with make(rows=3, pages=6) as pool:
+        rows = [(await pool.admit(pages=1)).row for _ in range(3)]
+        before = state(pool)
+        assert pool.extend_rows(rows, 2) is None  # 6 needed, 3 free: none taken
+        assert state(pool) == before
+        got = pool.extend_rows(rows, 1)  # 3 fit
+        assert got is not None and got.shape == (3, 1)
+        pool.free(rows)
+        conserved(pool)
+
+
+async def test_it_reclaims_completed_page_fences_first_and_serves_waiters(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=3, pages=6) as pool:
+        a = await pool.admit(pages=4)
+        b = await pool.admit(pages=1)
+        pool.free([a.row], after=stream)
+        assert pool.extend_rows([b.row], 2) is None  # behind the gate
+        gate.open()
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), 10)
+        got = pool.extend_rows([b.row], 2)
+        assert got is not None and len(pool.pages_of(b.row)) == 3
+        pool.free(b.row)
+        conserved(pool)
+
+
+async def test_the_pages_are_freed_with_their_rows_behind_the_rows_fences(kit):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=4) as pool:
+        a = await pool.admit(pages=1)
+        got = pool.extend_rows([a.row], 3)
+        assert got is not None
+        pool.record_use([a.row], stream.record())  # the step still writes them
+        pool.free(a.row)
+        kv = pool.kv
+        assert kv is not None and kv.available_size() == 0 and kv.pending_size() == 4
+        gate.open()
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), 10)
+        pool.reclaim()  # (or the pool's own wake-up did, already)
+        assert kv.available_size() == 4 and kv.pending_size() == 0
+        conserved(pool)
+
+
+async def test_a_write_into_the_returned_pages_of_a_row_without_pages_is_caught():
+    # Such a row's record is its line of the returned tensor, as extend's
+    # tensor is a row's record when it had no pages.
+    async with make(rows=2, pages=8) as pool:
+        a = await pool.admit(pages=0)
+        b = await pool.admit(pages=0)
+        got = pool.extend_rows([a.row, b.row], 2)
+        assert got is not None
+        own = ids(got[0])
+        got[0, 0] = got[1, 0]
+        with pytest.raises(InvalidSlotError, match="written into"):
+            pool.free([a.row])
+        assert sorted(ids(pool.detach_pages(a.row))) == sorted(own)
+        pool.free([a.row, b.row])
+        kv = pool.kv
+        assert kv is not None
+        kv.free(torch.tensor(own))
+        conserved(pool)
+
+
+async def test_rows_in_every_form_free_takes_and_no_rows_is_an_empty_batch():
+    async with make(rows=3, pages=16) as pool:
+        rows = [(await pool.admit(pages=1)).row for _ in range(2)]
+        for form in (torch.tensor(rows), np.array(rows), [np.int64(r) for r in rows], tuple(rows)):
+            got = pool.extend_rows(form, 1)
+            assert got is not None and got.shape == (2, 1)
+        one = pool.extend_rows(rows[0], 1)  # one row, as free takes it
+        assert one is not None and one.shape == (1, 1)
+        empty = pool.extend_rows([], 3)
+        assert empty is not None and empty.shape == (0, 3)
+        assert [len(pool.pages_of(r)) for r in rows] == [1 + 4 + 1, 1 + 4]
+        pool.free(rows)
+        conserved(pool)
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "error"),
+    [
+        ("both", 0, CapacityError),
+        ("both", -1, CapacityError),
+        ("both", 1.0, CapacityError),
+        ("both", True, CapacityError),
+        ("both", 17, CapacityError),
+        ("both", 9, CapacityError),  # 18 pages of 16: never fits
+        ("duplicate", 1, InvalidSlotError),
+        ("row 0", 1, InvalidSlotError),
+        ("out of range", 1, InvalidSlotError),
+        ("a free row", 1, InvalidSlotError),
+        ("a freed row", 1, InvalidSlotError),  # DoubleFreeError is for frees
+        ("a float", 1, InvalidSlotError),
+    ],
+)
+async def test_bad_input_raises_typed_and_changes_nothing(rows, k, error):
+    async with make(rows=4, pages=16) as pool:
+        a = await pool.admit(pages=1)
+        b = await pool.admit(pages=1)
+        gone = await pool.admit(pages=0)
+        pool.free(gone.row)
+        arg = {
+            "both": [a.row, b.row],
+            "duplicate": [a.row, a.row],
+            "row 0": [a.row, 0],
+            "out of range": [a.row, 99],
+            "a free row": [a.row, 4],
+            "a freed row": [a.row, gone.row],
+            "a float": [a.row, 2.0],
+        }[rows]
+        before = state(pool)
+        with pytest.raises(error):
+            pool.extend_rows(arg, k)
+        assert state(pool) == before
+        pool.free([a.row, b.row])
+        conserved(pool)
+
+
+async def test_after_close_it_raises_and_a_pool_without_kv_refuses():
+    pool = make(rows=2, pages=4)
+    g = await pool.admit(pages=1)
+    await pool.close()
+    before = state(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend_rows([g.row], 1)
+    assert state(pool) == before
+    pool.free(g.row)
+    conserved(pool)
+    async with AsyncReqToTokenPool(3, 8) as rows_only:
+        row = await rows_only.alloc(1)
+        with pytest.raises(CapacityError, match="no KV pages"):
+            rows_only.extend_rows(row, 1)
+        rows_only.free(row)
+
+
+async def test_many_steps_of_batched_growth_keep_every_record_whole():
+    async with make(rows=4, pages=4 * 101) as pool:
+        grants = [await pool.admit(pages=1) for _ in range(4)]
+        rows = [g.row for g in grants]
+        expected = {g.row: ids(g.pages) for g in grants}
+        for step in range(100):
+            batch = rows[step % 2 :] if step % 3 else rows  # rows come and go
+            got = pool.extend_rows(batch, 1)
+            assert got is not None
+            for row, line in zip(batch, got.tolist(), strict=True):
+                expected[row] += line
+        for row in rows:
+            assert ids(pool.pages_of(row)) == expected[row]
+        pool.check_invariants()
+        pool.free(rows)
+        conserved(pool)

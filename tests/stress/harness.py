@@ -273,6 +273,44 @@ class PhaseRun:
     leftover: list[int] | None
 
 
+#: Seconds a phase may go without a pool operation counted or noted, and
+#: may take to wind down once its workers were told to stop, before it
+#: counts as hung (a lost wake-up: workers wait for a grant that never
+#: comes). A healthy phase counts an operation every few microseconds and
+#: winds down in milliseconds; a slow machine stretches the phase, not these.
+STALL_S = 20.0
+
+
+def _progress(h: ShadowBase) -> tuple[int, int]:
+    return h.ops, sum(h.counts.values())
+
+
+async def _finished_or_stalled(h: ShadowBase, phase: asyncio.Future[Any], budget_s: float) -> bool:
+    """Wait for ``phase``: True once it finished, False if it overran
+    ``budget_s``, counted nothing for :data:`STALL_S`, or did not wind down
+    within :data:`STALL_S` of ``h.stop`` (a watchdog, looking once a second;
+    not what the workers synchronise on)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    last, since = _progress(h), start
+    stopped_at: float | None = None
+    while True:
+        done, _ = await asyncio.wait({phase}, timeout=1.0)
+        if done:
+            return True
+        now = loop.time()
+        seen = _progress(h)
+        if seen != last:
+            last, since = seen, now
+        if h.stop and stopped_at is None:
+            stopped_at = now
+        if now - since > STALL_S or (stopped_at is not None and now - stopped_at > STALL_S):
+            h.fail(f"no progress for {STALL_S:.0f} s (a lost wake-up?): {h.pool!r}")
+            return False
+        if now - start > budget_s:
+            return False
+
+
 async def run_phases(
     h: ShadowBase,
     phases: Sequence[PhaseT],
@@ -287,10 +325,13 @@ async def run_phases(
     For each phase (none after a failure): ``begin(phase)`` sets the shadow
     up (its target) and returns how many workers to start; workers
     ``worker(wid, phase)`` run with ids unique across phases until they stop.
-    A phase that overruns ``budget_s`` counts as hung: its workers are
-    cancelled and no later phase runs. Then the clock stops, every fence is
-    opened, ``pool.drain()`` must finish within 30 s, and :meth:`ShadowBase.check`
-    runs once more. Whatever happens, the pool and ``h.streams`` are closed.
+    A phase that overruns ``budget_s``, counts nothing for ``STALL_S`` or
+    takes longer than that to wind down once told to stop (a lost wake-up:
+    workers wait for a grant that never comes) counts as hung: its workers
+    are cancelled and no later phase runs. Then the clock stops, every fence
+    is opened, ``pool.drain()`` must finish within 30 s, and
+    :meth:`ShadowBase.check` runs once more. Whatever happens, the pool and
+    ``h.streams`` are closed.
     """
     pool = h.pool
     clock_task = asyncio.create_task(clock(h))
@@ -307,14 +348,14 @@ async def run_phases(
             workers = [asyncio.create_task(worker(wid + i, phase)) for i in range(nworkers)]
             wid += nworkers
             h.tasks_created += nworkers
-            try:
-                async with asyncio.timeout(budget_s):
-                    results += await asyncio.gather(*workers, return_exceptions=True)
-            except TimeoutError:
+            phase_done = asyncio.gather(*workers, return_exceptions=True)
+            if await _finished_or_stalled(h, phase_done, budget_s):
+                results += phase_done.result()
+            else:
                 hung = True
                 for t in workers:
                     t.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
+                await asyncio.gather(phase_done, return_exceptions=True)
                 break
         errors = [r for r in results if isinstance(r, BaseException)]
         h.done = True

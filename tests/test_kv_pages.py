@@ -36,7 +36,7 @@ def snapshot(kv: KVPagePool) -> tuple[Any, ...]:
     stats = dataclasses.asdict(kv.stats())
     stats.pop("fence_latency")
     return (
-        kv.available_size(),
+        led.free_count,  # not available_size(): it reclaims completed fences
         kv.pending_size(),
         stats,
         led.states().tobytes(),

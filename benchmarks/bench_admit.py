@@ -148,17 +148,20 @@ async def _extend(cfg: Config) -> list[Row]:
 
     def decode_steps(batched: bool) -> Sampler:
         async def sample(n: int) -> int:
+            # n decode steps (of `batch` row-extends each: ops_per_call), at
+            # most `steps` on one batch of freshly admitted rows.
             elapsed = done = 0
             admit, free = batch_pool.try_admit, batch_pool.free
             extend, extend_rows = batch_pool.extend, batch_pool.extend_rows
             while done < n:
+                c = min(steps, n - done)
                 rows = []
                 for _ in range(batch):
                     grant = admit(pages=1)
                     assert grant is not None
                     rows.append(grant.row)
                 t0 = now()
-                for _ in range(steps):
+                for _ in range(c):
                     if batched:
                         extend_rows(rows, 1)
                     else:
@@ -166,7 +169,7 @@ async def _extend(cfg: Config) -> list[Row]:
                             extend(row, 1)
                 elapsed += now() - t0
                 free(rows)
-                done += batch * steps
+                done += c
             return elapsed
 
         return sample
@@ -181,6 +184,7 @@ async def _extend(cfg: Config) -> list[Row]:
             },
             rounds=cfg.rounds,
             target_s=cfg.sample_s,
+            ops_per_call={"extend_rows": batch, "extend each": batch},
         )
     finally:
         await pool.close()

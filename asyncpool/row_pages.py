@@ -243,6 +243,12 @@ class RowPages:
         self.ledger.disown(own)
         if pages.tobytes() != sealed:
             pages = own.copy()
+        elif pages.base is not None:
+            # A view of the row's doubling buffer (up to twice its pages) or
+            # of an extend_rows batch array (which the caller holds too): the
+            # caller keeps detached pages for long (a prefix cache), so they
+            # get an exact-size array of their own, pinning neither.
+            pages = pages.copy()
         if self._on_host and pages.shape[0] > 1:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
         return self.out(pages)
@@ -346,9 +352,19 @@ class RowPages:
                 continue
             if row not in allocated:
                 raise AssertionError(f"row {row} owns pages but is not allocated")
+            if pages.dtype != np.int64 or pages.ndim != 1 or pages.strides != (8,):
+                raise AssertionError(f"row {row}'s record is not a 1-D contiguous int64 array")
+            seal = self.sealed[row]
+            if seal is None or len(seal) != pages.nbytes:
+                raise AssertionError(
+                    f"row {row}'s seal is missing or not as long as its record "
+                    f"({pages.shape[0]} pages)"
+                )
             buf = self.grown[row]
-            if buf is not None and pages.base is not buf:
-                raise AssertionError(f"row {row}'s record is not a view of its buffer")
+            if buf is not None and (len(buf) > self.capacity or pages.base is not buf):
+                raise AssertionError(
+                    f"row {row}'s record is not a view of its buffer, or that is too big"
+                )
             seen.extend(pages.tolist())
         if len(set(seen)) != len(seen):
             raise AssertionError("a page is owned by two rows")

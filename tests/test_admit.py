@@ -376,7 +376,8 @@ async def test_a_faulted_fence_quarantines_row_and_pages(kit, caplog):
         assert st.quarantined == 1 and st.pages_quarantined == 3
         # Only one page can ever be free again: an admit for two fails at once.
         with pytest.raises(CapacityError, match="pages"):
-            await pool.admit(pages=2)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.admit(pages=2)
         conserved(pool)
 
 
@@ -782,7 +783,8 @@ async def test_close_fails_admit_waiters_and_later_admits():
     await pool.close()
     assert isinstance(await outcome(w), PoolClosedError)
     with pytest.raises(PoolClosedError):
-        await pool.admit(pages=1)
+        async with bounded():  # a lost check must fail, not hang
+            await pool.admit(pages=1)
     with pytest.raises(PoolClosedError):
         pool.try_admit(pages=1)
     pool.free(g.row)  # free still works after close
@@ -965,7 +967,8 @@ async def test_bad_page_counts_raise_and_change_nothing(n):
         g = await pool.admit(pages=1)
         before = snapshot(pool)
         with pytest.raises(CapacityError):
-            await pool.admit(pages=n)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.admit(pages=n)
         with pytest.raises(CapacityError):
             pool.try_admit(pages=n)
         with pytest.raises(CapacityError):
@@ -1137,7 +1140,8 @@ async def test_admit_and_page_calls_without_kv_raise():
     async with AsyncReqToTokenPool(3, 4) as pool:
         rows = await pool.alloc(1)
         with pytest.raises(CapacityError, match="kv"):
-            await pool.admit(pages=1)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.admit(pages=1)
         with pytest.raises(CapacityError, match="kv"):
             pool.try_admit(pages=1)
         with pytest.raises(CapacityError, match="kv"):

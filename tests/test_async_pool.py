@@ -844,7 +844,8 @@ async def test_bad_sizes_raise_capacity_error_and_change_nothing(n):
         held = await pool.alloc(1)
         before = pool_snapshot(pool)
         with pytest.raises(CapacityError):
-            await pool.alloc(n)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.alloc(n)
         with pytest.raises(CapacityError):
             pool.try_alloc(n)
         with pytest.raises(CapacityError):
@@ -856,7 +857,8 @@ async def test_bad_sizes_raise_capacity_error_and_change_nothing(n):
         await spin()
         before = pool_snapshot(pool)
         with pytest.raises(CapacityError):
-            await pool.alloc(n)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.alloc(n)
         assert pool_snapshot(pool) == before
         pool.free(held)
         await finish(t)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, assert_conserved, pool_snapshot, spin
+from helpers import WAIT_S, FakeStream, assert_conserved, bounded, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -153,7 +153,8 @@ async def test_counts_refuse_floats_and_bools(bad):
         ReqToTokenPool(9, 16).alloc(bad)
     async with AsyncReqToTokenPool(9, 16) as pool:
         with pytest.raises(CapacityError):
-            await pool.alloc(bad)
+            async with bounded():  # a lost check must fail, not hang
+                await pool.alloc(bad)
         with pytest.raises(CapacityError):
             pool.try_alloc(bad)
         assert pool.allocated_size() == 0

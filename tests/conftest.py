@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import uvloop
 from helpers import Streams
 
@@ -31,3 +35,19 @@ def kit() -> Iterator[Streams]:
     """HostStreams and gates that the test opens and closes at teardown."""
     with Streams() as k:
         yield k
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    """A single-rank gloo process group (the default group), for ``agree()``
+    tests run in this process; one per test module."""
+    if dist.is_initialized():  # pragma: no cover - another module left one
+        pytest.skip("a default process group already exists in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
+        )
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()

@@ -255,6 +255,29 @@ def pool_snapshot(pool: Any) -> tuple[Any, ...]:
     )
 
 
+def kv_of(pool: Any) -> Any:
+    """The ``KVPagePool`` a pool was built with (asserting it has one)."""
+    kv = pool.kv
+    assert kv is not None
+    return kv
+
+
+def page_ids(t: Any) -> list[int]:
+    """Page ids of a tensor of any shape, as Python ints, in order."""
+    return [int(x) for x in t.reshape(-1).tolist()]
+
+
+def assert_pages_conserved(pool: Any) -> None:
+    """:func:`assert_conserved`, and no page leaked either: the page ledger's
+    invariants hold and its counts add up."""
+    assert_conserved(pool)
+    kv_of(pool).check_invariants()
+    st = pool.stats()
+    assert st.pages_free + st.pages_allocated + st.pages_pending + st.pages_quarantined == (
+        st.pages_capacity
+    )
+
+
 def assert_conserved(pool: Any) -> None:
     """No row leaked: every row is in exactly one state and the counts add up."""
     pool.check_invariants()

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import WAIT_S, assert_conserved, spin
+from helpers import WAIT_S, kv_of, spin
+from helpers import assert_pages_conserved as conserved
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -26,25 +23,6 @@ from asyncpool.agreement import WIDTH, agree
 
 def make(rows: int = 4, pages: int = 16, page_size: int = 4, **kw) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, page_size), **kw)
-
-
-def kv_of(pool: AsyncReqToTokenPool) -> KVPagePool:
-    kv = pool.kv
-    assert kv is not None
-    return kv
-
-
-def ids(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.tolist()]
-
-
-def conserved(pool: AsyncReqToTokenPool) -> None:
-    assert_conserved(pool)
-    kv_of(pool).check_invariants()
-    st = pool.stats()
-    assert st.pages_free + st.pages_allocated + st.pages_pending + st.pages_quarantined == (
-        st.pages_capacity
-    )
 
 
 async def test_pages_reclaimed_at_hand_over_without_a_free_row_grant_nothing(kit):
@@ -250,20 +228,6 @@ class Handle:
     def synchronize(self) -> None:
         if self.error is not None:
             raise self.error
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover
-        pytest.skip("a default process group already exists in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
-        )
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 def explicit_pool(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, assert_conserved, bounded, spin
+from helpers import WAIT_S, assert_conserved, bounded, kv_of, spin
+from helpers import assert_pages_conserved as conserved
+from helpers import page_ids as ids
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -39,27 +41,6 @@ from asyncpool import (
 def make(rows: int = 4, pages: int = 16, page_size: int = 4, **kw) -> AsyncReqToTokenPool:
     """A pool of ``rows`` grantable rows and ``pages`` grantable pages."""
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, page_size), **kw)
-
-
-def kv_of(pool: AsyncReqToTokenPool) -> KVPagePool:
-    kv = pool.kv
-    assert kv is not None
-    return kv
-
-
-def ids(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.tolist()]
-
-
-def conserved(pool: AsyncReqToTokenPool) -> None:
-    """Nothing leaked in either ledger, and the pool's page ownership adds up."""
-    assert_conserved(pool)
-    kv = kv_of(pool)
-    kv.check_invariants()
-    st = pool.stats()
-    assert st.pages_free + st.pages_allocated + st.pages_pending + st.pages_quarantined == (
-        st.pages_capacity
-    )
 
 
 def settled(stream) -> None:

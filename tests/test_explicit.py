@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -293,20 +290,6 @@ def test_agree_without_torch_distributed_is_a_clear_error() -> None:
         pytest.skip("the module's group fixture is live")
     with pytest.raises(RuntimeError, match="init_process_group"):
         rows_pool().agree(None)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover - another module left one
-        pytest.skip("a default process group already exists in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
-        )
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 def test_agree_releases_transfers_that_are_done(group: Any) -> None:

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from helpers import FakeStream, bounded
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool
@@ -35,20 +31,6 @@ class Transfer:
 
 def explicit_pool(rows: int = 4, pages: int = 17, **kw: Any) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows, 8, kv=KVPagePool(pages, 4), reclaim="explicit", **kw)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover
-        pytest.skip("a default process group already exists in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
-        )
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 def test_kv_follows_the_pool_mode() -> None:

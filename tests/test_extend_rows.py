@@ -13,7 +13,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import assert_conserved
+from helpers import assert_pages_conserved, kv_of
+from helpers import page_ids as ids
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -28,10 +29,6 @@ def make(rows: int = 4, pages: int = 16) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
 
 
-def ids(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.reshape(-1).tolist()]
-
-
 def state(pool: AsyncReqToTokenPool):
     """Everything a refused call must leave as it was."""
     kv = pool.kv
@@ -44,10 +41,8 @@ def state(pool: AsyncReqToTokenPool):
 
 
 def conserved(pool: AsyncReqToTokenPool) -> None:
-    assert_conserved(pool)
-    kv = pool.kv
-    assert kv is not None
-    kv.check_invariants()
+    assert_pages_conserved(pool)
+    kv = kv_of(pool)
     assert kv.available_size() + kv.pending_size() + kv.allocated_size() == kv.capacity
 
 

@@ -19,44 +19,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import FakeStream, bounded, spin
+from helpers import FakeStream, bounded, kv_of, spin
+from helpers import page_ids as ids
 
 from asyncpool import AsyncReqToTokenPool, CapacityError, Grant, InvalidSlotError, KVPagePool
 from asyncpool.kv_pages import OWNED
 from asyncpool.ledger import ALLOCATED
-
-
-def kv_of(pool: AsyncReqToTokenPool) -> KVPagePool:
-    kv = pool.kv
-    assert kv is not None
-    return kv
-
-
-def ids(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.tolist()]
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover
-        pytest.skip("a default process group already exists in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1
-        )
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 async def _caller_pages_behind(

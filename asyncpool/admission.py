@@ -257,11 +257,7 @@ class Admission:
             return None
         pages = self._pages
         assert pages is not None
-        reclaimed = pages.ledger.reclaimed
-        got = pages.extend(row, k)
-        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
-            self._waiters.grant()  # it reclaimed more than it took
-        return got
+        return self._grow(pages.extend, row, k)
 
     def extend_rows(self, rows: Rows, k: int = 1) -> torch.Tensor | None:
         """Add ``k`` pages to each of ``rows`` at once (a decode step's
@@ -297,10 +293,21 @@ class Admission:
             return None
         if not total:
             return torch.zeros((0, k), dtype=torch.int64, device=pages.kv.device)
-        reclaimed = pages.ledger.reclaimed
-        got = pages.extend_rows(seq, k)
-        if pages.ledger.reclaimed != reclaimed and self._waiters.count:
-            self._waiters.grant()  # it reclaimed more than it took
+        return self._grow(pages.extend_rows, seq, k)
+
+    def _grow(
+        self, grow: Callable[[Any, int], torch.Tensor | None], rows: Any, k: int
+    ) -> torch.Tensor | None:
+        """``grow(rows, k)`` (RowPages.extend or extend_rows), then the grant
+        loop if the growth reclaimed completed fences: it may have made free
+        more than it took, and queued admissions may fit now."""
+        pages = self._pages
+        assert pages is not None
+        pled = pages.ledger
+        reclaimed = pled.reclaimed
+        got = grow(rows, k)
+        if pled.reclaimed != reclaimed and self._waiters.count:
+            self._waiters.grant()
         return got
 
     def detach_pages(self, row: int) -> torch.Tensor:

@@ -178,12 +178,8 @@ class RowPages:
         if arr is None:
             return None
         append = self._append
-        if k == 1:
-            for i, row in enumerate(rows):
-                append(row, arr[i : i + 1])
-        else:
-            for i, row in enumerate(rows):
-                append(row, arr[i * k : i * k + k])
+        for i, row in enumerate(rows):
+            append(row, arr[i * k : i * k + k])
         return self.out(arr.reshape(len(rows), k))
 
     def _take_reclaiming(self, n: int) -> npt.NDArray[np.int64] | None:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import EventFence
 
 from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool, ReqToTokenPool
 from asyncpool.stats import LatencySummary, PoolStats
@@ -118,19 +119,6 @@ def test_latency_summary_percentiles_are_nearest_rank(n: int) -> None:
     assert summary.max_s == data[-1] and summary.count == n
 
 
-class _Fence:
-    def __init__(self) -> None:
-        self.done = False
-        self.asked = 0
-
-    def query(self) -> bool:
-        self.asked += 1
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 def test_sync_available_size_counts_rows_whose_fences_completed() -> None:
     # A seed-style scheduler sizes its batch by available_size() and calls
     # alloc() only when it is positive (SGLang's available_req_slots). Rows
@@ -139,11 +127,11 @@ def test_sync_available_size_counts_rows_whose_fences_completed() -> None:
     pool = ReqToTokenPool(5, 8)
     rows = pool.alloc(4)
     assert rows is not None
-    step = _Fence()
+    step = EventFence()
     pool.record_use(rows, step)
     assert pool.free(rows) == 0
     assert pool.available_size() == 0 and pool.pending_size() == 4
-    step.done = True
+    step.set()
     assert pool.available_size() == 4
     assert pool.pending_size() == 0
     pool.check_invariants()
@@ -153,17 +141,17 @@ def test_sync_available_size_asks_no_fence_when_explicit_or_nothing_pending() ->
     pool = ReqToTokenPool(5, 8, reclaim="explicit")
     rows = pool.alloc(2)
     assert rows is not None
-    step = _Fence()
+    step = EventFence()
     pool.record_use(rows, step)
     pool.free(rows)
-    step.done = True
-    assert pool.available_size() == 2 and step.asked == 0  # retire/agree only
+    step.set()
+    assert pool.available_size() == 2 and step.queries == 0  # retire/agree only
     auto = ReqToTokenPool(5, 8)
     held = auto.alloc(1)
     assert held is not None
-    other = _Fence()
+    other = EventFence()
     auto.record_use(held, other)
-    assert auto.available_size() == 3 and other.asked == 0  # nothing pending
+    assert auto.available_size() == 3 and other.queries == 0  # nothing pending
 
 
 def test_a_page_pool_of_its_own_counts_pages_whose_fences_completed() -> None:
@@ -172,16 +160,16 @@ def test_a_page_pool_of_its_own_counts_pages_whose_fences_completed() -> None:
     kv = KVPagePool(9, 4)
     pages = kv.alloc(8)
     assert pages is not None
-    step = _Fence()
+    step = EventFence()
     assert kv.free(pages, fence=step) == 0
     assert kv.available_size() == 0 and kv.pending_size() == 8
-    step.done = True
+    step.set()
     assert kv.available_size() == 8 and kv.pending_size() == 0
     kv.check_invariants()
     explicit = KVPagePool(9, 4, reclaim="explicit")
     held = explicit.alloc(2)
     assert held is not None
-    other = _Fence()
+    other = EventFence()
     explicit.free(held, fence=other)
-    other.done = True
-    assert explicit.available_size() == 6 and other.asked == 0  # retire/agree only
+    other.set()
+    assert explicit.available_size() == 6 and other.queries == 0  # retire/agree only

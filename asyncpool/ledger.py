@@ -657,11 +657,16 @@ def _rows_word(n: int) -> str:
 
 def as_index(value: object) -> int:
     """One integer as a Python int: an int, a numpy or torch integer scalar,
-    or a one-element (0-d) integer tensor or array. ``TypeError`` for
-    anything else, bools and floats included."""
+    or a 0-d integer tensor or array. ``TypeError`` for anything else: bools
+    and floats (bool tensors included), and tensors or arrays of one or more
+    dimensions even when they hold one element (``operator.index`` would
+    take ``torch.tensor([2])`` as 2)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return int(value)
-    if getattr(value, "ndim", None) == 0:
+    ndim = getattr(value, "ndim", None)
+    if ndim is not None:
+        if ndim != 0:
+            raise TypeError(f"expected one integer, got a {ndim}-d {type(value).__name__}")
         item = getattr(value, "item", None)
         if item is not None:
             value = item()  # numpy scalar, 0-d array or tensor -> Python scalar

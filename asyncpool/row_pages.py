@@ -16,7 +16,6 @@ Not thread-safe: the owning pool serialises calls.
 from __future__ import annotations
 
 import collections
-import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +26,7 @@ import torch
 from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
 from .kv_pages import OWNED, KVPagePool, PageLedger
+from .ledger import as_index
 from .stats import Histogram
 
 __all__ = ["Grant", "RowPages", "check_page_count"]
@@ -53,17 +53,16 @@ _from_numpy = torch.from_numpy
 def check_page_count(k: Any, capacity: int, *, least: int) -> int:
     """``k`` as an int in ``least..capacity``; :class:`CapacityError` otherwise.
 
-    Accepts anything ``operator.index`` accepts (numpy integers among them),
-    but never a bool.
+    Accepts a Python int or an integer scalar (numpy, a 0-d torch tensor),
+    as :func:`~asyncpool.ledger.as_index` does; never a bool (a bool tensor
+    included) nor a tensor or array of one or more dimensions.
     """
     if k.__class__ is not int:
-        if isinstance(k, bool):
-            raise CapacityError(f"a page count must be an int, got {k!r}")
         try:
-            k = operator.index(k)
+            k = as_index(k)
         except TypeError:
             raise CapacityError(
-                f"a page count must be an int, got {k!r} of type {type(k).__name__}"
+                f"a page count must be an integer, got {k!r} of type {type(k).__name__}"
             ) from None
     assert isinstance(k, int)
     if k < least:

@@ -24,6 +24,7 @@ from asyncpool import (
     DeviceError,
     DoubleFreeError,
     InvalidSlotError,
+    KVPagePool,
     PoolBusyError,
     PoolError,
     ReqToTokenPool,
@@ -158,6 +159,66 @@ async def test_counts_refuse_floats_and_bools(bad):
         with pytest.raises(CapacityError):
             pool.try_alloc(bad)
         assert pool.allocated_size() == 0
+
+
+# One element, but not one integer: torch's ``__index__`` takes a one-element
+# 1-D tensor (and a bool tensor) as an int, so each of these was once granted.
+NOT_SCALARS = [torch.tensor([2]), np.array([2]), torch.tensor([[2]]), torch.tensor(True)]
+
+
+@pytest.mark.parametrize("bad", NOT_SCALARS, ids=["tensor-1d", "array-1d", "tensor-2d", "bool-0d"])
+async def test_counts_refuse_one_element_arrays_and_bool_tensors(bad):
+    """A count is one integer: an array or tensor of one element is refused
+    (not read as its element), on rows and on pages, and nothing changes."""
+    with pytest.raises(CapacityError, match="integer"):
+        ReqToTokenPool(9, 16).alloc(bad)
+    kv = KVPagePool(17, 1)
+    with pytest.raises(CapacityError, match="integer"):
+        kv.alloc(bad)
+    assert kv.available_size() == 16
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 1)) as pool:
+        g = await pool.admit(pages=1)
+        before = pool_snapshot(pool)
+        with pytest.raises(CapacityError, match="integer"):
+            async with bounded():  # a lost check must fail, not hang
+                await pool.alloc(bad)
+        with pytest.raises(CapacityError, match="integer"):
+            pool.try_alloc(bad)
+        with pytest.raises(CapacityError, match="integer"):
+            async with bounded():
+                await pool.admit(pages=bad)
+        with pytest.raises(CapacityError, match="integer"):
+            pool.try_admit(pages=bad)
+        with pytest.raises(CapacityError, match="integer"):
+            pool.extend(g.row, bad)
+        with pytest.raises(CapacityError, match="integer"):
+            pool.extend_rows([g.row], bad)
+        assert pool_snapshot(pool) == before
+        assert pool.pages_of(g.row).tolist() == g.pages.tolist()
+
+
+@pytest.mark.parametrize("bad", NOT_SCALARS, ids=["tensor-1d", "array-1d", "tensor-2d", "bool-0d"])
+async def test_single_row_arguments_refuse_one_element_arrays(bad):
+    """Calls that take one row (``extend``, ``pages_of``, ``detach_pages``,
+    ``set_req_pool_info``) refuse a one-element array or a bool tensor with
+    InvalidSlotError, changing nothing; a 0-d integer tensor is accepted."""
+    sync = ReqToTokenPool(9, 16)
+    assert sync.alloc(2) == [1, 2]
+    info = ReqToTokenPoolInfo(0, 0, torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(InvalidSlotError, match="integer"):
+        sync.set_req_pool_info(bad, info)
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 1)) as pool:
+        g = await pool.admit(pages=2)
+        before = pool_snapshot(pool)
+        for call in (
+            lambda: pool.extend(bad, 1),
+            lambda: pool.pages_of(bad),
+            lambda: pool.detach_pages(bad),
+        ):
+            with pytest.raises(InvalidSlotError):
+                call()
+        assert pool_snapshot(pool) == before
+        assert pool.pages_of(torch.tensor(g.row)).tolist() == g.pages.tolist()
 
 
 @pytest.mark.parametrize("bad", [np.float64(1.0), torch.tensor(1.5), True, np.bool_(True)])

@@ -23,6 +23,13 @@ def pytest_asyncio_loop_factories(
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
+        # CUDA tests pay the context's start-up (seconds, once): a wider bound
+        # than the suite's default (pyproject: a hang fails in 60 s).
+        for item in items:
+            if item.get_closest_marker("cuda") is not None and not item.get_closest_marker(
+                "timeout"
+            ):
+                item.add_marker(pytest.mark.timeout(180))
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
     for item in items:

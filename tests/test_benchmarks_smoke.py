@@ -253,6 +253,7 @@ async def test_scaling() -> None:
         assert m["asyncpool_table_bytes"] > 0
 
 
+@pytest.mark.timeout(180)
 def test_demo_on_both_loops() -> None:
     from benchmarks.bench_demo import bench_demo, demo_available
     from benchmarks.harness import loop_factories
@@ -269,6 +270,7 @@ def test_demo_on_both_loops() -> None:
         json.dumps(row.to_json())
 
 
+@pytest.mark.timeout(180)
 def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
     from benchmarks.run import main
 

@@ -326,6 +326,8 @@ async def worker(h: Shadow, wid: int, max_held: int) -> None:
         free_detached()
 
 
+# Its own watchdog fails a stall in ~30 s; this bound covers the whole budget.
+@pytest.mark.timeout(BUDGET_S + 60)
 async def test_admit_stress(request: pytest.FixtureRequest, capsys: Any) -> None:
     t0 = time.perf_counter()
     streams = [HostStream(f"admit-stress-{i}") for i in range(NSTREAMS)]

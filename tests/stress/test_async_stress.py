@@ -271,6 +271,8 @@ async def cancel_alloc(h: Harness, rng: random.Random, held: list[Any], free_one
     held.append((h.grant(rows), rows))
 
 
+# Its own watchdog fails a stall in ~30 s; this bound covers the whole budget.
+@pytest.mark.timeout(BUDGET_S + 60)
 async def test_async_stress(
     request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str], record_property: Any
 ) -> None:

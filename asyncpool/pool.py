@@ -360,7 +360,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """
         self._drop_dead_waiters()
         self._reclaim_both()  # fences done while no loop could be told
-        if self._waiters.count or self._pending_any() or self._unwatched:
+        if self._waiters.count or self._pending_any():
             pages = self._pages.ledger.pending if self._pages is not None else 0
             held = _count(self._ledger.pending, "row") + (
                 f" and {_count(pages, 'page')}" if pages else ""
@@ -371,6 +371,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 f"{held} wait behind fences; "
                 "let them finish (await pool.drain()) first"
             )
+        # Fences deferred while no loop ran hold nothing now (nothing is
+        # pending): none is left to watch.
+        self._unwatched = []
         self._flush_resets()  # a flush queued on the old loop must not be needed
         try:
             self._loop = _get_running_loop()

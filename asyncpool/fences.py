@@ -197,13 +197,17 @@ class HostFence:
         fence._event.set()
         return fence
 
-    def _settle(self, error: BaseException | None) -> None:
+    def _settle(self, error: BaseException | None, stream: HostStream | None = None) -> None:
         # Called once, by the stream's worker thread.
         if error is not None:
             self._error = error
             self._state = _FAULTED
         else:
             self._state = _DONE
+        # Counted done before waiters wake: once synchronize() returns, the
+        # stream is idle and the next record() is complete at once.
+        if stream is not None:
+            stream._done += 1
         self._event.set()
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
@@ -267,7 +271,8 @@ class HostStream:
         self._cancel = False
         self._error: BaseException | None = None
         # Items put on the queue (under _lock) and items the worker has
-        # finished with (written by the worker only). Equal under _lock means
+        # finished with (written by the worker only; a fence counts once
+        # settled, before its done-callbacks run). Equal under _lock means
         # the stream is idle: nothing launched or recorded is still to run.
         self._queued = 0
         self._done = 0
@@ -366,8 +371,9 @@ class HostStream:
             if item.__class__ is HostFence:
                 if self._cancel and self._error is None:
                     self._error = RuntimeError(f"{self.name} was closed with this fence queued")
-                item._settle(self._error)
-            elif self._error is None and not self._cancel:  # else: faulted or cancelled: skip
+                item._settle(self._error, self)  # counts itself done
+                continue
+            if self._error is None and not self._cancel:  # else: faulted or cancelled: skip
                 fn, args = item
                 try:
                     fn(*args)

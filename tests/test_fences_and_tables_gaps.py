@@ -415,3 +415,31 @@ def test_every_public_error_is_a_pool_error() -> None:
     assert errors.__all__
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), PoolError), name
+
+
+# ---------------------------------------------------------------- bug fix
+
+
+def test_the_stream_is_idle_as_soon_as_synchronize_returns(kit: Streams) -> None:
+    """Once ``synchronize()`` on the last fence returns, everything queued
+    has run and the next ``record()`` is complete at once (``free(after=
+    stream)`` defers nothing), even while the worker still runs that fence's
+    done-callbacks. The worker counted the fence done only after its
+    callbacks, so in that window the next fence came back pending: a rare
+    failure of ``test_record_on_an_idle_stream_is_complete_at_once``."""
+    s = kit.stream()
+    gate = kit.gate(s)
+    fence = s.record()
+    in_callback = threading.Event()
+    release = kit.event()
+
+    def slow_callback() -> None:  # holds the worker between settle and the next item
+        in_callback.set()
+        release.wait(WAIT_S)
+
+    fence.add_done_callback(slow_callback)
+    gate.open()
+    assert in_callback.wait(WAIT_S)
+    fence.synchronize()
+    assert s.record().query() is True
+    release.set()

@@ -114,8 +114,11 @@ def test_remove_done_callback() -> None:
         fence.add_done_callback(second)
         assert fence.remove_done_callback(first) is True
         assert fence.remove_done_callback(first) is False
+        # Waiters wake before a fence's done-callbacks run; the worker runs
+        # them before it settles the next fence, so wait on that one.
+        behind = stream.record()
         gate.open()
-        fence.synchronize()
+        behind.synchronize()
         assert ran == ["second"]
         assert fence.remove_done_callback(second) is False  # settled: nothing waits
     finally:

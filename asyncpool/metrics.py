@@ -269,8 +269,11 @@ class PoolCollector:
                 for name, token, stats in snapshots:
                     key = (fam.name, token)
                     v = float(get(stats))
-                    if v < last.get(key, 0.0):
-                        v = last[key]  # read skew, never a real decrease
+                    prev = last.get(key, 0.0)
+                    if v < prev:
+                        # Read skew, never a real decrease; on a first scrape
+                        # (nothing kept yet), never below 0.
+                        v = prev
                     else:
                         last[key] = v
                     family.add_metric([name], v)

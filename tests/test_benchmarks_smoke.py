@@ -241,7 +241,10 @@ async def test_wake_latency_with_slow_fences_watched() -> None:
         rows = await bench_wake_slow_fences(SMOKE)
     _check(rows)
     assert len(rows) == 2 and all("100 slow fences" in r.bench for r in rows)
-    assert rows[0].samples["polls_per_s"][0] > 0
+    # A figure, not a guarantee: the smoke preset idles 10 ms, and a loaded
+    # machine can run no poll in it (the benchmark itself asserts that the
+    # watcher polls all 100 fences).
+    assert rows[0].samples["polls_per_s"][0] >= 0
 
 
 async def test_scaling() -> None:

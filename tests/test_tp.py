@@ -48,8 +48,13 @@ def test_explicit_mode_grants_identically_on_every_rank(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("api", APIS)
 def test_auto_mode_diverges(tmp_path: Path, api: str) -> None:
-    """The control: the same loop reclaiming by local fence timing diverges."""
-    res = _run(tmp_path, 2, reclaim="auto", api=api)
+    """The control: the same loop reclaiming by local fence timing diverges.
+
+    Its ranks' timings differ by more than the defaults (rank 1's forward
+    sleeps up to 5 ms a step, rank 0's not at all): on a loaded machine a
+    slow step let the default 0.6 ms settle before every decision on both
+    ranks, and once in a while they never diverged."""
+    res = _run(tmp_path, 2, reclaim="auto", api=api, fwd_delay_s=0.005, transfer_delay_s=0.01)
     steps = {r["diverged_at"] for r in res}
     assert len(steps) == 1 and steps != {-1}, res
 

@@ -28,6 +28,7 @@ from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
     InvalidSlotError,
+    KVPagePool,
     PoolClosedError,
     ReqToTokenPoolInfo,
 )
@@ -211,6 +212,55 @@ def test_a_fence_deferred_after_the_loop_closed_wakes_a_waiter_on_the_next(
     second = factory()
     try:
         assert second.run_until_complete(main()) == [r1]
+    finally:
+        kept.set()
+        second.close()
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_fence_deferred_after_the_loop_closed_wakes_an_admit_waiter_on_the_next(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """The same for ``admit``: a row and its pages freed behind a fence while
+    the pool's loop is closed and none runs, another free moving the pool to
+    the next loop, then an ``admit`` that queues there: the kept fence's
+    completion alone grants it the row (and pages)."""
+    pool = make(4, kv=KVPagePool(7, 1))  # three rows, six pages
+    first = factory()
+
+    async def admit_three() -> list[Any]:
+        return [await pool.admit(pages=2) for _ in range(3)]
+
+    try:
+        g1, g2, g3 = first.run_until_complete(admit_three())  # binds the first loop
+    finally:
+        first.close()
+    kept = EventFence()
+    pool.free([g1.row], kept)  # no loop runs, the pool's is closed: kept for later
+
+    async def main() -> Any:
+        other = EventFence()
+        pool.free([g2.row], other)  # moves the pool to this loop
+        waiter = asyncio.ensure_future(pool.admit(pages=2))
+        await asyncio.sleep(0)
+        assert pool.waiting() == 1
+        kept.set()  # only the kept fence completes
+        async with bounded():
+            got = await waiter
+        other.set()
+        pool.free([got.row])
+        pool.free([g3.row])
+        async with bounded():
+            await pool.drain()
+            await pool.close()
+        return got
+
+    second = factory()
+    try:
+        assert second.run_until_complete(main()).row == g1.row
     finally:
         kept.set()
         second.close()

@@ -172,38 +172,49 @@ async def test_rows_given_as_a_tensor_without_data_are_refused(kind: str) -> Non
         pool.free(held)
 
 
+@pytest.mark.parametrize("api", ["alloc", "admit"])
 @pytest.mark.parametrize(
     "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
 )
 def test_a_fence_deferred_after_the_loop_closed_wakes_a_waiter_on_the_next(
-    factory: Callable[[], asyncio.AbstractEventLoop],
+    factory: Callable[[], asyncio.AbstractEventLoop], api: str
 ) -> None:
-    """A fence that starts holding rows while the pool's loop is closed and
-    none runs is kept to be watched later. When another fence's free has
-    already moved the pool to the next loop, an ``alloc`` that queues there
-    must still start watching the kept fence: its completion alone grants
-    the waiter (nobody calls into the pool)."""
-    pool = make(4)  # three rows
+    """A fence that starts holding a row (and, after ``admit``, its pages)
+    while the pool's loop is closed and none runs is kept to be watched
+    later. When another fence's free has already moved the pool to the next
+    loop, an ``alloc`` or ``admit`` that queues there must still start
+    watching the kept fence: its completion alone grants the waiter (nobody
+    calls into the pool)."""
+    pool = make(4, kv=KVPagePool(7, 1)) if api == "admit" else make(4)  # three rows
+
+    async def one_row() -> int:
+        if api == "admit":
+            return (await pool.admit(pages=2)).row
+        (row,) = await pool.alloc(1)
+        return row
+
+    async def three_rows() -> list[int]:
+        return [await one_row() for _ in range(3)]
+
     first = factory()
     try:
-        r1, r2, r3 = first.run_until_complete(pool.alloc(3))  # binds the first loop
+        r1, r2, r3 = first.run_until_complete(three_rows())  # binds the first loop
     finally:
         first.close()
     kept = EventFence()
     pool.free([r1], kept)  # no loop runs, the pool's is closed: kept for later
 
-    async def main() -> list[int]:
+    async def main() -> int:
         other = EventFence()
         pool.free([r2], other)  # moves the pool to this loop
-        waiter = asyncio.ensure_future(pool.alloc(1))
+        waiter = asyncio.ensure_future(one_row())
         await asyncio.sleep(0)
         assert pool.waiting() == 1
         kept.set()  # only the kept fence completes
         async with bounded():
             got = await waiter
         other.set()
-        pool.free(got)
-        pool.free([r3])
+        pool.free([got, r3])
         async with bounded():
             await pool.drain()
             await pool.close()
@@ -211,56 +222,7 @@ def test_a_fence_deferred_after_the_loop_closed_wakes_a_waiter_on_the_next(
 
     second = factory()
     try:
-        assert second.run_until_complete(main()) == [r1]
-    finally:
-        kept.set()
-        second.close()
-    pool.check_invariants()
-
-
-@pytest.mark.parametrize(
-    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
-)
-def test_a_fence_deferred_after_the_loop_closed_wakes_an_admit_waiter_on_the_next(
-    factory: Callable[[], asyncio.AbstractEventLoop],
-) -> None:
-    """The same for ``admit``: a row and its pages freed behind a fence while
-    the pool's loop is closed and none runs, another free moving the pool to
-    the next loop, then an ``admit`` that queues there: the kept fence's
-    completion alone grants it the row (and pages)."""
-    pool = make(4, kv=KVPagePool(7, 1))  # three rows, six pages
-    first = factory()
-
-    async def admit_three() -> list[Any]:
-        return [await pool.admit(pages=2) for _ in range(3)]
-
-    try:
-        g1, g2, g3 = first.run_until_complete(admit_three())  # binds the first loop
-    finally:
-        first.close()
-    kept = EventFence()
-    pool.free([g1.row], kept)  # no loop runs, the pool's is closed: kept for later
-
-    async def main() -> Any:
-        other = EventFence()
-        pool.free([g2.row], other)  # moves the pool to this loop
-        waiter = asyncio.ensure_future(pool.admit(pages=2))
-        await asyncio.sleep(0)
-        assert pool.waiting() == 1
-        kept.set()  # only the kept fence completes
-        async with bounded():
-            got = await waiter
-        other.set()
-        pool.free([got.row])
-        pool.free([g3.row])
-        async with bounded():
-            await pool.drain()
-            await pool.close()
-        return got
-
-    second = factory()
-    try:
-        assert second.run_until_complete(main()).row == g1.row
+        assert second.run_until_complete(main()) == r1
     finally:
         kept.set()
         second.close()

@@ -255,6 +255,17 @@ def pool_snapshot(pool: Any) -> tuple[Any, ...]:
     )
 
 
+def counter_values(collector: Any) -> dict[str, float]:
+    """Each counter family's one ``_total`` sample of a ``PoolCollector``
+    scrape, by family name."""
+    out = {}
+    for fam in collector.collect():
+        if fam.type == "counter":
+            (sample,) = [s for s in fam.samples if s.name.endswith("_total")]
+            out[fam.name] = sample.value
+    return out
+
+
 def kv_of(pool: Any) -> Any:
     """The ``KVPagePool`` a pool was built with (asserting it has one)."""
     kv = pool.kv

@@ -25,19 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import EventFence
+from helpers import EventFence, counter_values
 
 from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool, ReqToTokenPool
 from asyncpool.stats import LatencySummary, PoolStats
-
-
-def _counters(collector: Any) -> dict[str, float]:
-    out = {}
-    for fam in collector.collect():
-        if fam.type == "counter":
-            (sample,) = [s for s in fam.samples if s.name.endswith("_total")]
-            out[fam.name] = sample.value
-    return out
 
 
 def test_pool_readded_after_a_remove_during_a_scrape_starts_its_counters_afresh() -> None:
@@ -58,13 +49,13 @@ def test_pool_readded_after_a_remove_during_a_scrape_starts_its_counters_afresh(
             return snapshot
 
     collector.add(RemovedMidScrape(), "decode")
-    assert _counters(collector)["asyncpool_alloc_calls"] == 3.0
+    assert counter_values(collector)["asyncpool_alloc_calls"] == 3.0
     assert collector.names == ()
 
     new = ReqToTokenPool(9, 4)
     collector.add(new, "decode")
     assert new.alloc(1) is not None
-    counters = _counters(collector)
+    counters = counter_values(collector)
     assert counters["asyncpool_alloc_calls"] == 1.0
     assert counters["asyncpool_rows_allocated"] == 1.0
     # And nothing of the removed pool is kept.
@@ -78,11 +69,11 @@ def test_remove_then_add_between_scrapes_still_starts_afresh() -> None:
     old = ReqToTokenPool(9, 4)
     assert old.alloc(4) is not None
     collector = PoolCollector(old, name="p")
-    assert _counters(collector)["asyncpool_rows_allocated"] == 4.0
+    assert counter_values(collector)["asyncpool_rows_allocated"] == 4.0
     collector.remove("p")
     new = ReqToTokenPool(9, 4)
     collector.add(new, "p")
-    assert _counters(collector)["asyncpool_rows_allocated"] == 0.0
+    assert counter_values(collector)["asyncpool_rows_allocated"] == 0.0
 
 
 @pytest.mark.parametrize("make", [lambda: ReqToTokenPool(5, 4), lambda: AsyncReqToTokenPool(5, 4)])

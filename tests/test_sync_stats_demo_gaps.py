@@ -33,7 +33,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from helpers import LONG_S, EventFence, bounded
+from helpers import LONG_S, EventFence, bounded, counter_values
 
 from asyncpool import ReqToTokenPool
 from asyncpool.stats import DEFAULT_BOUNDS_S, HistogramSnapshot, PoolStats
@@ -240,21 +240,11 @@ def test_a_first_scrape_skewed_below_zero_exports_zero() -> None:
     skewed = PoolStats(8, 6, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, rows_granted=0)
     pool = _OneStats(skewed)
     collector = PoolCollector(pool, name="p")
-    assert _counters(collector)["asyncpool_rows_freed"] == 0.0
+    assert counter_values(collector)["asyncpool_rows_freed"] == 0.0
     pool.snapshot = dataclasses.replace(skewed, rows_granted=3, allocated=2, free=6)
-    counters = _counters(collector)
+    counters = counter_values(collector)
     assert counters["asyncpool_rows_freed"] == 1.0
     assert counters["asyncpool_rows_allocated"] == 3.0
-
-
-def _counters(collector: Any) -> dict[str, float]:
-    """Each counter family's one ``_total`` sample, by family name."""
-    out = {}
-    for fam in collector.collect():
-        if fam.type == "counter":
-            (sample,) = [s for s in fam.samples if s.name.endswith("_total")]
-            out[fam.name] = sample.value
-    return out
 
 
 # ---------------------------------------------------------------- the demo's checker

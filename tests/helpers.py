@@ -255,6 +255,34 @@ def pool_snapshot(pool: Any) -> tuple[Any, ...]:
     )
 
 
+async def caller_pages_behind(pool: Any, fence: Any) -> tuple[Any, asyncio.Future[Any]]:
+    """Every page of ``pool``'s KV pool admitted, detached and freed to the
+    page pool behind ``fence``, and an admission queued for all of them;
+    returns the pages and the queued admission."""
+    kv = kv_of(pool)
+    g = await pool.admit(pages=kv.capacity)
+    pages = pool.detach_pages(g.row)
+    pool.free([g.row])
+    assert kv.free(pages, fence=fence) == 0
+    assert kv.pending_size() == kv.capacity
+    waiter = asyncio.ensure_future(pool.admit(pages=kv.capacity))
+    await spin()
+    assert pool.waiting() == 1
+    return pages, waiter
+
+
+async def granted_in_call(pool: Any, waiter: asyncio.Future[Any], pages: Any) -> None:
+    """The admission ``waiter`` was granted ``pages`` inside the call just
+    made (no loop step between that call and this check); free its row."""
+    assert pool.waiting() == 0
+    async with bounded():
+        got = await waiter
+    assert sorted(page_ids(got.pages)) == sorted(page_ids(pages))
+    pool.free([got.row])
+    pool.check_invariants()
+    kv_of(pool).check_invariants()
+
+
 def counter_values(collector: Any) -> dict[str, float]:
     """Each counter family's one ``_total`` sample of a ``PoolCollector``
     scrape, by family name."""

@@ -40,7 +40,15 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, bounded, kv_of, spin
+from helpers import (
+    WAIT_S,
+    FakeStream,
+    bounded,
+    caller_pages_behind,
+    granted_in_call,
+    kv_of,
+    spin,
+)
 from helpers import page_ids as ids
 from test_kv_pages import snapshot
 
@@ -204,21 +212,12 @@ async def test_available_size_of_a_served_page_pool_only_reads() -> None:
     s = FakeStream()
     async with AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4)) as pool:
         kv = kv_of(pool)
-        g = await pool.admit(pages=4)
-        pages = pool.detach_pages(g.row)
-        pool.free([g.row])
-        assert kv.free(pages, fence=s.record()) == 0
-        waiter = asyncio.ensure_future(pool.admit(pages=4))
-        await spin()
+        pages, waiter = await caller_pages_behind(pool, s.record())
         s.complete()  # no loop step before the calls below
         assert kv.available_size() == 0
         assert kv.pending_size() == 4 and pool.waiting() == 1
         assert kv.reclaim() == 4
-        assert pool.waiting() == 0
-        async with bounded():
-            got = await waiter
-        pool.free([got.row])
-        kv.check_invariants()
+        await granted_in_call(pool, waiter, pages)
 
 
 # ------------------------------------------------------- repr, check_invariants

@@ -24,41 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import FakeStream, bounded, kv_of, spin
+from helpers import FakeStream, caller_pages_behind, granted_in_call, kv_of, spin
 from helpers import page_ids as ids
 
-from asyncpool import AsyncReqToTokenPool, CapacityError, Grant, InvalidSlotError, KVPagePool
+from asyncpool import AsyncReqToTokenPool, CapacityError, InvalidSlotError, KVPagePool
 from asyncpool.kv_pages import OWNED
 from asyncpool.ledger import ALLOCATED
-
-
-async def _caller_pages_behind(
-    pool: AsyncReqToTokenPool, fence: Any
-) -> tuple[torch.Tensor, asyncio.Future[Grant]]:
-    """Every page detached and freed to the page pool behind ``fence``, and an
-    admission queued for all of them."""
-    kv = kv_of(pool)
-    g = await pool.admit(pages=kv.capacity)
-    pages = pool.detach_pages(g.row)
-    pool.free([g.row])
-    assert kv.free(pages, fence=fence) == 0
-    assert kv.pending_size() == kv.capacity
-    waiter = asyncio.ensure_future(pool.admit(pages=kv.capacity))
-    await spin()
-    assert pool.waiting() == 1
-    return pages, waiter
-
-
-async def _granted(pool: AsyncReqToTokenPool, waiter: asyncio.Future[Grant], pages: Any) -> None:
-    # Granted inside the call: no loop step between the call and this check.
-    assert pool.waiting() == 0
-    async with bounded():
-        got = await waiter
-    assert sorted(ids(got.pages)) == sorted(ids(pages))
-    pool.free([got.row])
-    pool.check_invariants()
-    kv_of(pool).check_invariants()
-
 
 # ------------------------------------------------ a served page pool's frees wake its waiters
 
@@ -66,28 +37,28 @@ async def _granted(pool: AsyncReqToTokenPool, waiter: asyncio.Future[Grant], pag
 async def test_page_pool_reclaim_grants_a_queued_admission_inside_the_call() -> None:
     s = FakeStream()
     async with AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4)) as pool:
-        pages, waiter = await _caller_pages_behind(pool, s.record())
+        pages, waiter = await caller_pages_behind(pool, s.record())
         s.complete()  # the watcher may notice, but cannot run before the call below
         assert kv_of(pool).reclaim() == 4
-        await _granted(pool, waiter, pages)
+        await granted_in_call(pool, waiter, pages)
 
 
 async def test_page_pool_retire_grants_a_queued_admission_inside_the_call() -> None:
     s = FakeStream()
     pool = AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4), reclaim="explicit")
     f = s.record()
-    pages, waiter = await _caller_pages_behind(pool, f)
+    pages, waiter = await caller_pages_behind(pool, f)
     assert kv_of(pool).retire(f) == 4
-    await _granted(pool, waiter, pages)
+    await granted_in_call(pool, waiter, pages)
 
 
 async def test_page_pool_agree_grants_a_queued_admission_inside_the_call(group: Any) -> None:
     s = FakeStream()
     pool = AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4), reclaim="explicit")
-    pages, waiter = await _caller_pages_behind(pool, s.record())
+    pages, waiter = await caller_pages_behind(pool, s.record())
     s.complete()
     assert kv_of(pool).agree(group) == 4
-    await _granted(pool, waiter, pages)
+    await granted_in_call(pool, waiter, pages)
 
 
 async def test_a_fenced_page_free_that_is_free_at_once_grants_a_queued_admission() -> None:
@@ -103,7 +74,7 @@ async def test_a_fenced_page_free_that_is_free_at_once_grants_a_queued_admission
         done = s.record()
         s.complete()
         assert kv.free(pages, fence=done) == 4  # the fence completed: free at once
-        await _granted(pool, waiter, pages)
+        await granted_in_call(pool, waiter, pages)
 
 
 async def test_extend_reclaims_a_completed_page_fence_itself() -> None:

@@ -340,4 +340,8 @@ class Lifecycle:
 
     @property
     def released(self) -> bool:
-        return self._released
+        """True once :meth:`release_memory` has released the memory region,
+        until :meth:`resume_memory`; False while a release still drains its
+        fences (allocation is already held then, and the region still holds
+        memory), and False again if that release fails."""
+        return self._released and self._releasing is None

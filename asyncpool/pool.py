@@ -274,7 +274,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def __repr__(self) -> str:
         led = self._ledger
-        state = "closed" if self._closed else ("released" if self._released else "open")
+        if self._closed:
+            state = "closed"
+        elif self._releasing is not None:
+            state = "releasing"
+        else:
+            state = "released" if self._released else "open"
         return (
             f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} "
@@ -1068,7 +1073,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             cancellations=waiters.cancellations,
             rejections=waiters.rejections,
             closed=self._closed,
-            released=self._released,
+            released=self.released,
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,

@@ -171,7 +171,9 @@ class PoolStats:
             cancelled before it resumed (and gave them back) are not counted.
         frees: rows given back by requests, total (``allocs - allocated``).
         deferred_frees: rows whose free had to wait for a fence, total.
-        reclaimed: rows returned to circulation by completed fences, total.
+        reclaimed: rows returned to circulation by completed fences, total
+            (rows released by ``force_release`` count as if their fence had
+            completed, as they do in the fence-latency figures).
         timeouts: ``alloc`` and ``admit`` calls that raised ``TimeoutError``,
             total (one waiter queue serves both).
         cancellations: ``alloc`` and ``admit`` calls cancelled while queued
@@ -183,7 +185,8 @@ class PoolStats:
         resets: bulk row resets, total (one vectorised tensor op each).
         fence_errors: fences that faulted, total (their rows quarantined).
         closed: ``close()`` was called.
-        released: the memory region is released (``release_memory()``).
+        released: the memory region is released (``release_memory()`` has
+            returned; False while it still drains fences).
         wait_time: percentiles (seconds) of the recent window of queued
             allocations' waits, from queueing to grant; allocations granted
             without queueing are not in the window. Empty when ``stats``

@@ -161,6 +161,29 @@ async def test_gauges_and_counters_track_the_pool() -> None:
     assert value(scrape((pool, "decode")), "asyncpool_closed", "decode") == 1
 
 
+async def test_released_reads_true_only_once_the_region_is_released(kit: Streams) -> None:
+    # While release_memory() drains a fence, allocation is held but the
+    # region still holds memory: released (property, stats, gauge) is False
+    # and the repr says "releasing"; it turns True when the release returns.
+    async with AsyncReqToTokenPool(4, 4) as pool, asyncio.timeout(WAIT_S):
+        s = kit.stream()
+        gate = kit.gate(s)
+        pool.free(await pool.alloc(2), after=s)
+        rel = asyncio.create_task(pool.release_memory())
+        await spin()
+        assert not rel.done() and pool.try_alloc(1) is None  # draining, allocs held
+        assert not pool.released and not pool.stats().released
+        assert value(scrape((pool, "p")), "asyncpool_released") == 0
+        assert "releasing" in repr(pool)
+        gate.open()
+        await rel
+        assert pool.released and pool.stats().released
+        assert value(scrape((pool, "p")), "asyncpool_released") == 1
+        assert "released" in repr(pool) and "releasing" not in repr(pool)
+        await pool.resume_memory()
+        assert not pool.released and "open" in repr(pool)
+
+
 # ---------------------------------------------------------------- the wait histogram
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import LONG_S, bounded
 
-from benchmarks import ablation
+from benchmarks import ablation, grant_parts
 from benchmarks import bench_pages as pages_mod
 from benchmarks.bench_admit import bench_admit
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
@@ -183,6 +183,18 @@ async def test_contended_ablation() -> None:
     from asyncpool import waiters
 
     assert waiters._perf_counter is time.perf_counter
+
+
+async def test_grant_parts() -> None:
+    async with bounded(LONG_S):
+        got = await grant_parts.measure(n=200, repeats=1)
+    assert list(got["free"]) == list(grant_parts.FREE_PARTS)
+    assert list(got["alloc"]) == list(grant_parts.ALLOC_PARTS)
+    for side in got.values():
+        assert all(x > 0 and math.isfinite(x) for x in side.values())
+    table = grant_parts.render({"asyncio": got})
+    assert all(name in table for name in (*grant_parts.FREE_PARTS, *grant_parts.ALLOC_PARTS))
+    assert "a grant, both sides" in table
 
 
 async def test_hand_over_floor_grants_in_order() -> None:

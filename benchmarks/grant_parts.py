@@ -287,16 +287,20 @@ def render(results: dict[str, dict[str, dict[str, float]]]) -> str:
         for i, name in enumerate(parts):
             cells = []
             for lp in loops:
-                got = results[lp][key]
-                step = "" if i in (0, len(parts) - 1) else f"+{got[name] - got[parts[i - 1]]:.0f}"
-                cells.append(f"{got[name]:.0f} | {step}")
+                side_ns = results[lp][key]
+                step = (
+                    ""
+                    if i in (0, len(parts) - 1)
+                    else f"+{side_ns[name] - side_ns[parts[i - 1]]:.0f}"
+                )
+                cells.append(f"{side_ns[name]:.0f} | {step}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     for lp in loops:
-        got = results[lp]
-        ours = got["free"][FREE_PARTS[-2]] + got["alloc"][ALLOC_PARTS[-2]]
-        floor = got["free"][FREE_PARTS[0]] + got["alloc"][ALLOC_PARTS[0]]
-        sem = got["free"][FREE_PARTS[-1]] + got["alloc"][ALLOC_PARTS[-1]]
+        free, alloc = results[lp]["free"], results[lp]["alloc"]
+        ours = free[FREE_PARTS[-2]] + alloc[ALLOC_PARTS[-2]]
+        floor = free[FREE_PARTS[0]] + alloc[ALLOC_PARTS[0]]
+        sem = free[FREE_PARTS[-1]] + alloc[ALLOC_PARTS[-1]]
         lines.append(
             f"{lp}: a grant, both sides: shipped {ours:.0f} ns, hand-over floor {floor:.0f} ns, "
             f"asyncio.Semaphore {sem:.0f} ns (shipped - Semaphore = {ours - sem:.0f} ns)"

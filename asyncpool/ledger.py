@@ -334,8 +334,24 @@ class SlotLedger(Deferrals[int]):
             state[row] = ALLOCATED if uses[row] is None else USED
 
     def check_allocated(self, rows: Sequence[int], what: str) -> None:
-        """Raise as :meth:`free` would unless ``rows`` are distinct allocated rows."""
-        self._mark_allocated(rows, what)
+        """Raise as :meth:`free` would unless ``rows`` are distinct allocated rows.
+
+        Changes nothing. Valid rows are told by one pass over the states and
+        a set; only a failing call marks and unmarks, for the precise error.
+        """
+        state = self._state
+        size = self.size
+        for row in rows:
+            if (
+                row.__class__ is not int
+                or not 0 < row < size
+                or (state[row] != ALLOCATED and state[row] != USED)
+            ):
+                break
+        else:
+            if len(rows) < 2 or len(set(rows)) == len(rows):
+                return
+        self._mark_allocated(rows, what)  # raises, naming the first bad row
         self._unmark(rows)
 
     @staticmethod

@@ -16,8 +16,9 @@ Not thread-safe: the owning pool serialises calls.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +33,9 @@ from .stats import Histogram
 __all__ = ["Grant", "RowPages", "check_page_count"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+#: The byte order of an int64 array's ``tobytes()`` (native), for seals
+#: grown from Python ints.
+_BYTEORDER: Literal["little", "big"] = "little" if sys.byteorder == "little" else "big"
 
 
 class Grant(NamedTuple):
@@ -176,10 +180,39 @@ class RowPages:
         arr = self._take_reclaiming(len(rows) * k)
         if arr is None:
             return None
-        append = self._append
-        for i, row in enumerate(rows):
-            append(row, arr[i * k : i * k + k])
+        if k == 1:
+            self._append_one_each(rows, arr)
+        else:
+            append = self._append
+            for i, row in enumerate(rows):
+                append(row, arr[i * k : i * k + k])
         return self.out(arr.reshape(len(rows), k))
+
+    def _append_one_each(self, rows: Sequence[int], arr: npt.NDArray[np.int64]) -> None:
+        """``_append(rows[i], arr[i : i + 1])`` for each i: a decode step's
+        growth, one page a row. Step for step :meth:`_append` where a row's
+        buffer has room (the usual case under doubling), with the page as a
+        Python int (no slice of ``arr``, no array-to-array copy, the seal
+        grown by the id's bytes); anything else takes :meth:`_append`. The
+        ``old.base is buf`` test is :meth:`_append`'s, kept though
+        :meth:`check_invariants` rules out a buffer that is not the record's."""
+        owned, grown, sealed = self.owned, self.grown, self.sealed
+        for i, page in enumerate(arr.tolist()):
+            row = rows[i]
+            old = owned[row]
+            buf = grown[row]
+            if old is not None and old.base is buf and buf is not None:
+                n = old.shape[0]
+                if n < buf.shape[0]:  # room left (else a new buffer, below)
+                    buf[n] = page
+                    owned[row] = buf[: n + 1]
+                    seal = sealed[row]
+                    # A row with a buffer was grown by _append, which made
+                    # its seal a bytearray: grown in place here.
+                    assert isinstance(seal, bytearray)
+                    seal += page.to_bytes(8, _BYTEORDER, signed=True)
+                    continue
+            self._append(row, arr[i : i + 1])
 
     def _take_reclaiming(self, n: int) -> npt.NDArray[np.int64] | None:
         led = self.ledger

@@ -111,6 +111,15 @@ class Config:
     pages_num_pages: int = 32_768
     pages_page_size: int = 16
     pages_counts: tuple[int, ...] = (1, 16, 256)
+    #: a decode step's allocator work (``--only decode``): running requests,
+    #: the range their stored lengths are drawn from (seeded, [lo, hi)), pool
+    #: size in pages (page 0 included), token slots a page, and steps per
+    #: batch from the starting lengths (a multiple of the page size)
+    decode_requests: int = 256
+    decode_lens: tuple[int, int] = (16, 1_024)
+    decode_num_pages: int = 32_768
+    decode_page_size: int = 16
+    decode_batch_steps: int = 256
 
 
 PRESETS: dict[str, Config] = {
@@ -154,6 +163,10 @@ PRESETS: dict[str, Config] = {
         demo_timeout_s=60.0,
         metrics_samples=50,
         pages_num_pages=1_024,
+        decode_requests=8,
+        decode_lens=(16, 64),
+        decode_num_pages=1_024,
+        decode_batch_steps=16,
     ),
 }
 

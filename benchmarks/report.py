@@ -375,12 +375,26 @@ def render_markdown(
         "`PagedTokenToKVPoolAllocator` on CPU (`alloc(n * page_size)` token slots, "
         "`free(slots)`, `need_sort=False`); vLLM's `BlockPool` with prefix caching off "
         "(`get_new_blocks(n)` + `free_blocks`).",
+        f"- Decode step: {cfg.decode_requests} running requests whose stored lengths are drawn "
+        f"(seeded) in [{cfg.decode_lens[0]}, {cfg.decode_lens[1]}), each growing a token a "
+        f"step, on a {cfg.decode_num_pages:,}-page pool of {cfg.decode_page_size} slots a page; "
+        f"batches of {cfg.decode_batch_steps} steps from the starting lengths, pages given "
+        "back between batches, only the step calls timed, each step checked to hand out "
+        "exactly the pages the lengths call for. Synchronous (loop column `sync`). Pages for "
+        "the requests crossing a page boundary (the list computed untimed, alike): asyncpool's "
+        "`extend_rows(crossing_rows, 1)` vs vLLM's `BlockPool.get_new_blocks(1)` per crossing "
+        "request (without `KVCacheManager`'s bookkeeping, which favours vLLM) and vs its "
+        "engine path, `KVCacheManager.allocate_slots(request, 1)` for every request (which "
+        "finds the crossing ones itself, favouring asyncpool). Every request's new-token slot "
+        "(SGLang's `out_cache_loc`): asyncpool's `extend_rows` inside the torch an engine "
+        "would run on CPU vs SGLang's `alloc_decode(seq_lens, seq_lens_cpu, last_loc)` "
+        "(`benchmarks/bench_decode.py` says exactly what each side does).",
         "- Peers: SGLang and vLLM are measured only where they import, and are never "
         "installed in the project's venv (CI does not depend on them). "
         "`bash benchmarks/install_peers.sh VENV` puts them in a venv of their own; "
         "`VENV/bin/python -m benchmarks`, run from the repo root, then measures everything "
-        "with the peers' rows (`--only pages --no-md` for those alone, leaving this page as "
-        "it is). The "
+        "with the peers' rows (`--only pages,decode --no-md` for those alone, leaving this "
+        "page as it is). The "
         "script runs exactly these commands (`$WHEELS` is a temporary folder); vLLM is its "
         "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",
         "",

@@ -1,9 +1,10 @@
 """The benchmark entry point: ``python -m benchmarks`` or ``python benchmarks/run.py``.
 
 Runs every benchmark on asyncio and on uvloop (the synchronous page-allocator
-benchmark, ``pages``, once), prints a markdown report to stdout, writes it to
-``docs/benchmarks.md`` under the current directory (``--md PATH`` elsewhere,
-``--no-md`` not at all) and, with ``--json PATH``, every sample as JSON. It
+benchmarks, ``pages`` and ``decode``, once), prints a markdown report to
+stdout, writes it to ``docs/benchmarks.md`` under the current directory
+(``--md PATH`` elsewhere, ``--no-md`` not at all) and, with ``--json PATH``,
+every sample as JSON. It
 never writes anywhere else. ``--quick`` is the short run. Progress goes to
 stderr. The package is not installed by ``pip install .``: run it from the
 root of a checkout.
@@ -30,7 +31,7 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
 BENCHMARKS = ("uncontended", "batched", "contended", "admit", "fenced", "reclaim", "scaling",
-              "wake", "metrics", "pages", "demo", "agree")
+              "wake", "metrics", "pages", "decode", "demo", "agree")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.bench_admit import bench_admit
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
+    from benchmarks.bench_decode import bench_decode
     from benchmarks.bench_demo import bench_demo
     from benchmarks.bench_fences import (
         bench_fenced_free,
@@ -138,12 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 unavailable["demo"] = str(info["unavailable"])
             _log(f"[demo] done in {time.perf_counter() - t0:.1f}s")
             continue
-        if name == "pages":
+        if name in ("pages", "decode"):
             # Synchronous: the event loop plays no part, so it runs once (on the
             # first loop) and its rows say "sync" in the loop column.
             _log(f"[{name}] (synchronous, runs once) ...")
             t0 = time.perf_counter()
-            prows, skipped = run_on(loops[0], functools.partial(bench_pages, cfg))
+            sync_bench = bench_pages if name == "pages" else bench_decode
+            prows, skipped = run_on(loops[0], functools.partial(sync_bench, cfg))
             rows += prows
             unavailable.update(skipped)
             _log(f"[{name}] done in {time.perf_counter() - t0:.1f}s")

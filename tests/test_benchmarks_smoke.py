@@ -8,6 +8,7 @@ with ``-W error``). The async tests run on every loop conftest provides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -17,9 +18,11 @@ import pytest
 from helpers import LONG_S, bounded
 
 from benchmarks import ablation, grant_parts
+from benchmarks import bench_decode as decode_mod
 from benchmarks import bench_pages as pages_mod
 from benchmarks.bench_admit import bench_admit
 from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
+from benchmarks.bench_decode import bench_decode
 from benchmarks.bench_fences import (
     bench_fenced_free,
     bench_reclaim_sweep,
@@ -145,6 +148,97 @@ async def test_pages_peers_found_skipped_and_broken(monkeypatch: pytest.MonkeyPa
     one = next(r for r in rows if r.reference == "vLLM stand-in"
                and r.bench == pages_mod.bench_name(1))
     assert one.ratio_label.startswith("cost")  # "within 3x of vLLM" is a cost ratio
+
+
+def _check_decode(rows: list[Row]) -> None:
+    for row in rows:
+        assert row.loop == decode_mod.LOOP and row.unit == "ns/step" and row.target is None
+        assert row.bench in (decode_mod.BENCH_PAGES, decode_mod.BENCH_SLOTS), row
+        assert row.subject.startswith("asyncpool"), row
+        assert row.ratio > 0 and math.isfinite(row.ratio), row
+        assert row.subject_value > 0 and row.reference_value > 0, row
+        json.dumps(row.to_json())
+
+
+async def test_decode() -> None:
+    """The asyncpool sides always run (their page counts checked every step);
+    each peer is measured or said skipped, never both."""
+    rows, skipped = await bench_decode(SMOKE)
+    _check_decode(rows)
+    for peer, (_, _, bench) in decode_mod.PEERS.items():
+        measured = [r for r in rows if peer in r.samples]  # keyed by the PEERS name
+        why = skipped.get(f"decode vs {peer}")
+        assert bool(measured) != bool(why), (peer, measured, why)
+        if why:
+            assert why.startswith("skipped:") and "install_peers.sh" in why
+        else:
+            assert [r.bench for r in measured] == [bench]
+
+
+class _PagesStandIn(decode_mod.AsyncpoolPages):
+    key = "pages stand-in"
+    label = "vLLM stand-in"
+
+
+class _SlotsStandIn(decode_mod.AsyncpoolSlots):
+    key = "slots stand-in"
+    label = "SGLang stand-in"
+
+
+class _Greedy(decode_mod.AsyncpoolPages):
+    """Hands out one page a step more than the lengths call for."""
+
+    key = "greedy"
+    label = "greedy stand-in"
+
+    def step(self, arg: list[int]) -> object:
+        extra = [row for row in self.rows if row not in arg][:1]
+        return self.extend_rows(arg + extra, 1)
+
+
+async def test_decode_peers_found_skipped_broken_and_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stand-in peers are timed into both benches' rows; a missing or broken
+    one is skipped with the reason; a side that hands out a page too many fails."""
+
+    def broken(sc: decode_mod.Scenario) -> decode_mod.Side:
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(decode_mod, "PEERS", {
+        "vLLM": ("numpy", _PagesStandIn, decode_mod.BENCH_PAGES),
+        "SGLang": ("numpy", _SlotsStandIn, decode_mod.BENCH_SLOTS),
+        "Missing": ("asyncpool_no_such_peer", broken, decode_mod.BENCH_PAGES),
+        "Broken": ("numpy", broken, decode_mod.BENCH_SLOTS),
+    })
+    rows, skipped = await bench_decode(SMOKE)
+    _check_decode(rows)
+    assert [(r.bench, r.reference) for r in rows] == [
+        (decode_mod.BENCH_PAGES, "vLLM stand-in"), (decode_mod.BENCH_SLOTS, "SGLang stand-in")]
+    assert set(skipped) == {"decode vs Missing", "decode vs Broken"}
+    assert "`asyncpool_no_such_peer` is not importable" in skipped["decode vs Missing"]
+    assert "RuntimeError: no CUDA here" in skipped["decode vs Broken"]
+
+    monkeypatch.setattr(decode_mod, "PEERS", {
+        "Greedy": ("numpy", _Greedy, decode_mod.BENCH_PAGES)})
+    with pytest.raises(AssertionError, match="greedy stand-in: step 0 handed out"):
+        await bench_decode(SMOKE)
+
+
+def test_decode_scenario() -> None:
+    """Any page-size run of steps crosses each request exactly once."""
+    sc = decode_mod.Scenario.of(SMOKE)
+    assert len(sc.lens) == SMOKE.decode_requests
+    assert all(SMOKE.decode_lens[0] <= n < SMOKE.decode_lens[1] for n in sc.lens)
+    for start in range(sc.steps - sc.page_size + 1):
+        crossed = sorted(i for j in range(start, start + sc.page_size) for i in sc.crossing(j))
+        assert crossed == list(range(sc.requests))
+    assert [b - a for a, b in zip(sc.pages_at(0), sc.pages_at(1), strict=True)] == [
+        int(i in sc.crossing(0)) for i in range(sc.requests)]
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        decode_mod.Scenario.of(dataclasses.replace(SMOKE, decode_batch_steps=24))
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_mod.Scenario.of(dataclasses.replace(SMOKE, decode_num_pages=16))
 
 
 def test_peers_install_lines_are_the_scripts() -> None:
@@ -310,6 +404,12 @@ def test_entry_point_writes_markdown_and_json(tmp_path: Path) -> None:
     for peer in ("SGLang", "vLLM"):
         assert (any(r["reference"].startswith(peer) for r in data["rows"])
                 or f"pages vs {peer}" in data["unavailable"])
+    # And the decode step: each peer measured or said skipped.
+    decode_rows = [r for r in data["rows"]
+                   if r["bench"] in (decode_mod.BENCH_PAGES, decode_mod.BENCH_SLOTS)]
+    for peer in decode_mod.PEERS:
+        assert (any(peer in r["samples"] for r in decode_rows)
+                or f"decode vs {peer}" in data["unavailable"]), peer
     # A saved run re-renders to the same markdown without measuring anything.
     again = tmp_path / "again.md"
     assert main(["--from-json", str(js), "--md", str(again)]) == 0

@@ -202,15 +202,15 @@ class RowPages:
             old = owned[row]
             buf = grown[row]
             if old is not None and old.base is buf and buf is not None:
-                n = old.shape[0]
-                if n < buf.shape[0]:  # room left (else a new buffer, below)
+                n = len(old)  # len(): a third of .shape[0]'s cost
+                if n < len(buf):  # room left (else a new buffer, below)
                     buf[n] = page
                     owned[row] = buf[: n + 1]
                     seal = sealed[row]
                     # A row with a buffer was grown by _append, which made
                     # its seal a bytearray: grown in place here.
                     assert isinstance(seal, bytearray)
-                    seal += page.to_bytes(8, _BYTEORDER, signed=True)
+                    seal += page.to_bytes(8, _BYTEORDER)  # a page id is > 0
                     continue
             self._append(row, arr[i : i + 1])
 

@@ -206,10 +206,11 @@ class RowPages:
                 if n < len(buf):  # room left (else a new buffer, below)
                     buf[n] = page
                     owned[row] = buf[: n + 1]
-                    seal = sealed[row]
                     # A row with a buffer was grown by _append, which made
-                    # its seal a bytearray: grown in place here.
-                    assert isinstance(seal, bytearray)
+                    # its seal a bytearray: grown in place here. (Were it
+                    # bytes, the seal would not grow and the row's free
+                    # would refuse its record: caught, never unsafe.)
+                    seal: bytearray = sealed[row]  # type: ignore[assignment]
                     seal += page.to_bytes(8, _BYTEORDER)  # a page id is > 0
                     continue
             self._append(row, arr[i : i + 1])

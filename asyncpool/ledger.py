@@ -38,7 +38,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 from .deferral import Deferrals, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
@@ -55,7 +55,11 @@ _CHECKING = 5  # transient mark while one call validates its rows
 USED = 6
 STATE_NAMES = ("free", "allocated", "pending", "quarantined", "reserved", "checking", "allocated")
 
-Rows = int | Sequence[int]
+#: What a call that takes rows accepts: one row id (an int or an integer
+#: scalar) or an iterable of them (a list, a 1-D integer tensor or array),
+#: as :func:`as_row_ids` converts them; floats and bools are refused there,
+#: at run time.
+Rows = SupportsIndex | Iterable[SupportsIndex]
 
 
 class SlotLedger(Deferrals[int]):

@@ -296,9 +296,9 @@ class AsyncpoolSlots(_Admitted):
         idx = need.nonzero().squeeze(1)
         out = self.last_loc + 1
         if idx.numel():
-            # A 1-D int64 tensor of rows, which extend_rows takes as free does
-            # (Rows, its annotation, names only ints and sequences of ints).
-            pages = self.extend_rows(self.rows_t[idx], 1)  # type: ignore[arg-type]
+            # A 1-D int64 tensor of rows, which extend_rows takes as free
+            # does (and its annotation, Rows, says so: mypy checks it here).
+            pages = self.extend_rows(self.rows_t[idx], 1)
             assert pages is not None
             out[idx] = pages.view(-1) * ps
         self.last_loc = out

@@ -1,0 +1,30 @@
+"""What engines hold type-checks where the pool takes rows (mypy reads this
+file, listed in pyproject's ``[tool.mypy] files``; pytest never collects it).
+
+Ints, integer scalars and 1-D integer tensors and arrays are accepted at run
+time (``tests/test_inputs_and_handoff.py``) and by the annotation
+(``asyncpool.ledger.Rows``); a float is refused by both: the ``type:
+ignore`` below fails mypy (``warn_unused_ignores``) should the annotation
+ever accept one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from asyncpool import AsyncReqToTokenPool, HostStream, ReqToTokenPool
+
+
+def rows_as_engines_hold_them(
+    pool: AsyncReqToTokenPool, sync: ReqToTokenPool, stream: HostStream
+) -> None:
+    pool.free([1, 2])
+    pool.free(np.int64(3))
+    pool.free(torch.tensor(4))
+    pool.free(torch.tensor([1, 2]))
+    pool.free(np.array([1, 2]))
+    pool.record_use(torch.tensor([1]), stream.record())
+    pool.extend_rows(torch.tensor([1, 2]), 1)
+    sync.free(np.array([5]))
+    pool.free(1.5)  # type: ignore[arg-type]

@@ -58,8 +58,9 @@ Two benchmarks, all sides interleaved in one run (the harness's
    * SGLang ``PagedTokenToKVPoolAllocator`` on CPU (``need_sort=False``):
      ``alloc_decode(seq_lens, seq_lens_cpu, last_loc)``, where SGLang's
      ``seq_lens`` include the new token (L + 1; one tensor for both
-     arguments on CPU). On CPU it runs its torch path
-     (``alloc_decode_naive``), not the Triton kernel. The pages of the
+     arguments on CPU). It runs its torch path (``alloc_decode_naive``),
+     not the Triton kernel, which SGLang would pick on a CUDA host whatever
+     the allocator's device (and which cannot read CPU tensors). The pages of the
      starting lengths are allocated once and held; between batches
      ``free_page_ids`` gives back the pages the batch's steps handed out.
 
@@ -413,6 +414,11 @@ class SglangSlots(Side):
         self.sc = sc
         ps = sc.page_size
         self.alloc = _sglang_pool(sc.num_pages, ps)
+        # SGLang picks its Triton kernel by platform (any CUDA host), not by
+        # the allocator's device, and that kernel cannot read these CPU
+        # tensors: the torch path, as on a host without CUDA.
+        if getattr(self.alloc, "use_triton_kernels", False):
+            self.alloc.use_triton_kernels = False
         start = sc.pages_at(0)
         slots = self.alloc.alloc(sum(start) * ps)  # the starting lengths' pages, held
         if slots is None:

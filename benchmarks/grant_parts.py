@@ -178,17 +178,21 @@ async def _free_side(name: str, n: int, repeats: int) -> float:
 
     loop = asyncio.get_running_loop()
     if name == FREE_PARTS[-1]:
-        sem = asyncio.Semaphore(0)
-        sem_waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
-        sem._waiters = sem_waiters
+        # One Semaphore a release, each with one waiter: the resumed
+        # acquire removes its waiter (``self._waiters.remove(fut)``), and the
+        # wait side's hand-driven acquire times that; a popleft here would
+        # count it twice (and without one, done futures would pile up ahead
+        # of the next release's waiter).
         best = float("inf")
         for _ in range(repeats):
+            sems = []
             for _ in range(n):
-                sem_waiters.append(loop.create_future())
+                sem = asyncio.Semaphore(0)
+                sem._waiters = collections.deque((loop.create_future(),))
+                sems.append(sem)
             t0 = time.perf_counter_ns()
-            for _ in range(n):
+            for sem in sems:
                 sem.release()
-                sem_waiters.popleft()  # the resumed acquire's remove, at the head
             best = min(best, (time.perf_counter_ns() - t0) / n)
         return best
     pool = AsyncReqToTokenPool(65, 8, device="cpu")

@@ -1,5 +1,7 @@
-"""Review of the day's changes after bd0215d: the findings' regression tests,
-and differential guards of the decode fast path and ``check_allocated``
+"""Review of the decode-growth fast path, ``check_allocated`` and the new
+benchmarks: the findings' regression tests (SGLang's decode side on a CUDA
+host, the Semaphore's remove counted once in ``grant_parts``), and
+differential guards of ``extend_rows(rows, 1)`` and ``check_allocated``
 against the code they replaced."""
 
 from __future__ import annotations

@@ -394,13 +394,16 @@ class RowPages:
                 raise AssertionError(
                     f"row {row}'s record is not a view of its buffer, or that is too big"
                 )
-            seen.extend(pages.tolist())
+            # The seal, not the record: the caller may have written into the
+            # record (against the contract; the row's free refuses it), which
+            # leaves the pool's own state, the seal and the ledger, intact.
+            seen.extend(np.frombuffer(seal, dtype=np.int64).tolist())
         if len(set(seen)) != len(seen):
             raise AssertionError("a page is owned by two rows")
         owned_pages = int(np.count_nonzero(self.ledger._state == OWNED))
         if owned_pages != len(seen):
             raise AssertionError(
-                f"{owned_pages} pages are OWNED but the rows' records list {len(seen)}"
+                f"{owned_pages} pages are OWNED but the rows' seals list {len(seen)}"
             )
         for page in seen:
             if self.ledger.state_of(page) != "owned by a row":

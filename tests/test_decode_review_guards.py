@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import FakeStream, ledger_snapshot
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool
+from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool
 from asyncpool.ledger import SlotLedger
 from asyncpool.row_pages import RowPages
 from benchmarks import bench_decode as decode_mod
@@ -313,3 +313,29 @@ def test_check_allocated_matches_marking_and_unmarking() -> None:
             assert ledger_snapshot(led) == before
             assert new == outcome(lambda: old(led, q)), (seed, q)  # noqa: B023
             assert ledger_snapshot(led) == before
+
+
+# ------------------------------------------------ check_invariants, written records
+
+
+@pytest.mark.parametrize("written", ["another row's page", "an id out of range"])
+def test_check_invariants_reads_the_seal_not_a_record_the_caller_wrote_into(written: str) -> None:
+    # Writing into a row's record breaks the contract, and the row's free
+    # refuses it; the pool's own state (seal and ledger) is intact, so
+    # check_invariants passes, and once the record is restored, free works.
+    pool = AsyncReqToTokenPool(4, 64, kv=KVPagePool(16, 4))
+    a = pool.try_admit(pages=2)
+    b = pool.try_admit(pages=2)
+    assert a is not None and b is not None
+    pool.extend_rows([a.row], 1)  # a grown record (a buffer) as well
+    record = pool.pages_of(a.row)
+    kept = int(record[0])
+    record[0] = int(b.pages[0]) if written == "another row's page" else 10**9
+    pool.check_invariants()
+    with pytest.raises(InvalidSlotError):
+        pool.free([a.row])
+    pool.check_invariants()
+    record[0] = kept
+    pool.free([a.row, b.row])
+    pool.check_invariants()
+    assert pool.kv.available_size() == 15

@@ -82,22 +82,18 @@ runner runs it once (on the first loop) and its rows carry ``loop="sync"``.
 
 from __future__ import annotations
 
-import importlib.util
-import logging
+import functools
 import random
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .bench_pages import INSTALL_HINT, LOOP, _sglang_pool, _version
+from .bench_pages import INSTALL_HINT, LOOP, _sglang_pool, _version, load_peer
 from .harness import Config, Row, Sampler, clock_of, compare, interleave
 
 __all__ = ["BENCH_PAGES", "BENCH_SLOTS", "Scenario", "Side", "bench_decode"]
-
-logger = logging.getLogger(__name__)
 
 BENCH_PAGES = "decode step: pages for the requests crossing a page boundary"
 BENCH_SLOTS = "decode step: every request's new-token KV slot"
@@ -477,17 +473,13 @@ def _load_peers(sc: Scenario) -> tuple[list[tuple[Side, str]], dict[str, str]]:
     found: list[tuple[Side, str]] = []
     skipped: dict[str, str] = {}
     for name, (module, loader, bench) in PEERS.items():
-        key = f"decode vs {name}"
-        if importlib.util.find_spec(module) is None:
-            skipped[key] = (f"skipped: `{module}` is not importable from {sys.executable}; "
-                            f"{INSTALL_HINT}")
-            continue
-        try:
-            found.append((loader(sc), bench))
-        except Exception as exc:  # an installed but broken peer is a skip, said why
-            logger.warning("decode benchmark: %s skipped", name, exc_info=True)
-            skipped[key] = (f"skipped: importing or building it failed "
-                            f"({type(exc).__name__}: {exc}); {INSTALL_HINT}")
+        peer, why = load_peer(module, functools.partial(loader, sc), "decode", name,
+                              INSTALL_HINT)
+        if peer is not None:
+            found.append((peer, bench))
+        else:
+            assert why is not None
+            skipped[f"decode vs {name}"] = why
     return found, skipped
 
 

@@ -38,18 +38,21 @@ event loop: the runner runs it once (on the first loop) and its rows carry
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .harness import Config, Row, Sampler, Target, clock_of, compare, interleave
 
-__all__ = ["INSTALL_HINT", "LOOP", "bench_name", "bench_pages"]
+__all__ = ["INSTALL_HINT", "LOOP", "bench_name", "bench_pages", "load_peer"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: what the ``loop`` column says for these loop-independent rows
 LOOP = "sync"
@@ -206,24 +209,35 @@ PEERS: dict[str, tuple[str, Callable[[int, int], Contender]]] = {
 }
 
 
+def load_peer(module: str, build: Callable[[], T], bench: str, name: str,
+              hint: str) -> tuple[T | None, str | None]:
+    """``(build(), None)`` when ``module`` imports and the peer builds, else
+    ``(None, the line saying why, ending with hint)``: a missing peer and an
+    installed but broken one are skips, never failures of the run."""
+    if importlib.util.find_spec(module) is None:
+        return None, f"skipped: `{module}` is not importable from {sys.executable}; {hint}"
+    try:
+        return build(), None
+    except Exception as exc:  # an installed but broken peer is a skip, said why
+        logger.warning("%s benchmark: %s skipped", bench, name, exc_info=True)
+        return None, (f"skipped: importing or building it failed "
+                      f"({type(exc).__name__}: {exc}); {hint}")
+
+
 def _load_peers(num_pages: int, page_size: int) -> tuple[list[Contender], dict[str, str]]:
     """The installed peers, and for each missing one the line saying why."""
     found: list[Contender] = []
     skipped: dict[str, str] = {}
     for name, (module, loader) in PEERS.items():
-        key = f"pages vs {name}"
         n_targets = sum(1 for peer, _ in TARGETS if peer == name)
         hint = (f"its {n_targets} targets are not measured; " if n_targets else "") + INSTALL_HINT
-        if importlib.util.find_spec(module) is None:
-            skipped[key] = (f"skipped: `{module}` is not importable from {sys.executable}; "
-                            f"{hint}")
-            continue
-        try:
-            found.append(loader(num_pages, page_size))
-        except Exception as exc:  # an installed but broken peer is a skip, said why
-            logger.warning("page benchmark: %s skipped", name, exc_info=True)
-            skipped[key] = (f"skipped: importing or building it failed "
-                            f"({type(exc).__name__}: {exc}); {hint}")
+        peer, why = load_peer(module, functools.partial(loader, num_pages, page_size), "page",
+                              name, hint)
+        if peer is not None:
+            found.append(peer)
+        else:
+            assert why is not None
+            skipped[f"pages vs {name}"] = why
     return found, skipped
 
 

@@ -48,7 +48,7 @@ from .harness import (
     semaphore_worker,
 )
 
-__all__ = ["SUBJECTS", "HandOverPool", "ablate_contended", "main"]
+__all__ = ["SUBJECTS", "HandOverPool", "ablate_contended", "main", "unchecked_alloc_pool"]
 
 SUBJECTS = (
     "asyncpool",
@@ -85,7 +85,7 @@ class HandOverPool:
         return len(rows)
 
 
-def _unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
+def unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
     """An AsyncReqToTokenPool whose ``alloc`` skips every check (see above).
 
     Its body is a deliberate copy of the shipped ``alloc``'s take-or-enqueue
@@ -155,7 +155,7 @@ async def ablate_contended(cfg: Config) -> dict[str, list[float]]:
             pools[name] = HandOverPool(rows)
             continue
         if name == "no alloc checks":
-            pools[name] = _unchecked_alloc_pool(rows + 1, cfg.max_context_len)
+            pools[name] = unchecked_alloc_pool(rows + 1, cfg.max_context_len)
             continue
         pool = AsyncReqToTokenPool(rows + 1, cfg.max_context_len, device="cpu")
         if "no resets" in name:

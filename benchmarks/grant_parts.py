@@ -18,11 +18,12 @@ shipped pool's parts one at a time, and ends with the shipped call itself;
 the reference. Every variant is a measurement aid that works on the
 shipped pool's own containers (its free queue, row states and waiter
 queues): a copy of ``asyncpool/pool.py``'s and ``asyncpool/waiters.py``'s
-hot paths, pared down. Keep it in step with them, as the ablation's
-``UncheckedAlloc``. The parts are timed alone, with warm caches; inside
-the contended workload (``python -m benchmarks --only contended``) they
-cost less and the loop's own work more, so read the increments, not the
-sum. Nothing here is a target.
+hot paths, pared down (the wait side's check-free ``alloc`` is the
+ablation's ``UncheckedAlloc``, not a second copy). Keep them in step.
+The parts are timed alone, with warm caches; inside the contended
+workload (``python -m benchmarks --only contended``) they cost less and
+the loop's own work more, so read the increments, not the sum. Nothing
+here is a target.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from .ablation import unchecked_alloc_pool
 from .harness import loop_factories, run_on
 
 __all__ = ["ALLOC_PARTS", "FREE_PARTS", "main", "measure", "render"]
@@ -52,7 +54,7 @@ FREE_PARTS = (
 ALLOC_PARTS = (
     "hand-over floor",
     "+ the waiter record (clock, tuple, count)",
-    "+ enqueue through WaiterQueues",
+    "+ alloc's take-or-enqueue core (running loop, WaiterQueues.enqueue)",
     "shipped alloc (thread, argument, closed, quarantine, loop checks)",
     "asyncio.Semaphore.acquire, waiting",
 )
@@ -154,21 +156,9 @@ def _alloc_variants(
             waiters.cancelled(queue[-1])
             raise
 
-    async def enqueue(n: int) -> Any:
-        # alloc's slow path after its checks (pool.py): enqueue, await.
-        waiter, handle = waiters.enqueue(
-            n, 0, None, loop, pool._wait_times, pool._wait_histogram
-        )
-        try:
-            return await waiter[1]
-        except asyncio.CancelledError:
-            waiters.cancelled(waiter)
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
-
-    return {ALLOC_PARTS[0]: floor, ALLOC_PARTS[1]: record, ALLOC_PARTS[2]: enqueue,
+    # ALLOC_PARTS[2] and [3] are the pool's own alloc: _alloc_side builds
+    # the ablation's check-free pool for [2] (alloc's core, as shipped).
+    return {ALLOC_PARTS[0]: floor, ALLOC_PARTS[1]: record, ALLOC_PARTS[2]: pool.alloc,
             ALLOC_PARTS[3]: pool.alloc}
 
 
@@ -235,7 +225,10 @@ async def _alloc_side(name: str, n: int, repeats: int) -> float:
         acquire: Callable[..., Coroutine[Any, Any, Any]] = sem.acquire
         pool = None
     else:
-        pool = AsyncReqToTokenPool(65, 8, device="cpu")
+        if name == ALLOC_PARTS[2]:
+            pool = unchecked_alloc_pool(65, 8)  # alloc without its checks
+        else:
+            pool = AsyncReqToTokenPool(65, 8, device="cpu")
         for _ in range(64):
             pool.try_alloc(1)
         assert pool._loop is loop  # bound by try_alloc inside the loop

@@ -189,8 +189,9 @@ def _host_step(delay_s: float, *args: torch.Tensor) -> None:
     _write_step(*args)
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+def admission_pages(req: Request, page_size: int) -> int:
+    """Pages for a request's prompt (its length so far) and its first new token."""
+    return -(-(req.length + 1) // page_size)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -259,7 +260,7 @@ async def run(args: argparse.Namespace) -> int:
             #    growth came up short. When nothing runs, await the next
             #    admission: the fences of the memory it needs wake it.
             while waiting and not sitting_out:
-                need = pages_for(waiting[0].length + 1, ps)
+                need = admission_pages(waiting[0], ps)
                 if kv.available_size() - need < args.headroom:
                     break
                 grant = pool.try_admit(pages=need)
@@ -269,7 +270,7 @@ async def run(args: argparse.Namespace) -> int:
             if not running and waiting:
                 evict_all()
                 req = waiting.popleft()
-                start(req, await pool.admit(pages=pages_for(req.length + 1, ps), timeout=30))
+                start(req, await pool.admit(pages=admission_pages(req, ps), timeout=30))
             # 3. Launch step t and tie its rows (and so their pages) to its fence.
             batch = [r for r in running if r.id not in sitting_out]
             launched = None

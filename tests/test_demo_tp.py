@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
+import torch
 
 from scheduler_demo.config import DemoConfig
 from scheduler_demo.tp import TPMismatchError, check_agreed, format_summary, run_tp
@@ -131,3 +136,97 @@ def test_the_tp_exit_status_counts_every_rank(
     monkeypatch.setattr(tpm, "run_tp", lambda cfg, world, reclaim: _summary(corruptions))
     argv = ["--tp", "2", "--no-progress"] + (["--unsafe"] if unsafe else [])
     assert cli.main(argv) == status
+
+
+# -- the two guards on a client abort, driven by hand on one rank ---------------
+# A TP run cannot reach them on demand (a timer fires between iterations, a
+# retraction happens inside one), so these drive a one-rank TPScheduler
+# directly: a request admitted and in transfer, its abort timer's callback
+# called by hand, the per-iteration exchange run by hand.
+
+
+@contextlib.asynccontextmanager
+async def _one_rank_in_transfer(group: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A one-rank TPScheduler whose only request holds a row and pages and
+    waits for a transfer that does not land during the test."""
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+    from scheduler_demo.forward import Forward
+    from scheduler_demo.scheduler import TRANSFER
+    from scheduler_demo.tp import TPScheduler
+    from scheduler_demo.transfer import TransferEngine
+    from scheduler_demo.workload import RequestSpec
+
+    cfg = DemoConfig(
+        num_requests=1, rows=4, max_context_len=64, kv_pages=16, page_size=4,
+        transfer_ms=600_000.0, progress=False,
+    )
+    specs = [RequestSpec(0, 0.0, 8, 4)]
+    forward = Forward("cpu")
+    transfers = TransferEngine("cpu", cfg.transfer_ms, 8.0)
+    kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size, reclaim="explicit")
+    kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64)
+    try:
+        async with AsyncReqToTokenPool(
+            cfg.rows + 1, cfg.max_context_len, kv=kv_pages, reclaim="explicit"
+        ) as pool:
+            forward.attach(pool.req_to_token, pool.verified_lens, kv)
+            transfers.attach(kv)
+            sched = TPScheduler(
+                cfg, pool, kv_pages, forward, transfers, specs, group=group, rank=0, world=1
+            )
+            req = sched.reqs[0]
+            n = sched._need_pages(req)
+            grant = pool.try_admit(pages=n)
+            assert grant is not None
+            req.row = grant.row
+            sched.pages_held += n
+            sched._granted(req, grant.pages)
+            assert req.state == TRANSFER and req.transfer is not None
+            try:
+                yield sched, req
+            finally:
+                await sched._stop_tasks()
+    finally:
+        forward.close()
+        transfers.close()
+
+
+async def test_rank0_queues_an_abort_only_for_the_requests_current_transfer(
+    group: Any,
+) -> None:
+    """Rank 0 broadcasts a fired abort timer only if its transfer is still the
+    request's (a timer of an earlier transfer is stale; mutant: no
+    ``req.transfer is t`` test), and no other rank queues one (they learn of
+    aborts from rank 0)."""
+    async with _one_rank_in_transfer(group) as (sched, req):
+        stale = object()  # the handle of a transfer the request no longer has
+        sched._client_abort(req, stale)
+        assert sched._aborted == []
+        sched.rank = 1
+        sched._client_abort(req, req.transfer)
+        assert sched._aborted == []
+        sched.rank = 0
+        sched._client_abort(req, req.transfer)
+        assert sched._aborted == [(req.spec.rid, req.epoch)]
+
+
+async def test_the_exchange_applies_an_abort_only_to_the_epoch_it_fired_in(
+    group: Any,
+) -> None:
+    """An abort broadcast with an epoch the request has left (retracted since
+    the timer fired) is dropped on every rank alike (mutant: no
+    ``req.epoch == epoch`` test, which aborts the request's new life); one
+    with the current epoch aborts the request and frees its row."""
+    from scheduler_demo.scheduler import ABORTED, TRANSFER
+
+    async with _one_rank_in_transfer(group) as (sched, req):
+        row, epoch = req.row, req.epoch
+        sched._aborted = [(req.spec.rid, epoch - 1)]
+        sched._exchange()
+        assert req.state == TRANSFER and req.row == row
+        assert sched.aborted == 0 and sched.pool.stats().allocated == 1
+        sched._aborted = [(req.spec.rid, epoch)]
+        sched._exchange()
+        assert req.state == ABORTED and req.row == -1
+        assert sched.aborted == 1 and sched.aborts_in_transfer == 1
+        assert sched.pool.stats().allocated == 0

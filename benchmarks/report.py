@@ -96,7 +96,7 @@ def machine_info() -> dict[str, Any]:
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(dirty),
         "loadavg_1_5_15": loadavg(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 

@@ -268,7 +268,7 @@ class Scheduler:
         if not self._wake.is_set():
             try:
                 await asyncio.wait_for(self._wake.wait(), 0.002)
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 pass
         self._wake.clear()
 

@@ -141,7 +141,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         out (row 0 is reserved padding). ``enable_memory_saver=True`` needs
         CUDA and raises :class:`MemorySaverError` without it.
     stream
-        The pool's stream: on CUDA, row resets are launched on it.
+        The pool's stream: on CUDA, row resets are launched on it (a
+        ``torch.cuda.Stream``). Off CUDA a ``HostStream`` or a torch stream
+        is accepted and unused (resets run at once), so code shared with a
+        GPU build passes its forward stream either way; anything else raises
+        ``TypeError``.
     max_waiters
         At most this many ``alloc``/``admit`` calls may queue; one more raises
         :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.

@@ -19,7 +19,17 @@ from typing import Any
 import torch
 
 from .errors import DeviceError, InvalidSlotError, MemorySaverError
+from .fences import HostStream
 from .ledger import as_index, index_or_error
+
+# What a pool off CUDA accepts as stream= (and ignores: its resets run at
+# once): the code an engine shares between CPU and GPU passes its forward
+# stream either way.
+_STREAMS: tuple[type, ...] = (
+    HostStream,
+    torch.cuda.Stream,
+    getattr(torch, "Stream", torch.cuda.Stream),
+)
 
 __all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables"]
 
@@ -146,6 +156,12 @@ class TokenTables:
             raise TypeError(
                 f"stream= on a CUDA pool must be a torch.cuda.Stream (the forward "
                 f"stream, say) or None, got {stream!r} of type {type(stream).__name__}"
+            )
+        if not self._on_cuda and stream is not None and not isinstance(stream, _STREAMS):
+            # Unused off CUDA, but a typo here would surface only on a GPU.
+            raise TypeError(
+                f"stream= must be the forward stream (a HostStream or a torch stream) or "
+                f"None, got {stream!r} of type {type(stream).__name__}"
             )
         self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)

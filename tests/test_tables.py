@@ -259,3 +259,17 @@ def test_host_stream_is_not_a_cuda_stream_for_tables():
         t = TokenTables(3, 2, stream=s)
         t.reset_rows([1])
         assert t._cuda_stream is None
+
+
+@pytest.mark.parametrize("bad", ["x", 0, object()])
+def test_a_stream_that_is_no_stream_is_refused_off_cuda(bad: object) -> None:
+    """Off CUDA the pool's ``stream=`` is unused, but a typo there would
+    surface only on a GPU: anything but a HostStream, a torch stream or None
+    is a ``TypeError`` at construction, on every pool that takes one."""
+    for make in (
+        lambda: TokenTables(3, 2, stream=bad),
+        lambda: ReqToTokenPool(3, 2, stream=bad),
+        lambda: AsyncReqToTokenPool(3, 2, stream=bad),
+    ):
+        with pytest.raises(TypeError, match=r"stream= must be the forward stream"):
+            make()

@@ -242,8 +242,10 @@ class Admission:
         Returns the new pages (they belong to the row from now on), or None
         when fewer than ``k`` are free after reclaiming completed fences, or
         while the memory is released: the scheduler then retracts, as every
-        engine does (waiting here behind new admissions could deadlock). A
-        running request's growth goes before queued admissions. Raises
+        engine does (waiting here behind new admissions could deadlock). It
+        takes free pages even while admissions queue, but pages that a free
+        or a completed fence returns go to the queued admissions first, at
+        hand-over (README: *Growth and queued admissions*). Raises
         :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
         :class:`InvalidSlotError` unless ``row`` is allocated,
         :class:`PoolClosedError` after :meth:`close`; changing nothing.

@@ -106,7 +106,12 @@ class PoolCore:
         return self._ledger.capacity
 
     def available_size(self) -> int:
-        """Rows free right now (not counting rows pending behind fences)."""
+        """Rows free right now (not counting rows pending behind fences).
+
+        On ``AsyncReqToTokenPool`` a read: rows whose fences completed come
+        back when the event loop runs the pool's wake-up, or at
+        ``reclaim()`` (README: *Counts are reads; wake-ups need the loop*).
+        """
         return self._ledger.free_count
 
     def pending_size(self) -> int:

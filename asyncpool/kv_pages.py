@@ -1088,7 +1088,10 @@ class KVPagePool:
         """Return pages whose fences completed; the number made free.
 
         With ``reclaim="explicit"`` it asks no fence and returns 0: pages
-        come back through :meth:`retire` and :meth:`agree` only.
+        come back through :meth:`retire` and :meth:`agree` only. On the page
+        pool of an ``AsyncReqToTokenPool`` it returns pages only (and grants
+        that pool's waiters); rows freed behind the same fences come back
+        with ``pool.reclaim()``, which reclaims both.
         """
         if self._guard is not None:
             self._guard()
@@ -1163,7 +1166,7 @@ class KVPagePool:
         fence): a seed-style scheduler sizes its batch by this count before
         it calls :meth:`alloc`, and nothing else reclaims such a pool. A
         page pool serving an ``AsyncReqToTokenPool`` only reads: that
-        pool's fence wake-ups reclaim and grant.
+        pool's fence wake-ups reclaim and grant, when its event loop runs.
         """
         led = self._ledger
         if led.pending and self._on_free is None:

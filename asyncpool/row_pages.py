@@ -42,8 +42,10 @@ class Grant(NamedTuple):
     """What ``admit`` grants: one row and the pages it owns (frozen).
 
     ``pages`` is a 1-D int64 tensor of page ids (on the ``KVPagePool``'s
-    device); it belongs to the row until the row is freed or the pages are
-    detached. Unpacks as ``row, pages = grant``.
+    device): the pages granted at admission, which belong to the row until
+    the row is freed or the pages are detached. It does not grow with the
+    row: after ``extend``, ``pool.pages_of(row)`` lists them all. Unpacks as
+    ``row, pages = grant``.
     """
 
     row: int

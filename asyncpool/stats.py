@@ -166,7 +166,8 @@ class PoolStats:
         allocated: rows held by requests right now.
         pending: rows freed but waiting for their fences to complete.
         quarantined: rows kept out of circulation because a fence faulted.
-        waiters: ``alloc`` calls queued right now (0 for the sync pool).
+        waiters: ``alloc`` and ``admit`` calls queued right now (0 for the
+            sync pool).
         allocs: rows handed out, total. Rows granted to a waiter that was
             cancelled before it resumed (and gave them back) are not counted.
         frees: rows given back by requests, total (``allocs - allocated``).
@@ -174,8 +175,10 @@ class PoolStats:
         reclaimed: rows returned to circulation by completed fences, total
             (rows released by ``force_release`` count as if their fence had
             completed, as they do in the fence-latency figures).
-        timeouts: ``alloc`` and ``admit`` calls that raised ``TimeoutError``,
-            total (one waiter queue serves both).
+        timeouts: ``alloc`` and ``admit`` calls that raised ``TimeoutError``
+            from their own ``timeout=``, total (one waiter queue serves both).
+            A call timed out from outside (``asyncio.wait_for``,
+            ``asyncio.timeout``) is cancelled: it counts in ``cancellations``.
         cancellations: ``alloc`` and ``admit`` calls cancelled while queued
             (or after their grant, before they resumed: what they were granted
             was given back), total.

@@ -325,7 +325,7 @@ class Admission:
         :class:`InvalidSlotError` unless ``row`` is allocated.
         """
         self._check_thread()
-        row = self._allocated_row(row, "asked for its pages")
+        row = self._allocated_row(row, "detached from its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
         return self._pages.detach(row)

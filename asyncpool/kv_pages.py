@@ -163,7 +163,8 @@ class PageLedger(Deferrals[PageArray]):
     ) -> None:
         if num_pages.__class__ is not int or num_pages < 2:
             raise CapacityError(
-                f"a page pool needs num_pages >= 2 (page 0 is reserved), got {num_pages!r}"
+                f"num_pages must be an int >= 2 (page 0 is reserved), got {num_pages!r}"
+                + ("" if isinstance(num_pages, int) else f" of type {type(num_pages).__name__}")
             )
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window

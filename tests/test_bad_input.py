@@ -27,6 +27,7 @@ from asyncpool import (
     CapacityError,
     DoubleFreeError,
     InvalidSlotError,
+    KVPagePool,
     PoolClosedError,
     PoolError,
     ReqToTokenPool,
@@ -586,3 +587,34 @@ def test_table_is_large_enough() -> None:
     assert len(CASES) >= 15
     kinds = {c.kind for c in CASES}
     assert kinds == {"sync", "async", "closed", "thread"}
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "says"),
+    [(9.0, "got 9.0 of type float"), ("9", "got '9' of type str"), (1, "got 1")],
+)
+def test_a_page_pool_of_a_bad_page_count_names_the_rule_and_the_type(
+    num_pages: Any, says: str
+) -> None:
+    """``KVPagePool(9.0, 4)`` said "needs num_pages >= 2, got 9.0", which 9.0
+    is: the message states the rule (an int >= 2) and, for a non-int, the type."""
+    with pytest.raises(CapacityError, match=r"num_pages must be an int >= 2") as info:
+        KVPagePool(num_pages, 4)
+    assert str(info.value).endswith(says)
+
+
+async def test_detaching_the_pages_of_a_row_not_allocated_says_detach() -> None:
+    """``detach_pages`` of a free row names what was refused (it borrowed
+    ``pages_of``'s "cannot be asked for its pages"), and changes nothing."""
+    pool = AsyncReqToTokenPool(5, 64, kv=KVPagePool(17, 4))
+    never = r"row 3 was never allocated and cannot be detached from its pages"
+    with pytest.raises(InvalidSlotError, match=never):
+        pool.detach_pages(3)
+    grant = pool.try_admit(pages=2)
+    assert grant is not None
+    pool.free(grant.row)
+    freed = rf"row {grant.row} is already free .*detached from its pages"
+    with pytest.raises(InvalidSlotError, match=freed):
+        pool.detach_pages(grant.row)
+    assert pool.kv is not None and pool.kv.available_size() == 16
+    pool.check_invariants()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import struct
 import threading
 from dataclasses import replace
@@ -234,6 +235,28 @@ async def test_report_json_fields_and_plot(tmp_path: Path) -> None:
     _assert_png(png)
     table = report.table()
     assert "kv_corruptions" in table and "row utilization" in table
+    _assert_the_docs_show_this_table(table)
+
+
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def _shape(line: str) -> str:
+    # A table line with its figures blanked and its padding squeezed.
+    return re.sub(r"\s+", " ", _NUMBER.sub("N", line)).strip()
+
+
+def _assert_the_docs_show_this_table(table: str) -> None:
+    """The sample output in the README and docs/demo_output.txt has the
+    shape of a real table, line for line (the sample once kept a row
+    utilization line the demo had stopped printing)."""
+    want = [_shape(line) for line in table.splitlines()[2:]]  # below the title
+    root = Path(__file__).resolve().parent.parent
+    for doc in ("README.md", "docs/demo_output.txt"):
+        lines = (root / doc).read_text(encoding="utf-8").splitlines()
+        start = lines.index("scheduler_demo: overlap (fenced), atomic admission, on cpu") + 2
+        got = [_shape(line) for line in lines[start : start + len(want)]]
+        assert got == want, doc
 
 
 async def test_timeout_cleans_up() -> None:

@@ -393,7 +393,7 @@ def render_markdown(
         "installed in the project's venv (CI does not depend on them). "
         "`bash benchmarks/install_peers.sh VENV` puts them in a venv of their own; "
         "`VENV/bin/python -m benchmarks`, run from the repo root, then measures everything "
-        "with the peers' rows (`--only pages,decode --no-md` for those alone, leaving this "
+        "with the peers' rows (`--only pages,decode` for those alone: a subset leaves this "
         "page as it is). The "
         "script runs exactly these commands (`$WHEELS` is a temporary folder); vLLM is its "
         "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",

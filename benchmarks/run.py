@@ -3,8 +3,9 @@
 Runs every benchmark on asyncio and on uvloop (the synchronous page-allocator
 benchmarks, ``pages`` and ``decode``, once), prints a markdown report to
 stdout, writes it to ``docs/benchmarks.md`` under the current directory
-(``--md PATH`` elsewhere, ``--no-md`` not at all) and, with ``--json PATH``,
-every sample as JSON. It
+(``--md PATH`` elsewhere, ``--no-md`` not at all; a run of a subset, ``--only``,
+writes it only to a ``--md PATH`` given, so reproducing one figure never
+overwrites the full report) and, with ``--json PATH``, every sample as JSON. It
 never writes anywhere else. ``--quick`` is the short run. Progress goes to
 stderr. The package is not installed by ``pip install .``: run it from the
 root of a checkout.
@@ -41,9 +42,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="fewer, shorter rounds (one to two minutes)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="default, quick, or smoke (tests)")
     p.add_argument("--json", metavar="PATH", type=Path, help="write every sample as JSON")
-    p.add_argument("--md", metavar="PATH", type=Path, default=DEFAULT_MD,
+    p.add_argument("--md", metavar="PATH", type=Path, default=None,
                    help="where to write the markdown (default: docs/benchmarks.md, relative "
-                   "to the current directory)")
+                   "to the current directory, for a run of every benchmark; a run of a "
+                   "subset (--only) writes it only here)")
     p.add_argument("--no-md", action="store_true", help="only print the markdown")
     p.add_argument("--loops", default=",".join(loop_factories()),
                    help="comma-separated loop kinds (default: asyncio,uvloop)")
@@ -81,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
     command = "python -m benchmarks " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+    if args.md is None and (args.from_json or set(only) == set(BENCHMARKS)):
+        args.md = DEFAULT_MD
+    if args.md is None and not args.no_md:
+        _log("a subset (--only): the markdown is not written (--md PATH writes it)")
+        args.no_md = True
     if args.from_json:
         return _render_saved(args)
 

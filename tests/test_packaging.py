@@ -67,7 +67,13 @@ def test_benchmarks_default_markdown_path_is_under_the_cwd(
     before = repo_md.stat().st_mtime_ns if repo_md.exists() else None
     monkeypatch.chdir(tmp_path)
     argv = ["--preset", "smoke", "--only", "uncontended", "--loops", "asyncio", "--clock", "cpu"]
+    # A subset writes no report unless asked where (it would overwrite the
+    # full one with a partial one)...
     assert main(argv) == 0
+    capsys.readouterr()
+    assert list(tmp_path.iterdir()) == []
+    # ... and the default path, given, is relative: under the cwd.
+    assert main([*argv, "--md", str(DEFAULT_MD)]) == 0
     capsys.readouterr()
     assert (tmp_path / "docs" / "benchmarks.md").is_file()
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [

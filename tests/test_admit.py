@@ -146,6 +146,32 @@ async def test_try_admit_reclaims_completed_fences_before_answering_none(kit):
         conserved(pool)
 
 
+async def test_counts_are_reads_and_reclaim_brings_rows_and_pages_back_at_once(kit):
+    """The README's *Counts are reads*: a fence completed while the loop does
+    not run changes no count (the wake-up is a callback of the loop), and
+    ``pool.reclaim()``, still without a loop turn, returns the row and its
+    pages and grants the queued admission."""
+    async with make(rows=2, pages=8) as pool:
+        kv = kv_of(pool)
+        a, b = pool.try_admit(pages=4), pool.try_admit(pages=4)
+        assert a is not None and b is not None
+        [w] = await queued(pool, pool.admit(pages=4))
+        fence = kit.event_fence()
+        pool.free([a.row], fence=fence)
+        fence.set()
+        fence.synchronize()  # complete; no await from here to the reclaim
+        counts = (pool.available_size(), pool.pending_size(), kv.available_size(),
+                  kv.pending_size(), pool.stats().pages_free)
+        assert counts == (0, 1, 0, 4, 0)
+        assert pool.reclaim() == 1
+        assert pool.waiting() == 0 and pool.allocated_size() == 2  # granted at once
+        assert (pool.pending_size(), kv.pending_size(), kv.available_size()) == (0, 0, 0)
+        got = await outcome(w)
+        assert isinstance(got, Grant) and got.row == a.row and len(got.pages) == 4
+        pool.free([b.row, got.row])
+        conserved(pool)
+
+
 # ---------------------------------------------------------------- no hold-and-wait
 
 

@@ -1009,8 +1009,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         again since, exit frees the rows the lease still owns and then raises
         :class:`DoubleFreeError` naming the others: it never frees a row
         twice, nor another owner's row. If the body raised, that exception
-        is the new error's ``__context__``.
+        is the new error's ``__context__``. An ``after`` that no fence can be
+        recorded on raises ``TypeError`` here, before anything is allocated
+        (found at exit, it would leave the rows only their recorded uses).
         """
+        if after is not None:
+            self._check_stream(after)
         return Lease(self, n, priority, timeout, after)
 
     # ------------------------------------------------------------ views

@@ -50,6 +50,22 @@ async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
         await pool.close()
 
 
+@pytest.mark.parametrize("after", [object(), "forward", 0])
+async def test_a_lease_after_no_stream_is_refused_before_it_allocates(after: object) -> None:
+    """``lease(n, after=x)`` with no fence recordable on ``x`` raises at the
+    call, allocating nothing. Checked only at exit, the body ran and the
+    rows went back behind their recorded uses alone, unfenced by the work
+    ``after=`` was given for (found by a newcomer trial)."""
+    pool = AsyncReqToTokenPool(5, 4)
+    before = pool.stats()
+    with pytest.raises(TypeError, match=r"after= must be a HostStream or a CUDA stream"):
+        pool.lease(2, after=after)
+    assert pool.stats() == before
+    pool.check_invariants()
+    async with bounded():
+        await pool.close()
+
+
 @pytest.mark.parametrize("change", ["pop", "overwrite", "clear"])
 async def test_lease_frees_the_rows_it_granted_whatever_the_body_does_to_its_list(
     change: str,

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .kv_pages import KVPagePool
 from .stats import HistogramSnapshot, PoolStats
 
 __all__ = ["FAMILIES", "Family", "PoolCollector"]
@@ -203,12 +204,22 @@ class PoolCollector:
         """Export ``pool`` too, labelled ``pool=name``.
 
         Raises ``ValueError`` if ``name`` is taken (two pools with one label
-        would make an invalid scrape) and ``TypeError`` for a non-str name.
+        would make an invalid scrape), ``TypeError`` for a non-str name and
+        for a ``pool`` with no ``stats()`` or a ``KVPagePool`` (its stats are
+        another kind; one bad pool would fail every later scrape, for every
+        pool): export a ``ReqToTokenPool`` or an ``AsyncReqToTokenPool``,
+        whose stats carry the pages of its ``kv=``. Adds nothing on error.
         """
         if not isinstance(name, str):
             raise TypeError(f"a pool name must be a str, got {name!r}")
         if name in self._pools:
             raise ValueError(f"this collector already exports a pool named {name!r}")
+        if isinstance(pool, KVPagePool) or not callable(getattr(pool, "stats", None)):
+            raise TypeError(
+                f"cannot export {pool!r}: export a ReqToTokenPool or an AsyncReqToTokenPool "
+                "(an object whose stats(summaries=False) returns PoolStats); a KVPagePool's "
+                "pages are exported by the AsyncReqToTokenPool built with kv="
+            )
         self._pools[name] = (pool, object())
 
     def remove(self, name: str) -> None:

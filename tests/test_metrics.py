@@ -11,7 +11,7 @@ from helpers import WAIT_S, FakeStream, Streams, spin
 
 import asyncpool.pool as pool_module
 import asyncpool.waiters as waiters_module
-from asyncpool import AsyncReqToTokenPool, ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
 from asyncpool.ledger import SlotLedger
 from asyncpool.stats import DEFAULT_BOUNDS_S, Histogram, HistogramSnapshot, PoolStats
 
@@ -551,7 +551,6 @@ def test_a_skewed_read_never_shows_a_counter_going_down() -> None:
 
 
 async def test_admission_figures_are_exported(kit: Streams) -> None:
-    from asyncpool import KVPagePool
 
     stream = kit.stream()
     gate = kit.gate(stream)
@@ -577,3 +576,21 @@ async def test_admission_figures_are_exported(kit: Streams) -> None:
         assert value(fams, "asyncpool_admit_wait_seconds_count") == 3
         assert dict(buckets(fams, "asyncpool_admit_wait_seconds"))["1e-05"] >= 2  # fast ones
         pool.free([a.row, g.row])
+
+
+@pytest.mark.parametrize("bad", ["kv", "object"])
+async def test_the_collector_refuses_what_it_cannot_export_and_keeps_serving(bad: str) -> None:
+    """``add`` refuses a ``KVPagePool`` (its stats are another kind) and an
+    object with no ``stats()``, adding nothing: accepted, either failed every
+    later scrape, for every pool (found by a newcomer trial)."""
+    async with AsyncReqToTokenPool(5, 4) as pool:
+        collector = PoolCollector(pool, name="p")
+        registry = CollectorRegistry()
+        registry.register(collector)
+        wrong = KVPagePool(5, 2) if bad == "kv" else object()
+        with pytest.raises(TypeError, match="export a ReqToTokenPool or an AsyncReqToTokenPool"):
+            collector.add(wrong, name="wrong")  # type: ignore[arg-type]
+        assert collector.names == ("p",)
+        text = generate_latest(registry).decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        assert value(fams, "asyncpool_capacity_rows", "p") == 4

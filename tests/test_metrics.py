@@ -551,7 +551,6 @@ def test_a_skewed_read_never_shows_a_counter_going_down() -> None:
 
 
 async def test_admission_figures_are_exported(kit: Streams) -> None:
-
     stream = kit.stream()
     gate = kit.gate(stream)
     kv = KVPagePool(17, 4)

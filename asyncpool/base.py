@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .fences import Fence, HostStream, record_fence
+from .fences import Fence, check_after, record_fence
 from .ledger import FREE, Rows, SlotLedger
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
@@ -153,13 +153,7 @@ class PoolCore:
     @staticmethod
     def _check_stream(after: object) -> None:
         """Raise TypeError unless a fence can be recorded on ``after``."""
-        if not isinstance(after, HostStream) and getattr(
-            getattr(after, "device", None), "type", None
-        ) != "cuda":
-            raise TypeError(
-                f"after= must be a HostStream or a CUDA stream to record a fence on, "
-                f"got {after!r} of type {type(after).__name__}"
-            )
+        check_after(after)
 
     def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.

@@ -492,6 +492,19 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
     )
 
 
+def check_after(after: object) -> None:
+    """Raise ``TypeError`` unless a fence can be recorded on ``after`` (a
+    HostStream or a CUDA stream): the check of every ``after=`` parameter,
+    made before anything changes."""
+    if not isinstance(after, HostStream) and getattr(
+        getattr(after, "device", None), "type", None
+    ) != "cuda":
+        raise TypeError(
+            f"after= must be a HostStream or a CUDA stream to record a fence on, "
+            f"got {after!r} of type {type(after).__name__}"
+        )
+
+
 def is_fence(obj: object) -> bool:
     """True if ``obj`` has callable ``query`` and ``synchronize`` and is not a
     class (``fence=HostFence`` instead of a fence would fault when asked)."""

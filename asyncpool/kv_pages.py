@@ -70,7 +70,7 @@ import torch
 from .agreement import agree, check_explicit, check_reclaim_mode
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
-from .fences import Fence, HostStream, record_fence
+from .fences import Fence, HostStream, check_after, record_fence
 from .ledger import (
     _CHECKING,
     ALLOCATED,
@@ -1067,6 +1067,8 @@ class KVPagePool:
                     self._on_free()
             return n
         fences: list[Fence] = []
+        if after is not None:
+            check_after(after)  # before anything changes, with the pool's message
         if fence is not None:
             led.check_fence(fence)
             fences.append(fence)

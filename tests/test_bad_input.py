@@ -618,3 +618,19 @@ async def test_detaching_the_pages_of_a_row_not_allocated_says_detach() -> None:
         pool.detach_pages(grant.row)
     assert pool.kv is not None and pool.kv.available_size() == 16
     pool.check_invariants()
+
+
+def test_a_page_free_after_no_stream_says_after_and_changes_nothing() -> None:
+    """``kv.free(pages, after=x)`` with no fence recordable on ``x`` raises
+    the pool's ``after=`` message before anything changes (it named
+    ``record_fence()``, a function the caller never called); the same
+    tensor then frees normally."""
+    kv = KVPagePool(9, 2)
+    pages = kv.alloc(3)
+    before = kv.stats()
+    with pytest.raises(TypeError, match=r"^after= must be a HostStream or a CUDA stream"):
+        kv.free(pages, after=object())
+    assert kv.stats() == before
+    kv.check_invariants()
+    assert kv.free(pages) == 3
+    kv.check_invariants()

@@ -855,13 +855,22 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._overdue.forget(fence)
         if self._watcher is not None:
             self._watcher.unwatch(fence)  # nothing waits on it: stop asking
-        logger.warning(
-            "force_release(%r): %s and %s returned to circulation without the fence "
-            "completing",
-            fence,
-            _count(rows, "row"),
-            _count(pages, "page"),
-        )
+        if rows or pages:
+            logger.warning(
+                "force_release(%r): %s and %s returned to circulation without the fence "
+                "completing",
+                fence,
+                _count(rows, "row"),
+                _count(pages, "page"),
+            )
+        else:
+            # Say so plainly: the operator may have passed the wrong object.
+            logger.warning(
+                "force_release(%r): this fence holds no row and no page of this pool "
+                "(never given to it, already completed and reclaimed, or released "
+                "before); nothing changed",
+                fence,
+            )
         if rows or pages:
             self._waiters.grant()
         return rows, pages

@@ -602,6 +602,12 @@ async def test_force_release_is_logged_at_warning(
     assert pool.force_release(stuck) == (2, 0)
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("force_release" in m and "2 rows" in m for m in msgs), msgs
+    # Of a fence that holds nothing here (the operator's wrong object, or
+    # this one again): said plainly, not "0 rows and 0 pages returned".
+    caplog.clear()
+    assert pool.force_release(stuck) == (0, 0)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(msgs) == 1 and "holds no row and no page of this pool" in msgs[0], msgs
     await pool.close()
 
 

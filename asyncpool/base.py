@@ -133,7 +133,9 @@ class PoolCore:
         self._tables.set_req_pool_info(row, metadata)
 
     def write(self, indices: Any, values: Any) -> None:
-        """``req_to_token[indices] = values``, as the seed does."""
+        """``req_to_token[indices] = values``, as the seed does: unchecked
+        (row 0 and rows not allocated included); :meth:`set_req_pool_info`
+        checks the row."""
         self._tables.write(indices, values)
 
     def generation(self, row: int) -> int:

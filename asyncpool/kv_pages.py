@@ -979,7 +979,11 @@ class KVPagePool:
         :class:`InvalidSlotError` for page 0, ids out of range, non-integer
         ids or dtypes, duplicates, pages not allocated (or quarantined),
         :class:`DoubleFreeError` for pages already free or pending. A call
-        with one bad id among good ones frees none.
+        with one bad id among good ones frees none. Pages carry no
+        generation (rows do): a stale id of a page that was freed and
+        handed out again is allocated, so freeing it frees the new owner's
+        page, unseen. Keep one owner per page (``free`` the tensor ``alloc``
+        gave, once), as with any allocator of bare ids.
         """
         if self._guard is not None:
             self._guard()

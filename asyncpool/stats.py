@@ -156,8 +156,12 @@ class PoolStats:
 
     ``free + allocated + pending + quarantined == capacity`` always holds.
     Rows only waiting on a fence count as ``pending``, not ``allocated``.
-    Counts of rows are in rows, of calls in calls; totals (``allocs`` ...
-    ``fence_errors``, ``alloc_calls``) only grow over the pool's life.
+    Counts of rows are in rows, of calls in calls; totals (``deferred_frees``
+    ... ``fence_errors``, ``alloc_calls``, ``rows_granted``) only grow over
+    the pool's life. ``allocs`` and ``frees`` are the exception: rows that a
+    waiter cancelled after its grant gives back leave ``allocs`` (they were
+    never used), so both can step back; ``rows_granted`` and the metrics'
+    counters never do.
 
     Attributes:
         capacity: rows that can ever be handed out (``size - 1``; row 0 is

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .kv_pages import KVPagePool
 from .stats import HistogramSnapshot, PoolStats
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FAMILIES", "Family", "PoolCollector"]
 
@@ -261,11 +264,27 @@ class PoolCollector:
         return self._families()
 
     def collect(self) -> Iterator[Any]:
-        """One snapshot per pool (``stats(summaries=False)``), as families."""
+        """One snapshot per pool (``stats(summaries=False)``), as families.
+
+        A pool whose ``stats()`` raises or gives no ``PoolStats`` is left
+        out of this scrape (a WARNING names it); the others are exported.
+        """
         pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
-        snapshots = [
-            (name, token, pool.stats(summaries=False)) for name, (pool, token) in pools
-        ]
+        snapshots: list[tuple[str, object, PoolStats]] = []
+        for name, (pool, token) in pools:
+            # One pool that cannot answer must not fail the scrape (an HTTP
+            # 500) for every other: it is left out of this one, and said.
+            try:
+                stats = pool.stats(summaries=False)
+            except Exception:
+                logger.warning("pool %r left out of this scrape: stats() raised", name,
+                               exc_info=True)
+                continue
+            if not isinstance(stats, PoolStats):
+                logger.warning("pool %r left out of this scrape: stats() gave %s, not "
+                               "PoolStats", name, type(stats).__name__)
+                continue
+            snapshots.append((name, token, stats))
         for fam, family in zip(FAMILIES, self._families(), strict=True):
             get = fam.get
             if fam.type == "histogram":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -593,3 +594,31 @@ async def test_the_collector_refuses_what_it_cannot_export_and_keeps_serving(bad
         text = generate_latest(registry).decode()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         assert value(fams, "asyncpool_capacity_rows", "p") == 4
+
+
+class _Broken:
+    """A pool stand-in whose ``stats()`` fails, as a pool torn down under a
+    scrape might."""
+
+    def stats(self, *, summaries: bool = True) -> PoolStats:
+        raise RuntimeError("torn down")
+
+
+async def test_a_pool_that_cannot_answer_is_left_out_and_the_others_exported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One pool whose ``stats()`` raises leaves only itself out of the scrape,
+    with a WARNING naming it; it failed the whole scrape (an HTTP 500) for
+    every pool."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    async with AsyncReqToTokenPool(5, 4) as pool:
+        collector = PoolCollector(pool, name="good")
+        collector.add(_Broken(), name="broken")
+        registry = CollectorRegistry()
+        registry.register(collector)
+        text = generate_latest(registry).decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        assert value(fams, "asyncpool_capacity_rows", "good") == 4
+        assert 'pool="broken"' not in text
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("'broken' left out of this scrape" in m for m in msgs), msgs

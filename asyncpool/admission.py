@@ -27,7 +27,7 @@ import torch
 
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, PoolClosedError
-from .fences import Fence, record_fence
+from .fences import Fence, check_after, record_fence
 from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, as_index
 from .row_pages import Grant, RowPages, check_page_count
@@ -84,9 +84,6 @@ class Admission:
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
         def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop: ...
-
-        @staticmethod
-        def _check_stream(after: object) -> None: ...
 
     def _take_admission(self, k: int) -> Grant | None:
         """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
@@ -377,7 +374,7 @@ class Admission:
                 return 1
         led = self._ledger
         if after is not None:
-            self._check_stream(after)
+            check_after(after)
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)

@@ -152,11 +152,6 @@ class PoolCore:
             row = self._tables.check_row(row)
         return self._ledger.generation(row)
 
-    @staticmethod
-    def _check_stream(after: object) -> None:
-        """Raise TypeError unless a fence can be recorded on ``after``."""
-        check_after(after)
-
     def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
 
@@ -165,7 +160,7 @@ class PoolCore:
         must survive both passes).
         """
         led = self._ledger
-        self._check_stream(after)
+        check_after(after)
         if fence is not None:
             led.check_fence(fence)
         seq = led.as_rows(rows)

@@ -87,7 +87,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream
+from .fences import Fence, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows
 from .lifecycle import Lifecycle
@@ -863,6 +863,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 _count(rows, "row"),
                 _count(pages, "page"),
             )
+            self._waiters.grant()
         else:
             # Say so plainly: the operator may have passed the wrong object.
             logger.warning(
@@ -871,8 +872,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "before); nothing changed",
                 fence,
             )
-        if rows or pages:
-            self._waiters.grant()
         return rows, pages
 
     # ------------------------------------------------------------ fence wake-ups
@@ -1023,7 +1022,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         (found at exit, it would leave the rows only their recorded uses).
         """
         if after is not None:
-            self._check_stream(after)
+            check_after(after)
         return Lease(self, n, priority, timeout, after)
 
     # ------------------------------------------------------------ views

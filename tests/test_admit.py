@@ -151,7 +151,7 @@ async def test_counts_are_reads_and_reclaim_brings_rows_and_pages_back_at_once(k
     not run changes no count (the wake-up is a callback of the loop), and
     ``pool.reclaim()``, still without a loop turn, returns the row and its
     pages and grants the queued admission."""
-    async with make(rows=2, pages=8) as pool:
+    async with bounded(), make(rows=2, pages=8) as pool:
         kv = kv_of(pool)
         a, b = pool.try_admit(pages=4), pool.try_admit(pages=4)
         assert a is not None and b is not None

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import bounded
 
 from scheduler_demo.config import DemoConfig
 from scheduler_demo.tp import TPMismatchError, check_agreed, format_summary, run_tp
@@ -198,7 +199,7 @@ async def test_rank0_queues_an_abort_only_for_the_requests_current_transfer(
     request's (a timer of an earlier transfer is stale; mutant: no
     ``req.transfer is t`` test), and no other rank queues one (they learn of
     aborts from rank 0)."""
-    async with _one_rank_in_transfer(group) as (sched, req):
+    async with bounded(), _one_rank_in_transfer(group) as (sched, req):
         stale = object()  # the handle of a transfer the request no longer has
         sched._client_abort(req, stale)
         assert sched._aborted == []
@@ -219,7 +220,7 @@ async def test_the_exchange_applies_an_abort_only_to_the_epoch_it_fired_in(
     with the current epoch aborts the request and frees its row."""
     from scheduler_demo.scheduler import ABORTED, TRANSFER
 
-    async with _one_rank_in_transfer(group) as (sched, req):
+    async with bounded(), _one_rank_in_transfer(group) as (sched, req):
         row, epoch = req.row, req.epoch
         sched._aborted = [(req.spec.rid, epoch - 1)]
         sched._exchange()

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, FakeStream, Streams, spin
+from helpers import WAIT_S, FakeStream, Streams, bounded, spin
 
 import asyncpool.pool as pool_module
 import asyncpool.waiters as waiters_module
@@ -583,7 +583,7 @@ async def test_the_collector_refuses_what_it_cannot_export_and_keeps_serving(bad
     """``add`` refuses a ``KVPagePool`` (its stats are another kind) and an
     object with no ``stats()``, adding nothing: accepted, either failed every
     later scrape, for every pool (found by a newcomer trial)."""
-    async with AsyncReqToTokenPool(5, 4) as pool:
+    async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
         collector = PoolCollector(pool, name="p")
         registry = CollectorRegistry()
         registry.register(collector)
@@ -611,7 +611,7 @@ async def test_a_pool_that_cannot_answer_is_left_out_and_the_others_exported(
     with a WARNING naming it; it failed the whole scrape (an HTTP 500) for
     every pool."""
     caplog.set_level(logging.WARNING, logger="asyncpool")
-    async with AsyncReqToTokenPool(5, 4) as pool:
+    async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
         collector = PoolCollector(pool, name="good")
         collector.add(_Broken(), name="broken")
         registry = CollectorRegistry()

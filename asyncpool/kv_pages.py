@@ -1226,5 +1226,11 @@ class KVPagePool:
         )
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every bookkeeping invariant holds."""
+        """Raise AssertionError unless every bookkeeping invariant holds.
+
+        On the page pool of an ``AsyncReqToTokenPool``, from that pool's
+        thread only (:class:`WrongThreadError` otherwise), as every call.
+        """
+        if self._guard is not None:
+            self._guard()
         self._ledger.check_invariants()

@@ -1097,7 +1097,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         )
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless ledger and waiter queues are consistent."""
+        """Raise AssertionError unless ledger and waiter queues are consistent.
+
+        From the pool's thread only (:class:`WrongThreadError` otherwise): it
+        walks every record, which a call in the owner's thread may have half
+        updated, so from another thread it could report a fault that is not.
+        """
+        self._check_thread()
         super().check_invariants()
         self._waiters.check_invariants()
         if self._pages is not None:

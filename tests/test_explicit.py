@@ -95,6 +95,9 @@ def test_explicit_rows_never_query_a_fence() -> None:
     assert pool.free(rows[:2]) == 0  # behind f1 even though it is done
     assert pool.free(rows[2:4], fence=transfer) == 0
     assert pool.free(rows[4:6], fence=f1) == 0
+    # The synchronous pool's available_size() reclaims first in auto mode
+    # (README, "Two pools"); in explicit mode it must not either.
+    assert pool.available_size() == 0
     assert pool.alloc(3) is None  # no reclaim inside alloc
     assert pool.reclaim() == 0
     assert f1.queries == 0 and transfer.queries == 0

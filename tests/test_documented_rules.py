@@ -1,0 +1,163 @@
+"""Rules the README states that no other test pinned (a claims audit found them).
+
+* the thread rule on a pool with ``kv=``: admission, growth, page and
+  lifecycle calls from a foreign thread raise :class:`WrongThreadError` and
+  change nothing, ``check_invariants()`` included (it walks every record,
+  which the owner may have half updated), while the scrape's reads answer;
+* ``kv.reclaim()`` on the page pool of an ``AsyncReqToTokenPool`` returns
+  pages only, never the rows whose fences completed with them;
+* a timeout imposed from outside (``asyncio.wait_for``) is a cancellation
+  of the wait: counted as one, not as a timeout, and nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from helpers import WAIT_S, bounded, spin
+
+from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
+
+
+def _in_other_thread(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """Run ``call`` in a new thread; return its result and what it raised."""
+    out: dict[str, Any] = {"result": None, "error": None}
+
+    def run() -> None:
+        try:
+            out["result"] = call()
+        except BaseException as exc:  # handed back to the test
+            out["error"] = exc
+
+    th = threading.Thread(target=run, name="intruder")
+    th.start()
+    th.join(WAIT_S)
+    assert not th.is_alive()
+    return out["result"], out["error"]
+
+
+def _snapshot(pool: AsyncReqToTokenPool) -> tuple[Any, ...]:
+    stats = pool.stats(summaries=False)
+    kv = pool.kv
+    assert kv is not None
+    return (
+        stats,
+        pool.available_size(),
+        pool.pending_size(),
+        kv.available_size(),
+        kv.pending_size(),
+        pool.closed,
+        pool.released,
+    )
+
+
+class _DoneFence:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DONE_FENCE = _DoneFence()
+
+FOREIGN_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int], Any]] = {
+    "try_admit": lambda pool, row: pool.try_admit(pages=1),
+    "extend": lambda pool, row: pool.extend(row, 1),
+    "extend_rows": lambda pool, row: pool.extend_rows([row], 1),
+    "pages_of": lambda pool, row: pool.pages_of(row),
+    "detach_pages": lambda pool, row: pool.detach_pages(row),
+    "force_release": lambda pool, row: pool.force_release(_DONE_FENCE),
+    "check_invariants": lambda pool, row: pool.check_invariants(),
+    "kv.check_invariants": lambda pool, row: pool.kv.check_invariants(),  # type: ignore[union-attr]
+    "kv.alloc": lambda pool, row: pool.kv.alloc(1),  # type: ignore[union-attr]
+    "admit": lambda pool, row: asyncio.run(pool.admit(pages=1)),
+    "close": lambda pool, row: asyncio.run(pool.close()),
+    "release_memory": lambda pool, row: asyncio.run(pool.release_memory()),
+    "resume_memory": lambda pool, row: asyncio.run(pool.resume_memory()),
+    "drain": lambda pool, row: asyncio.run(pool.drain()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOREIGN_CALLS))
+async def test_admission_and_lifecycle_calls_from_a_foreign_thread_are_refused(name: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4)) as pool:
+        grant = await pool.admit(pages=1)  # binds the pool to this thread
+        before = _snapshot(pool)
+        _, error = _in_other_thread(lambda: FOREIGN_CALLS[name](pool, grant.row))
+        assert isinstance(error, WrongThreadError), (name, error)
+        assert "intruder" in str(error)
+        assert _snapshot(pool) == before
+        pool.check_invariants()  # and from the owner's thread it still answers
+        pool.free([grant.row])
+
+
+async def test_the_scrape_reads_answer_from_a_foreign_thread() -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4)) as pool:
+        grant = await pool.admit(pages=2)
+        kv = pool.kv
+        assert kv is not None
+        reads = {
+            "stats": lambda: pool.stats().allocated,
+            "available_size": pool.available_size,
+            "pending_size": pool.pending_size,
+            "allocated_size": pool.allocated_size,
+            "quarantined_size": pool.quarantined_size,
+            "waiting": pool.waiting,
+            "generation": lambda: pool.generation(grant.row),
+            "kv.slots": lambda: kv.slots([1]).tolist(),
+        }
+        answers = {}
+        for name, read in reads.items():
+            answers[name], error = _in_other_thread(read)
+            assert error is None, (name, error)
+        assert answers == {
+            "stats": 1,
+            "available_size": 2,
+            "pending_size": 0,
+            "allocated_size": 1,
+            "quarantined_size": 0,
+            "waiting": 0,
+            "generation": pool.generation(grant.row),
+            "kv.slots": [4, 5, 6, 7],
+        }
+        pool.free([grant.row])
+
+
+async def test_kv_reclaim_returns_the_pages_only(kit: Any) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4)) as pool:
+        kv = pool.kv
+        assert kv is not None
+        grant = await pool.admit(pages=2)
+        stream = kit.stream()
+        gate = kit.gate(stream)
+        fence = stream.record()
+        assert pool.free([grant.row], fence=fence) == 0
+        assert (pool.pending_size(), kv.pending_size()) == (1, 2)
+        gate.open()
+        # Waited in the loop's own thread, so the pool's wake-up (queued by
+        # the fence) cannot run before the reclaim below.
+        fence.synchronize()
+        assert kv.reclaim() == 2
+        assert (pool.pending_size(), kv.pending_size()) == (1, 0)  # the row still waits
+        assert pool.reclaim() == 1
+        assert pool.pending_size() == 0
+
+
+@pytest.mark.parametrize("call", ["alloc", "admit"])
+async def test_a_timeout_from_outside_is_a_cancellation(call: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(2, 8, kv=KVPagePool(3, 4)) as pool:
+        held = await pool.admit(pages=2)  # the only row and every page
+        wait = pool.alloc(1) if call == "alloc" else pool.admit(pages=1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(wait, 0.01)
+        await spin()
+        stats = pool.stats(summaries=False)
+        assert (stats.timeouts, stats.cancellations, stats.waiters) == (0, 1, 0)
+        assert stats.allocated == 1
+        pool.free([held.row])
+        assert pool.available_size() == 1

@@ -19,21 +19,30 @@ What :func:`agree` sends: ONE int64 tensor per call in the common case::
 
     [header, -header, flags of the first WIDTH batches (zero padded)]
 
-``header`` has five numbers per ledger (pending batches, deferral counter,
-pending ids, free ids, a CRC-32 of the pending ids in deferral order); MIN
-of ``header`` and of ``-header`` gives the least and the greatest value
-across ranks, so a rank that made different calls (hence holds different
-batches) is detected *before* any flag is trusted,
-and every rank raises :class:`AgreementError` at the same call (the reduced
-values are identical everywhere), instead of a collective hanging on
-mismatched sizes. Flags are three per pending batch, in deferral order (the
-``did`` each batch got when it was created: identical across ranks that
-made the same calls): ``done`` (every fence it waits for completed here),
-``overdue`` (pending for ``fence_timeout`` or more here) and ``faulted`` (a
-fence raised here). After MIN: done on every rank -> released; faulted on
-every rank -> quarantined; overdue on every rank -> counted and logged once
-as overdue (the memory stays held). Batches beyond ``WIDTH`` go in a second
-all-reduce whose size every rank knows from the checked header.
+``header`` has six numbers for each of two ledger slots, whatever the
+caller passes (a pool with ``kv=`` fills both, one without fills the
+first, a bare ``KVPagePool`` the first with pages): what the slot holds
+(none, rows, pages), pending batches, deferral counter, pending ids, free
+ids, a CRC-32 of the pending ids in deferral order. So the tensor has the
+same length on every rank, and MIN of ``header`` and of ``-header`` gives
+the least and the greatest value across ranks: a rank that made different
+calls (hence holds different batches), or whose pool was built otherwise
+(``kv=`` on one rank only), is detected *before* any flag is trusted, and
+every rank raises :class:`AgreementError` at the same call (the reduced
+values are identical everywhere), instead of a collective hanging or
+aborting on mismatched sizes. Flags are three per pending batch, in
+deferral order (the ``did`` each batch got when it was created: identical
+across ranks that made the same calls): ``done`` (every fence it waits for
+completed here), ``overdue`` (not done here, and pending for
+``fence_timeout`` or more) and ``faulted`` (a fence raised here), the last
+two sent negated, so that MIN reduces them to the MAX over ranks. Agreed:
+faulted on any rank -> quarantined on every rank (a transfer that failed on
+one rank only must not hold its memory forever unseen; quarantine never
+frees early); else done on every rank -> released; else overdue on any
+rank -> counted and logged once as overdue on every rank (the memory stays
+held; ``force_release`` is the operator's call). Batches beyond ``WIDTH``
+go in a second all-reduce whose size every rank knows from the checked
+header.
 
 Which fences: every pending batch, ordered fences not yet retired included
 (an offload copy on a side stream is ordered but nobody retires it; for the
@@ -69,7 +78,19 @@ logger = logging.getLogger(__name__)
 
 #: Pending batches whose flags ride in the first (always sent) all-reduce.
 WIDTH = 64
-_HEADER = ("pending batches", "deferral counter", "pending ids", "free ids", "pending ids (crc32)")
+#: Ledgers one agreement covers at most (a pool's rows and its pages).
+SLOTS = 2
+_HEADER = (
+    "ledger kind",
+    "pending batches",
+    "deferral counter",
+    "pending ids",
+    "free ids",
+    "pending ids (crc32)",
+)
+# What a header slot holds (its "ledger kind"), and the words for each.
+_KINDS = {"rows": 1, "pages": 2}
+_KIND_WORDS = {0: "nothing", 1: "rows", 2: "pages", 3: "ids"}
 
 
 def check_reclaim_mode(reclaim: object) -> bool:
@@ -96,8 +117,9 @@ class Agreement:
     """What one :func:`agree` call did, the same on every rank.
 
     ``released``: ids released per ledger (in ledger order); ``quarantined``:
-    ids quarantined because their fence faulted on every rank;
-    ``newly_overdue``: batches that every rank now sees overdue (first time);
+    ids quarantined because their fence faulted on some rank;
+    ``newly_overdue``: batches now agreed overdue (first time: not done on
+    some rank past the timeout);
     ``batches``: pending batches the call covered; ``collectives``: how many
     all-reduces it ran (1, or 2 beyond ``WIDTH`` batches); ``seconds``: its
     wall time here.
@@ -176,6 +198,12 @@ def check_group(group: Any) -> None:
             "agree() needs torch.distributed initialised (dist.init_process_group) "
             "with the same group on every rank"
         )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "agree() was given a group this rank is not a member of (dist.new_group "
+            "returns GroupMember.NON_GROUP_MEMBER to ranks outside it); call agree() "
+            "on the ranks of the group only, with the group each of them got"
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"agree() takes a torch.distributed ProcessGroup (or None for the default "
@@ -192,16 +220,23 @@ def agree(
     """Settle the pending fences of ``ledgers`` identically on every rank of ``group``.
 
     A collective: every rank of ``group`` must call it at the same point,
-    with the same number of ledgers (pools built alike: with ``kv`` on every
-    rank or on none), driven by the same calls. See the module docstring for what
-    is sent. Raises :class:`AgreementError` on every rank, changing nothing,
-    when the ranks' ledgers disagree (different pending batches, deferral
-    counters, pending or free counts, or a CRC-32 of the pending ids: as
-    many batches holding other rows or pages): the ranks did not make the
-    same calls. The order of the free queues is not compared. Errors of the
-    collective itself (a rank gone, a timeout of the group) propagate as
-    torch raises them.
+    on pools built alike, driven by the same calls. See the module docstring
+    for what is sent and how the flags are agreed. Raises
+    :class:`AgreementError` on every rank, changing nothing, when the
+    ranks' ledgers disagree (what they are, different pending batches,
+    deferral counters, pending or free counts, or a CRC-32 of the pending
+    ids: as many batches holding other rows or pages): the ranks did not
+    make the same calls, or their pools were built otherwise. The order of
+    the free queues is not compared. What is checked before the collective
+    raises on the calling rank only (``ValueError`` for more than
+    :data:`SLOTS` ledgers or a group this rank is not in, ``TypeError`` for
+    a non-group, ``RuntimeError`` without torch.distributed), and the other
+    ranks then wait in the all-reduce until the group's timeout. Errors of
+    the collective itself (a rank gone, a timeout of the group) propagate
+    as torch raises them.
     """
+    if len(ledgers) > SLOTS:
+        raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
     check_group(group)
     t0 = time.perf_counter()
     device = _device_for(group)
@@ -211,9 +246,20 @@ def agree(
     flags: list[int] = []
     for led, batches in zip(ledgers, views, strict=True):
         header.extend(
-            (len(batches), led.deferral_counter, led.pending, _free_count(led), _digest(batches))
+            (
+                _KINDS.get(led.unit, 3),
+                len(batches),
+                led.deferral_counter,
+                led.pending,
+                _free_count(led),
+                _digest(batches),
+            )
         )
-        flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock()))
+        for done, late, faulted in _triples(
+            led.agreement_flags(batches, cache, overdue_after, led._clock())
+        ):
+            flags.extend((done, -late, -faulted))  # MIN of the negated: -MAX
+    header.extend([0] * (len(_HEADER) * SLOTS - len(header)))  # empty slots
     total = sum(len(b) for b in views)
     first = flags[: 3 * WIDTH]
     first.extend([0] * (3 * WIDTH - len(first)))
@@ -227,6 +273,9 @@ def agree(
     if total > WIDTH:
         agreed.extend(_all_reduce_min(flags[3 * WIDTH :], group, device, reuse=False))
         collectives = 2
+    for i in range(1, len(agreed), 3):  # back from the negated: overdue, faulted
+        agreed[i] = -agreed[i]
+        agreed[i + 1] = -agreed[i + 1]
     released: list[int] = []
     quarantined = 0
     newly = 0
@@ -246,12 +295,12 @@ def agree(
             held[led.unit] = held.get(led.unit, 0) + batch.n
     for fence, held in overdue.values():
         logger.warning(
-            "fence %r is overdue on every rank: %s pending longer than %.3g s; "
-            "they stay held (a late write may still land); force_release(fence) on "
-            "every rank only if its writer is known to be dead",
+            "fence %r is overdue: not done on at least one rank %.3g s after the free; "
+            "%s stay held on every rank (a late write may still land); "
+            "force_release(fence) on every rank only if its writer is known to be dead",
             fence,
-            held_words(held),
             overdue_after,
+            held_words(held),
         )
     return Agreement(
         released=tuple(released),
@@ -263,16 +312,30 @@ def agree(
     )
 
 
+def _triples(flags: list[int]) -> zip[tuple[int, int, int]]:
+    it = iter(flags)
+    return zip(it, it, it, strict=True)
+
+
 def _disagreement(ledgers: Sequence[Deferrals[Any]], low: list[int], high: list[int]) -> str:
     parts = []
-    for i, led in enumerate(ledgers):
-        for j, name in enumerate(_HEADER):
-            k = len(_HEADER) * i + j
+    width = len(_HEADER)
+    for i in range(SLOTS):
+        if low[width * i] != high[width * i]:
+            parts.append(
+                f"ledger {i + 1} holds {_KIND_WORDS.get(low[width * i], '?')} on one rank "
+                f"and {_KIND_WORDS.get(high[width * i], '?')} on another"
+            )
+            continue
+        unit = ledgers[i].unit if i < len(ledgers) else f"ledger {i + 1}"
+        for j, name in enumerate(_HEADER[1:], start=1):
+            k = width * i + j
             if low[k] != high[k]:
-                parts.append(f"{led.unit} {name} {low[k]}..{high[k]}")
+                parts.append(f"{unit} {name} {low[k]}..{high[k]}")
     return (
         "agree(): the ranks' pools disagree before agreement ("
         + ", ".join(parts)
-        + "): the ranks did not make the same pool calls in the same order, so their "
+        + "): the ranks did not make the same pool calls in the same order, or their "
+        "pools were built otherwise (sizes, kv= on some ranks only), so their "
         "decisions have already diverged; nothing was changed"
     )

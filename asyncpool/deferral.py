@@ -668,13 +668,16 @@ class Deferrals(Generic[T]):
         flags: Sequence[int],
         cache: dict[int, tuple[Fence, int, BaseException | None]],
     ) -> tuple[int, list[Deferred[T]]]:
-        """Act on flags agreed by every replica (the MIN over ranks of
-        :meth:`agreement_flags`), in deferral order.
+        """Act on flags agreed by every replica, in deferral order: per
+        batch ``[done, overdue, faulted]`` of :meth:`agreement_flags`, done
+        reduced by MIN over ranks, overdue and faulted by MAX.
 
-        A batch agreed faulted is quarantined; one agreed done is released
-        (all its fences completed on every rank); one agreed overdue (and
-        neither) joins :attr:`agreed_overdue`. Returns the ids released and
-        the batches newly agreed overdue. O(pending batches).
+        A batch agreed faulted (a fence raised on some rank) is quarantined,
+        whatever other ranks saw; one agreed done is released (all its
+        fences completed on every rank); one agreed overdue (and neither:
+        not done on some rank past the timeout) joins
+        :attr:`agreed_overdue`. Returns the ids released and the batches
+        newly agreed overdue. O(pending batches).
         """
         gone: set[int] = set()
         for i, batch in enumerate(batches):
@@ -701,8 +704,14 @@ class Deferrals(Generic[T]):
                     if entry is not None and entry[1] == 2:
                         culprit, local = f, entry[2]
                         break
-                err = FenceError(f"fence {culprit!r} faulted on every rank")
-                err.__cause__ = local
+                if local is not None:
+                    err = FenceError(f"fence {culprit!r} faulted here: {local!r}")
+                    err.__cause__ = local
+                else:
+                    err = FenceError(
+                        f"fence {batch.fence!r} or another this batch waits for "
+                        "faulted on another rank (not here); quarantined on every rank"
+                    )
                 self._fault_batch(batch, culprit, err)
             elif done:
                 batch.rest = ()

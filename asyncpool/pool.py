@@ -157,8 +157,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Seconds after which a fence still holding rows or pages is
         *overdue*: logged once at WARNING and counted in :meth:`stats`; its
         memory stays held (see :meth:`force_release`). ``None``: never.
-        With ``reclaim="explicit"`` a fence is overdue only when
-        :meth:`agree` finds it so on every rank (same step everywhere).
+        With ``reclaim="explicit"`` a fence is overdue when :meth:`agree`
+        finds it not done past the timeout on some rank, counted at the
+        same call on every rank.
     reclaim
         ``"auto"`` (default): memory returns as soon as its fences complete
         (fence callbacks, watcher threads, reclaim inside ``alloc``).
@@ -763,7 +764,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return immediate
 
     def reclaim(self) -> int:
-        """Return memory whose fences completed; grant waiters; the rows made free."""
+        """Return memory whose fences completed; grant waiters; the rows made free.
+
+        With ``reclaim="explicit"`` a no-op that returns 0 (it would decide
+        by this rank's fence timing): :meth:`retire` and :meth:`agree` return
+        memory there.
+        """
         self._check_thread()
         released = self._ledger.reclaim()
         pages = self._pages
@@ -807,15 +813,20 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         (None: the default group), for ``reclaim="explicit"`` pools: each
         rank asks its pending fences (rows and pages) locally, ONE small
         tensor of flags is all-reduced with MIN, and every rank releases
-        exactly what all of them saw complete, quarantines what all saw
-        fault, marks overdue what all saw pending past ``fence_timeout``,
-        then grants waiters. Every rank must call it at the same point of
-        its loop; it blocks the loop for the collective
+        exactly what all of them saw complete, quarantines what any saw
+        fault (a transfer that failed on one rank only), marks overdue what
+        any saw not done past ``fence_timeout``, then grants waiters. Every
+        rank must call it at the same point of its loop; it blocks the loop
+        for the collective
         (:mod:`asyncpool.agreement`). Returns ``(rows, pages)`` made free.
         Raises :class:`AgreementError` on every rank, changing nothing,
         when the ranks' pools hold different pending batches (in number or
-        in the ids they hold: they did not make the same calls);
-        ``RuntimeError`` on an ``"auto"`` pool.
+        in the ids they hold: they did not make the same calls) or were
+        built otherwise (``kv=`` on some ranks only). ``RuntimeError`` on an
+        ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
+        ``TypeError``/``ValueError`` for a bad ``group`` raise on this rank
+        alone, before the collective: the other ranks then wait in it until
+        the group's timeout.
         """
         self._check_thread()
         led = self._ledger
@@ -1077,7 +1088,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),
             }
         if self._overdue is not None:
-            # Explicit: overdue is what agree() found so on every rank.
+            # Explicit: overdue is what agree() agreed (not done on some rank).
             fences, held = self._overdue.counts(agreed=self._ledger.explicit)
             extra["overdue_fences"] = fences
             extra["overdue_rows"] = held.get("rows", 0)

@@ -357,7 +357,7 @@ def test_agree_marks_overdue_once_and_keeps_the_memory(
         again = agree(group, [led], overdue_after=1e-9)
     assert res.newly_overdue == 1 and again.newly_overdue == 0
     assert len(led.agreed_overdue) == 1
-    assert sum("overdue on every rank" in r.message for r in caplog.records) == 1
+    assert sum("not done on at least one rank" in r.message for r in caplog.records) == 1
     assert pool.pending_size() == 2
     t.done = True
     assert pool.agree(group) == 2
@@ -385,6 +385,22 @@ def test_agree_refuses_a_non_group(group: Any) -> None:
         pool.agree("world")
 
 
+def test_agree_refuses_a_group_this_rank_is_not_in(group: Any) -> None:
+    # What dist.new_group returns to the ranks outside it.
+    pool = rows_pool()
+    with pytest.raises(ValueError, match="not a member of"):
+        pool.agree(dist.GroupMember.NON_GROUP_MEMBER)
+
+
+async def test_async_reclaim_is_a_no_op_on_an_explicit_pool() -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4, reclaim="explicit") as pool:
+        rows = await pool.alloc(2)
+        t = CountingFence(done=True)
+        assert pool.free(rows, fence=t) == 0
+        assert pool.reclaim() == 0
+        assert pool.pending_size() == 2 and t.queries == 0
+
+
 def test_agreement_error_on_disagreeing_ranks(
     group: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -401,9 +417,11 @@ def test_agreement_error_on_disagreeing_ranks(
 
     def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
         out = real(values, g, device)
-        out[0] = min(out[0], 1)  # this rank: 1 batch
-        n = len(agreement._HEADER)  # one ledger: its header, then the header negated
-        out[n] = min(out[n], -2)  # the other: 2 batches (stored negated)
+        # The header: a slot per ledger, what it holds first, then its
+        # pending batches; then the header negated.
+        out[1] = min(out[1], 1)  # this rank: 1 batch
+        n = len(agreement._HEADER) * agreement.SLOTS
+        out[n + 1] = min(out[n + 1], -2)  # the other: 2 batches (stored negated)
         return out
 
     monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)

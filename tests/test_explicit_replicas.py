@@ -34,7 +34,8 @@ class Handle:
 
 
 def agree_in_process(replicas: list[list[Deferrals[Any]]]) -> None:
-    """What agreement.agree does across ranks, with MIN taken in-process."""
+    """What agreement.agree does across ranks, reduced in-process: per
+    batch ``done`` by MIN, ``overdue`` and ``faulted`` by MAX."""
     views = [[led.pending_batches() for led in leds] for leds in replicas]
     shapes = {tuple(len(v) for v in view) for view in views}
     assert len(shapes) == 1, f"replicas hold different batches: {shapes}"
@@ -44,7 +45,10 @@ def agree_in_process(replicas: list[list[Deferrals[Any]]]) -> None:
         for leds, view, cache in zip(replicas, views, caches, strict=True)
     ]
     for j in range(len(replicas[0])):
-        agreed = [min(col) for col in zip(*(f[j] for f in flags), strict=True)]
+        agreed = [
+            (min if i % 3 == 0 else max)(col)
+            for i, col in enumerate(zip(*(f[j] for f in flags), strict=True))
+        ]
         for leds, view, cache in zip(replicas, views, caches, strict=True):
             leds[j].apply_agreement(view[j], agreed, cache)
 

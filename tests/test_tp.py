@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from tp_worker import APIS, disagree_rank, run_rank
+from tp_worker import APIS, disagree_rank, one_rank_differs_rank, run_rank
 
 
 def _run(tmp_path: Path, world: int, **cfg: Any) -> list[dict[str, Any]]:
@@ -78,3 +78,53 @@ def test_ranks_that_disagree_all_raise(tmp_path: Path, same_count: bool) -> None
             assert "rows pending ids (crc32)" in text and "pending batches" not in text
         else:
             assert "rows pending batches 1..2" in text
+
+
+@pytest.fixture(scope="module")
+def one_rank_differs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Two ranks run tests/tp_worker.py's one_rank_differs_rank once."""
+    tmp = tmp_path_factory.mktemp("one_rank_differs")
+    mp.spawn(one_rank_differs_rank, args=(2, str(tmp / "init"), str(tmp)), nprocs=2)
+    out = []
+    for rank in range(2):
+        with open(tmp / f"rank{rank}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_that_fails_on_one_rank_is_quarantined_on_every_rank(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """Rank 1's transfer raised, rank 0's completed: MIN of "faulted" would
+    keep the row and pages held on both ranks for good, unreported."""
+    here, there = (r["fault"] for r in one_rank_differs)
+    for r in (here, there):
+        assert r["released"] == [0, 0]
+        assert r["quarantined"] == [1, 3] and r["pending"] == [0, 0]
+    # Each rank logs the fault; the one where it happened names its error.
+    assert any("faulted on another rank (not here)" in m for m in here["log"]), here
+    assert any("the RDMA peer is gone" in m for m in there["log"]), there
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_stuck_on_one_rank_is_overdue_on_every_rank(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """Rank 1's transfer never completes, rank 0's did: MIN of "overdue"
+    would report nothing anywhere while the memory stays held."""
+    for r in (r["stuck"] for r in one_rank_differs):
+        assert r["released"] == [0, 0] and r["pending"] == [1, 3]
+        assert r["overdue"] == [1, 1, 3]
+        assert any("not done on at least one rank" in m for m in r["log"]), r
+
+
+@pytest.mark.timeout(120)
+def test_pools_built_otherwise_raise_agreement_error_on_every_rank(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """kv= on rank 0 only: the tensors were of different lengths, and gloo
+    aborted the processes; now every rank raises AgreementError."""
+    for r in one_rank_differs:
+        assert r["kv"].startswith("AgreementError"), r
+        assert "ledger 2 holds nothing on one rank and pages on another" in r["kv"]

@@ -364,3 +364,97 @@ def disagree_rank(
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(outcome)
+
+
+class _Handle:
+    """A transfer handle whose state the scenario sets: done, pending or failed."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+    def query(self) -> bool:
+        if self.state == "failed":
+            raise RuntimeError("the RDMA peer is gone")
+        return self.state == "done"
+
+    def synchronize(self) -> None:
+        if self.state == "failed":
+            raise RuntimeError("the RDMA peer is gone")
+
+
+def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Scenarios where one rank sees or holds something the others do not.
+
+    * ``fault``: a transfer fails on rank 1 only (done on rank 0): its row
+      and pages are quarantined on every rank at the same agree();
+    * ``stuck``: a transfer never completes on rank 1 only: counted overdue
+      on every rank, its memory held;
+    * ``kv``: rank 0's pool has ``kv=``, rank 1's not: every rank raises
+      AgreementError (the all-reduced tensor is as long on every rank).
+
+    Writes one JSON object of outcomes per rank.
+    """
+    import logging
+
+    from asyncpool import AgreementError, AsyncReqToTokenPool
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("asyncpool").addHandler(_Keep(logging.WARNING))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    out: dict[str, Any] = {}
+
+    def pool(kv: bool = True, fence_timeout: float | None = None) -> AsyncReqToTokenPool:
+        pages = KVPagePool(17, PAGE, reclaim="explicit") if kv else None
+        return AsyncReqToTokenPool(
+            5, 64, kv=pages, reclaim="explicit", fence_timeout=fence_timeout
+        )
+
+    async def scenarios() -> None:
+        for case, state in (("fault", "failed"), ("stuck", "pending")):
+            p = pool(fence_timeout=1e-9)
+            g = p.try_admit(pages=3)
+            assert g is not None
+            p.free([g.row], fence=_Handle("done" if rank == 0 else state))
+            del records[:]
+            rows, pages = p.agree()
+            st = p.stats()
+            out[case] = {
+                "released": [rows, pages],
+                "quarantined": [p.quarantined_size(), p.kv.quarantined_size()],  # type: ignore[union-attr]
+                "pending": [p.pending_size(), p.kv.pending_size()],  # type: ignore[union-attr]
+                "overdue": [st.overdue_fences, st.overdue_rows, st.overdue_pages],
+                "log": list(records),
+            }
+            p.check_invariants()
+            await p.close()
+        p = pool(kv=rank == 0)
+        g = p.try_admit(pages=2) if rank == 0 else None
+        row = g.row if g is not None else (await p.alloc(1))[0]
+        p.free([row], fence=_Handle("done"))
+        try:
+            p.agree()
+            out["kv"] = "agreed"
+        except AgreementError as exc:
+            out["kv"] = f"AgreementError: {exc}"
+        p.check_invariants()
+        await p.close()
+
+    try:
+        asyncio.run(scenarios())
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)

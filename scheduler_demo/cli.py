@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run N tensor-parallel scheduler replicas, one process each (gloo; NCCL with "
         "--device cuda, one GPU per rank), with reclaim=\"explicit\" pools; every step "
-        "checks that all ranks built the same batch (default: 0, the plain demo; 1 runs "
+        "checks that all ranks built the same batch; needs --admission atomic, refuses "
+        "--gate (exit 2) and draws no --plot (default: 0, the plain demo; 1 runs "
         "the replica machinery on one rank)",
     )
     e.add_argument(
@@ -321,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--tp must be in 1..{MAX_TP} (one process per rank), got {args.tp}")
     if args.tp:
         return _main_tp(args, cfg)
+    if args.tp_reclaim != "explicit":
+        parser.error("--tp-reclaim is for --tp N runs (the plain demo has one scheduler)")
     try:
         report: Report = _run(run_demo(cfg))
     except TimeoutError:

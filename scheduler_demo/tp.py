@@ -362,8 +362,9 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
 
 def format_summary(res: dict[str, Any]) -> str:
     return (
-        f"tensor parallel: {res['world']} ranks, {res['steps']} steps, {res['checks']} "
-        f"batch-hash checks, {res['mismatches']} mismatches; agree() "
+        f"tensor parallel: {res['world']} rank{'' if res['world'] == 1 else 's'}, "
+        f"{res['steps']} steps, {res['checks']} batch-hash checks, "
+        f"{res['mismatches']} mismatches; agree() "
         f"{res['agree_ms_per_step']:.3f} ms per step ({res['agree_fraction']:.1%} of a "
         f"{res['step_ms']:.2f} ms step), whole exchange {res['exchange_ms_per_step']:.3f} ms"
     )

@@ -32,6 +32,8 @@ def test_two_ranks_build_identical_batches() -> None:
     a, b = (r["report"] for r in res["ranks"])
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
     assert "0 mismatches" in format_summary(res)
+    assert "tensor parallel: 2 ranks," in format_summary(res)
+    assert "tensor parallel: 1 rank," in format_summary({**res, "world": 1})
 
 
 def test_the_check_names_what_differs() -> None:

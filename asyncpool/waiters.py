@@ -127,7 +127,9 @@ class WaiterQueues:
 
         The caller awaits ``waiter[1]`` (the future: it resolves with the
         grant), calls :meth:`cancelled` if that await is cancelled, and
-        cancels the handle when done. :meth:`wait` does exactly this; a hot
+        cancels the handle when done. A request more urgent than every one
+        queued becomes the head: the grant loop runs for it at the loop's
+        next turn, since it may fit in what is free now. :meth:`wait` does exactly this; a hot
         caller may inline it to save a coroutine frame per wait. The wait,
         from now to the grant, goes to ``window`` and ``histogram``. Raises
         :class:`PoolBusyError` (queueing nothing) past ``max_waiters``.
@@ -144,6 +146,12 @@ class WaiterQueues:
         if queue is None:
             queue = self._queues[priority] = collections.deque()
             bisect.insort(self._prios, priority)
+            if self.count and self._prios[0] == priority:
+                # A new head, ahead of waiters that were blocked: it may fit
+                # in what is free now, and no free may come to run the loop.
+                # Run it from the loop, not here: a grant resumes its task
+                # only after the row resets it schedules (see grant()).
+                loop.call_soon(self.grant)
         queue.append(waiter)
         self.count += 1
         handle = None if timeout is None else loop.call_later(

@@ -277,6 +277,23 @@ async def test_priority_orders_admits_and_allocs_together():
         conserved(pool)
 
 
+async def test_a_new_urgent_admit_that_fits_is_granted_without_a_free():
+    """The head was short of pages; a more urgent admit that fits in the
+    rows and pages free becomes the head and is granted at the loop's next
+    turn, without waiting for an unrelated free."""
+    async with bounded(), make(rows=4, pages=8) as pool:
+        g = await pool.admit(pages=6)  # 3 rows and 2 pages free
+        [big] = await queued(pool, pool.admit(pages=4))
+        urgent = asyncio.create_task(pool.admit(pages=1, priority=-1))
+        got = await outcome(urgent)
+        assert isinstance(got, Grant) and len(got.pages) == 1
+        assert not big.done() and pool.waiting() == 1
+        pool.free([g.row, got.row])
+        got_big = await outcome(big)
+        pool.free(got_big.row)
+        conserved(pool)
+
+
 async def test_a_big_page_head_blocks_smaller_admits_behind_it():
     async with make(rows=4, pages=8) as pool:
         g = await pool.admit(pages=4)

@@ -215,6 +215,49 @@ async def test_big_head_blocks_across_priorities():
         assert log == ["big", "small"]
 
 
+async def test_a_new_head_that_fits_is_granted_without_a_free():
+    """A request more urgent than every queued one becomes the head; if it
+    fits in what is free it is granted at once (the loop's next turn), not
+    at the next unrelated free, which on an idle pool may never come. Its
+    row, freed dirty with nobody waiting, reads zero lengths when it resumes."""
+    async with bounded(), make(5) as pool:
+        held = await pool.alloc(4)
+        for row in held:
+            pool.set_req_pool_info(row, ReqToTokenPoolInfo(3, 3, torch.arange(3)))
+        pool.free(held[:2])  # nobody waits: back unreset
+        log: list[str] = []
+        big = asyncio.create_task(_waiter(pool, 3, "big", log))
+        await spin()
+        assert log == [] and pool.waiting() == 1 and pool.available_size() == 2
+        urgent = asyncio.create_task(_waiter(pool, 1, "urgent", log, priority=-1))
+        [row] = await urgent
+        assert log == ["urgent"] and row in held[:2]
+        assert lens(pool, row) == (0, 0, 0)
+        assert pool.waiting() == 1 and not big.done()  # the big one still waits
+        pool.free([*held[2:], row])
+        await finish(big)
+        assert log == ["urgent", "big"]
+        pool.check_invariants()
+
+
+async def test_a_new_head_that_does_not_fit_waits_and_blocks():
+    async with bounded(), make(5) as pool:
+        held = await pool.alloc(4)
+        log: list[str] = []
+        small = asyncio.create_task(_waiter(pool, 1, "small", log))
+        await spin()
+        urgent = asyncio.create_task(_waiter(pool, 2, "urgent", log, priority=-1))
+        await spin()
+        pool.free(held[:1])  # one row: the urgent head needs two
+        await spin()
+        assert log == [] and pool.waiting() == 2 and pool.available_size() == 1
+        pool.free(held[1:2])
+        await finish(urgent)
+        pool.free(held[2:])
+        await finish(small)
+        assert log == ["urgent", "small"]
+
+
 async def test_more_urgent_small_request_passes_a_less_urgent_big_one():
     async with bounded(), make(5) as pool:
         held = await pool.alloc(4)

@@ -255,10 +255,8 @@ def agree(
                 _digest(batches),
             )
         )
-        for done, late, faulted in _triples(
-            led.agreement_flags(batches, cache, overdue_after, led._clock())
-        ):
-            flags.extend((done, -late, -faulted))  # MIN of the negated: -MAX
+        flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock()))
+    _flip(flags)  # overdue and faulted negated: their MIN is -MAX
     header.extend([0] * (len(_HEADER) * SLOTS - len(header)))  # empty slots
     total = sum(len(b) for b in views)
     first = flags[: 3 * WIDTH]
@@ -273,9 +271,7 @@ def agree(
     if total > WIDTH:
         agreed.extend(_all_reduce_min(flags[3 * WIDTH :], group, device, reuse=False))
         collectives = 2
-    for i in range(1, len(agreed), 3):  # back from the negated: overdue, faulted
-        agreed[i] = -agreed[i]
-        agreed[i + 1] = -agreed[i + 1]
+    _flip(agreed)  # back: overdue and faulted are their MAX over ranks
     released: list[int] = []
     quarantined = 0
     newly = 0
@@ -296,7 +292,7 @@ def agree(
     for fence, held in overdue.values():
         logger.warning(
             "fence %r is overdue: not done on at least one rank %.3g s after the free; "
-            "%s stay held on every rank (a late write may still land); "
+            "held on every rank: %s (a late write may still land); "
             "force_release(fence) on every rank only if its writer is known to be dead",
             fence,
             overdue_after,
@@ -312,9 +308,12 @@ def agree(
     )
 
 
-def _triples(flags: list[int]) -> zip[tuple[int, int, int]]:
-    it = iter(flags)
-    return zip(it, it, it, strict=True)
+def _flip(flags: list[int]) -> None:
+    """Negate, in place, the overdue and faulted flag of every ``[done,
+    overdue, faulted]`` triple (its own inverse)."""
+    for i in range(1, len(flags), 3):
+        flags[i] = -flags[i]
+        flags[i + 1] = -flags[i + 1]
 
 
 def _disagreement(ledgers: Sequence[Deferrals[Any]], low: list[int], high: list[int]) -> str:

@@ -194,7 +194,7 @@ class Deferrals(Generic[T]):
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
         # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
         # the newest retired seq per stream, and the deferral ids of batches
-        # every rank agreed are overdue.
+        # agree() found overdue (not done on some rank past the timeout).
         self.explicit = False
         self._retired: dict[int, int] = {}
         self.agreed_overdue: set[int] = set()

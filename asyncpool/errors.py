@@ -95,7 +95,8 @@ class AgreementError(PoolError, RuntimeError):
     """Tensor-parallel replicas of a pool disagree about their state.
 
     Raised by ``agree(group)`` on every rank at once, changing nothing, when
-    the ranks' pools hold different pending batches (or counts): the ranks
-    did not make the same pool calls in the same order, so their admission
-    decisions have already diverged.
+    the ranks' pools hold different pending batches (or counts), or were
+    built otherwise (``kv=`` on some ranks only): the ranks did not make the
+    same pool calls in the same order, so their admission decisions have
+    already diverged.
     """

@@ -77,8 +77,9 @@ class OverdueFences:
         seconds until the next pending fence becomes overdue (None: none
         pending that is not overdue yet). O(pending batches).
 
-        ``agreed`` (``reclaim="explicit"``): overdue means every rank agreed
-        so (the ledgers' ``agreed_overdue``), not this process's clock.
+        ``agreed`` (``reclaim="explicit"``): overdue means ``agree()`` agreed
+        so, every rank alike (not done on some rank past the timeout: the
+        ledgers' ``agreed_overdue``), not this process's clock.
         """
         now = self._clock()
         cutoff = now - self.timeout

@@ -25,7 +25,9 @@ that removes its lost-wake-up and queue-jumping bugs):
   which takes the head's need and resolves its future *with the grant*; a
   woken waiter never re-checks and competes;
 * **the head blocks those behind it**, whatever they need: a head that does
-  not fit ends the loop (no starvation of big requests, no bypass);
+  not fit ends the loop (no starvation of big requests, no bypass); a new
+  request more urgent than every queued one becomes the head, and the loop
+  runs for it at the event loop's next turn (it may fit what is free);
 * **cancelled or timed out means nothing was granted**; a waiter cancelled
   after its grant gives everything back and the loop runs again; a cancelled
   or expired head re-runs the loop too, since smaller waiters behind it may
@@ -151,13 +153,19 @@ class WaiterQueues:
                 # in what is free now, and no free may come to run the loop.
                 # Run it from the loop, not here: a grant resumes its task
                 # only after the row resets it schedules (see grant()).
-                loop.call_soon(self.grant)
+                loop.call_soon(self._new_head, waiter)
         queue.append(waiter)
         self.count += 1
         handle = None if timeout is None else loop.call_later(
             timeout, self._expire, waiter, timeout
         )
         return waiter, handle
+
+    def _new_head(self, waiter: Waiter) -> None:
+        # Only while the new head still waits: then the owner has not moved
+        # to another loop or thread (a waiter pins it), and a grant is due.
+        if not waiter[1].done():
+            self.grant()
 
     def cancelled(self, waiter: Waiter) -> None:
         """The task awaiting ``waiter`` was cancelled: settle what it held.

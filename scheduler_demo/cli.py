@@ -195,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--tp-reclaim",
         choices=("explicit", "auto"),
-        default="explicit",
+        default=None,
         help="with --tp: the pools' reclaim mode; auto is the control run, whose replicas "
-        "decide by local fence timing and diverge (default: %(default)s)",
+        "decide by local fence timing and diverge (default: explicit)",
     )
     t = p.add_argument_group("timing")
     t.add_argument(
@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--tp must be in 1..{MAX_TP} (one process per rank), got {args.tp}")
     if args.tp:
         return _main_tp(args, cfg)
-    if args.tp_reclaim != "explicit":
+    if args.tp_reclaim is not None:
         parser.error("--tp-reclaim is for --tp N runs (the plain demo has one scheduler)")
     try:
         report: Report = _run(run_demo(cfg))
@@ -351,7 +351,7 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     try:
-        res = run_tp(cfg, args.tp, args.tp_reclaim)
+        res = run_tp(cfg, args.tp, args.tp_reclaim or "explicit")
     except TPMismatchError as exc:
         print(f"scheduler_demo: {exc}", file=sys.stderr)
         return 1

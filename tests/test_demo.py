@@ -357,10 +357,11 @@ def test_cli_rejects_bad_knobs(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--prompt-len=zipf:2"])
     capsys.readouterr()
     # The TP control run without --tp ran the plain demo and exited 0.
-    with pytest.raises(SystemExit) as exc:
-        main(["--tp-reclaim=auto", "-n", "1"])
-    assert exc.value.code == 2
-    assert "--tp-reclaim is for --tp N runs" in capsys.readouterr().err
+    for mode in ("auto", "explicit"):
+        with pytest.raises(SystemExit) as exc:
+            main([f"--tp-reclaim={mode}", "-n", "1"])
+        assert exc.value.code == 2
+        assert "--tp-reclaim is for --tp N runs" in capsys.readouterr().err
     # Huge tables are refused up front (they swapped for minutes, then died
     # with a raw MemoryError and the exit status of a corruption), as is a
     # huge --tp.

@@ -373,6 +373,7 @@ def test_close_and_bind_with_waiters_of_a_closed_loop(
             thread = threading.Thread(target=other, name="new-owner")
             thread.start()
             thread.join(WAIT_S)
+            assert not thread.is_alive()
             assert not errors, errors
             assert pool.waiting() == 0
             continue

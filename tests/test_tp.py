@@ -128,3 +128,19 @@ def test_pools_built_otherwise_raise_agreement_error_on_every_rank(
     for r in one_rank_differs:
         assert r["kv"].startswith("AgreementError"), r
         assert "ledger 2 holds nothing on one rank and pages on another" in r["kv"]
+
+
+@pytest.mark.timeout(120)
+def test_faults_and_stuck_transfers_beyond_the_first_all_reduce(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """The flags of batches past WIDTH ride in a second all-reduce, negated
+    as in the first: one failed and one stuck on rank 1 in each."""
+    for r in one_rank_differs:
+        assert r["wide"] == {
+            "collectives": 2,
+            "released": [66],
+            "quarantined": 2,
+            "newly_overdue": 2,
+            "pending": 2,
+        }, r

@@ -73,3 +73,43 @@ async def test_a_supply_left_after_a_grant_serves_the_next_waiters_in_order() ->
         queues.grant()
         assert [f.result() for f in futs[:2]] == [[1, 2], [3]]
         assert not futs[2].done() and rows.takes == [2, 1, 3]
+
+
+def _enqueue(queues: WaiterQueues, need: int, priority: int) -> asyncio.Future[Any]:
+    loop = asyncio.get_running_loop()
+    window: collections.deque[float] = collections.deque()
+    return queues.enqueue(need, priority, None, loop, window, Histogram())[0][1]
+
+
+async def test_a_new_head_runs_the_loop_at_the_next_turn_and_no_other_enqueue_does() -> None:
+    """Only a request more urgent than every queued one schedules a grant
+    pass (it may fit what is free); one queued behind others, at their
+    priority or after, leaves the hot path alone: no take is probed."""
+    rows = Rows()
+    rows.free.append(7)
+    queues = WaiterQueues(rows.take, rows.give_back, _describe, supply=rows.free)
+    async with bounded():
+        big = _enqueue(queues, 2, 0)  # the first waiter: the caller tried to take
+        _enqueue(queues, 1, 0)
+        _enqueue(queues, 1, 1)
+        await asyncio.sleep(0)
+        assert rows.takes == [] and not big.done()
+        urgent = _enqueue(queues, 1, -1)
+        assert rows.takes == []  # not at once: from the loop
+        await asyncio.sleep(0)
+        assert rows.takes == [1] and urgent.result() == [7] and not big.done()
+
+
+async def test_a_new_head_granted_before_its_turn_runs_no_second_pass() -> None:
+    """The scheduled pass does nothing once its waiter was served (the
+    owner may have moved to another loop or thread since)."""
+    rows = Rows()
+    queues = WaiterQueues(rows.take, rows.give_back, _describe, supply=rows.free)
+    async with bounded():
+        _enqueue(queues, 2, 0)
+        urgent = _enqueue(queues, 1, -1)
+        rows.free.append(7)
+        queues.grant()  # a free in the same turn serves it first
+        assert urgent.result() == [7] and rows.takes == [1]
+        await asyncio.sleep(0)
+        assert rows.takes == [1]

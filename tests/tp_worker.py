@@ -391,6 +391,8 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
       and pages are quarantined on every rank at the same agree();
     * ``stuck``: a transfer never completes on rank 1 only: counted overdue
       on every rank, its memory held;
+    * ``wide``: more pending batches than the first all-reduce carries, one
+      failed and one stuck on rank 1 in each all-reduce: the same verdicts;
     * ``kv``: rank 0's pool has ``kv=``, rank 1's not: every rank raises
       AgreementError (the all-reduced tensor is as long on every rank).
 
@@ -440,6 +442,26 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
             }
             p.check_invariants()
             await p.close()
+        # More batches than ride in the first all-reduce: one fails on
+        # rank 1 and one sticks there, both within the first WIDTH and past it.
+        from asyncpool.agreement import WIDTH
+
+        n = WIDTH + 6
+        wide = ReqToTokenPool(n + 1, PAGE, reclaim="explicit")
+        rows = wide.alloc(n)
+        assert rows is not None
+        odd = {3: "failed", n - 2: "failed", 5: "pending", n - 1: "pending"}
+        for i, row in enumerate(rows):
+            wide.free([row], fence=_Handle(odd.get(i, "done") if rank == 1 else "done"))
+        res = agree(dist.group.WORLD, [wide._ledger], overdue_after=1e-9)
+        out["wide"] = {
+            "collectives": res.collectives,
+            "released": list(res.released),
+            "quarantined": res.quarantined,
+            "newly_overdue": res.newly_overdue,
+            "pending": wide.pending_size(),
+        }
+        wide.check_invariants()
         p = pool(kv=rank == 0)
         g = p.try_admit(pages=2) if rank == 0 else None
         row = g.row if g is not None else (await p.alloc(1))[0]

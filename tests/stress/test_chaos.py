@@ -54,6 +54,7 @@ SEED = int(os.environ.get("ASYNCPOOL_STRESS_SEED") or "20261202")
 SEEDS = max(1, round(32 * SCALE))
 STEPS = 300  # per seed
 STEP_S = 5.0  # bound on one step, and on each wait of the wind-down
+AFTER_CLOSE_STEPS = 20  # steps a phase takes on a closed pool before it ends
 WAIT_ENDS = (asyncio.CancelledError, TimeoutError, PoolClosedError, CapacityError, PoolBusyError)
 EXERCISED = ["granted", "cancel", "TimeoutError", "fault", "force_release", "bad_input", "drained"]
 EXERCISED += ["release_refused", "release_resume", "here", "thread", "thread+switch"]
@@ -335,8 +336,16 @@ class Chaos(Shadow):
         )
 
     async def phase(self, steps: int, end: str | None) -> None:
-        """``steps`` checked steps, then :meth:`finish` unless ``end`` is None."""
+        """``steps`` checked steps, then :meth:`finish` unless ``end`` is None.
+
+        Once the pool is closed, a few more steps (frees and refusals after
+        close) end the phase early: the rest would only be refused."""
+        after_close = 0
         for _ in range(steps):
+            if self.pool.closed:
+                after_close += 1
+                if after_close > AFTER_CLOSE_STEPS:
+                    break
             self.step_no += 1
             try:
                 async with bounded(STEP_S):

@@ -77,6 +77,8 @@ class Admission:
 
         def _check_thread(self) -> None: ...
 
+        def _drop_dead_waiters(self) -> bool: ...
+
         def _reclaim_both(self) -> bool: ...
 
         def _take_for_waiter(self, need: Need) -> list[int] | Grant | None: ...
@@ -176,6 +178,8 @@ class Admission:
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
+        if self._waiters.count:
+            self._drop_dead_waiters()  # of a loop closed under them: not queued
         if self._waiters.count or self._released:
             return None
         return self._admit_now(k)

@@ -538,6 +538,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "running or has waiters; a pool is loop-affine"
             )
         self._drop_dead_waiters()
+        # A reset queued on the old loop may never run: do it now, or a row
+        # granted here would be taken for one whose reset is scheduled.
+        self._flush_resets()
         self._loop = loop
         self._choose_fast_paths(loop)
         # State tied to the old loop: a wake-up queued there that may never
@@ -679,6 +682,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
+        if self._waiters.count:
+            self._drop_dead_waiters()  # of a loop closed under them: not queued
         if self._waiters.count or self._released:
             return None
         rows = self._take(n)
@@ -1030,7 +1035,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         twice, nor another owner's row. If the body raised, that exception
         is the new error's ``__context__``. An ``after`` that no fence can be
         recorded on raises ``TypeError`` here, before anything is allocated
-        (found at exit, it would leave the rows only their recorded uses).
+        (found at exit, it would leave the rows only their recorded uses);
+        one that fails at exit (a ``HostStream`` closed in the body) raises
+        there, its rows freed behind their recorded uses alone. A lease held
+        while another is awaited is hold-and-wait, as with any two
+        allocations: nested leases that together exceed what is free wait
+        for ever unless something else frees rows (take one lease of the
+        sum, or ``admit`` for a row with its pages).
         """
         if after is not None:
             check_after(after)

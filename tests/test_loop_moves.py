@@ -22,10 +22,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+import torch
 import uvloop
 from helpers import WAIT_S, Streams, bounded
 
-from asyncpool import AsyncReqToTokenPool, HostStream
+from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, ReqToTokenPoolInfo
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -454,3 +455,78 @@ def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left(kit: Streams) ->
         assert threading.current_thread().name not in reclaims
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_try_calls_drop_the_waiters_of_a_closed_loop(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter left queued on a loop closed under it can never resume:
+    try_alloc and try_admit answered None for good while it was counted
+    (the README's scheduler admits with try_admit, and waits for nothing)."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4))
+
+    async def setup() -> None:
+        await pool.alloc(2)
+        await pool.alloc(3)  # queued: 2 rows free; abandoned with its loop
+
+    _abandon_a_waiter(factory, setup)
+
+    async def next_loop() -> None:
+        with caplog.at_level(logging.WARNING, logger="asyncpool.pool"):
+            rows = pool.try_alloc(1)
+        assert rows is not None and pool.waiting() == 0
+        assert any("closed with 1 waiter" in r.getMessage() for r in caplog.records)
+        grant = pool.try_admit(pages=1)
+        assert grant is not None
+        pool.check_invariants()
+
+    run(factory, next_loop())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_row_granted_after_a_move_reads_zero_lengths(loop: str) -> None:
+    """A grant's reset was queued on a loop stopped before it ran; the pool
+    moved to the next loop with that row still listed as awaiting its reset,
+    so grants there scheduled no reset of their own (asyncio: the next owner
+    read the previous one's lengths)."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8)
+    old = factory()
+    stranded: list[asyncio.Future[list[int]]] = []
+    try:
+
+        async def setup() -> list[int]:
+            rows = await pool.alloc(2)
+            stranded.append(asyncio.ensure_future(pool.alloc(1)))  # never resumes
+            await asyncio.sleep(0)
+            return rows
+
+        a, b = old.run_until_complete(setup())
+
+        async def shutdown() -> None:
+            pool.free([a])  # granted to the waiter; its reset queued on this loop
+            old.stop()  # in the same iteration: neither the reset nor the waiter runs
+
+        old.create_task(shutdown())
+        old.run_forever()
+
+        async def next_loop() -> int:
+            pool.set_req_pool_info(b, ReqToTokenPoolInfo(5, 5, torch.arange(5)))
+            async with bounded():
+                waiter = asyncio.ensure_future(pool.alloc(1))
+                await asyncio.sleep(0)
+                pool.free([b])  # granted to the waiter on this loop
+                [row] = await waiter
+            return row
+
+        row = run(factory, next_loop())
+        assert row == b
+        assert (int(pool.verified_lens[row]), int(pool.alloced_lens[row])) == (0, 0)
+        assert int(pool.verified_lens[a]) == 0  # its reset ran at the move too
+    finally:
+        for task in asyncio.all_tasks(old):
+            task.cancel()
+        old.run_until_complete(asyncio.sleep(0))
+        old.close()

@@ -77,7 +77,7 @@ class Admission:
 
         def _check_thread(self) -> None: ...
 
-        def _drop_dead_waiters(self) -> bool: ...
+        def _try_must_wait(self) -> bool: ...
 
         def _reclaim_both(self) -> bool: ...
 
@@ -178,9 +178,7 @@ class Admission:
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
-        if self._waiters.count:
-            self._drop_dead_waiters()  # of a loop closed under them: not queued
-        if self._waiters.count or self._released:
+        if self._try_must_wait():
             return None
         return self._admit_now(k)
 

@@ -668,6 +668,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._ledger.resets += 1
             self._tables.reset_rows(rows)
 
+    def _try_must_wait(self) -> bool:
+        """For ``try_alloc``/``try_admit``: True while anyone is queued (no
+        queue jumping) or the memory is released. Waiters of a loop closed
+        under them are dropped first: they are not queued, they can never
+        resume."""
+        if self._waiters.count:
+            self._drop_dead_waiters()
+        return bool(self._waiters.count or self._released)
+
     def try_alloc(self, n: int) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.
 
@@ -682,9 +691,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
-        if self._waiters.count:
-            self._drop_dead_waiters()  # of a loop closed under them: not queued
-        if self._waiters.count or self._released:
+        if self._try_must_wait():
             return None
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():

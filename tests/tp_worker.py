@@ -182,9 +182,9 @@ class Config:
     api: str = "rows"  # or "admit" (see APIS)
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
-    c = Config(**cfg)
+def _join_group(rank: int, world: int, init_file: str) -> None:
+    """This rank's gloo group over a file:// rendezvous; a rank that never
+    comes fails the others within a minute, not gloo's 30."""
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -192,6 +192,12 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str,
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, cfg: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    c = Config(**cfg)
+    _join_group(rank, world, init_file)
     try:
         if c.api == "admit":
             # The pool is loop-affine: run the (synchronous) loop inside one.
@@ -335,13 +341,7 @@ def disagree_rank(
     (and none may hang)."""
     from asyncpool import AgreementError
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    _join_group(rank, world, init_file)
     try:
         rows = ReqToTokenPool(8, 4, reclaim="explicit")
         if same_count:
@@ -409,13 +409,7 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
             records.append(record.getMessage())
 
     logging.getLogger("asyncpool").addHandler(_Keep(logging.WARNING))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    _join_group(rank, world, init_file)
     out: dict[str, Any] = {}
 
     def pool(kv: bool = True, fence_timeout: float | None = None) -> AsyncReqToTokenPool:

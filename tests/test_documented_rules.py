@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, bounded, spin
+from helpers import WAIT_S, EventFence, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
 
@@ -55,23 +55,13 @@ def _snapshot(pool: AsyncReqToTokenPool) -> tuple[Any, ...]:
     )
 
 
-class _DoneFence:
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-_DONE_FENCE = _DoneFence()
-
 FOREIGN_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int], Any]] = {
     "try_admit": lambda pool, row: pool.try_admit(pages=1),
     "extend": lambda pool, row: pool.extend(row, 1),
     "extend_rows": lambda pool, row: pool.extend_rows([row], 1),
     "pages_of": lambda pool, row: pool.pages_of(row),
     "detach_pages": lambda pool, row: pool.detach_pages(row),
-    "force_release": lambda pool, row: pool.force_release(_DONE_FENCE),
+    "force_release": lambda pool, row: pool.force_release(EventFence()),
     "check_invariants": lambda pool, row: pool.check_invariants(),
     "kv.check_invariants": lambda pool, row: pool.kv.check_invariants(),  # type: ignore[union-attr]
     "kv.alloc": lambda pool, row: pool.kv.alloc(1),  # type: ignore[union-attr]

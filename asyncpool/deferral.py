@@ -63,6 +63,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: How many faulted fences a ledger remembers, to count and log each once.
+_FAULTS_REMEMBERED = 256
+
 T = TypeVar("T")
 
 
@@ -191,6 +194,10 @@ class Deferrals(Generic[T]):
         self.reclaimed = 0
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
+        # The faulted fences counted so far (the newest _FAULTS_REMEMBERED,
+        # by id, kept alive so that an id is not reused), and their errors.
+        self._faulted: collections.OrderedDict[int, Fence] = collections.OrderedDict()
+        self._faulted_errors: dict[int, BaseException] = {}
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
         # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
         # the newest retired seq per stream, and the deferral ids of batches
@@ -490,25 +497,55 @@ class Deferrals(Generic[T]):
         fence: Fence,
         exc: BaseException,
         *,
-        count: bool = True,
+        report: bool = True,
     ) -> None:
-        """Quarantine ``n`` ids because ``fence`` raised ``exc``.
+        """Quarantine ``n`` ids because ``fence`` raised ``exc``, and report it.
 
-        ``count=False`` for more ids of a fault already counted and reported
-        (one free call meeting the same faulted fence again).
+        ``report=False`` quarantines only: a caller that meets one faulted
+        fence for several ids in one call reports them together
+        (:meth:`_report_fault`) once it has them all.
         """
         self._quarantine_items(items)
         self.quarantined += n
-        if not count:
-            return
-        self.fence_errors += 1
-        err = exc if isinstance(exc, FenceError) else FenceError(f"fence {fence!r} raised {exc!r}")
-        if err is not exc:
-            err.__cause__ = exc
-        self.last_fence_error = err
-        logger.error(
-            "fence %r faulted; quarantined %s %s: %s", fence, self.unit, _describe(items, n), exc
-        )
+        if report:
+            self._report_fault(fence, exc, items, n)
+
+    def _report_fault(self, fence: Fence, exc: BaseException, items: list[T], n: int) -> None:
+        """Count, log and hand to ``on_fault`` the ``n`` ids just quarantined.
+
+        A fence is counted in ``fence_errors`` and logged as an error once,
+        however many calls meet it (one faulted step fence holds a whole
+        batch, freed request by request); ids quarantined behind a fence
+        already reported are logged as a warning. The last
+        ``_FAULTS_REMEMBERED`` faulted fences are remembered (strongly, so
+        an id is not reused). ``on_fault`` runs every time: the owner sheds
+        the waiters that can no longer fit, which more quarantine may add.
+        """
+        key = id(fence)
+        faulted = self._faulted
+        if faulted.get(key) is fence:
+            faulted.move_to_end(key)
+            err = self._faulted_errors[key]
+            logger.warning(
+                "fence %r, which faulted before, quarantined %s %s more",
+                fence, self.unit, _describe(items, n),
+            )
+        else:
+            err = exc
+            if not isinstance(exc, FenceError):
+                err = FenceError(f"fence {fence!r} raised {exc!r}")
+                err.__cause__ = exc
+            faulted[key] = fence
+            self._faulted_errors[key] = err
+            if len(faulted) > _FAULTS_REMEMBERED:
+                old, _ = faulted.popitem(last=False)
+                del self._faulted_errors[old]
+            self.fence_errors += 1
+            self.last_fence_error = err
+            logger.error(
+                "fence %r faulted; quarantined %s %s: %s",
+                fence, self.unit, _describe(items, n), exc,
+            )
         if self._on_fault is not None:
             self._on_fault(fence, err)
 
@@ -610,13 +647,19 @@ class Deferrals(Generic[T]):
         hits.extend(b for b in self._unordered if b.fence is fence)
         self._unordered = [b for b in self._unordered if b.fence is not fence]
         released = 0
-        for i, batch in enumerate(hits):
-            if error is None:
+        if error is None:
+            for batch in hits:
                 released += self._settle(batch)
-            else:
+        elif hits:
+            items: list[T] = []
+            n = 0
+            for batch in hits:
                 self.agreed_overdue.discard(batch.did)
                 self.pending -= batch.n
-                self._fault(batch.items, batch.n, fence, error, count=i == 0)
+                self._fault(batch.items, batch.n, fence, error, report=False)
+                items.extend(batch.items)
+                n += batch.n
+            self._report_fault(fence, error, items, n)
         return released
 
     # ------------------------------------------------------------ agreement

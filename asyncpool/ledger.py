@@ -465,7 +465,9 @@ class SlotLedger(Deferrals[int]):
         last_error: BaseException | None = None
         row = 0
         orig: Any = None
-        faulted_seen: set[int] | None = None
+        # Rows quarantined behind a faulted fence, by fence: reported (counted,
+        # logged) together once the call has decided every row.
+        faults: dict[int, tuple[Fence, BaseException, list[int]]] | None = None
         try:
             for row in seq:
                 use = uses[row]
@@ -499,10 +501,10 @@ class SlotLedger(Deferrals[int]):
                                     last_done = is_done(last_done)
                         except Exception as exc:  # a faulted stream
                             last_error = exc
-                            self._fault([row], 1, use, exc)
+                            faults = self._fault_row(faults, row, use, exc)
                             continue
                     elif last_error is not None:  # same faulted fence: one error
-                        self._fault([row], 1, use, last_error, count=False)
+                        faults = self._fault_row(faults, row, use, last_error)
                         continue
                     if last_done:
                         state[row] = FREE
@@ -520,12 +522,7 @@ class SlotLedger(Deferrals[int]):
                         candidates.append(fence)
                     waits, faulted, error = self._open_fences(candidates)
                     if faulted is not None:
-                        # One fault per fence per call, however many rows.
-                        first = faulted_seen is None or id(faulted) not in faulted_seen
-                        if faulted_seen is None:
-                            faulted_seen = set()
-                        faulted_seen.add(id(faulted))
-                        self._fault([row], 1, faulted, error, count=first)
+                        faults = self._fault_row(faults, row, faulted, error)
                         continue
                     if not waits:
                         state[row] = FREE
@@ -555,12 +552,40 @@ class SlotLedger(Deferrals[int]):
                 now = self._clock()
                 for head, rest, batch_rows in deferred.values():
                     self._defer(head, batch_rows, len(batch_rows), now, rest)
+            if faults:
+                self._report_faults(faults)
             raise
         if deferred:
             now = self._clock()
             for head, rest, batch_rows in deferred.values():
                 self._defer(head, batch_rows, len(batch_rows), now, rest)
+        if faults:
+            self._report_faults(faults)
         return immediate
+
+    def _fault_row(
+        self,
+        faults: dict[int, tuple[Fence, BaseException, list[int]]] | None,
+        row: int,
+        fence: Fence,
+        error: BaseException,
+    ) -> dict[int, tuple[Fence, BaseException, list[int]]]:
+        """Quarantine ``row`` behind faulted ``fence``; note it in ``faults``
+        (made on the first fault of a call) for :meth:`_report_faults`."""
+        self._fault([row], 1, fence, error, report=False)
+        if faults is None:
+            faults = {}
+        entry = faults.get(id(fence))
+        if entry is None:
+            faults[id(fence)] = (fence, error, [row])
+        else:
+            entry[2].append(row)
+        return faults
+
+    def _report_faults(self, faults: dict[int, tuple[Fence, BaseException, list[int]]]) -> None:
+        """Report each faulted fence of one free call once, with all its rows."""
+        for fence, error, rows in faults.values():
+            self._report_fault(fence, error, rows, len(rows))
 
     def _undo_marks(self, rows: list[Any]) -> None:
         """Undo the FREE marks that free()'s fast pass made before it failed.

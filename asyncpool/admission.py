@@ -162,6 +162,9 @@ class Admission:
         except asyncio.CancelledError:
             waiters.cancelled(waiter)
             raise
+        except TimeoutError:
+            waiters.timeouts += 1  # counted where the call raises it (see _expire)
+            raise
         finally:
             if handle is not None:
                 handle.cancel()

@@ -184,6 +184,13 @@ class PoolCore:
         pending = led.pending
         quarantined = led.quarantined
         allocated = led.capacity - free - pending - quarantined
+        # Overdue memory is pending memory. A scrape from another thread
+        # scans the overdue fences and reads the pending counts a few
+        # operations apart; it reports no more overdue than pending.
+        if extra.get("overdue_rows", 0) > pending:
+            extra["overdue_rows"] = pending
+        if extra.get("overdue_pages", 0) > extra.get("pages_pending", 0):
+            extra["overdue_pages"] = extra.get("pages_pending", 0)
         return PoolStats(
             capacity=led.capacity,
             free=free,

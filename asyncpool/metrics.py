@@ -149,8 +149,8 @@ FAMILIES: tuple[Family, ...] = (
     # histograms: every event over the pool's life
     Family("alloc_wait_seconds", "histogram", "seconds",
            "Wait of each granted allocation, from the call to its grant "
-           "(0 when granted without queueing). Timed-out, cancelled and rejected "
-           "calls are not observed: see their counters.",
+           "(0 when granted without queueing). Timed-out, rejected and "
+           "cancelled-while-queued calls are not observed: see their counters.",
            lambda s: s.wait_histogram),
     Family("admit_wait_seconds", "histogram", "seconds",
            "Wait of each granted admission (a row and its KV pages), from the call "

@@ -509,6 +509,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         except asyncio.CancelledError:
             waiters.cancelled(waiter)
             raise
+        except TimeoutError:
+            waiters.timeouts += 1  # counted where the call raises it (see _expire)
+            raise
         finally:
             if handle is not None:
                 handle.cancel()
@@ -1094,6 +1097,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if pages is not None:
             pled = pages.ledger
             free, pending, quarantined = pled.free_count, pled.pending, pled.quarantined
+            # Every grant of an admission is observed in the histogram (a
+            # zero wait for one granted without queueing), so its count is
+            # the number of admissions: one figure, never two counters read
+            # a few operations apart by a scrape from another thread.
+            admit_waits = pages.wait_histogram.snapshot(zeros=pages.fast_admits)
             extra = {
                 "pages_capacity": pled.capacity,
                 "pages_free": free,
@@ -1101,9 +1109,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "pages_pending": pending,
                 "pages_quarantined": quarantined,
                 "page_fence_errors": pled.fence_errors,
-                "admits": pages.admits,
+                "admits": admit_waits.count,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
-                "admit_wait_histogram": pages.wait_histogram.snapshot(zeros=pages.fast_admits),
+                "admit_wait_histogram": admit_waits,
             }
         if self._overdue is not None:
             # Explicit: overdue is what agree() agreed (not done on some rank).

@@ -115,7 +115,6 @@ class RowPages:
         self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
-        self.admits = 0  # granted, in all (a grant given back still counts: it never drops)
         self.fast_admits = 0  # granted without queueing (zero waits)
         #: Waits of admissions granted after queueing (seconds): a recent
         #: window, and a histogram of all of them.
@@ -145,7 +144,6 @@ class RowPages:
         if pages.shape[0]:
             self.owned[row] = pages
             self.sealed[row] = pages.tobytes()
-        self.admits += 1
         if self._on_host:  # out(), inlined
             return _new_grant(Grant, (row, _from_numpy(pages)))
         return _new_grant(Grant, (row, self.out(pages)))

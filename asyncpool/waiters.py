@@ -128,8 +128,9 @@ class WaiterQueues:
         """Queue a request for ``need``; return it and its timeout handle.
 
         The caller awaits ``waiter[1]`` (the future: it resolves with the
-        grant), calls :meth:`cancelled` if that await is cancelled, and
-        cancels the handle when done. A request more urgent than every one
+        grant), calls :meth:`cancelled` if that await is cancelled, adds one
+        to ``timeouts`` if it raises ``TimeoutError``, and cancels the
+        handle when done. A request more urgent than every one
         queued becomes the head: the grant loop runs for it at the loop's
         next turn, since it may fit in what is free now. :meth:`wait` does exactly this; a hot
         caller may inline it to save a coroutine frame per wait. The wait,
@@ -204,6 +205,9 @@ class WaiterQueues:
         except asyncio.CancelledError:
             self.cancelled(waiter)
             raise
+        except TimeoutError:
+            self.timeouts += 1
+            raise
         finally:
             if handle is not None:
                 handle.cancel()
@@ -227,7 +231,9 @@ class WaiterQueues:
         if fut.done():
             return
         self._dequeue(waiter)
-        self.timeouts += 1
+        # Not counted here: the task may be cancelled before it resumes, and
+        # then the call raises CancelledError and counts as a cancellation.
+        # The awaiting call counts the timeout when it raises it.
         call, what = self._describe(waiter[0])
         fut.set_exception(
             TimeoutError(f"{call} timed out after {timeout} s: {what} could not be granted in time")

@@ -1,0 +1,141 @@
+"""Counters a scrape can trust: each call counted once, figures that agree.
+
+* a queued call whose own ``timeout=`` fires and whose task is cancelled in
+  the same loop turn raises ``CancelledError``: it counts as a cancellation,
+  not also as a timeout (``timeouts`` counts calls that raised
+  ``TimeoutError``);
+* a waiter granted at hand-over and cancelled before it resumed is in the
+  wait histogram (it was granted) and in ``cancellations`` (README, Metrics);
+* ``admits`` equals ``admit_wait_histogram.count`` in every snapshot, even
+  one read while an admission lands (a scrape from another thread reads a
+  few operations apart; the two were separate counters);
+* overdue memory is pending memory: a snapshot never reports more overdue
+  rows or pages than pending ones, even when a fence completes between the
+  overdue scan and the pending counts.
+
+The interleavings of a scrape from another thread are forced here by doing
+the racing operation inside the snapshot, at the point where the other
+thread's operation would land. (Found by an observability trial; each test
+fails on the code before the fix.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from helpers import EventFence, bounded, spin
+
+from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+
+async def test_timeout_and_cancel_in_one_turn_count_once() -> None:
+    pool = AsyncReqToTokenPool(2, 8)
+    held = await pool.alloc(1)
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(pool.alloc(1, timeout=0.001))
+    await spin(1)  # queued, its timeout armed
+    # Armed after the timeout, with the same delay: due with it or after it,
+    # and run after it in the turn where both are due.
+    loop.call_later(0.001, task.cancel)
+    deadline = loop.time() + 0.01
+    while loop.time() < deadline:  # hold the loop until both are due
+        pass
+    async with bounded():
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    st = pool.stats()
+    assert (st.timeouts, st.cancellations) == (0, 1)
+    assert st.allocated == 1 and pool.available_size() == 0
+    pool.free(held)
+    pool.check_invariants()
+
+
+async def test_a_plain_timeout_still_counts_as_one() -> None:
+    pool = AsyncReqToTokenPool(2, 8)
+    held = await pool.alloc(1)
+    async with bounded():
+        with pytest.raises(TimeoutError):
+            await pool.alloc(1, timeout=0.001)
+        with pytest.raises(TimeoutError):
+            await pool.alloc(1, priority=1, timeout=0.001)
+    st = pool.stats()
+    assert (st.timeouts, st.cancellations) == (2, 0)
+    pool.free(held)
+
+
+async def test_admit_timeout_counts_once() -> None:
+    pool = AsyncReqToTokenPool(2, 8, kv=KVPagePool(5, 4))
+    held = await pool.admit(pages=4)
+    async with bounded():
+        with pytest.raises(TimeoutError):
+            await pool.admit(pages=1, timeout=0.001)
+    st = pool.stats()
+    assert (st.timeouts, st.cancellations) == (1, 0)
+    pool.free([held.row])
+
+
+async def test_cancelled_after_grant_is_observed_and_counted() -> None:
+    pool = AsyncReqToTokenPool(2, 8)
+    held = await pool.alloc(1)
+    task = asyncio.ensure_future(pool.alloc(1))
+    await spin(1)
+    pool.free(held)  # granted at hand-over
+    task.cancel()  # before it resumes: the row goes back
+    async with bounded():
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    st = pool.stats()
+    assert st.cancellations == 1 and st.allocated == 0
+    assert st.wait_histogram.count == st.alloc_calls == 2
+
+
+async def test_admits_equal_the_histogram_count_in_a_torn_read() -> None:
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))
+    assert pool.try_admit(1) is not None
+    pages = pool._pages
+    assert pages is not None
+    grant = pages.grant
+    mid: list[Any] = []
+
+    def scrape_lands_mid_admission(row: int, taken: Any) -> Any:
+        # A direct admission has counted its zero wait and not yet attached
+        # its pages: where a scrape from another thread may read.
+        mid.append(pool.stats(summaries=False))
+        return grant(row, taken)
+
+    pages.grant = scrape_lands_mid_admission  # type: ignore[method-assign]
+    try:
+        assert pool.try_admit(1) is not None
+    finally:
+        del pages.grant
+    (st,) = mid
+    assert st.admits == st.admit_wait_histogram.count
+    after = pool.stats()
+    assert after.admits == after.admit_wait_histogram.count == 2
+
+
+async def test_overdue_never_exceeds_pending_in_a_torn_read() -> None:
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4), fence_timeout=1e-9)
+    grant = await pool.admit(pages=2)
+    fence = EventFence()
+    pool.free([grant.row], fence=fence)
+    overdue = pool._overdue
+    assert overdue is not None
+    counts = overdue.counts
+
+    def fence_completes_after_the_scan(**kwargs: Any) -> Any:
+        result = counts(**kwargs)
+        fence.set()  # the loop thread reclaims between the scan and the counts
+        pool.reclaim()
+        return result
+
+    overdue.counts = fence_completes_after_the_scan  # type: ignore[method-assign]
+    try:
+        st = pool.stats()
+    finally:
+        del overdue.counts
+    assert st.pending == 0  # read after the reclaim (the page counts before the scan)
+    assert st.overdue_rows <= st.pending and st.overdue_pages <= st.pages_pending
+    pool.check_invariants()

@@ -445,9 +445,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         cancellation included, nothing was allocated.
         """
         if (
-            n == 1
+            n.__class__ is int  # first: `n == 1` of an array has no truth value
+            and n == 1
             and self._fast
-            and n.__class__ is int
             and timeout is None
             and priority.__class__ is int
         ):

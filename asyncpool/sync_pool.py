@@ -7,9 +7,14 @@ purpose: ``alloc(0)``, ``alloc(-1)``, a non-int size and ``alloc(n >
 capacity)`` raise :class:`CapacityError` (the seed returns ``[]``, rows, or
 ``None``); a double free raises :class:`DoubleFreeError` (the seed corrupts
 its free list). Rows are reset lazily and in bulk rather than one torch op
-per call, and a freed row waits for its recorded uses.
+per call, and a freed row waits for its recorded uses: a write that is not
+ordered with the tables' stream and lands after a bulk reset survives into
+the row's next owner, where the seed's zeroing at ``alloc`` may have come
+later; ``record_use`` is the protection (README, "Deliberate differences").
 
-Not thread-safe: call it from one thread (the scheduler's).
+Not thread-safe: call it from one thread (the scheduler's), ``available_size``
+included (it reclaims); only :meth:`ReqToTokenPool.stats` may be read from
+another thread (a scrape).
 """
 
 from __future__ import annotations
@@ -166,6 +171,38 @@ class ReqToTokenPool(PoolCore):
         """
         check_explicit(self._ledger, "agree")
         return agree(group, [self._ledger]).released[0]
+
+    def force_release(self, fence: Fence) -> int:
+        """Release the rows held behind ``fence``, done or not (logged).
+
+        The escape hatch :meth:`AsyncReqToTokenPool.force_release` is, for
+        an operator who knows the writer behind a stuck fence (a transfer
+        whose peer died) will never write again: rows waiting on ``fence``
+        are treated as if it had completed (released, or still waiting for
+        their other fences). Never asks ``fence`` anything. Rows still
+        allocated with a use recorded on ``fence`` forget that use. Rows
+        quarantined behind a fence that *faulted* stay quarantined (a faulted
+        writer may still write; nothing returns them). Returns the rows made
+        free; 0 for a fence that holds none. Raises ``TypeError`` for a
+        non-fence, changing nothing.
+        """
+        led = self._ledger
+        led.check_fence(fence)
+        rows = led.force_release(fence)
+        forgot = led.forget_use(fence)
+        if rows:
+            logger.warning(
+                "force_release(%r): %d row%s returned to circulation without the fence "
+                "completing", fence, rows, "" if rows == 1 else "s",
+            )
+        else:
+            logger.warning(
+                "force_release(%r): no row was pending behind this fence (never given to "
+                "this pool, already completed and reclaimed, or released before)%s",
+                fence,
+                f"; {forgot} allocated rows forget their use of it" if forgot else "",
+            )
+        return rows
 
     def clear(self) -> None:
         """Flush: free every allocated row at once and zero the tables.

@@ -1,48 +1,76 @@
 """Paged KV in an overlap loop, admitted atomically: a program that checks itself.
 
 An engine-shaped loop over ``AsyncReqToTokenPool(kv=KVPagePool(...))``, the
-second stage's API in the order a scheduler calls it, each step:
+second stage's API in the order a scheduler calls it, with a small prefix
+cache on top: each prompt starts with one of ``--prefixes`` shared prefixes
+(a system prompt of ``--prefix-pages`` full pages). Each step:
 
 1. **growth first**: the running requests whose next token starts a page get
    one page each from one ``extend_rows(rows, 1)``. It never waits: when the
-   pool is short it returns None, and the scheduler empties its prefix cache
-   or retracts its newest request (``free([row])``, back to the front of the
-   queue); that memory returns once the step in flight is past it, so the
-   growing requests sit this step out;
-2. **admission**: waiting requests get a row and the pages of their prompt in
-   one call, all or nothing (``try_admit(pages=n)``, keeping ``--headroom``
-   pages free for growth, as engines reserve decode budget); when nothing
-   runs, the scheduler awaits ``pool.admit(pages=n)`` instead, which the
-   completion of the fences holding that memory wakes. A new request's
-   prompt KV and its row of ``req_to_token`` are written at once;
-3. **launch** step t on the forward stream (it writes each request's next KV
-   slot and ``req_to_token`` entry), record one fence right after it and
-   ``record_use`` every row of the batch: that one call covers the rows'
-   pages too;
+   pool is short it returns None, and the scheduler evicts from its prefix
+   cache or, if nothing is evictable, retracts its newest request
+   (``free([row])``, back to the front of the queue); that memory returns
+   once the steps that use it are done, so the growing requests sit this
+   step out;
+2. **admission**: a waiting request whose prefix is cached *borrows* the
+   cached pages: it is admitted with the pages of the rest of its prompt
+   only (``try_admit(pages=k)``, a row and its own pages in one call, all or
+   nothing, keeping ``--headroom`` pages free for growth), and its row of
+   ``req_to_token`` lists the cached pages' slots, then its own; only the
+   uncached part's KV is written. When short, the cache evicts first. When
+   nothing runs, the scheduler empties the cache and then awaits
+   ``pool.admit(pages=k)``, which the completion of the fences holding that
+   memory wakes (a queued ``admit`` cannot make the cache evict: the pool
+   knows nothing of the cache);
+3. **launch** step t on the forward stream: for each request it reads the
+   KV of its context through its row (attention), then writes its next KV
+   slot and ``req_to_token`` entry. One fence is recorded right after it;
+   ``record_use`` ties every row of the batch, and so the pages the rows
+   own, to it; every cache entry that a request of the batch borrows keeps
+   it as its newest *reader* fence, since ``record_use`` does not cover
+   borrowed pages;
 4. **process** step t-1 while step t runs: a finished (or client-aborted)
    request's KV and row are copied out on a copy stream and the row is freed
-   with ``free([row], after=copy_stream)``: its pages go with it, behind the
-   row's recorded uses and the copy. Every ``--detach``-th one first hands its
-   pages to a one-entry prefix cache (``detach_pages``), which frees them to
-   the ``KVPagePool`` when it evicts them, behind the newest step that may
-   write them and the copy (``kv.free(pages, fence=..., after=copy_stream)``).
+   with ``free([row], after=copy_stream)``: its own pages go with it, behind
+   the row's recorded uses and the copy. If its prefix is not cached yet,
+   the cache first takes the row's pages (``detach_pages``, which drops the
+   row's fences for them: the cache carries the row's newest step fence
+   along), keeps the prefix pages and frees the rest with
+   ``kv.free(rest, fence=newest_step, after=copy_stream)``.
 
+The cache evicts the entries no running request borrows, least recently read
+first, with ``kv.free(pages, fence=newest_reader, after=copy_stream)``: step
+t may still read an entry whose last borrower finished or was retracted at
+t-1 (the loop discards that token, but the step reads the pages all the
+same), and the copy stream may still read it for a finished request.
+
+Every step checks what it read: each request's context, read through its
+row, must sum to what the request's positions hold (``corrupted reads``).
 At the end every finished request's copied KV and row are compared with what
 its steps wrote: a page or row handed to a new request while an old step
-still wrote into it shows up as a mismatch.
+still used it shows up as a mismatch.
 
 Runs on :class:`~asyncpool.HostStream` workers without a GPU and on CUDA
 streams when ``torch.cuda.is_available()`` (``--device cpu`` forces the host
-streams). ``--no-record-use`` leaves out ``record_use``, as an engine that
-forgets it would: a retracted or finished request's row and pages are then
-reused while the step in flight still writes them, and the check reports
-corruptions (on the host streams, where the scheduler writes a new owner's
-prompt from its own thread; on CUDA the prompt is written on the forward
-stream, whose order puts the late write first: docs/cuda.md). The test runs
-it with ``--requests 300 --forward-ms 3`` for a wider window.
+streams). On the host streams a step reads and writes only once the
+scheduler has admitted the next step's requests (a ``threading.Event`` per
+step: the latest that overlap allows), so memory handed out while a step
+still uses it is caught whenever it happens, not by luck of timing. Two
+flags put a bug in, and the checks must then report corruptions (on the host
+streams, where the scheduler writes a new owner's prompt from its own
+thread; on CUDA the prompt is written on the forward stream, whose order
+puts the old step first: docs/cuda.md):
 
-Exit status: 0 when everything checks out and the pool ends empty, 1
-otherwise. Public API only.
+* ``--no-record-use`` leaves out ``record_use``, as an engine that forgets
+  it would: a retracted or finished request's row and pages are reused
+  while the step in flight still uses them;
+* ``--evict-behind-write-fence`` evicts a cache entry behind the fence it
+  had when the cache took it (the newest step of the row that wrote it), as
+  if the writer were all that mattered: its pages go to a new request, whose
+  prompt is written into them while a step (or a copy) still reads them.
+
+The test runs each with ``--requests 300``. Exit status: 0 when everything
+checks out and the pool ends empty, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -52,6 +80,7 @@ import asyncio
 import collections
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,30 +99,86 @@ from asyncpool import (
 MAX_LEN = 128
 
 
-def token(req_id: int, pos: int) -> int:
-    """What the request's KV holds at ``pos`` (what its steps write there)."""
-    return req_id * MAX_LEN + pos + 1
+@dataclass
+class Entry:
+    """A cached prefix: its pages and the fences its eviction may need."""
+
+    pages: torch.Tensor  # detached from the request that wrote them
+    written: Any  # the newest step fence of that request's row (the write fence)
+    read: Any  # the newest step fence of any row that read them since
+    last_read: int  # that step's number (least recently read goes first)
+    users: int = 0  # running requests that borrow the pages: not evictable
 
 
 @dataclass
 class Request:
     id: int
+    prefix: int  # which shared prefix its prompt starts with
+    prefix_len: int
     prompt_len: int
     output_len: int
     done: int = 0  # output tokens whose step has been processed
     launched: int = 0  # output tokens whose step has been launched (>= done)
     admission: int = 0  # bumped at each (re-)admission
     row: int = -1
-    pages: list[int] = field(default_factory=list)  # its KV pages, in order
+    pages: list[int] = field(default_factory=list)  # its KV pages, in order (borrowed first)
+    borrowed: Entry | None = None  # the cache entry whose pages it reads
     copied: list[Any] = field(default_factory=list)  # (KV, row) copied out at finish
 
     @property
     def length(self) -> int:
         return self.prompt_len + self.done
 
+    def value(self, pos: int) -> int:
+        """What the KV holds at ``pos``: the shared prefix's, then its own."""
+        if pos < self.prefix_len:
+            return -(self.prefix * MAX_LEN + pos + 1)
+        return self.id * MAX_LEN + pos + 1
+
     def slot(self, pos: int, page_size: int) -> int:
         """The KV slot of position ``pos``: its page's first slot + offset."""
         return self.pages[pos // page_size] * page_size + pos % page_size
+
+
+class PrefixCache:
+    """Shared prefixes, keyed by prefix id: a radix tree of one level.
+
+    The pool counts these pages as allocated and knows nothing of the cache:
+    the scheduler evicts, before it admits. A borrowing row's ``record_use``
+    does not cover the pages it borrows, so each entry keeps the fence of
+    the newest step that read it, and an eviction waits for it.
+    """
+
+    def __init__(self, kv: KVPagePool, copy: Any, behind_write_fence: bool) -> None:
+        self.kv = kv
+        self.copy = copy
+        self.behind_write_fence = behind_write_fence  # the bug, on purpose
+        self.entries: dict[int, Entry] = {}
+        self.evicted = 0
+
+    def insert(self, prefix: int, pages: torch.Tensor, fence: Any, step: int) -> None:
+        """Cache ``pages`` (detached): ``fence`` is the newest step of the row
+        that wrote them, which ``detach_pages`` no longer keeps for them."""
+        self.entries[prefix] = Entry(pages, fence, fence, step)
+
+
+    def evict(self, pages: int, keep: Entry | None = None) -> int:
+        """Evict unborrowed entries, least recently read first, until
+        ``pages`` pages are evicted; return how many were."""
+        evicted = 0
+        idle = [(e.last_read, p) for p, e in self.entries.items() if e.users == 0 and e is not keep]
+        for _, prefix in sorted(idle):
+            if evicted >= pages:
+                break
+            e = self.entries.pop(prefix)
+            if self.behind_write_fence:  # the bug: as if only their writer mattered
+                self.kv.free(e.pages, fence=e.written)
+            else:  # behind every reader: the newest step, and the copies of
+                #     finished requests that read them on the copy stream
+                self.kv.free(e.pages, fence=e.read, after=self.copy)
+            evicted += len(e.pages)
+            self.evicted += 1
+        return evicted
 
 
 class Engine:
@@ -107,6 +192,10 @@ class Engine:
         self.forward_s = forward_ms / 1e3
         # The engine's KV cache, one value a slot; page 0 is the pool's padding.
         self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
+        # (step, request) pairs whose step read a context that was not theirs.
+        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
+        # Host streams: the steps launched and not yet let through (see planned).
+        self.gates: list[threading.Event] = []
         self.forward: Any
         self.copy: Any
         if self.cuda:
@@ -119,36 +208,53 @@ class Engine:
             self.forward.launch(torch.set_num_threads, 1)
             self.copy.launch(torch.set_num_threads, 1)
 
-    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
-        """Prefill: the KV of positions ``0..length-1`` and the row's slots."""
+    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request, cached: int) -> None:
+        """Prefill: the row's slots of positions ``0..length-1`` (the cached
+        ones included) and the KV of the positions from ``cached`` on."""
         n = req.length
         slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
-        values = torch.tensor([token(req.id, p) for p in range(n)])
+        values = torch.tensor([req.value(p) for p in range(cached, n)])
         info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
         if self.cuda:
             with torch.cuda.stream(self.forward):
-                self.kv_cache[slots.to(self.device)] = values.to(self.device)
+                self.kv_cache[slots[cached:].to(self.device)] = values.to(self.device)
                 pool.set_req_pool_info(req.row, info)
         else:
-            self.kv_cache[slots] = values
+            self.kv_cache[slots[cached:]] = values
             pool.set_req_pool_info(req.row, info)
 
     def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
-        """The forward of one step: each request's next KV slot and row entry."""
+        """The forward of one step: each request reads its context through
+        its row, then writes its next KV slot and row entry."""
         ps = self.page_size
         pos_list = [r.prompt_len + r.launched for r in batch]
         rows = torch.tensor([r.row for r in batch])
         pos = torch.tensor(pos_list)
         slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
-        values = torch.tensor([token(r.id, p) for r, p in zip(batch, pos_list, strict=True)])
-        args = (self.kv_cache, pool.req_to_token, pool.verified_lens)
+        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
+        sums = torch.tensor([sum(map(r.value, range(p))) for r, p in zip(batch, pos_list,
+                                                                         strict=True)])
+        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
         if self.cuda:
             with torch.cuda.stream(self.forward):
-                rows, pos, slots, values = (t.to(self.device) for t in (rows, pos, slots, values))
+                tensors = (t.to(self.device) for t in (rows, pos, slots, values, sums))
                 torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _write_step(*args, rows, pos, slots, values)
+                _step(*args, *tensors)
         else:
-            self.forward.launch(_host_step, self.forward_s, *args, rows, pos, slots, values)
+            gate = threading.Event()
+            self.gates.append(gate)
+            self.forward.launch(_host_step, self.forward_s, gate, *args,
+                                rows, pos, slots, values, sums)
+
+    def planned(self) -> None:
+        """The scheduler has admitted the next step's requests: the host
+        steps launched so far may read and write now. (So on host streams a
+        step in flight always reads and writes *after* the host wrote the
+        prompts of the requests admitted meanwhile, the latest overlap allows:
+        memory handed out too early is caught every time, not by timing.)"""
+        for gate in self.gates:
+            gate.set()
+        self.gates.clear()
 
     def copy_out(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Copy a finished request's KV and row to the host, on the copy stream."""
@@ -167,26 +273,33 @@ class Engine:
             self.copy.launch(lambda: req.copied.append((kv_cache[slots], row.clone())))
 
     def synchronize(self) -> None:
+        self.planned()
         self.forward.synchronize()
         self.copy.synchronize()
 
     def close(self) -> None:
+        self.planned()
         if not self.cuda:
             self.forward.close()
             self.copy.close()
 
 
-def _write_step(kv_cache: torch.Tensor, req_to_token: torch.Tensor,
-                verified_lens: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                slots: torch.Tensor, values: torch.Tensor) -> None:
+def _step(kv_cache: torch.Tensor, req_to_token: torch.Tensor, verified_lens: torch.Tensor,
+          bad_reads: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+          slots: torch.Tensor, values: torch.Tensor, sums: torch.Tensor) -> None:
+    # Attention: the KV of positions 0..pos-1, read through the row.
+    context = kv_cache[req_to_token[rows].long()]
+    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
+    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
     kv_cache[slots] = values
     req_to_token[rows, pos] = slots.to(req_to_token.dtype)
     verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
 
 
-def _host_step(delay_s: float, *args: torch.Tensor) -> None:
+def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
     time.sleep(delay_s)  # the forward's compute, on the stream's worker
-    _write_step(*args)
+    gate.wait()  # and no sooner than the scheduler has planned the next step
+    _step(*args)
 
 
 def admission_pages(req: Request, page_size: int) -> int:
@@ -204,27 +317,43 @@ async def run(args: argparse.Namespace) -> int:
     kv = KVPagePool(args.pages + 1, ps)
     pool = AsyncReqToTokenPool(args.rows + 1, MAX_LEN, device=device, kv=kv,
                                stream=engine.forward if engine.cuda else None)
-    requests = [Request(i, rng.randint(8, 40), rng.randint(2, 24)) for i in range(args.requests)]
+    cache = PrefixCache(kv, engine.copy, args.evict_behind_write_fence)
+    prefix_len = args.prefix_pages * ps
+    requests = [Request(i, rng.randrange(max(args.prefixes, 1)), prefix_len,
+                        prefix_len + rng.randint(1, 24), rng.randint(2, 24))
+                for i in range(args.requests)]
     waiting = collections.deque(requests)
     running: list[Request] = []
     finished: list[Request] = []
-    prefix_cache: list[tuple[torch.Tensor, Any]] = []  # (detached pages, newest step fence)
-    retractions = detached = aborts = 0
+    retractions = hits = aborts = 0
 
-    def start(req: Request, grant: Grant) -> None:
+    def lookup(req: Request) -> Entry | None:
+        return cache.entries.get(req.prefix)
+
+    def need(req: Request, entry: Entry | None) -> int:
+        return admission_pages(req, ps) - (len(entry.pages) if entry is not None else 0)
+
+    def start(req: Request, grant: Grant, entry: Entry | None) -> None:
+        nonlocal hits
         req.row = grant.row
         req.pages = grant.pages.tolist()
         req.admission += 1
         req.launched = req.done
-        engine.write_prompt(pool, req)
+        cached = 0
+        if entry is not None:  # a hit: borrow the cached pages
+            entry.users += 1  # not evictable while it runs
+            req.borrowed = entry
+            req.pages = entry.pages.tolist() + req.pages
+            cached = len(entry.pages) * ps
+            hits += 1
+        engine.write_prompt(pool, req, cached)
         running.append(req)
 
-    def evict_all() -> None:
-        # The cache owns these pages: each entry goes back behind the newest
-        # step that wrote it and the copy that read it.
-        while prefix_cache:
-            pages, fence = prefix_cache.pop(0)
-            kv.free(pages, fence=fence, after=engine.copy)
+    def stop(req: Request) -> None:
+        running.remove(req)
+        if req.borrowed is not None:
+            req.borrowed.users -= 1
+            req.borrowed = None
 
     # The step in flight: its fence and its batch, as (request, admission).
     prev: tuple[Any, list[tuple[Request, int]]] | None = None
@@ -239,14 +368,13 @@ async def run(args: argparse.Namespace) -> int:
             if growing:
                 got = pool.extend_rows([r.row for r in growing], 1)
                 if got is None:
-                    # Short: empty the prefix cache if it holds anything, else
+                    # Short: evict from the prefix cache if it can, else
                     # retract the newest request (back to the front of the
-                    # queue). The memory returns once the step in flight is
-                    # past it, so the growing requests sit this step out.
-                    if prefix_cache:
-                        evict_all()
-                    else:
-                        victim = running.pop()
+                    # queue). The memory returns once the steps that use it
+                    # are done, so the growing requests sit this step out.
+                    if not cache.evict(len(growing)):
+                        victim = running[-1]
+                        stop(victim)
                         pool.free([victim.row])  # row and pages, behind its recorded uses
                         waiting.appendleft(victim)
                         retractions += 1
@@ -254,24 +382,32 @@ async def run(args: argparse.Namespace) -> int:
                 else:
                     for req, page in zip(growing, got[:, 0].tolist(), strict=True):
                         req.pages.append(page)
-            # 2. Admission: a row and the pages of the prompt and its first
-            #    token in one call, keeping --headroom pages free for growth
-            #    (engines reserve decode budget the same way); none while
-            #    growth came up short. When nothing runs, await the next
-            #    admission: the fences of the memory it needs wake it.
+            # 2. Admission: a row and the pages of the uncached prompt and its
+            #    first token in one call, keeping --headroom pages free for
+            #    growth (engines reserve decode budget the same way); the
+            #    cache evicts when short; none while growth came up short.
+            pool.reclaim()  # the counts below only read: take what completed first
             while waiting and not sitting_out:
-                need = admission_pages(waiting[0], ps)
-                if kv.available_size() - need < args.headroom:
-                    break
-                grant = pool.try_admit(pages=need)
+                entry = lookup(waiting[0])
+                short = need(waiting[0], entry) + args.headroom - kv.available_size()
+                if short > 0:
+                    cache.evict(short, keep=entry)  # pending until their readers are done
+                    if need(waiting[0], entry) + args.headroom > kv.available_size():
+                        break
+                grant = pool.try_admit(pages=need(waiting[0], entry))
                 if grant is None:
                     break
-                start(waiting.popleft(), grant)
+                start(waiting.popleft(), grant, entry)
+            engine.planned()  # (host streams: step t-1 may read and write now)
             if not running and waiting:
-                evict_all()
+                # Nothing runs: await the admission. The pool cannot make the
+                # cache evict, so evict first; the fences of the memory it
+                # needs wake it.
+                cache.evict(args.pages)
                 req = waiting.popleft()
-                start(req, await pool.admit(pages=admission_pages(req, ps), timeout=30))
-            # 3. Launch step t and tie its rows (and so their pages) to its fence.
+                start(req, await pool.admit(pages=need(req, None), timeout=30), None)
+            # 3. Launch step t; tie its rows (and so their own pages) to its
+            #    fence, and the cache entries they borrow as well.
             batch = [r for r in running if r.id not in sitting_out]
             launched = None
             if batch:
@@ -281,6 +417,8 @@ async def run(args: argparse.Namespace) -> int:
                     pool.record_use([r.row for r in batch], fence)  # rows and their pages
                 for req in batch:
                     req.launched += 1
+                    if req.borrowed is not None:          # borrowed pages: the cache's
+                        req.borrowed.read, req.borrowed.last_read = fence, steps
                 launched = (fence, [(r, r.admission) for r in batch])
                 steps += 1
             # 4. Process step t-1 while step t runs.
@@ -299,19 +437,22 @@ async def run(args: argparse.Namespace) -> int:
                         # (what it got so far is checked too).
                         req.output_len = req.done
                         aborts += 1
-                    running.remove(req)                   # finished (or aborted)
+                    stop(req)                             # finished (or aborted)
                     engine.copy_out(pool, req)            # launched after step t's fence...
-                    if args.detach and len(finished) % args.detach == 0:
-                        # Prefix caching: the cache takes the pages; step t may
-                        # still write the last one, so it keeps step t's fence.
-                        evict_all()  # a cache of one entry
-                        prefix_cache.append((pool.detach_pages(req.row), newest))
-                        detached += 1
+                    if args.prefixes and req.prefix not in cache.entries:
+                        # The cache takes its prefix pages. detach_pages drops
+                        # the row's fences, so the cache carries the newest
+                        # along (step t may still use the row), and the rest
+                        # are freed behind it and the copy.
+                        pages, k = pool.detach_pages(req.row), args.prefix_pages
+                        cache.insert(req.prefix, pages[:k], newest, steps)
+                        kv.free(pages[k:], fence=newest, after=engine.copy)
                     pool.free([req.row], after=engine.copy)  # ...so the free waits for it too
                     finished.append(req)
             prev = launched
             await asyncio.sleep(0)  # the scheduler is one task among the engine's
-        evict_all()
+        cache.evict(args.pages)
+        engine.planned()
         async with asyncio.timeout(30):
             await pool.drain()
         engine.synchronize()
@@ -324,10 +465,11 @@ async def run(args: argparse.Namespace) -> int:
     for req in finished:
         n = req.prompt_len + req.output_len
         kv_got, row_got = req.copied[-1]
-        if [int(x) for x in kv_got.tolist()] != [token(req.id, p) for p in range(n)]:
+        if [int(x) for x in kv_got.tolist()] != [req.value(p) for p in range(n)]:
             bad_kv += 1
         if [int(x) for x in row_got.tolist()] != [req.slot(p, ps) for p in range(n)]:
             bad_rows += 1
+    bad_reads = int(engine.bad_reads)
     stats = pool.stats()
     pool.check_invariants()
     empty = (stats.allocated == stats.pending == 0
@@ -335,14 +477,15 @@ async def run(args: argparse.Namespace) -> int:
     where = "CUDA streams" if engine.cuda else "HostStream"
     print(f"paged_admission: {len(requests)} requests on {args.rows} rows and {args.pages} "
           f"pages of {ps}, {steps} steps, {retractions} retractions, {aborts} aborts, "
-          f"{detached} detached, {stats.deferred_frees} deferred row frees, on {where}")
-    if bad_kv == 0 and bad_rows == 0 and empty:
-        print(f"paged_admission: OK: 0 corrupted rows, 0 corrupted KV, pool empty, "
-              f"{elapsed:.2f} s")
+          f"{hits} prefix hits, {cache.evicted} evictions, {stats.deferred_frees} deferred "
+          f"row frees, on {where}")
+    if bad_kv == bad_rows == bad_reads == 0 and empty:
+        print(f"paged_admission: OK: 0 corrupted rows, 0 corrupted KV, 0 corrupted reads, "
+              f"pool empty, {elapsed:.2f} s")
         return 0
     print(f"paged_admission: FAILED: {bad_rows} corrupted rows, {bad_kv} corrupted KV, "
-          f"{stats.allocated} rows and {stats.pages_allocated} pages still allocated, "
-          f"{stats.pending} rows and {stats.pages_pending} pages pending")
+          f"{bad_reads} corrupted reads, {stats.allocated} rows and {stats.pages_allocated} "
+          f"pages still allocated, {stats.pending} rows and {stats.pages_pending} pages pending")
     return 1
 
 
@@ -354,8 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=24, help="KV pages (page 0 excluded)")
     p.add_argument("--page-size", type=int, default=8, help="token slots a page")
     p.add_argument("--forward-ms", type=float, default=1.0, help="the forward's time per step")
-    p.add_argument("--detach", type=int, default=3,
-                   help="every N-th finished request goes to the prefix cache (0: none)")
+    p.add_argument("--prefixes", type=int, default=4,
+                   help="shared prompt prefixes (0: no prefix cache)")
+    p.add_argument("--prefix-pages", type=int, default=2, help="pages of a shared prefix")
     p.add_argument("--headroom", type=int, default=0,
                    help="free pages kept for decode growth when admitting")
     p.add_argument("--abort", type=float, default=0.01,
@@ -363,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-record-use", dest="record_use", action="store_false",
                    help="leave out record_use (the bug): rows and pages are reused too soon")
+    p.add_argument("--evict-behind-write-fence", action="store_true",
+                   help="evict cached pages behind the fence of the row that wrote them, "
+                        "not their newest reader's (the bug): reused while still read")
     args = p.parse_args(argv)
     return asyncio.run(run(args))
 

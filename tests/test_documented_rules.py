@@ -7,7 +7,13 @@
 * ``kv.reclaim()`` on the page pool of an ``AsyncReqToTokenPool`` returns
   pages only, never the rows whose fences completed with them;
 * a timeout imposed from outside (``asyncio.wait_for``) is a cancellation
-  of the wait: counted as one, not as a timeout, and nothing is allocated.
+  of the wait: counted as one, not as a timeout, and nothing is allocated;
+* *Prefix caching*: ``detach_pages`` leaves the row's recorded fences with
+  the row, and a borrowing row's ``record_use`` does not cover the pages it
+  borrows: cached pages freed behind the fence of the step that wrote them
+  are handed out while a step that reads them still runs; behind the newest
+  reader's fence they are not. The pool counts cached pages as allocated,
+  and a queued ``admit`` does not make anything evict.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import pytest
 from helpers import WAIT_S, EventFence, bounded, spin
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
+from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError, record_fence
 
 
 def _in_other_thread(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
@@ -151,3 +157,59 @@ async def test_a_timeout_from_outside_is_a_cancellation(call: str) -> None:
         assert stats.allocated == 1
         pool.free([held.row])
         assert pool.available_size() == 1
+
+
+async def test_detach_pages_leaves_the_rows_fences_with_the_row(kit: Any) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 8, kv=KVPagePool(3, 4)) as pool:
+        kv = pool.kv
+        assert kv is not None
+        forward = kit.stream("forward")
+        grant = await pool.admit(pages=2)
+        gate = kit.gate(forward)  # the row's step, still running
+        pool.record_use([grant.row], record_fence(forward))
+        pages = pool.detach_pages(grant.row)
+        assert kv.free(pages) == 2  # free at once: the caller passes the fences
+        assert pool.free([grant.row]) == 0  # the row itself still waits
+        assert (pool.pending_size(), kv.pending_size()) == (1, 0)
+        gate.open()
+        await pool.drain()
+
+
+@pytest.mark.parametrize("behind", ["write", "newest read"])
+async def test_borrowed_pages_are_covered_only_by_the_fence_the_cache_passes(
+    kit: Any, behind: str
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 16, kv=KVPagePool(3, 4)) as pool:
+        kv = pool.kv
+        assert kv is not None
+        forward = kit.stream("forward")
+        a = await pool.admit(pages=2)  # the request whose step writes the prefix
+        written = record_fence(forward)
+        pool.record_use([a.row], written)
+        written.synchronize()
+        cached = pool.detach_pages(a.row)  # the cache takes its pages
+        pool.free([a.row])
+        assert pool.stats().pages_allocated == 2  # cached pages count as allocated
+        b = await pool.admit(pages=0)  # a hit: b borrows them
+        pool.req_to_token[b.row, :8] = kv.slots(cached).to(pool.req_to_token.dtype)
+        gate = kit.gate(forward)  # b's step, reading the cached pages
+        read = record_fence(forward)
+        pool.record_use([b.row], read)
+        queued = asyncio.ensure_future(pool.admit(pages=1))
+        await spin()
+        assert not queued.done()  # a queued admit does not make the cache evict
+        kv.free(cached, fence=written if behind == "write" else read)
+        if behind == "write":
+            async with bounded(WAIT_S):
+                g = await queued
+            assert not read.query()  # handed out while b's step still reads it
+        else:
+            await spin()
+            assert not queued.done()  # waits for b's step
+            gate.open()
+            async with bounded(WAIT_S):
+                g = await queued
+        gate.open()
+        assert g.pages.tolist()[0] in cached.tolist()
+        pool.free([b.row, g.row])
+        await pool.drain()

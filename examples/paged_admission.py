@@ -53,9 +53,10 @@ still used it shows up as a mismatch.
 Runs on :class:`~asyncpool.HostStream` workers without a GPU and on CUDA
 streams when ``torch.cuda.is_available()`` (``--device cpu`` forces the host
 streams). On the host streams a step reads and writes only once the
-scheduler has admitted the next step's requests (a ``threading.Event`` per
-step: the latest that overlap allows), so memory handed out while a step
-still uses it is caught whenever it happens, not by luck of timing. Two
+scheduler has written the prompts of the next step's requests (a
+``threading.Event`` per step), so a page or row handed to a new request
+while a step still uses it is caught each time the scheduler writes into
+it, not by luck of timing. Two
 flags put a bug in, and the checks must then report corruptions (on the host
 streams, where the scheduler writes a new owner's prompt from its own
 thread; on CUDA the prompt is written on the forward stream, whose order

@@ -299,7 +299,17 @@ class HostStream:
         return self._closed
 
     def launch(self, fn: Callable[..., object], *args: object) -> None:
-        """Queue ``fn(*args)`` to run on the worker after earlier work."""
+        """Queue ``fn(*args)`` to run on the worker after earlier work.
+
+        ``TypeError`` for an ``fn`` that is not callable, queueing nothing
+        (as ``loop.call_soon`` does): on the worker it would fault the
+        stream for good.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"launch() needs a callable, got {fn!r} of type {type(fn).__name__}: "
+                "run on the worker, it would fault the stream"
+            )
         with self._lock:
             self._check_open()
             self._queued += 1
@@ -329,9 +339,16 @@ class HostStream:
     def wait(self, fence: Fence) -> None:
         """Make later work on this stream wait for ``fence`` (cross-stream order).
 
-        If ``fence`` faults, this stream faults too.
+        If ``fence`` faults, this stream faults too. ``TypeError``, queueing
+        nothing, for an object without a callable ``synchronize()``.
         """
-        self.launch(fence.synchronize)
+        synchronize = getattr(fence, "synchronize", None)
+        if not callable(synchronize):
+            raise TypeError(
+                f"wait() needs a fence (an object with a callable synchronize()), got "
+                f"{fence!r} of type {type(fence).__name__}"
+            )
+        self.launch(synchronize)
 
     def synchronize(self) -> None:
         """Block until all work launched so far has run; raise if faulted."""

@@ -705,7 +705,10 @@ def as_index(value: object) -> int:
     or a 0-d integer tensor or array. ``TypeError`` for anything else: bools
     and floats (bool tensors included), and tensors or arrays of one or more
     dimensions even when they hold one element (``operator.index`` would
-    take ``torch.tensor([2])`` as 2)."""
+    take ``torch.tensor([2])`` as 2). A value with no data to read (a meta
+    tensor) or whose ``item()`` or ``__index__`` raises is a ``TypeError``
+    too (chained to what it raised), so every caller's typed error covers
+    it."""
     if isinstance(value, int) and not isinstance(value, bool):
         return int(value)
     ndim = getattr(value, "ndim", None)
@@ -714,10 +717,18 @@ def as_index(value: object) -> int:
             raise TypeError(f"expected one integer, got a {ndim}-d {type(value).__name__}")
         item = getattr(value, "item", None)
         if item is not None:
-            value = item()  # numpy scalar, 0-d array or tensor -> Python scalar
+            try:
+                value = item()  # numpy scalar, 0-d array or tensor -> Python scalar
+            except Exception as exc:  # a meta tensor: no data to read
+                raise TypeError(f"cannot read an integer from {value!r:.80}: {exc}") from exc
     if isinstance(value, bool):
         raise TypeError("a bool is not a row id")
-    return operator.index(value)  # type: ignore[arg-type]  # TypeError if not an integer
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise  # not an integer
+    except Exception as exc:  # an __index__ that raises
+        raise TypeError(f"{type(value).__name__}.__index__ raised {exc!r}") from exc
 
 
 def as_row_ids(rows: object) -> Sequence[int]:

@@ -13,13 +13,57 @@ rule of ``is_done``; and ``force_release``'s log line.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import types
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
-from helpers import WAIT_S
+import torch
+from helpers import WAIT_S, EventFence, bounded, pool_snapshot
 
-from asyncpool import HostStream
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    HostStream,
+    InvalidSlotError,
+    KVPagePool,
+    PoolError,
+    ReqToTokenPool,
+    ReqToTokenPoolInfo,
+)
+
+
+def kv_snapshot(kv: KVPagePool) -> tuple[Any, ...]:
+    """A page pool's states, free ring and totals (for "changed nothing")."""
+    led = kv.ledger
+    kv.check_invariants()
+    return (
+        led.states().tolist(),
+        led._ring.tolist(),
+        led._head,
+        led.free_count,
+        led._taken,
+        led._returned,
+        led.pending,
+        led.quarantined,
+        kv.stats(),
+    )
+
+
+def snapshot(pool: Any) -> tuple[Any, ...]:
+    """Everything a raising call must leave unchanged: the row pool, its
+    tables' lengths, and its page pool when it has one."""
+    kv = getattr(pool, "kv", None)
+    return (
+        pool_snapshot(pool),
+        pool.verified_lens.tolist(),
+        pool.alloced_lens.tolist(),
+        pool.req_to_token.sum().item(),
+        kv_snapshot(kv) if kv is not None else None,
+    )
 
 
 # ---------------------------------------------------------------- 1. HostStream
@@ -48,3 +92,108 @@ def test_stream_refuses_what_it_cannot_call(call: Any) -> None:
         fence = stream.record()
         assert fence.wait(WAIT_S)
         assert stream.error is None and ran == [1]
+
+
+# ------------------------------------------------- 2. meta scalars, bad __index__
+
+
+class RaisingIndex:
+    """An integer-like object whose ``__index__`` raises."""
+
+    def __index__(self) -> int:
+        raise RuntimeError("RaisingIndex cannot say its value")
+
+    def __repr__(self) -> str:
+        return "RaisingIndex()"
+
+
+BAD_SCALARS: dict[str, Callable[[], Any]] = {
+    "meta-0d": lambda: torch.tensor(3, device="meta"),
+    "raising-index": RaisingIndex,
+}
+EMPTY_INFO = ReqToTokenPoolInfo(0, 0, torch.zeros(0, dtype=torch.int32))
+
+
+async def _lease(pool: AsyncReqToTokenPool, n: Any) -> None:
+    async with pool.lease(n):
+        raise AssertionError("a bad lease was granted")
+
+
+# (id, call(pool, held row, fence, bad value)): coroutines are awaited.
+SCALAR_CALLS: list[tuple[str, Callable[..., Any]]] = [
+    ("free", lambda p, r, f, b: p.free(b)),
+    ("free-list", lambda p, r, f, b: p.free([r, b])),
+    ("record_use", lambda p, r, f, b: p.record_use(b, f)),
+    ("record_use-list", lambda p, r, f, b: p.record_use([r, b], f)),
+    ("generation", lambda p, r, f, b: p.generation(b)),
+    ("set_req_pool_info", lambda p, r, f, b: p.set_req_pool_info(b, EMPTY_INFO)),
+    ("try_alloc", lambda p, r, f, b: p.try_alloc(b)),
+    ("try_admit", lambda p, r, f, b: p.try_admit(b)),
+    ("extend-k", lambda p, r, f, b: p.extend(r, b)),
+    ("extend-row", lambda p, r, f, b: p.extend(b, 1)),
+    ("pages_of", lambda p, r, f, b: p.pages_of(b)),
+    ("detach_pages", lambda p, r, f, b: p.detach_pages(b)),
+    ("extend_rows-k", lambda p, r, f, b: p.extend_rows([r], k=b)),
+    ("extend_rows-rows", lambda p, r, f, b: p.extend_rows([r, b], k=1)),
+    ("alloc", lambda p, r, f, b: p.alloc(b)),
+    ("lease", lambda p, r, f, b: _lease(p, b)),
+    ("admit", lambda p, r, f, b: p.admit(b)),
+    ("kv.alloc", lambda p, r, f, b: p.kv.alloc(b)),
+    ("kv.free", lambda p, r, f, b: p.kv.free(b)),
+    ("kv.free-list", lambda p, r, f, b: p.kv.free([b])),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALARS)
+@pytest.mark.parametrize("call", [c for _, c in SCALAR_CALLS], ids=[i for i, _ in SCALAR_CALLS])
+async def test_meta_scalar_or_raising_index_is_refused_typed(call: Any, bad: str) -> None:
+    value = BAD_SCALARS[bad]()
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        grant = await pool.admit(pages=2)
+        fence = EventFence()
+        fence.set()
+        before = snapshot(pool)
+        with pytest.raises((InvalidSlotError, CapacityError)) as info:
+            result = call(pool, grant.row, fence, value)
+            if asyncio.iscoroutine(result):
+                async with bounded():
+                    await result
+        assert re.search(r"meta|RaisingIndex", str(info.value)), info.value
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("bad", BAD_SCALARS)
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p, r, b: p.alloc(b),
+        lambda p, r, b: p.free(b),
+        lambda p, r, b: p.free([r, b]),
+        lambda p, r, b: p.generation(b),
+        lambda p, r, b: p.set_req_pool_info(b, EMPTY_INFO),
+    ],
+    ids=["alloc", "free", "free-list", "generation", "set_req_pool_info"],
+)
+def test_meta_scalar_or_raising_index_on_the_sync_pool(call: Any, bad: str) -> None:
+    pool = ReqToTokenPool(10, 16)
+    rows = pool.alloc(2)
+    assert rows is not None
+    before = snapshot(pool)
+    with pytest.raises((InvalidSlotError, CapacityError), match=r"meta|RaisingIndex"):
+        call(pool, rows[0], BAD_SCALARS[bad]())
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize(
+    "n",
+    [torch.tensor([1, 2]), np.array([1, 2]), torch.tensor([1, 2], device="meta")],
+    ids=["tensor-1d", "array-1d", "meta-1d"],
+)
+async def test_alloc_of_an_array_is_a_capacity_error(n: Any) -> None:
+    # `n == 1` of an array has no truth value: alloc's fast-path test raised
+    # torch's RuntimeError / numpy's ValueError instead of CapacityError.
+    async with AsyncReqToTokenPool(9, 16) as pool:
+        before = snapshot(pool)
+        with pytest.raises(CapacityError, match="row count must be an integer"):
+            await pool.alloc(n)
+        assert snapshot(pool) == before

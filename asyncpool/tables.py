@@ -53,6 +53,17 @@ def _length(value: object, name: str, row: int) -> int:
     return index_or_error(value, f"{name} for row {row} must be an integer")
 
 
+def _unsigned_range(slots: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a host tensor of a dtype torch has no min/max for
+    (uint16, uint32, uint64), read through an int64 copy. uint64 values past
+    ``2**63 - 1`` wrap negative there: the max is then read back as unsigned."""
+    wide = slots.to(torch.int64)
+    low, high = int(wide.min()), int(wide.max())
+    if low < 0:  # uint64 past int64: the largest such value is the max
+        return 0, int(wide[wide < 0].max()) + 2**64
+    return low, high
+
+
 class MemorySaverAdapter:
     """torch-memory-saver when enabled and CUDA is present; a no-op otherwise.
 
@@ -207,8 +218,9 @@ class TokenTables:
         Everything is checked before the first write: metadata that is not
         a :class:`ReqToTokenPoolInfo`, lengths that are not integers in
         range, and ``alloced_slots`` that is not a 1-D integer tensor of
-        ``alloced_len`` entries on a real device (on the host: of slot ids
-        ``>= 0`` that fit ``req_to_token``'s dtype) raise
+        ``alloced_len`` entries on a real device (any integer dtype, unsigned
+        ones included; on the host: of slot ids ``>= 0`` that fit
+        ``req_to_token``'s dtype) raise
         :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
         """
         if not isinstance(info, ReqToTokenPoolInfo):
@@ -255,7 +267,10 @@ class TokenTables:
             # Token slot ids are >= 0 and must fit the table's dtype (a larger
             # int64 would wrap silently). Host tensors only: on a device the
             # check would wait for the stream.
-            low, high = int(slots.min()), int(slots.max())
+            try:
+                low, high = int(slots.min()), int(slots.max())
+            except (NotImplementedError, RuntimeError):  # uint16/32/64: no min/max
+                low, high = _unsigned_range(slots)
             limit = torch.iinfo(self.req_to_token.dtype).max
             if low < 0 or high > limit:
                 bad = low if low < 0 else high

@@ -197,3 +197,41 @@ async def test_alloc_of_an_array_is_a_capacity_error(n: Any) -> None:
         with pytest.raises(CapacityError, match="row count must be an integer"):
             await pool.alloc(n)
         assert snapshot(pool) == before
+
+
+# ------------------------------------------------- 3. unsigned slot tensors
+
+UNSIGNED = [torch.uint16, torch.uint32, torch.uint64]
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED, ids=str)
+def test_set_req_pool_info_accepts_unsigned_slots(dtype: torch.dtype) -> None:
+    pool = ReqToTokenPool(10, 16)
+    (row,) = pool.alloc(1) or []
+    slots = torch.tensor([7, 2**15 + 1, 0], dtype=dtype)
+    pool.set_req_pool_info(row, ReqToTokenPoolInfo(2, 3, slots))
+    assert pool.req_to_token[row, :4].tolist() == [7, 2**15 + 1, 0, 0]
+    assert pool.alloced_lens_cpu[row] == 3 and pool.verified_lens[row] == 2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [
+        (torch.uint32, 2**31),
+        (torch.uint32, 2**32 - 1),
+        (torch.uint64, 2**40),
+        (torch.uint64, 2**63 + 5),  # wraps negative in an int64 copy
+        (torch.uint64, 2**64 - 1),
+    ],
+    ids=str,
+)
+def test_set_req_pool_info_refuses_unsigned_slots_that_do_not_fit(
+    dtype: torch.dtype, value: int
+) -> None:
+    pool = ReqToTokenPool(10, 16)
+    (row,) = pool.alloc(1) or []
+    before = snapshot(pool)
+    info = ReqToTokenPoolInfo(1, 2, torch.tensor([3, value], dtype=dtype))
+    with pytest.raises(InvalidSlotError, match=rf"holds {value}, outside the token slot ids"):
+        pool.set_req_pool_info(row, info)
+    assert snapshot(pool) == before

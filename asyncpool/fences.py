@@ -493,8 +493,7 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
     """
     if isinstance(stream, HostStream):
         return stream.record()
-    device = getattr(stream, "device", None)
-    if device is not None and getattr(device, "type", None) == "cuda":
+    if _is_cuda_stream(stream):
         import torch
 
         if not isinstance(stream, torch.cuda.Stream):
@@ -509,13 +508,30 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
     )
 
 
+def _is_cuda_stream(obj: object) -> bool:
+    """True for a ``torch.cuda.Stream`` (``ExternalStream`` included) or a
+    ``torch.Stream`` on a CUDA device; not for any other object whose
+    ``.device`` is CUDA (a CUDA tensor passed by mistake), which has no
+    stream to record an event on."""
+    import torch
+
+    if isinstance(obj, torch.cuda.Stream):
+        return True
+    stream_cls = getattr(torch, "Stream", None)
+    return (
+        stream_cls is not None
+        and isinstance(obj, stream_cls)
+        and getattr(getattr(obj, "device", None), "type", None) == "cuda"
+    )
+
+
 def check_after(after: object) -> None:
     """Raise ``TypeError`` unless a fence can be recorded on ``after`` (a
-    HostStream or a CUDA stream): the check of every ``after=`` parameter,
-    made before anything changes."""
-    if not isinstance(after, HostStream) and getattr(
-        getattr(after, "device", None), "type", None
-    ) != "cuda":
+    HostStream, a ``torch.cuda.Stream`` or a ``torch.Stream`` of type
+    ``cuda``; an object that merely has a CUDA ``.device``, such as a CUDA
+    tensor, is refused): the check of every ``after=`` parameter, made
+    before anything changes."""
+    if not isinstance(after, HostStream) and not _is_cuda_stream(after):
         raise TypeError(
             f"after= must be a HostStream or a CUDA stream to record a fence on, "
             f"got {after!r} of type {type(after).__name__}"

@@ -235,3 +235,52 @@ def test_set_req_pool_info_refuses_unsigned_slots_that_do_not_fit(
     with pytest.raises(InvalidSlotError, match=rf"holds {value}, outside the token slot ids"):
         pool.set_req_pool_info(row, info)
     assert snapshot(pool) == before
+
+
+# ------------------------------------------------- 4. after= that is not a stream
+
+# Has a CUDA .device, as a CUDA tensor does, but is no stream: nothing to
+# record an event on. Testable without CUDA.
+NOT_A_STREAM = types.SimpleNamespace(device=torch.device("cuda"))
+
+
+def _after_calls() -> list[Any]:
+    return [
+        pytest.param(lambda p, rows, pages: p.free(rows, after=NOT_A_STREAM), id="free"),
+        pytest.param(
+            lambda p, rows, pages: p.free(rows, EventFence(), after=NOT_A_STREAM),
+            id="free-with-fence",
+        ),
+        pytest.param(lambda p, rows, pages: p.kv.free(pages, after=NOT_A_STREAM), id="kv.free"),
+    ]
+
+
+@pytest.mark.parametrize("call", _after_calls())
+@pytest.mark.parametrize("with_kv", [False, True], ids=["rows", "kv"])
+async def test_after_that_is_not_a_stream_is_refused(call: Any, with_kv: bool) -> None:
+    kv = KVPagePool(17, 4)
+    async with AsyncReqToTokenPool(9, 16, kv=kv if with_kv else None) as pool:
+        rows = await pool.alloc(2)
+        pages = kv.alloc(2)
+        before = (snapshot(pool), kv_snapshot(kv))
+        with pytest.raises(TypeError, match=r"after= must be a HostStream.*namespace"):
+            call(pool if with_kv else types.SimpleNamespace(free=pool.free, kv=kv), rows, pages)
+        assert (snapshot(pool), kv_snapshot(kv)) == before
+
+
+def test_after_that_is_not_a_stream_on_the_sync_pool() -> None:
+    pool = ReqToTokenPool(10, 16)
+    rows = pool.alloc(2)
+    before = snapshot(pool)
+    with pytest.raises(TypeError, match=r"after= must be a HostStream.*namespace"):
+        pool.free(rows, after=NOT_A_STREAM)
+    assert snapshot(pool) == before
+
+
+async def test_lease_with_an_after_that_is_not_a_stream_allocates_nothing() -> None:
+    async with AsyncReqToTokenPool(9, 16) as pool:
+        before = snapshot(pool)
+        with pytest.raises(TypeError, match=r"after= must be a HostStream.*namespace"):
+            pool.lease(2, after=NOT_A_STREAM)
+        assert snapshot(pool) == before
+        assert pool.stats().allocs == 0

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .fences import Fence, check_after, record_fence
-from .ledger import FREE, Rows, SlotLedger
+from .ledger import FREE, Rows, SlotLedger, check_size
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
@@ -55,13 +55,24 @@ class PoolCore:
         enable_memory_saver: bool = False,
         stream: Any | None = None,
     ) -> None:
+        """Bounds, checked before anything is built: ``size`` an int in
+        ``2..2**31`` (row ids fit the int32 index tensors engines keep them
+        in; :class:`CapacityError`), ``max_context_len`` an int in
+        ``1..2**31 - 1`` (lengths are int32; ``ValueError``),
+        ``enable_memory_saver`` a bool (``TypeError``), ``device`` one torch
+        parses, not ``meta`` (its tensors hold no data) and not CUDA without
+        CUDA (:class:`DeviceError`). The tables (``size * max_context_len``
+        int32 slots) are allocated before the ledger's per-row lists, so a
+        pool too large for memory fails at once, in torch's allocator.
+        """
+        check_size(size)
+        self._tables = TokenTables(size, max_context_len, device, enable_memory_saver, stream)
         self._ledger = SlotLedger(
             size,
             on_reset=self._reset_rows,
             on_pending=self._on_pending,
             on_fault=self._on_fault,
         )
-        self._tables = TokenTables(size, max_context_len, device, enable_memory_saver, stream)
         self.size = size
         self.max_context_len = max_context_len
         self.device = device

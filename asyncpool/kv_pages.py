@@ -84,6 +84,7 @@ from .ledger import (
     index_or_error,
 )
 from .stats import LatencySummary
+from .tables import check_device
 
 __all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
 
@@ -138,6 +139,32 @@ def _index(value: object) -> int:
     return index_or_error(value, "page ids must be integers")
 
 
+#: The largest ``num_pages``: the vectorised checks number a call's pages
+#: in int32 (``PageLedger._mark``), and the ledger keeps a ring of int64 ids
+#: and a state byte per page.
+MAX_NUM_PAGES = 2**31
+#: The bound of ``num_pages * page_size``: token slot ids
+#: (``page * page_size + offset``, :meth:`KVPagePool.slots`) are what
+#: ``req_to_token`` rows hold, in int32.
+MAX_SLOTS = 2**31
+
+
+def check_num_pages(num_pages: object) -> None:
+    """Raise :class:`CapacityError` unless ``num_pages`` is an int in
+    ``2..MAX_NUM_PAGES`` (page 0 is reserved)."""
+    if num_pages.__class__ is not int or num_pages < 2:
+        raise CapacityError(
+            f"num_pages must be an int >= 2 (page 0 is reserved), got {num_pages!r}"
+            + ("" if isinstance(num_pages, int) else f" of type {type(num_pages).__name__}")
+        )
+    assert isinstance(num_pages, int)
+    if num_pages > MAX_NUM_PAGES:
+        raise CapacityError(
+            f"num_pages must be at most 2**31 (a call's pages are numbered in int32), "
+            f"got {num_pages!r}"
+        )
+
+
 class PageLedger(Deferrals[PageArray]):
     """Bookkeeping for ``num_pages - 1`` pages; see the module docstring.
 
@@ -161,11 +188,7 @@ class PageLedger(Deferrals[PageArray]):
         clock: Callable[[], float] = time.perf_counter,
         latency_window: int = 4096,
     ) -> None:
-        if num_pages.__class__ is not int or num_pages < 2:
-            raise CapacityError(
-                f"num_pages must be an int >= 2 (page 0 is reserved), got {num_pages!r}"
-                + ("" if isinstance(num_pages, int) else f" of type {type(num_pages).__name__}")
-            )
+        check_num_pages(num_pages)
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
@@ -795,6 +818,13 @@ class KVPagePool:
     the pool never asks a fence whether it completed, not even in
     :meth:`alloc`; pending pages come back through :meth:`retire` and
     :meth:`agree` only, identically on every rank that makes the same calls.
+
+    Bounds, checked before anything is built (:class:`CapacityError`):
+    ``num_pages`` in ``2..2**31`` (a call's pages are numbered in int32),
+    ``page_size >= 1`` with ``num_pages * page_size <= 2**31`` (token slot
+    ids must fit ``req_to_token``'s int32). ``device`` must be one torch parses, not ``meta`` (ids
+    handed out there could never be read back, so never freed) and not CUDA
+    without CUDA (:class:`~asyncpool.DeviceError`).
     """
 
     def __init__(
@@ -805,15 +835,22 @@ class KVPagePool:
         *,
         reclaim: str = "auto",
     ) -> None:
+        check_num_pages(num_pages)
         if page_size.__class__ is not int or page_size < 1:
             raise CapacityError(f"page_size must be an int >= 1, got {page_size!r}")
+        if num_pages * page_size > MAX_SLOTS:
+            raise CapacityError(
+                f"page_size={page_size} with num_pages={num_pages} is too large: token "
+                "slot ids (page * page_size + offset) must fit req_to_token's int32, so "
+                "num_pages * page_size must be at most 2**31"
+            )
         explicit = check_reclaim_mode(reclaim)
+        self.device = check_device(device)
         self._ledger = PageLedger(num_pages)
         if explicit:
             self._ledger.make_explicit()
         self.num_pages = num_pages
         self.page_size = page_size
-        self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
         self._on_free: Callable[[], None] | None = None

@@ -88,14 +88,7 @@ class SlotLedger(Deferrals[int]):
         clock: Callable[[], float] = time.perf_counter,
         latency_window: int = 4096,
     ) -> None:
-        if size.__class__ is not int:
-            raise CapacityError(
-                f"size must be an int, got {size!r} of type {type(size).__name__}"
-            )
-        if size < 2:
-            raise CapacityError(
-                f"size must be at least 2 (row 0 is reserved padding), got {size!r}"
-            )
+        check_size(size)
         self.size = size
         self.capacity = size - 1
         self._free: collections.deque[int] = collections.deque(range(1, size))
@@ -694,6 +687,32 @@ class SlotLedger(Deferrals[int]):
             if (self._uses[row] is not None) != (state[row] == USED):
                 what = "carries a recorded use" if self._uses[row] is not None else "carries none"
                 fail(f"row {row} {what} but its state is {state[row]}")
+
+
+#: The largest ``size`` of a row pool: row ids ``1..size - 1`` must fit the
+#: int32 index tensors engines keep them in (``req_pool_indices``), and the
+#: ledger keeps a few Python objects per row, so a size past it could only
+#: fill memory for minutes before failing.
+MAX_ROWS_SIZE = 2**31
+
+
+def check_size(size: object) -> None:
+    """Raise :class:`CapacityError` unless ``size`` is an int in
+    ``2..MAX_ROWS_SIZE`` (row 0 is reserved; ids fit int32)."""
+    if size.__class__ is not int:
+        raise CapacityError(
+            f"size must be an int, got {size!r} of type {type(size).__name__}"
+        )
+    assert isinstance(size, int)
+    if size < 2:
+        raise CapacityError(
+            f"size must be at least 2 (row 0 is reserved padding), got {size!r}"
+        )
+    if size > MAX_ROWS_SIZE:
+        raise CapacityError(
+            f"size must be at most 2**31 (row ids must fit the int32 index tensors "
+            f"engines keep them in), got {size!r}"
+        )
 
 
 def _rows_word(n: int) -> str:

@@ -139,7 +139,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     size, max_context_len, device, enable_memory_saver
         As the seed's ``ReqToTokenPool``; ``size - 1`` rows can be handed
         out (row 0 is reserved padding). ``enable_memory_saver=True`` needs
-        CUDA and raises :class:`MemorySaverError` without it.
+        CUDA and raises :class:`MemorySaverError` without it. Bounds and the
+        devices refused: see :class:`~asyncpool.base.PoolCore`.
     stream
         The pool's stream: on CUDA, row resets are launched on it (a
         ``torch.cuda.Stream``). Off CUDA a ``HostStream`` or a torch stream

@@ -31,7 +31,7 @@ _STREAMS: tuple[type, ...] = (
     getattr(torch, "Stream", torch.cuda.Stream),
 )
 
-__all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables"]
+__all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables", "check_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,38 @@ class ReqToTokenPoolInfo:
     verified_len: int
     alloced_len: int
     alloced_slots: torch.Tensor
+
+
+#: The largest ``max_context_len``: ``verified_lens`` and ``alloced_lens``
+#: hold lengths up to it in int32.
+MAX_CONTEXT_LEN = 2**31 - 1
+
+
+def check_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` a pool can hold memory on, or
+    :class:`DeviceError`: for a value torch cannot parse (``"10"``, ``-1``,
+    ``None``), an index without an accelerator (``0`` without CUDA), the
+    ``meta`` device (its tensors hold no data: every id handed out there
+    could never be read back, so never freed), and CUDA where
+    ``torch.cuda.is_available()`` is False."""
+    try:
+        dev: torch.device = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DeviceError(
+            f"device={device!r:.80} is not a device torch can use: {reason}"
+        ) from None
+    if dev.type == "meta":
+        raise DeviceError(
+            f"device={device!r} holds no data: ids handed out on the meta device "
+            "could never be read back or freed; use device='cpu' or 'cuda'"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); use device='cpu' on this machine"
+        )
+    return dev
 
 
 def _length(value: object, name: str, row: int) -> int:
@@ -145,14 +177,19 @@ class TokenTables:
     ) -> None:
         if max_context_len.__class__ is not int or max_context_len < 1:
             raise ValueError(f"max_context_len must be a positive int, got {max_context_len!r}")
+        if max_context_len > MAX_CONTEXT_LEN:
+            raise ValueError(
+                f"max_context_len must be at most 2**31 - 1 (lengths are held in int32 "
+                f"tensors), got {max_context_len!r}"
+            )
+        if enable_memory_saver.__class__ is not bool:
+            raise TypeError(
+                f"enable_memory_saver must be a bool, got {enable_memory_saver!r:.80} of "
+                f"type {type(enable_memory_saver).__name__}"
+            )
         self.size = size
         self.max_context_len = max_context_len
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError(
-                f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}); use device='cpu' on this machine"
-            )
+        self.device = check_device(device)
         if enable_memory_saver and self.device.type != "cuda" and torch.cuda.is_available():
             # Without CUDA, create() below says so; with it, tables on another
             # device are not in any region the saver pauses (and create()

@@ -27,10 +27,10 @@ from helpers import WAIT_S, EventFence, bounded, pool_snapshot
 from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
+    DeviceError,
     HostStream,
     InvalidSlotError,
     KVPagePool,
-    PoolError,
     ReqToTokenPool,
     ReqToTokenPoolInfo,
 )
@@ -284,3 +284,87 @@ async def test_lease_with_an_after_that_is_not_a_stream_allocates_nothing() -> N
             pool.lease(2, after=NOT_A_STREAM)
         assert snapshot(pool) == before
         assert pool.stats().allocs == 0
+
+
+# ------------------------------------------------- 5, 6. constructors
+
+ROW_POOLS = [ReqToTokenPool, AsyncReqToTokenPool]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="device 0 is CUDA here")
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "device"])
+@pytest.mark.parametrize("make", [
+    lambda d: ReqToTokenPool(10, 16, device=d),
+    lambda d: AsyncReqToTokenPool(10, 16, device=d),
+    lambda d: KVPagePool(10, 4, device=d),
+], ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"])
+def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
+    with pytest.raises(DeviceError, match=r"device=.*meta.* holds no data"):
+        make(device)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["10", "bogus", -1, None, 2.5, pytest.param(0, marks=NO_CUDA)],
+    ids=repr,
+)
+@pytest.mark.parametrize("make", [
+    lambda d: ReqToTokenPool(10, 16, device=d),
+    lambda d: AsyncReqToTokenPool(10, 16, device=d),
+    lambda d: KVPagePool(10, 4, device=d),
+], ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"])
+def test_a_device_torch_cannot_use_is_a_device_error(make: Any, device: Any) -> None:
+    with pytest.raises(DeviceError, match=rf"device={re.escape(repr(device))} is not a device"):
+        make(device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_page_pool_on_cuda_without_cuda_is_a_device_error() -> None:
+    with pytest.raises(DeviceError, match="needs CUDA"):
+        KVPagePool(10, 4, device="cuda")
+
+
+@pytest.mark.parametrize("size", [10**30, 2**40, 2**31 + 1], ids=str)
+@pytest.mark.parametrize("cls", ROW_POOLS)
+def test_a_huge_row_pool_size_is_refused_up_front(cls: Any, size: int) -> None:
+    # Refused before any table or ledger list is built (it filled a deque of
+    # range(1, size) for minutes before failing).
+    with pytest.raises(CapacityError, match=rf"size must be at most 2\*\*31 .*int32.*{size}"):
+        cls(size, 16)
+
+
+@pytest.mark.parametrize("cls", ROW_POOLS)
+def test_a_huge_max_context_len_is_refused(cls: Any) -> None:
+    with pytest.raises(ValueError, match=r"max_context_len must be at most 2\*\*31 - 1.*int32"):
+        cls(4, 2**31)
+
+
+@pytest.mark.parametrize("num_pages", [2**63, 10**30, 2**31 + 1], ids=str)
+def test_a_huge_page_count_is_refused_up_front(num_pages: int) -> None:
+    with pytest.raises(CapacityError, match=rf"num_pages must be at most 2\*\*31.*{num_pages}"):
+        KVPagePool(num_pages, 4)
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "page_size"), [(10, 2**63), (10, 2**30), (2**16, 2**15 + 1)], ids=str
+)
+def test_slot_ids_past_int32_are_refused(num_pages: int, page_size: int) -> None:
+    # KVPagePool(10, 2**63) was accepted, then slots() overflowed.
+    with pytest.raises(CapacityError, match=rf"page_size={page_size} .*int32.*2\*\*31"):
+        KVPagePool(num_pages, page_size)
+
+
+def test_the_largest_pool_whose_slot_ids_fit_int32_works() -> None:
+    kv = KVPagePool(2**16, 2**15)  # num_pages * page_size == 2**31
+    pages = kv.alloc(kv.capacity)
+    assert pages is not None
+    assert int(kv.slots(pages[-1:])[-1]) == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "flag", [torch.tensor([1, 1]), torch.tensor(True), 1, "yes", None], ids=repr
+)
+@pytest.mark.parametrize("cls", ROW_POOLS)
+def test_enable_memory_saver_must_be_a_bool(cls: Any, flag: Any) -> None:
+    with pytest.raises(TypeError, match=r"enable_memory_saver must be a bool, got"):
+        cls(4, 8, enable_memory_saver=flag)

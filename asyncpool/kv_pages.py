@@ -387,7 +387,8 @@ class PageLedger(Deferrals[PageArray]):
                     small = pages.tolist()
                 except NotImplementedError:  # meta: _tensor_array refuses it
                     small = None
-                if small is not None and self._small_ok(small, expect):
+                # [] is no answer: an empty tensor's dtype is checked below.
+                if small and self._small_ok(small, expect):
                     return small, True
             try:
                 arr = pages.numpy()  # zero-copy on the CPU

@@ -368,3 +368,65 @@ def test_the_largest_pool_whose_slot_ids_fit_int32_works() -> None:
 def test_enable_memory_saver_must_be_a_bool(cls: Any, flag: Any) -> None:
     with pytest.raises(TypeError, match=r"enable_memory_saver must be a bool, got"):
         cls(4, 8, enable_memory_saver=flag)
+
+
+# ------------------------------------------------- 7. empty float / bool tensors
+
+EMPTY_NOT_INTEGER: dict[str, Callable[[], Any]] = {
+    "torch-float32": lambda: torch.tensor([]),
+    "torch-bool": lambda: torch.tensor([], dtype=torch.bool),
+    "torch-bfloat16": lambda: torch.zeros(0, dtype=torch.bfloat16),
+    "numpy-float64": lambda: np.array([]),
+    "numpy-bool": lambda: np.array([], dtype=bool),
+}
+EMPTY_FINE: dict[str, Callable[[], Any]] = {
+    "list": list,
+    "tuple": tuple,
+    "torch-int64": lambda: torch.tensor([], dtype=torch.int64),
+    "torch-uint8": lambda: torch.zeros(0, dtype=torch.uint8),
+    "numpy-int32": lambda: np.array([], dtype=np.int32),
+}
+EMPTY_CALLS: list[tuple[str, Callable[..., Any]]] = [
+    ("free", lambda p, e: p.free(e)),
+    ("free-fence", lambda p, e: p.free(e, EventFence())),
+    ("record_use", lambda p, e: p.record_use(e, EventFence())),
+    ("extend_rows", lambda p, e: p.extend_rows(e, k=1)),
+    ("kv.free", lambda p, e: p.kv.free(e)),
+    ("kv.free-fence", lambda p, e: p.kv.free(e, fence=EventFence())),
+]
+
+
+@pytest.mark.parametrize("empty", EMPTY_NOT_INTEGER)
+@pytest.mark.parametrize("call", [c for _, c in EMPTY_CALLS], ids=[i for i, _ in EMPTY_CALLS])
+async def test_an_empty_float_or_bool_tensor_is_refused_by_dtype(call: Any, empty: str) -> None:
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        await pool.admit(pages=2)
+        pool.kv.alloc(2)
+        before = snapshot(pool)
+        with pytest.raises(InvalidSlotError, match=r"ids must be integers, got an.*(float|bool)"):
+            call(pool, EMPTY_NOT_INTEGER[empty]())
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("empty", EMPTY_NOT_INTEGER)
+def test_an_empty_float_or_bool_tensor_is_refused_by_the_sync_pool(empty: str) -> None:
+    pool = ReqToTokenPool(10, 16)
+    pool.alloc(2)
+    before = snapshot(pool)
+    with pytest.raises(InvalidSlotError, match=r"row ids must be integers, got an empty"):
+        pool.free(EMPTY_NOT_INTEGER[empty]())
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("empty", EMPTY_FINE)
+@pytest.mark.parametrize("call", [c for _, c in EMPTY_CALLS], ids=[i for i, _ in EMPTY_CALLS])
+async def test_an_empty_list_or_integer_tensor_is_still_no_rows(call: Any, empty: str) -> None:
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        await pool.admit(pages=2)
+        before = snapshot(pool)
+        result = call(pool, EMPTY_FINE[empty]())
+        if isinstance(result, torch.Tensor):
+            assert result.numel() == 0  # extend_rows: a (0, k) tensor
+        else:
+            assert result in (None, 0)  # record_use: None; frees: 0 rows
+        assert snapshot(pool) == before

@@ -59,7 +59,7 @@ import array
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -414,7 +414,7 @@ class PageLedger(Deferrals[PageArray]):
             return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if isinstance(pages, (np.integer, int)) and not isinstance(pages, bool):
             return self._checked(self._list_array([pages], what), True, what, expect)
-        if isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, dict)):
+        if isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, Mapping)):
             return self._checked(self._list_array(list(pages), what), True, what, expect)
         raise InvalidSlotError(
             "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
@@ -668,7 +668,9 @@ class PageLedger(Deferrals[PageArray]):
             arr, _ = self._numpy_array(pages, owned=False)
         elif isinstance(pages, (int, np.integer)) and not isinstance(pages, bool):
             arr = self._list_array([pages], None)
-        elif isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, dict)):
+        elif isinstance(pages, Iterable) and not isinstance(
+            pages, (str, bytes, bytearray, Mapping)
+        ):
             arr = self._list_array(list(pages), None)
         else:
             raise InvalidSlotError(

@@ -37,7 +37,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex
 
 from .deferral import Deferrals, stream_key
@@ -757,8 +757,9 @@ def as_row_ids(rows: object) -> Sequence[int]:
     row), a 1-D integer tensor or array, or any iterable of those. A list,
     tuple or range of Python ints is returned as it is (the fast path);
     anything else is converted once, here, off the hot path. Raises
-    :class:`InvalidSlotError` naming the value for floats, bools, strings and
-    tensors that are not 1-D.
+    :class:`InvalidSlotError` naming the value for floats, bools, strings,
+    mappings (a dict iterates its keys) and tensors that are not 1-D. A set
+    is accepted (its ids are distinct), as ``KVPagePool.free`` accepts one.
     """
     cls = rows.__class__
     if cls is list or cls is tuple or cls is range:
@@ -795,9 +796,12 @@ def as_row_ids(rows: object) -> Sequence[int]:
                 f"{getattr(rows, 'dtype', None)}"
             )
         return [_row_id(row) for row in values]
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+    if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
+        # A mapping iterates its keys: free({3: "x"}) would free row 3.
+        # KVPagePool.free refuses one too; a set (distinct ids) is accepted
+        # by both.
         raise InvalidSlotError(
-            f"rows must be an int or a sequence of ints, got {rows!r} of type "
+            f"rows must be an int or a sequence of ints, got {rows!r:.80} of type "
             f"{type(rows).__name__}"
         )
     return [_row_id(row) for row in rows]

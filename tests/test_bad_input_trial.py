@@ -430,3 +430,66 @@ async def test_an_empty_list_or_integer_tensor_is_still_no_rows(call: Any, empty
         else:
             assert result in (None, 0)  # record_use: None; frees: 0 rows
         assert snapshot(pool) == before
+
+
+# ------------------------------------------------- 8. mappings as rows
+
+MAPPINGS: dict[str, Callable[[int], Any]] = {
+    "dict": lambda r: {r: "x"},
+    "mappingproxy": lambda r: types.MappingProxyType({r: "x"}),
+}
+MAPPING_CALLS: list[tuple[str, Callable[..., Any]]] = [
+    ("free", lambda p, m: p.free(m)),
+    ("free-fence", lambda p, m: p.free(m, EventFence())),
+    ("record_use", lambda p, m: p.record_use(m, EventFence())),
+    ("extend_rows", lambda p, m: p.extend_rows(m, k=1)),
+]
+
+
+@pytest.mark.parametrize("mapping", MAPPINGS)
+@pytest.mark.parametrize(
+    ("call", "with_kv"),
+    [
+        pytest.param(call, with_kv, id=f"{name}-{'kv' if with_kv else 'rows'}")
+        for name, call in MAPPING_CALLS
+        for with_kv in (False, True)
+        if with_kv or name != "extend_rows"  # extend_rows needs kv=
+    ],
+)
+async def test_a_mapping_of_rows_is_refused(call: Any, mapping: str, with_kv: bool) -> None:
+    kv = KVPagePool(17, 4) if with_kv else None
+    async with AsyncReqToTokenPool(9, 16, kv=kv) as pool:
+        (row,) = await pool.alloc(1)
+        before = snapshot(pool)
+        with pytest.raises(InvalidSlotError, match=r"rows must be an int or a sequence of ints"):
+            call(pool, MAPPINGS[mapping](row))
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("mapping", MAPPINGS)
+def test_a_mapping_is_refused_by_the_sync_pool_and_the_page_pool(mapping: str) -> None:
+    pool = ReqToTokenPool(10, 16)
+    (row,) = pool.alloc(1) or []
+    before = snapshot(pool)
+    with pytest.raises(InvalidSlotError, match=r"rows must be an int or a sequence of ints"):
+        pool.free(MAPPINGS[mapping](row))
+    assert snapshot(pool) == before
+    kv = KVPagePool(10, 4)
+    pages = kv.alloc(1)
+    assert pages is not None
+    kv_before = kv_snapshot(kv)
+    with pytest.raises(InvalidSlotError, match=r"pages must be .* sequence of ints"):
+        kv.free(MAPPINGS[mapping](int(pages[0])))
+    assert kv_snapshot(kv) == kv_before
+
+
+async def test_a_set_of_rows_is_accepted_as_kv_free_accepts_one() -> None:
+    # Sets hold distinct ids, so nothing is freed twice; both paths take one.
+    async with AsyncReqToTokenPool(9, 16) as pool:
+        rows = await pool.alloc(3)
+        assert pool.free(set(rows)) == 3
+        assert pool.allocated_size() == 0
+    kv = KVPagePool(10, 4)
+    pages = kv.alloc(3)
+    assert pages is not None
+    assert kv.free(set(pages.tolist())) == 3

@@ -132,7 +132,7 @@ class Admission:
         self._fast = False  # no unchecked call may interleave with this one
         k = self._page_count(pages, 0)
         if timeout is not None or priority.__class__ is not int:
-            _check_wait_args(priority, timeout)
+            priority = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
             grant = self._admit_now(k)

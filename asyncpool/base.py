@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from .fences import Fence, check_after, record_fence
-from .ledger import FREE, Rows, SlotLedger, check_size
+from .ledger import FREE, Rows, SlotLedger, as_index, check_size
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
-__all__ = ["PoolCore", "check_wait_args", "count_of"]
+__all__ = ["PoolCore", "check_wait_args", "count_of", "int_arg"]
 
 # From this many dirty rows on, a bulk reset uses a mask of the FREE rows
 # instead of an index list (measured: about 3x cheaper at 1,024 rows).
@@ -24,14 +24,37 @@ def count_of(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def check_wait_args(priority: object, timeout: object) -> None:
-    """Raise for a ``priority`` that is not an int or a bad ``timeout``."""
+def int_arg(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer of any type
+    ``operator.index`` takes (an ``IntEnum``, a numpy integer, a 0-d integer
+    tensor), bools excepted; None otherwise. For arguments such as
+    ``priority=`` and ``max_waiters=``, converted off the fast paths."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return as_index(value)  # refuses numpy and tensor bools too
+    except TypeError:
+        return None
+
+
+def check_wait_args(priority: object, timeout: object) -> int:
+    """``priority`` as an int (see :func:`int_arg`); raise ``TypeError`` for
+    one that is not an integer (a bool, a float) and ``ValueError`` for a
+    bad ``timeout``."""
     if priority.__class__ is not int:
-        raise TypeError(f"priority must be an int, got {priority!r}")
+        converted = int_arg(priority)
+        if converted is None:
+            raise TypeError(
+                f"priority must be an int (any integer type but bool), got {priority!r:.80} "
+                f"of type {type(priority).__name__}"
+            )
+        priority = converted
     if timeout is not None and (
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
     ):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+    assert isinstance(priority, int)
+    return priority
 
 
 class PoolCore:

@@ -76,7 +76,7 @@ import torch
 
 from .admission import Admission, Need
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore
+from .base import PoolCore, int_arg
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
 from .deferral import Deferrals, check_ordered
@@ -188,7 +188,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         reclaim: str = "auto",
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
-            raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+            converted = int_arg(max_waiters)  # an IntEnum, a numpy int: as an int
+            if converted is None or converted < 0:
+                raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+            max_waiters = converted
         timeout_s = check_fence_timeout(fence_timeout)
         explicit = check_reclaim_mode(reclaim)
         if kv is not None:
@@ -476,7 +479,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
-            _check_wait_args(priority, timeout)
+            priority = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
             led = self._ledger

@@ -14,6 +14,7 @@ rule of ``is_done``; and ``force_release``'s log line.
 from __future__ import annotations
 
 import asyncio
+import enum
 import re
 import types
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, EventFence, bounded, pool_snapshot
+from helpers import WAIT_S, EventFence, bounded, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -31,6 +32,7 @@ from asyncpool import (
     HostStream,
     InvalidSlotError,
     KVPagePool,
+    PoolBusyError,
     ReqToTokenPool,
     ReqToTokenPoolInfo,
 )
@@ -493,3 +495,105 @@ async def test_a_set_of_rows_is_accepted_as_kv_free_accepts_one() -> None:
     pages = kv.alloc(3)
     assert pages is not None
     assert kv.free(set(pages.tolist())) == 3
+
+
+# ------------------------------------------------- 9. priority= and max_waiters=
+
+
+class Prio(enum.IntEnum):
+    NEG = -1
+    HIGH = 0
+    ONE = 1
+    LOW = 5
+
+
+INTEGER_FORMS: dict[str, Callable[[int], Any]] = {
+    "int": int,
+    "IntEnum": Prio,
+    "numpy-int64": np.int64,
+    "numpy-uint8": np.uint8,
+    "torch-0d": torch.tensor,
+}
+
+
+async def _queued(pool: AsyncReqToTokenPool, order: list[str], name: str, call: Any) -> Any:
+    async def run() -> None:
+        got = await call()
+        order.append(name)
+        pool.free([got.row] if hasattr(got, "row") else got)
+
+    task = asyncio.ensure_future(run())
+    await spin()
+    return task
+
+
+@pytest.mark.parametrize("form", INTEGER_FORMS)
+@pytest.mark.parametrize("admit", [False, True], ids=["alloc", "admit"])
+async def test_priority_of_any_integer_type_queues_as_that_int(form: str, admit: bool) -> None:
+    make = INTEGER_FORMS[form]
+    async with AsyncReqToTokenPool(2, 4, kv=KVPagePool(5, 4) if admit else None) as pool:
+
+        def call(p: Any) -> Any:
+            return (lambda: pool.admit(1, priority=p)) if admit else (
+                lambda: pool.alloc(1, priority=p)
+            )
+
+        held = await (pool.admit(1) if admit else pool.alloc(1))
+        order: list[str] = []
+        # One queue per priority value: A and C (same value, given as
+        # different objects) are served FIFO around B of the same value, and
+        # all three after the more urgent U.
+        tasks = []
+        try:
+            for name, p in [("A", make(5)), ("B", 5), ("C", make(5)), ("U", make(0))]:
+                tasks.append(await _queued(pool, order, name, call(p)))
+            assert pool.waiting() == 4
+            pool.free([held.row] if admit else held)
+            async with bounded():
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == ["U", "A", "B", "C"]
+
+
+@pytest.mark.parametrize(
+    "priority",
+    [True, np.bool_(False), torch.tensor(True), 1.0, torch.tensor(1.0), "1", None],
+    ids=repr,
+)
+async def test_priority_that_is_not_an_integer_is_still_refused(priority: Any) -> None:
+    async with AsyncReqToTokenPool(2, 4) as pool:
+        await pool.alloc(1)
+        before = snapshot(pool)
+        with pytest.raises(TypeError, match=r"priority must be an int"):
+            async with bounded():
+                await pool.alloc(1, priority=priority)
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("form", INTEGER_FORMS)
+async def test_max_waiters_of_any_integer_type(form: str) -> None:
+    value = INTEGER_FORMS[form](1)
+    async with AsyncReqToTokenPool(2, 4, max_waiters=value) as pool:
+        held = await pool.alloc(1)
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        try:
+            await spin()
+            with pytest.raises(PoolBusyError, match="max_waiters=1;"):
+                await pool.alloc(1)
+            pool.free(held)
+            async with bounded():
+                pool.free(await waiter)
+        finally:
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+
+
+@pytest.mark.parametrize(
+    "value", [True, np.bool_(True), -1, np.int64(-1), Prio.NEG, 1.0, "2"], ids=repr
+)
+def test_max_waiters_that_is_not_an_int_at_least_0_is_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"max_waiters must be None or an int >= 0"):
+        AsyncReqToTokenPool(2, 4, max_waiters=value)

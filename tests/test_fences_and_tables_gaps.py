@@ -397,10 +397,11 @@ def test_count_of_uses_the_plural_for_zero() -> None:
     assert [count_of(n, "row") for n in (0, 1, 2)] == ["0 rows", "1 row", "2 rows"]
 
 
-@pytest.mark.parametrize("priority", [True, False, np.int64(1), 1.0], ids=str)
+@pytest.mark.parametrize("priority", [True, False, np.bool_(True), 1.0], ids=str)
 def test_check_wait_args_refuses_a_priority_that_is_not_exactly_an_int(priority: object) -> None:
     """A priority must be an int: a bool (an int subclass, but no priority
-    anyone means) is refused like a float or a numpy int."""
+    anyone means) is refused like a float (a numpy int is accepted:
+    tests/test_bad_input_trial.py)."""
     with pytest.raises(TypeError, match="priority must be an int"):
         check_wait_args(priority, None)
     check_wait_args(-3, None)

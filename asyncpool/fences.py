@@ -551,13 +551,16 @@ def is_fence(obj: object) -> bool:
 def is_done(answer: object) -> bool:
     """A fence's ``query()`` answer as a bool; ``TypeError`` if it is not yes or no.
 
-    ``True`` and ``False`` are answers, and so are numpy bools, the ints 0
-    and 1 and one-element arrays and tensors of them. An awaitable (an
-    ``async def query``: a coroutine is truthy), a string (a status word
-    such as ``"PENDING"``) or any other int (a status code) is not: taken
-    for "done", it would free memory a transfer may still write. The pool
-    treats a refused answer as a fault of the fence, as it treats an answer
-    with no truth value: the memory is quarantined, not freed.
+    The answers taken: ``True`` and ``False``, numpy bools, the ints 0 and 1
+    (anything ``operator.index`` takes but a bool: numpy integers, an
+    ``IntEnum``), and an array or tensor of exactly one bool or integer 0
+    or 1. Anything else is refused, truthy or not: an awaitable (an ``async
+    def query``: a coroutine is truthy), a string (a status word such as
+    ``"PENDING"``), any other int (a status code), ``None``, a float, a
+    list, a dict, an array of several answers or of floats. Taken for
+    "done", it would free memory a transfer may still write; taken for "not
+    done", it would hold memory for ever. The pool treats a refused answer
+    as a fault of the fence: the memory is quarantined, not freed.
     """
     if answer is True:
         return True
@@ -571,12 +574,44 @@ def is_done(answer: object) -> bool:
             f"query() answered {answer!r}, not True or False: a fence answers at once "
             "whether it has completed"
         )
-    try:
-        value = operator.index(answer)  # type: ignore[arg-type]
-    except TypeError:
-        return bool(answer)  # numpy bools; no truth value: raises, a fault
+    dtype = getattr(answer, "dtype", None)
+    if dtype is not None:  # a numpy scalar, an array or a tensor
+        value = _one_element(answer, dtype)
+    else:
+        try:
+            value = operator.index(answer)  # type: ignore[arg-type]
+        except Exception:
+            raise TypeError(
+                f"query() answered {answer!r:.80} of type {type(answer).__name__}, not "
+                "True or False"
+            ) from None
+    if value.__class__ is bool:
+        return bool(value)
     if value != 0 and value != 1:
         raise TypeError(
-            f"query() answered {answer!r}, not True or False (a status code?)"
+            f"query() answered {answer!r:.80}, not True or False (a status code?)"
         )
     return value == 1
+
+
+def _one_element(answer: Any, dtype: object) -> int | bool:
+    """The one bool or integer of a numpy scalar, array or tensor answer;
+    ``TypeError`` for any other."""
+    numel = answer.numel() if callable(getattr(answer, "numel", None)) else answer.size
+    kind = getattr(dtype, "kind", None)  # numpy: "b", "i", "u"
+    if kind is None:
+        name = str(dtype)  # torch
+        kind = "b" if name == "torch.bool" else "i" if name.startswith(
+            ("torch.int", "torch.uint")
+        ) else "?"
+    if numel != 1 or kind not in ("b", "i", "u"):
+        raise TypeError(
+            f"query() answered {answer!r:.80}, not True or False: an answer is one bool "
+            f"or integer 0/1, not {numel} elements of {dtype}"
+        )
+    try:
+        value = answer.item()
+    except Exception as exc:  # a meta tensor: nothing to read
+        raise TypeError(f"query() answered {answer!r:.80}, which holds no value") from exc
+    assert isinstance(value, int)
+    return value

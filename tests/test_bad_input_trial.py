@@ -36,6 +36,7 @@ from asyncpool import (
     ReqToTokenPool,
     ReqToTokenPoolInfo,
 )
+from asyncpool.fences import is_done
 
 
 def kv_snapshot(kv: KVPagePool) -> tuple[Any, ...]:
@@ -597,3 +598,112 @@ async def test_max_waiters_of_any_integer_type(form: str) -> None:
 def test_max_waiters_that_is_not_an_int_at_least_0_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match=r"max_waiters must be None or an int >= 0"):
         AsyncReqToTokenPool(2, 4, max_waiters=value)
+
+
+# ------------------------------------------------- 10. query() answers
+
+YES_OR_NO: list[tuple[Any, bool]] = [
+    (True, True),
+    (False, False),
+    (np.True_, True),
+    (np.False_, False),
+    (1, True),
+    (0, False),
+    (np.int64(1), True),
+    (np.uint8(0), False),
+    (Prio.ONE, True),
+    (torch.tensor(True), True),
+    (torch.tensor([0]), False),
+    (torch.tensor(1, dtype=torch.int8), True),
+    (np.array([True]), True),
+    (np.array(0), False),
+]
+NOT_YES_OR_NO: list[Any] = [
+    None,
+    {},
+    {"done": True},
+    [0, 1],
+    [1],
+    (),
+    2.0,
+    1.0,
+    0.0,
+    np.float64(1.0),
+    torch.tensor(2.0),
+    torch.tensor(1.0),
+    torch.tensor([1.0]),
+    np.array([0.0]),
+    torch.tensor([1, 1]),
+    np.array([], dtype=bool),
+    torch.tensor(2),
+    torch.tensor(True, device="meta"),
+]
+
+
+@pytest.mark.parametrize(("answer", "want"), YES_OR_NO, ids=repr)
+def test_is_done_takes_yes_or_no(answer: Any, want: bool) -> None:
+    assert is_done(answer) is want
+
+
+@pytest.mark.parametrize("answer", NOT_YES_OR_NO, ids=repr)
+def test_is_done_refuses_everything_else(answer: Any) -> None:
+    with pytest.raises(TypeError, match=r"not True or False|holds no value"):
+        is_done(answer)
+
+
+class AnswerFence:
+    """A transfer handle whose ``query()`` answers what the test says."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+
+    def query(self) -> Any:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answer", NOT_YES_OR_NO, ids=repr)
+@pytest.mark.parametrize("cls", ROW_POOLS)
+async def test_rows_behind_an_answer_that_is_not_yes_or_no_are_quarantined(
+    cls: Any, answer: Any
+) -> None:
+    # {} and None were "not done" (pending for ever), [0, 1], 2.0 and
+    # tensor(2.0) "done" (freed at once, while the transfer may still write).
+    pool = cls(10, 16)
+    try:
+        rows = await _alloc(pool, 3)
+        assert pool.free(rows[:2], AnswerFence(answer)) == 0
+        assert pool.quarantined_size() == 2
+        assert pool.pending_size() == 0
+        assert pool.allocated_size() == 1 and pool.available_size() == 6
+        assert pool.stats().fence_errors == 1
+        pool.check_invariants()
+    finally:
+        if isinstance(pool, AsyncReqToTokenPool):
+            await pool.close()
+
+
+@pytest.mark.parametrize("answer", [None, [0, 1], 2.0, torch.tensor(2.0)], ids=repr)
+def test_rows_pending_behind_a_fence_that_later_answers_oddly_are_quarantined(
+    answer: Any,
+) -> None:
+    pool = ReqToTokenPool(10, 16)
+    rows = pool.alloc(2)
+    assert rows is not None
+    assert pool.free(rows, AnswerFence(False, answer)) == 0
+    assert pool.pending_size() == 2
+    assert pool.reclaim() == 0
+    assert pool.quarantined_size() == 2 and pool.pending_size() == 0
+    assert pool.available_size() == 7
+    pool.check_invariants()
+
+
+async def _alloc(pool: Any, n: int) -> list[int]:
+    if isinstance(pool, AsyncReqToTokenPool):
+        async with bounded():
+            return await pool.alloc(n)
+    rows = pool.alloc(n)
+    assert rows is not None
+    return list(rows)

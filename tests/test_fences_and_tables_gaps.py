@@ -202,14 +202,14 @@ def test_is_done_closes_a_coroutine_it_refuses() -> None:
         (np.True_, True),
         (torch.tensor(False), False),
         (np.array([False]), False),
-        (np.array([1.0]), True),
-        (np.array([0.0]), False),
+        (np.array([1]), True),
+        (torch.tensor([0]), False),
     ],
-    ids=["np.False_", "np.True_", "tensor False", "array [False]", "array [1.0]", "array [0.0]"],
+    ids=["np.False_", "np.True_", "tensor False", "array [False]", "array [1]", "tensor [0]"],
 )
 def test_is_done_reads_other_yes_or_no_types_by_their_truth(answer: object, want: bool) -> None:
-    """Answers with no ``__index__`` (float arrays) are read by their truth
-    value: a false one is "not done", never "done"."""
+    """Numpy bools and one-element bool or integer arrays and tensors are
+    yes-or-no answers (float arrays are not: tests/test_bad_input_trial.py)."""
     assert is_done(answer) is want
 
 

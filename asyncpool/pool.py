@@ -880,7 +880,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         rows = led.force_release(fence)
         pled = self._pages.ledger if self._pages is not None else None
         pages = pled.force_release(fence) if pled is not None else 0
-        led.forget_use(fence)  # rows (and their pages) freed later skip it too
+        uses = led.forget_use(fence)  # rows (and their pages) freed later skip it too
         if self._overdue is not None:
             self._overdue.forget(fence)
         if self._watcher is not None:
@@ -894,6 +894,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 _count(pages, "page"),
             )
             self._waiters.grant()
+        elif uses:
+            logger.warning(
+                "force_release(%r): this fence holds no row and no page of this pool; "
+                "dropped it from the recorded uses of %s (freed later, they do not "
+                "wait for it)",
+                fence,
+                _count(uses, "allocated row"),
+            )
         else:
             # Say so plainly: the operator may have passed the wrong object.
             logger.warning(

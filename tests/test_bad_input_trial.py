@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import re
 import types
 from collections.abc import Callable
@@ -707,3 +708,30 @@ async def _alloc(pool: Any, n: int) -> list[int]:
     rows = pool.alloc(n)
     assert rows is not None
     return list(rows)
+
+
+# ------------------------------------------------- 11. force_release's log line
+
+
+@pytest.mark.parametrize("with_kv", [False, True], ids=["rows", "kv"])
+async def test_force_release_of_a_fence_only_recorded_as_a_use_says_what_it_dropped(
+    with_kv: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    kv = KVPagePool(17, 4) if with_kv else None
+    async with AsyncReqToTokenPool(9, 16, kv=kv) as pool:
+        rows = [(await pool.admit(1)).row for _ in range(2)] if with_kv else await pool.alloc(2)
+        fence = EventFence()  # never completes
+        pool.record_use(rows, fence)
+        assert pool.force_release(fence) == (0, 0)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1, msgs
+        assert "dropped it from the recorded uses of 2 allocated rows" in msgs[0], msgs
+        assert "nothing changed" not in msgs[0]
+        # What it says happened: freed now, the rows do not wait for it.
+        assert pool.free(rows) == 2
+        # A fence that holds nothing and is no use either: nothing changed.
+        caplog.clear()
+        assert pool.force_release(fence) == (0, 0)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1 and "nothing changed" in msgs[0], msgs

@@ -101,6 +101,7 @@ async def test_a_reclaim_and_a_later_free_count_once() -> None:
         pool.free([b])  # b meets the same fence
         st = pool.stats()
         assert (st.fence_errors, st.quarantined) == (1, 2)
+        await pool.close()  # joins the fence watcher the pending free started
     finally:
         logging.getLogger("asyncpool").setLevel(logging.NOTSET)
 

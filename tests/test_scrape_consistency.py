@@ -139,3 +139,4 @@ async def test_overdue_never_exceeds_pending_in_a_torn_read() -> None:
     assert st.pending == 0  # read after the reclaim (the page counts before the scan)
     assert st.overdue_rows <= st.pending and st.overdue_pages <= st.pages_pending
     pool.check_invariants()
+    await pool.close()  # joins the fence watcher the pending free started

@@ -47,6 +47,8 @@ class ReqToTokenPoolInfo:
     alloced_slots: torch.Tensor
 
 
+_INFO_FIELDS = ("verified_len", "alloced_len", "alloced_slots")
+
 #: The largest ``max_context_len``: ``verified_lens`` and ``alloced_lens``
 #: hold lengths up to it in int32.
 MAX_CONTEXT_LEN = 2**31 - 1
@@ -252,18 +254,24 @@ class TokenTables:
     def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
         """Write a row's lengths and its first ``alloced_len`` token slots.
 
-        Everything is checked before the first write: metadata that is not
-        a :class:`ReqToTokenPoolInfo`, lengths that are not integers in
+        ``info`` is a :class:`ReqToTokenPoolInfo` or any object with its
+        three fields (the seed's dataclass). Everything is checked before the
+        first write: metadata without those fields, lengths that are not integers in
         range, and ``alloced_slots`` that is not a 1-D integer tensor of
         ``alloced_len`` entries on a real device (any integer dtype, unsigned
         ones included; on the host: of slot ids ``>= 0`` that fit
         ``req_to_token``'s dtype) raise
         :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
         """
-        if not isinstance(info, ReqToTokenPoolInfo):
+        if not isinstance(info, ReqToTokenPoolInfo) and not all(
+            hasattr(info, field) for field in _INFO_FIELDS
+        ):
+            # An engine's own ReqToTokenPoolInfo (the seed's dataclass, same
+            # fields) is taken as it is: a drop-in swaps the pool, not that.
             raise InvalidSlotError(
-                f"metadata for row {row} must be a ReqToTokenPoolInfo, got "
-                f"{type(info).__name__}"
+                f"metadata for row {row} must have verified_len, alloced_len and "
+                f"alloced_slots (asyncpool.ReqToTokenPoolInfo or the seed's dataclass), "
+                f"got {type(info).__module__}.{type(info).__qualname__}"
             )
         alloced = _length(info.alloced_len, "alloced_len", row)
         verified = _length(info.verified_len, "verified_len", row)

@@ -18,7 +18,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .base import check_wait_args as _check_wait_args
-from .base import count_of as _count
 from .deferral import Deferrals
 from .errors import PoolBusyError, PoolClosedError
 from .fences import Fence, HostFence, is_done
@@ -310,9 +309,11 @@ class Lifecycle:
             )
         pages = self._pages.ledger.allocated if self._pages is not None else 0
         if pages:
+            what = "1 KV page of the kv pool is" if pages == 1 else (
+                f"{pages} KV pages of the kv pool are"
+            )
             raise PoolBusyError(
-                f"cannot release memory while {_count(pages, 'KV page')} of the kv pool "
-                "are still allocated; free them first"
+                f"cannot release memory while {what} still allocated; free them first"
             )
 
     async def resume_memory(self) -> None:

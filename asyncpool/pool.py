@@ -198,7 +198,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if not isinstance(kv, KVPagePool):
                 raise TypeError(f"kv must be a KVPagePool, got {type(kv).__name__}")
             if kv.ledger._on_pending is not None:
-                raise ValueError(f"{kv!r} already serves a pool; give each pool its own")
+                raise ValueError(
+                    f"{kv!r} already serves a pool (for life, closed or not: its pages "
+                    "may still be held by that pool's rows and fences); give each pool "
+                    "its own"
+                )
             if kv.ledger.explicit and not explicit:
                 raise ValueError(
                     f'{kv!r} is reclaim="explicit" and would never return pages to a '
@@ -280,6 +284,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if kv is not None:
                 ledgers.append(kv.ledger)
             self._overdue = OverdueFences(timeout_s, ledgers)
+        if kv is not None and kv.ledger.pending:
+            # Pages the page pool deferred before it was handed over were
+            # announced to no hook: watch their fences as if freed now, or a
+            # completion would wake no admission.
+            seen: set[int] = set()
+            for fence in kv.ledger.pending_fences():
+                if id(fence) not in seen:
+                    seen.add(id(fence))
+                    self._on_pending(fence)
 
     def __repr__(self) -> str:
         led = self._ledger

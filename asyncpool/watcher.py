@@ -25,7 +25,10 @@ shutdown. Two kinds of thread, both daemons:
   interrupted, so the watcher never calls it: one thread polls every such
   fence's ``query()`` and sleeps between passes with an exponential backoff
   (``_POLL_MIN_S`` = 50 µs, doubling to ``_POLL_MAX_S`` = 1 ms while nothing
-  completes, back to 50 µs after a completion or a new fence). A fence that
+  completes, back to 50 µs after a completion or a new fence). With no
+  fence to poll it exits after ``_STREAM_LINGER_S`` idle seconds, as a
+  stream thread does, so a pool that is drained but never closed does not
+  keep a thread (and, through ``notify``, the pool) alive. A fence that
   completes is therefore noticed within about 1 ms however many slow or
   stuck fences are watched. A pass costs about 0.2-0.5 µs per fence (one
   ``query()``); when it would cost more than ``_POLL_MAX_DUTY`` (5 %) of the
@@ -257,7 +260,12 @@ class FenceWatcher:
                 if sleep and not self._kicked and not self._stopped:
                     cond.wait(sleep)
                 while not polled and not self._stopped:
-                    cond.wait()
+                    if not cond.wait(_STREAM_LINGER_S) and not polled and not self._stopped:
+                        # Idle for a while: end (the thread holds the pool
+                        # through notify); a later watch() starts anew.
+                        if self._thread is threading.current_thread():
+                            self._thread = None
+                        return
                 if self._stopped:
                     return
                 if self._kicked:

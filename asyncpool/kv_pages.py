@@ -387,8 +387,7 @@ class PageLedger(Deferrals[PageArray]):
                     small = pages.tolist()
                 except NotImplementedError:  # meta: _tensor_array refuses it
                     small = None
-                # [] is no answer: an empty tensor's dtype is checked below.
-                if small and self._small_ok(small, expect):
+                if small is not None and self._small_ok(small, expect):
                     return small, True
             try:
                 arr = pages.numpy()  # zero-copy on the CPU
@@ -552,6 +551,8 @@ class PageLedger(Deferrals[PageArray]):
             arr = pages.numpy()  # a float, bool or complex dtype is refused below
         except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
             if pages.dtype is torch.bool or pages.is_floating_point() or pages.is_complex():
+                if pages.dim() == 1 and not pages.numel():
+                    return np.empty(0, dtype=np.int64), True  # no pages
                 raise _dtype_error(pages.dtype) from None
             # A negative view (torch._neg_view) reads negated: resolve it.
             try:
@@ -569,6 +570,10 @@ class PageLedger(Deferrals[PageArray]):
             return arr, owned
         kind = arr.dtype.kind
         if kind != "i" and kind != "u":
+            if arr.ndim == 1 and not arr.size:
+                # No ids whatever the dtype (np.array([]) is float64), as
+                # for the rows: no pages.
+                return np.empty(0, dtype=np.int64), True
             raise _dtype_error(arr.dtype)
         if arr.ndim != 1:
             if arr.ndim:

@@ -788,13 +788,6 @@ def as_row_ids(rows: object) -> Sequence[int]:
                 f"rows must be a tensor with data (strided, on a real device), got "
                 f"{rows!r:.80}"
             ) from None
-        if not values and not _integer_dtype(getattr(rows, "dtype", None)):
-            # Elements are checked one by one below: an empty float or bool
-            # tensor (torch.tensor([]) is float32) has none to refuse.
-            raise InvalidSlotError(
-                f"row ids must be integers, got an empty {type(rows).__name__} of dtype "
-                f"{getattr(rows, 'dtype', None)}"
-            )
         return [_row_id(row) for row in values]
     if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
         # A mapping iterates its keys: free({3: "x"}) would free row 3.
@@ -805,16 +798,6 @@ def as_row_ids(rows: object) -> Sequence[int]:
             f"{type(rows).__name__}"
         )
     return [_row_id(row) for row in rows]
-
-
-def _integer_dtype(dtype: object) -> bool:
-    """True for an integer dtype of numpy (kind ``i``/``u``) or torch
-    (``torch.int*``/``torch.uint*``); False for floats, bools, complex and
-    anything else."""
-    kind = getattr(dtype, "kind", None)
-    if kind is not None:  # numpy
-        return bool(kind == "i" or kind == "u")
-    return str(dtype).startswith(("torch.int", "torch.uint"))
 
 
 def index_or_error(value: object, rule: str) -> int:

@@ -271,7 +271,7 @@ class TokenTables:
             raise InvalidSlotError(
                 f"metadata for row {row} must have verified_len, alloced_len and "
                 f"alloced_slots (asyncpool.ReqToTokenPoolInfo or the seed's dataclass), "
-                f"got {type(info).__module__}.{type(info).__qualname__}"
+                f"got {type(info).__name__} ({type(info).__module__}.{type(info).__qualname__})"
             )
         alloced = _length(info.alloced_len, "alloced_len", row)
         verified = _length(info.verified_len, "verified_len", row)

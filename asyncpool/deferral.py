@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -194,10 +195,11 @@ class Deferrals(Generic[T]):
         self.reclaimed = 0
         self.fence_errors = 0
         self.last_fence_error: BaseException | None = None
-        # The faulted fences counted so far (the newest _FAULTS_REMEMBERED,
-        # by id, kept alive so that an id is not reused), and their errors.
-        self._faulted: collections.OrderedDict[int, Fence] = collections.OrderedDict()
-        self._faulted_errors: dict[int, BaseException] = {}
+        # The faulted fences counted so far, the newest _FAULTS_REMEMBERED,
+        # by id: a weak reference where the fence takes one (a transfer
+        # handle may own a large buffer), else the fence itself (so that its
+        # id is not reused while it is remembered).
+        self._faulted: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
         # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
         # the newest retired seq per stream, and the deferral ids of batches
@@ -517,15 +519,18 @@ class Deferrals(Generic[T]):
         however many calls meet it (one faulted step fence holds a whole
         batch, freed request by request); ids quarantined behind a fence
         already reported are logged as a warning. The last
-        ``_FAULTS_REMEMBERED`` faulted fences are remembered (strongly, so
-        an id is not reused). ``on_fault`` runs every time: the owner sheds
-        the waiters that can no longer fit, which more quarantine may add.
+        ``_FAULTS_REMEMBERED`` faulted fences are remembered, weakly where
+        the fence allows it: a transfer handle may own a large buffer, which
+        the pool must not keep alive. ``on_fault``
+        runs every time: the owner sheds the waiters that can no longer
+        fit, which more quarantine may add.
         """
         key = id(fence)
         faulted = self._faulted
-        if faulted.get(key) is fence:
+        entry = faulted.get(key)
+        if entry is not None and (entry() if entry.__class__ is weakref.ref else entry) is fence:
             faulted.move_to_end(key)
-            err = self._faulted_errors[key]
+            err: BaseException = FenceError(f"fence {fence!r} faulted before: {exc!r}")
             logger.warning(
                 "fence %r, which faulted before, quarantined %s %s more",
                 fence, self.unit, _describe(items, n),
@@ -535,11 +540,12 @@ class Deferrals(Generic[T]):
             if not isinstance(exc, FenceError):
                 err = FenceError(f"fence {fence!r} raised {exc!r}")
                 err.__cause__ = exc
-            faulted[key] = fence
-            self._faulted_errors[key] = err
+            try:
+                faulted[key] = weakref.ref(fence)
+            except TypeError:  # no weak references (__slots__ without one)
+                faulted[key] = fence
             if len(faulted) > _FAULTS_REMEMBERED:
-                old, _ = faulted.popitem(last=False)
-                del self._faulted_errors[old]
+                faulted.popitem(last=False)
             self.fence_errors += 1
             self.last_fence_error = err
             logger.error(

@@ -541,19 +541,25 @@ class SlotLedger(Deferrals[int]):
             if state[row] == _CHECKING:
                 uses[row] = orig
             self._unmark([r for r in seq if state[r] == _CHECKING])
+            try:
+                if deferred:
+                    now = self._clock()
+                    for head, rest, batch_rows in deferred.values():
+                        self._defer(head, batch_rows, len(batch_rows), now, rest)
+            finally:
+                if faults:
+                    self._report_faults(faults)
+            raise
+        try:
             if deferred:
                 now = self._clock()
                 for head, rest, batch_rows in deferred.values():
                     self._defer(head, batch_rows, len(batch_rows), now, rest)
+        finally:
+            # Reported even if a deferral's hook raised: the rows are
+            # quarantined already, and the owner must shed its waiters.
             if faults:
                 self._report_faults(faults)
-            raise
-        if deferred:
-            now = self._clock()
-            for head, rest, batch_rows in deferred.values():
-                self._defer(head, batch_rows, len(batch_rows), now, rest)
-        if faults:
-            self._report_faults(faults)
         return immediate
 
     def _fault_row(
@@ -738,8 +744,10 @@ def as_index(value: object) -> int:
         if item is not None:
             try:
                 value = item()  # numpy scalar, 0-d array or tensor -> Python scalar
-            except Exception as exc:  # a meta tensor: no data to read
-                raise TypeError(f"cannot read an integer from {value!r:.80}: {exc}") from exc
+            except Exception as exc:
+                if getattr(value, "is_meta", False):  # no data to read: bad input
+                    raise TypeError(f"cannot read an integer from {value!r:.80}: {exc}") from exc
+                raise  # a device error (a CUDA fault) is not bad input: as it is
     if isinstance(value, bool):
         raise TypeError("a bool is not a row id")
     try:

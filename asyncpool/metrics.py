@@ -131,7 +131,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("rows_reclaimed", "counter", "",
            "Rows returned to circulation by completed fences.", lambda s: s.reclaimed),
     Family("alloc_timeouts", "counter", "",
-           "alloc() and admit() calls that timed out while queued.", lambda s: s.timeouts),
+           "alloc() and admit() calls that raised TimeoutError (their own "
+           "timeout= fired while queued).", lambda s: s.timeouts),
     Family("alloc_cancellations", "counter", "",
            "alloc() and admit() calls cancelled while queued (or granted, before resuming).",
            lambda s: s.cancellations),

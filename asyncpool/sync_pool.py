@@ -200,7 +200,8 @@ class ReqToTokenPool(PoolCore):
                 "force_release(%r): no row was pending behind this fence (never given to "
                 "this pool, already completed and reclaimed, or released before)%s",
                 fence,
-                f"; {forgot} allocated rows forget their use of it" if forgot else "",
+                "" if not forgot else "; 1 allocated row forgets its use of it"
+                if forgot == 1 else f"; {forgot} allocated rows forget their use of it",
             )
         return rows
 

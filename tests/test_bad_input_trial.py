@@ -714,3 +714,26 @@ async def test_force_release_of_a_fence_only_recorded_as_a_use_says_what_it_drop
         assert pool.force_release(fence) == (0, 0)
         msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(msgs) == 1 and "nothing changed" in msgs[0], msgs
+
+
+class FaultedDeviceScalar:
+    """A 0-d tensor on a device after a sticky fault: ``item()`` raises the
+    device's error. That is not bad input: it must reach the engine as it
+    is (an engine that recovers from a CUDA fault catches RuntimeError)."""
+
+    ndim = 0
+    is_meta = False
+
+    def item(self) -> int:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_a_device_error_reading_a_row_id_is_not_turned_into_bad_input() -> None:
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        await pool.admit(pages=2)
+        before = snapshot(pool)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            pool.free(FaultedDeviceScalar())
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            pool.free([1, FaultedDeviceScalar()])
+        assert snapshot(pool) == before

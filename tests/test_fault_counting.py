@@ -15,7 +15,9 @@ first row.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import weakref
 
 import pytest
 from helpers import EventFence, bounded, spin
@@ -26,6 +28,7 @@ from asyncpool import (
     KVPagePool,
     ReqToTokenPool,
 )
+from asyncpool.ledger import SlotLedger
 
 DEFERRAL = "asyncpool.deferral"
 
@@ -163,3 +166,50 @@ async def test_quarantine_from_a_repeat_meeting_still_sheds_waiters() -> None:
         pool.check_invariants()
     finally:
         logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+
+
+async def test_remembered_faults_keep_no_fence_alive() -> None:
+    # A transfer handle may own its staging buffer: remembering that it
+    # faulted (to count it once) must not keep it, or its error's frames.
+    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
+    try:
+        pool = AsyncReqToTokenPool(9, 8, kv=KVPagePool(17, 4))
+        refs = []
+        for _ in range(4):
+            grant = await pool.admit(pages=2)
+            bad = faulted()
+            refs.append(weakref.ref(bad))
+            pool.free([grant.row], fence=bad)
+            del bad
+        gc.collect()
+        # The newest stays reachable through stats' last_fence_error (its
+        # traceback, kept for debugging, holds the query() frame): one fence.
+        assert [r() for r in refs[:-1]] == [None] * 3
+        st = pool.stats()
+        assert (st.fence_errors, st.page_fence_errors, st.quarantined) == (4, 4, 4)
+    finally:
+        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+
+
+def test_a_fault_is_reported_even_when_a_deferral_hook_raises() -> None:
+    # free() reports a call's faults after deferring its pending rows; a
+    # hook raising there must not swallow the report (the owner sheds its
+    # waiters on it).
+    faults: list[object] = []
+
+    def on_pending(fence: object) -> None:
+        raise RuntimeError("hook failed")
+
+    led = SlotLedger(5, on_pending=on_pending, on_fault=lambda f, e: faults.append(f))
+    rows = led.take(2)
+    assert rows is not None
+    bad, open_ = faulted(), EventFence()
+    led.record_use([rows[0]], bad)
+    led.record_use([rows[1]], open_)
+    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
+    try:
+        with pytest.raises(RuntimeError, match="hook failed"):
+            led.free(rows)
+    finally:
+        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+    assert faults == [bad] and led.fence_errors == 1 and led.quarantined == 1

@@ -207,7 +207,7 @@ def test_is_done_closes_a_coroutine_it_refuses() -> None:
     ],
     ids=["np.False_", "np.True_", "tensor False", "array [False]", "array [1]", "tensor [0]"],
 )
-def test_is_done_reads_other_yes_or_no_types_by_their_truth(answer: object, want: bool) -> None:
+def test_is_done_reads_other_yes_or_no_types(answer: object, want: bool) -> None:
     """Numpy bools and one-element bool or integer arrays and tensors are
     yes-or-no answers (float arrays are not: tests/test_bad_input_trial.py)."""
     assert is_done(answer) is want
@@ -398,7 +398,7 @@ def test_count_of_uses_the_plural_for_zero() -> None:
 
 
 @pytest.mark.parametrize("priority", [True, False, np.bool_(True), 1.0], ids=str)
-def test_check_wait_args_refuses_a_priority_that_is_not_exactly_an_int(priority: object) -> None:
+def test_check_wait_args_refuses_a_priority_that_is_not_an_integer(priority: object) -> None:
     """A priority must be an int: a bool (an int subclass, but no priority
     anyone means) is refused like a float (a numpy int is accepted:
     tests/test_bad_input_trial.py)."""

@@ -140,3 +140,27 @@ async def test_overdue_never_exceeds_pending_in_a_torn_read() -> None:
     assert st.overdue_rows <= st.pending and st.overdue_pages <= st.pages_pending
     pool.check_invariants()
     await pool.close()  # joins the fence watcher the pending free started
+
+
+async def test_overdue_fences_read_zero_when_all_they_held_completed() -> None:
+    pool = AsyncReqToTokenPool(4, 8, fence_timeout=1e-9)  # rows only
+    (row,) = await pool.alloc(1)
+    fence = EventFence()
+    pool.free([row], fence=fence)
+    overdue = pool._overdue
+    assert overdue is not None
+    counts = overdue.counts
+
+    def fence_completes_after_the_scan(**kwargs: Any) -> Any:
+        result = counts(**kwargs)
+        fence.set()
+        pool.reclaim()
+        return result
+
+    overdue.counts = fence_completes_after_the_scan  # type: ignore[method-assign]
+    try:
+        st = pool.stats()
+    finally:
+        del overdue.counts
+    assert (st.pending, st.overdue_rows, st.overdue_fences) == (0, 0, 0)
+    await pool.close()

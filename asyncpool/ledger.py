@@ -541,26 +541,27 @@ class SlotLedger(Deferrals[int]):
             if state[row] == _CHECKING:
                 uses[row] = orig
             self._unmark([r for r in seq if state[r] == _CHECKING])
-            try:
-                if deferred:
-                    now = self._clock()
-                    for head, rest, batch_rows in deferred.values():
-                        self._defer(head, batch_rows, len(batch_rows), now, rest)
-            finally:
-                if faults:
-                    self._report_faults(faults)
+            self._conclude_free(deferred, faults)
             raise
+        self._conclude_free(deferred, faults)
+        return immediate
+
+    def _conclude_free(
+        self,
+        deferred: dict[Any, tuple[Fence, tuple[Fence, ...], list[int]]] | None,
+        faults: dict[int, tuple[Fence, BaseException, list[int]]] | None,
+    ) -> None:
+        """Defer the rows a free call left pending, then report its faults:
+        even if a deferral's hook raised, since those rows are quarantined
+        already and the owner must shed the waiters that no longer fit."""
         try:
             if deferred:
                 now = self._clock()
                 for head, rest, batch_rows in deferred.values():
                     self._defer(head, batch_rows, len(batch_rows), now, rest)
         finally:
-            # Reported even if a deferral's hook raised: the rows are
-            # quarantined already, and the owner must shed its waiters.
             if faults:
                 self._report_faults(faults)
-        return immediate
 
     def _fault_row(
         self,

@@ -116,22 +116,30 @@ async def test_admits_equal_the_histogram_count_in_a_torn_read() -> None:
     assert after.admits == after.admit_wait_histogram.count == 2
 
 
+def completes_after_the_overdue_scan(pool: AsyncReqToTokenPool, fence: EventFence) -> Any:
+    """Make ``pool.stats()`` see ``fence`` complete and be reclaimed between
+    its overdue scan and its pending counts (the loop thread's work while a
+    scrape reads); returns the patched scanner, to ``del`` afterwards."""
+    overdue = pool._overdue
+    assert overdue is not None
+    counts = overdue.counts
+
+    def scan_then_complete(**kwargs: Any) -> Any:
+        result = counts(**kwargs)
+        fence.set()
+        pool.reclaim()
+        return result
+
+    overdue.counts = scan_then_complete  # type: ignore[method-assign]
+    return overdue
+
+
 async def test_overdue_never_exceeds_pending_in_a_torn_read() -> None:
     pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4), fence_timeout=1e-9)
     grant = await pool.admit(pages=2)
     fence = EventFence()
     pool.free([grant.row], fence=fence)
-    overdue = pool._overdue
-    assert overdue is not None
-    counts = overdue.counts
-
-    def fence_completes_after_the_scan(**kwargs: Any) -> Any:
-        result = counts(**kwargs)
-        fence.set()  # the loop thread reclaims between the scan and the counts
-        pool.reclaim()
-        return result
-
-    overdue.counts = fence_completes_after_the_scan  # type: ignore[method-assign]
+    overdue = completes_after_the_overdue_scan(pool, fence)
     try:
         st = pool.stats()
     finally:
@@ -147,17 +155,7 @@ async def test_overdue_fences_read_zero_when_all_they_held_completed() -> None:
     (row,) = await pool.alloc(1)
     fence = EventFence()
     pool.free([row], fence=fence)
-    overdue = pool._overdue
-    assert overdue is not None
-    counts = overdue.counts
-
-    def fence_completes_after_the_scan(**kwargs: Any) -> Any:
-        result = counts(**kwargs)
-        fence.set()
-        pool.reclaim()
-        return result
-
-    overdue.counts = fence_completes_after_the_scan  # type: ignore[method-assign]
+    overdue = completes_after_the_overdue_scan(pool, fence)
     try:
         st = pool.stats()
     finally:

@@ -2,9 +2,11 @@
 
 A prefill engine elsewhere computed the prompt's KV; the decode engine (this
 demo) admits the request with its pages and the KV lands in them later. A
-transfer takes about ``transfer_ms``: half a fixed latency, half in
-proportion to its KV (so a short prompt's transfer can overtake a long one
-started earlier, as transfers from several prefill peers do). When it is
+transfer takes about ``transfer_ms``: a quarter of it a fixed latency, the
+rest in proportion to its KV (``transfer_ms / 4`` plus ``3/4 * transfer_ms``
+times its prompt's length over the workload's mean; so a short prompt's
+transfer can overtake a long one started earlier, as transfers from several
+prefill peers do). When it is
 due, its write runs on the transfer stream (a second :class:`HostStream`, a
 second ``torch.cuda.Stream`` with ``--device cuda``): ``kv[slot] = value``
 for every prompt token, straight into the pages, as an RDMA write does.

@@ -162,6 +162,10 @@ class Forward:
         self._max_col = 0
         self._ncols = 0
         self.busy_s = 0.0  # worker time spent in steps (CPU only)
+        # Set when the run is given up (--timeout): the steps still queued or
+        # running skip the rest of their matmuls, so closing the stream does
+        # not wait out steps nobody will read.
+        self._abandoned = threading.Event()
 
     # -- setup ---------------------------------------------------------------
 
@@ -293,10 +297,15 @@ class Forward:
         else:
             step.out_lens, step.out_row, step.out_kv = out_lens, out_row, out_kv
 
+    def abandon(self) -> None:
+        """The run is over unfinished: cut short the compute of every step
+        queued or running (their table writes still run, in order)."""
+        self._abandoned.set()
+
     def _compute(self, seconds: float) -> None:
         rows = round(seconds / self._s_per_row) if self._s_per_row else 0
         cap = self._x.shape[0]
-        while rows > 0:
+        while rows > 0 and not self._abandoned.is_set():
             m = min(rows, cap)
             torch.mm(self._x[:m], self._w, out=self._y[:m])
             rows -= m

@@ -84,6 +84,11 @@ async def run_demo(
                     await asyncio.wait_for(sched.run(), cfg.timeout_s)
                 else:
                     await sched.run()
+            except BaseException:
+                # Given up (--timeout, Ctrl-C): no step still queued or
+                # running needs its compute, only its writes.
+                forward.abandon()
+                raise
             finally:
                 # Nothing may stay in flight: land every transfer, then drain.
                 transfers.flush()

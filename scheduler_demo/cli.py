@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
+import time
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .config import DemoConfig
 from .report import Report
 from .runner import run_demo
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "check_args", "main"]
 
 T = TypeVar("T")
 
@@ -86,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.prompt_len,
         metavar="DIST",
         help="prompt length distribution: const:N, uniform:LO:HI, exp:MEAN or "
-        "lognormal:MEDIAN:SIGMA (default %(default)s)",
+        "lognormal:MEDIAN:SIGMA, finite numbers; draws are capped at 10^9 and "
+        "then at --max-context-len (default %(default)s)",
     )
     w.add_argument(
         "--output-len",
@@ -113,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--unsafe",
         action="store_true",
-        help="free rows immediately, as the seed pool does: no fences, no "
-        "recorded uses (shows the corruption)",
+        help="free rows and KV pages immediately, as the seed pool does: no "
+        "fences, no recorded uses, and an aborted request's pages are freed "
+        "without waiting for its KV transfer to land (shows the corruption)",
     )
     e.add_argument(
         "--device",
@@ -163,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=_D.transfer_ms,
         help="mean time for a prompt's KV to arrive by transfer: a quarter fixed "
-        "latency, the rest in proportion to its length; several forward steps "
-        "(default %(default)s)",
+        "latency, the rest in proportion to its length; several forward steps; "
+        "at most 60000 (default %(default)s)",
     )
     e.add_argument(
         "--admit-watermark",
@@ -204,14 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--forward-ms",
         type=float,
         default=_D.forward_ms,
-        help="forward step latency: fixed part, ms (default %(default)s)",
+        help="forward step latency: fixed part, ms; at most 60000 (default %(default)s)",
     )
     t.add_argument(
         "--forward-us-per-token",
         type=float,
         default=_D.forward_us_per_token,
         help="forward step latency per batch token, us; the step's matmul is "
-        "sized to forward-ms + this * tokens (default %(default)s)",
+        "sized to forward-ms + this * tokens; at most 10000 (default %(default)s)",
     )
     t.add_argument(
         "--sched-ms",
@@ -219,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.sched_ms,
         help="busy CPU work the scheduler does per step on top of its real "
         "bookkeeping, ms; about the forward's time shows overlap's "
-        "pipelining (default %(default)s)",
+        "pipelining; at most 60000: it busy-waits on the event loop, where not "
+        "even --timeout can interrupt it (default %(default)s)",
     )
     t.add_argument(
         "--gate",
@@ -227,14 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the worst legal lag, deterministic (CPU only): hold each step's "
         "table writes until the scheduler finished its next iteration, and "
         "an aborted request's transfer until a new owner of its pages has "
-        "written and verified a slot it writes",
+        "written and verified a slot it writes (with --mode sync only the "
+        "transfer half applies: no step is in flight to hold)",
     )
     t.add_argument(
         "--timeout",
         type=float,
         default=None,
         metavar="S",
-        help="give up after S seconds (default: none)",
+        help="give up after S seconds; a forward step already running is let "
+        "finish first (at most one matmul chunk of it) (default: none)",
     )
 
     o = p.add_argument_group("output")
@@ -242,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--plot",
         metavar="PATH.png",
-        help="write a PNG: rows and KV pages allocated/pending/free over time "
+        help="write a PNG (PATH must end in .png; refused with --tp): rows and "
+        "KV pages allocated/pending/free over time "
         "with the aborts marked, what is held behind fences, and the admission "
         "wait-time distribution",
     )
@@ -288,6 +298,114 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
 
 
+#: DemoConfig field -> the flag that sets it, for the messages of
+#: :meth:`DemoConfig.validate` (which name the fields).
+FLAGS = {
+    "num_requests": "-n/--num-requests",
+    "rate": "--rate",
+    "prompt_len": "--prompt-len",
+    "output_len": "--output-len",
+    "abort_rate": "--abort-rate",
+    "seed": "--seed",
+    "rows": "--rows",
+    "max_context_len": "--max-context-len",
+    "kv_pages": "--kv-pages",
+    "page_size": "--page-size",
+    "admission": "--admission",
+    "transfer_ms": "--transfer-ms",
+    "admit_watermark": "--admit-watermark",
+    "max_prefill_tokens": "--max-prefill-tokens",
+    "mode": "--mode",
+    "unsafe": "--unsafe",
+    "device": "--device",
+    "forward_ms": "--forward-ms",
+    "forward_us_per_token": "--forward-us-per-token",
+    "sched_ms": "--sched-ms",
+    "gate": "--gate",
+    "timeout_s": "--timeout",
+}
+_FIELD = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
+
+
+def flag_message(message: str) -> str:
+    """``message`` with the config's field names written as their flags; quoted
+    text (the user's own values) is left as it is."""
+    parts = re.split(r"('[^']*')", message)
+    return "".join(
+        part if i % 2 else _FIELD.sub(lambda m: FLAGS[m.group(1)], part)
+        for i, part in enumerate(parts)
+    )
+
+
+def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
+    """Refuse (exit 2) an output path that cannot be written, before the run
+    rather than after it: its folder must exist, and it must not be a folder."""
+    target = Path(path)
+    if target.is_dir() or path.endswith(("/", os.sep)):
+        parser.error(f"{flag} {path}: is a directory, not a file")
+    parent = target.parent
+    if not parent.is_dir():
+        parser.error(f"{flag} {path}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        parser.error(f"{flag} {path}: not writable")
+
+
+TP_NEEDS = "--tp needs --admission atomic and no --gate"
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """What ``parser.error`` prints (the usage line, then the message), as a
+    status to return rather than a SystemExit to raise."""
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoConfig:
+    """Every check that needs no run: the config (named by flag), the
+    combinations the demo refuses, the output paths. Exits 2 on the first
+    failure, with the usage line."""
+    cfg = config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.error(flag_message(str(exc)))
+    if args.tp and not 1 <= args.tp <= MAX_TP:
+        parser.error(f"--tp must be in 1..{MAX_TP} (one process per rank), got {args.tp}")
+    if args.tp:
+        if cfg.admission != "atomic" or cfg.gate:
+            parser.error(TP_NEEDS)
+        if args.plot:
+            parser.error("--plot is not drawn with --tp (use --json)")
+    elif args.tp_reclaim is not None:
+        parser.error("--tp-reclaim is for --tp N runs (the plain demo has one scheduler)")
+    if args.json:
+        check_output_path(parser, "--json", args.json)
+    if args.plot:
+        if Path(args.plot).suffix.lower() != ".png":
+            parser.error(f"--plot {args.plot}: the plot is a PNG; name it PATH.png "
+                         f"(got {Path(args.plot).suffix or 'no extension'!r})")
+        check_output_path(parser, "--plot", args.plot)
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available here")
+    return cfg
+
+
+def timeout_message(cfg: DemoConfig, took_s: float) -> str:
+    """What a run cut short by --timeout says, with the time it really took:
+    the setup before the clock starts, and the steps and transfers in flight
+    that close joins, come on top."""
+    return (
+        f"scheduler_demo: gave up after --timeout {cfg.timeout_s} s "
+        f"({took_s:.1f} s in all, with the setup and the steps in flight let finish)"
+    )
+
+
 def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
@@ -308,26 +426,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    cfg = config_from_args(args)
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        parser.error(str(exc))
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is available here")
-    if args.tp and not 1 <= args.tp <= MAX_TP:
-        parser.error(f"--tp must be in 1..{MAX_TP} (one process per rank), got {args.tp}")
+    if args.tp and (args.admission != "atomic" or args.gate):
+        # Returned, not raised: main() has returned 2 here since --tp came.
+        return usage_error(parser, TP_NEEDS)
+    cfg = check_args(parser, args)
     if args.tp:
         return _main_tp(args, cfg)
-    if args.tp_reclaim is not None:
-        parser.error("--tp-reclaim is for --tp N runs (the plain demo has one scheduler)")
+    t0 = time.monotonic()
     try:
         report: Report = _run(run_demo(cfg))
     except TimeoutError:
-        print(f"scheduler_demo: gave up after --timeout {cfg.timeout_s} s", file=sys.stderr)
+        print(timeout_message(cfg, time.monotonic() - t0), file=sys.stderr)
         return 1
     print(report.table())
     if args.json:
@@ -343,12 +452,9 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
     """``--tp N``: rank 0 prints its report; then the agreement figures."""
     import json
 
-    from .tp import TPMismatchError, format_summary, run_tp
-
-    if cfg.admission != "atomic" or cfg.gate:
-        print("scheduler_demo: --tp needs --admission atomic and no --gate", file=sys.stderr)
-        return 2
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+    from .tp import TPMismatchError, format_summary, run_tp
 
     try:
         res = run_tp(cfg, args.tp, args.tp_reclaim or "explicit")
@@ -369,8 +475,6 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**report, "tp": {k: v for k, v in res.items() if k != "ranks"}}, f,
                       indent=1, default=str)
-    if args.plot:
-        print("scheduler_demo: --plot is not drawn with --tp", file=sys.stderr)
     # Every rank's corruptions count, not rank 0's only; --unsafe exits 1 as
     # without --tp.
     clean = all(

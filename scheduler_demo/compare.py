@@ -6,11 +6,14 @@ with atomic admission, fenced ``sync``, ``overlap --unsafe`` and fenced
 neighbour hits every mode alike), and prints each run, the best and median
 tokens/s and row utilization per mode, the overlap/sync, fenced/unsafe and
 atomic/row-first ratios, and the corruptions of every unsafe run. Every
-other flag is passed to the demo (``--sched-ms``, ``-n``, ...).
+other flag is passed to the demo (``--sched-ms``, ``-n``, ...), except those
+it sets itself or has no use for, which it refuses (exit 2): ``--mode``,
+``--unsafe``, ``--admission``, ``--json`` (use ``--out``), ``--plot``,
+``--tp`` and ``--tp-reclaim``.
 
 Exit status: 0 when every fenced run served every request with 0
 corruptions of either kind and every unsafe run found KV corruption; 1
-otherwise.
+otherwise (a run given up at --timeout included); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .cli import _run, build_parser, config_from_args
+from .cli import _run, build_parser, check_args, check_output_path, timeout_message
 from .report import Report
 from .runner import run_demo
 
@@ -39,27 +43,69 @@ VARIANTS: list[tuple[str, str, bool, str]] = [
 ]
 
 
+#: Demo flags compare sets itself (the variants) or has no use for: refused.
+REFUSED = {
+    "mode": "--mode",
+    "unsafe": "--unsafe",
+    "admission": "--admission",
+    "json": "--json",
+    "plot": "--plot",
+    "tp": "--tp",
+    "tp_reclaim": "--tp-reclaim",
+}
+_PLAIN = {"mode": "overlap", "unsafe": False, "admission": "atomic", "json": None,
+          "plot": None, "tp": 0, "tp_reclaim": None}
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    """The demo's parser, named compare, with --rounds and --out, and the
+    flags of :data:`REFUSED` hidden (given, they are refused)."""
+    parser = build_parser()
+    parser.prog = "python -m scheduler_demo.compare"
+    parser.description = __doc__
+    parser.epilog = None
+    for action in parser._actions:
+        if action.dest in REFUSED:
+            action.default = argparse.SUPPRESS
+            action.help = argparse.SUPPRESS
+    g = parser.add_argument_group("compare")
+    g.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the four runs, at least 1 (default %(default)s)")
+    g.add_argument("--out", metavar="PATH", help="write every run's report as JSON")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    outer = argparse.ArgumentParser(
-        prog="python -m scheduler_demo.compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=True,
-    )
-    outer.add_argument("--rounds", type=int, default=3, help="rounds of the four runs")
-    outer.add_argument("--out", metavar="PATH", help="write every run's report as JSON")
-    ours, rest = outer.parse_known_args(argv)
-    args = build_parser().parse_args(rest)
-    base = config_from_args(args)
-    base = replace(base, progress=False)
+    parser = build_compare_parser()
+    args = parser.parse_args(argv)
+    given = [flag for dest, flag in REFUSED.items() if hasattr(args, dest)]
+    if given:
+        parser.error(
+            f"{', '.join(given)}: not for compare, which runs overlap, sync, --unsafe "
+            "and --admission row-first itself (--out writes the JSON)"
+        )
+    for dest, value in _PLAIN.items():
+        setattr(args, dest, value)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.out:
+        check_output_path(parser, "--out", args.out)
+    base = replace(check_args(parser, args), progress=False)
     runs: dict[str, list[Report]] = {v[0]: [] for v in VARIANTS}
     k = len(VARIANTS)
-    for rnd in range(ours.rounds):
+    print("(deferred frees and corruptions: rows/pages)")
+    for rnd in range(args.rounds):
         # Rotate the order each round, so no mode always runs first or last.
         for name, mode, unsafe, admission in VARIANTS[rnd % k :] + VARIANTS[: rnd % k]:
             load = _loadavg()
             cfg = replace(base, mode=mode, unsafe=unsafe, admission=admission)
-            report = _run(run_demo(cfg))
+            t0 = time.monotonic()
+            try:
+                report = _run(run_demo(cfg))
+            except TimeoutError:
+                print(f"round {rnd + 1} {name}: "
+                      f"{timeout_message(cfg, time.monotonic() - t0)}", file=sys.stderr)
+                return 1
             runs[name].append(report)
             print(
                 f"round {rnd + 1} {name:<9} {report.tokens_per_s:8,.0f} tok/s "
@@ -73,7 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     summary = _summary(runs)
     print()
-    print("(deferred frees and corruptions: rows/pages)")
     for name, *_ in VARIANTS:
         s = summary[name]
         print(
@@ -99,12 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv = [x.kv_corruptions for x in runs["unsafe"]]
     print(f"unsafe row corruptions per run: {corr}")
     print(f"unsafe KV corruptions per run:  {kv} ({sum(c > 0 for c in kv)}/{len(kv)} runs > 0)")
-    if ours.out:
+    if args.out:
         payload: dict[str, Any] = {
             "summary": summary,
             "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
         }
-        with open(ours.out, "w") as fh:
+        with open(args.out, "w") as fh:
             json.dump(payload, fh, indent=2)
     safe_ok = all(x.ok for name in ("overlap", "sync", "row-first") for x in runs[name])
     unsafe_caught = all(c > 0 for c in kv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,6 +15,14 @@ MAX_REQUESTS = 10_000_000
 MODES = ("overlap", "sync")
 DEVICES = ("cpu", "cuda")
 ADMISSIONS = ("atomic", "row-first")
+#: The most a step's fixed time, the scheduler's busy time per step and a
+#: transfer's mean time may be, in ms: a minute. More can only hang the run
+#: (``sched_ms`` busy-waits on the event loop's thread, where not even a
+#: timeout can interrupt it).
+MAX_MS = 60_000.0
+#: The most ``forward_us_per_token`` may be: 10 ms a token (a 512-token
+#: prefill step then takes 5 s).
+MAX_US_PER_TOKEN = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,23 @@ class DemoConfig:
             raise ValueError("abort_rate must be in [0, 1]")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
+        # NaN passes every comparison above and below as False, and inf
+        # hangs or overflows later: every float must be finite first.
+        for name in (
+            "rate", "abort_rate", "admit_watermark", "transfer_ms",
+            "forward_ms", "forward_us_per_token", "sched_ms", "timeout_s",
+        ):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         for name in ("forward_ms", "forward_us_per_token", "sched_ms", "rate", "transfer_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("forward_ms", "sched_ms", "transfer_ms"):
+            if getattr(self, name) > MAX_MS:
+                raise ValueError(f"{name} must be <= {MAX_MS:g} (a minute)")
+        if self.forward_us_per_token > MAX_US_PER_TOKEN:
+            raise ValueError(f"forward_us_per_token must be <= {MAX_US_PER_TOKEN:g}")
         if self.gate and self.device != "cpu":
             raise ValueError("gate needs device='cpu' (it blocks the HostStream's worker)")
         if self.timeout_s is not None and self.timeout_s <= 0:
@@ -128,7 +151,11 @@ class DemoConfig:
             )
         if self.num_requests > MAX_REQUESTS:
             raise ValueError(f"num_requests must be <= {MAX_REQUESTS:,}")
-        self.workload()  # parses the length distributions
+        for name in ("prompt_len", "output_len"):
+            try:
+                LengthDist.parse(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
 
     def workload(self) -> WorkloadConfig:
         # Leave two columns spare: under overlap a request runs one step past

@@ -9,7 +9,9 @@ Lengths are drawn from a :class:`LengthDist`, written on the command line as
   tail, typical of output lengths that stop at EOS);
 * ``lognormal:MEDIAN:SIGMA``: log-normal with that median and shape.
 
-Every draw is at least 1 and a request never needs more than
+The parameters must be finite numbers. Every draw is at least 1 and at most
+``MAX_LENGTH`` (a log-normal draw is capped in log space, so a huge sigma
+cannot overflow), and a request never needs more than
 ``max_total_len`` table columns: the prompt is cut first to leave room for one
 output token, then the output to fit.
 
@@ -26,9 +28,11 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["LengthDist", "RequestSpec", "WorkloadConfig", "generate"]
+__all__ = ["MAX_LENGTH", "LengthDist", "RequestSpec", "WorkloadConfig", "generate"]
 
 _KINDS = {"const": 1, "uniform": 2, "exp": 1, "lognormal": 2}
+#: The most a draw may be, whatever the distribution: far past any table.
+MAX_LENGTH = 10**9
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class LengthDist:
         return dist
 
     def _validate(self, spec: str) -> None:
+        if not (math.isfinite(self.a) and math.isfinite(self.b)):
+            raise ValueError(f"length distribution {spec!r} needs finite numbers")
         ok = {
             "const": self.a >= 1,
             "uniform": 1 <= self.a <= self.b,
@@ -75,10 +81,14 @@ class LengthDist:
         elif self.kind == "uniform":
             x = rng.randint(int(self.a), int(self.b))
         elif self.kind == "exp":
-            x = math.ceil(rng.expovariate(1.0 / self.a))
+            # 1/MEAN is inf for a subnormal MEAN: expovariate then draws 0.
+            x = math.ceil(min(rng.expovariate(1.0 / self.a), MAX_LENGTH))
         else:
-            x = rng.lognormvariate(math.log(self.a), self.b)
-        return max(1, round(x))
+            # lognormvariate(mu, sigma) is exp(normalvariate(mu, sigma)): the
+            # same draw, capped before exp can overflow.
+            z = rng.normalvariate(math.log(self.a), self.b)
+            x = math.exp(min(z, math.log(MAX_LENGTH)))
+        return max(1, min(round(x), MAX_LENGTH))
 
     def __str__(self) -> str:
         if self.kind in ("const", "exp"):

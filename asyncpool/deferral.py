@@ -568,6 +568,11 @@ class Deferrals(Generic[T]):
         """Every pending batch, in deferral order (``did``); O(pending batches)."""
         return sorted(self._batches(), key=lambda b: b.did)
 
+    def holds(self, fence: Fence) -> bool:
+        """Whether any pending batch waits for ``fence`` (at its head or
+        behind another fence); O(pending batches), for ``force_release``."""
+        return any(b.fence is fence or any(f is fence for f in b.rest) for b in self._batches())
+
     def _batches(self) -> Iterator[Deferred[T]]:
         # Copies (each one C call, so atomic under the GIL): stats() may scan
         # from another thread while the owner changes the queues.

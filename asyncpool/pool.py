@@ -884,14 +884,16 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         waiters are served. Never asks ``fence`` anything, and stops
         watching it. Rows still allocated with a use recorded on ``fence``
         forget that use: freed later, they do not wait for it. Returns
-        ``(rows, pages)`` made free; ``(0, 0)`` for a fence that holds
-        nothing. Raises ``TypeError`` for a non-fence.
+        ``(rows, pages)`` made free: ``(0, 0)`` when none is, which includes
+        memory that still waits for its other fences (it no longer waits for
+        this one). Raises ``TypeError`` for a non-fence.
         """
         self._check_thread()
         led = self._ledger
         led.check_fence(fence)
-        rows = led.force_release(fence)
         pled = self._pages.ledger if self._pages is not None else None
+        held = led.holds(fence) or (pled is not None and pled.holds(fence))
+        rows = led.force_release(fence)
         pages = pled.force_release(fence) if pled is not None else 0
         uses = led.forget_use(fence)  # rows (and their pages) freed later skip it too
         if self._overdue is not None:
@@ -907,6 +909,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 _count(pages, "page"),
             )
             self._waiters.grant()
+        elif held:
+            logger.warning(
+                "force_release(%r): the rows and pages behind this fence still wait for "
+                "other fences; they no longer wait for this one",
+                fence,
+            )
         elif uses:
             logger.warning(
                 "force_release(%r): this fence holds no row and no page of this pool; "

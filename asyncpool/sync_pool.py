@@ -183,17 +183,24 @@ class ReqToTokenPool(PoolCore):
         allocated with a use recorded on ``fence`` forget that use. Rows
         quarantined behind a fence that *faulted* stay quarantined (a faulted
         writer may still write; nothing returns them). Returns the rows made
-        free; 0 for a fence that holds none. Raises ``TypeError`` for a
-        non-fence, changing nothing.
+        free: 0 when none is, which includes rows that still wait for their
+        other fences (they no longer wait for this one). Raises
+        ``TypeError`` for a non-fence, changing nothing.
         """
         led = self._ledger
         led.check_fence(fence)
+        held = led.holds(fence)
         rows = led.force_release(fence)
         forgot = led.forget_use(fence)
         if rows:
             logger.warning(
                 "force_release(%r): %d row%s returned to circulation without the fence "
                 "completing", fence, rows, "" if rows == 1 else "s",
+            )
+        elif held:
+            logger.warning(
+                "force_release(%r): the rows behind this fence still wait for other "
+                "fences; they no longer wait for this one", fence,
             )
         else:
             logger.warning(

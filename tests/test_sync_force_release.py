@@ -13,7 +13,7 @@ import logging
 import pytest
 from helpers import EventFence, pool_snapshot
 
-from asyncpool import ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
 
 
 @pytest.fixture(autouse=True)
@@ -84,3 +84,34 @@ def test_a_non_fence_is_refused_and_nothing_changes() -> None:
     with pytest.raises(TypeError):
         pool.force_release(object())  # type: ignore[arg-type]
     assert pool_snapshot(pool) == before
+
+
+def test_rows_still_waiting_for_another_fence_are_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool = make()
+    (row,) = pool.alloc(1) or []
+    stuck, other = EventFence(), EventFence()
+    pool.record_use([row], other)
+    pool.free(row, fence=stuck)  # waits for both
+    assert pool.force_release(stuck) == 0  # still waits for `other`
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("still wait for other fences" in m for m in messages)
+    assert not any("no row was pending" in m for m in messages)
+    other.set()
+    assert pool.reclaim() == 1  # `stuck` no longer holds it
+
+
+async def test_the_async_pool_says_so_too(caplog: pytest.LogCaptureFixture) -> None:
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))
+    grant = await pool.admit(pages=2)
+    stuck, other = EventFence(), EventFence()
+    pool.record_use([grant.row], other)
+    pool.free([grant.row], fence=stuck)
+    assert pool.force_release(stuck) == (0, 0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("still wait for other fences" in m for m in messages)
+    assert not any("holds no row" in m for m in messages)
+    other.set()
+    assert pool.reclaim() == 1
+    await pool.close()

@@ -90,108 +90,97 @@ async def test_error_line_names_every_row_of_the_call(caplog: pytest.LogCaptureF
     assert pool.stats().quarantined == 3
 
 
-async def test_a_reclaim_and_a_later_free_count_once() -> None:
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        pool = AsyncReqToTokenPool(9, 8)
-        a, b = await pool.alloc(2)
-        bad = EventFence()
-        pool.record_use([a, b], bad)
-        pool.free([a])  # pending behind bad
-        bad.error = RuntimeError("lost")
-        bad.set()
-        pool.reclaim()  # a's batch faults here
-        pool.free([b])  # b meets the same fence
-        st = pool.stats()
-        assert (st.fence_errors, st.quarantined) == (1, 2)
-        await pool.close()  # joins the fence watcher the pending free started
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+async def test_a_reclaim_and_a_later_free_count_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(9, 8)
+    a, b = await pool.alloc(2)
+    bad = EventFence()
+    pool.record_use([a, b], bad)
+    pool.free([a])  # pending behind bad
+    bad.error = RuntimeError("lost")
+    bad.set()
+    pool.reclaim()  # a's batch faults here
+    pool.free([b])  # b meets the same fence
+    st = pool.stats()
+    assert (st.fence_errors, st.quarantined) == (1, 2)
+    await pool.close()  # joins the fence watcher the pending free started
 
 
-async def test_admitted_rows_count_once_in_both_ledgers() -> None:
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        pool = AsyncReqToTokenPool(9, 8, kv=KVPagePool(17, 4))
-        g1 = await pool.admit(pages=2)
-        g2 = await pool.admit(pages=2)
-        bad = faulted()
-        pool.record_use([g1.row, g2.row], bad)
-        pool.free([g1.row])
-        pool.free([g2.row])
-        st = pool.stats()
-        assert (st.fence_errors, st.page_fence_errors) == (1, 1)
-        assert (st.quarantined, st.pages_quarantined) == (2, 4)
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+async def test_admitted_rows_count_once_in_both_ledgers(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(9, 8, kv=KVPagePool(17, 4))
+    g1 = await pool.admit(pages=2)
+    g2 = await pool.admit(pages=2)
+    bad = faulted()
+    pool.record_use([g1.row, g2.row], bad)
+    pool.free([g1.row])
+    pool.free([g2.row])
+    st = pool.stats()
+    assert (st.fence_errors, st.page_fence_errors) == (1, 1)
+    assert (st.quarantined, st.pages_quarantined) == (2, 4)
 
 
-def test_sync_pool_frees_request_by_request_count_once() -> None:
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        pool = ReqToTokenPool(9, 8, device="cpu", enable_memory_saver=False)
-        rows = pool.alloc(8)
-        assert rows is not None
-        bad = faulted()
-        pool.record_use(rows, bad)
-        for row in rows:
-            pool.free(row)
-        st = pool.stats()
-        assert (st.fence_errors, st.quarantined) == (1, 8)
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+def test_sync_pool_frees_request_by_request_count_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = ReqToTokenPool(9, 8, device="cpu", enable_memory_saver=False)
+    rows = pool.alloc(8)
+    assert rows is not None
+    bad = faulted()
+    pool.record_use(rows, bad)
+    for row in rows:
+        pool.free(row)
+    st = pool.stats()
+    assert (st.fence_errors, st.quarantined) == (1, 8)
 
 
-async def test_quarantine_from_a_repeat_meeting_still_sheds_waiters() -> None:
+async def test_quarantine_from_a_repeat_meeting_still_sheds_waiters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # The fault hook runs on every quarantine, not only the counted one: a
     # waiter that fit after the first quarantine and no longer fits after
     # the second is failed, not left to block its queue for good.
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        pool = AsyncReqToTokenPool(5, 8)  # capacity 4
-        a, b, c, d = await pool.alloc(4)
-        bad = faulted()
-        pool.record_use([a, b], bad)
-        waiter = asyncio.ensure_future(pool.alloc(3))
-        await spin()
-        pool.free([a])  # capacity left 3: the waiter may still fit
-        await spin()
-        assert not waiter.done()
-        pool.free([b])  # capacity left 2: it never can
-        async with bounded():
-            with pytest.raises(CapacityError):
-                await waiter
-        assert pool.stats().fence_errors == 1
-        pool.free([c, d])
-        pool.check_invariants()
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 8)  # capacity 4
+    a, b, c, d = await pool.alloc(4)
+    bad = faulted()
+    pool.record_use([a, b], bad)
+    waiter = asyncio.ensure_future(pool.alloc(3))
+    await spin()
+    pool.free([a])  # capacity left 3: the waiter may still fit
+    await spin()
+    assert not waiter.done()
+    pool.free([b])  # capacity left 2: it never can
+    async with bounded():
+        with pytest.raises(CapacityError):
+            await waiter
+    assert pool.stats().fence_errors == 1
+    pool.free([c, d])
+    pool.check_invariants()
 
 
-async def test_remembered_faults_keep_no_fence_alive() -> None:
+async def test_remembered_faults_keep_no_fence_alive(caplog: pytest.LogCaptureFixture) -> None:
     # A transfer handle may own its staging buffer: remembering that it
     # faulted (to count it once) must not keep it, or its error's frames.
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        pool = AsyncReqToTokenPool(9, 8, kv=KVPagePool(17, 4))
-        refs = []
-        for _ in range(4):
-            grant = await pool.admit(pages=2)
-            bad = faulted()
-            refs.append(weakref.ref(bad))
-            pool.free([grant.row], fence=bad)
-            del bad
-        gc.collect()
-        # The newest stays reachable through stats' last_fence_error (its
-        # traceback, kept for debugging, holds the query() frame): one fence.
-        assert [r() for r in refs[:-1]] == [None] * 3
-        st = pool.stats()
-        assert (st.fence_errors, st.page_fence_errors, st.quarantined) == (4, 4, 4)
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(9, 8, kv=KVPagePool(17, 4))
+    refs = []
+    for _ in range(4):
+        grant = await pool.admit(pages=2)
+        bad = faulted()
+        refs.append(weakref.ref(bad))
+        pool.free([grant.row], fence=bad)
+        del bad
+    gc.collect()
+    # The newest stays reachable through stats' last_fence_error (its
+    # traceback, kept for debugging, holds the query() frame): one fence.
+    assert [r() for r in refs[:-1]] == [None] * 3
+    st = pool.stats()
+    assert (st.fence_errors, st.page_fence_errors, st.quarantined) == (4, 4, 4)
 
 
-def test_a_fault_is_reported_even_when_a_deferral_hook_raises() -> None:
+def test_a_fault_is_reported_even_when_a_deferral_hook_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # free() reports a call's faults after deferring its pending rows; a
     # hook raising there must not swallow the report (the owner sheds its
     # waiters on it).
@@ -206,10 +195,7 @@ def test_a_fault_is_reported_even_when_a_deferral_hook_raises() -> None:
     bad, open_ = faulted(), EventFence()
     led.record_use([rows[0]], bad)
     led.record_use([rows[1]], open_)
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        with pytest.raises(RuntimeError, match="hook failed"):
-            led.free(rows)
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    with pytest.raises(RuntimeError, match="hook failed"):
+        led.free(rows)
     assert faults == [bad] and led.fence_errors == 1 and led.quarantined == 1

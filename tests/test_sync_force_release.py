@@ -56,22 +56,19 @@ def test_a_fence_holding_nothing_says_so(caplog: pytest.LogCaptureFixture) -> No
     assert pool.free(row) == 1
 
 
-def test_faulted_rows_stay_quarantined() -> None:
+def test_faulted_rows_stay_quarantined(caplog: pytest.LogCaptureFixture) -> None:
     pool = make()
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    try:
-        rows = pool.alloc(2)
-        assert rows is not None
-        bad = EventFence()
-        bad.error = RuntimeError("transfer failed")
-        bad.set()
-        pool.free(rows, fence=bad)
-        assert pool.quarantined_size() == 2
-        assert pool.force_release(bad) == 0
-        pool.clear()
-        assert pool.quarantined_size() == 2 and pool.available_size() == 3
-    finally:
-        logging.getLogger("asyncpool").setLevel(logging.NOTSET)
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    rows = pool.alloc(2)
+    assert rows is not None
+    bad = EventFence()
+    bad.error = RuntimeError("transfer failed")
+    bad.set()
+    pool.free(rows, fence=bad)
+    assert pool.quarantined_size() == 2
+    assert pool.force_release(bad) == 0
+    pool.clear()
+    assert pool.quarantined_size() == 2 and pool.available_size() == 3
 
 
 def test_a_non_fence_is_refused_and_nothing_changes() -> None:

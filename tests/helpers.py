@@ -21,9 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import itertools
+import sys
 import threading
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+import pytest
 
 from asyncpool import FenceError, HostStream
 from asyncpool.ledger import SlotLedger
@@ -330,3 +336,17 @@ async def spin(n: int = 5) -> None:
     """Step the event loop ``n`` times (no timed sleeps)."""
     for _ in range(n):
         await asyncio.sleep(0)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A fresh copy of ``examples/<name>.py`` (its dataclasses need it in
+    ``sys.modules`` while it loads)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+    return mod

@@ -10,17 +10,15 @@ eviction is pinned by a gated test."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
-from helpers import WAIT_S, Streams, bounded
+from helpers import WAIT_S, Streams, bounded, load_example
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence
 
@@ -101,17 +99,6 @@ def test_paged_admission_detects_eviction_behind_the_write_fence() -> None:
     assert found is not None and int(found.group(1)) > 0, proc.stdout
 
 
-def _example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A fresh copy of ``examples/<name>.py`` (its dataclasses need it in
-    ``sys.modules`` while it loads)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("behind_write_fence", [False, True])
 async def test_paged_admission_cache_evicts_behind_the_newest_reader(
     kit: Streams, monkeypatch: pytest.MonkeyPatch, behind_write_fence: bool
@@ -120,7 +107,7 @@ async def test_paged_admission_cache_evicts_behind_the_newest_reader(
     from a row whose step completed, borrowed by a row whose step still
     reads them, are not handed out again by an eviction until that step is
     done. With ``behind_write_fence`` (the flag's bug) they are, at once."""
-    mod = _example("paged_admission", monkeypatch)
+    mod = load_example("paged_admission", monkeypatch)
     kv = KVPagePool(3, 4)  # two pages: a reuse must take the cached ones
     pool = AsyncReqToTokenPool(4, 16, kv=kv)
     forward = kit.stream("forward")

@@ -31,11 +31,7 @@ on the code as it is):
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -47,6 +43,7 @@ from helpers import (
     caller_pages_behind,
     granted_in_call,
     kv_of,
+    load_example,
     spin,
 )
 from helpers import page_ids as ids
@@ -56,8 +53,6 @@ from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool, ReqToTo
 from asyncpool.kv_pages import _HANDED_SLACK, _TINY
 from scheduler_demo.config import DemoConfig
 from scheduler_demo.tp import format_summary, run_tp
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _remembered(kv: KVPagePool) -> int:
@@ -359,17 +354,6 @@ def test_the_tp_cli_refuses_gate_and_non_atomic_admission_with_status_2(
 # ------------------------------------------------------- examples
 
 
-def _example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A fresh copy of ``examples/<name>.py`` (its dataclasses need it in
-    ``sys.modules`` while it loads)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 _SMALL = ["--device", "cpu", "--requests", "12", "--rows", "4", "--forward-ms", "0"]
 
 
@@ -379,7 +363,7 @@ def test_overlap_step_fails_when_a_row_is_never_freed(
     """overlap_step's "pool empty" check is real: a pool that loses the first
     finished request's free ends with a row allocated, and the example exits 1
     saying so, though no row is corrupted."""
-    mod = _example("overlap_step", monkeypatch)
+    mod = load_example("overlap_step", monkeypatch)
 
     class Leaky(AsyncReqToTokenPool):
         leaked = 0
@@ -403,7 +387,7 @@ def test_overlap_step_checks_the_output_tokens_too(
     """overlap_step compares every token of a finished request's row, the
     ones the steps wrote as well as the prefix: a forward that writes a wrong
     output token is reported as a corrupted row (exit 1)."""
-    mod = _example("overlap_step", monkeypatch)
+    mod = load_example("overlap_step", monkeypatch)
     write = mod._write_step
 
     def wrong(req_to_token: Any, verified_lens: Any, rows: Any, pos: Any, tok: Any) -> None:
@@ -420,7 +404,7 @@ def test_sync_dropin_fails_when_a_row_is_never_freed(
 ) -> None:
     """sync_dropin's "pool empty" check is real: a pool that loses one free
     ends short of its rows, and the example exits 1 saying so."""
-    mod = _example("sync_dropin", monkeypatch)
+    mod = load_example("sync_dropin", monkeypatch)
 
     class Leaky(ReqToTokenPool):
         leaked = 0
@@ -449,7 +433,7 @@ def test_overlap_step_frees_a_finished_row_after_its_copy_out(
     keeps it), or a new owner has written its prefix into it (freed without
     ``after=``, the row went to the next request as soon as the forward
     finished, and the copy read that request's prefix)."""
-    mod = _example("overlap_step", monkeypatch)
+    mod = load_example("overlap_step", monkeypatch)
     proceed = threading.Event()
     first: list[int] = []
     streams: list[Any] = []

@@ -43,18 +43,17 @@ VARIANTS: list[tuple[str, str, bool, str]] = [
 ]
 
 
-#: Demo flags compare sets itself (the variants) or has no use for: refused.
-REFUSED = {
-    "mode": "--mode",
-    "unsafe": "--unsafe",
-    "admission": "--admission",
-    "json": "--json",
-    "plot": "--plot",
-    "tp": "--tp",
-    "tp_reclaim": "--tp-reclaim",
+#: Demo flags compare sets itself (the variants) or has no use for: refused
+#: when given. Each: its dest -> (the flag, the value compare's runs start from).
+REFUSED: dict[str, tuple[str, object]] = {
+    "mode": ("--mode", "overlap"),
+    "unsafe": ("--unsafe", False),
+    "admission": ("--admission", "atomic"),
+    "json": ("--json", None),
+    "plot": ("--plot", None),
+    "tp": ("--tp", 0),
+    "tp_reclaim": ("--tp-reclaim", None),
 }
-_PLAIN = {"mode": "overlap", "unsafe": False, "admission": "atomic", "json": None,
-          "plot": None, "tp": 0, "tp_reclaim": None}
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
@@ -78,13 +77,13 @@ def build_compare_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_compare_parser()
     args = parser.parse_args(argv)
-    given = [flag for dest, flag in REFUSED.items() if hasattr(args, dest)]
+    given = [flag for dest, (flag, _) in REFUSED.items() if hasattr(args, dest)]
     if given:
         parser.error(
             f"{', '.join(given)}: not for compare, which runs overlap, sync, --unsafe "
             "and --admission row-first itself (--out writes the JSON)"
         )
-    for dest, value in _PLAIN.items():
+    for dest, (_, value) in REFUSED.items():
         setattr(args, dest, value)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")

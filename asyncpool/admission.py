@@ -244,7 +244,10 @@ class Admission:
         Returns the new pages (they belong to the row from now on), or None
         when fewer than ``k`` are free after reclaiming completed fences, or
         while the memory is released: the scheduler then retracts, as every
-        engine does (waiting here behind new admissions could deadlock). It
+        engine does (waiting here behind new admissions could deadlock).
+        Treat the tensor as read-only, as ``grant.pages``: for a row that
+        owned no pages it is the row's record, and a write into it (slot
+        arithmetic in place, say) makes the row's :meth:`free` refuse it. It
         takes free pages even while admissions queue, but pages that a free
         or a completed fence returns go to the queued admissions first, at
         hand-over (README: *Growth and queued admissions*). Raises
@@ -271,7 +274,9 @@ class Admission:
         of ``rows[i]`` (they belong to it from now on), or None when fewer
         than ``len(rows) * k`` pages are free after reclaiming completed
         fences, or while the memory is released: nothing changed, and the
-        scheduler retracts, as after :meth:`extend`. One take and one tensor
+        scheduler retracts, as after :meth:`extend`. Read-only, as
+        :meth:`extend`'s tensor: the line of a row that owned no pages is
+        that row's record. One take and one tensor
         for the batch (``extend`` per row pays both per row). ``rows``: as
         :meth:`free` takes them. Raises :class:`CapacityError` for ``k`` not
         an int in ``1..kv.capacity`` or ``len(rows) * k`` past it,

@@ -285,7 +285,8 @@ class RowPages:
     def written_error(self, row: int) -> InvalidSlotError:
         return InvalidSlotError(
             f"the pages of row {row} were written into since they were granted "
-            "(grant.pages and pages_of() are read-only views of the row's record); "
+            "(grant.pages, pages_of() and the tensors extend() and extend_rows() "
+            "return are read-only: they may be views of the row's record); "
             f"the pool cannot vouch for them: restore them, or take them with "
             f"detach_pages({row}) and free them to the KVPagePool yourself"
         )

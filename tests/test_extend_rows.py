@@ -221,3 +221,28 @@ async def test_many_steps_of_batched_growth_keep_every_record_whole():
         pool.check_invariants()
         pool.free(rows)
         conserved(pool)
+
+
+async def test_slot_math_in_place_on_extends_tensor_is_refused_naming_extend():
+    # A row admitted with no pages (a full prefix hit) grows by extend or
+    # extend_rows, and the engine turns the returned page ids into first
+    # slots in place: that tensor was the row's record, so free refuses the
+    # row. The error must name the call whose tensor was written into, not
+    # only grant.pages and pages_of(), which the engine never touched.
+    async with make(rows=2, pages=8) as pool:
+        a = await pool.admit(pages=0)
+        b = await pool.admit(pages=0)
+        one = pool.extend(a.row, 2)
+        rows = pool.extend_rows([b.row], 1)
+        assert one is not None and rows is not None
+        own_a, own_b = ids(one), ids(rows[0])
+        one.mul_(4)
+        rows.mul_(4)
+        for row in (a.row, b.row):
+            with pytest.raises(InvalidSlotError, match=r"extend\(\) and extend_rows\(\)"):
+                pool.free([row])
+        one.div_(4, rounding_mode="floor")  # restored: the rows free again
+        rows.div_(4, rounding_mode="floor")
+        assert ids(pool.pages_of(a.row)) == own_a and ids(pool.pages_of(b.row)) == own_b
+        pool.free([a.row, b.row])
+        conserved(pool)

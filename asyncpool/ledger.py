@@ -376,21 +376,31 @@ class SlotLedger(Deferrals[int]):
         """
         seq = self.as_rows(rows)
         self.check_fence(fence)
-        self._mark_allocated(seq, what)
+        self.check_allocated(seq, what)
         state = self._state
         uses = self._uses
         key = stream_key(fence)
         fseq = getattr(fence, "seq", 0)
+        # The rows of one step mostly hold the same previous use (the step
+        # before's fence, or one shared tuple): what replaces a use depends
+        # only on that use and ``fence``, so it is worked out once per
+        # distinct previous use, not per row.
+        last_prev: Any = None
+        last_new: Any = None
         for row in seq:
             state[row] = USED
             prev = uses[row]
             if prev is None or prev is fence:
                 uses[row] = fence
-            elif key is not None and stream_key(prev) == key:
-                if prev.seq <= fseq:
-                    uses[row] = fence
+            elif prev is last_prev:
+                uses[row] = last_new
             else:
-                uses[row] = _merge_uses(prev, fence)
+                if key is not None and stream_key(prev) == key:
+                    new = fence if prev.seq <= fseq else prev
+                else:
+                    new = _merge_uses(prev, fence)
+                uses[row] = last_new = new
+                last_prev = prev
 
     def forget_use(self, fence: Fence) -> int:
         """Drop ``fence`` from the uses recorded on allocated rows; return how

@@ -237,6 +237,32 @@ def test_row_used_on_two_streams_waits_for_both_either_order():
         led.check_invariants()
 
 
+def test_one_record_use_over_rows_holding_different_uses_keeps_each_rows_own():
+    """``record_use`` works out a row's new use once per distinct previous use
+    (a step's rows mostly share one): rows holding different uses in the
+    same call must each keep their own newest per stream."""
+    led = SlotLedger(8)
+    sa, sb = FakeStream(), FakeStream()
+    f1, f2, f3 = sa.record(), sa.record(), sa.record()
+    g1 = sb.record()
+    a, b, c, d, e, f = led.take(6)
+    led.record_use([b, f], f1)  # older than the new use on the same stream
+    led.record_use([c], f3)  # newer than it: stays
+    led.record_use([d, e], g1)  # another stream: both kept
+    led.record_use([a, b, c, d, e, f], f2)
+    assert led.free([a, b, c, d, e, f]) == 0
+    sa.complete(2)
+    assert led.reclaim() == 3
+    assert [led.state_of(r) for r in (a, b, f)] == ["free"] * 3
+    assert [led.state_of(r) for r in (c, d, e)] == ["pending"] * 3
+    sb.complete()
+    assert led.reclaim() == 2
+    assert led.state_of(c) == "pending"
+    sa.complete()
+    assert led.reclaim() == 1
+    led.check_invariants()
+
+
 def test_requeued_row_survives_an_emptied_stream_queue():
     """Regression: a stream queue emptied in one reclaim pass, then refilled by
     a requeue from another stream in the same pass, was deleted with the row."""

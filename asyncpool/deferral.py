@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
@@ -521,7 +523,9 @@ class Deferrals(Generic[T]):
         already reported are logged as a warning. The last
         ``_FAULTS_REMEMBERED`` faulted fences are remembered, weakly where
         the fence allows it: a transfer handle may own a large buffer, which
-        the pool must not keep alive. ``on_fault``
+        the pool must not keep alive. For the same reason the error kept
+        in ``last_fence_error`` keeps no traceback that reaches the calling
+        stack (:func:`_drop_pinning_tracebacks`). ``on_fault``
         runs every time: the owner sheds the waiters that can no longer
         fit, which more quarantine may add.
         """
@@ -547,6 +551,7 @@ class Deferrals(Generic[T]):
             if len(faulted) > _FAULTS_REMEMBERED:
                 faulted.popitem(last=False)
             self.fence_errors += 1
+            _drop_pinning_tracebacks(err)
             self.last_fence_error = err
             logger.error(
                 "fence %r faulted; quarantined %s %s: %s",
@@ -805,6 +810,43 @@ class Deferrals(Generic[T]):
         if total != self.pending:
             fail(f"pending count {self.pending} != ids in batches {total}")
         return items
+
+
+def _drop_pinning_tracebacks(err: BaseException) -> None:
+    """Drop the tracebacks in ``err``'s chain that pin the calling stack.
+
+    The exception a fence's ``query()`` raised carries a traceback whose
+    frames reach, through ``f_back``, every frame of the call that met the
+    fault: the pool's and then the engine's (a scheduler step and its
+    locals, the fence itself as ``query()``'s ``self``). Kept in
+    ``last_fence_error`` it would keep all of that alive until the next
+    fault. A traceback from another thread (a ``HostStream``'s worker, whose
+    fault a ``HostFence`` reports as the cause) reaches none of this stack
+    and is kept. Runs once per faulted fence, never on a hot path.
+    """
+    here: set[int] = set()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        here.add(id(frame))
+        frame = frame.f_back
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        if tb is not None:
+            # Its outermost frame's callers: every later frame of the
+            # traceback was called from that one.
+            frame = tb.tb_frame
+            while frame is not None and id(frame) not in here:
+                frame = frame.f_back
+            if frame is not None:  # it reaches the calling stack
+                exc.__traceback__ = None
+        todo.append(exc.__cause__)
+        todo.append(exc.__context__)
 
 
 def _describe(items: list[Any], n: int, limit: int = 16) -> str:

@@ -69,6 +69,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -129,6 +130,36 @@ def _describe(need: Need) -> tuple[str, str]:
     assert isinstance(need, tuple)
     k = need[1]
     return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
+
+
+class _Wake:
+    """A pool's fence wake-up, as handed to fences and to its watcher.
+
+    It holds the pool weakly. A ``HostFence`` keeps its done callbacks until
+    it completes, and the watcher's threads keep their ``notify`` while they
+    run, so a strong reference would keep a pool that nothing else holds
+    alive as long as any of its fences is open: for ever behind a fence that
+    never completes (a stuck stream; a transfer whose peer died, with the
+    poller waking a thousand times a second to ask it), closed,
+    ``force_release``-d or not. A collected pool's wake-ups do nothing, and
+    its watcher's threads end at their next look (:meth:`alive`). Like any
+    asyncio object, a pool is kept alive by whoever uses it: the tasks that
+    await it hold it (keep references to your tasks, as asyncio requires).
+    """
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: AsyncReqToTokenPool) -> None:
+        self._pool = weakref.ref(pool)
+
+    def __call__(self) -> None:
+        pool = self._pool()
+        if pool is not None:
+            pool._fence_done_threadsafe()
+
+    def alive(self) -> bool:
+        """Whether the pool still exists (the watcher's threads end once not)."""
+        return self._pool() is not None
 
 
 class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
@@ -260,6 +291,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # it must not suppress the wake-ups of the loop the pool moved to.
         self._wake_scheduled: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
+        self._wake = _Wake(self)  # what fences and the watcher call back (weakly)
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
         # Allocs granted without queueing (zero waits), except those of the
@@ -957,13 +989,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if overdue is not None and overdue.timer is None:
             self._arm_overdue(overdue.timeout)
         if fence.__class__ is HostFence:
-            fence.add_done_callback(self._fence_done_threadsafe)
+            fence.add_done_callback(self._wake)
             return
         watcher = self._watcher
         if watcher is None:
             if self._closed:
                 return  # no thread close() would never stop; drain() still reclaims
-            watcher = self._watcher = FenceWatcher(self._fence_done_threadsafe)
+            watcher = self._watcher = FenceWatcher(self._wake, alive=self._wake.alive)
         try:
             watcher.watch(fence)
         except RuntimeError:

@@ -28,7 +28,7 @@ shutdown. Two kinds of thread, both daemons:
   completes, back to 50 µs after a completion or a new fence). With no
   fence to poll it exits after ``_STREAM_LINGER_S`` idle seconds, as a
   stream thread does, so a pool that is drained but never closed does not
-  keep a thread (and, through ``notify``, the pool) alive. A fence that
+  keep a thread. A fence that
   completes is therefore noticed within about 1 ms however many slow or
   stuck fences are watched. A pass costs about 0.2-0.5 µs per fence (one
   ``query()``); when it would cost more than ``_POLL_MAX_DUTY`` (5 %) of the
@@ -37,6 +37,11 @@ shutdown. Two kinds of thread, both daemons:
   wake-up delay instead. The thread's own wake-ups (about 900 a second at
   the 1 ms backoff) come on top: with 100 stuck fences watched the whole
   thread measured 3.7-6.2 % of a core (``python -m benchmarks --only wake``).
+
+Owners: ``notify`` should hold its owner weakly (the pool's does), or the
+threads keep the owner alive as long as a fence stays open; with
+``alive=``, the threads end at their next look once it answers False (the
+pool was collected), however many stuck fences they watch.
 
 Thread rules: :meth:`~FenceWatcher.watch`, :meth:`~FenceWatcher.unwatch` and
 :meth:`~FenceWatcher.stop` may be called from any thread and never block on
@@ -89,13 +94,25 @@ class _Stream:
 class FenceWatcher:
     """Notice completions of handed-over fences on daemon threads; notify after each.
 
-    See the module docstring for the thread model. ``watched`` counts the
-    fences handed over; ``polls`` the poller's passes (for tests and the CPU
-    figure).
+    See the module docstring for the thread model. ``alive()``, when given,
+    is asked (outside the lock) before each poller pass and after each
+    stream fence; once it answers False the watcher stops itself.
+    ``watched`` counts the fences handed over; ``polls`` the poller's
+    passes (for tests and the CPU figure).
     """
 
-    def __init__(self, notify: Callable[[], None], name: str = "asyncpool-fence-watcher") -> None:
+    def __init__(
+        self,
+        notify: Callable[[], None],
+        name: str = "asyncpool-fence-watcher",
+        *,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
         self._notify = notify
+        # False once nobody is left to notify (the owning pool was collected):
+        # the threads then end at their next look instead of asking fences
+        # that may never complete for ever. Called outside the lock.
+        self._alive = alive
         self._name = name
         self._lock = threading.Lock()
         self._stopped = False
@@ -193,6 +210,13 @@ class FenceWatcher:
             threads += [s.thread for s in self._streams.values() if s.thread is not None]
             return threads
 
+    def _orphaned(self) -> bool:
+        """True (and the watcher stopped) once ``alive()`` answers False."""
+        if self._alive is None or self._alive():
+            return False
+        self.stop()
+        return True
+
     def _fire(self) -> None:
         try:
             self._notify()
@@ -247,6 +271,8 @@ class FenceWatcher:
             with lock:
                 stream.busy = False
                 fences.popleft()
+            if self._orphaned():
+                return
             self._fire()
 
     def _poll(self) -> None:
@@ -272,6 +298,8 @@ class FenceWatcher:
                     self._kicked = False
                     delay = _POLL_MIN_S
                 fences = list(polled.values())
+            if self._orphaned():
+                return
             t0 = _perf_counter()
             done: list[Fence] = []
             for i, fence in enumerate(fences):

@@ -6,16 +6,27 @@ its fix:
   faulted ``query()``, whose frames reach, through ``f_back``, every frame
   of the call that met the fault: the faulted fence itself (remembered
   only weakly on purpose) and the engine's step that freed the request,
-  with all its locals (a batch's tensors), until the next fault.
+  with all its locals (a batch's tensors), until the next fault;
+* a pool's fence wake-ups held it strongly: a ``HostFence`` keeps its done
+  callbacks until it completes, and the watcher's poller keeps its
+  ``notify`` while it runs. A pool dropped without ``close()`` while a
+  transfer handle that never completes was pending was never collected,
+  and its poller asked that handle a thousand times a second for ever; a
+  pool closed and drained after ``force_release`` of a ``HostFence`` on a
+  stuck stream stayed alive as long as that stream (the callback stayed on
+  the fence). The wake-ups hold the pool weakly now, and the watcher's
+  threads end once it is collected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import weakref
 
 import pytest
+from helpers import WAIT_S, EventFence, Streams, bounded
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool, ReqToTokenPool
 
@@ -138,3 +149,58 @@ async def test_a_fault_from_another_thread_keeps_its_traceback(
         assert stream.error is not None and stream.error.__traceback__ is not None
         assert err.__traceback__ is None  # raised through this stack: dropped
         await pool.close()
+
+
+async def test_a_dropped_pool_with_a_stuck_transfer_is_collected_and_its_poller_ends() -> None:
+    stuck = EventFence()  # a transfer whose peer died: never completes
+    pool = AsyncReqToTokenPool(5, 8)
+    rows = await pool.alloc(2)
+    pool.free(rows, fence=stuck)
+    watcher = pool._watcher
+    assert watcher is not None and watcher._thread is not None
+    poller = watcher._thread
+    ref = weakref.ref(pool)
+    del pool, watcher
+    gc.collect()
+    assert ref() is None  # nothing but the poller and the fence held it
+    poller.join(WAIT_S)
+    assert not poller.is_alive()  # it noticed its pool is gone
+    stuck.set()
+
+
+async def test_force_release_of_a_stuck_host_fence_keeps_no_pool_alive(kit: Streams) -> None:
+    stream = kit.stream("soak-stuck")
+    kit.gate(stream)  # the stream is stuck until teardown
+    fence = stream.record()
+    pool = AsyncReqToTokenPool(5, 8)
+    rows = await pool.alloc(2)
+    pool.free(rows, fence=fence)
+    assert pool.force_release(fence) == (2, 0)
+    async with bounded():
+        await pool.drain()
+    await pool.close()
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None  # the fence, still queued on the stuck stream, keeps no pool
+    assert not fence.query()
+
+
+async def test_a_pool_held_only_by_its_waiting_task_is_still_woken() -> None:
+    # Weak wake-ups keep no pool alive, so a pool must be held by whoever
+    # uses it: here only by the task awaiting it (held, as asyncio asks).
+    async def request(pool: AsyncReqToTokenPool) -> list[int]:
+        return await pool.alloc(2)
+
+    fence = EventFence()
+    pool = AsyncReqToTokenPool(3, 8)  # capacity 2
+    rows = await pool.alloc(2)
+    pool.free(rows, fence=fence)
+    task = asyncio.ensure_future(request(pool))
+    del pool, rows
+    await asyncio.sleep(0)
+    gc.collect()
+    fence.set()  # the poller notices; the wake-up reaches the pool through the task
+    async with bounded():
+        assert sorted(await task) == [1, 2]
+

@@ -28,6 +28,7 @@ import logging
 import operator
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -197,7 +198,7 @@ class HostFence:
         fence._event.set()
         return fence
 
-    def _settle(self, error: BaseException | None, stream: HostStream | None = None) -> None:
+    def _settle(self, error: BaseException | None, stream: _Worker | None = None) -> None:
         # Called once, by the stream's worker thread.
         if error is not None:
             self._error = error
@@ -207,7 +208,7 @@ class HostFence:
         # Counted done before waiters wake: once synchronize() returns, the
         # stream is idle and the next record() is complete at once.
         if stream is not None:
-            stream._done += 1
+            stream.done += 1
         self._event.set()
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
@@ -235,10 +236,56 @@ def _run_callback(
 
 
 class _Closed:
-    """Sentinel put on a HostStream's queue by close()."""
+    """Sentinel put on a HostStream's queue by close(), or once it is collected."""
 
 
 _CLOSE = _Closed()
+
+
+class _Worker:
+    """What a :class:`HostStream`'s worker thread shares with the stream.
+
+    The thread holds this, never the stream, so a stream dropped without
+    ``close()`` can be collected; its finalizer then queues the close, and
+    the worker ends after the work queued so far (as ``close()`` does,
+    without the join). ``done`` counts the items the worker finished
+    (written by the worker only; a fence counts once settled, before its
+    done-callbacks run); ``error`` is the stream's sticky fault.
+    """
+
+    __slots__ = ("cancel", "done", "error", "name", "queue")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cancel = False
+        self.error: BaseException | None = None
+        self.done = 0
+
+    def run(self) -> None:
+        get = self.queue.get
+        while True:
+            item = get()
+            if item is _CLOSE:
+                return
+            if item.__class__ is HostFence:
+                if self.cancel and self.error is None:
+                    self.error = RuntimeError(f"{self.name} was closed with this fence queued")
+                item._settle(self.error, self)  # counts itself done
+                continue
+            if self.error is None and not self.cancel:  # else: faulted or cancelled: skip
+                fn, args = item
+                try:
+                    fn(*args)
+                except BaseException as exc:  # a fault of the stream
+                    self.error = exc
+                    logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
+                # Drop the work before waiting for the next item: it may
+                # hold what its caller has long let go of (the stream too).
+                del fn, args
+            # Last, after the item's effects (its fault included) are visible.
+            self.done += 1
+            del item
 
 
 class HostStream:
@@ -254,7 +301,10 @@ class HostStream:
 
     ``close()`` lets queued work finish (pass ``cancel_pending=True`` to drop
     it, faulting the fences still queued), then joins the worker. A stream is
-    also a context manager that closes on exit. All methods are thread-safe.
+    also a context manager that closes on exit. A stream dropped without
+    ``close()`` is collected like a CUDA stream: its worker runs the work
+    queued so far and ends (it holds the stream's state, not the stream).
+    All methods are thread-safe.
 
     torch's intra-op thread count is per thread: work that runs torch ops on
     the worker may want ``stream.launch(torch.set_num_threads, 1)`` first, so
@@ -264,23 +314,23 @@ class HostStream:
     def __init__(self, name: str | None = None) -> None:
         self.key = next(_stream_keys)
         self.name = name or f"host-stream-{self.key}"
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._worker = worker = _Worker(self.name)
+        self._queue = worker.queue
         self._seq = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._cancel = False
-        self._error: BaseException | None = None
-        # Items put on the queue (under _lock) and items the worker has
-        # finished with (written by the worker only; a fence counts once
-        # settled, before its done-callbacks run). Equal under _lock means
-        # the stream is idle: nothing launched or recorded is still to run.
+        # Items put on the queue (under _lock); the worker counts those it
+        # finished in ``worker.done``. Equal under _lock means the stream is
+        # idle: nothing launched or recorded is still to run.
         self._queued = 0
-        self._done = 0
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=worker.run, name=self.name, daemon=True)
         self._thread.start()
+        # Dropped without close(): end the worker after the queued work.
+        # SimpleQueue.put may run inside a finalizer (it is reentrant).
+        weakref.finalize(self, worker.queue.put, _CLOSE)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("faulted" if self._error else "open")
+        state = "closed" if self._closed else ("faulted" if self._worker.error else "open")
         return f"<HostStream {self.name} {state} fences={self._seq}>"
 
     def __enter__(self) -> HostStream:
@@ -292,7 +342,12 @@ class HostStream:
     @property
     def error(self) -> BaseException | None:
         """The exception that faulted the stream, or None."""
-        return self._error
+        return self._worker.error
+
+    @property
+    def _done(self) -> int:
+        """Items the worker has finished with (see ``_queued``)."""
+        return self._worker.done
 
     @property
     def closed(self) -> bool:
@@ -327,10 +382,11 @@ class HostStream:
         with self._lock:
             self._check_open()
             self._seq += 1
-            if self._done == self._queued:
+            worker = self._worker
+            if worker.done == self._queued:
                 # Idle: the worker has finished every item queued so far, so
                 # the fence's point on the stream is already behind it.
-                return HostFence._settled(self.key, self._seq, self._error)
+                return HostFence._settled(self.key, self._seq, worker.error)
             fence = HostFence(self.key, self._seq)
             self._queued += 1
             self._queue.put(fence)
@@ -370,7 +426,7 @@ class HostStream:
             else:
                 already = False
                 self._closed = True
-                self._cancel = cancel_pending
+                self._worker.cancel = cancel_pending
                 self._queue.put(_CLOSE)
         if not already and self._thread is not threading.current_thread():
             self._thread.join()
@@ -378,27 +434,6 @@ class HostStream:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed; no more work can be launched")
-
-    def _run(self) -> None:
-        get = self._queue.get
-        while True:
-            item = get()
-            if item is _CLOSE:
-                return
-            if item.__class__ is HostFence:
-                if self._cancel and self._error is None:
-                    self._error = RuntimeError(f"{self.name} was closed with this fence queued")
-                item._settle(self._error, self)  # counts itself done
-                continue
-            if self._error is None and not self._cancel:  # else: faulted or cancelled: skip
-                fn, args = item
-                try:
-                    fn(*args)
-                except BaseException as exc:  # a fault of the stream
-                    self._error = exc
-                    logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
-            # Last, after the item's effects (its fault included) are visible.
-            self._done += 1
 
 
 class _EventPool:

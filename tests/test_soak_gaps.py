@@ -15,7 +15,12 @@ its fix:
   pool closed and drained after ``force_release`` of a ``HostFence`` on a
   stuck stream stayed alive as long as that stream (the callback stayed on
   the fence). The wake-ups hold the pool weakly now, and the watcher's
-  threads end once it is collected.
+  threads end once it is collected;
+* a ``HostStream`` dropped without ``close()`` was never collected: its
+  worker thread ran a bound method of the stream, so stream and thread
+  lived for ever (a CUDA stream dropped is freed). The worker holds the
+  stream's state only, and a finalizer queues the close. It also let go of
+  the last work it ran (and that work's arguments) only at the next launch.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import weakref
 
 import pytest
@@ -204,3 +210,33 @@ async def test_a_pool_held_only_by_its_waiting_task_is_still_woken() -> None:
     async with bounded():
         assert sorted(await task) == [1, 2]
 
+
+
+def test_a_dropped_host_stream_is_collected_and_its_worker_ends() -> None:
+    ran = threading.Event()
+    stream = HostStream("soak-dropped")
+    stream.launch(ran.wait, WAIT_S)  # work still queued when it is dropped
+    fence = stream.record()
+    thread = stream._thread
+    ref = weakref.ref(stream)
+    del stream
+    gc.collect()
+    assert ref() is None
+    ran.set()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert fence.query()  # what was queued before the drop still ran
+
+
+def test_an_idle_host_stream_keeps_no_work_it_ran() -> None:
+    class Batch:
+        pass
+
+    batch = Batch()
+    ref = weakref.ref(batch)
+    with HostStream("soak-idle") as stream:
+        stream.launch(lambda b: None, batch)
+        stream.synchronize()
+        del batch
+        gc.collect()
+        assert ref() is None  # the idle worker holds neither the work nor its args

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,9 +62,13 @@ class OverdueFences:
         self.timeout = timeout
         self._ledgers = list(ledgers)
         self._clock = clock
-        # Fences already reported, by id (the value keeps the fence alive so
-        # its id cannot be reused while it is in here).
-        self._logged: dict[int, Fence] = {}
+        # Fences already reported, by id: a weak reference where the fence
+        # takes one, else the fence itself (so that its id is not reused
+        # while it is in here). Weakly, as the ledgers remember faulted
+        # fences: an overdue transfer that completes later may own a large
+        # buffer, and the next check that prunes this may be far off (it is
+        # armed only when memory goes pending again).
+        self._logged: dict[int, Any] = {}
         #: The owner's pending check (an ``asyncio.TimerHandle``), if armed.
         self.timer: Any = None
 
@@ -115,9 +120,15 @@ class OverdueFences:
         for key in [k for k in self._logged if k not in overdue]:
             del self._logged[key]  # no longer pending: forget it
         for key, (fence, held) in overdue.items():
-            if key in self._logged:
+            entry = self._logged.get(key)
+            if entry is not None and (
+                entry() if entry.__class__ is weakref.ref else entry
+            ) is fence:
                 continue
-            self._logged[key] = fence
+            try:
+                self._logged[key] = weakref.ref(fence)
+            except TypeError:  # no weak references (__slots__ without one)
+                self._logged[key] = fence
             what = held_words(held)
             logger.warning(
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "

@@ -20,21 +20,30 @@ its fix:
   worker thread ran a bound method of the stream, so stream and thread
   lived for ever (a CUDA stream dropped is freed). The worker holds the
   stream's state only, and a finalizer queues the close. It also let go of
-  the last work it ran (and that work's arguments) only at the next launch.
+  the last work it ran (and that work's arguments) only at the next launch;
+* a fence logged overdue was kept (strongly) until the next overdue check,
+  which is armed only when memory goes pending again: an overdue transfer
+  that completed later, with its staging buffer, stayed alive for as long
+  as the pool then saw no fenced free. It is remembered weakly now, as the
+  ledgers remember faulted fences.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 from helpers import WAIT_S, EventFence, Streams, bounded
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool, ReqToTokenPool
+from asyncpool.ledger import SlotLedger
+from asyncpool.overdue import OverdueFences
 
 
 class _StepState:
@@ -240,3 +249,69 @@ def test_an_idle_host_stream_keeps_no_work_it_ran() -> None:
         del batch
         gc.collect()
         assert ref() is None  # the idle worker holds neither the work nor its args
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    """Poll ``cond`` from the loop, bounded: for what time or another thread does."""
+    async with bounded():
+        for _ in itertools.count():
+            if cond():
+                return
+            await asyncio.sleep(0.002)
+
+
+class _Transfer:
+    """A slow transfer handle that owns a staging buffer (weakly referable)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.buffer = bytearray(1 << 16)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_an_overdue_fence_that_completes_is_not_kept_until_the_next_check(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")  # a kept record holds it
+    clock = [0.0]
+    led = SlotLedger(8, clock=lambda: clock[0])
+    overdue = OverdueFences(1.0, [led], clock=lambda: clock[0])
+    fence = _Transfer()
+    ref = weakref.ref(fence)
+    rows = led.take(1)
+    assert rows is not None
+    led.free(rows, fence=fence)
+    clock[0] = 2.0
+    assert overdue.check() is None  # logged once; nothing else pending: not re-armed
+    fence.done = True
+    assert led.reclaim() == 1
+    del fence
+    gc.collect()
+    assert ref() is None  # no check ran since, and none is due
+
+
+async def test_a_pool_keeps_no_overdue_transfer_after_it_completed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 8, fence_timeout=0.01)
+    fence = _Transfer()
+    ref = weakref.ref(fence)
+    pool.free(await pool.alloc(2), fence=fence)
+    await _until(lambda: pool.stats().overdue_fences == 1)  # time must pass
+    fence.done = True
+    del fence
+    await _until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
+    watcher = pool._watcher
+    assert watcher is not None and watcher._thread is not None
+    watcher._thread.join(WAIT_S)  # idle: it ends, dropping the fences of its last pass
+    rows = await pool.alloc(1)  # unfenced traffic arms no overdue check
+    pool.free(rows)
+    gc.collect()
+    assert ref() is None
+    await pool.close()

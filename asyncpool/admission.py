@@ -168,6 +168,10 @@ class Admission:
         finally:
             if handle is not None:
                 handle.cancel()
+            # The waiter holds the future, which holds a timeout's or a close's
+            # error, whose traceback holds this frame: a cycle that would keep
+            # the caller's frames (and their locals) until the cycle collector.
+            del waiter
 
     def try_admit(self, pages: int) -> Grant | None:
         """Admit now (one row and ``pages`` pages), or return None; never waits.

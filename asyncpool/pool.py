@@ -564,6 +564,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         finally:
             if handle is not None:
                 handle.cancel()
+            # The waiter holds the future, which holds a timeout's or a close's
+            # error, whose traceback holds this frame: a cycle that would keep
+            # the caller's frames (and their locals) until the cycle collector.
+            del waiter
 
     def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """Bind the running ``loop`` and watch fences deferred before it ran."""

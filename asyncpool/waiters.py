@@ -211,6 +211,10 @@ class WaiterQueues:
         finally:
             if handle is not None:
                 handle.cancel()
+            # The waiter holds the future, which holds a timeout's or a close's
+            # error, whose traceback holds this frame: a cycle that would keep
+            # the caller's frames (and their locals) until the cycle collector.
+            del waiter
 
     def _dequeue(self, waiter: Waiter) -> None:
         priority = waiter[3]

@@ -25,7 +25,12 @@ its fix:
   which is armed only when memory goes pending again: an overdue transfer
   that completed later, with its staging buffer, stayed alive for as long
   as the pool then saw no fenced free. It is remembered weakly now, as the
-  ledgers remember faulted fences.
+  ledgers remember faulted fences;
+* every ``alloc``/``admit`` that timed out (or was failed by ``close()``)
+  left a reference cycle: its waiter held the future, the future the
+  error, the error's traceback the waiting frame and its callers' frames.
+  Under load (admission timeouts by the thousand) the callers' frames and
+  locals lived until the cycle collector ran. The wait drops its waiter.
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ from collections.abc import Callable
 import pytest
 from helpers import WAIT_S, EventFence, Streams, bounded
 
-from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool, ReqToTokenPool
+from asyncpool import (
+    AsyncReqToTokenPool,
+    FenceError,
+    HostStream,
+    KVPagePool,
+    PoolClosedError,
+    ReqToTokenPool,
+)
 from asyncpool.ledger import SlotLedger
 from asyncpool.overdue import OverdueFences
 
@@ -314,4 +326,38 @@ async def test_a_pool_keeps_no_overdue_transfer_after_it_completed(
     pool.free(rows)
     gc.collect()
     assert ref() is None
+    await pool.close()
+
+
+@pytest.mark.parametrize("how", ["alloc", "admit", "close"])
+async def test_a_failed_wait_leaves_no_cycle_holding_the_caller(how: str) -> None:
+    pool = AsyncReqToTokenPool(3, 8, kv=KVPagePool(9, 4))
+    held = await pool.alloc(2)  # full: the next wait queues
+
+    async def request(refs: list[weakref.ref[object]]) -> None:
+        state = _StepState()  # a request's locals
+        refs.append(weakref.ref(state))
+        try:
+            if how == "admit":
+                await pool.admit(pages=1, timeout=0.001)
+            else:
+                await pool.alloc(1, timeout=None if how == "close" else 0.001)
+        except (TimeoutError, PoolClosedError):
+            pass
+
+    refs: list[weakref.ref[object]] = []
+    gc.collect()
+    gc.disable()  # reference counting alone must free the caller's frame
+    try:
+        task = asyncio.ensure_future(request(refs))
+        if how == "close":
+            await asyncio.sleep(0)
+            await pool.close()
+        async with bounded():
+            await task
+        del task
+        assert [r() for r in refs] == [None]
+    finally:
+        gc.enable()
+    pool.free(held)
     await pool.close()

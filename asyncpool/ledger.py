@@ -437,12 +437,16 @@ class SlotLedger(Deferrals[int]):
             # (ALLOCATED, not USED), in one pass that checks each row and
             # marks it FREE; a repeated row finds itself already FREE, and a
             # row past the end raises IndexError (cheaper than a bound test
-            # per row). On the first row that fails, the marks made are
-            # undone (_undo_marks) and the careful path below runs (and
-            # raises, for every error).
+            # per row). On the first row that fails, the marks made before
+            # it are undone and the careful path below runs (and raises, for
+            # every error). Where it failed comes from the iterator's length
+            # hint, so the undo costs the rows marked, not the free queue: a
+            # row with a recorded use (every row of an overlap engine) fails
+            # here on every free.
             state = self._state
+            it = iter(rows)
             try:
-                for row in rows:
+                for row in it:
                     if row.__class__ is not int or row <= 0 or state[row] != ALLOCATED:
                         break
                     state[row] = FREE
@@ -451,7 +455,9 @@ class SlotLedger(Deferrals[int]):
                     return len(rows)
             except IndexError:
                 pass
-            self._undo_marks(rows)
+            # The failed row was consumed: the rows before it were marked.
+            for row in rows[: len(rows) - operator.length_hint(it) - 1]:
+                state[row] = ALLOCATED
         seq = self.as_rows(rows)
         if fence is not None:
             self.check_fence(fence)
@@ -596,29 +602,6 @@ class SlotLedger(Deferrals[int]):
         """Report each faulted fence of one free call once, with all its rows."""
         for fence, error, rows in faults.values():
             self._report_fault(fence, error, rows, len(rows))
-
-    def _undo_marks(self, rows: list[Any]) -> None:
-        """Undo the FREE marks that free()'s fast pass made before it failed.
-
-        The pass marked a prefix of ``rows``: distinct ints in range, each
-        ALLOCATED before the call (so not in the free queue) and FREE now.
-        The row that failed is the first that is not one of those: not an
-        int in range, not FREE (a repeat of a prefix row is ALLOCATED again
-        by the time it is reached), or FREE before the call (then it is in
-        the free queue). Only an error costs this second pass.
-        """
-        state = self._state
-        size = self.size
-        queued = set(self._free)
-        for row in rows:
-            if (
-                row.__class__ is not int
-                or not 0 < row < size
-                or state[row] != FREE
-                or row in queued
-            ):
-                return
-            state[row] = ALLOCATED
 
     # ------------------------------------------------------------------ deferral hooks
 

@@ -7,6 +7,11 @@
   and the reclaim+sleep; untimed: recording the fences and waiting for the
   stream. References: the same alloc+free without a fence, and the
   seed-style pool (which has no fences at all, and so no safety).
+* A step's ``record_use``, per row: 256 allocated rows, each step's
+  ``record_use(rows, fence)`` with that step's fence (one ``HostStream``,
+  fences recorded untimed), so every row replaces the step before's use.
+  Reference (the floor): a list of uses written row by row, the least any
+  pool that remembers a row's newest use must do.
 * Reclaim against the number of pending fences P (1 .. 10^4), one row per
   fence, one stream, each fence behind its own gate. "idle": ``reclaim()``
   while no fence has completed. "head": open the oldest gate, wait for its
@@ -47,6 +52,7 @@ from .naive_pool import NaiveReqToTokenPool
 __all__ = [
     "bench_fenced_free",
     "bench_reclaim_sweep",
+    "bench_record_use",
     "bench_wake_latency",
     "bench_wake_slow_fences",
 ]
@@ -132,6 +138,61 @@ async def bench_fenced_free(cfg: Config) -> list[Row]:
         compare(per_op, bench=bench, loop=loop, subject="fenced", reference="seed-style",
                 unit="ns/row", speedup=True, subject_label="asyncpool, fenced",
                 reference_label="seed-style alloc+free (no fence)", note=note),
+    ]
+
+
+async def bench_record_use(cfg: Config, running: int = 256) -> list[Row]:
+    """A step's ``record_use`` over ``running`` rows, per row, against the floor."""
+    from asyncpool import AsyncReqToTokenPool, HostStream
+
+    loop = loop_name()
+    now = clock_of(cfg)
+    pool = AsyncReqToTokenPool(running + 1, cfg.max_context_len, device="cpu")
+    stream = HostStream(name="bench-record-use")
+    rows = await pool.alloc(running)
+    floor_uses: list[Any] = [None] * (running + 1)
+
+    def fences(n: int) -> list[Any]:
+        return [stream.record() for _ in range(n)]
+
+    async def pool_sample(n: int) -> int:
+        record_use = pool.record_use
+        steps = fences(n)
+        t0 = now()
+        for f in steps:
+            record_use(rows, f)
+        return now() - t0
+
+    async def floor_sample(n: int) -> int:
+        uses = floor_uses
+        steps = fences(n)
+        t0 = now()
+        for f in steps:
+            for row in rows:
+                uses[row] = f
+        return now() - t0
+
+    try:
+        per_op = await interleave(
+            {"record_use": pool_sample, "floor": floor_sample},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call=dict.fromkeys(("record_use", "floor"), running),
+            start=1,
+        )
+    finally:
+        stream.synchronize()
+        pool.free(rows)
+        await pool.drain()
+        await pool.close()
+        stream.close()
+    return [
+        compare(per_op, bench=f"step: record_use({running} rows), per row", loop=loop,
+                subject="record_use", reference="floor", unit="ns/row", speedup=False,
+                subject_label="asyncpool record_use",
+                reference_label="a list of uses written per row, unchecked (the floor)",
+                note=f"{running} running rows, a new fence each step: every row's "
+                "use replaced; checks every row is allocated and named once"),
     ]
 
 

@@ -3,7 +3,11 @@
 Cost: the uncontended ``await alloc(1)`` + ``free`` cycle at every size,
 all sizes and both pools interleaved round by round; ratios against the
 smallest size (flat is the goal) and against the seed-style pool of the same
-size (whose free-list slice is O(size)).
+size (whose free-list slice is O(size)). Beside it, an overlap engine's
+cycle, where every row has a recorded use: ``alloc(1)``, ``record_use``
+with a completed fence, ``free([row])`` (the checked path, not the fast
+one), against the same at the smallest size (flat is the goal: it cost
+O(free rows) before the fast pass's undo learnt where it stopped).
 
 Memory: the tables (every tensor the pool exposes, exact ``nbytes``) and
 the Python bookkeeping (``tracemalloc``: objects allocated by constructing
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .harness import (
@@ -103,7 +108,7 @@ async def bench_scaling(
     cfg: Config, *, memory: bool = True
 ) -> tuple[list[Row], list[dict[str, float]]]:
     """Cycle cost per size (ratios) and memory per size (bytes)."""
-    from asyncpool import AsyncReqToTokenPool
+    from asyncpool import AsyncReqToTokenPool, HostStream
 
     loop = loop_name()
     now = clock_of(cfg)
@@ -111,16 +116,33 @@ async def bench_scaling(
     ctx = cfg.scaling_context_len
     pools = {s: AsyncReqToTokenPool(s, ctx, device="cpu") for s in sizes}
     naives = {s: NaiveReqToTokenPool(s, ctx) for s in sizes}
+    used = {s: AsyncReqToTokenPool(s, ctx, device="cpu") for s in sizes}
+    stream = HostStream(name="bench-scaling")
+    done = stream.record()  # an idle stream's fence: complete at once
+
+    def used_cycles(pool: AsyncReqToTokenPool) -> Callable[[int], Awaitable[int]]:
+        async def sample(n: int) -> int:
+            alloc, record_use, free = pool.alloc, pool.record_use, pool.free
+            t0 = now()
+            for _ in range(n):
+                rows = await alloc(1)
+                record_use(rows, done)
+                free(rows)
+            return now() - t0
+
+        return sample
 
     samplers = {}
     for s in sizes:
         samplers[f"pool {s}"] = pool_cycles(pools[s], 1, now)
         samplers[f"seed {s}"] = seed_cycles(naives[s], 1, now)
+        samplers[f"used {s}"] = used_cycles(used[s])
     try:
         per_op = await interleave(samplers, rounds=cfg.rounds, target_s=cfg.sample_s / 2)
     finally:
-        for p in pools.values():
+        for p in (*pools.values(), *used.values()):
             await p.close()
+        stream.close()
     rows: list[Row] = []
     lo = sizes[0]
     for s in sizes:
@@ -137,6 +159,13 @@ async def bench_scaling(
             subject_label=f"asyncpool, {s} rows", reference_label=f"seed-style, {s} rows",
             note="sweep:seed",
         ))
+        if s != lo:
+            rows.append(compare(
+                per_op, bench="scaling: alloc(1)+record_use+free vs pool size", loop=loop,
+                subject=f"used {s}", reference=f"used {lo}", unit="ns/cycle", speedup=False,
+                subject_label=f"asyncpool, {s} rows, rows with a recorded use",
+                reference_label=f"the same, {lo} rows", note="sweep:used",
+            ))
     mem: list[dict[str, float]] = []
     if memory:
         for s in sizes:

@@ -294,6 +294,8 @@ def render_markdown(
          "sizes because the bulk row reset is amortised over more cycles)", "size"),
         ("sweep:seed", "asyncpool speed-up over the seed-style pool of the same size; the "
          "median column is asyncpool's cycle", "size"),
+        ("sweep:used", "an overlap engine's cycle (alloc(1), record_use with a completed "
+         "fence, free: the checked path) vs pool size (cost ratio; flat is the goal)", "size"),
     ]
     sweep_lines: list[str] = []
     for tag, title, col in sweeps:

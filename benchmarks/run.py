@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.bench_fences import (
         bench_fenced_free,
         bench_reclaim_sweep,
+        bench_record_use,
         bench_wake_latency,
         bench_wake_slow_fences,
     )
@@ -109,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: list[dict[str, float]] = []
     unavailable: dict[str, str] = {}
     extra: dict[str, Any] = {}
+    async def fenced_all(cfg: Config) -> list[Row]:
+        return [*await bench_fenced_free(cfg), *await bench_record_use(cfg)]
+
     async def wake_all(cfg: Config) -> list[Row]:
         return [*await bench_wake_latency(cfg), *await bench_wake_slow_fences(cfg)]
 
@@ -117,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batched": bench_batched,
         "contended": bench_contended,
         "admit": bench_admit,
-        "fenced": bench_fenced_free,
+        "fenced": fenced_all,
         "reclaim": bench_reclaim_sweep,
         "wake": wake_all,
         "metrics": bench_metrics_scrape,

@@ -9,7 +9,10 @@ passed:
 * an explicit pool's ``drain()`` settles a batch whose head fence it saw
   complete as ``retire()`` would: the batch moves behind its next open
   fence and stays pending (released with the head, its other fence could
-  still write into the memory: an early re-grant).
+  still write into the memory: an early re-grant);
+* ``retire()`` never moves a stream's mark back: after retiring a step,
+  retiring an older one leaves later frees behind the steps in between
+  free at once.
 
 Async tests run on asyncio and uvloop (conftest); every wait that could hang
 is bounded.
@@ -22,9 +25,9 @@ import itertools
 import logging
 
 import pytest
-from helpers import EventFence, Streams, bounded, spin
+from helpers import EventFence, FakeStream, Streams, bounded, spin
 
-from asyncpool import AsyncReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool
 from asyncpool.ledger import SlotLedger
 from asyncpool.overdue import OverdueFences
 
@@ -83,3 +86,16 @@ async def test_an_explicit_drain_keeps_a_row_behind_its_other_open_fence(kit: St
         first.set()
         second.set()
         await pool.close()
+
+
+def test_retiring_an_older_step_never_moves_the_mark_back():
+    kv = KVPagePool(8, 4, reclaim="explicit")
+    stream = FakeStream()
+    old, mid, new = stream.record(), stream.record(), stream.record()
+    assert kv.retire(new) == 0
+    assert kv.retire(old) == 0  # late, out of order: the mark stays at `new`
+    pages = kv.alloc(2)
+    assert pages is not None
+    assert kv.free(pages, fence=mid) == 2  # `mid` was retired with `new`
+    assert kv.pending_size() == 0
+    kv.check_invariants()

@@ -187,6 +187,17 @@ class Deferrals(Generic[T]):
     ) -> None:
         self._streams: dict[int, collections.deque[Deferred[T]]] = {}
         self._unordered: list[Deferred[T]] = []
+        # The batches of _unordered that wait for one fence alone, by the
+        # fence's id (the first such batch per fence): a free behind a fence
+        # of unknown origin joins its batch without walking the side list,
+        # which holds one batch per transfer in flight. Valid only while
+        # _solo_of is the _unordered list: reclaim() carries it over to the
+        # list it builds, dropping the batches that left; the rarer calls
+        # that replace the list otherwise (force_release, conclude, agree:
+        # O(pending batches) themselves) drop it (_drop_solo), and the next
+        # such free rebuilds it.
+        self._solo: dict[int, Deferred[T]] = {}
+        self._solo_of: list[Deferred[T]] | None = None
         self._on_pending = on_pending
         self._on_fault = on_fault
         self._clock = clock
@@ -283,14 +294,19 @@ class Deferrals(Generic[T]):
         key = stream_key(fence)
         if key is None:
             if not rest:
-                for batch in self._unordered:
-                    if batch.fence is fence and not batch.rest:
-                        batch.items.extend(items)
-                        batch.n += n
-                        return
+                solo = self._solo
+                if self._solo_of is not self._unordered:
+                    solo = self._index_solo()
+                batch = solo.get(id(fence))
+                if batch is not None:
+                    batch.items.extend(items)
+                    batch.n += n
+                    return
             batch = Deferred(fence, 0, rest, self._next_did, items, n, now)
             self._next_did += 1
             self._unordered.append(batch)
+            if not rest and self._solo_of is self._unordered:
+                self._solo[id(fence)] = batch
         else:
             fseq: int = getattr(fence, "seq", 0)
             queue = self._streams.get(key)
@@ -314,6 +330,22 @@ class Deferrals(Generic[T]):
         if self._on_pending is not None and not self.explicit:
             self._on_pending(fence)
 
+    def _index_solo(self) -> dict[int, Deferred[T]]:
+        """Index the side list's single-fence batches (see ``_solo``)."""
+        solo: dict[int, Deferred[T]] = {}
+        for batch in self._unordered:
+            if not batch.rest:
+                solo.setdefault(id(batch.fence), batch)
+        self._solo = solo
+        self._solo_of = self._unordered
+        return solo
+
+    def _drop_solo(self) -> None:
+        """The side list is being replaced: forget its index (which would
+        otherwise keep settled batches, and their fences, alive)."""
+        self._solo = {}
+        self._solo_of = None
+
     def _enqueue(self, batch: Deferred[T], notify: bool = True) -> None:
         """Queue an existing batch behind its (new) head fence, in record order.
 
@@ -324,6 +356,8 @@ class Deferrals(Generic[T]):
         if key is None:
             batch.seq = 0
             self._unordered.append(batch)
+            if not batch.rest and self._solo_of is self._unordered:
+                self._solo.setdefault(id(batch.fence), batch)
         else:
             fseq: int = getattr(batch.fence, "seq", 0)
             batch.seq = fseq
@@ -377,31 +411,48 @@ class Deferrals(Generic[T]):
             if not self._streams[key]:  # a move may have refilled it
                 del self._streams[key]
         if self._unordered:
+            # The index follows the list: the batches that leave it leave the
+            # index (O(those), not a rebuild at the next free).
+            solo = self._solo if self._solo_of is self._unordered else None
+            self._drop_solo()
             unordered, self._unordered = self._unordered, []
             keep: list[Deferred[T]] = []
             asked = 0
+            whole = False
             try:
                 for batch in unordered:
+                    fence = batch.fence
                     try:
-                        done = batch.fence.query()
+                        done = fence.query()
                         if done is not True and done is not False:
                             done = is_done(done)
                     except Exception as exc:
-                        self._fault_batch(batch, batch.fence, exc)
+                        if solo is not None and solo.get(id(fence)) is batch:
+                            del solo[id(fence)]
+                        self._fault_batch(batch, fence, exc)
                         asked += 1
                         continue
                     asked += 1
                     if done:
+                        if solo is not None and solo.get(id(fence)) is batch:
+                            del solo[id(fence)]
                         released += self._settle(batch)
                     else:
                         keep.append(batch)
+                whole = True
             finally:
                 # A batch moved here during the loop went to the new list;
                 # after a BaseException from a query() the batches not yet
-                # settled stay too.
+                # settled stay too (and the index is rebuilt when next needed).
+                moved = self._unordered
                 keep.extend(unordered[asked:])
-                keep.extend(self._unordered)
+                keep.extend(moved)
                 self._unordered = keep
+                if whole and solo is not None:
+                    for batch in moved:
+                        if not batch.rest:
+                            solo.setdefault(id(batch.fence), batch)
+                    self._solo, self._solo_of = solo, keep
         return released
 
     def _settle(self, batch: Deferred[T]) -> int:
@@ -473,6 +524,7 @@ class Deferrals(Generic[T]):
                     batch.rest = tuple(f for f in batch.rest if f is not fence)
                 keep_list.append(batch)
             self._unordered = keep_list
+            self._drop_solo()
         released = 0
         for index, batch in enumerate(hits):
             try:
@@ -662,6 +714,7 @@ class Deferrals(Generic[T]):
                     del self._streams[key]
         hits.extend(b for b in self._unordered if b.fence is fence)
         self._unordered = [b for b in self._unordered if b.fence is not fence]
+        self._drop_solo()
         released = 0
         if error is None:
             for batch in hits:
@@ -751,6 +804,7 @@ class Deferrals(Generic[T]):
                     else:
                         del self._streams[key]
             self._unordered = [b for b in self._unordered if b.did not in gone]
+            self._drop_solo()
         released = 0
         newly: list[Deferred[T]] = []
         for i, batch in enumerate(batches):
@@ -797,6 +851,13 @@ class Deferrals(Generic[T]):
         for b in self._unordered:
             if stream_key(b.fence) is not None:
                 fail(f"batch {b!r} of an ordered fence sits in the side list")
+        if self._solo_of is self._unordered:
+            listed = {id(b) for b in self._unordered}
+            for fid, b in self._solo.items():
+                if id(b) not in listed or b.rest or id(b.fence) != fid:
+                    fail(f"batch {b!r} is indexed as waiting for one fence of unknown origin")
+        elif self._solo:
+            fail("an index of a side list no longer in use is kept")
         for b in self._batches():
             if b.did in dids or not 0 <= b.did < self._next_did:
                 fail(f"batch {b!r} has a duplicate or unissued deferral id")

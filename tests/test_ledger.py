@@ -681,3 +681,38 @@ def test_freeing_a_row_with_a_recorded_use_does_not_walk_the_free_queue(order: s
     assert led.free(rows) == len(rows)
     assert len(led._free) == free_before + len(rows)
     assert [led.state_of(r) for r in rows] == ["free"] * len(rows)
+
+
+class _Unwalkable(list):  # type: ignore[type-arg]
+    """A side list that refuses to be walked once it holds several batches."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        if len(self) > 1:
+            raise AssertionError("the side list of fences of unknown origin was walked")
+        return super().__iter__()
+
+
+def test_a_free_behind_a_fence_of_unknown_origin_does_not_walk_the_side_list(kit):
+    """Joining the batch already behind a transfer handle (or starting one)
+    costs O(1), not O(transfers in flight): the side list was walked on
+    every such free (0.9 ms a free with 16,384 transfers pending)."""
+    led = SlotLedger(16)
+    led._unordered = _Unwalkable()
+    fences = [kit.event_fence() for _ in range(4)]
+    rows = led.take(8)
+    for row, fence in zip(rows[:4], fences, strict=True):
+        assert led.free([row], fence) == 0
+    assert led.free([rows[4], rows[5]], fences[1]) == 0  # joins fences[1]'s batch
+    assert len(led._unordered) == 4
+    led._unordered = led._unordered[:]  # a plain list: walkable again (the index is rebuilt)
+    assert led.free([rows[6]], fences[1]) == 0
+    assert len(led._unordered) == 4
+    led.check_invariants()
+    fences[1].set()
+    assert led.reclaim() == 4
+    assert led._solo_of is led._unordered  # carried over, not rebuilt at the next free
+    assert led.free([rows[7]], fences[1]) == 1  # completed: free at once
+    fences[0].set()
+    assert led.reclaim() == 1
+    assert led.free(led.take(1), fences[2]) == 0  # joins after the list was replaced
+    led.check_invariants()

@@ -107,9 +107,7 @@ class Admission:
 
     # ------------------------------------------------------------ admitting
 
-    async def admit(
-        self, pages: int, *, priority: int = 0, timeout: float | None = None
-    ) -> Grant:
+    async def admit(self, pages: int, *, priority: int = 0, timeout: float | None = None) -> Grant:
         """Admit a request: one row and ``pages`` KV pages, granted together.
 
         All or nothing (System V ``semop`` semantics): a waiter short of

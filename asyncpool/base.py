@@ -225,8 +225,10 @@ class PoolCore:
             extra["overdue_rows"] = pending
         if extra.get("overdue_pages", 0) > extra.get("pages_pending", 0):
             extra["overdue_pages"] = extra.get("pages_pending", 0)
-        if extra.get("overdue_fences") and not extra["overdue_rows"] and not extra.get(
-            "overdue_pages"
+        if (
+            extra.get("overdue_fences")
+            and not extra["overdue_rows"]
+            and not extra.get("overdue_pages")
         ):
             extra["overdue_fences"] = 0  # every one of them completed meanwhile
         return PoolStats(

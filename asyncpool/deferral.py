@@ -589,7 +589,9 @@ class Deferrals(Generic[T]):
             err: BaseException = FenceError(f"fence {fence!r} faulted before: {exc!r}")
             logger.warning(
                 "fence %r, which faulted before, quarantined %s %s more",
-                fence, self.unit, _describe(items, n),
+                fence,
+                self.unit,
+                _describe(items, n),
             )
         else:
             err = exc
@@ -607,7 +609,10 @@ class Deferrals(Generic[T]):
             self.last_fence_error = err
             logger.error(
                 "fence %r faulted; quarantined %s %s: %s",
-                fence, self.unit, _describe(items, n), exc,
+                fence,
+                self.unit,
+                _describe(items, n),
+                exc,
             )
         if self._on_fault is not None:
             self._on_fault(fence, err)

@@ -223,9 +223,7 @@ class HostFence:
         return err
 
 
-def _run_callback(
-    fn: Callable[[], object], catch: type[BaseException] = Exception
-) -> None:
+def _run_callback(fn: Callable[[], object], catch: type[BaseException] = Exception) -> None:
     # On a HostStream's worker ``catch`` is BaseException: nothing may stop
     # the thread, or a callback raising SystemExit would leave every later
     # fence of the stream unsettled and every callback behind it unrun.
@@ -623,9 +621,7 @@ def is_done(answer: object) -> bool:
     if value.__class__ is bool:
         return bool(value)
     if value != 0 and value != 1:
-        raise TypeError(
-            f"query() answered {answer!r:.80}, not True or False (a status code?)"
-        )
+        raise TypeError(f"query() answered {answer!r:.80}, not True or False (a status code?)")
     return value == 1
 
 
@@ -636,9 +632,13 @@ def _one_element(answer: Any, dtype: object) -> int | bool:
     kind = getattr(dtype, "kind", None)  # numpy: "b", "i", "u"
     if kind is None:
         name = str(dtype)  # torch
-        kind = "b" if name == "torch.bool" else "i" if name.startswith(
-            ("torch.int", "torch.uint")
-        ) else "?"
+        kind = (
+            "b"
+            if name == "torch.bool"
+            else "i"
+            if name.startswith(("torch.int", "torch.uint"))
+            else "?"
+        )
     if numel != 1 or kind not in ("b", "i", "u"):
         raise TypeError(
             f"query() answered {answer!r:.80}, not True or False: an answer is one bool "

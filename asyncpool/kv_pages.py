@@ -621,18 +621,14 @@ class PageLedger(Deferrals[PageArray]):
             raise self._page_error(arr.tolist(), what, expect)
         return arr, owned
 
-    def _page_error(
-        self, ids: list[int], what: str, expect: int = ALLOCATED
-    ) -> InvalidSlotError:
+    def _page_error(self, ids: list[int], what: str, expect: int = ALLOCATED) -> InvalidSlotError:
         """The error for the first bad id of a call (in the call's order)."""
         seen: set[int] = set()
         for page in ids:
             if page == 0:
                 return InvalidSlotError(f"page 0 is reserved padding and cannot be {what}")
             if not 0 < page < self.num_pages:
-                return InvalidSlotError(
-                    f"page {page} is out of range 1..{self.num_pages - 1}"
-                )
+                return InvalidSlotError(f"page {page} is out of range 1..{self.num_pages - 1}")
             if page in seen:
                 return InvalidSlotError(f"page {page} appears more than once in one call")
             seen.add(page)

@@ -700,14 +700,10 @@ def check_size(size: object) -> None:
     """Raise :class:`CapacityError` unless ``size`` is an int in
     ``2..MAX_ROWS_SIZE`` (row 0 is reserved; ids fit int32)."""
     if size.__class__ is not int:
-        raise CapacityError(
-            f"size must be an int, got {size!r} of type {type(size).__name__}"
-        )
+        raise CapacityError(f"size must be an int, got {size!r} of type {type(size).__name__}")
     assert isinstance(size, int)
     if size < 2:
-        raise CapacityError(
-            f"size must be at least 2 (row 0 is reserved padding), got {size!r}"
-        )
+        raise CapacityError(f"size must be at least 2 (row 0 is reserved padding), got {size!r}")
     if size > MAX_ROWS_SIZE:
         raise CapacityError(
             f"size must be at most 2**31 (row ids must fit the int32 index tensors "
@@ -787,8 +783,7 @@ def as_row_ids(rows: object) -> Sequence[int]:
             values = rows.tolist()
         except (RuntimeError, NotImplementedError):  # a meta or sparse tensor: no data
             raise InvalidSlotError(
-                f"rows must be a tensor with data (strided, on a real device), got "
-                f"{rows!r:.80}"
+                f"rows must be a tensor with data (strided, on a real device), got {rows!r:.80}"
             ) from None
         return [_row_id(row) for row in values]
     if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
@@ -810,9 +805,7 @@ def index_or_error(value: object, rule: str) -> int:
     try:
         return as_index(value)
     except TypeError:
-        raise InvalidSlotError(
-            f"{rule}, got {value!r} of type {type(value).__name__}"
-        ) from None
+        raise InvalidSlotError(f"{rule}, got {value!r} of type {type(value).__name__}") from None
 
 
 def _row_id(row: object) -> int:

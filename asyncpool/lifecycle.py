@@ -41,9 +41,7 @@ _DRAIN_POLL_MAX_S = 1e-3
 _CLOSE_JOIN_S = 0.05
 
 
-async def _fence_or_timer(
-    loop: asyncio.AbstractEventLoop, fence: HostFence, delay: float
-) -> None:
+async def _fence_or_timer(loop: asyncio.AbstractEventLoop, fence: HostFence, delay: float) -> None:
     """Wait until ``fence`` completes or ``delay`` seconds pass, whichever is
     first, and leave nothing behind on the fence (its callback is removed,
     however the wait ends). The timer lets a drain notice what no fence
@@ -94,9 +92,7 @@ class Lifecycle:
 
         def _check_thread(self) -> None: ...
 
-        def _prepare_wait(
-            self, loop: asyncio.AbstractEventLoop
-        ) -> asyncio.AbstractEventLoop: ...
+        def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop: ...
 
         def reclaim(self) -> int: ...
 
@@ -166,9 +162,7 @@ class Lifecycle:
                 f"drain timed out after {timeout} s with {held} still pending behind fences"
             ) from None
 
-    async def _drain_explicit(
-        self, loop: asyncio.AbstractEventLoop, timeout: float | None
-    ) -> None:
+    async def _drain_explicit(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         # Explicit pools ask no fence on their own: wait for each pending
         # fence in turn and settle what is behind it (rows and pages) as
         # retire() would. The outcome (nothing pending) is the same on every
@@ -309,8 +303,10 @@ class Lifecycle:
             )
         pages = self._pages.ledger.allocated if self._pages is not None else 0
         if pages:
-            what = "1 KV page of the kv pool is" if pages == 1 else (
-                f"{pages} KV pages of the kv pool are"
+            what = (
+                "1 KV page of the kv pool is"
+                if pages == 1
+                else (f"{pages} KV pages of the kv pool are")
             )
             raise PoolBusyError(
                 f"cannot release memory while {what} still allocated; free them first"

@@ -74,93 +74,217 @@ class Family:
 #: :class:`PoolStats`).
 FAMILIES: tuple[Family, ...] = (
     # gauges: state right now
-    Family("capacity_rows", "gauge", "rows",
-           "Rows that can ever be handed out (size - 1).", lambda s: s.capacity),
-    Family("free_rows", "gauge", "rows",
-           "Rows free right now, ready to hand out.", lambda s: s.free),
-    Family("allocated_rows", "gauge", "rows",
-           "Rows held by requests right now.", lambda s: s.allocated),
-    Family("pending_rows", "gauge", "rows",
-           "Rows freed but waiting for their fences to complete.", lambda s: s.pending),
-    Family("quarantined_rows", "gauge", "rows",
-           "Rows kept out of circulation because their fence faulted.",
-           lambda s: s.quarantined),
-    Family("peak_allocated_rows", "gauge", "rows",
-           "Most rows held by requests at once.", lambda s: s.peak_allocated),
-    Family("waiting_requests", "gauge", "",
-           "alloc() and admit() calls queued right now.", lambda s: s.waiters),
-    Family("capacity_pages", "gauge", "pages",
-           "KV pages the pool's KVPagePool can hand out (0 without kv=).",
-           lambda s: s.pages_capacity),
-    Family("free_pages", "gauge", "pages",
-           "KV pages free right now.", lambda s: s.pages_free),
-    Family("allocated_pages", "gauge", "pages",
-           "KV pages held right now, by rows or by callers that detached them.",
-           lambda s: s.pages_allocated),
-    Family("pending_pages", "gauge", "pages",
-           "KV pages freed but waiting for their fences to complete.",
-           lambda s: s.pages_pending),
-    Family("quarantined_pages", "gauge", "pages",
-           "KV pages kept out of circulation because their fence faulted.",
-           lambda s: s.pages_quarantined),
-    Family("overdue_fences", "gauge", "",
-           "Pending fences older than fence_timeout right now (their memory stays held).",
-           lambda s: s.overdue_fences),
-    Family("overdue_rows", "gauge", "rows",
-           "Rows held by overdue fences right now.", lambda s: s.overdue_rows),
-    Family("overdue_pages", "gauge", "pages",
-           "KV pages held by overdue fences right now.", lambda s: s.overdue_pages),
+    Family(
+        "capacity_rows",
+        "gauge",
+        "rows",
+        "Rows that can ever be handed out (size - 1).",
+        lambda s: s.capacity,
+    ),
+    Family(
+        "free_rows", "gauge", "rows", "Rows free right now, ready to hand out.", lambda s: s.free
+    ),
+    Family(
+        "allocated_rows", "gauge", "rows", "Rows held by requests right now.", lambda s: s.allocated
+    ),
+    Family(
+        "pending_rows",
+        "gauge",
+        "rows",
+        "Rows freed but waiting for their fences to complete.",
+        lambda s: s.pending,
+    ),
+    Family(
+        "quarantined_rows",
+        "gauge",
+        "rows",
+        "Rows kept out of circulation because their fence faulted.",
+        lambda s: s.quarantined,
+    ),
+    Family(
+        "peak_allocated_rows",
+        "gauge",
+        "rows",
+        "Most rows held by requests at once.",
+        lambda s: s.peak_allocated,
+    ),
+    Family(
+        "waiting_requests",
+        "gauge",
+        "",
+        "alloc() and admit() calls queued right now.",
+        lambda s: s.waiters,
+    ),
+    Family(
+        "capacity_pages",
+        "gauge",
+        "pages",
+        "KV pages the pool's KVPagePool can hand out (0 without kv=).",
+        lambda s: s.pages_capacity,
+    ),
+    Family("free_pages", "gauge", "pages", "KV pages free right now.", lambda s: s.pages_free),
+    Family(
+        "allocated_pages",
+        "gauge",
+        "pages",
+        "KV pages held right now, by rows or by callers that detached them.",
+        lambda s: s.pages_allocated,
+    ),
+    Family(
+        "pending_pages",
+        "gauge",
+        "pages",
+        "KV pages freed but waiting for their fences to complete.",
+        lambda s: s.pages_pending,
+    ),
+    Family(
+        "quarantined_pages",
+        "gauge",
+        "pages",
+        "KV pages kept out of circulation because their fence faulted.",
+        lambda s: s.pages_quarantined,
+    ),
+    Family(
+        "overdue_fences",
+        "gauge",
+        "",
+        "Pending fences older than fence_timeout right now (their memory stays held).",
+        lambda s: s.overdue_fences,
+    ),
+    Family(
+        "overdue_rows",
+        "gauge",
+        "rows",
+        "Rows held by overdue fences right now.",
+        lambda s: s.overdue_rows,
+    ),
+    Family(
+        "overdue_pages",
+        "gauge",
+        "pages",
+        "KV pages held by overdue fences right now.",
+        lambda s: s.overdue_pages,
+    ),
     Family("closed", "gauge", "", "1 once the pool is closed, else 0.", lambda s: s.closed),
-    Family("released", "gauge", "",
-           "1 while the pool's memory region is released, else 0.", lambda s: s.released),
+    Family(
+        "released",
+        "gauge",
+        "",
+        "1 while the pool's memory region is released, else 0.",
+        lambda s: s.released,
+    ),
     # counters: lifetime totals
-    Family("alloc_calls", "counter", "",
-           "Allocation calls granted rows (alloc, successful try_alloc).",
-           lambda s: s.alloc_calls),
-    Family("admit_calls", "counter", "",
-           "admit() calls granted a row and its KV pages (admit, successful try_admit).",
-           lambda s: s.admits),
-    Family("rows_allocated", "counter", "",
-           "Rows handed out (also those a waiter cancelled after its grant gave back).",
-           lambda s: s.rows_granted),
-    Family("rows_freed", "counter", "",
-           "Rows that left the allocated state: freed, or given back by a cancelled waiter.",
-           lambda s: s.rows_granted - s.allocated),
-    Family("rows_deferred", "counter", "",
-           "Freed rows that had to wait for a fence.", lambda s: s.deferred_frees),
-    Family("rows_reclaimed", "counter", "",
-           "Rows returned to circulation by completed fences.", lambda s: s.reclaimed),
-    Family("alloc_timeouts", "counter", "",
-           "alloc() and admit() calls that raised TimeoutError (their own "
-           "timeout= fired while queued).", lambda s: s.timeouts),
-    Family("alloc_cancellations", "counter", "",
-           "alloc() and admit() calls cancelled while queued (or granted, before resuming).",
-           lambda s: s.cancellations),
-    Family("alloc_rejections", "counter", "",
-           "alloc() and admit() calls refused because max_waiters calls already queued.",
-           lambda s: s.rejections),
-    Family("fence_errors", "counter", "",
-           "Fences that faulted (their rows are quarantined).", lambda s: s.fence_errors),
-    Family("page_fence_errors", "counter", "",
-           "Fences that faulted holding KV pages (their pages are quarantined).",
-           lambda s: s.page_fence_errors),
-    Family("row_resets", "counter", "",
-           "Bulk resets of freed rows' table entries (one vectorised op each).",
-           lambda s: s.resets),
+    Family(
+        "alloc_calls",
+        "counter",
+        "",
+        "Allocation calls granted rows (alloc, successful try_alloc).",
+        lambda s: s.alloc_calls,
+    ),
+    Family(
+        "admit_calls",
+        "counter",
+        "",
+        "admit() calls granted a row and its KV pages (admit, successful try_admit).",
+        lambda s: s.admits,
+    ),
+    Family(
+        "rows_allocated",
+        "counter",
+        "",
+        "Rows handed out (also those a waiter cancelled after its grant gave back).",
+        lambda s: s.rows_granted,
+    ),
+    Family(
+        "rows_freed",
+        "counter",
+        "",
+        "Rows that left the allocated state: freed, or given back by a cancelled waiter.",
+        lambda s: s.rows_granted - s.allocated,
+    ),
+    Family(
+        "rows_deferred",
+        "counter",
+        "",
+        "Freed rows that had to wait for a fence.",
+        lambda s: s.deferred_frees,
+    ),
+    Family(
+        "rows_reclaimed",
+        "counter",
+        "",
+        "Rows returned to circulation by completed fences.",
+        lambda s: s.reclaimed,
+    ),
+    Family(
+        "alloc_timeouts",
+        "counter",
+        "",
+        "alloc() and admit() calls that raised TimeoutError (their own "
+        "timeout= fired while queued).",
+        lambda s: s.timeouts,
+    ),
+    Family(
+        "alloc_cancellations",
+        "counter",
+        "",
+        "alloc() and admit() calls cancelled while queued (or granted, before resuming).",
+        lambda s: s.cancellations,
+    ),
+    Family(
+        "alloc_rejections",
+        "counter",
+        "",
+        "alloc() and admit() calls refused because max_waiters calls already queued.",
+        lambda s: s.rejections,
+    ),
+    Family(
+        "fence_errors",
+        "counter",
+        "",
+        "Fences that faulted (their rows are quarantined).",
+        lambda s: s.fence_errors,
+    ),
+    Family(
+        "page_fence_errors",
+        "counter",
+        "",
+        "Fences that faulted holding KV pages (their pages are quarantined).",
+        lambda s: s.page_fence_errors,
+    ),
+    Family(
+        "row_resets",
+        "counter",
+        "",
+        "Bulk resets of freed rows' table entries (one vectorised op each).",
+        lambda s: s.resets,
+    ),
     # histograms: every event over the pool's life
-    Family("alloc_wait_seconds", "histogram", "seconds",
-           "Wait of each granted allocation, from the call to its grant "
-           "(0 when granted without queueing). Timed-out, rejected and "
-           "cancelled-while-queued calls are not observed: see their counters.",
-           lambda s: s.wait_histogram),
-    Family("admit_wait_seconds", "histogram", "seconds",
-           "Wait of each granted admission (a row and its KV pages), from the call "
-           "to its grant (0 when granted without queueing).",
-           lambda s: s.admit_wait_histogram),
-    Family("fence_latency_seconds", "histogram", "seconds",
-           "Latency of each completed fence batch, from the deferred free to the "
-           "reclaim that saw the fence complete.",
-           lambda s: s.fence_latency_histogram),
+    Family(
+        "alloc_wait_seconds",
+        "histogram",
+        "seconds",
+        "Wait of each granted allocation, from the call to its grant "
+        "(0 when granted without queueing). Timed-out, rejected and "
+        "cancelled-while-queued calls are not observed: see their counters.",
+        lambda s: s.wait_histogram,
+    ),
+    Family(
+        "admit_wait_seconds",
+        "histogram",
+        "seconds",
+        "Wait of each granted admission (a row and its KV pages), from the call "
+        "to its grant (0 when granted without queueing).",
+        lambda s: s.admit_wait_histogram,
+    ),
+    Family(
+        "fence_latency_seconds",
+        "histogram",
+        "seconds",
+        "Latency of each completed fence batch, from the deferred free to the "
+        "reclaim that saw the fence complete.",
+        lambda s: s.fence_latency_histogram,
+    ),
 )
 
 
@@ -278,12 +402,16 @@ class PoolCollector:
             try:
                 stats = pool.stats(summaries=False)
             except Exception:
-                logger.warning("pool %r left out of this scrape: stats() raised", name,
-                               exc_info=True)
+                logger.warning(
+                    "pool %r left out of this scrape: stats() raised", name, exc_info=True
+                )
                 continue
             if not isinstance(stats, PoolStats):
-                logger.warning("pool %r left out of this scrape: stats() gave %s, not "
-                               "PoolStats", name, type(stats).__name__)
+                logger.warning(
+                    "pool %r left out of this scrape: stats() gave %s, not PoolStats",
+                    name,
+                    type(stats).__name__,
+                )
                 continue
             snapshots.append((name, token, stats))
         for fam, family in zip(FAMILIES, self._families(), strict=True):

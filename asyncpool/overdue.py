@@ -88,8 +88,7 @@ class OverdueFences:
         """
         now = self._clock()
         cutoff = now - self.timeout
-        batches = [(led, b) for led in self._ledgers if led.pending
-                   for b in led.pending_batches()]
+        batches = [(led, b) for led in self._ledgers if led.pending for b in led.pending_batches()]
         overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
         for led, batch in batches:
             late = batch.did in led.agreed_overdue if agreed else batch.t0 <= cutoff
@@ -121,9 +120,10 @@ class OverdueFences:
             del self._logged[key]  # no longer pending: forget it
         for key, (fence, held) in overdue.items():
             entry = self._logged.get(key)
-            if entry is not None and (
-                entry() if entry.__class__ is weakref.ref else entry
-            ) is fence:
+            if (
+                entry is not None
+                and (entry() if entry.__class__ is weakref.ref else entry) is fence
+            ):
                 continue
             try:
                 self._logged[key] = weakref.ref(fence)
@@ -142,4 +142,3 @@ class OverdueFences:
 
     def forget(self, fence: Fence) -> None:
         self._logged.pop(id(fence), None)
-

@@ -476,9 +476,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     # ------------------------------------------------------------ allocation
 
-    async def alloc(
-        self, n: int, *, priority: int = 0, timeout: float | None = None
-    ) -> list[int]:
+    async def alloc(self, n: int, *, priority: int = 0, timeout: float | None = None) -> list[int]:
         """Allocate ``n`` rows, waiting until they can all be granted at once.
 
         Returns at once, without suspending, when nobody is queued and ``n``
@@ -584,11 +582,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # or has waiters (their futures are its own). Pending fences move
         # along: a wake-up reads the pool's loop when it fires.
         old = self._loop
-        if (
-            old is not None
-            and not old.is_closed()
-            and (old.is_running() or self._waiters.count)
-        ):
+        if old is not None and not old.is_closed() and (old.is_running() or self._waiters.count):
             raise WrongThreadError(
                 "AsyncReqToTokenPool is bound to another event loop that is still "
                 "running or has waiters; a pool is loop-affine"
@@ -938,8 +932,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._watcher.unwatch(fence)  # nothing waits on it: stop asking
         if rows or pages:
             logger.warning(
-                "force_release(%r): %s and %s returned to circulation without the fence "
-                "completing",
+                "force_release(%r): %s and %s returned to circulation without the fence completing",
                 fence,
                 _count(rows, "row"),
                 _count(pages, "page"),

@@ -29,12 +29,24 @@ __all__ = [
 #: decade from 10 µs to 10 s (19 bounds; ``+Inf`` is implicit). A zero wait
 #: (an allocation granted without queueing) lands in the first bucket.
 DEFAULT_BOUNDS_S: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5,
-    1e-4, 2.5e-4, 5e-4,
-    1e-3, 2.5e-3, 5e-3,
-    0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
     10.0,
 )
 

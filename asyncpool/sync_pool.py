@@ -37,6 +37,7 @@ _NO_WAITS = Histogram()  # never observed: the sync pool's waits are all zero
 
 logger = logging.getLogger(__name__)
 
+
 class ReqToTokenPool(PoolCore):
     """A pool of ``size - 1`` request rows (row 0 is reserved padding).
 
@@ -194,21 +195,27 @@ class ReqToTokenPool(PoolCore):
         forgot = led.forget_use(fence)
         if rows:
             logger.warning(
-                "force_release(%r): %d row%s returned to circulation without the fence "
-                "completing", fence, rows, "" if rows == 1 else "s",
+                "force_release(%r): %d row%s returned to circulation without the fence completing",
+                fence,
+                rows,
+                "" if rows == 1 else "s",
             )
         elif held:
             logger.warning(
                 "force_release(%r): the rows behind this fence still wait for other "
-                "fences; they no longer wait for this one", fence,
+                "fences; they no longer wait for this one",
+                fence,
             )
         else:
             logger.warning(
                 "force_release(%r): no row was pending behind this fence (never given to "
                 "this pool, already completed and reclaimed, or released before)%s",
                 fence,
-                "" if not forgot else "; 1 allocated row forgets its use of it"
-                if forgot == 1 else f"; {forgot} allocated rows forget their use of it",
+                ""
+                if not forgot
+                else "; 1 allocated row forgets its use of it"
+                if forgot == 1
+                else f"; {forgot} allocated rows forget their use of it",
             )
         return rows
 

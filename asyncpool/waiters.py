@@ -157,8 +157,8 @@ class WaiterQueues:
                 loop.call_soon(self._new_head, waiter)
         queue.append(waiter)
         self.count += 1
-        handle = None if timeout is None else loop.call_later(
-            timeout, self._expire, waiter, timeout
+        handle = (
+            None if timeout is None else loop.call_later(timeout, self._expire, waiter, timeout)
         )
         return waiter, handle
 

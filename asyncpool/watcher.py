@@ -157,9 +157,7 @@ class FenceWatcher:
             self._polled[id(fence)] = fence
             self._kicked = True
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._poll, name=self._name, daemon=True
-                )
+                self._thread = threading.Thread(target=self._poll, name=self._name, daemon=True)
                 self._thread.start()
             else:
                 self._poll_cond.notify()

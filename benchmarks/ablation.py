@@ -108,8 +108,12 @@ def unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
                     self._fast = self._unchecked
                     return rows
             waiter, handle = waiters.enqueue(
-                n, priority, timeout, asyncio.get_running_loop(),
-                self._wait_times, self._wait_histogram,
+                n,
+                priority,
+                timeout,
+                asyncio.get_running_loop(),
+                self._wait_times,
+                self._wait_histogram,
             )
             try:
                 granted: list[int] = await waiter[1]
@@ -221,11 +225,18 @@ def run(cfg: Config, loops: Sequence[str] | None = None) -> dict[str, dict[str, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ablation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ablation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--loop", action="append", choices=sorted(loop_factories()),
-                   help="a loop to run on (repeatable; default: all)")
+    p.add_argument(
+        "--loop",
+        action="append",
+        choices=sorted(loop_factories()),
+        help="a loop to run on (repeatable; default: all)",
+    )
     args = p.parse_args(argv)
     print(render(run(PRESETS[args.preset], args.loop)))
     return 0

@@ -95,15 +95,28 @@ async def bench_admit(cfg: Config) -> list[Row]:
         await admit_pool.close()
         await rows_pool.close()
     rows = [
-        compare(per_op, bench=f"uncontended admit(pages={k})+free", loop=loop,
-                subject="admit", reference="apart", unit="ns/cycle", speedup=False,
-                target=ADMIT_VS_APART,
-                subject_label=f"admit(pages={k}) + free",
-                reference_label=f"alloc(1)+free (rows pool) + alloc({k})+free (bare KVPagePool)"),
-        compare(per_op, bench="uncontended alloc(1)+free, pool with kv", loop=loop,
-                subject="alloc(1), kv pool", reference="alloc(1), rows-only pool",
-                unit="ns/cycle", speedup=False,
-                note="context: with kv, free() takes the page-aware path"),
+        compare(
+            per_op,
+            bench=f"uncontended admit(pages={k})+free",
+            loop=loop,
+            subject="admit",
+            reference="apart",
+            unit="ns/cycle",
+            speedup=False,
+            target=ADMIT_VS_APART,
+            subject_label=f"admit(pages={k}) + free",
+            reference_label=f"alloc(1)+free (rows pool) + alloc({k})+free (bare KVPagePool)",
+        ),
+        compare(
+            per_op,
+            bench="uncontended alloc(1)+free, pool with kv",
+            loop=loop,
+            subject="alloc(1), kv pool",
+            reference="alloc(1), rows-only pool",
+            unit="ns/cycle",
+            speedup=False,
+            note="context: with kv, free() takes the page-aware path",
+        ),
     ]
     rows += await _extend(cfg)
     rows += await _contended(cfg)
@@ -142,9 +155,7 @@ async def _extend(cfg: Config) -> list[Row]:
     # A decode step: every row of the batch grows one page, `steps` steps
     # per batch of freshly admitted rows.
     batch, steps = cfg.extend_batch_rows, 16
-    batch_pool = AsyncReqToTokenPool(
-        batch + 1, 16, kv=KVPagePool(batch * (steps + 1) + 1, 1)
-    )
+    batch_pool = AsyncReqToTokenPool(batch + 1, 16, kv=KVPagePool(batch * (steps + 1) + 1, 1))
 
     def decode_steps(batched: bool) -> Sampler:
         async def sample(n: int) -> int:
@@ -190,16 +201,30 @@ async def _extend(cfg: Config) -> list[Row]:
         await pool.close()
         await batch_pool.close()
     return [
-        compare(per_op, bench=f"decode step: {batch} rows grow 1 page each", loop=loop,
-                subject="extend_rows", reference="extend each", unit="ns/row", speedup=True,
-                subject_label=f"extend_rows(rows, 1), {batch} rows",
-                reference_label=f"extend(row, 1) for each of {batch} rows",
-                note="context: one take and one tensor for the batch"),
-        compare(per_op, bench="decode growth: extend(row, 1)", loop=loop,
-                subject="long", reference="short", unit="ns/extend", speedup=False,
-                subject_label=f"extend(row, 1), record of {long:,} pages",
-                reference_label=f"extend(row, 1), record of {short} pages",
-                note="context: amortised O(1) (the record grows in a doubling buffer)"),
+        compare(
+            per_op,
+            bench=f"decode step: {batch} rows grow 1 page each",
+            loop=loop,
+            subject="extend_rows",
+            reference="extend each",
+            unit="ns/row",
+            speedup=True,
+            subject_label=f"extend_rows(rows, 1), {batch} rows",
+            reference_label=f"extend(row, 1) for each of {batch} rows",
+            note="context: one take and one tensor for the batch",
+        ),
+        compare(
+            per_op,
+            bench="decode growth: extend(row, 1)",
+            loop=loop,
+            subject="long",
+            reference="short",
+            unit="ns/extend",
+            speedup=False,
+            subject_label=f"extend(row, 1), record of {long:,} pages",
+            reference_label=f"extend(row, 1), record of {short} pages",
+            note="context: amortised O(1) (the record grows in a doubling buffer)",
+        ),
     ]
 
 
@@ -211,7 +236,8 @@ async def _contended(cfg: Config) -> list[Row]:
     tasks, rounds = cfg.contended_tasks, cfg.contended_rounds
     k = cfg.admit_pages
     pool = AsyncReqToTokenPool(
-        cfg.contended_rows + 1, cfg.max_context_len,
+        cfg.contended_rows + 1,
+        cfg.max_context_len,
         kv=KVPagePool(cfg.contended_pages + 1, 16),
     )
     sem = asyncio.Semaphore(cfg.contended_rows)
@@ -261,20 +287,31 @@ async def _contended(cfg: Config) -> list[Row]:
     finally:
         await pool.close()
     return [
-        compare(per_op,
-                bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
-                f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
-                loop=loop, subject="asyncpool", reference="Semaphore", unit="ns/grant",
-                speedup=False, target=CONTENDED_ADMIT_VS_SEM,
-                subject_label=f"admit(pages={k})",
-                reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
-                note=f"each task: {rounds}x (admit, sleep(0), free); gc on"),
-        compare(per_op,
-                bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
-                f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
-                loop=loop, subject="asyncpool", reference="Semaphore+kv", unit="ns/grant",
-                speedup=False, subject_label=f"admit(pages={k})",
-                reference_label=f"asyncio.Semaphore({holders}) + bare KVPagePool "
-                f"alloc({k})+free",
-                note="context: the same page work, without atomic admission"),
+        compare(
+            per_op,
+            bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
+            f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
+            loop=loop,
+            subject="asyncpool",
+            reference="Semaphore",
+            unit="ns/grant",
+            speedup=False,
+            target=CONTENDED_ADMIT_VS_SEM,
+            subject_label=f"admit(pages={k})",
+            reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
+            note=f"each task: {rounds}x (admit, sleep(0), free); gc on",
+        ),
+        compare(
+            per_op,
+            bench=f"contended admit: {tasks} tasks, 1 row + {k} pages each, on "
+            f"{cfg.contended_rows} rows / {cfg.contended_pages} pages",
+            loop=loop,
+            subject="asyncpool",
+            reference="Semaphore+kv",
+            unit="ns/grant",
+            speedup=False,
+            subject_label=f"admit(pages={k})",
+            reference_label=f"asyncio.Semaphore({holders}) + bare KVPagePool alloc({k})+free",
+            note="context: the same page work, without atomic admission",
+        ),
     ]

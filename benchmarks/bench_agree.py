@@ -61,8 +61,13 @@ def _rank(rank: int, world: int, init: str, out: str, rounds: int, calls: int) -
     from asyncpool.agreement import agree
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         group = dist.group.WORLD
         variants: dict[str, Any] = {}
@@ -81,7 +86,7 @@ def _rank(rank: int, world: int, init: str, out: str, rounds: int, calls: int) -
         names = [*variants, "bare all_reduce"]
         samples: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 dist.barrier(group)
                 t0 = time.perf_counter_ns()
@@ -117,24 +122,45 @@ def bench_agree(cfg: Config, world: int = 2) -> tuple[list[Row], dict[str, Any]]
         xs = samples[name]
         per_round = [x / step_us for x in xs]
         p25, p75 = quantiles(per_round)
-        rows.append(Row(
-            bench="agree", loop="-",
-            subject=f"agree() per step, gloo {world} ranks, {k} pending batches per ledger",
-            reference=f"demo step ({DEMO_STEP_MS:g} ms)",
-            subject_value=median(xs), reference_value=step_us, unit="us",
-            ratio=median(per_round), ratio_label="agree / step",
-            ratio_p25=p25, ratio_p75=p75,
-            note=f"{calls} calls per sample", samples={"agree_us": xs}))
+        rows.append(
+            Row(
+                bench="agree",
+                loop="-",
+                subject=f"agree() per step, gloo {world} ranks, {k} pending batches per ledger",
+                reference=f"demo step ({DEMO_STEP_MS:g} ms)",
+                subject_value=median(xs),
+                reference_value=step_us,
+                unit="us",
+                ratio=median(per_round),
+                ratio_label="agree / step",
+                ratio_p25=p25,
+                ratio_p75=p75,
+                note=f"{calls} calls per sample",
+                samples={"agree_us": xs},
+            )
+        )
         vs_bare = [x / b for x, b in zip(xs, bare, strict=True)]
         p25, p75 = quantiles(vs_bare)
-        rows.append(Row(
-            bench="agree", loop="-",
-            subject=f"agree() {k} pending batches per ledger",
-            reference="bare all_reduce of one int64",
-            subject_value=median(xs), reference_value=median(bare), unit="us",
-            ratio=median(vs_bare), ratio_label="agree / bare",
-            ratio_p25=p25, ratio_p75=p75,
-            samples={"agree_us": xs, "bare_us": bare}))
-    info = {"world": world, "calls_per_sample": calls, "samples_us": samples,
-            "demo_step_ms": DEMO_STEP_MS}
+        rows.append(
+            Row(
+                bench="agree",
+                loop="-",
+                subject=f"agree() {k} pending batches per ledger",
+                reference="bare all_reduce of one int64",
+                subject_value=median(xs),
+                reference_value=median(bare),
+                unit="us",
+                ratio=median(vs_bare),
+                ratio_label="agree / bare",
+                ratio_p25=p25,
+                ratio_p75=p75,
+                samples={"agree_us": xs, "bare_us": bare},
+            )
+        )
+    info = {
+        "world": world,
+        "calls_per_sample": calls,
+        "samples_us": samples,
+        "demo_step_ms": DEMO_STEP_MS,
+    }
     return rows, info

@@ -51,6 +51,7 @@ async def bench_uncontended(cfg: Config) -> list[Row]:
     sem = asyncio.Semaphore(cfg.size - 1)
 
     pool_sample = pool_cycles(pool, 1, now)
+
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
         t0 = now()
@@ -71,11 +72,27 @@ async def bench_uncontended(cfg: Config) -> list[Row]:
         await pool.close()
     bench = "uncontended alloc(1)+free"
     return [
-        compare(per_op, bench=bench, loop=loop, subject="asyncpool", reference="seed-style",
-                unit="ns/cycle", speedup=True, target=UNCONTENDED_VS_SEED),
-        compare(per_op, bench=bench, loop=loop, subject="asyncpool", reference="Semaphore",
-                unit="ns/cycle", speedup=False, target=UNCONTENDED_VS_SEM,
-                reference_label="asyncio.Semaphore acquire+release"),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="asyncpool",
+            reference="seed-style",
+            unit="ns/cycle",
+            speedup=True,
+            target=UNCONTENDED_VS_SEED,
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="asyncpool",
+            reference="Semaphore",
+            unit="ns/cycle",
+            speedup=False,
+            target=UNCONTENDED_VS_SEM,
+            reference_label="asyncio.Semaphore acquire+release",
+        ),
     ]
 
 
@@ -92,6 +109,7 @@ async def bench_batched(cfg: Config) -> list[Row]:
     steps = range(k)
 
     pool_sample = pool_cycles(pool, k, now)
+
     async def sem_sample(n: int) -> int:
         acquire, release = sem.acquire, sem.release
         t0 = now()
@@ -116,12 +134,27 @@ async def bench_batched(cfg: Config) -> list[Row]:
         await pool.close()
     bench = f"alloc({k})+free, per row"
     return [
-        compare(per_op, bench=bench, loop=loop, subject="asyncpool", reference="seed-style",
-                unit="ns/row", speedup=True, target=BATCHED_VS_SEED),
-        compare(per_op, bench=bench, loop=loop, subject="asyncpool", reference="Semaphore",
-                unit="ns/row", speedup=False,
-                reference_label=f"Semaphore: {k} acquires + {k} releases",
-                note="context only: a Semaphore cannot grant k at once"),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="asyncpool",
+            reference="seed-style",
+            unit="ns/row",
+            speedup=True,
+            target=BATCHED_VS_SEED,
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="asyncpool",
+            reference="Semaphore",
+            unit="ns/row",
+            speedup=False,
+            reference_label=f"Semaphore: {k} acquires + {k} releases",
+            note="context only: a Semaphore cannot grant k at once",
+        ),
     ]
 
 
@@ -152,9 +185,16 @@ async def bench_contended(cfg: Config) -> list[Row]:
     finally:
         await pool.close()
     return [
-        compare(per_op, bench=f"contended: {tasks} tasks on {cfg.contended_rows} rows",
-                loop=loop, subject="asyncpool", reference="Semaphore", unit="ns/grant",
-                speedup=False, target=CONTENDED_VS_SEM,
-                reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
-                note=f"each task: {rounds}x (acquire, sleep(0), release); gc on"),
+        compare(
+            per_op,
+            bench=f"contended: {tasks} tasks on {cfg.contended_rows} rows",
+            loop=loop,
+            subject="asyncpool",
+            reference="Semaphore",
+            unit="ns/grant",
+            speedup=False,
+            target=CONTENDED_VS_SEM,
+            reference_label=f"asyncio.Semaphore({cfg.contended_rows})",
+            note=f"each task: {rounds}x (acquire, sleep(0), release); gc on",
+        ),
     ]

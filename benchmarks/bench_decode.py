@@ -127,11 +127,15 @@ class Scenario:
         lens = tuple(rng.randrange(lo, hi) for _ in range(cfg.decode_requests))
         sc = cls(lens, cfg.decode_page_size, cfg.decode_num_pages, cfg.decode_batch_steps)
         if sc.steps < 1 or sc.steps % sc.page_size:
-            raise ValueError(f"decode_batch_steps ({sc.steps}) must be a positive multiple of "
-                             f"the page size ({sc.page_size})")
+            raise ValueError(
+                f"decode_batch_steps ({sc.steps}) must be a positive multiple of "
+                f"the page size ({sc.page_size})"
+            )
         if sum(sc.pages_at(sc.steps)) > sc.num_pages - 1:
-            raise ValueError(f"{len(lens)} requests of up to {hi + sc.steps} tokens do not fit "
-                             f"a {sc.num_pages}-page pool")
+            raise ValueError(
+                f"{len(lens)} requests of up to {hi + sc.steps} tokens do not fit "
+                f"a {sc.num_pages}-page pool"
+            )
         return sc
 
     @property
@@ -190,8 +194,13 @@ class Side:
         """Times ``n`` batches of ``sc.steps`` steps each (only the step
         calls); checks every step's page count."""
         expected = [len(sc.crossing(j)) for j in range(sc.steps)]
-        begin, step, after, end, available = (self.begin, self.step, self.after, self.end,
-                                              self.available)
+        begin, step, after, end, available = (
+            self.begin,
+            self.step,
+            self.after,
+            self.end,
+            self.available,
+        )
         label = self.label
 
         async def sample(n: int) -> int:
@@ -204,9 +213,11 @@ class Side:
                     step(arg)
                     elapsed += now() - t0
                     if before - available() != expected[j]:
-                        raise AssertionError(f"{label}: step {j} handed out "
-                                             f"{before - available()} pages, expected "
-                                             f"{expected[j]}")
+                        raise AssertionError(
+                            f"{label}: step {j} handed out "
+                            f"{before - available()} pages, expected "
+                            f"{expected[j]}"
+                        )
                     after(j)
                 end()
             return elapsed
@@ -284,8 +295,10 @@ class AsyncpoolSlots(_Admitted):
         self.rows_t = torch.tensor(rows, dtype=torch.int64)
         pages_of = self.pool.pages_of
         self.last_loc = torch.tensor(
-            [int(pages_of(row)[-1]) * ps + (n - 1) % ps for row, n in zip(rows, self.sc.lens,
-                                                                         strict=True)],
+            [
+                int(pages_of(row)[-1]) * ps + (n - 1) % ps
+                for row, n in zip(rows, self.sc.lens, strict=True)
+            ],
             dtype=torch.int64,
         )
         return self.lens
@@ -313,11 +326,14 @@ class VllmBlocks(Side):
     def __init__(self, sc: Scenario) -> None:
         from vllm.v1.core.block_pool import BlockPool
 
-        self.label = (f"vLLM {_version('vllm')} BlockPool, get_new_blocks(1) per crossing "
-                      "request (no KVCacheManager bookkeeping: favours vLLM)")
+        self.label = (
+            f"vLLM {_version('vllm')} BlockPool, get_new_blocks(1) per crossing "
+            "request (no KVCacheManager bookkeeping: favours vLLM)"
+        )
         # Block 0 is vLLM's null block (never handed out), as our page 0.
-        self.pool = BlockPool(num_gpu_blocks=sc.num_pages, enable_caching=False,
-                              hash_block_size=sc.page_size)
+        self.pool = BlockPool(
+            num_gpu_blocks=sc.num_pages, enable_caching=False, hash_block_size=sc.page_size
+        )
         self.start = sc.pages_at(0)
         self.req_blocks: list[list[Any]] = [self.pool.get_new_blocks(n) for n in self.start]
         self.crossing = [sc.crossing(j) for j in range(sc.steps)]
@@ -352,16 +368,26 @@ class VllmManager(Side):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.request import Request, RequestStatus
 
-        self.label = (f"vLLM {_version('vllm')} KVCacheManager.allocate_slots(request, 1) for "
-                      "every request (finds the crossing ones itself: favours asyncpool)")
+        self.label = (
+            f"vLLM {_version('vllm')} KVCacheManager.allocate_slots(request, 1) for "
+            "every request (finds the crossing ones itself: favours asyncpool)"
+        )
         self.sc = sc
-        spec = FullAttentionSpec(block_size=sc.page_size, num_kv_heads=1, head_size=1,
-                                 dtype=torch.bfloat16)  # the worker's business; never read
-        config = KVCacheConfig(num_blocks=sc.num_pages, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
-        self.manager = KVCacheManager(config, max_model_len=sc.max_len,
-                                      scheduler_block_size=sc.page_size,
-                                      hash_block_size=sc.page_size, enable_caching=False)
+        spec = FullAttentionSpec(
+            block_size=sc.page_size, num_kv_heads=1, head_size=1, dtype=torch.bfloat16
+        )  # the worker's business; never read
+        config = KVCacheConfig(
+            num_blocks=sc.num_pages,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)],
+        )
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=sc.max_len,
+            scheduler_block_size=sc.page_size,
+            hash_block_size=sc.page_size,
+            enable_caching=False,
+        )
         self.params = SamplingParams(max_tokens=sc.max_len)
         self.new_request, self.running = Request, RequestStatus.RUNNING
         self.requests: list[Any] = []
@@ -408,8 +434,10 @@ class SglangSlots(Side):
     key = SGLANG
 
     def __init__(self, sc: Scenario) -> None:
-        self.label = (f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator.alloc_decode "
-                      "(CPU, torch path)")
+        self.label = (
+            f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator.alloc_decode "
+            "(CPU, torch path)"
+        )
         self.sc = sc
         ps = sc.page_size
         self.alloc = _sglang_pool(sc.num_pages, ps)
@@ -473,8 +501,7 @@ def _load_peers(sc: Scenario) -> tuple[list[tuple[Side, str]], dict[str, str]]:
     found: list[tuple[Side, str]] = []
     skipped: dict[str, str] = {}
     for name, (module, loader, bench) in PEERS.items():
-        peer, why = load_peer(module, functools.partial(loader, sc), "decode", name,
-                              INSTALL_HINT)
+        peer, why = load_peer(module, functools.partial(loader, sc), "decode", name, INSTALL_HINT)
         if peer is not None:
             found.append((peer, bench))
         else:
@@ -504,27 +531,42 @@ async def bench_decode(cfg: Config) -> tuple[list[Row], dict[str, str]]:
         held = {key: side.available() for key, side in sides.items()}
         per_op = await interleave(
             {key: side.sampler(sc, now) for key, side in sides.items()},
-            rounds=cfg.rounds, target_s=cfg.sample_s,
-            ops_per_call=dict.fromkeys(sides, sc.steps), start=1,
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call=dict.fromkeys(sides, sc.steps),
+            start=1,
         )
         for key, side in sides.items():  # every batch gave back what it took
             if side.available() != held[key]:
-                raise AssertionError(f"{side.label}: {side.available()} pages free after the "
-                                     f"run, {held[key]} before")
+                raise AssertionError(
+                    f"{side.label}: {side.available()} pages free after the run, {held[key]} before"
+                )
     finally:
         for side in sides.values():
             await side.close()
     lo, hi = cfg.decode_lens
-    note = (f"{sc.requests} requests of {lo}-{hi - 1} tokens, "
-            f"{sc.requests / sc.page_size:g} crossing a page a step on average; "
-            f"{sc.num_pages:,}-page pool, {sc.page_size} slots a page")
+    note = (
+        f"{sc.requests} requests of {lo}-{hi - 1} tokens, "
+        f"{sc.requests / sc.page_size:g} crossing a page a step on average; "
+        f"{sc.num_pages:,}-page pool, {sc.page_size} slots a page"
+    )
     subject = {BENCH_PAGES: sides[ASYNCPOOL_PAGES], BENCH_SLOTS: sides[ASYNCPOOL_SLOTS]}
     rows: list[Row] = []
     for key, bench in benches.items():
         mine, peer = subject[bench], sides[key]
-        rows.append(compare(
-            per_op, bench=bench, loop=LOOP, subject=mine.key, reference=key,
-            subject_label=mine.label, reference_label=peer.label,
-            unit="ns/step", speedup=True, target=None, note=note,
-        ))
+        rows.append(
+            compare(
+                per_op,
+                bench=bench,
+                loop=LOOP,
+                subject=mine.key,
+                reference=key,
+                subject_label=mine.label,
+                reference_label=peer.label,
+                unit="ns/step",
+                speedup=True,
+                target=None,
+                note=note,
+            )
+        )
     return rows, skipped

@@ -65,42 +65,84 @@ def _run_api(loop: str, overrides: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(DemoConfig)}
     demo_cfg = DemoConfig(**{k: v for k, v in overrides.items() if k in known})
     report = run_on(loop, lambda: run_demo(demo_cfg))
-    return {"tokens_per_s": float(report.tokens_per_s), "corruptions": int(report.corruptions),
-            "kv_corruptions": int(getattr(report, "kv_corruptions", 0)),
-            "row_utilization": float(getattr(report, "row_utilization", 0.0)),
-            "completed": int(report.completed), "requests": int(report.requests)}
+    return {
+        "tokens_per_s": float(report.tokens_per_s),
+        "corruptions": int(report.corruptions),
+        "kv_corruptions": int(getattr(report, "kv_corruptions", 0)),
+        "row_utilization": float(getattr(report, "row_utilization", 0.0)),
+        "completed": int(report.completed),
+        "requests": int(report.requests),
+    }
 
 
 def _run_cli(overrides: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "demo.json"
-        argv = [sys.executable, "-m", "scheduler_demo", "--json", str(out), "--no-progress",
-                "--mode", str(overrides["mode"]), "-n", str(overrides["num_requests"])]
+        argv = [
+            sys.executable,
+            "-m",
+            "scheduler_demo",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--mode",
+            str(overrides["mode"]),
+            "-n",
+            str(overrides["num_requests"]),
+        ]
         if overrides.get("unsafe"):
             argv.append("--unsafe")
         if overrides.get("admission"):
             argv += ["--admission", str(overrides["admission"])]
-        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False,
-                              timeout=(overrides.get("timeout_s") or 600) + 60)
+        proc = subprocess.run(
+            argv,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=(overrides.get("timeout_s") or 600) + 60,
+        )
         if not out.exists():
             raise RuntimeError(f"scheduler_demo exited {proc.returncode}: {proc.stderr[-2000:]}")
         data = json.loads(out.read_text(encoding="utf-8"))
-    keys = ("tokens_per_s", "corruptions", "kv_corruptions", "row_utilization", "completed",
-            "requests")
+    keys = (
+        "tokens_per_s",
+        "corruptions",
+        "kv_corruptions",
+        "row_utilization",
+        "completed",
+        "requests",
+    )
     return {k: data.get(k, 0) for k in keys}
 
 
-def _row(bench: str, loop: str, subject: str, reference: str, runs: dict[str, list[dict[str, Any]]],
-         target: Target, note: str) -> Row:
+def _row(
+    bench: str,
+    loop: str,
+    subject: str,
+    reference: str,
+    runs: dict[str, list[dict[str, Any]]],
+    target: Target,
+    note: str,
+) -> Row:
     s = [r["tokens_per_s"] for r in runs[subject]]
     r = [r["tokens_per_s"] for r in runs[reference]]
     ratios = [a / b if b else float("nan") for a, b in zip(s, r, strict=True)]
     p25, p75 = quantiles(ratios)
     return Row(
-        bench=bench, loop=loop, subject=subject, reference=reference,
-        subject_value=median(s), reference_value=median(r), unit="tok/s",
-        ratio=median(ratios), ratio_label="throughput (subject/ref)",
-        ratio_p25=p25, ratio_p75=p75, target=target, note=note,
+        bench=bench,
+        loop=loop,
+        subject=subject,
+        reference=reference,
+        subject_value=median(s),
+        reference_value=median(r),
+        unit="tok/s",
+        ratio=median(ratios),
+        ratio_label="throughput (subject/ref)",
+        ratio_p25=p25,
+        ratio_p75=p75,
+        target=target,
+        note=note,
         samples={subject: s, reference: r, "ratios": ratios},
     )
 
@@ -132,21 +174,50 @@ def bench_demo(cfg: Config, loops: list[str]) -> tuple[list[Row], dict[str, Any]
         info["runs"][loop] = runs
         corr = {n: median([float(r["corruptions"]) for r in runs[n]]) for n in names}
         kv = {n: median([float(r["kv_corruptions"]) for r in runs[n]]) for n in names}
-        note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; median corruptions "
-                f"rows/KV: overlap {corr['overlap']:g}/{kv['overlap']:g}, sync "
-                f"{corr['sync']:g}/{kv['sync']:g}, unsafe {corr['unsafe']:g}/{kv['unsafe']:g}, "
-                f"row-first {corr['row-first']:g}/{kv['row-first']:g}")
-        rows.append(_row("demo tokens/s: overlap vs sync (fenced)", loop, "overlap", "sync",
-                         runs, OVERLAP_VS_SYNC, note))
-        rows.append(_row("demo tokens/s: fenced vs --unsafe (overlap)", loop, "overlap", "unsafe",
-                         runs, FENCED_VS_UNSAFE, note))
+        note = (
+            f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; median corruptions "
+            f"rows/KV: overlap {corr['overlap']:g}/{kv['overlap']:g}, sync "
+            f"{corr['sync']:g}/{kv['sync']:g}, unsafe {corr['unsafe']:g}/{kv['unsafe']:g}, "
+            f"row-first {corr['row-first']:g}/{kv['row-first']:g}"
+        )
+        rows.append(
+            _row(
+                "demo tokens/s: overlap vs sync (fenced)",
+                loop,
+                "overlap",
+                "sync",
+                runs,
+                OVERLAP_VS_SYNC,
+                note,
+            )
+        )
+        rows.append(
+            _row(
+                "demo tokens/s: fenced vs --unsafe (overlap)",
+                loop,
+                "overlap",
+                "unsafe",
+                runs,
+                FENCED_VS_UNSAFE,
+                note,
+            )
+        )
         util = {n: [float(r["row_utilization"]) for r in runs[n]] for n in ("overlap", "row-first")}
-        util_note = (f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; row utilization "
-                     "(requests running / rows allocated, read at the same iterations), "
-                     f"median: atomic {median(util['overlap']):.2f}, "
-                     f"row-first {median(util['row-first']):.2f}")
-        row = _row("demo tokens/s: atomic vs row-first admission (overlap)", loop, "overlap",
-                   "row-first", runs, ATOMIC_VS_ROW_FIRST, util_note)
+        util_note = (
+            f"{cfg.demo_requests} requests x {cfg.demo_repeats} rounds; row utilization "
+            "(requests running / rows allocated, read at the same iterations), "
+            f"median: atomic {median(util['overlap']):.2f}, "
+            f"row-first {median(util['row-first']):.2f}"
+        )
+        row = _row(
+            "demo tokens/s: atomic vs row-first admission (overlap)",
+            loop,
+            "overlap",
+            "row-first",
+            runs,
+            ATOMIC_VS_ROW_FIRST,
+            util_note,
+        )
         row.samples["row_utilization_atomic"] = util["overlap"]
         row.samples["row_utilization_row_first"] = util["row-first"]
         rows.append(row)

@@ -132,12 +132,30 @@ async def bench_fenced_free(cfg: Config) -> list[Row]:
     bench = f"fenced free({k} rows) + reclaim, per row"
     note = f"{batches} batches of {k} rows behind open fences per cycle"
     return [
-        compare(per_op, bench=bench, loop=loop, subject="fenced", reference="unfenced",
-                unit="ns/row", speedup=False, subject_label="asyncpool, fenced",
-                reference_label="asyncpool alloc+free, no fence", note=note),
-        compare(per_op, bench=bench, loop=loop, subject="fenced", reference="seed-style",
-                unit="ns/row", speedup=True, subject_label="asyncpool, fenced",
-                reference_label="seed-style alloc+free (no fence)", note=note),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="fenced",
+            reference="unfenced",
+            unit="ns/row",
+            speedup=False,
+            subject_label="asyncpool, fenced",
+            reference_label="asyncpool alloc+free, no fence",
+            note=note,
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="fenced",
+            reference="seed-style",
+            unit="ns/row",
+            speedup=True,
+            subject_label="asyncpool, fenced",
+            reference_label="seed-style alloc+free (no fence)",
+            note=note,
+        ),
     ]
 
 
@@ -187,12 +205,19 @@ async def bench_record_use(cfg: Config, running: int = 256) -> list[Row]:
         await pool.close()
         stream.close()
     return [
-        compare(per_op, bench=f"step: record_use({running} rows), per row", loop=loop,
-                subject="record_use", reference="floor", unit="ns/row", speedup=False,
-                subject_label="asyncpool record_use",
-                reference_label="a list of uses written per row, unchecked (the floor)",
-                note=f"{running} running rows, a new fence each step: every row's "
-                "use replaced; checks every row is allocated and named once"),
+        compare(
+            per_op,
+            bench=f"step: record_use({running} rows), per row",
+            loop=loop,
+            subject="record_use",
+            reference="floor",
+            unit="ns/row",
+            speedup=False,
+            subject_label="asyncpool record_use",
+            reference_label="a list of uses written per row, unchecked (the floor)",
+            note=f"{running} running rows, a new fence each step: every row's "
+            "use replaced; checks every row is allocated and named once",
+        ),
     ]
 
 
@@ -299,16 +324,26 @@ async def bench_reclaim_sweep(cfg: Config) -> list[Row]:
 
     base = f"P={ps[0]}"
     rows: list[Row] = []
-    for label, data, what in (("idle", idle, "nothing completed"),
-                              ("head", head, "oldest fence completed")):
+    for label, data, what in (
+        ("idle", idle, "nothing completed"),
+        ("head", head, "oldest fence completed"),
+    ):
         for p in ps[1:]:
-            rows.append(compare(
-                data, bench=f"reclaim(), {what}", loop=loop, subject=f"P={p}", reference=base,
-                unit="ns/reclaim", speedup=False,
-                target=RECLAIM_FLAT if p == max(ps) else None,
-                subject_label=f"{p} pending fences", reference_label=f"{ps[0]} pending fence",
-                note=f"sweep:{label}",
-            ))
+            rows.append(
+                compare(
+                    data,
+                    bench=f"reclaim(), {what}",
+                    loop=loop,
+                    subject=f"P={p}",
+                    reference=base,
+                    unit="ns/reclaim",
+                    speedup=False,
+                    target=RECLAIM_FLAT if p == max(ps) else None,
+                    subject_label=f"{p} pending fences",
+                    reference_label=f"{ps[0]} pending fence",
+                    note=f"sweep:{label}",
+                )
+            )
     return rows
 
 
@@ -414,6 +449,7 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
                 fut.set_result(perf_counter_ns())
 
         if cuda:
+
             def watch() -> None:
                 fence.synchronize()
                 loop.call_soon_threadsafe(done)
@@ -500,13 +536,20 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
         return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
 
     row = compare(
-        {"pool": pool_lat, "floor": floor_lat}, bench=f"wake-up latency ({device} fences)",
-        loop=loop_kind, subject="pool", reference="floor", unit="ns", speedup=False,
+        {"pool": pool_lat, "floor": floor_lat},
+        bench=f"wake-up latency ({device} fences)",
+        loop=loop_kind,
+        subject="pool",
+        reference="floor",
+        unit="ns",
+        speedup=False,
         subject_label="asyncpool waiter resumes",
         reference_label="bare future via call_soon_threadsafe",
-        note=(f"p90 pool {p90(pool_lat) / 1e3:.1f} µs, floor {p90(floor_lat) / 1e3:.1f} µs; "
-              f"CPU while a waiter idles on an open fence: {cpu * 100:.3f}% of a core over "
-              f"{cfg.idle_wait_s:g} s (the loop sleeping, nobody waiting: {bare * 100:.3f}%)"),
+        note=(
+            f"p90 pool {p90(pool_lat) / 1e3:.1f} µs, floor {p90(floor_lat) / 1e3:.1f} µs; "
+            f"CPU while a waiter idles on an open fence: {cpu * 100:.3f}% of a core over "
+            f"{cfg.idle_wait_s:g} s (the loop sleeping, nobody waiting: {bare * 100:.3f}%)"
+        ),
     )
     row.samples["idle_cpu_fraction"] = [cpu]
     row.samples["bare_idle_cpu_fraction"] = [bare]
@@ -621,20 +664,38 @@ async def bench_wake_slow_fences(cfg: Config) -> list[Row]:
     def us(xs: list[float]) -> str:
         return f"{median(xs) / 1e3:.1f} µs"
 
-    note = (f"{n_slow} slow fences of unknown origin stay open; the fence completes "
-            f"{cfg.wake_settle_s * 1e3:g}-{cfg.wake_settle_s * 1e3 + 1:g} ms after the waiter "
-            f"queued; a fence of unknown "
-            f"origin alone: {us(lat['single-unknown'])}. While the {n_slow} are watched and "
-            f"the loop idles: {cpu * 100:.1f}% of a core, {poll_rate:.0f} polls/s")
+    note = (
+        f"{n_slow} slow fences of unknown origin stay open; the fence completes "
+        f"{cfg.wake_settle_s * 1e3:g}-{cfg.wake_settle_s * 1e3 + 1:g} ms after the waiter "
+        f"queued; a fence of unknown "
+        f"origin alone: {us(lat['single-unknown'])}. While the {n_slow} are watched and "
+        f"the loop idles: {cpu * 100:.1f}% of a core, {poll_rate:.0f} polls/s"
+    )
     rows = [
-        compare(lat, bench=f"wake-up latency, {n_slow} slow fences watched", loop=loop_kind,
-                subject="crowded-unknown", reference="single", unit="ns", speedup=False,
-                subject_label="a fence of unknown origin completes (polled)",
-                reference_label="single host fence, nothing else pending", note=note),
-        compare(lat, bench=f"wake-up latency, {n_slow} slow fences watched", loop=loop_kind,
-                subject="crowded-host", reference="single", unit="ns", speedup=False,
-                subject_label="a host fence completes (done-callback)",
-                reference_label="single host fence, nothing else pending", note=note),
+        compare(
+            lat,
+            bench=f"wake-up latency, {n_slow} slow fences watched",
+            loop=loop_kind,
+            subject="crowded-unknown",
+            reference="single",
+            unit="ns",
+            speedup=False,
+            subject_label="a fence of unknown origin completes (polled)",
+            reference_label="single host fence, nothing else pending",
+            note=note,
+        ),
+        compare(
+            lat,
+            bench=f"wake-up latency, {n_slow} slow fences watched",
+            loop=loop_kind,
+            subject="crowded-host",
+            reference="single",
+            unit="ns",
+            speedup=False,
+            subject_label="a host fence completes (done-callback)",
+            reference_label="single host fence, nothing else pending",
+            note=note,
+        ),
     ]
     for row in rows:
         row.samples["idle_cpu_fraction"] = [cpu]

@@ -96,10 +96,27 @@ async def bench_metrics_scrape(cfg: Config) -> list[Row]:
     bench = f"metrics scrape ({cfg.metrics_samples:,} samples)"
     scraper = "generate_latest, one PoolCollector"
     return [
-        compare(per_op, bench=bench, loop=loop, subject="scrape", reference="budget",
-                unit="ns/scrape", speedup=False, target=SCRAPE_VS_BUDGET,
-                subject_label=scraper, reference_label="a 1 ms budget"),
-        compare(per_op, bench=bench, loop=loop, subject="scrape", reference="stats",
-                unit="ns/scrape", speedup=False, subject_label=scraper,
-                reference_label="pool.stats() with percentiles"),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="scrape",
+            reference="budget",
+            unit="ns/scrape",
+            speedup=False,
+            target=SCRAPE_VS_BUDGET,
+            subject_label=scraper,
+            reference_label="a 1 ms budget",
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="scrape",
+            reference="stats",
+            unit="ns/scrape",
+            speedup=False,
+            subject_label=scraper,
+            reference_label="pool.stats() with percentiles",
+        ),
     ]

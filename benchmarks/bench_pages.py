@@ -56,8 +56,10 @@ T = TypeVar("T")
 
 #: what the ``loop`` column says for these loop-independent rows
 LOOP = "sync"
-INSTALL_HINT = ("install it with `bash benchmarks/install_peers.sh VENV` and run the "
-                "benchmarks with `VENV/bin/python -m benchmarks` (docs/benchmarks.md)")
+INSTALL_HINT = (
+    "install it with `bash benchmarks/install_peers.sh VENV` and run the "
+    "benchmarks with `VENV/bin/python -m benchmarks` (docs/benchmarks.md)"
+)
 
 SUBJECT = "KVPagePool"
 SUBJECT_COPY = "KVPagePool, freed as a copy"
@@ -105,8 +107,9 @@ class Contender:
             raise AssertionError(f"{self.label}: alloc of {n} pages returned {got!r}")
         self.free(got)
         if self.available() != before:
-            raise AssertionError(f"{self.label}: {before} pages free before a cycle, "
-                                 f"{self.available()} after")
+            raise AssertionError(
+                f"{self.label}: {before} pages free before a cycle, {self.available()} after"
+            )
 
     def sampler(self, n: int, now: Callable[[], int]) -> Sampler:
         """Times ``reps`` cycles of ``alloc(n)`` + ``free``."""
@@ -134,8 +137,15 @@ def _kvpagepool(num_pages: int, page_size: int) -> Contender:
     from asyncpool import KVPagePool
 
     pool = KVPagePool(num_pages, page_size, device="cpu")
-    return Contender(SUBJECT, "asyncpool KVPagePool", pool.alloc, pool.free, 1,
-                     lambda t: int(t.numel()), pool.available_size)
+    return Contender(
+        SUBJECT,
+        "asyncpool KVPagePool",
+        pool.alloc,
+        pool.free,
+        1,
+        lambda t: int(t.numel()),
+        pool.available_size,
+    )
 
 
 def _kvpagepool_copy(num_pages: int, page_size: int) -> Contender:
@@ -143,17 +153,30 @@ def _kvpagepool_copy(num_pages: int, page_size: int) -> Contender:
 
     pool = KVPagePool(num_pages, page_size, device="cpu")
     free = pool.free
-    return Contender(SUBJECT_COPY, "asyncpool KVPagePool, freeing a copy (checked path)",
-                     pool.alloc, lambda t: free(t.clone()), 1,
-                     lambda t: int(t.numel()), pool.available_size)
+    return Contender(
+        SUBJECT_COPY,
+        "asyncpool KVPagePool, freeing a copy (checked path)",
+        pool.alloc,
+        lambda t: free(t.clone()),
+        1,
+        lambda t: int(t.numel()),
+        pool.available_size,
+    )
 
 
 def _seed(num_pages: int, page_size: int) -> Contender:
     from .naive_pages import NaivePagePool
 
     pool = NaivePagePool(num_pages, page_size)
-    return Contender(SEED, "seed-style torch free list", pool.alloc, pool.free, 1,
-                     lambda t: int(t.numel()), pool.available_size)
+    return Contender(
+        SEED,
+        "seed-style torch free list",
+        pool.alloc,
+        pool.free,
+        1,
+        lambda t: int(t.numel()),
+        pool.available_size,
+    )
 
 
 def _sglang_pool(num_pages: int, page_size: int) -> Any:
@@ -176,19 +199,28 @@ def _sglang(num_pages: int, page_size: int) -> Contender:
     # The engine's path for a finished request: free_segment, one slot a page.
     pool = _sglang_pool(num_pages, page_size)
     free_segment = pool.free_segment
-    return Contender(SGLANG, f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator, "
-                     "free_segment", pool.alloc, lambda s: free_segment(s, start_pos=0),
-                     page_size, lambda t: int(t.numel()) // page_size,
-                     lambda: int(pool.available_size()) // page_size)
+    return Contender(
+        SGLANG,
+        f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator, free_segment",
+        pool.alloc,
+        lambda s: free_segment(s, start_pos=0),
+        page_size,
+        lambda t: int(t.numel()) // page_size,
+        lambda: int(pool.available_size()) // page_size,
+    )
 
 
 def _sglang_unique(num_pages: int, page_size: int) -> Contender:
     pool = _sglang_pool(num_pages, page_size)
-    return Contender(SGLANG_UNIQUE, f"SGLang {_version('sglang')} "
-                     "PagedTokenToKVPoolAllocator, free (torch.unique)",
-                     pool.alloc, pool.free, page_size,
-                     lambda t: int(t.numel()) // page_size,
-                     lambda: int(pool.available_size()) // page_size)
+    return Contender(
+        SGLANG_UNIQUE,
+        f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator, free (torch.unique)",
+        pool.alloc,
+        pool.free,
+        page_size,
+        lambda t: int(t.numel()) // page_size,
+        lambda: int(pool.available_size()) // page_size,
+    )
 
 
 def _vllm(num_pages: int, page_size: int) -> Contender:
@@ -196,9 +228,15 @@ def _vllm(num_pages: int, page_size: int) -> Contender:
 
     # Block 0 is vLLM's null block (never handed out), as our page 0.
     pool = BlockPool(num_gpu_blocks=num_pages, enable_caching=False, hash_block_size=page_size)
-    return Contender(VLLM, f"vLLM {_version('vllm')} BlockPool (prefix caching off)",
-                     pool.get_new_blocks, pool.free_blocks, 1, len,
-                     pool.get_num_free_blocks)
+    return Contender(
+        VLLM,
+        f"vLLM {_version('vllm')} BlockPool (prefix caching off)",
+        pool.get_new_blocks,
+        pool.free_blocks,
+        1,
+        len,
+        pool.get_num_free_blocks,
+    )
 
 
 #: peer name -> (module that must be importable, loader)
@@ -209,8 +247,9 @@ PEERS: dict[str, tuple[str, Callable[[int, int], Contender]]] = {
 }
 
 
-def load_peer(module: str, build: Callable[[], T], bench: str, name: str,
-              hint: str) -> tuple[T | None, str | None]:
+def load_peer(
+    module: str, build: Callable[[], T], bench: str, name: str, hint: str
+) -> tuple[T | None, str | None]:
     """``(build(), None)`` when ``module`` imports and the peer builds, else
     ``(None, the line saying why, ending with hint)``: a missing peer and an
     installed but broken one are skips, never failures of the run."""
@@ -220,8 +259,9 @@ def load_peer(module: str, build: Callable[[], T], bench: str, name: str,
         return build(), None
     except Exception as exc:  # an installed but broken peer is a skip, said why
         logger.warning("%s benchmark: %s skipped", bench, name, exc_info=True)
-        return None, (f"skipped: importing or building it failed "
-                      f"({type(exc).__name__}: {exc}); {hint}")
+        return None, (
+            f"skipped: importing or building it failed ({type(exc).__name__}: {exc}); {hint}"
+        )
 
 
 def _load_peers(num_pages: int, page_size: int) -> tuple[list[Contender], dict[str, str]]:
@@ -231,8 +271,9 @@ def _load_peers(num_pages: int, page_size: int) -> tuple[list[Contender], dict[s
     for name, (module, loader) in PEERS.items():
         n_targets = sum(1 for peer, _ in TARGETS if peer == name)
         hint = (f"its {n_targets} targets are not measured; " if n_targets else "") + INSTALL_HINT
-        peer, why = load_peer(module, functools.partial(loader, num_pages, page_size), "page",
-                              name, hint)
+        peer, why = load_peer(
+            module, functools.partial(loader, num_pages, page_size), "page", name, hint
+        )
         if peer is not None:
             found.append(peer)
         else:
@@ -250,8 +291,9 @@ async def bench_pages(cfg: Config) -> tuple[list[Row], dict[str, str]]:
     num_pages, page_size, counts = cfg.pages_num_pages, cfg.pages_page_size, cfg.pages_counts
     hold = (num_pages - 1) // 2
     if max(counts) > num_pages - 1 - hold:
-        raise ValueError(f"alloc({max(counts)}) does not fit the free half of a "
-                         f"{num_pages}-page pool")
+        raise ValueError(
+            f"alloc({max(counts)}) does not fit the free half of a {num_pages}-page pool"
+        )
     now = clock_of(cfg)
     peers, skipped = _load_peers(num_pages, page_size)
     contenders = [
@@ -270,42 +312,74 @@ async def bench_pages(cfg: Config) -> tuple[list[Row], dict[str, str]]:
     per_op = await interleave(samplers, rounds=cfg.rounds, target_s=cfg.sample_s)
     for c in contenders:  # every cycle gave back what it took
         if c.available() != num_pages - 1 - hold:
-            raise AssertionError(f"{c.label}: {c.available()} pages free after the run, "
-                                 f"expected {num_pages - 1 - hold}")
+            raise AssertionError(
+                f"{c.label}: {c.available()} pages free after the run, "
+                f"expected {num_pages - 1 - hold}"
+            )
     return _rows(per_op, contenders, counts, num_pages, page_size), skipped
 
 
-def _rows(per_op: dict[str, list[float]], contenders: list[Contender], counts: tuple[int, ...],
-          num_pages: int, page_size: int) -> list[Row]:
+def _rows(
+    per_op: dict[str, list[float]],
+    contenders: list[Contender],
+    counts: tuple[int, ...],
+    num_pages: int,
+    page_size: int,
+) -> list[Row]:
     note = f"{num_pages:,}-page pool, half allocated; {page_size} slots a page"
     subject, copy = contenders[0], contenders[1]
     rows: list[Row] = []
     for n in counts:
         for peer in contenders[1:]:
             target = TARGETS.get((peer.key, n))
-            rows.append(compare(
-                per_op, bench=bench_name(n), loop=LOOP,
-                subject=f"{subject.key}/{n}", reference=f"{peer.key}/{n}",
-                subject_label=subject.label, reference_label=peer.label,
-                unit="ns/cycle", speedup=target is None or target.op == ">=",
-                target=target, note=note,
-            ))
+            rows.append(
+                compare(
+                    per_op,
+                    bench=bench_name(n),
+                    loop=LOOP,
+                    subject=f"{subject.key}/{n}",
+                    reference=f"{peer.key}/{n}",
+                    subject_label=subject.label,
+                    reference_label=peer.label,
+                    unit="ns/cycle",
+                    speedup=target is None or target.op == ">=",
+                    target=target,
+                    note=note,
+                )
+            )
         # Context: the checked path against the engines' own paths.
         for peer in contenders[3:]:
             if peer.key == SGLANG_UNIQUE:
                 continue
-            rows.append(compare(
-                per_op, bench=bench_name(n), loop=LOOP,
-                subject=f"{copy.key}/{n}", reference=f"{peer.key}/{n}",
-                subject_label=copy.label, reference_label=peer.label,
-                unit="ns/cycle", speedup=True, target=None, note=note,
-            ))
+            rows.append(
+                compare(
+                    per_op,
+                    bench=bench_name(n),
+                    loop=LOOP,
+                    subject=f"{copy.key}/{n}",
+                    reference=f"{peer.key}/{n}",
+                    subject_label=copy.label,
+                    reference_label=peer.label,
+                    unit="ns/cycle",
+                    speedup=True,
+                    target=None,
+                    note=note,
+                )
+            )
     if 16 in counts and 256 in counts:
-        rows.append(compare(
-            per_op, bench="KV pages: alloc(256)+free vs alloc(16)+free", loop=LOOP,
-            subject=f"{subject.key}/256", reference=f"{subject.key}/16",
-            subject_label=f"{subject.label}, 256 pages",
-            reference_label=f"{subject.label}, 16 pages",
-            unit="ns/cycle", speedup=False, target=FLATNESS, note=note,
-        ))
+        rows.append(
+            compare(
+                per_op,
+                bench="KV pages: alloc(256)+free vs alloc(16)+free",
+                loop=LOOP,
+                subject=f"{subject.key}/256",
+                reference=f"{subject.key}/16",
+                subject_label=f"{subject.label}, 256 pages",
+                reference_label=f"{subject.label}, 16 pages",
+                unit="ns/cycle",
+                speedup=False,
+                target=FLATNESS,
+                note=note,
+            )
+        )
     return rows

@@ -147,25 +147,49 @@ async def bench_scaling(
     lo = sizes[0]
     for s in sizes:
         if s != lo:
-            rows.append(compare(
-                per_op, bench="scaling: alloc(1)+free vs pool size", loop=loop,
-                subject=f"pool {s}", reference=f"pool {lo}", unit="ns/cycle", speedup=False,
-                subject_label=f"asyncpool, {s} rows", reference_label=f"asyncpool, {lo} rows",
-                note="sweep:pool",
-            ))
-        rows.append(compare(
-            per_op, bench="scaling: alloc(1)+free vs pool size", loop=loop,
-            subject=f"pool {s}", reference=f"seed {s}", unit="ns/cycle", speedup=True,
-            subject_label=f"asyncpool, {s} rows", reference_label=f"seed-style, {s} rows",
-            note="sweep:seed",
-        ))
+            rows.append(
+                compare(
+                    per_op,
+                    bench="scaling: alloc(1)+free vs pool size",
+                    loop=loop,
+                    subject=f"pool {s}",
+                    reference=f"pool {lo}",
+                    unit="ns/cycle",
+                    speedup=False,
+                    subject_label=f"asyncpool, {s} rows",
+                    reference_label=f"asyncpool, {lo} rows",
+                    note="sweep:pool",
+                )
+            )
+        rows.append(
+            compare(
+                per_op,
+                bench="scaling: alloc(1)+free vs pool size",
+                loop=loop,
+                subject=f"pool {s}",
+                reference=f"seed {s}",
+                unit="ns/cycle",
+                speedup=True,
+                subject_label=f"asyncpool, {s} rows",
+                reference_label=f"seed-style, {s} rows",
+                note="sweep:seed",
+            )
+        )
         if s != lo:
-            rows.append(compare(
-                per_op, bench="scaling: alloc(1)+record_use+free vs pool size", loop=loop,
-                subject=f"used {s}", reference=f"used {lo}", unit="ns/cycle", speedup=False,
-                subject_label=f"asyncpool, {s} rows, rows with a recorded use",
-                reference_label=f"the same, {lo} rows", note="sweep:used",
-            ))
+            rows.append(
+                compare(
+                    per_op,
+                    bench="scaling: alloc(1)+record_use+free vs pool size",
+                    loop=loop,
+                    subject=f"used {s}",
+                    reference=f"used {lo}",
+                    unit="ns/cycle",
+                    speedup=False,
+                    subject_label=f"asyncpool, {s} rows, rows with a recorded use",
+                    reference_label=f"the same, {lo} rows",
+                    note="sweep:used",
+                )
+            )
     mem: list[dict[str, float]] = []
     if memory:
         for s in sizes:

@@ -158,8 +158,12 @@ def _alloc_variants(
 
     # ALLOC_PARTS[2] and [3] are the pool's own alloc: _alloc_side builds
     # the ablation's check-free pool for [2] (alloc's core, as shipped).
-    return {ALLOC_PARTS[0]: floor, ALLOC_PARTS[1]: record, ALLOC_PARTS[2]: pool.alloc,
-            ALLOC_PARTS[3]: pool.alloc}
+    return {
+        ALLOC_PARTS[0]: floor,
+        ALLOC_PARTS[1]: record,
+        ALLOC_PARTS[2]: pool.alloc,
+        ALLOC_PARTS[3]: pool.alloc,
+    }
 
 
 async def _free_side(name: str, n: int, repeats: int) -> float:
@@ -306,17 +310,23 @@ def render(results: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grant_parts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--loop", action="append", choices=sorted(loop_factories()),
-                   help="a loop to run on (repeatable; default: all)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.grant_parts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--loop",
+        action="append",
+        choices=sorted(loop_factories()),
+        help="a loop to run on (repeatable; default: all)",
+    )
     p.add_argument("--calls", type=int, default=20_000, help="calls per sample (default 20000)")
     p.add_argument("--repeats", type=int, default=7, help="samples; the best counts (default 7)")
     args = p.parse_args(argv)
     kinds = args.loop or list(loop_factories())
     results = {
-        kind: run_on(kind, functools.partial(measure, args.calls, args.repeats))
-        for kind in kinds
+        kind: run_on(kind, functools.partial(measure, args.calls, args.repeats)) for kind in kinds
     }
     print(render(results))
     print(f"Each figure: the best of {args.repeats} samples of {args.calls} calls, in ns a call.")

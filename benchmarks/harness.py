@@ -231,8 +231,9 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["target"] = None if self.target is None else {"op": self.target.op,
-                                                        "value": self.target.value}
+        d["target"] = (
+            None if self.target is None else {"op": self.target.op, "value": self.target.value}
+        )
         d["met"] = self.met
         return d
 
@@ -324,8 +325,9 @@ def quantiles(xs: Sequence[float]) -> tuple[float, float]:
     return float(q[0]), float(q[2])
 
 
-async def calibrate(sampler: Sampler, target_s: float, *, start: int = 16,
-                    max_n: int = 10_000_000) -> int:
+async def calibrate(
+    sampler: Sampler, target_s: float, *, start: int = 16, max_n: int = 10_000_000
+) -> int:
     """Pick ``n`` so that ``sampler(n)`` takes about ``target_s`` seconds.
 
     Doubles ``n`` until a sample takes a tenth of the target, then scales.

@@ -55,5 +55,4 @@ class NaivePagePool:
         self.free_pages = torch.cat((pages, self.free_pages))
 
     def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.num_pages, dtype=torch.int64,
-                                       device=self.device)
+        self.free_pages = torch.arange(1, self.num_pages, dtype=torch.int64, device=self.device)

@@ -145,8 +145,14 @@ async def _wake(n: int) -> Callable[[], Coroutine[Any, Any, None]]:
 
 
 def profile(workload: str, loop: str, n: int, top: int = 25) -> str:
-    makers = {"uncontended": _uncontended, "batched": _batched, "contended": _contended,
-              "fenced": _fenced, "reclaim-head": _reclaim_head, "wake": _wake}
+    makers = {
+        "uncontended": _uncontended,
+        "batched": _batched,
+        "contended": _contended,
+        "fenced": _fenced,
+        "reclaim-head": _reclaim_head,
+        "wake": _wake,
+    }
 
     async def main() -> str:
         work = await makers[workload](n)

@@ -32,7 +32,7 @@ PEERS_INSTALL = (
     "pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp",
     '"$VENV/bin/python" -m pip download --no-deps vllm==0.33.0 -d "$WHEELS"',
     '"$VENV/bin/python" -m zipfile -e "$WHEELS"/vllm-0.33.0-*.whl "$VENV/vllm-src"',
-    "\"$VENV/bin/python\" -c 'import os, sys, sysconfig; open(os.path.join(sysconfig.get_paths()"
+    '"$VENV/bin/python" -c \'import os, sys, sysconfig; open(os.path.join(sysconfig.get_paths()'
     '["purelib"], "vllm_src.pth"), "w").write(os.path.abspath(sys.argv[1]) + "\\n")\' '
     '"$VENV/vllm-src"',
     '"$VENV/bin/python" -m pip install regex cbor2 cachetools cloudpickle py-cpuinfo '
@@ -55,8 +55,9 @@ def _cpu_model() -> str:
 
 def _git(*args: str) -> str:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                             timeout=10, check=False)
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip()
@@ -184,8 +185,11 @@ def _sweep_table(rows: list[Row], tag: str, title: str, col: str) -> list[str]:
         cells = []
         for lp in loops:
             cell = by.get((s, lp))
-            cells.append("n/a | n/a" if cell is None
-                         else f"{_ratio(cell.ratio)} | {_value(cell.subject_value, cell.unit)}")
+            cells.append(
+                "n/a | n/a"
+                if cell is None
+                else f"{_ratio(cell.ratio)} | {_value(cell.subject_value, cell.unit)}"
+            )
         out.append(f"| {s} | " + " | ".join(cells) + " |")
     out.append("")
     return out
@@ -217,9 +221,14 @@ def _pages_table(rows: list[Row]) -> list[str]:
         "| --- |" + " --- |" * len(counts),
     ]
     for name, by_n in cells.items():
-        out.append(f"| {name} | " + " | ".join(
-            "n/a" if n not in by_n else f"{_time(by_n[n])} ({_time(by_n[n] / n)}/page)"
-            for n in counts) + " |")
+        out.append(
+            f"| {name} | "
+            + " | ".join(
+                "n/a" if n not in by_n else f"{_time(by_n[n])} ({_time(by_n[n] / n)}/page)"
+                for n in counts
+            )
+            + " |"
+        )
     out.append("")
     return out
 
@@ -245,8 +254,15 @@ def render_markdown(
         command,
         "```",
         "",
-        *([f"Every sample of this run is in `{source}`; `python -m benchmarks --from-json "
-           f"{source}` re-renders this page.", ""] if source else []),
+        *(
+            [
+                f"Every sample of this run is in `{source}`; `python -m benchmarks --from-json "
+                f"{source}` re-renders this page.",
+                "",
+            ]
+            if source
+            else []
+        ),
         f"- Machine: {m['cpu']}, {m['cores_usable']} usable cores, {m['platform']}",
         f"- Python {m['python']} ({m['implementation']}), torch {m['torch']} "
         f"({m['torch_threads']} threads), uvloop {m['uvloop']}",
@@ -264,8 +280,10 @@ def render_markdown(
         "",
     ]
     if cfg.name == "smoke":
-        lines += ["**Smoke preset: a handful of operations per sample; these figures mean "
-                  "nothing.**", ""]
+        lines += [
+            "**Smoke preset: a handful of operations per sample; these figures mean nothing.**",
+            "",
+        ]
     lines += [
         "## Targets",
         "",
@@ -288,14 +306,29 @@ def render_markdown(
 
     sweeps = [
         ("sweep:idle", "reclaim() with nothing completed, vs pending fences", "pending fences"),
-        ("sweep:head", "reclaim() of the oldest completed fence, vs pending fences",
-         "pending fences"),
-        ("sweep:pool", "asyncpool alloc(1)+free vs pool size (cost ratio; below 1 at large "
-         "sizes because the bulk row reset is amortised over more cycles)", "size"),
-        ("sweep:seed", "asyncpool speed-up over the seed-style pool of the same size; the "
-         "median column is asyncpool's cycle", "size"),
-        ("sweep:used", "an overlap engine's cycle (alloc(1), record_use with a completed "
-         "fence, free: the checked path) vs pool size (cost ratio; flat is the goal)", "size"),
+        (
+            "sweep:head",
+            "reclaim() of the oldest completed fence, vs pending fences",
+            "pending fences",
+        ),
+        (
+            "sweep:pool",
+            "asyncpool alloc(1)+free vs pool size (cost ratio; below 1 at large "
+            "sizes because the bulk row reset is amortised over more cycles)",
+            "size",
+        ),
+        (
+            "sweep:seed",
+            "asyncpool speed-up over the seed-style pool of the same size; the "
+            "median column is asyncpool's cycle",
+            "size",
+        ),
+        (
+            "sweep:used",
+            "an overlap engine's cycle (alloc(1), record_use with a completed "
+            "fence, free: the checked path) vs pool size (cost ratio; flat is the goal)",
+            "size",
+        ),
     ]
     sweep_lines: list[str] = []
     for tag, title, col in sweeps:
@@ -335,10 +368,13 @@ def render_markdown(
         "## Method",
         "",
         "- Timer: "
-        + ("`time.perf_counter_ns` (wall time)" if cfg.clock == "wall" else
-           "`time.thread_time_ns` (`--clock cpu`: the benchmarking thread's CPU time, so time "
-           "the thread spent descheduled on a loaded machine is not counted; wake-up latency, "
-           "the head-reclaim sweep and the demo still use wall time)")
+        + (
+            "`time.perf_counter_ns` (wall time)"
+            if cfg.clock == "wall"
+            else "`time.thread_time_ns` (`--clock cpu`: the benchmarking thread's CPU time, "
+            "so time the thread spent descheduled on a loaded machine is not counted; "
+            "wake-up latency, the head-reclaim sweep and the demo still use wall time)"
+        )
         + "; each sample batches enough operations to take "
         f"about {cfg.sample_s * 1e3:g} ms (calibrated, which also warms up), so timer and "
         "loop overhead is amortised. The garbage collector is off while a micro-benchmark "
@@ -412,9 +448,17 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def to_json(rows: list[Row], *, command: str, cfg: Config, machine: dict[str, Any],
-            memory: list[dict[str, float]], unavailable: dict[str, str],
-            extra: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
+def to_json(
+    rows: list[Row],
+    *,
+    command: str,
+    cfg: Config,
+    machine: dict[str, Any],
+    memory: list[dict[str, float]],
+    unavailable: dict[str, str],
+    extra: dict[str, Any],
+    elapsed_s: float,
+) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {

@@ -31,33 +31,69 @@ from benchmarks.report import REPO, loadavg, machine_info, render_markdown, to_j
 #: relative, so it lands under the current directory, never beside the package
 DEFAULT_MD = Path("docs") / "benchmarks.md"
 
-BENCHMARKS = ("uncontended", "batched", "contended", "admit", "fenced", "reclaim", "scaling",
-              "wake", "metrics", "pages", "decode", "demo", "agree")
+BENCHMARKS = (
+    "uncontended",
+    "batched",
+    "contended",
+    "admit",
+    "fenced",
+    "reclaim",
+    "scaling",
+    "wake",
+    "metrics",
+    "pages",
+    "decode",
+    "demo",
+    "agree",
+)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="fewer, shorter rounds (one to two minutes)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="fewer, shorter rounds (one to two minutes)"
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), help="default, quick, or smoke (tests)")
     p.add_argument("--json", metavar="PATH", type=Path, help="write every sample as JSON")
-    p.add_argument("--md", metavar="PATH", type=Path, default=None,
-                   help="where to write the markdown (default: docs/benchmarks.md, relative "
-                   "to the current directory, for a run of every benchmark; a run of a "
-                   "subset (--only) writes it only here)")
+    p.add_argument(
+        "--md",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="where to write the markdown (default: docs/benchmarks.md, relative "
+        "to the current directory, for a run of every benchmark; a run of a "
+        "subset (--only) writes it only here)",
+    )
     p.add_argument("--no-md", action="store_true", help="only print the markdown")
-    p.add_argument("--loops", default=",".join(loop_factories()),
-                   help="comma-separated loop kinds (default: asyncio,uvloop)")
-    p.add_argument("--only", default=",".join(BENCHMARKS),
-                   help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
+    p.add_argument(
+        "--loops",
+        default=",".join(loop_factories()),
+        help="comma-separated loop kinds (default: asyncio,uvloop)",
+    )
+    p.add_argument(
+        "--only",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated subset of: {','.join(BENCHMARKS)}",
+    )
     p.add_argument("--rounds", type=int, help="override the interleaved rounds per comparison")
-    p.add_argument("--from-json", metavar="PATH", type=Path,
-                   help="measure nothing: re-render the markdown of a saved --json run")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: perf_counter_ns (default); cpu: the benchmarking thread's CPU "
-                   "time, for single-threaded figures on a shared, loaded machine (wake-up "
-                   "latency, the head-reclaim sweep and the demo always use wall time)")
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        type=Path,
+        help="measure nothing: re-render the markdown of a saved --json run",
+    )
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: perf_counter_ns (default); cpu: the benchmarking thread's CPU "
+        "time, for single-threaded figures on a shared, loaded machine (wake-up "
+        "latency, the head-reclaim sweep and the demo always use wall time)",
+    )
     return p.parse_args(argv)
 
 
@@ -110,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: list[dict[str, float]] = []
     unavailable: dict[str, str] = {}
     extra: dict[str, Any] = {}
+
     async def fenced_all(cfg: Config) -> list[Row]:
         return [*await bench_fenced_free(cfg), *await bench_record_use(cfg)]
 
@@ -176,8 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"[{name}] on {lp} done in {time.perf_counter() - t0:.1f}s")
     elapsed = time.perf_counter() - t_start
     machine = {**machine_info(), "loadavg_before": load_before}
-    md = render_markdown(rows, command=command, cfg=cfg, machine=machine, memory=memory,
-                         unavailable=unavailable, elapsed_s=elapsed)
+    md = render_markdown(
+        rows,
+        command=command,
+        cfg=cfg,
+        machine=machine,
+        memory=memory,
+        unavailable=unavailable,
+        elapsed_s=elapsed,
+    )
     print(md)
     if not args.no_md:
         args.md.parent.mkdir(parents=True, exist_ok=True)
@@ -187,8 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         import json
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = to_json(rows, command=command, cfg=cfg, machine=machine, memory=memory,
-                       unavailable=unavailable, extra=extra, elapsed_s=elapsed)
+        data = to_json(
+            rows,
+            command=command,
+            cfg=cfg,
+            machine=machine,
+            memory=memory,
+            unavailable=unavailable,
+            extra=extra,
+            elapsed_s=elapsed,
+        )
         args.json.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
         _log(f"JSON written to {args.json}")
     return 0
@@ -210,8 +262,12 @@ def _render_saved(args: argparse.Namespace) -> int:
     md = render_markdown(
         [Row.from_json(r) for r in data["rows"]],
         command=data["command"],
-        cfg=Config(**{k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
-                      for k, v in data["config"].items()}),
+        cfg=Config(
+            **{
+                k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
+                for k, v in data["config"].items()
+            }
+        ),
         machine=data["machine"],
         memory=data["memory"],
         unavailable=data["unavailable"],

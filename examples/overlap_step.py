@@ -92,8 +92,9 @@ class Streams:
         """The forward of one step: write each row's next token slot."""
         rows = torch.tensor([r.row for r in batch])
         pos = torch.tensor([r.prompt_len + r.launched for r in batch])
-        tok = torch.tensor([token(r.id, r.prompt_len + r.launched) for r in batch],
-                           dtype=torch.int32)
+        tok = torch.tensor(
+            [token(r.id, r.prompt_len + r.launched) for r in batch], dtype=torch.int32
+        )
         if self.cuda:
             with torch.cuda.stream(self.forward):
                 rows, pos, tok = (t.to(self.device) for t in (rows, pos, tok))
@@ -101,8 +102,9 @@ class Streams:
                 torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
                 _write_step(pool.req_to_token, pool.verified_lens, rows, pos, tok)
         else:
-            self.forward.launch(_host_step, self.forward_s, pool.req_to_token,
-                                pool.verified_lens, rows, pos, tok)
+            self.forward.launch(
+                _host_step, self.forward_s, pool.req_to_token, pool.verified_lens, rows, pos, tok
+            )
 
     def copy_out(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Copy a finished request's row to the host, on the copy stream."""
@@ -140,8 +142,13 @@ class Streams:
             self.copy.close()
 
 
-def _write_step(req_to_token: torch.Tensor, verified_lens: torch.Tensor,
-                rows: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor) -> None:
+def _write_step(
+    req_to_token: torch.Tensor,
+    verified_lens: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    tok: torch.Tensor,
+) -> None:
     req_to_token[rows, pos] = tok
     verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
 
@@ -155,8 +162,9 @@ async def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     rng = random.Random(args.seed)
     streams = Streams(device, args.forward_ms)
-    pool = AsyncReqToTokenPool(args.rows + 1, MAX_LEN, device=device,
-                               stream=streams.forward if streams.cuda else None)
+    pool = AsyncReqToTokenPool(
+        args.rows + 1, MAX_LEN, device=device, stream=streams.forward if streams.cuda else None
+    )
     requests = [Request(i, rng.randint(16, 48), rng.randint(2, 24)) for i in range(args.requests)]
     running: list[Request] = []
     finished: list[Request] = []
@@ -182,8 +190,8 @@ async def run(args: argparse.Namespace) -> int:
             batch = list(running)
             launched = None
             if batch:
-                streams.launch_step(pool, batch)          # step t, on the forward stream
-                fence = record_fence(streams.forward)     # one fence per step, right after
+                streams.launch_step(pool, batch)  # step t, on the forward stream
+                fence = record_fence(streams.forward)  # one fence per step, right after
                 if args.record_use:
                     pool.record_use([r.row for r in batch], fence)  # every row it touches
                 for req in batch:
@@ -193,19 +201,19 @@ async def run(args: argparse.Namespace) -> int:
             # Process step t-1 while step t runs.
             if prev is not None:
                 prev_fence, prev_batch = prev
-                prev_fence.synchronize()   # its results are ready
+                prev_fence.synchronize()  # its results are ready
                 for req, admission in prev_batch:
                     if req.admission != admission or req not in running:
                         continue  # retracted since: that step's token is discarded
                     req.done += 1
-                    if req.done == req.output_len:       # finished
+                    if req.done == req.output_len:  # finished
                         running.remove(req)
-                        streams.copy_out(pool, req)      # launched after step t's fence...
+                        streams.copy_out(pool, req)  # launched after step t's fence...
                         pool.free([req.row], after=streams.copy)  # ...so wait for it too
                         finished.append(req)
-                    elif rng.random() < args.retract:    # retracted: re-queued
+                    elif rng.random() < args.retract:  # retracted: re-queued
                         running.remove(req)
-                        pool.free([req.row])   # pending until step t's fence completes
+                        pool.free([req.row])  # pending until step t's fence completes
                         retractions += 1
                         admissions.add(asyncio.create_task(admit(req)))
             prev = launched
@@ -234,13 +242,17 @@ async def run(args: argparse.Namespace) -> int:
     pool.check_invariants()
     ok = corrupted == 0 and stats.allocated == 0 and stats.pending == 0
     where = "CUDA streams" if streams.cuda else "HostStream"
-    print(f"overlap_step: {len(requests)} requests on {args.rows} rows, {steps} steps, "
-          f"{retractions} retractions, {stats.deferred_frees} deferred frees, on {where}")
+    print(
+        f"overlap_step: {len(requests)} requests on {args.rows} rows, {steps} steps, "
+        f"{retractions} retractions, {stats.deferred_frees} deferred frees, on {where}"
+    )
     if ok:
         print(f"overlap_step: OK: 0 corrupted rows, pool empty, {elapsed:.2f} s")
         return 0
-    print(f"overlap_step: FAILED: {corrupted} corrupted rows, {stats.allocated} rows still "
-          f"allocated, {stats.pending} pending")
+    print(
+        f"overlap_step: FAILED: {corrupted} corrupted rows, {stats.allocated} rows still "
+        f"allocated, {stats.pending} pending"
+    )
     return 1
 
 
@@ -252,8 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-ms", type=float, default=1.0, help="the forward's time per step")
     p.add_argument("--retract", type=float, default=0.02, help="retraction probability")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-record-use", dest="record_use", action="store_false",
-                   help="leave out record_use (the bug): rows are reused too soon")
+    p.add_argument(
+        "--no-record-use",
+        dest="record_use",
+        action="store_false",
+        help="leave out record_use (the bug): rows are reused too soon",
+    )
     args = p.parse_args(argv)
     return asyncio.run(run(args))
 

@@ -162,7 +162,6 @@ class PrefixCache:
         that wrote them, which ``detach_pages`` no longer keeps for them."""
         self.entries[prefix] = Entry(pages, fence, fence, step)
 
-
     def evict(self, pages: int, keep: Entry | None = None) -> int:
         """Evict unborrowed entries, least recently read first, until
         ``pages`` pages are evicted; return how many were."""
@@ -185,8 +184,9 @@ class PrefixCache:
 class Engine:
     """The KV cache and the forward and copy streams (HostStreams or CUDA)."""
 
-    def __init__(self, device: torch.device, num_pages: int, page_size: int,
-                 forward_ms: float) -> None:
+    def __init__(
+        self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
+    ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.page_size = page_size
@@ -233,8 +233,9 @@ class Engine:
         pos = torch.tensor(pos_list)
         slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
         values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
-        sums = torch.tensor([sum(map(r.value, range(p))) for r, p in zip(batch, pos_list,
-                                                                         strict=True)])
+        sums = torch.tensor(
+            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
+        )
         args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
         if self.cuda:
             with torch.cuda.stream(self.forward):
@@ -244,8 +245,9 @@ class Engine:
         else:
             gate = threading.Event()
             self.gates.append(gate)
-            self.forward.launch(_host_step, self.forward_s, gate, *args,
-                                rows, pos, slots, values, sums)
+            self.forward.launch(
+                _host_step, self.forward_s, gate, *args, rows, pos, slots, values, sums
+            )
 
     def planned(self) -> None:
         """The scheduler has admitted the next step's requests: the host
@@ -285,9 +287,17 @@ class Engine:
             self.copy.close()
 
 
-def _step(kv_cache: torch.Tensor, req_to_token: torch.Tensor, verified_lens: torch.Tensor,
-          bad_reads: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-          slots: torch.Tensor, values: torch.Tensor, sums: torch.Tensor) -> None:
+def _step(
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    verified_lens: torch.Tensor,
+    bad_reads: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    values: torch.Tensor,
+    sums: torch.Tensor,
+) -> None:
     # Attention: the KV of positions 0..pos-1, read through the row.
     context = kv_cache[req_to_token[rows].long()]
     before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
@@ -316,13 +326,21 @@ async def run(args: argparse.Namespace) -> int:
     # Page ids live on the host (the scheduler computes slots from them); the
     # KV cache is the engine's, on its device.
     kv = KVPagePool(args.pages + 1, ps)
-    pool = AsyncReqToTokenPool(args.rows + 1, MAX_LEN, device=device, kv=kv,
-                               stream=engine.forward if engine.cuda else None)
+    pool = AsyncReqToTokenPool(
+        args.rows + 1, MAX_LEN, device=device, kv=kv, stream=engine.forward if engine.cuda else None
+    )
     cache = PrefixCache(kv, engine.copy, args.evict_behind_write_fence)
     prefix_len = args.prefix_pages * ps
-    requests = [Request(i, rng.randrange(max(args.prefixes, 1)), prefix_len,
-                        prefix_len + rng.randint(1, 24), rng.randint(2, 24))
-                for i in range(args.requests)]
+    requests = [
+        Request(
+            i,
+            rng.randrange(max(args.prefixes, 1)),
+            prefix_len,
+            prefix_len + rng.randint(1, 24),
+            rng.randint(2, 24),
+        )
+        for i in range(args.requests)
+    ]
     waiting = collections.deque(requests)
     running: list[Request] = []
     finished: list[Request] = []
@@ -412,20 +430,20 @@ async def run(args: argparse.Namespace) -> int:
             batch = [r for r in running if r.id not in sitting_out]
             launched = None
             if batch:
-                engine.launch_step(pool, batch)           # on the forward stream
-                fence = record_fence(engine.forward)      # one fence per step, right after
+                engine.launch_step(pool, batch)  # on the forward stream
+                fence = record_fence(engine.forward)  # one fence per step, right after
                 if args.record_use:
                     pool.record_use([r.row for r in batch], fence)  # rows and their pages
                 for req in batch:
                     req.launched += 1
-                    if req.borrowed is not None:          # borrowed pages: the cache's
+                    if req.borrowed is not None:  # borrowed pages: the cache's
                         req.borrowed.read, req.borrowed.last_read = fence, steps
                 launched = (fence, [(r, r.admission) for r in batch])
                 steps += 1
             # 4. Process step t-1 while step t runs.
             if prev is not None:
                 prev_fence, prev_batch = prev
-                prev_fence.synchronize()   # its results are ready
+                prev_fence.synchronize()  # its results are ready
                 newest = launched[0] if launched is not None else prev_fence
                 for req, admission in prev_batch:
                     if req.admission != admission or req not in running:
@@ -438,8 +456,8 @@ async def run(args: argparse.Namespace) -> int:
                         # (what it got so far is checked too).
                         req.output_len = req.done
                         aborts += 1
-                    stop(req)                             # finished (or aborted)
-                    engine.copy_out(pool, req)            # launched after step t's fence...
+                    stop(req)  # finished (or aborted)
+                    engine.copy_out(pool, req)  # launched after step t's fence...
                     if args.prefixes and req.prefix not in cache.entries:
                         # The cache takes its prefix pages. detach_pages drops
                         # the row's fences, so the cache carries the newest
@@ -473,20 +491,27 @@ async def run(args: argparse.Namespace) -> int:
     bad_reads = int(engine.bad_reads)
     stats = pool.stats()
     pool.check_invariants()
-    empty = (stats.allocated == stats.pending == 0
-             and stats.pages_allocated == stats.pages_pending == 0)
+    empty = (
+        stats.allocated == stats.pending == 0 and stats.pages_allocated == stats.pages_pending == 0
+    )
     where = "CUDA streams" if engine.cuda else "HostStream"
-    print(f"paged_admission: {len(requests)} requests on {args.rows} rows and {args.pages} "
-          f"pages of {ps}, {steps} steps, {retractions} retractions, {aborts} aborts, "
-          f"{hits} prefix hits, {cache.evicted} evictions, {stats.deferred_frees} deferred "
-          f"row frees, on {where}")
+    print(
+        f"paged_admission: {len(requests)} requests on {args.rows} rows and {args.pages} "
+        f"pages of {ps}, {steps} steps, {retractions} retractions, {aborts} aborts, "
+        f"{hits} prefix hits, {cache.evicted} evictions, {stats.deferred_frees} deferred "
+        f"row frees, on {where}"
+    )
     if bad_kv == bad_rows == bad_reads == 0 and empty:
-        print(f"paged_admission: OK: 0 corrupted rows, 0 corrupted KV, 0 corrupted reads, "
-              f"pool empty, {elapsed:.2f} s")
+        print(
+            f"paged_admission: OK: 0 corrupted rows, 0 corrupted KV, 0 corrupted reads, "
+            f"pool empty, {elapsed:.2f} s"
+        )
         return 0
-    print(f"paged_admission: FAILED: {bad_rows} corrupted rows, {bad_kv} corrupted KV, "
-          f"{bad_reads} corrupted reads, {stats.allocated} rows and {stats.pages_allocated} "
-          f"pages still allocated, {stats.pending} rows and {stats.pages_pending} pages pending")
+    print(
+        f"paged_admission: FAILED: {bad_rows} corrupted rows, {bad_kv} corrupted KV, "
+        f"{bad_reads} corrupted reads, {stats.allocated} rows and {stats.pages_allocated} "
+        f"pages still allocated, {stats.pending} rows and {stats.pages_pending} pages pending"
+    )
     return 1
 
 
@@ -498,19 +523,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=24, help="KV pages (page 0 excluded)")
     p.add_argument("--page-size", type=int, default=8, help="token slots a page")
     p.add_argument("--forward-ms", type=float, default=1.0, help="the forward's time per step")
-    p.add_argument("--prefixes", type=int, default=4,
-                   help="shared prompt prefixes (0: no prefix cache)")
+    p.add_argument(
+        "--prefixes", type=int, default=4, help="shared prompt prefixes (0: no prefix cache)"
+    )
     p.add_argument("--prefix-pages", type=int, default=2, help="pages of a shared prefix")
-    p.add_argument("--headroom", type=int, default=0,
-                   help="free pages kept for decode growth when admitting")
-    p.add_argument("--abort", type=float, default=0.01,
-                   help="probability that a client aborts after each token")
+    p.add_argument(
+        "--headroom", type=int, default=0, help="free pages kept for decode growth when admitting"
+    )
+    p.add_argument(
+        "--abort",
+        type=float,
+        default=0.01,
+        help="probability that a client aborts after each token",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-record-use", dest="record_use", action="store_false",
-                   help="leave out record_use (the bug): rows and pages are reused too soon")
-    p.add_argument("--evict-behind-write-fence", action="store_true",
-                   help="evict cached pages behind the fence of the row that wrote them, "
-                        "not their newest reader's (the bug): reused while still read")
+    p.add_argument(
+        "--no-record-use",
+        dest="record_use",
+        action="store_false",
+        help="leave out record_use (the bug): rows and pages are reused too soon",
+    )
+    p.add_argument(
+        "--evict-behind-write-fence",
+        action="store_true",
+        help="evict cached pages behind the fence of the row that wrote them, "
+        "not their newest reader's (the bug): reused while still read",
+    )
     args = p.parse_args(argv)
     return asyncio.run(run(args))
 

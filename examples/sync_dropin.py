@@ -59,8 +59,13 @@ class Request:
         return self.prompt_len + self.done
 
 
-def _step(delay_s: float, req_to_token: torch.Tensor, rows: torch.Tensor,
-          pos: torch.Tensor, tok: torch.Tensor) -> None:
+def _step(
+    delay_s: float,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    tok: torch.Tensor,
+) -> None:
     if delay_s:
         time.sleep(delay_s)  # the forward's compute, on the host stream's worker
     req_to_token[rows, pos] = tok
@@ -84,21 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     # The seed's constructor; on CUDA the pool's stream is the forward stream,
     # so row resets are ordered before the forward that reads the rows.
     pool = ReqToTokenPool(args.rows + 1, MAX_LEN, device=device, stream=stream if cuda else None)
-    queue = deque(Request(i, rng.randint(16, 48), rng.randint(2, 24))
-                  for i in range(args.requests))
+    queue = deque(Request(i, rng.randint(16, 48), rng.randint(2, 24)) for i in range(args.requests))
     running: list[Request] = []
     finished = aborted = corrupted = steps = 0
     t0 = time.perf_counter()
 
     def admit() -> None:
         while queue:
-            rows = pool.alloc(1)               # None when short, as the seed's
+            rows = pool.alloc(1)  # None when short, as the seed's
             if rows is None:
                 return
             req = queue.popleft()
             req.row = rows[0]
-            slots = torch.tensor([token(req.id, i) for i in range(req.length)],
-                                 dtype=torch.int32)
+            slots = torch.tensor([token(req.id, i) for i in range(req.length)], dtype=torch.int32)
             if cuda:
                 with torch.cuda.stream(stream):
                     pool.write((req.row, slice(0, req.length)), slots)
@@ -149,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             stream.close()
     elapsed = time.perf_counter() - t0
     where = "a CUDA stream" if cuda else "HostStream"
-    print(f"sync_dropin: {finished} finished, {aborted} aborted, {steps} steps, "
-          f"{pool.stats().deferred_frees} deferred frees, on {where}")
+    print(
+        f"sync_dropin: {finished} finished, {aborted} aborted, {steps} steps, "
+        f"{pool.stats().deferred_frees} deferred frees, on {where}"
+    )
     if corrupted == 0 and empty:
         print(f"sync_dropin: OK: 0 corrupted rows, pool empty, {elapsed:.2f} s")
         return 0

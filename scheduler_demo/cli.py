@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="run N tensor-parallel scheduler replicas, one process each (gloo; NCCL with "
-        "--device cuda, one GPU per rank), with reclaim=\"explicit\" pools; every step "
+        '--device cuda, one GPU per rank), with reclaim="explicit" pools; every step '
         "checks that all ranks built the same batch; needs --admission atomic, refuses "
         "--gate (exit 2) and draws no --plot (default: 0, the plain demo; 1 runs "
         "the replica machinery on one rank)",
@@ -385,8 +385,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dem
         check_output_path(parser, "--json", args.json)
     if args.plot:
         if Path(args.plot).suffix.lower() != ".png":
-            parser.error(f"--plot {args.plot}: the plot is a PNG; name it PATH.png "
-                         f"(got {Path(args.plot).suffix or 'no extension'!r})")
+            parser.error(
+                f"--plot {args.plot}: the plot is a PNG; name it PATH.png "
+                f"(got {Path(args.plot).suffix or 'no extension'!r})"
+            )
         check_output_path(parser, "--plot", args.plot)
     if cfg.device == "cuda":
         import torch
@@ -466,15 +468,21 @@ def _main_tp(args: argparse.Namespace, cfg: DemoConfig) -> int:
         return 1
     except (ProcessRaisedException, ProcessExitedException) as exc:
         lines = str(exc).strip().splitlines()
-        print(f"scheduler_demo: a tensor-parallel rank failed: {lines[-1] if lines else exc}",
-              file=sys.stderr)
+        print(
+            f"scheduler_demo: a tensor-parallel rank failed: {lines[-1] if lines else exc}",
+            file=sys.stderr,
+        )
         return 1
     print(format_summary(res))
     report = res["ranks"][0]["report"]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**report, "tp": {k: v for k, v in res.items() if k != "ranks"}}, f,
-                      indent=1, default=str)
+            json.dump(
+                {**report, "tp": {k: v for k, v in res.items() if k != "ranks"}},
+                f,
+                indent=1,
+                default=str,
+            )
     # Every rank's corruptions count, not rank 0's only; --unsafe exits 1 as
     # without --tp.
     clean = all(

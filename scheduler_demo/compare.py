@@ -68,8 +68,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
             action.default = argparse.SUPPRESS
             action.help = argparse.SUPPRESS
     g = parser.add_argument_group("compare")
-    g.add_argument("--rounds", type=int, default=3,
-                   help="rounds of the four runs, at least 1 (default %(default)s)")
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the four runs, at least 1 (default %(default)s)",
+    )
     g.add_argument("--out", metavar="PATH", help="write every run's report as JSON")
     return parser
 
@@ -102,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 report = _run(run_demo(cfg))
             except TimeoutError:
-                print(f"round {rnd + 1} {name}: "
-                      f"{timeout_message(cfg, time.monotonic() - t0)}", file=sys.stderr)
+                print(
+                    f"round {rnd + 1} {name}: {timeout_message(cfg, time.monotonic() - t0)}",
+                    file=sys.stderr,
+                )
                 return 1
             runs[name].append(report)
             print(

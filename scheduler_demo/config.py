@@ -119,8 +119,14 @@ class DemoConfig:
         # NaN passes every comparison above and below as False, and inf
         # hangs or overflows later: every float must be finite first.
         for name in (
-            "rate", "abort_rate", "admit_watermark", "transfer_ms",
-            "forward_ms", "forward_us_per_token", "sched_ms", "timeout_s",
+            "rate",
+            "abort_rate",
+            "admit_watermark",
+            "transfer_ms",
+            "forward_ms",
+            "forward_us_per_token",
+            "sched_ms",
+            "timeout_s",
         ):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

@@ -57,9 +57,7 @@ async def run_demo(
         pool_stream: Any = forward.stream if (forward.is_cuda and not cfg.unsafe) else None
         # The pool owns the pages: a row and its pages are admitted, extended
         # and freed together.
-        kv_pages = KVPagePool(
-            cfg.kv_pages + 1, cfg.page_size, device=cfg.device, reclaim=reclaim
-        )
+        kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size, device=cfg.device, reclaim=reclaim)
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
         kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
         async with AsyncReqToTokenPool(

@@ -184,10 +184,15 @@ class TPScheduler(Scheduler):
         for rid, epoch in aborted:
             req = self._by_rid[rid]
             handle = req.transfer
-            if req.epoch == epoch and handle is not None and req.state in (
-                TRANSFER,
-                READY,
-                RUNNING,
+            if (
+                req.epoch == epoch
+                and handle is not None
+                and req.state
+                in (
+                    TRANSFER,
+                    READY,
+                    RUNNING,
+                )
             ):
                 Scheduler._client_abort(self, req, handle)
         for req, landed in zip(inflight, agreed[4 : 4 + n], strict=True):
@@ -341,8 +346,7 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
                 raise TPMismatchError(text[text.rindex(marker) + len(marker) :].strip()) from exc
             raise
         ranks = [
-            json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8"))
-            for r in range(world)
+            json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)
         ]
     hashes = {r["batch_hash"] for r in ranks}
     agree_ms = max(r["agree_ms_per_step"] for r in ranks)

@@ -160,8 +160,13 @@ async def test_counts_are_reads_and_reclaim_brings_rows_and_pages_back_at_once(k
         pool.free([a.row], fence=fence)
         fence.set()
         fence.synchronize()  # complete; no await from here to the reclaim
-        counts = (pool.available_size(), pool.pending_size(), kv.available_size(),
-                  kv.pending_size(), pool.stats().pages_free)
+        counts = (
+            pool.available_size(),
+            pool.pending_size(),
+            kv.available_size(),
+            kv.pending_size(),
+            pool.stats().pages_free,
+        )
         assert counts == (0, 1, 0, 4, 0)
         assert pool.reclaim() == 1
         assert pool.waiting() == 0 and pool.allocated_size() == 2  # granted at once

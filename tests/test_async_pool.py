@@ -152,9 +152,7 @@ async def test_priority_order_lower_number_first():
         held = await pool.alloc(4)
         log: list[str] = []
         specs = [("p5", 5), ("p0a", 0), ("p1", 1), ("p0b", 0)]
-        tasks = [
-            asyncio.create_task(_waiter(pool, 1, name, log, priority=p)) for name, p in specs
-        ]
+        tasks = [asyncio.create_task(_waiter(pool, 1, name, log, priority=p)) for name, p in specs]
         await spin()
         for row in held:
             pool.free([row])
@@ -978,7 +976,11 @@ async def test_stats_fields(kit):
         with pytest.raises(dataclasses.FrozenInstanceError):
             st0.free = 3  # type: ignore[misc]
         assert (st0.capacity, st0.free, st0.allocated, st0.pending, st0.quarantined) == (
-            4, 4, 0, 0, 0,
+            4,
+            4,
+            0,
+            0,
+            0,
         )
         assert st0.wait_time == LatencySummary() and st0.fence_latency.count == 0
 

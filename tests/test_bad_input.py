@@ -402,9 +402,7 @@ def _rows(kind: str) -> list[Case]:
         Case(
             f"{kind}-set_info-slot-negative",
             kind,
-            lambda c: c.pool.set_req_pool_info(
-                2, ReqToTokenPoolInfo(1, 2, torch.tensor([3, -5]))
-            ),
+            lambda c: c.pool.set_req_pool_info(2, ReqToTokenPoolInfo(1, 2, torch.tensor([3, -5]))),
             InvalidSlotError,
             "-5",
         ),

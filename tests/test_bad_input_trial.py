@@ -297,11 +297,15 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="device 0 is CUDA
 
 
 @pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "device"])
-@pytest.mark.parametrize("make", [
-    lambda d: ReqToTokenPool(10, 16, device=d),
-    lambda d: AsyncReqToTokenPool(10, 16, device=d),
-    lambda d: KVPagePool(10, 4, device=d),
-], ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: ReqToTokenPool(10, 16, device=d),
+        lambda d: AsyncReqToTokenPool(10, 16, device=d),
+        lambda d: KVPagePool(10, 4, device=d),
+    ],
+    ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
+)
 def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
     with pytest.raises(DeviceError, match=r"device=.*meta.* holds no data"):
         make(device)
@@ -312,11 +316,15 @@ def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
     ["10", "bogus", -1, None, 2.5, pytest.param(0, marks=NO_CUDA)],
     ids=repr,
 )
-@pytest.mark.parametrize("make", [
-    lambda d: ReqToTokenPool(10, 16, device=d),
-    lambda d: AsyncReqToTokenPool(10, 16, device=d),
-    lambda d: KVPagePool(10, 4, device=d),
-], ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: ReqToTokenPool(10, 16, device=d),
+        lambda d: AsyncReqToTokenPool(10, 16, device=d),
+        lambda d: KVPagePool(10, 4, device=d),
+    ],
+    ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
+)
 def test_a_device_torch_cannot_use_is_a_device_error(make: Any, device: Any) -> None:
     with pytest.raises(DeviceError, match=rf"device={re.escape(repr(device))} is not a device"):
         make(device)
@@ -515,8 +523,10 @@ async def test_priority_of_any_integer_type_queues_as_that_int(form: str, admit:
     async with AsyncReqToTokenPool(2, 4, kv=KVPagePool(5, 4) if admit else None) as pool:
 
         def call(p: Any) -> Any:
-            return (lambda: pool.admit(1, priority=p)) if admit else (
-                lambda: pool.alloc(1, priority=p)
+            return (
+                (lambda: pool.admit(1, priority=p))
+                if admit
+                else (lambda: pool.alloc(1, priority=p))
             )
 
         held = await (pool.admit(1) if admit else pool.alloc(1))

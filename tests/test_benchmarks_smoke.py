@@ -96,7 +96,8 @@ async def test_pages() -> None:
     counts = SMOKE.pages_counts
     # The seed-style peer is always there, at every n.
     assert {r.bench for r in rows if r.reference.startswith("seed-style")} == {
-        pages_mod.bench_name(n) for n in counts}
+        pages_mod.bench_name(n) for n in counts
+    }
     flat = [r for r in rows if r.target is pages_mod.FLATNESS]
     assert len(flat) == 1 and "256 pages" in flat[0].subject
     # Each real peer is measured (its rows, with their targets) or said skipped, never both.
@@ -119,14 +120,25 @@ async def test_pages_peers_found_skipped_and_broken(monkeypatch: pytest.MonkeyPa
 
     def stand_in(num_pages: int, page_size: int) -> pages_mod.Contender:
         pool = NaivePagePool(num_pages, page_size)
-        return pages_mod.Contender(pages_mod.VLLM, "vLLM stand-in", pool.alloc, pool.free, 1,
-                                   lambda t: int(t.numel()), pool.available_size)
+        return pages_mod.Contender(
+            pages_mod.VLLM,
+            "vLLM stand-in",
+            pool.alloc,
+            pool.free,
+            1,
+            lambda t: int(t.numel()),
+            pool.available_size,
+        )
 
-    monkeypatch.setattr(pages_mod, "PEERS", {
-        pages_mod.SGLANG: ("asyncpool_no_such_peer", broken),
-        pages_mod.VLLM: ("numpy", stand_in),
-        "Broken": ("numpy", broken),
-    })
+    monkeypatch.setattr(
+        pages_mod,
+        "PEERS",
+        {
+            pages_mod.SGLANG: ("asyncpool_no_such_peer", broken),
+            pages_mod.VLLM: ("numpy", stand_in),
+            "Broken": ("numpy", broken),
+        },
+    )
     rows, skipped = await bench_pages(SMOKE)
     _check_pages(rows)
     assert set(skipped) == {"pages vs SGLang", "pages vs Broken"}
@@ -143,10 +155,13 @@ async def test_pages_peers_found_skipped_and_broken(monkeypatch: pytest.MonkeyPa
         for r in rows
         if r.subject.startswith("asyncpool KVPagePool, freeing a copy")
     )
-    assert judged == {(pages_mod.bench_name(n), pages_mod.TARGETS.get((pages_mod.VLLM, n)))
-                      for n in SMOKE.pages_counts}
-    one = next(r for r in rows if r.reference == "vLLM stand-in"
-               and r.bench == pages_mod.bench_name(1))
+    assert judged == {
+        (pages_mod.bench_name(n), pages_mod.TARGETS.get((pages_mod.VLLM, n)))
+        for n in SMOKE.pages_counts
+    }
+    one = next(
+        r for r in rows if r.reference == "vLLM stand-in" and r.bench == pages_mod.bench_name(1)
+    )
     assert one.ratio_label.startswith("cost")  # "within 3x of vLLM" is a cost ratio
 
 
@@ -205,22 +220,27 @@ async def test_decode_peers_found_skipped_broken_and_checked(
     def broken(sc: decode_mod.Scenario) -> decode_mod.Side:
         raise RuntimeError("no CUDA here")
 
-    monkeypatch.setattr(decode_mod, "PEERS", {
-        "vLLM": ("numpy", _PagesStandIn, decode_mod.BENCH_PAGES),
-        "SGLang": ("numpy", _SlotsStandIn, decode_mod.BENCH_SLOTS),
-        "Missing": ("asyncpool_no_such_peer", broken, decode_mod.BENCH_PAGES),
-        "Broken": ("numpy", broken, decode_mod.BENCH_SLOTS),
-    })
+    monkeypatch.setattr(
+        decode_mod,
+        "PEERS",
+        {
+            "vLLM": ("numpy", _PagesStandIn, decode_mod.BENCH_PAGES),
+            "SGLang": ("numpy", _SlotsStandIn, decode_mod.BENCH_SLOTS),
+            "Missing": ("asyncpool_no_such_peer", broken, decode_mod.BENCH_PAGES),
+            "Broken": ("numpy", broken, decode_mod.BENCH_SLOTS),
+        },
+    )
     rows, skipped = await bench_decode(SMOKE)
     _check_decode(rows)
     assert [(r.bench, r.reference) for r in rows] == [
-        (decode_mod.BENCH_PAGES, "vLLM stand-in"), (decode_mod.BENCH_SLOTS, "SGLang stand-in")]
+        (decode_mod.BENCH_PAGES, "vLLM stand-in"),
+        (decode_mod.BENCH_SLOTS, "SGLang stand-in"),
+    ]
     assert set(skipped) == {"decode vs Missing", "decode vs Broken"}
     assert "`asyncpool_no_such_peer` is not importable" in skipped["decode vs Missing"]
     assert "RuntimeError: no CUDA here" in skipped["decode vs Broken"]
 
-    monkeypatch.setattr(decode_mod, "PEERS", {
-        "Greedy": ("numpy", _Greedy, decode_mod.BENCH_PAGES)})
+    monkeypatch.setattr(decode_mod, "PEERS", {"Greedy": ("numpy", _Greedy, decode_mod.BENCH_PAGES)})
     with pytest.raises(AssertionError, match="greedy stand-in: step 0 handed out"):
         await bench_decode(SMOKE)
 
@@ -234,7 +254,8 @@ def test_decode_scenario() -> None:
         crossed = sorted(i for j in range(start, start + sc.page_size) for i in sc.crossing(j))
         assert crossed == list(range(sc.requests))
     assert [b - a for a, b in zip(sc.pages_at(0), sc.pages_at(1), strict=True)] == [
-        int(i in sc.crossing(0)) for i in range(sc.requests)]
+        int(i in sc.crossing(0)) for i in range(sc.requests)
+    ]
     with pytest.raises(ValueError, match="multiple of the page size"):
         decode_mod.Scenario.of(dataclasses.replace(SMOKE, decode_batch_steps=24))
     with pytest.raises(ValueError, match="do not fit"):
@@ -407,21 +428,30 @@ def test_entry_point_writes_markdown_and_json(
     assert any(b.startswith("KV pages alloc(") for b in benches)
     assert "## KV page allocators" in text and "install_peers.sh" in text
     for peer in ("SGLang", "vLLM"):
-        assert (any(r["reference"].startswith(peer) for r in data["rows"])
-                or f"pages vs {peer}" in data["unavailable"])
+        assert (
+            any(r["reference"].startswith(peer) for r in data["rows"])
+            or f"pages vs {peer}" in data["unavailable"]
+        )
     # And the decode step: each peer measured or said skipped.
-    decode_rows = [r for r in data["rows"]
-                   if r["bench"] in (decode_mod.BENCH_PAGES, decode_mod.BENCH_SLOTS)]
+    decode_rows = [
+        r for r in data["rows"] if r["bench"] in (decode_mod.BENCH_PAGES, decode_mod.BENCH_SLOTS)
+    ]
     for peer in decode_mod.PEERS:
-        assert (any(peer in r["samples"] for r in decode_rows)
-                or f"decode vs {peer}" in data["unavailable"]), peer
+        assert (
+            any(peer in r["samples"] for r in decode_rows)
+            or f"decode vs {peer}" in data["unavailable"]
+        ), peer
     # A saved run re-renders to the same markdown without measuring anything.
     again = tmp_path / "again.md"
     assert main(["--from-json", str(js), "--md", str(again)]) == 0
-    assert again.read_text(encoding="utf-8").replace(
-        f"Every sample of this run is in `{js}`; `python -m benchmarks --from-json {js}` "
-        "re-renders this page.\n\n", ""
-    ) == text
+    assert (
+        again.read_text(encoding="utf-8").replace(
+            f"Every sample of this run is in `{js}`; `python -m benchmarks --from-json {js}` "
+            "re-renders this page.\n\n",
+            "",
+        )
+        == text
+    )
 
 
 @pytest.mark.parametrize("argv", [["--only", "nope"], ["--loops", "nope"]])

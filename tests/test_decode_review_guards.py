@@ -106,9 +106,7 @@ async def test_grant_parts_semaphore_release_does_not_count_the_acquires_remove(
     # acquire runs and times. The release side also timed a popleft per
     # release ("the resumed acquire's remove"): counted twice in "a grant,
     # both sides" (about 25 ns of the Semaphore's ~0.9 us).
-    monkeypatch.setattr(
-        grant_parts, "collections", types.SimpleNamespace(deque=_CountingDeque)
-    )
+    monkeypatch.setattr(grant_parts, "collections", types.SimpleNamespace(deque=_CountingDeque))
     _CountingDeque.removals = 0
     best = await grant_parts._free_side(grant_parts.FREE_PARTS[-1], 50, 2)
     assert best > 0
@@ -151,8 +149,16 @@ def _observed(pool: AsyncReqToTokenPool) -> Any:
     assert rp is not None
     return (
         inv,
-        (st.free, st.allocated, st.pending, st.pages_free, st.pages_allocated,
-         st.pages_pending, st.frees, st.allocs),
+        (
+            st.free,
+            st.allocated,
+            st.pending,
+            st.pages_free,
+            st.pages_allocated,
+            st.pages_pending,
+            st.frees,
+            st.allocs,
+        ),
         [None if a is None else a.tolist() for a in rp.owned],
         [None if s is None else (type(s).__name__, bytes(s)) for s in rp.sealed],
         bytes(rp.ledger._state),
@@ -183,8 +189,22 @@ async def _differential(seed: int, steps: int = 250) -> None:
     held: list[list[Any]] = [[], []]
     detached: list[list[torch.Tensor]] = [[], []]
     rng = random.Random(seed)
-    ops = ["admit", "ext1", "extk", "extend", "pages_of", "write", "restore", "detach",
-           "kvfree", "free", "fenced", "complete", "use", "cancel"]
+    ops = [
+        "admit",
+        "ext1",
+        "extk",
+        "extend",
+        "pages_of",
+        "write",
+        "restore",
+        "detach",
+        "kvfree",
+        "free",
+        "fenced",
+        "complete",
+        "use",
+        "cancel",
+    ]
     for step in range(steps):
         op = rng.choices(ops, weights=[8, 14, 4, 3, 3, 2, 2, 2, 2, 5, 3, 3, 2, 4])[0]
         draw = rng.random()

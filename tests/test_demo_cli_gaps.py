@@ -14,9 +14,7 @@ from scheduler_demo.compare import main as compare_main
 from scheduler_demo.workload import MAX_LENGTH, LengthDist
 
 
-def _refused(
-    run: object, argv: list[str], capsys: pytest.CaptureFixture[str]
-) -> str:
+def _refused(run: object, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as exc:
         run(argv)  # type: ignore[operator]
     assert exc.value.code == 2, argv
@@ -74,8 +72,15 @@ def test_a_user_value_is_quoted_as_written_not_renamed(
 
 
 @pytest.mark.parametrize(
-    "spec", ["lognormal:96:1000", "lognormal:1e300:5", "exp:1e300", "exp:1e-320",
-             "uniform:1:1e300", "const:1e300"]
+    "spec",
+    [
+        "lognormal:96:1000",
+        "lognormal:1e300:5",
+        "exp:1e300",
+        "exp:1e-320",
+        "uniform:1:1e300",
+        "const:1e300",
+    ],
 )
 def test_length_draws_are_bounded_and_never_overflow(spec: str) -> None:
     dist = LengthDist.parse(spec)
@@ -183,8 +188,9 @@ async def test_timeout_cuts_short_the_steps_in_flight() -> None:
     from scheduler_demo.config import DemoConfig
     from scheduler_demo.runner import run_demo
 
-    cfg = replace(DemoConfig(), num_requests=4, rate=0.0, forward_ms=20_000.0,
-                  progress=False, timeout_s=0.5)
+    cfg = replace(
+        DemoConfig(), num_requests=4, rate=0.0, forward_ms=20_000.0, progress=False, timeout_s=0.5
+    )
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         await run_demo(cfg)

@@ -27,8 +27,17 @@ def test_two_ranks_build_identical_batches() -> None:
         assert rep["corruptions"] == 0 and rep["kv_corruptions"] == 0
         assert rep["completed"] + rep["aborts"] == rep["requests"] == 60
     # Same decisions, same outcome on every rank.
-    same = ("completed", "aborts", "aborts_in_transfer", "aborts_in_decode", "retractions",
-            "steps", "transfers", "output_tokens", "computed_tokens")
+    same = (
+        "completed",
+        "aborts",
+        "aborts_in_transfer",
+        "aborts_in_decode",
+        "retractions",
+        "steps",
+        "transfers",
+        "output_tokens",
+        "computed_tokens",
+    )
     a, b = (r["report"] for r in res["ranks"])
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
     assert "0 mismatches" in format_summary(res)
@@ -118,8 +127,13 @@ def test_timeout_is_kept_over_all_ranks() -> None:
 
 def _summary(corruptions: list[int]) -> dict[str, object]:
     return {
-        "world": len(corruptions), "steps": 10, "checks": 20, "mismatches": 0,
-        "agree_ms_per_step": 0.1, "agree_fraction": 0.01, "step_ms": 10.0,
+        "world": len(corruptions),
+        "steps": 10,
+        "checks": 20,
+        "mismatches": 0,
+        "agree_ms_per_step": 0.1,
+        "agree_fraction": 0.01,
+        "step_ms": 10.0,
         "exchange_ms_per_step": 0.2,
         "ranks": [{"report": {"corruptions": c, "kv_corruptions": 0}} for c in corruptions],
     }
@@ -160,8 +174,13 @@ async def _one_rank_in_transfer(group: Any) -> AsyncIterator[tuple[Any, Any]]:
     from scheduler_demo.workload import RequestSpec
 
     cfg = DemoConfig(
-        num_requests=1, rows=4, max_context_len=64, kv_pages=16, page_size=4,
-        transfer_ms=600_000.0, progress=False,
+        num_requests=1,
+        rows=4,
+        max_context_len=64,
+        kv_pages=16,
+        page_size=4,
+        transfer_ms=600_000.0,
+        progress=False,
     )
     specs = [RequestSpec(0, 0.0, 8, 4)]
     forward = Forward("cpu")

@@ -32,7 +32,12 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -44,9 +49,13 @@ EXAMPLE_RUNS = [
     # Oldest-freed-first reuse of pages hides most early reuses: more
     # requests give the unsafe run more chances (hundreds of corrupted reads
     # and a few corrupted KV seen at 300).
-    ("paged_admission.py", "paged_admission",
-     "0 corrupted rows, 0 corrupted KV, 0 corrupted reads, pool empty",
-     "0 corrupted rows, 0 corrupted KV, 0 corrupted reads", ("--requests", "300")),
+    (
+        "paged_admission.py",
+        "paged_admission",
+        "0 corrupted rows, 0 corrupted KV, 0 corrupted reads, pool empty",
+        "0 corrupted rows, 0 corrupted KV, 0 corrupted reads",
+        ("--requests", "300"),
+    ),
 ]
 
 
@@ -92,8 +101,9 @@ def test_paged_admission_detects_eviction_behind_the_write_fence() -> None:
     # step reads only once the next step's requests are admitted (an event,
     # not a sleep), so each such reuse is caught: 11-28 corrupted reads a run
     # at 300 requests (42 runs, 36 of them 12 at a time on a 2-core VM).
-    proc = _run("paged_admission.py", "--device", "cpu", "--evict-behind-write-fence",
-                "--requests", "300")
+    proc = _run(
+        "paged_admission.py", "--device", "cpu", "--evict-behind-write-fence", "--requests", "300"
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"paged_admission: FAILED: .*?(\d+) corrupted reads", proc.stdout)
     assert found is not None and int(found.group(1)) > 0, proc.stdout

@@ -401,9 +401,7 @@ async def test_async_reclaim_is_a_no_op_on_an_explicit_pool() -> None:
         assert pool.pending_size() == 2 and t.queries == 0
 
 
-def test_agreement_error_on_disagreeing_ranks(
-    group: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_agreement_error_on_disagreeing_ranks(group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Simulate a second rank holding one more batch: MIN over ranks of the
     header then differs from MAX, and nothing changes."""
     import asyncpool.agreement as agreement

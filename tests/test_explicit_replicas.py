@@ -249,9 +249,10 @@ def run(
                     rows.free(row)
                 got.append((row, None if pages is None else pages.tolist()))
                 grants[r].append(("admit", step, got[-1]))
-            if all(g[0] is not None and g[1] is not None for g in got) and len(
-                {repr(g) for g in got}
-            ) == 1:
+            if (
+                all(g[0] is not None and g[1] is not None for g in got)
+                and len({repr(g) for g in got}) == 1
+            ):
                 live.append((got[0][0], [g[1] for g in got], -1))
         elif op < 0.8 and live:
             rows_, pages_, _ = live.pop(rng.randrange(len(live)))

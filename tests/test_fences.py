@@ -387,8 +387,9 @@ def test_cuda_fences_carry_stream_key_and_record_order():
     assert a1.stream_key == a2.stream_key != b1.stream_key
     assert a2.seq == a1.seq + 1
     # A generic torch.Stream of type cuda works too and maps to the same key.
-    generic = torch.Stream(stream_id=s1.stream_id, device_index=s1.device_index,
-                           device_type=s1.device_type)
+    generic = torch.Stream(
+        stream_id=s1.stream_id, device_index=s1.device_index, device_type=s1.device_type
+    )
     a3 = record_fence(generic)
     assert a3.stream_key == a1.stream_key and a3.seq == a2.seq + 1
     torch.cuda.synchronize()

@@ -259,8 +259,10 @@ async def test_timeout_names_its_seconds():
 
 
 @pytest.mark.parametrize("cls", [ReqToTokenPool, AsyncReqToTokenPool])
-@pytest.mark.parametrize("size,rule", [(5.0, "size must be an int"), (True, "size must be an int"),
-                                       (1, "size must be at least 2")])
+@pytest.mark.parametrize(
+    "size,rule",
+    [(5.0, "size must be an int"), (True, "size must be an int"), (1, "size must be at least 2")],
+)
 def test_size_messages(cls, size, rule):
     with pytest.raises(CapacityError, match=rule) as info:
         cls(size, 8)
@@ -286,8 +288,9 @@ def test_cuda_device_without_cuda_is_a_clear_pool_error(cls):
     assert isinstance(info.value, PoolError) and isinstance(info.value, RuntimeError)
 
 
-@pytest.mark.parametrize("held,phrase", [(1, "while 1 row is still allocated"),
-                                         (2, "while 2 rows are still allocated")])
+@pytest.mark.parametrize(
+    "held,phrase", [(1, "while 1 row is still allocated"), (2, "while 2 rows are still allocated")]
+)
 async def test_release_memory_message_reads_as_a_sentence(held, phrase):
     async with AsyncReqToTokenPool(4, 4) as pool:
         rows = await pool.alloc(held)

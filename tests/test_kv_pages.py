@@ -259,9 +259,7 @@ BAD_INPUTS: list[Any] = [
 ]
 
 
-@pytest.mark.parametrize(
-    "build, expected", [pytest.param(b, e, id=d) for d, b, e in BAD_INPUTS]
-)
+@pytest.mark.parametrize("build, expected", [pytest.param(b, e, id=d) for d, b, e in BAD_INPUTS])
 @pytest.mark.parametrize("with_fence", [False, True])
 def test_bad_free_raises_typed_error_and_changes_nothing(build, expected, with_fence):
     kv = KVPagePool(64, 4)

@@ -254,9 +254,7 @@ ODD_TENSORS: list[tuple[str, Callable[[], torch.Tensor], type[BaseException] | N
 ]
 
 
-@pytest.mark.parametrize(
-    "build, error", [pytest.param(b, e, id=d) for d, b, e in ODD_TENSORS]
-)
+@pytest.mark.parametrize("build, error", [pytest.param(b, e, id=d) for d, b, e in ODD_TENSORS])
 def test_odd_tensors_go_the_checked_way(build, error):
     kv, _ = _state_for_bad_ids()
     arg = build()
@@ -358,7 +356,13 @@ def test_a_handed_out_tensor_written_into_goes_the_checked_way():
     pages[:] = torch.tensor([*range(1, 5), *other.tolist()])
     assert kv.free(pages) == 6
     assert [kv.ledger.state_of(p) for p in (1, 4, 5, 6, 7, 8)] == [
-        "free", "free", "allocated", "allocated", "free", "free"]
+        "free",
+        "free",
+        "allocated",
+        "allocated",
+        "free",
+        "free",
+    ]
     kv.check_invariants()
 
 

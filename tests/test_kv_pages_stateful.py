@@ -306,10 +306,14 @@ class PageMachine(RuleBasedStateMachine):
         free = set().union(*self.blocks) if self.blocks else set()
         for p in range(1, NUM_PAGES):
             want = (
-                "free" if p in free
-                else "allocated" if p in self.allocated
-                else "pending" if p in self.pending
-                else "quarantined" if p in self.quarantined
+                "free"
+                if p in free
+                else "allocated"
+                if p in self.allocated
+                else "pending"
+                if p in self.pending
+                else "quarantined"
+                if p in self.quarantined
                 else None
             )
             assert want is not None, f"model lost page {p}"

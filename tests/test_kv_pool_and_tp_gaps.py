@@ -350,7 +350,6 @@ def test_the_tp_cli_refuses_gate_and_non_atomic_admission_with_status_2(
     assert "--tp needs --admission atomic and no --gate" in capsys.readouterr().err
 
 
-
 # ------------------------------------------------------- examples
 
 
@@ -464,7 +463,17 @@ def test_overlap_step_frees_a_finished_row_after_its_copy_out(
     monkeypatch.setattr(mod.Streams, "copy_out", held_copy_out)
     monkeypatch.setattr(mod.Streams, "write_prefix", noting_prefix)
     monkeypatch.setattr(mod, "AsyncReqToTokenPool", NotingPool)
-    argv = ["--device", "cpu", "--requests", "3", "--rows", "1", "--forward-ms", "0",
-            "--retract", "0"]
+    argv = [
+        "--device",
+        "cpu",
+        "--requests",
+        "3",
+        "--rows",
+        "1",
+        "--forward-ms",
+        "0",
+        "--retract",
+        "0",
+    ]
     assert mod.main(argv) == 0, capsys.readouterr().out
     assert proceed.is_set()  # released by an event, not by the bound

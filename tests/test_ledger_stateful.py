@@ -300,10 +300,14 @@ class LedgerMachine(RuleBasedStateMachine):
         free = set().union(*self.blocks) if self.blocks else set()
         for r in range(1, SIZE):
             want = (
-                "free" if r in free
-                else "allocated" if r in self.allocated
-                else "pending" if r in self.pending
-                else "quarantined" if r in self.quarantined
+                "free"
+                if r in free
+                else "allocated"
+                if r in self.allocated
+                else "pending"
+                if r in self.pending
+                else "quarantined"
+                if r in self.quarantined
                 else None
             )
             assert want is not None, f"model lost row {r}"

@@ -33,9 +33,7 @@ def make(reclaim: str = "auto") -> AsyncReqToTokenPool:
 
 
 @contextlib.asynccontextmanager
-async def draining_release() -> AsyncIterator[
-    tuple[AsyncReqToTokenPool, Gate, asyncio.Task[None]]
-]:
+async def draining_release() -> AsyncIterator[tuple[AsyncReqToTokenPool, Gate, asyncio.Task[None]]]:
     """A pool whose ``release_memory()`` task drains behind one row freed
     behind a gated fence (nothing allocated); closed on exit."""
     stream = HostStream()

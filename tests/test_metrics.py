@@ -451,8 +451,7 @@ def test_readme_table_lists_every_family() -> None:
         if len(cells) == 4 and cells[0].startswith("asyncpool_"):
             listed[cells[0]] = cells[1]
     exported = {
-        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): f.type
-        for f in FAMILIES
+        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): f.type for f in FAMILIES
     }
     assert listed == exported
 
@@ -494,8 +493,11 @@ async def test_scrapes_from_another_thread_see_consistent_monotonic_figures() ->
                 counts = [c for _, c in buckets(fams, name)]
                 assert counts == sorted(counts)
                 assert counts[-1] == value(fams, name + "_count")
-            for sample in ("asyncpool_alloc_calls_total", "asyncpool_rows_allocated_total",
-                           "asyncpool_alloc_wait_seconds_count"):
+            for sample in (
+                "asyncpool_alloc_calls_total",
+                "asyncpool_rows_allocated_total",
+                "asyncpool_alloc_wait_seconds_count",
+            ):
                 v = value(fams, sample)
                 assert v >= last.get(sample, 0.0), sample
                 last[sample] = v

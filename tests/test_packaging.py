@@ -16,8 +16,16 @@ REPO = Path(__file__).resolve().parent.parent
 # What a source distribution would hold; never build in the checkout itself
 # (setuptools leaves build/ and *.egg-info/ behind).
 _IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
-    ".hypothesis", "out",
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+    "out",
 )
 
 
@@ -29,12 +37,15 @@ def _build_wheel(tmp_path: Path) -> Path:
     # setuptools' PEP 517 backend, offline, in a child process so its state
     # stays out of this one (what `pip wheel . --no-build-isolation` calls).
     code = (
-        "import sys; from setuptools import build_meta; "
-        "print(build_meta.build_wheel(sys.argv[1]))"
+        "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(dist)],
-        cwd=src, capture_output=True, text=True, timeout=300, check=False,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheels = list(dist.glob("*.whl"))
@@ -77,7 +88,8 @@ def test_benchmarks_default_markdown_path_is_under_the_cwd(
     capsys.readouterr()
     assert (tmp_path / "docs" / "benchmarks.md").is_file()
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
-        "docs", "docs/benchmarks.md",
+        "docs",
+        "docs/benchmarks.md",
     ]
     after = repo_md.stat().st_mtime_ns if repo_md.exists() else None
     assert after == before  # the checkout's own report is untouched

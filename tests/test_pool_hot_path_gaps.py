@@ -255,9 +255,7 @@ async def test_a_checked_one_row_free_files_the_row_at_the_tail() -> None:
         a, b = await pool.alloc(2)
         [c] = pool.try_alloc(1) or []  # a checked call: the fast paths close
         assert not pool._fast
-        pool.set_req_pool_info(
-            a, ReqToTokenPoolInfo(1, 2, torch.tensor([a, a], dtype=torch.int32))
-        )
+        pool.set_req_pool_info(a, ReqToTokenPoolInfo(1, 2, torch.tensor([a, a], dtype=torch.int32)))
         assert pool.free([a]) == 1  # the checked one-row path
         [d] = await pool.alloc(1)
         assert d == 4  # the clean row ahead of the freed one

@@ -232,7 +232,6 @@ async def test_a_pool_held_only_by_its_waiting_task_is_still_woken() -> None:
         assert sorted(await task) == [1, 2]
 
 
-
 def test_a_dropped_host_stream_is_collected_and_its_worker_ends() -> None:
     ran = threading.Event()
     stream = HostStream("soak-dropped")

@@ -51,8 +51,9 @@ def test_a_fence_holding_nothing_says_so(caplog: pytest.LogCaptureFixture) -> No
     pool.record_use([row], fence)
     assert pool.force_release(fence) == 0
     messages = [r.getMessage() for r in caplog.records]
-    assert any("no row was pending" in m and "1 allocated row forgets its use" in m
-               for m in messages)
+    assert any(
+        "no row was pending" in m and "1 allocated row forgets its use" in m for m in messages
+    )
     assert pool.free(row) == 1
 
 

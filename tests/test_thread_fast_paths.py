@@ -191,8 +191,14 @@ async def test_bind_reopens_the_fast_paths_for_the_new_owner_only() -> None:
 # ------------------------------------------------------------ two threads at once
 
 
-def _hammer(pool: AsyncReqToTokenPool, holders: dict[int, str], me: str, cycles: int,
-            problems: list[str], stranded: list[int]) -> None:
+def _hammer(
+    pool: AsyncReqToTokenPool,
+    holders: dict[int, str],
+    me: str,
+    cycles: int,
+    problems: list[str],
+    stranded: list[int],
+) -> None:
     """``cycles`` of alloc(1) + free on the fast paths, checking each grant.
 
     A free refused with WrongThreadError changed nothing: the row is still

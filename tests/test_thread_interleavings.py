@@ -80,8 +80,10 @@ class _Injector:
             sys.setprofile(None)
 
 
-def _explore(setup: Callable[[], tuple[Any, Callable[[], Any], Callable[[], Any]]],
-             check: Callable[[Any, tuple[str, Any], tuple[str, Any]], None]) -> int:
+def _explore(
+    setup: Callable[[], tuple[Any, Callable[[], Any], Callable[[], Any]]],
+    check: Callable[[Any, tuple[str, Any], tuple[str, Any]], None],
+) -> int:
     """Run setup/owner/foreign once per switch point; return how many there were."""
     for at in range(1, MAX_POINTS):
         state, owner, foreign = setup()
@@ -170,6 +172,7 @@ async def test_a_checked_call_with_a_reset_keeps_foreign_calls_out(foreign_kind:
             pool.free(r)
         held_for_free[:] = [held]
         assert pool._ledger._clean == 0 and pool._fast
+
         def foreign_alloc() -> list[int]:
             rows: list[int] = _run_sync(pool.alloc(1))
             pool.verified_lens[rows[0]] = 5  # the new owner writes at once

@@ -59,8 +59,6 @@ def test_auto_mode_diverges(tmp_path: Path, api: str) -> None:
     assert len(steps) == 1 and steps != {-1}, res
 
 
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("same_count", [False, True])
 def test_ranks_that_disagree_all_raise(tmp_path: Path, same_count: bool) -> None:

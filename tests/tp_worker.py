@@ -166,8 +166,10 @@ class Admission:
 
 
 #: the memory APIs this checkout has ("admit" once the pool can admit)
-APIS = ("rows", "admit") if hasattr(__import__("asyncpool").AsyncReqToTokenPool, "admit") else (
-    "rows",
+APIS = (
+    ("rows", "admit")
+    if hasattr(__import__("asyncpool").AsyncReqToTokenPool, "admit")
+    else ("rows",)
 )
 
 
@@ -434,9 +436,7 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
 
     def pool(kv: bool = True, fence_timeout: float | None = None) -> AsyncReqToTokenPool:
         pages = KVPagePool(17, PAGE, reclaim="explicit") if kv else None
-        return AsyncReqToTokenPool(
-            5, 64, kv=pages, reclaim="explicit", fence_timeout=fence_timeout
-        )
+        return AsyncReqToTokenPool(5, 64, kv=pages, reclaim="explicit", fence_timeout=fence_timeout)
 
     async def scenarios() -> None:
         for case, state in (("fault", "failed"), ("stuck", "pending")):

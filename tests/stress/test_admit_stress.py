@@ -369,6 +369,11 @@ async def test_admit_stress(request: pytest.FixtureRequest, capsys: Any) -> None
     assert kv.stats().deferred_frees > 0 and kv.stats().reclaimed > 0
     assert st.timeouts > 0 and st.cancellations > 0 and st.admit_wait.count > 0
     for what in (
-        "extend_hit", "extend_rows_hit", "detach", "kv_free_fence", "try_admit_hit", "free_after"
+        "extend_hit",
+        "extend_rows_hit",
+        "detach",
+        "kv_free_fence",
+        "try_admit_hit",
+        "free_after",
     ):
         assert h.counts.get(what, 0) > 0, what

@@ -72,6 +72,24 @@ _FAULTS_REMEMBERED = 256
 T = TypeVar("T")
 
 
+def remember_fence(memory: dict[int, Any], fence: Fence) -> None:
+    """Remember ``fence`` in ``memory``, by id: weakly where the fence takes
+    a weak reference (a transfer handle may own a large buffer, which the
+    pool must not keep alive), else the fence itself (so that its id is not
+    reused while it is remembered)."""
+    try:
+        memory[id(fence)] = weakref.ref(fence)
+    except TypeError:  # no weak references (__slots__ without one)
+        memory[id(fence)] = fence
+
+
+def remembers_fence(memory: dict[int, Any], fence: Fence) -> bool:
+    """Whether ``memory`` (see :func:`remember_fence`) holds this very fence,
+    not another, collected one whose id it now bears."""
+    entry = memory.get(id(fence))
+    return entry is not None and (entry() if entry.__class__ is weakref.ref else entry) is fence
+
+
 def held_words(held: dict[str, int]) -> str:
     """What a fence holds, per ledger unit, in words: ``{"rows": 1, "pages":
     2}`` reads "1 row and 2 pages"."""
@@ -581,11 +599,9 @@ class Deferrals(Generic[T]):
         runs every time: the owner sheds the waiters that can no longer
         fit, which more quarantine may add.
         """
-        key = id(fence)
         faulted = self._faulted
-        entry = faulted.get(key)
-        if entry is not None and (entry() if entry.__class__ is weakref.ref else entry) is fence:
-            faulted.move_to_end(key)
+        if remembers_fence(faulted, fence):
+            faulted.move_to_end(id(fence))
             err: BaseException = FenceError(f"fence {fence!r} faulted before: {exc!r}")
             logger.warning(
                 "fence %r, which faulted before, quarantined %s %s more",
@@ -598,10 +614,7 @@ class Deferrals(Generic[T]):
             if not isinstance(exc, FenceError):
                 err = FenceError(f"fence {fence!r} raised {exc!r}")
                 err.__cause__ = exc
-            try:
-                faulted[key] = weakref.ref(fence)
-            except TypeError:  # no weak references (__slots__ without one)
-                faulted[key] = fence
+            remember_fence(faulted, fence)
             if len(faulted) > _FAULTS_REMEMBERED:
                 faulted.popitem(last=False)
             self.fence_errors += 1

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .deferral import Deferrals, held_words
+from .deferral import Deferrals, held_words, remember_fence, remembers_fence
 from .fences import Fence
 
 __all__ = ["OverdueFences", "check_fence_timeout"]
@@ -118,17 +117,10 @@ class OverdueFences:
         overdue, due = self.scan()
         for key in [k for k in self._logged if k not in overdue]:
             del self._logged[key]  # no longer pending: forget it
-        for key, (fence, held) in overdue.items():
-            entry = self._logged.get(key)
-            if (
-                entry is not None
-                and (entry() if entry.__class__ is weakref.ref else entry) is fence
-            ):
+        for fence, held in overdue.values():
+            if remembers_fence(self._logged, fence):
                 continue
-            try:
-                self._logged[key] = weakref.ref(fence)
-            except TypeError:  # no weak references (__slots__ without one)
-                self._logged[key] = fence
+            remember_fence(self._logged, fence)
             what = held_words(held)
             logger.warning(
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "

@@ -25,6 +25,7 @@ import importlib.util
 import itertools
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -68,6 +69,26 @@ def bounded(seconds: float = WAIT_S) -> _Bounded:
     raised by the awaited code itself passes through unchanged.
     """
     return _Bounded(seconds)
+
+
+async def until(cond: Callable[[], bool], poll_s: float = 0.001) -> None:
+    """Poll ``cond`` from the loop, for state that another thread or time
+    changes (there is no event to await); bounded as :func:`bounded` is."""
+    async with bounded():
+        for _ in itertools.count():
+            if cond():
+                return
+            await asyncio.sleep(poll_s)
+
+
+class ManualClock:
+    """A clock the test moves by hand: calling it reads ``now``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class Gate:

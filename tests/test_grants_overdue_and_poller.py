@@ -22,7 +22,15 @@ import time
 import weakref
 
 import pytest
-from helpers import WAIT_S, EventFence, FakeStream, assert_conserved, bounded, spin
+from helpers import (
+    WAIT_S,
+    EventFence,
+    FakeStream,
+    ManualClock,
+    assert_conserved,
+    bounded,
+    spin,
+)
 
 from asyncpool import AsyncReqToTokenPool, CapacityError
 from asyncpool.ledger import SlotLedger
@@ -159,16 +167,8 @@ async def test_force_release_of_a_fence_recorded_on_an_allocated_row_keeps_invar
 # ---------------------------------------------------------------- overdue fences
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _overdue_ledger(timeout: float) -> tuple[SlotLedger, OverdueFences, _Clock]:
-    clock = _Clock()
+def _overdue_ledger(timeout: float) -> tuple[SlotLedger, OverdueFences, ManualClock]:
+    clock = ManualClock()
     led = SlotLedger(8, clock=clock)
     return led, OverdueFences(timeout, [led], clock=clock), clock
 

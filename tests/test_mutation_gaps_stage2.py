@@ -25,7 +25,7 @@ import itertools
 import logging
 
 import pytest
-from helpers import EventFence, FakeStream, Streams, bounded, spin
+from helpers import EventFence, FakeStream, ManualClock, Streams, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool
 from asyncpool.ledger import SlotLedger
@@ -37,16 +37,8 @@ def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_overdue_figures_add_up_every_overdue_fence():
-    clock = _Clock()
+    clock = ManualClock()
     led = SlotLedger(8, clock=clock)
     overdue = OverdueFences(10.0, [led], clock=clock)
     rows = led.take(3)

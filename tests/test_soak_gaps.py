@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
 
 import pytest
-from helpers import WAIT_S, EventFence, Streams, bounded
+from helpers import WAIT_S, EventFence, Streams, bounded, until
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -262,15 +260,6 @@ def test_an_idle_host_stream_keeps_no_work_it_ran() -> None:
         assert ref() is None  # the idle worker holds neither the work nor its args
 
 
-async def _until(cond: Callable[[], bool]) -> None:
-    """Poll ``cond`` from the loop, bounded: for what time or another thread does."""
-    async with bounded():
-        for _ in itertools.count():
-            if cond():
-                return
-            await asyncio.sleep(0.002)
-
-
 class _Transfer:
     """A slow transfer handle that owns a staging buffer (weakly referable)."""
 
@@ -314,10 +303,10 @@ async def test_a_pool_keeps_no_overdue_transfer_after_it_completed(
     fence = _Transfer()
     ref = weakref.ref(fence)
     pool.free(await pool.alloc(2), fence=fence)
-    await _until(lambda: pool.stats().overdue_fences == 1)  # time must pass
+    await until(lambda: pool.stats().overdue_fences == 1)  # time must pass
     fence.done = True
     del fence
-    await _until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
+    await until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
     watcher = pool._watcher
     assert watcher is not None and watcher._thread is not None
     watcher._thread.join(WAIT_S)  # idle: it ends, dropping the fences of its last pass

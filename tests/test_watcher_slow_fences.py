@@ -21,14 +21,13 @@ threads run on a machine without a GPU.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot, spin
+from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot, spin, until
 
 from asyncpool import AsyncReqToTokenPool, CapacityError, FenceError, PoolClosedError
 from asyncpool import fences as fences_mod
@@ -99,15 +98,6 @@ class StandInCudaStream:
 
 def non_daemon_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if not t.daemon and t.is_alive()}
-
-
-async def until(cond: Callable[[], bool]) -> None:
-    """Poll ``cond``, set by a foreign thread, from the loop; bounded."""
-    async with asyncio.timeout(WAIT_S):
-        for _ in itertools.count():
-            if cond():
-                return
-            await asyncio.sleep(0.001)
 
 
 async def timed(aw: asyncio.Future[list[int]] | asyncio.Task[list[int]]) -> tuple[list[int], float]:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .harness import (
     Config,
     Row,
+    Sampler,
     clock_of,
     compare,
     interleave,
@@ -120,7 +120,7 @@ async def bench_scaling(
     stream = HostStream(name="bench-scaling")
     done = stream.record()  # an idle stream's fence: complete at once
 
-    def used_cycles(pool: AsyncReqToTokenPool) -> Callable[[int], Awaitable[int]]:
+    def used_cycles(pool: AsyncReqToTokenPool) -> Sampler:
         async def sample(n: int) -> int:
             alloc, record_use, free = pool.alloc, pool.record_use, pool.free
             t0 = now()

@@ -643,6 +643,14 @@ class Deferrals(Generic[T]):
         """Every pending batch, in deferral order (``did``); O(pending batches)."""
         return sorted(self._batches(), key=lambda b: b.did)
 
+    def batch_groups(self) -> list[list[Deferred[T]]]:
+        """Every pending batch, as one list per queue (each stream's, then the
+        side list), no list empty; copies, so safe to read from another
+        thread while the owner changes the queues (as :meth:`_batches`)."""
+        groups = [list(queue) for queue in list(self._streams.values())]
+        groups.append(list(self._unordered))
+        return [group for group in groups if group]
+
     def holds(self, fence: Fence) -> bool:
         """Whether any pending batch waits for ``fence`` (at its head or
         behind another fence); O(pending batches), for ``force_release``."""

@@ -16,6 +16,7 @@ calls :meth:`OverdueFences.check`) or of what the ids are.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,8 @@ from .fences import Fence
 __all__ = ["OverdueFences", "check_fence_timeout"]
 
 logger = logging.getLogger(__name__)
+
+_t0_of = operator.attrgetter("t0")
 
 
 def check_fence_timeout(timeout: object) -> float | None:
@@ -79,7 +82,8 @@ class OverdueFences:
     ) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:
         """Overdue fences now, with everything each holds per unit; and the
         seconds until the next pending fence becomes overdue (None: none
-        pending that is not overdue yet). O(pending batches).
+        pending that is not overdue yet). O(pending batches), at C speed
+        (one ``min`` per queue) while none is overdue.
 
         ``agreed`` (``reclaim="explicit"``): overdue means ``agree()`` agreed
         so, every rank alike (not done on some rank past the timeout: the
@@ -87,19 +91,32 @@ class OverdueFences:
         """
         now = self._clock()
         cutoff = now - self.timeout
-        batches = [(led, b) for led in self._ledgers if led.pending for b in led.pending_batches()]
+        groups = [(led, g) for led in self._ledgers if led.pending for g in led.batch_groups()]
+        # First the late batches, with one C-speed pass per queue for its
+        # oldest batch: usually none is late, and nothing more is read.
         overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
-        for led, batch in batches:
-            late = batch.did in led.agreed_overdue if agreed else batch.t0 <= cutoff
-            if late:  # the fence it waits for now is overdue
+        oldest: list[float] = []
+        for led, group in groups:
+            first = min(map(_t0_of, group))
+            oldest.append(first)
+            if agreed:
+                marked = led.agreed_overdue
+                late = [b for b in group if b.did in marked] if marked else []
+            else:
+                late = [b for b in group if b.t0 <= cutoff] if first <= cutoff else []
+            for batch in late:  # the fence it waits for now is overdue
                 overdue.setdefault(id(batch.fence), (batch.fence, {}))
-        next_t0: float | None = None
-        for led, batch in batches:
-            entry = overdue.get(id(batch.fence))
-            if entry is not None:  # all it holds, in every ledger
-                entry[1][led.unit] = entry[1].get(led.unit, 0) + batch.n
-            elif next_t0 is None or batch.t0 < next_t0:
-                next_t0 = batch.t0
+        if not overdue:
+            next_t0 = min(oldest) if oldest else None
+        else:
+            next_t0 = None
+            for led, group in groups:
+                for batch in group:
+                    entry = overdue.get(id(batch.fence))
+                    if entry is not None:  # all it holds, in every ledger
+                        entry[1][led.unit] = entry[1].get(led.unit, 0) + batch.n
+                    elif next_t0 is None or batch.t0 < next_t0:
+                        next_t0 = batch.t0
         due = None if next_t0 is None else max(0.0, next_t0 + self.timeout - now)
         return overdue, due
 

@@ -27,7 +27,7 @@ import torch
 
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, PoolClosedError
-from .fences import Fence, check_after, record_fence
+from .fences import Fence, HostStream, check_after, record_fence
 from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, as_index
 from .row_pages import Grant, RowPages, check_page_count
@@ -338,6 +338,67 @@ class Admission:
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
         return self._pages.detach(row)
+
+    def trim_pages(
+        self,
+        row: int,
+        keep: int,
+        fence: Fence | None = None,
+        *,
+        after: HostStream | Any | None = None,
+    ) -> int:
+        """Give back ``row``'s pages past its first ``keep``; the row keeps those.
+
+        For speculative decoding's rollback (pages that held only rejected
+        draft tokens) and for shrinking a request instead of preempting it.
+        The pages given back wait, as at :meth:`free`, for the row's newest
+        recorded use per stream plus ``fence`` and ``after`` (a fence
+        recorded on it now, once the call is checked): the step in flight
+        may still write them. The row keeps its recorded uses, its first
+        ``keep`` pages (in order) and its rows of the tables, whose slots
+        past those pages the engine stops using. Returns the pages free at
+        once; 0, changing nothing, when the row owns ``keep`` pages or
+        fewer (so a step may call it for every row). Raises, changing
+        nothing: :class:`CapacityError` for ``keep`` not an int >= 0,
+        :class:`InvalidSlotError` unless ``row`` is allocated or for a
+        record written into (as :meth:`free`), ``TypeError`` for a
+        non-fence. Allowed after :meth:`close`, as :meth:`free`.
+        """
+        self._check_thread()
+        pages = self._pages
+        if pages is None:
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv=KVPagePool(...) to trim a row's pages"
+            )
+        if keep.__class__ is not int:
+            try:
+                keep = as_index(keep)
+            except TypeError:
+                raise CapacityError(
+                    f"keep must be a page count (an integer), got {keep!r} of type "
+                    f"{type(keep).__name__}"
+                ) from None
+        if keep < 0:
+            raise CapacityError(f"keep must be a page count >= 0, got {keep}")
+        row = self._allocated_row(row, "trimmed")
+        led = self._ledger
+        if fence is not None:
+            led.check_fence(fence)
+        if after is not None:
+            check_after(after)
+        prepared = pages.prepare_trim(row, keep)
+        if prepared is None:
+            return 0
+        use = self._uses[row]
+        fences: tuple[Fence, ...] = () if use is None else use if use.__class__ is tuple else (use,)
+        if fence is not None:
+            fences = (*fences, fence)
+        if after is not None:
+            fences = (*fences, record_fence(after))
+        immediate = pages.trim(row, keep, prepared, fences)
+        if immediate and self._waiters.count:
+            self._waiters.grant()
+        return immediate
 
     def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
         """:meth:`free` on a pool with ``kv``: rows and the pages they own.

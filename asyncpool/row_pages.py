@@ -297,6 +297,53 @@ class RowPages:
         if pages is not None and pages.tobytes() != self.sealed[row]:
             raise self.written_error(row)
 
+    # ------------------------------------------------------------ trimming a row
+
+    def prepare_trim(self, row: int, keep: int) -> tuple[Any, bool] | None:
+        """Check ``row``'s pages past its first ``keep`` before they are given
+        back; change nothing. None when the row owns ``keep`` pages or fewer.
+
+        Raises for a record written into (:meth:`check_record`) and for pages
+        the page ledger no longer holds as the row's. Returns ``(ids,
+        owned)`` for :meth:`trim`; ``ids`` may alias the record (the ledger
+        copies what it keeps).
+        """
+        pages = self.owned[row]
+        if pages is None or pages.shape[0] <= keep:
+            return None
+        self.check_record(row)
+        return self.ledger.prepare(pages[keep:], "freed", OWNED)
+
+    def trim(
+        self, row: int, keep: int, prepared: tuple[Any, bool], fences: tuple[Fence, ...]
+    ) -> int:
+        """Free what :meth:`prepare_trim` checked behind ``fences`` and cut
+        the row's record and seal to its first ``keep`` pages.
+
+        The record stays a view of the row's doubling buffer, so a later
+        :meth:`extend` writes over the cut places: the ledger keeps a copy
+        of the pages it holds behind fences. Returns the pages free at once.
+        """
+        ids, fresh = prepared
+        # Freed first, then cut: a fence's query() raising what is not an
+        # Exception leaves the pages with their row.
+        immediate = self.ledger.free_prepared(ids, fresh, fences)
+        if not keep:
+            self.owned[row] = None
+            self.sealed[row] = None
+            self.grown[row] = None
+            return immediate
+        pages = self.owned[row]
+        assert pages is not None
+        self.owned[row] = pages[:keep]
+        seal = self.sealed[row]
+        if seal.__class__ is bytearray:
+            assert isinstance(seal, bytearray)
+            del seal[keep * 8 :]
+        else:
+            self.sealed[row] = seal[: keep * 8]  # type: ignore[index]
+        return immediate
+
     # ------------------------------------------------------------ freeing with rows
 
     def prepare_free(

@@ -1,0 +1,267 @@
+"""``pool.trim_pages(row, keep, fence=None, *, after=None)``: a row gives
+back its pages past the first ``keep`` and keeps the rest.
+
+Speculative decoding grows a row for its draft tokens and rolls back what
+the verify step rejected; a scheduler under memory pressure may shrink a
+request instead of preempting it. The pages given back wait, as at
+``free``, for the row's recorded uses plus ``fence``/``after``: the step in
+flight may still write them (the race test below hands them out early
+when the row's use is left out). A bad call raises a typed error and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from helpers import EventFence, Streams, bounded, spin
+from helpers import page_ids as ids
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    InvalidSlotError,
+    KVPagePool,
+)
+
+
+def make(rows: int = 4, pages: int = 16, **kw: object) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4), **kw)  # type: ignore[arg-type]
+
+
+def state(pool: AsyncReqToTokenPool) -> tuple[object, ...]:
+    """Everything a refused call must leave as it was."""
+    kv = pool.kv
+    assert kv is not None
+    kv.check_invariants()
+    pool.check_invariants()
+    stats = dataclasses.replace(pool.stats(), fence_latency=None, wait_time=None, admit_wait=None)
+    owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
+    return stats, kv.available_size(), kv.pending_size(), owned
+
+
+async def test_the_tail_waits_for_the_rows_use_and_is_never_handed_out_before(kit: Streams):
+    """The race: a step still writes the row's draft pages when the CPU
+    rolls them back. Trimmed behind the row's recorded use, no admission
+    gets them until that step's fence completes."""
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=2, pages=6) as pool:
+        g = await pool.admit(pages=6)
+        step = stream.record()  # the step in flight writes all six pages
+        pool.record_use([g.row], step)
+        tail = ids(g.pages)[2:]
+        assert pool.trim_pages(g.row, 2) == 0
+        assert ids(pool.pages_of(g.row)) == ids(g.pages)[:2]
+        kv = pool.kv
+        assert kv is not None
+        assert kv.pending_size() == 4 and kv.available_size() == 0
+        assert pool.try_admit(pages=1) is None  # not before the step ends
+        waiter = asyncio.ensure_future(pool.admit(pages=4))
+        await spin()
+        assert not waiter.done()
+        gate.open()
+        async with bounded():
+            got = await waiter
+        assert sorted(ids(got.pages)) == sorted(tail)
+        pool.free([got.row])
+        pool.free([g.row])
+        pool.check_invariants()
+
+
+async def test_without_the_rows_use_the_tail_is_free_at_once():
+    """What the race test guards against: no recorded use, no fence: the
+    tail is free at once and goes to a queued admission in the call."""
+    async with make(rows=2, pages=6) as pool:
+        g = await pool.admit(pages=6)
+        waiter = asyncio.ensure_future(pool.admit(pages=3))
+        await spin()
+        assert pool.waiting() == 1
+        assert pool.trim_pages(g.row, 3) == 3
+        assert pool.waiting() == 0  # granted inside the call
+        async with bounded():
+            got = await waiter
+        assert sorted(ids(got.pages)) == sorted(ids(g.pages)[3:])
+
+
+async def test_fence_and_after_are_waited_for_as_well(kit: Streams):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    transfer = kit.event_fence()
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        assert pool.trim_pages(g.row, 1, transfer, after=stream) == 0
+        kv = pool.kv
+        assert kv is not None
+        assert kv.pending_size() == 3
+        transfer.set()
+        pool.reclaim()
+        assert kv.pending_size() == 3  # still behind the fence recorded on `after`
+        gate.open()
+        stream.synchronize()
+        pool.reclaim()
+        assert kv.pending_size() == 0 and kv.available_size() == 3
+
+
+async def test_trim_to_nothing_then_free_frees_the_row_alone():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        assert pool.trim_pages(g.row, 0) == 4
+        assert ids(pool.pages_of(g.row)) == []
+        kv = pool.kv
+        assert kv is not None
+        assert kv.available_size() == 4
+        assert pool.free([g.row]) == 1
+        assert kv.available_size() == 4
+        pool.check_invariants()
+        kv.check_invariants()
+
+
+async def test_keeping_as_many_or_more_than_the_row_owns_changes_nothing():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=2)
+        before = state(pool)
+        assert pool.trim_pages(g.row, 2) == 0
+        assert pool.trim_pages(g.row, 100) == 0
+        assert state(pool) == before
+        empty = await pool.admit(pages=0)
+        assert pool.trim_pages(empty.row, 0) == 0
+
+
+async def test_a_trimmed_row_grows_again_without_touching_the_pending_tail(kit: Streams):
+    """The record stays a view of the row's growth buffer, and a later
+    extend writes over the cut places: the pages held behind the fence
+    must be a copy, so that the tail released later is the one trimmed."""
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=1, pages=12) as pool:
+        g = await pool.admit(pages=1)
+        grown = pool.extend(g.row, 5)  # the record now lives in a growth buffer
+        assert grown is not None
+        owned = ids(pool.pages_of(g.row))
+        pool.record_use([g.row], stream.record())
+        assert pool.trim_pages(g.row, 2) == 0
+        again = pool.extend(g.row, 3)  # written over the cut places
+        assert again is not None
+        assert ids(pool.pages_of(g.row)) == owned[:2] + ids(again)
+        assert not set(ids(again)) & set(owned)
+        gate.open()
+        stream.synchronize()
+        kv = pool.kv
+        assert kv is not None
+        pool.reclaim()
+        assert kv.pending_size() == 0
+        free_now = kv.alloc(kv.available_size())
+        assert free_now is not None
+        assert set(owned[2:]) <= set(ids(free_now))  # the tail trimmed, not the new pages
+        kv.free(free_now)
+        assert pool.free([g.row]) == 1
+        pool.check_invariants()
+        kv.check_invariants()
+
+
+async def test_a_granted_record_trims_and_frees_with_its_seal():
+    """A row never extended keeps its grant's record (a bytes seal): the
+    seal is cut with it, so the row's later free accepts the record."""
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=3)
+        assert pool.trim_pages(g.row, 1) == 2
+        assert pool.extend(g.row, 1) is not None
+        assert len(ids(pool.pages_of(g.row))) == 2
+        pool.free([g.row])
+        kv = pool.kv
+        assert kv is not None
+        assert kv.available_size() == 4
+        pool.check_invariants()
+        kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("keep", "error"),
+    [
+        (-1, CapacityError),
+        (1.5, CapacityError),
+        (True, CapacityError),
+        ("2", CapacityError),
+        (torch.tensor([1, 2]), CapacityError),
+    ],
+)
+async def test_a_bad_keep_raises_and_changes_nothing(keep: object, error: type[Exception]):
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        before = state(pool)
+        with pytest.raises(error, match="keep"):
+            pool.trim_pages(g.row, keep)  # type: ignore[arg-type]
+        assert state(pool) == before
+
+
+async def test_integer_scalars_are_taken_as_keep():
+    import numpy as np
+
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        assert pool.trim_pages(g.row, np.int64(3)) == 1  # type: ignore[arg-type]
+        assert pool.trim_pages(g.row, torch.tensor(2)) == 1  # type: ignore[arg-type]
+        assert len(ids(pool.pages_of(g.row))) == 2
+
+
+async def test_bad_rows_fences_and_records_raise_and_change_nothing(kit: Streams):
+    stream = kit.stream()
+    kit.gate(stream)
+    async with make(rows=2, pages=8) as pool:
+        g = await pool.admit(pages=4)
+        pool.record_use([g.row], stream.record())
+        before = state(pool)
+        for row in (0, 99, g.row + 1, True, 1.0):
+            with pytest.raises(InvalidSlotError):
+                pool.trim_pages(row, 1)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            pool.trim_pages(g.row, 1, fence=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            pool.trim_pages(g.row, 1, after=torch.zeros(1))
+        seq = stream.record().seq
+        record = pool.pages_of(g.row)
+        last = int(record[3])
+        record[3] = record[0]  # written into, against the contract
+        with pytest.raises(InvalidSlotError, match="written into"):
+            pool.trim_pages(g.row, 1)
+        with pytest.raises(InvalidSlotError, match="written into"):
+            pool.trim_pages(g.row, 1, after=stream)
+        record[3] = last  # restored
+        assert state(pool) == before
+        assert stream.record().seq == seq + 1  # a refused call records no fence on `after`
+
+
+async def test_a_pool_without_pages_refuses_clearly():
+    async with AsyncReqToTokenPool(3, 8) as pool:
+        rows = await pool.alloc(1)
+        with pytest.raises(CapacityError, match="no KV pages"):
+            pool.trim_pages(rows[0], 0)
+
+
+async def test_an_explicit_pool_returns_the_tail_at_retire(kit: Streams):
+    stream = kit.stream()
+    async with make(rows=1, pages=4, reclaim="explicit") as pool:
+        g = await pool.admit(pages=4)
+        step = stream.record()
+        pool.record_use([g.row], step)
+        stream.synchronize()  # done, but an explicit pool waits for retire()
+        assert pool.trim_pages(g.row, 1) == 0
+        assert pool.retire(step) == (0, 3)
+
+
+async def test_a_faulted_use_quarantines_the_tail():
+    async with make(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        broken = EventFence()
+        broken.error = RuntimeError("transfer failed")
+        broken.set()
+        pool.record_use([g.row], broken)
+        assert pool.trim_pages(g.row, 2) == 0
+        kv = pool.kv
+        assert kv is not None
+        assert kv.stats().quarantined == 2
+        assert ids(pool.pages_of(g.row)) == ids(g.pages)[:2]

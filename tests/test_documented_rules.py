@@ -213,3 +213,37 @@ async def test_borrowed_pages_are_covered_only_by_the_fence_the_cache_passes(
         assert g.pages.tolist()[0] in cached.tolist()
         pool.free([b.row, g.row])
         await pool.drain()
+
+
+async def test_a_transfer_handle_is_polled_from_another_thread_and_never_synchronized() -> None:
+    """docs/cuda.md, *A transfer handle as a fence*: ``query()`` is asked from
+    the watcher's thread (so it must be thread-safe), ``synchronize()`` never
+    (the watcher and ``drain`` poll a fence of unknown origin)."""
+
+    class Handle:
+        def __init__(self) -> None:
+            self.landed = threading.Event()
+            self.asked_from: set[int] = set()
+
+        def query(self) -> bool:
+            self.asked_from.add(threading.get_ident())
+            return self.landed.is_set()
+
+        def synchronize(self) -> None:
+            raise AssertionError("the pool called synchronize() on a transfer handle")
+
+    pool = AsyncReqToTokenPool(2, 8, kv=KVPagePool(5, 4))
+    grant = await pool.admit(pages=2)
+    handle = Handle()
+    pool.free([grant.row], fence=handle)  # an abort while the KV is arriving
+    waiter = asyncio.ensure_future(pool.admit(pages=4))
+    await spin()
+    assert pool.waiting() == 1
+    handle.landed.set()
+    async with bounded():
+        again = await waiter
+    assert handle.asked_from - {threading.get_ident()}, "never asked from the watcher"
+    pool.free([again.row], fence=handle)
+    async with bounded():
+        await pool.drain()
+    await pool.close()

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from .base import check_wait_args as _check_wait_args
@@ -46,6 +48,50 @@ Need = int | tuple[int, int]
 # ledger's one-pass check-and-free (about 0.1 us a page), more through the
 # seal test and its vectorised free_owned (under 1 us whatever the count).
 _TRUSTED_PASS = 8
+
+
+def _page_keeps(keep: object, n: int) -> list[int]:
+    """``trim_pages``'s ``keep`` as one page count >= 0 per row (``n`` rows).
+
+    One integer (Python, numpy, a 0-d tensor; never a bool) for every row,
+    or a sequence, 1-D array or 1-D tensor of ``n`` of them.
+    """
+    try:
+        one = as_index(keep)
+    except TypeError:
+        pass
+    else:
+        if one < 0:
+            raise CapacityError(f"keep must be a page count >= 0, got {one}")
+        return [one] * n
+    if isinstance(keep, torch.Tensor | np.ndarray):
+        if keep.ndim != 1 or keep.dtype in (torch.bool, np.bool_):
+            raise CapacityError(
+                f"keep must be a page count or one per row (1-D, integers), got a "
+                f"{keep.ndim}-D {keep.dtype} {type(keep).__name__}"
+            )
+        items: list[object] = keep.tolist()
+    elif isinstance(keep, (list, tuple)):
+        items = list(keep)
+    else:
+        raise CapacityError(
+            f"keep must be a page count (an integer) or one per row, got {keep!r} "
+            f"of type {type(keep).__name__}"
+        )
+    if len(items) != n:
+        raise CapacityError(f"keep lists {len(items)} page counts for {n} rows")
+    keeps = []
+    for item in items:
+        try:
+            k = as_index(item)
+        except TypeError:
+            raise CapacityError(
+                f"keep must hold page counts (integers), got {item!r} of type {type(item).__name__}"
+            ) from None
+        if k < 0:
+            raise CapacityError(f"keep must hold page counts >= 0, got {k}")
+        keeps.append(k)
+    return keeps
 
 
 class Admission:
@@ -341,28 +387,31 @@ class Admission:
 
     def trim_pages(
         self,
-        row: int,
-        keep: int,
+        rows: Rows,
+        keep: int | Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor,
         fence: Fence | None = None,
         *,
         after: HostStream | Any | None = None,
     ) -> int:
-        """Give back ``row``'s pages past its first ``keep``; the row keeps those.
+        """Give back each row's pages past its first ``keep``; the rows keep those.
 
         For speculative decoding's rollback (pages that held only rejected
-        draft tokens) and for shrinking a request instead of preempting it.
-        The pages given back wait, as at :meth:`free`, for the row's newest
-        recorded use per stream plus ``fence`` and ``after`` (a fence
+        draft tokens) and for shrinking requests instead of retracting them.
+        The pages given back wait, as at :meth:`free`, for their row's
+        newest recorded use per stream plus ``fence`` and ``after`` (a fence
         recorded on it now, once the call is checked): the step in flight
-        may still write them. The row keeps its recorded uses, its first
-        ``keep`` pages (in order) and its rows of the tables, whose slots
-        past those pages the engine stops using. Returns the pages free at
-        once; 0, changing nothing, when the row owns ``keep`` pages or
-        fewer (so a step may call it for every row). Raises, changing
-        nothing: :class:`CapacityError` for ``keep`` not an int >= 0,
-        :class:`InvalidSlotError` unless ``row`` is allocated or for a
-        record written into (as :meth:`free`), ``TypeError`` for a
-        non-fence. Allowed after :meth:`close`, as :meth:`free`.
+        may still write them. Each row keeps its recorded uses, its first
+        pages (in order) and its row of the tables, whose slots past those
+        pages the engine stops using. ``rows``: as :meth:`free` takes them
+        (one row, or a step's rows at once: one call, one check and one
+        deferral for all). ``keep``: one page count for every row, or one
+        per row (a sequence, array or 1-D tensor as long as ``rows``). A row
+        that owns ``keep`` pages or fewer is left as it is. Returns the
+        pages free at once. Raises, changing nothing: :class:`CapacityError`
+        for a ``keep`` that is not an int >= 0 (or one per row),
+        :class:`InvalidSlotError` unless the rows are distinct allocated
+        rows or for a record written into (as :meth:`free`), ``TypeError``
+        for a non-fence. Allowed after :meth:`close`, as :meth:`free`.
         """
         self._check_thread()
         pages = self._pages
@@ -370,32 +419,36 @@ class Admission:
             raise CapacityError(
                 "this pool has no KV pages: build it with kv=KVPagePool(...) to trim a row's pages"
             )
-        if keep.__class__ is not int:
-            try:
-                keep = as_index(keep)
-            except TypeError:
-                raise CapacityError(
-                    f"keep must be a page count (an integer), got {keep!r} of type "
-                    f"{type(keep).__name__}"
-                ) from None
-        if keep < 0:
-            raise CapacityError(f"keep must be a page count >= 0, got {keep}")
-        row = self._allocated_row(row, "trimmed")
+        if rows.__class__ is int and keep.__class__ is int:
+            # One row and one count (a loop over a step's rows): the row as
+            # _allocated_row checks it, and nothing to do when it owns no
+            # more than it keeps (the usual row), with no fence to check.
+            assert isinstance(rows, int) and isinstance(keep, int)
+            if keep >= 0 and 0 < rows < self.size and self._state[rows] in (1, 6):
+                owned = pages.owned[rows]
+                if fence is None and after is None and (owned is None or len(owned) <= keep):
+                    return 0
+                seq: Sequence[int] = [rows]
+                keeps = [keep]
+            else:
+                seq = [self._allocated_row(rows, "trimmed")]
+                keeps = _page_keeps(keep, 1)
+        else:
+            seq = self._ledger.as_rows(rows)
+            keeps = _page_keeps(keep, len(seq))
         led = self._ledger
+        led.check_allocated(seq, "trimmed")
         if fence is not None:
             led.check_fence(fence)
         if after is not None:
             check_after(after)
-        prepared = pages.prepare_trim(row, keep)
-        if prepared is None:
+        prepared = pages.prepare_free(seq, self._uses, keeps)
+        if not prepared:
             return 0
-        use = self._uses[row]
-        fences: tuple[Fence, ...] = () if use is None else use if use.__class__ is tuple else (use,)
-        if fence is not None:
-            fences = (*fences, fence)
+        extra: tuple[Fence, ...] = () if fence is None else (fence,)
         if after is not None:
-            fences = (*fences, record_fence(after))
-        immediate = pages.trim(row, keep, prepared, fences)
+            extra = (*extra, record_fence(after))
+        immediate = pages.free(prepared, extra, dict(zip(seq, keeps, strict=True)))
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate

@@ -53,6 +53,11 @@ class Grant(NamedTuple):
 
 
 _new_grant = tuple.__new__
+
+# A trim of one row (or of rows that share their use) gives back up to this
+# many pages through the page ledger's one Python pass (its small-list
+# check), more through the vectorised check.
+_TRIM_PASS = 16
 _from_numpy = torch.from_numpy
 
 
@@ -297,57 +302,10 @@ class RowPages:
         if pages is not None and pages.tobytes() != self.sealed[row]:
             raise self.written_error(row)
 
-    # ------------------------------------------------------------ trimming a row
-
-    def prepare_trim(self, row: int, keep: int) -> tuple[Any, bool] | None:
-        """Check ``row``'s pages past its first ``keep`` before they are given
-        back; change nothing. None when the row owns ``keep`` pages or fewer.
-
-        Raises for a record written into (:meth:`check_record`) and for pages
-        the page ledger no longer holds as the row's. Returns ``(ids,
-        owned)`` for :meth:`trim`; ``ids`` may alias the record (the ledger
-        copies what it keeps).
-        """
-        pages = self.owned[row]
-        if pages is None or pages.shape[0] <= keep:
-            return None
-        self.check_record(row)
-        return self.ledger.prepare(pages[keep:], "freed", OWNED)
-
-    def trim(
-        self, row: int, keep: int, prepared: tuple[Any, bool], fences: tuple[Fence, ...]
-    ) -> int:
-        """Free what :meth:`prepare_trim` checked behind ``fences`` and cut
-        the row's record and seal to its first ``keep`` pages.
-
-        The record stays a view of the row's doubling buffer, so a later
-        :meth:`extend` writes over the cut places: the ledger keeps a copy
-        of the pages it holds behind fences. Returns the pages free at once.
-        """
-        ids, fresh = prepared
-        # Freed first, then cut: a fence's query() raising what is not an
-        # Exception leaves the pages with their row.
-        immediate = self.ledger.free_prepared(ids, fresh, fences)
-        if not keep:
-            self.owned[row] = None
-            self.sealed[row] = None
-            self.grown[row] = None
-            return immediate
-        pages = self.owned[row]
-        assert pages is not None
-        self.owned[row] = pages[:keep]
-        seal = self.sealed[row]
-        if seal.__class__ is bytearray:
-            assert isinstance(seal, bytearray)
-            del seal[keep * 8 :]
-        else:
-            self.sealed[row] = seal[: keep * 8]  # type: ignore[index]
-        return immediate
-
     # ------------------------------------------------------------ freeing with rows
 
     def prepare_free(
-        self, rows: Sequence[int], uses: Sequence[Any]
+        self, rows: Sequence[int], uses: Sequence[Any], keeps: Sequence[int] | None = None
     ) -> list[tuple[Any, Any, bool, tuple[Fence, ...]]]:
         """Check the pages of ``rows`` before they are freed; change nothing.
 
@@ -357,15 +315,25 @@ class RowPages:
         ledger, so pages freed behind the pool's back raise here; with
         several groups, their pages together must be distinct as well (a
         page freed behind one row's back and taken by another is listed by
-        both). Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
+        both). With ``keeps`` (a trim), ``rows[i]`` gives back only its
+        pages past its first ``keeps[i]``, and a row that owns no more is
+        left out. Returns ``[(rows, ids, owned, use_fences)]`` for
+        :meth:`free`.
         """
         owned = self.owned
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
-        for row in rows:
+        for i, row in enumerate(rows):
             pages = owned[row]
             if pages is None:
                 continue
-            self.check_record(row)
+            if keeps is not None:
+                keep = keeps[i]
+                if pages.shape[0] <= keep:
+                    continue
+                self.check_record(row)
+                pages = pages[keep:]
+            else:
+                self.check_record(row)
             use = uses[row]
             entry = groups.get(id(use))
             if entry is None:
@@ -377,7 +345,13 @@ class RowPages:
         prepare = self.ledger.prepare
         for use, group_rows, parts in groups.values():
             if len(parts) == 1:
-                ids, fresh = prepare(parts[0], "freed", OWNED)
+                part = parts[0]
+                # A few pages (a trimmed draft's) in the ledger's one Python
+                # pass; a whole record as it is (the vectorised check).
+                if keeps is not None and part.shape[0] <= _TRIM_PASS:
+                    ids, fresh = prepare(part.tolist(), "freed", OWNED)
+                else:
+                    ids, fresh = prepare(part, "freed", OWNED)
             else:
                 ids, fresh = prepare(np.concatenate(parts), "freed", OWNED)
             if use is None:
@@ -396,11 +370,16 @@ class RowPages:
         self,
         prepared: list[tuple[Any, Any, bool, tuple[Fence, ...]]],
         extra: tuple[Fence, ...],
+        keep: dict[int, int] | None = None,
     ) -> int:
         """Free what :meth:`prepare_free` checked, each group behind its use
         fences plus ``extra`` (the free's ``fence=`` and ``after=``).
 
-        Returns the pages free at once.
+        With ``keep`` (a trim: ``{row: pages it keeps}``), each row's record
+        and seal are cut to its first pages instead of dropped. The record
+        stays a view of the row's growth buffer, so a later :meth:`extend`
+        writes over the cut places: the page ledger keeps a copy of what it
+        holds behind fences. Returns the pages free at once.
         """
         owned = self.owned
         sealed = self.sealed
@@ -412,10 +391,27 @@ class RowPages:
             # not an Exception leaves this group's pages with their rows.
             immediate += free_prepared(ids, fresh, fences + extra)
             for row in group_rows:
-                owned[row] = None
-                sealed[row] = None
-                grown[row] = None
+                k = 0 if keep is None else keep[row]
+                if k:
+                    self._cut(row, k)
+                else:
+                    owned[row] = None
+                    sealed[row] = None
+                    grown[row] = None
         return immediate
+
+    def _cut(self, row: int, keep: int) -> None:
+        """Cut ``row``'s record and seal to its first ``keep`` pages (> 0)."""
+        pages = self.owned[row]
+        assert pages is not None
+        self.owned[row] = pages[:keep]
+        seal = self.sealed[row]
+        if seal.__class__ is bytearray:  # grown by _append: cut in place
+            assert isinstance(seal, bytearray)
+            del seal[keep * 8 :]
+        else:
+            assert isinstance(seal, bytes)
+            self.sealed[row] = seal[: keep * 8]
 
     # ------------------------------------------------------------ proof
 

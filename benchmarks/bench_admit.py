@@ -20,11 +20,17 @@
 * Context: a decode step's growth of 256 rows by one page each,
   ``pool.extend_rows(rows, 1)`` against ``pool.extend(row, 1)`` per row;
   per row.
+* Context: speculative decoding's rollback, 256 rows each giving back the
+  2 pages past its first 8 behind the step still in flight (a host stream
+  held by a gate, the step's fence recorded as the rows' use):
+  ``pool.trim_pages(rows, 8)`` against ``pool.trim_pages(row, 8)`` per row;
+  per row, only the trims timed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from .harness import (
     Config,
@@ -119,8 +125,76 @@ async def bench_admit(cfg: Config) -> list[Row]:
         ),
     ]
     rows += await _extend(cfg)
+    rows += await _trim(cfg)
     rows += await _contended(cfg)
     return rows
+
+
+async def _trim(cfg: Config) -> list[Row]:
+    from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool
+
+    loop = loop_name()
+    now = clock_of(cfg)
+    batch, keep, draft = cfg.extend_batch_rows, 8, 2
+    pool = AsyncReqToTokenPool(batch + 1, 16, kv=KVPagePool(batch * (keep + draft) + 1, 16))
+    stream = HostStream(name="bench-trim")
+    rows = []
+    for _ in range(batch):
+        grant = pool.try_admit(pages=keep)
+        assert grant is not None
+        rows.append(grant.row)
+
+    def rollbacks(batched: bool) -> Sampler:
+        async def sample(n: int) -> int:
+            # n row trims (ops_per_call: `batch` a step): each step grows
+            # every row by `draft` pages, then gives them back behind the
+            # step's open fence; only the trims are timed.
+            elapsed = done = 0
+            trim = pool.trim_pages
+            while done < n:
+                assert pool.extend_rows(rows, draft) is not None
+                gate = threading.Event()
+                stream.launch(gate.wait)
+                pool.record_use(rows, stream.record())
+                t0 = now()
+                if batched:
+                    trim(rows, keep)
+                else:
+                    for row in rows:
+                        trim(row, keep)
+                elapsed += now() - t0
+                gate.set()
+                stream.synchronize()
+                pool.reclaim()
+                done += 1
+            return elapsed
+
+        return sample
+
+    try:
+        per_op = await interleave(
+            {"one call": rollbacks(True), "per row": rollbacks(False)},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call={"one call": batch, "per row": batch},
+        )
+    finally:
+        await pool.close()
+        stream.close()
+    return [
+        compare(
+            per_op,
+            bench=f"speculative rollback: {batch} rows give back {draft} pages each",
+            loop=loop,
+            subject="one call",
+            reference="per row",
+            unit="ns/row",
+            speedup=True,
+            subject_label=f"trim_pages(rows, {keep}), {batch} rows",
+            reference_label=f"trim_pages(row, {keep}) for each of {batch} rows",
+            note="context: behind the step's open fence; one check and one deferral for the batch",
+        ),
+    ]
 
 
 async def _extend(cfg: Config) -> list[Row]:

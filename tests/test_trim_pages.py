@@ -265,3 +265,115 @@ async def test_a_faulted_use_quarantines_the_tail():
         assert kv is not None
         assert kv.stats().quarantined == 2
         assert ids(pool.pages_of(g.row)) == ids(g.pages)[:2]
+
+
+# ---------------------------------------------------------------- a step's rows at once
+
+
+async def test_a_steps_rows_trim_in_one_call_each_to_its_own_keep(kit: Streams):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=3, pages=12) as pool:
+        a, b, c = [await pool.admit(pages=4) for _ in range(3)]
+        rows = [a.row, b.row, c.row]
+        owned = {r: ids(pool.pages_of(r)) for r in rows}
+        pool.record_use(rows, stream.record())  # the step in flight writes them all
+        assert pool.trim_pages(rows, [1, 4, 0]) == 0
+        assert ids(pool.pages_of(a.row)) == owned[a.row][:1]
+        assert ids(pool.pages_of(b.row)) == owned[b.row]  # owns no more than it keeps
+        assert ids(pool.pages_of(c.row)) == []
+        kv = pool.kv
+        assert kv is not None
+        assert kv.pending_size() == 7
+        assert len(kv.ledger.pending_batches()) == 1  # one deferral for the step's rows
+        gate.open()
+        stream.synchronize()
+        pool.reclaim()
+        assert kv.available_size() == 7
+        assert pool.free(rows) == 3
+        pool.check_invariants()
+        kv.check_invariants()
+
+
+async def test_rows_with_different_uses_each_wait_for_their_own(kit: Streams):
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    transfer = kit.event_fence()
+    async with make(rows=2, pages=8) as pool:
+        a, b = await pool.admit(pages=4), await pool.admit(pages=4)
+        pool.record_use([a.row], transfer)  # a's KV still arrives by transfer
+        pool.record_use([b.row], stream.record())
+        assert pool.trim_pages([a.row, b.row], 2) == 0
+        kv = pool.kv
+        assert kv is not None
+        assert kv.pending_size() == 4
+        gate.open()
+        stream.synchronize()
+        pool.reclaim()
+        assert kv.pending_size() == 2  # b's tail is back, a's waits for the transfer
+        free_now = kv.alloc(kv.available_size())
+        assert free_now is not None
+        assert set(ids(b.pages)[2:]) <= set(ids(free_now))
+        assert not set(ids(a.pages)[2:]) & set(ids(free_now))
+        kv.free(free_now)
+        transfer.set()
+        pool.reclaim()
+        assert kv.pending_size() == 0
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        [1],
+        [1, 2, 3],
+        [1, -1],
+        [1, 1.5],
+        [True, 1],
+        torch.tensor([[1, 1]]),
+        torch.tensor([1.0, 1.0]),
+    ],
+)
+async def test_a_bad_keep_per_row_raises_and_changes_nothing(keep: object):
+    async with make(rows=2, pages=8) as pool:
+        rows = [(await pool.admit(pages=4)).row for _ in range(2)]
+        before = state(pool)
+        with pytest.raises(CapacityError, match="keep"):
+            pool.trim_pages(rows, keep)  # type: ignore[arg-type]
+        assert state(pool) == before
+
+
+async def test_keep_per_row_takes_arrays_and_tensors():
+    import numpy as np
+
+    async with make(rows=2, pages=8) as pool:
+        rows = [(await pool.admit(pages=4)).row for _ in range(2)]
+        assert pool.trim_pages(torch.tensor(rows), np.array([3, 2], dtype=np.int32)) == 3
+        assert pool.trim_pages(rows, torch.tensor([1, 1])) == 3
+        assert [len(ids(pool.pages_of(r))) for r in rows] == [1, 1]
+
+
+async def test_duplicate_or_free_rows_raise_and_change_nothing():
+    async with make(rows=3, pages=8) as pool:
+        a = await pool.admit(pages=4)
+        b = await pool.admit(pages=2)
+        free_row = (await pool.admit(pages=0)).row
+        pool.free([free_row])
+        before = state(pool)
+        with pytest.raises(InvalidSlotError):
+            pool.trim_pages([a.row, a.row], 1)
+        with pytest.raises(InvalidSlotError):
+            pool.trim_pages([b.row, free_row], 1)
+        assert state(pool) == before
+
+
+async def test_one_written_record_among_the_rows_refuses_the_whole_call():
+    async with make(rows=2, pages=8) as pool:
+        a, b = await pool.admit(pages=3), await pool.admit(pages=3)
+        before = state(pool)
+        record = pool.pages_of(b.row)
+        last = int(record[2])
+        record[2] = int(a.pages[0])  # b's record now lists one of a's pages
+        with pytest.raises(InvalidSlotError, match="written into"):
+            pool.trim_pages([a.row, b.row], 1)
+        record[2] = last
+        assert state(pool) == before

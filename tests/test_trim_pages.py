@@ -220,6 +220,10 @@ async def test_bad_rows_fences_and_records_raise_and_change_nothing(kit: Streams
                 pool.trim_pages(row, 1)  # type: ignore[arg-type]
         with pytest.raises(TypeError):
             pool.trim_pages(g.row, 1, fence=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError):  # refused even where nothing would be trimmed
+            pool.trim_pages(g.row, 10, fence=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            pool.trim_pages(g.row, 10, after=object())
         with pytest.raises(TypeError):
             pool.trim_pages(g.row, 1, after=torch.zeros(1))
         seq = stream.record().seq

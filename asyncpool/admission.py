@@ -50,48 +50,49 @@ Need = int | tuple[int, int]
 _TRUSTED_PASS = 8
 
 
-def _page_keeps(keep: object, n: int) -> list[int]:
-    """``trim_pages``'s ``keep`` as one page count >= 0 per row (``n`` rows).
-
-    One integer (Python, numpy, a 0-d tensor; never a bool) for every row,
-    or a sequence, 1-D array or 1-D tensor of ``n`` of them.
-    """
+def _page_counts(value: object, n: int, name: str) -> list[int]:
+    """``value`` as one page count >= 0 per row (``n`` rows): one integer
+    (Python, numpy, a 0-d tensor; never a bool) for every row, or a
+    sequence, 1-D array or 1-D tensor of ``n`` of them. ``name`` is the
+    parameter's (``keep`` for ``trim_pages``, ``k`` for ``extend_rows``);
+    :class:`CapacityError` otherwise."""
     try:
-        one = as_index(keep)
+        one = as_index(value)
     except TypeError:
         pass
     else:
         if one < 0:
-            raise CapacityError(f"keep must be a page count >= 0, got {one}")
+            raise CapacityError(f"{name} must be a page count >= 0, got {one}")
         return [one] * n
-    if isinstance(keep, torch.Tensor | np.ndarray):
-        if keep.ndim != 1 or keep.dtype in (torch.bool, np.bool_):
+    if isinstance(value, torch.Tensor | np.ndarray):
+        if value.ndim != 1 or value.dtype in (torch.bool, np.bool_):
             raise CapacityError(
-                f"keep must be a page count or one per row (1-D, integers), got a "
-                f"{keep.ndim}-D {keep.dtype} {type(keep).__name__}"
+                f"{name} must be a page count or one per row (1-D, integers), got a "
+                f"{value.ndim}-D {value.dtype} {type(value).__name__}"
             )
-        items: list[object] = keep.tolist()
-    elif isinstance(keep, (list, tuple)):
-        items = list(keep)
+        items: list[object] = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
     else:
         raise CapacityError(
-            f"keep must be a page count (an integer) or one per row, got {keep!r} "
-            f"of type {type(keep).__name__}"
+            f"{name} must be a page count (an integer) or one per row, got {value!r} "
+            f"of type {type(value).__name__}"
         )
     if len(items) != n:
-        raise CapacityError(f"keep lists {len(items)} page counts for {n} rows")
-    keeps = []
+        raise CapacityError(f"{name} lists {len(items)} page counts for {n} rows")
+    counts = []
     for item in items:
         try:
             k = as_index(item)
         except TypeError:
             raise CapacityError(
-                f"keep must hold page counts (integers), got {item!r} of type {type(item).__name__}"
+                f"{name} must hold page counts (integers), got {item!r} of type "
+                f"{type(item).__name__}"
             ) from None
         if k < 0:
-            raise CapacityError(f"keep must hold page counts >= 0, got {k}")
-        keeps.append(k)
-    return keeps
+            raise CapacityError(f"{name} must hold page counts >= 0, got {k}")
+        counts.append(k)
+    return counts
 
 
 class Admission:
@@ -314,7 +315,11 @@ class Admission:
         assert pages is not None
         return self._grow(pages.extend, row, k)
 
-    def extend_rows(self, rows: Rows, k: int = 1) -> torch.Tensor | None:
+    def extend_rows(
+        self,
+        rows: Rows,
+        k: int | Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor = 1,
+    ) -> torch.Tensor | None:
         """Add ``k`` pages to each of ``rows`` at once (a decode step's
         growth), all or nothing; never waits.
 
@@ -330,8 +335,17 @@ class Admission:
         an int in ``1..kv.capacity`` or ``len(rows) * k`` past it,
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows, :class:`PoolClosedError` after :meth:`close`; changing nothing.
+
+        ``k`` may also give one count per row (a sequence, 1-D array or 1-D
+        tensor as long as ``rows``, each an int >= 0: a speculative step's
+        growth, a chunked prefill's): then all of them or nothing, and a
+        1-D int64 tensor of ``sum(k)`` pages, ``rows[i]``'s ``k[i]`` in row
+        order (at ``sum(k[:i])``); :class:`CapacityError` for counts that
+        are not that or whose sum is past ``kv.capacity``.
         """
         self._check_thread()
+        if isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim):
+            return self._extend_each(rows, k)
         k = self._page_count(k, 1)
         led = self._ledger
         seq = led.as_rows(rows)
@@ -352,8 +366,31 @@ class Admission:
             return torch.zeros((0, k), dtype=torch.int64, device=pages.kv.device)
         return self._grow(pages.extend_rows, seq, k)
 
+    def _extend_each(self, rows: Rows, k: object) -> torch.Tensor | None:
+        """:meth:`extend_rows` with one page count per row."""
+        self._page_count(0, 0)  # CapacityError on a pool without kv
+        led = self._ledger
+        seq = led.as_rows(rows)
+        counts = _page_counts(k, len(seq), "k")
+        led.check_allocated(seq, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        pages = self._pages
+        assert pages is not None
+        total = sum(counts)
+        if total > pages.capacity:
+            raise CapacityError(
+                f"cannot extend {len(seq)} rows by {total} pages in all, and the KV pool "
+                f"has only {pages.capacity}"
+            )
+        if self._released:
+            return None
+        if not total:
+            return torch.zeros(0, dtype=torch.int64, device=pages.kv.device)
+        return self._grow(pages.extend_each, seq, counts)
+
     def _grow(
-        self, grow: Callable[[Any, int], torch.Tensor | None], rows: Any, k: int
+        self, grow: Callable[[Any, Any], torch.Tensor | None], rows: Any, k: Any
     ) -> torch.Tensor | None:
         """``grow(rows, k)`` (RowPages.extend or extend_rows), then the grant
         loop if the growth reclaimed completed fences: it may have made free
@@ -432,10 +469,10 @@ class Admission:
                 keeps = [keep]
             else:
                 seq = [self._allocated_row(rows, "trimmed")]
-                keeps = _page_keeps(keep, 1)
+                keeps = _page_counts(keep, 1, "keep")
         else:
             seq = self._ledger.as_rows(rows)
-            keeps = _page_keeps(keep, len(seq))
+            keeps = _page_counts(keep, len(seq), "keep")
         led = self._ledger
         led.check_allocated(seq, "trimmed")
         if fence is not None:

@@ -193,6 +193,24 @@ class RowPages:
                 append(row, arr[i * k : i * k + k])
         return self.out(arr.reshape(len(rows), k))
 
+    def extend_each(self, rows: Sequence[int], counts: Sequence[int]) -> torch.Tensor | None:
+        """Add ``counts[i]`` pages to ``rows[i]`` (distinct, validated; counts
+        >= 0 with a sum in ``1..capacity``), all or nothing; a 1-D tensor of
+        the new pages in row order, or None.
+
+        One take from the page ledger and one tensor for the batch.
+        """
+        arr = self._take_reclaiming(sum(counts))
+        if arr is None:
+            return None
+        append = self._append
+        at = 0
+        for row, k in zip(rows, counts, strict=True):
+            if k:
+                append(row, arr[at : at + k])
+                at += k
+        return self.out(arr)
+
     def _append_one_each(self, rows: Sequence[int], arr: npt.NDArray[np.int64]) -> None:
         """``_append(rows[i], arr[i : i + 1])`` for each i: a decode step's
         growth, one page a row. Step for step :meth:`_append` where a row's

@@ -246,3 +246,84 @@ async def test_slot_math_in_place_on_extends_tensor_is_refused_naming_extend():
         assert ids(pool.pages_of(a.row)) == own_a and ids(pool.pages_of(b.row)) == own_b
         pool.free([a.row, b.row])
         conserved(pool)
+
+
+# ---------------------------------------------------------------- one count per row
+
+
+async def test_one_count_per_row_grows_each_by_its_own_in_row_order():
+    """A speculative step (or a chunked prefill) needs different counts per
+    row: one call, all or nothing, a flat tensor in row order."""
+    async with make(rows=3, pages=16) as pool:
+        a, b, c = [await pool.admit(pages=1) for _ in range(3)]
+        got = pool.extend_rows([a.row, b.row, c.row], [2, 0, 3])
+        assert got is not None and got.shape == (5,) and got.dtype == torch.int64
+        assert ids(pool.pages_of(a.row)) == ids(a.pages) + ids(got[0:2])
+        assert ids(pool.pages_of(b.row)) == ids(b.pages)
+        assert ids(pool.pages_of(c.row)) == ids(c.pages) + ids(got[2:5])
+        every = [p for g in (a, b, c) for p in ids(pool.pages_of(g.row))]
+        assert len(set(every)) == len(every) == 8
+        pool.free([a.row, b.row, c.row])
+        conserved(pool)
+
+
+async def test_one_count_per_row_is_all_or_nothing():
+    async with make(rows=2, pages=8) as pool:
+        a, b = await pool.admit(pages=2), await pool.admit(pages=2)
+        before = state(pool)
+        assert pool.extend_rows([a.row, b.row], [3, 2]) is None  # 5 of 4 free
+        assert state(pool) == before
+        zero = pool.extend_rows([a.row, b.row], (0, 0))
+        assert zero is not None and zero.shape == (0,)
+        assert state(pool) == before
+
+
+async def test_counts_as_arrays_and_tensors():
+    async with make(rows=2, pages=8) as pool:
+        a, b = await pool.admit(pages=0), await pool.admit(pages=0)
+        got = pool.extend_rows(torch.tensor([a.row, b.row]), np.array([1, 2], dtype=np.int32))
+        assert got is not None and got.shape == (3,)
+        got = pool.extend_rows([a.row, b.row], torch.tensor([2, 1]))
+        assert got is not None and got.shape == (3,)
+        assert [len(ids(pool.pages_of(r))) for r in (a.row, b.row)] == [3, 3]
+        pool.free([a.row, b.row])
+        conserved(pool)
+
+
+@pytest.mark.parametrize(
+    "k",
+    [
+        [1],
+        [1, 1, 1],
+        [1, -1],
+        [1, 1.5],
+        [True, 1],
+        [9, 8],
+        torch.tensor([[1, 1]]),
+        np.array([1.0, 1.0]),
+        torch.tensor([True, True]),
+    ],
+)
+async def test_bad_counts_per_row_raise_typed_and_change_nothing(k):
+    async with make(rows=2, pages=16) as pool:
+        a, b = await pool.admit(pages=1), await pool.admit(pages=1)
+        before = state(pool)
+        with pytest.raises(CapacityError):
+            pool.extend_rows([a.row, b.row], k)
+        assert state(pool) == before
+
+
+async def test_counts_per_row_after_close_and_without_kv():
+    pool = make(rows=2, pages=4)
+    g = await pool.admit(pages=1)
+    await pool.close()
+    before = state(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend_rows([g.row], [1])
+    assert state(pool) == before
+    pool.free(g.row)
+    async with AsyncReqToTokenPool(3, 8) as rows_only:
+        row = await rows_only.alloc(1)
+        with pytest.raises(CapacityError, match="no KV pages"):
+            rows_only.extend_rows(row, [1])
+        rows_only.free(row)

@@ -344,7 +344,9 @@ class Admission:
         are not that or whose sum is past ``kv.capacity``.
         """
         self._check_thread()
-        if isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim):
+        if k.__class__ is not int and (
+            isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim)
+        ):
             return self._extend_each(rows, k)
         k = self._page_count(k, 1)
         led = self._ledger

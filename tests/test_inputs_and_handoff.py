@@ -191,8 +191,14 @@ async def test_counts_refuse_one_element_arrays_and_bool_tensors(bad):
             pool.try_admit(pages=bad)
         with pytest.raises(CapacityError, match="integer"):
             pool.extend(g.row, bad)
-        with pytest.raises(CapacityError, match="integer"):
-            pool.extend_rows([g.row], bad)
+        if bad.ndim == 1:
+            # extend_rows takes a 1-D k as one count per row (its per-row
+            # form), never as a scalar: of the wrong length it is refused.
+            with pytest.raises(CapacityError, match="1 page counts for 2 rows"):
+                pool.extend_rows([g.row, g.row + 1], bad)
+        else:
+            with pytest.raises(CapacityError, match="integer"):
+                pool.extend_rows([g.row], bad)
         assert pool_snapshot(pool) == before
         assert pool.pages_of(g.row).tolist() == g.pages.tolist()
 

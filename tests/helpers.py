@@ -333,6 +333,18 @@ def page_ids(t: Any) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
 
 
+def kv_pool_state(pool: Any) -> tuple[Any, ...]:
+    """Everything a refused call on a pool with ``kv`` must leave as it was:
+    stats (minus timing summaries), page counts and each row's pages; the
+    invariants of both pools are checked on the way."""
+    kv = kv_of(pool)
+    kv.check_invariants()
+    pool.check_invariants()
+    stats = dataclasses.replace(pool.stats(), fence_latency=None, wait_time=None, admit_wait=None)
+    owned = {r: page_ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
+    return stats, kv.available_size(), kv.pending_size(), owned
+
+
 def assert_pages_conserved(pool: Any) -> None:
     """:func:`assert_conserved`, and no page leaked either: the page ledger's
     invariants hold and its counts add up."""

@@ -8,12 +8,11 @@ it behind its fences, and a write into its record is caught).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_pages_conserved, kv_of
+from helpers import assert_pages_conserved, kv_of, kv_pool_state
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -29,15 +28,7 @@ def make(rows: int = 4, pages: int = 16) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
 
 
-def state(pool: AsyncReqToTokenPool):
-    """Everything a refused call must leave as it was."""
-    kv = pool.kv
-    assert kv is not None
-    kv.check_invariants()
-    pool.check_invariants()
-    stats = dataclasses.replace(pool.stats(), fence_latency=None, wait_time=None, admit_wait=None)
-    owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
-    return stats, kv.available_size(), kv.pending_size(), owned
+state = kv_pool_state
 
 
 def conserved(pool: AsyncReqToTokenPool) -> None:

@@ -13,11 +13,10 @@ changes nothing.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
-from helpers import EventFence, Streams, bounded, spin
+from helpers import EventFence, Streams, bounded, kv_pool_state, spin
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -32,15 +31,7 @@ def make(rows: int = 4, pages: int = 16, **kw: object) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4), **kw)  # type: ignore[arg-type]
 
 
-def state(pool: AsyncReqToTokenPool) -> tuple[object, ...]:
-    """Everything a refused call must leave as it was."""
-    kv = pool.kv
-    assert kv is not None
-    kv.check_invariants()
-    pool.check_invariants()
-    stats = dataclasses.replace(pool.stats(), fence_latency=None, wait_time=None, admit_wait=None)
-    owned = {r: ids(pool.pages_of(r)) for r in pool._ledger.allocated_rows()}
-    return stats, kv.available_size(), kv.pending_size(), owned
+state = kv_pool_state
 
 
 async def test_the_tail_waits_for_the_rows_use_and_is_never_handed_out_before(kit: Streams):

@@ -251,13 +251,17 @@ class Admission:
         pages.fast_admits += 1
         return pages.grant(rows[0], taken)
 
-    def _page_count(self, k: object, least: int) -> int:
+    def _kv_pages(self, what: str = "admit or extend with pages") -> RowPages:
+        """The pool's pages; :class:`CapacityError` on a pool without ``kv``."""
         pages = self._pages
         if pages is None:
             raise CapacityError(
-                "this pool has no KV pages: build it with kv=KVPagePool(...) to admit or "
-                "extend with pages"
+                f"this pool has no KV pages: build it with kv=KVPagePool(...) to {what}"
             )
+        return pages
+
+    def _page_count(self, k: object, least: int) -> int:
+        pages = self._kv_pages()
         if k.__class__ is int and least <= k <= pages.capacity:
             return k
         return check_page_count(k, pages.capacity, least=least)
@@ -370,15 +374,13 @@ class Admission:
 
     def _extend_each(self, rows: Rows, k: object) -> torch.Tensor | None:
         """:meth:`extend_rows` with one page count per row."""
-        self._page_count(0, 0)  # CapacityError on a pool without kv
+        pages = self._kv_pages()
         led = self._ledger
         seq = led.as_rows(rows)
         counts = _page_counts(k, len(seq), "k")
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
-        pages = self._pages
-        assert pages is not None
         total = sum(counts)
         if total > pages.capacity:
             raise CapacityError(
@@ -453,11 +455,7 @@ class Admission:
         for a non-fence. Allowed after :meth:`close`, as :meth:`free`.
         """
         self._check_thread()
-        pages = self._pages
-        if pages is None:
-            raise CapacityError(
-                "this pool has no KV pages: build it with kv=KVPagePool(...) to trim a row's pages"
-            )
+        pages = self._kv_pages("trim a row's pages")
         if rows.__class__ is int and keep.__class__ is int:
             # One row and one count (a loop over a step's rows): the row as
             # _allocated_row checks it, and nothing to do when it owns no

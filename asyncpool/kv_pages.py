@@ -95,8 +95,9 @@ PageArray: TypeAlias = npt.NDArray[np.int64]
 PageIds: TypeAlias = "list[int] | PageArray"
 
 # Up to this many pages, free checks and returns Python ints instead of
-# making numpy calls (reading a tensor with tolist() and a Python step per
-# page beat numpy's per-call overhead there; measured crossover 16-32).
+# making numpy calls (reading a tensor or an int64 array with tolist() and a
+# Python step per page beat numpy's per-call overhead there; measured
+# crossover 16-32). A row's short record and a trimmed draft take this pass.
 _TINY = 16
 # Up to this many pages, take marks them ALLOCATED with a Python step per
 # page (one numpy fancy assignment costs about as much as eight of those).
@@ -398,6 +399,12 @@ class PageLedger(Deferrals[PageArray]):
             return self._checked(*self._numpy_array(arr, owned=False), what, expect)
         if cls is np.ndarray:
             assert isinstance(pages, np.ndarray)
+            if pages.dtype is _I64 and len(pages.shape) == 1 and pages.shape[0] <= _TINY:
+                # A few int64 ids (a row's short record, a trimmed draft):
+                # the one Python pass, as for a short tensor or list.
+                small = pages.tolist()
+                if self._small_ok(small, expect):
+                    return small, True
             return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if cls is list or cls is tuple:
             assert isinstance(pages, (list, tuple))

@@ -54,10 +54,6 @@ class Grant(NamedTuple):
 
 _new_grant = tuple.__new__
 
-# A trim of one row (or of rows that share their use) gives back up to this
-# many pages through the page ledger's one Python pass (its small-list
-# check), more through the vectorised check.
-_TRIM_PASS = 16
 _from_numpy = torch.from_numpy
 
 
@@ -363,13 +359,7 @@ class RowPages:
         prepare = self.ledger.prepare
         for use, group_rows, parts in groups.values():
             if len(parts) == 1:
-                part = parts[0]
-                # A few pages (a trimmed draft's) in the ledger's one Python
-                # pass; a whole record as it is (the vectorised check).
-                if keeps is not None and part.shape[0] <= _TRIM_PASS:
-                    ids, fresh = prepare(part.tolist(), "freed", OWNED)
-                else:
-                    ids, fresh = prepare(part, "freed", OWNED)
+                ids, fresh = prepare(parts[0], "freed", OWNED)
             else:
                 ids, fresh = prepare(np.concatenate(parts), "freed", OWNED)
             if use is None:

@@ -916,7 +916,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         forget that use: freed later, they do not wait for it. Returns
         ``(rows, pages)`` made free: ``(0, 0)`` when none is, which includes
         memory that still waits for its other fences (it no longer waits for
-        this one). Raises ``TypeError`` for a non-fence.
+        this one). Acts on what waits now and is not remembered: a later
+        free or use naming ``fence`` waits for it again, since a fence
+        object may be armed again (a CUDA event recorded anew); a transfer
+        known dead should answer ``query()`` True instead (docs/cuda.md).
+        Raises ``TypeError`` for a non-fence.
         """
         self._check_thread()
         led = self._ledger

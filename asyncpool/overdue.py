@@ -74,9 +74,6 @@ class OverdueFences:
         #: The owner's pending check (an ``asyncio.TimerHandle``), if armed.
         self.timer: Any = None
 
-    def add_ledger(self, ledger: Deferrals[Any]) -> None:
-        self._ledgers.append(ledger)
-
     def scan(
         self, *, agreed: bool = False
     ) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None]:

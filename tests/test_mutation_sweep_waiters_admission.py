@@ -17,7 +17,22 @@ file that mentions the module's classes or calls still passed:
 * ``WaiterQueues.shed()`` fails every waiter its callback refuses, in
   every priority, past a cancelled waiter still queued (never failed
   itself), takes each off its queue, returns how many, and runs the grant
-  loop; ``needs()`` lists what the waiters still queued need, in order.
+  loop; ``needs()`` lists what the waiters still queued need, in order;
+* a timed ``admit`` granted after queueing cancels its timer; one that
+  times out counts one timeout and leaves no reference cycle;
+* ``admit`` fails at once when quarantined *pages* alone (no row
+  quarantined) make its need unfittable, instead of queueing for good;
+* a queued ``admit`` short of pages is granted at hand-over when the
+  reclaim there makes free exactly the pages it needs;
+* ``try_admit(0)`` grants a row with no pages;
+* ``extend_rows``: ``k`` defaults to one page a row; a numpy integer or a
+  0-d tensor is one count for every row (a 2-D result); per-row counts
+  may add up to exactly the KV capacity; the per-row form of no rows
+  answers None while the memory is released;
+* ``trim_pages`` refuses a foreign thread; returns 0 when nothing is given
+  back, in every form; and, with ``free`` on a pool with ``kv``, its
+  one-row fast path raises InvalidSlotError for the first row id past the
+  table (an IndexError before the bound was checked).
 
 Async tests run on asyncio and uvloop (conftest); every wait that could hang
 is bounded.
@@ -28,15 +43,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import logging
+import threading
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
-from helpers import bounded
+import torch
+from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot
 
-from asyncpool import CapacityError
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    FenceError,
+    InvalidSlotError,
+    KVPagePool,
+    WrongThreadError,
+)
 from asyncpool.stats import Histogram
 from asyncpool.waiters import WaiterQueues
+
+
+def _boom() -> None:
+    raise RuntimeError("kernel fault (simulated)")
+
+
+def _settled(stream: Any) -> None:
+    """Block until everything launched on ``stream`` ran (or it faulted)."""
+    try:
+        stream.record().wait(WAIT_S)
+    except FenceError:
+        pass
 
 
 class _Need:
@@ -240,3 +278,246 @@ async def test_shed_fails_every_unfittable_waiter_and_serves_the_rest() -> None:
         assert queues.count == 1 and [need.n for need in queues.needs()] == [2]
         queues.check_invariants()
         assert queues.shed(_too_big) == 0 and queues.count == 1
+
+
+# ------------------------------------------------------------------ admission
+
+
+def _pool(rows: int = 2, pages: int = 4) -> AsyncReqToTokenPool:
+    """A pool of ``rows`` grantable rows and ``pages`` grantable pages."""
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
+
+
+async def test_a_granted_timed_admit_cancels_its_timer() -> None:
+    """A timed ``admit`` that queued and was granted cancels its timeout
+    handle, as ``alloc`` does: the loop does not keep the waiter (its
+    future, the granted row and pages) alive for the whole timeout."""
+    async with bounded():
+        pool = _pool(rows=1)
+        held = await pool.admit(pages=1)
+        task = asyncio.ensure_future(pool.admit(pages=2, timeout=3600))
+        await asyncio.sleep(0)
+        assert pool.waiting() == 1
+        (queue,) = pool._waiters._queues.values()
+        ref = weakref.ref(queue[0][1])  # the waiter's future
+        del queue
+        pool.free([held.row])
+        got = await task
+        del task
+        gc.collect()
+        assert ref() is None, "the granted waiter is still referenced (its timer is live)"
+        pool.free([got.row])
+        await pool.close()
+
+
+async def test_a_timed_out_admit_leaves_no_cycle() -> None:
+    """A timed-out ``admit`` counts one timeout, and its waiter is freed by
+    reference counting alone: the timeout's traceback holds admit()'s
+    frame, which must not hold the waiter (whose future holds the timeout)."""
+    pool = _pool(rows=1)
+    async with bounded():
+        held = await pool.admit(pages=1)
+    gc.collect()
+    gc.disable()
+    try:
+        async with bounded():
+            task = asyncio.ensure_future(pool.admit(pages=1, timeout=0.01))
+            await asyncio.sleep(0)
+            (queue,) = pool._waiters._queues.values()
+            ref = weakref.ref(queue[0][1])  # the waiter's future
+            del queue
+            with pytest.raises(TimeoutError):
+                await task
+            del task
+            await asyncio.sleep(0)  # let go of the handle that resumed this task
+            assert ref() is None, "a timed-out admit left a reference cycle"
+    finally:
+        gc.enable()
+    assert pool.stats().timeouts == 1 and pool.waiting() == 0  # counted once
+    pool.free([held.row])
+    await pool.close()
+
+
+async def test_admit_refuses_at_once_what_quarantined_pages_alone_rule_out(
+    kit: Streams, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pages quarantined behind a faulted fence (their row is not: it only
+    trimmed them) make an ``admit`` for more pages than can ever be free
+    again fail at once with CapacityError, instead of queueing for good."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    stream.launch(_boom)
+    pool = _pool(rows=2, pages=4)
+    async with bounded():
+        g = await pool.admit(pages=2)
+    pool.trim_pages(g.row, 0, after=stream)
+    gate.open()
+    await asyncio.to_thread(_settled, stream)
+    pool.reclaim()
+    st = pool.stats()
+    assert st.pages_quarantined == 2 and st.quarantined == 0
+    with pytest.raises(CapacityError, match="quarantined"):
+        async with bounded():  # a lost check must fail, not hang
+            await pool.admit(pages=3)
+    assert pool.waiting() == 0
+    pool.free([g.row])
+    await pool.close()
+
+
+async def test_extend_rows_grows_each_row_by_one_page_by_default() -> None:
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        a, b = await pool.admit(pages=0), await pool.admit(pages=0)
+        new = pool.extend_rows([a.row, b.row])
+        assert new is not None and tuple(new.shape) == (2, 1)
+        assert [len(pool.pages_of(r)) for r in (a.row, b.row)] == [1, 1]
+        pool.free([a.row, b.row])
+        await pool.close()
+
+
+@pytest.mark.parametrize("k", [np.int64(2), torch.tensor(2)], ids=["numpy", "tensor"])
+async def test_extend_rows_takes_an_integer_scalar_as_one_count_for_every_row(k: Any) -> None:
+    """A numpy integer or a 0-d tensor is one page count for every row, as
+    an int is: a ``(len(rows), k)`` tensor, not the per-row form's 1-D one."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        a, b = await pool.admit(pages=0), await pool.admit(pages=0)
+        new = pool.extend_rows([a.row, b.row], k)
+        assert new is not None and tuple(new.shape) == (2, 2)
+        assert pool.pages_of(a.row).tolist() == new[0].tolist()
+        assert pool.pages_of(b.row).tolist() == new[1].tolist()
+        pool.free([a.row, b.row])
+        await pool.close()
+
+
+async def test_extend_rows_per_row_counts_may_take_the_whole_capacity() -> None:
+    """Per-row counts that add up to exactly the KV pool's capacity are
+    allowed (all free: granted); one page more is refused."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        a, b = await pool.admit(pages=0), await pool.admit(pages=0)
+        with pytest.raises(CapacityError, match="5 pages in all"):
+            pool.extend_rows([a.row, b.row], [2, 3])
+        new = pool.extend_rows([a.row, b.row], [1, 3])
+        assert new is not None and tuple(new.shape) == (4,)
+        assert len(pool.pages_of(a.row)) == 1 and len(pool.pages_of(b.row)) == 3
+        pool.free([a.row, b.row])
+        await pool.close()
+
+
+async def test_extend_rows_per_row_of_no_rows_answers_none_while_released() -> None:
+    """The per-row form answers as the one-count form does: None while the
+    memory is released, even for no rows (an empty tensor once resumed)."""
+    pool = _pool(rows=2, pages=4)
+    async with bounded():
+        await pool.release_memory()
+    assert pool.extend_rows([], []) is None
+    async with bounded():
+        await pool.resume_memory()
+    got = pool.extend_rows([], [])
+    assert got is not None and tuple(got.shape) == (0,)
+    await pool.close()
+
+
+def _in_thread(fn: Any) -> Any:
+    """Run ``fn`` in a thread that is not the pool's; re-raise its error here."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            out["error"] = exc
+
+    th = threading.Thread(target=run, name="foreign")
+    th.start()
+    th.join(WAIT_S)
+    assert not th.is_alive(), "the foreign call hung"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+async def test_trim_pages_from_another_thread_is_refused_and_changes_nothing() -> None:
+    """``trim_pages`` is checked like every call of a pool with ``kv``: from
+    a thread that is not the pool's it raises WrongThreadError, the row
+    keeps its pages and none is freed."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        g = await pool.admit(pages=3)
+        before = pool_snapshot(pool)
+        for rows, keep in [(g.row, 1), ([g.row], [0])]:
+            with pytest.raises(WrongThreadError):
+                _in_thread(lambda rows=rows, keep=keep: pool.trim_pages(rows, keep))
+        assert pool_snapshot(pool) == before
+        assert pool.pages_of(g.row).tolist() == g.pages.tolist()
+        pool.free([g.row])
+        await pool.close()
+
+
+async def test_try_admit_of_no_pages_grants_a_row_alone() -> None:
+    """``try_admit(0)`` is a row with no pages, as ``admit(pages=0)`` is."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        g = pool.try_admit(0)
+        assert g is not None and len(g.pages) == 0
+        assert len(pool.pages_of(g.row)) == 0
+        pool.free([g.row])
+        await pool.close()
+
+
+async def test_trim_pages_with_nothing_to_give_back_returns_zero() -> None:
+    """A trim that gives nothing back (every row owns no more than it
+    keeps) returns 0 pages free at once, in every form: a list of rows, a
+    count per row, a fence passed."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        a, b = await pool.admit(pages=1), await pool.admit(pages=2)
+        assert pool.trim_pages([a.row, b.row], 2) == 0
+        assert pool.trim_pages([a.row, b.row], [1, 2]) == 0
+        assert pool.trim_pages(a.row, 1, fence=EventFence()) == 0
+        assert [len(pool.pages_of(r)) for r in (a.row, b.row)] == [1, 2]
+        pool.free([a.row, b.row])
+        await pool.close()
+
+
+async def test_one_row_past_the_table_raises_invalid_slot_on_the_fast_paths() -> None:
+    """The one-row fast paths of ``trim_pages`` and of ``free`` on a pool
+    with ``kv`` bound the row as the checked paths do: the first id past
+    the table raises InvalidSlotError (out of range), not an IndexError of
+    the state list, and changes nothing."""
+    pool = _pool(rows=2, pages=4)
+    before = pool_snapshot(pool)
+    for row in (pool.size, 0, -1):
+        with pytest.raises(InvalidSlotError):
+            pool.trim_pages(row, 0)
+        with pytest.raises(InvalidSlotError):
+            pool.free([row])
+    assert pool_snapshot(pool) == before
+    await pool.close()
+
+
+async def test_an_admit_waiter_gets_pages_a_reclaim_at_hand_over_makes_just_enough() -> None:
+    """At hand-over, an ``admit`` waiter short of pages reclaims completed
+    fences; if that makes free exactly the pages it needs, it is granted
+    then, in the free that ran the grant loop, not at a later wake-up."""
+    pool = _pool(rows=3, pages=4)
+    fence = EventFence()
+    try:
+        async with bounded():
+            other = await pool.admit(pages=0)
+            g = await pool.admit(pages=4)
+            pool.free([g.row], fence=fence)  # row and 4 pages wait behind it
+            waiter = asyncio.ensure_future(pool.admit(pages=4))
+            await asyncio.sleep(0)
+            assert pool.waiting() == 1
+            fence.set()  # completed; no wake-up has run yet
+            pool.free([other.row])  # runs the grant loop, which reclaims
+            assert pool.waiting() == 0, "the waiter was not granted at hand-over"
+            got = await waiter
+            assert len(got.pages) == 4
+            pool.free([got.row])
+    finally:
+        fence.set()
+        await pool.close()

@@ -32,7 +32,9 @@ file that mentions the module's classes or calls still passed:
 * ``trim_pages`` refuses a foreign thread; returns 0 when nothing is given
   back, in every form; and, with ``free`` on a pool with ``kv``, its
   one-row fast path raises InvalidSlotError for the first row id past the
-  table (an IndexError before the bound was checked).
+  table (an IndexError before the bound was checked), and trim_pages'
+  takes only an allocated row there (one pending behind a fence raises
+  InvalidSlotError, as on the checked path).
 
 Async tests run on asyncio and uvloop (conftest); every wait that could hang
 is bounded.
@@ -518,6 +520,28 @@ async def test_an_admit_waiter_gets_pages_a_reclaim_at_hand_over_makes_just_enou
             got = await waiter
             assert len(got.pages) == 4
             pool.free([got.row])
+    finally:
+        fence.set()
+        await pool.close()
+
+
+async def test_trim_pages_of_one_row_behind_a_fence_or_free_is_refused() -> None:
+    """The one-row fast path of ``trim_pages`` takes only allocated rows: a
+    row pending behind a fence, or free, raises InvalidSlotError (as the
+    checked path does), not 0 as for a row with nothing to give back."""
+    pool = _pool(rows=2, pages=4)
+    fence = EventFence()
+    try:
+        async with bounded():
+            pending = await pool.admit(pages=0)
+            free = await pool.admit(pages=0)
+        pool.free([pending.row], fence=fence)
+        pool.free([free.row])
+        before = pool_snapshot(pool)
+        for row in (pending.row, free.row):
+            with pytest.raises(InvalidSlotError):
+                pool.trim_pages(row, 0)
+        assert pool_snapshot(pool) == before
     finally:
         fence.set()
         await pool.close()

@@ -30,7 +30,8 @@ file that mentions the module's classes or calls still passed:
   may add up to exactly the KV capacity; the per-row form of no rows
   answers None while the memory is released;
 * ``trim_pages`` refuses a foreign thread; returns 0 when nothing is given
-  back, in every form; and, with ``free`` on a pool with ``kv``, its
+  back, in every form; gives back every page of a list of rows for
+  ``keep=0``; and, with ``free`` on a pool with ``kv``, its
   one-row fast path raises InvalidSlotError for the first row id past the
   table (an IndexError before the bound was checked), and trim_pages'
   takes only an allocated row there (one pending behind a fence raises
@@ -530,4 +531,21 @@ async def test_trim_pages_of_one_row_behind_a_fence_or_free_is_refused() -> None
         assert pool_snapshot(pool) == before
     finally:
         fence.set()
+        await pool.close()
+
+
+async def test_trim_pages_of_a_list_of_rows_to_zero_gives_back_every_page() -> None:
+    """``keep=0`` (one count for every row of a list) is a page count like
+    any other: every page of every row is given back (free at once here,
+    no use recorded); -1 is refused, changing nothing."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        a, b = await pool.admit(pages=1), await pool.admit(pages=2)
+        before = pool_snapshot(pool)
+        with pytest.raises(CapacityError, match=">= 0"):
+            pool.trim_pages([a.row, b.row], -1)
+        assert pool_snapshot(pool) == before
+        assert pool.trim_pages([a.row, b.row], 0) == 3
+        assert [len(pool.pages_of(r)) for r in (a.row, b.row)] == [0, 0]
+        pool.free([a.row, b.row])
         await pool.close()

@@ -25,6 +25,11 @@ file that mentions the module's classes or calls still passed:
 * a queued ``admit`` short of pages is granted at hand-over when the
   reclaim there makes free exactly the pages it needs;
 * ``try_admit(0)`` grants a row with no pages;
+* an ``admit`` that queues on a new event loop moves the pool there, so a
+  fence deferred on the old loop wakes it;
+* ``extend_rows``' per-row form refuses a row that is not allocated (it
+  gave a freed row pages nobody frees); ``extend``, ``pages_of`` and
+  ``detach_pages`` raise InvalidSlotError for the first id past the table;
 * ``extend_rows``: ``k`` defaults to one page a row; a numpy integer or a
   0-d tensor is one count for every row (a 2-D result); per-row counts
   may add up to exactly the KV capacity; the per-row form of no rows
@@ -549,3 +554,65 @@ async def test_trim_pages_of_a_list_of_rows_to_zero_gives_back_every_page() -> N
         assert [len(pool.pages_of(r)) for r in (a.row, b.row)] == [0, 0]
         pool.free([a.row, b.row])
         await pool.close()
+
+
+async def test_extend_rows_per_row_refuses_a_row_not_allocated() -> None:
+    """The per-row form of ``extend_rows`` checks its rows as the one-count
+    form does: a freed row raises InvalidSlotError and takes no page (it
+    would own pages nobody frees)."""
+    async with bounded():
+        pool = _pool(rows=2, pages=4)
+        live, gone = await pool.admit(pages=0), await pool.admit(pages=0)
+        pool.free([gone.row])
+        before = pool_snapshot(pool)
+        for rows, k in [([gone.row], [2]), ([live.row, gone.row], [1, 1])]:
+            with pytest.raises(InvalidSlotError, match="already free"):
+                pool.extend_rows(rows, k)
+        assert pool_snapshot(pool) == before
+        assert pool.stats().pages_free == 4
+        pool.free([live.row])
+        await pool.close()
+
+
+async def test_row_calls_raise_invalid_slot_for_the_first_id_past_the_table() -> None:
+    """``extend``, ``pages_of`` and ``detach_pages`` bound the row before
+    they read its state: the first id past the table raises
+    InvalidSlotError (out of range), not an IndexError."""
+    pool = _pool(rows=2, pages=4)
+    for call in (
+        lambda: pool.extend(pool.size, 1),
+        lambda: pool.pages_of(pool.size),
+        lambda: pool.detach_pages(pool.size),
+    ):
+        with pytest.raises(InvalidSlotError, match="out of range"):
+            call()
+    await pool.close()
+
+
+def test_an_admit_queued_on_a_new_loop_is_woken_there() -> None:
+    """An ``admit`` that queues on a new event loop (the pool's first loop
+    closed while pages still waited behind a fence) moves the pool to that
+    loop, so the fence's completion wakes the waiter there."""
+    pool = _pool(rows=1, pages=4)
+    fence = EventFence()
+
+    async def first() -> None:
+        g = await pool.admit(pages=4)
+        pool.free([g.row], fence=fence)  # watched from this loop
+
+    async def second() -> int:
+        async with bounded():
+            waiter = asyncio.ensure_future(pool.admit(pages=4))
+            await asyncio.sleep(0)
+            assert pool.waiting() == 1
+            fence.set()
+            got = await waiter
+            pool.free([got.row])
+            await pool.close()
+            return len(got.pages)
+
+    try:
+        asyncio.run(first())
+        assert asyncio.run(second()) == 4
+    finally:
+        fence.set()

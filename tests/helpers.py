@@ -39,6 +39,26 @@ WAIT_S = 5.0  # bound on every wait for another thread
 LONG_S = 120.0  # bound on a whole demo or benchmark run awaited by a test
 
 
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a fresh thread named "foreign" (not the pool's); return
+    its result or re-raise its error here. Bounded by ``WAIT_S``."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            out["error"] = exc
+
+    th = threading.Thread(target=run, name="foreign")
+    th.start()
+    th.join(WAIT_S)
+    assert not th.is_alive(), "the foreign call hung"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 class _Bounded:
     """``asyncio.timeout(seconds)`` whose expiry fails the test with a message."""
 

@@ -52,14 +52,13 @@ import asyncio
 import collections
 import gc
 import logging
-import threading
 import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot
+from helpers import WAIT_S, EventFence, Streams, bounded, in_thread, pool_snapshot
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -414,25 +413,6 @@ async def test_extend_rows_per_row_of_no_rows_answers_none_while_released() -> N
     await pool.close()
 
 
-def _in_thread(fn: Any) -> Any:
-    """Run ``fn`` in a thread that is not the pool's; re-raise its error here."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            out["error"] = exc
-
-    th = threading.Thread(target=run, name="foreign")
-    th.start()
-    th.join(WAIT_S)
-    assert not th.is_alive(), "the foreign call hung"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
-
-
 async def test_trim_pages_from_another_thread_is_refused_and_changes_nothing() -> None:
     """``trim_pages`` is checked like every call of a pool with ``kv``: from
     a thread that is not the pool's it raises WrongThreadError, the row
@@ -443,7 +423,7 @@ async def test_trim_pages_from_another_thread_is_refused_and_changes_nothing() -
         before = pool_snapshot(pool)
         for rows, keep in [(g.row, 1), ([g.row], [0])]:
             with pytest.raises(WrongThreadError):
-                _in_thread(lambda rows=rows, keep=keep: pool.trim_pages(rows, keep))
+                in_thread(lambda rows=rows, keep=keep: pool.trim_pages(rows, keep))
         assert pool_snapshot(pool) == before
         assert pool.pages_of(g.row).tolist() == g.pages.tolist()
         pool.free([g.row])

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, bounded, pool_snapshot
+from helpers import WAIT_S, bounded, in_thread, pool_snapshot
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -28,25 +28,6 @@ from asyncpool import (
     WrongThreadError,
 )
 from asyncpool.waiters import WaiterQueues
-
-
-def _in_thread(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in a fresh thread; return its result or raise its error."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            out["error"] = exc
-
-    th = threading.Thread(target=run, name="foreign")
-    th.start()
-    th.join(WAIT_S)
-    assert not th.is_alive(), "the foreign call hung"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 @pytest.fixture
@@ -63,17 +44,17 @@ def tiny_switch_interval() -> Iterator[None]:
 async def test_foreign_fast_free_completes_as_the_owners_would() -> None:
     async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
         rows = await pool.alloc(2)  # binds; the fast paths are open
-        assert _in_thread(lambda: pool.free(rows[:1])) == 1
+        assert in_thread(lambda: pool.free(rows[:1])) == 1
         pool.check_invariants()
         assert pool.available_size() == 3
         # Not a fast path (two rows, a fence, nothing allocated): refused.
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.free(rows))
+            in_thread(lambda: pool.free(rows))
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.try_alloc(1))
+            in_thread(lambda: pool.try_alloc(1))
         before = pool_snapshot(pool)
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.free(rows[:1]))  # already free: checked path
+            in_thread(lambda: pool.free(rows[:1]))  # already free: checked path
         assert pool_snapshot(pool) == before
         pool.free(rows[1:])
         assert pool.available_size() == 4
@@ -83,7 +64,7 @@ async def test_foreign_fast_alloc_takes_a_row_of_its_own() -> None:
     async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
         mine = await pool.alloc(1)
         pool.free(mine)  # the general path opened alloc's fast path
-        theirs = _in_thread(lambda: asyncio.run(pool.alloc(1)))
+        theirs = in_thread(lambda: asyncio.run(pool.alloc(1)))
         assert len(theirs) == 1 and theirs != mine
         pool.check_invariants()
         assert pool.stats().allocated == 1
@@ -100,7 +81,7 @@ async def test_a_foreign_free_never_runs_the_grant_loop() -> None:
         assert pool.waiting() == 1
         before = pool_snapshot(pool)
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.free(held))
+            in_thread(lambda: pool.free(held))
         assert pool_snapshot(pool) == before and not waiter.done()
         pool.free(held)
         assert await waiter == held
@@ -125,7 +106,7 @@ async def test_a_foreign_free_cannot_land_between_a_short_take_and_the_enqueue(
             monkeypatch.setattr(WaiterQueues, "enqueue", real_enqueue)
             before = pool_snapshot(pool)
             try:
-                _in_thread(lambda: pool.free(held))
+                in_thread(lambda: pool.free(held))
             except WrongThreadError as exc:
                 refused.append(exc)
             assert pool_snapshot(pool) == before
@@ -148,9 +129,9 @@ async def test_debug_mode_closes_the_fast_paths() -> None:
         pool.free(await pool.alloc(1))
         before = pool_snapshot(pool)
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.free(rows[:1]))
+            in_thread(lambda: pool.free(rows[:1]))
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: asyncio.run(pool.alloc(1)))
+            in_thread(lambda: asyncio.run(pool.alloc(1)))
         assert pool_snapshot(pool) == before
         pool.free(rows)
 
@@ -161,9 +142,9 @@ async def test_a_kv_pool_checks_every_call() -> None:
         pool.free(await pool.alloc(1))
         before = pool_snapshot(pool)
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: pool.free(rows))
+            in_thread(lambda: pool.free(rows))
         with pytest.raises(WrongThreadError):
-            _in_thread(lambda: asyncio.run(pool.alloc(1)))
+            in_thread(lambda: asyncio.run(pool.alloc(1)))
         assert pool_snapshot(pool) == before
         pool.free(rows)
 
@@ -178,7 +159,7 @@ async def test_bind_reopens_the_fast_paths_for_the_new_owner_only() -> None:
         pool.free(got)
         return await pool.alloc(1)
 
-    theirs = _in_thread(lambda: asyncio.run(serve()))
+    theirs = in_thread(lambda: asyncio.run(serve()))
     # Back here the old owner's calls take the checked path and are refused.
     with pytest.raises(WrongThreadError, match="'foreign'"):
         pool.free([*theirs, *(r for r in range(1, 5) if r not in theirs)][:2])

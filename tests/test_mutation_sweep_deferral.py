@@ -49,7 +49,8 @@ import logging
 import pytest
 from helpers import EventFence, FakeStream, ManualClock
 
-from asyncpool.deferral import Deferrals
+from asyncpool import FenceError
+from asyncpool.deferral import _FAULTS_REMEMBERED, Deferrals
 from asyncpool.fences import Fence
 
 
@@ -300,10 +301,84 @@ def test_force_release_interrupted_keeps_the_batches_not_yet_settled() -> None:
     led = Ledger()
     forced, odd = EventFence(), RaisingFence()
     led.defer([1], forced, odd)  # settling it asks odd, which raises
-    led.defer([2], forced)  # a second batch behind the forced fence
+    led.defer([2], forced)  # more batches behind the forced fence
+    led.defer([3], forced, EventFence())
     with pytest.raises(_Interrupt):
         led.force_release(forced)
-    assert led.pending == 2 and led.released == []
+    assert led.pending == 3 and led.released == []
     led.check()
-    assert sorted(b.items[0] for b in led.pending_batches() if b.fence is forced) == [1, 2]
-    assert led.announced == [forced, forced]  # put back, not announced again
+    assert sorted(b.items[0] for b in led.pending_batches() if b.fence is forced) == [1, 2, 3]
+    assert led.announced == [forced] * 3  # put back, not announced again
+
+
+def test_force_release_drops_the_fence_from_a_side_list_batch() -> None:
+    led = Ledger()
+    forced, e, other = EventFence(), EventFence(), EventFence()
+    led.defer([1], e, forced)
+    led.defer([2], other, forced, e)
+    assert led.force_release(forced) == 0
+    by_fence = {b.fence: b for b in led.pending_batches()}
+    assert by_fence[e].rest == ()
+    assert by_fence[other].rest == (e,)
+    assert not led.holds(forced)
+    led.check()
+    e.set()
+    assert led.reclaim() == 1
+    assert led.released == [1]
+
+
+def test_a_batch_agreed_overdue_that_faults_leaves_agreed_overdue() -> None:
+    led = Ledger()
+    e = EventFence()
+    led.defer([1], e)
+    batches = led.pending_batches()
+    released, newly = led.apply_agreement(batches, [0, 1, 0], {})
+    assert released == 0 and newly == batches
+    assert led.agreed_overdue == {batches[0].did}
+    e.error = FenceError("stream died")
+    e.set()
+    assert led.reclaim() == 0
+    assert led.quarantined_ids == [1] and led.quarantined == 1
+    assert led.agreed_overdue == set()
+
+
+def test_a_fault_met_again_is_remembered_as_the_newest() -> None:
+    led = Ledger()
+    keep: list[EventFence] = []
+
+    def fault(fence: EventFence) -> None:
+        led.defer([len(keep)], fence)
+        fence.error = FenceError("faulted")
+        fence.set()
+        assert led.reclaim() == 0
+
+    first = EventFence()
+    keep.append(first)
+    fault(first)
+    for _ in range(_FAULTS_REMEMBERED - 1):  # remembered: first and these
+        keep.append(EventFence())
+        fault(keep[-1])
+    assert led.fence_errors == _FAULTS_REMEMBERED
+    fault(first)  # met again: counted once, now the newest remembered
+    assert led.fence_errors == _FAULTS_REMEMBERED
+    keep.append(EventFence())
+    fault(keep[-1])  # one more: the oldest other one is forgotten, not first
+    assert led.fence_errors == _FAULTS_REMEMBERED + 1
+    fault(first)
+    assert led.fence_errors == _FAULTS_REMEMBERED + 1
+    fault(keep[1])  # the one forgotten: counted anew
+    assert led.fence_errors == _FAULTS_REMEMBERED + 2
+
+
+def test_a_fault_that_is_not_a_fence_error_is_wrapped_with_its_cause() -> None:
+    faults: list[tuple[Fence, BaseException]] = []
+    led = Ledger(on_fault=lambda f, e: faults.append((f, e)))
+    e = EventFence()
+    led.defer([1], e)
+    cause = RuntimeError("device lost")
+    e.error = cause
+    e.set()
+    assert led.reclaim() == 0
+    err = led.last_fence_error
+    assert isinstance(err, FenceError) and err.__cause__ is cause
+    assert faults == [(e, err)]

@@ -37,7 +37,27 @@ so what is pinned is the fence machinery itself:
   from the remaining fences of other batches, and removes a queue it
   empties (the mutants skipped the stream queues, stopped at the first
   queue or batch, lost the batches after the forced one, or kept a
-  settled batch queued).
+  settled batch queued); it drops the fence from a side-list batch's
+  remaining fences as well, and when a settle it starts is interrupted
+  (a ``query()`` raising a BaseException) every batch not yet settled is
+  queued again, unannounced (the mutants lost the third batch, or
+  announced them again);
+* a batch agreed overdue (``apply_agreement``) that then faults leaves
+  ``agreed_overdue`` (the mutant kept its deferral id there for good);
+* faulted fences are remembered, for counting each once, newest last: a
+  fence met again becomes the newest, the oldest is forgotten past
+  ``_FAULTS_REMEMBERED``, and a forgotten one is counted anew (the mutants
+  did not refresh, did not forget, forgot the newest, or forgot one too
+  early); a fault that is not a ``FenceError`` reaches ``last_fence_error``
+  and ``on_fault`` as a ``FenceError`` whose cause is the original (the
+  mutant dropped the cause);
+* ``stream_key`` is a fence's stream only with an int ``stream_key`` *and*
+  an int ``seq`` (the mutant took either);
+* deferral ids count the batches created, one by one, joining a batch
+  takes none, a batch that waits for more than one fence is never joined
+  nor indexed, and a side-list batch has ``seq`` 0 (the mutants skipped
+  ids, indexed a batch with more fences, or gave a side-list batch a
+  non-zero ``seq``).
 
 No test here awaits anything: the ledger is synchronous.
 """
@@ -50,7 +70,7 @@ import pytest
 from helpers import EventFence, FakeStream, ManualClock
 
 from asyncpool import FenceError
-from asyncpool.deferral import _FAULTS_REMEMBERED, Deferrals
+from asyncpool.deferral import _FAULTS_REMEMBERED, Deferrals, stream_key
 from asyncpool.fences import Fence
 
 
@@ -382,3 +402,46 @@ def test_a_fault_that_is_not_a_fence_error_is_wrapped_with_its_cause() -> None:
     err = led.last_fence_error
     assert isinstance(err, FenceError) and err.__cause__ is cause
     assert faults == [(e, err)]
+
+
+class _Keyed:
+    """A fence with a stream_key and the given seq (ordered only with an int seq)."""
+
+    def __init__(self, key: object, seq: object) -> None:
+        self.stream_key = key
+        self.seq = seq
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_stream_key_needs_an_int_key_and_an_int_seq() -> None:
+    assert stream_key(_Keyed(7, 3)) == 7
+    assert stream_key(_Keyed(7, None)) is None
+    assert stream_key(_Keyed(7, 3.0)) is None
+    assert stream_key(_Keyed(None, 3)) is None
+    assert stream_key(_Keyed("7", 3)) is None
+    assert stream_key(EventFence()) is None
+    s = FakeStream()
+    assert stream_key(s.record()) == s.key
+
+
+def test_deferral_ids_count_batches_one_by_one() -> None:
+    led = Ledger()
+    s = FakeStream()
+    f1, f2 = s.record(), s.record()
+    e1, e2 = EventFence(), EventFence()
+    led.defer([1], f1)
+    led.defer([2], e1)
+    led.defer([3], f1)  # joins f1's batch: no new id
+    led.defer([4], e1)  # joins e1's batch
+    led.defer([5], f2)
+    led.defer([6], e2)
+    led.defer([7], e1, f2)  # more than one fence: a batch of its own
+    assert sorted(b.did for b in led.pending_batches()) == [0, 1, 2, 3, 4]
+    assert led.deferral_counter == 5
+    assert sorted(b.seq for b in led.pending_batches() if stream_key(b.fence) is None) == [0] * 3
+    led.check()

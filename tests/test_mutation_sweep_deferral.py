@@ -57,7 +57,9 @@ so what is pinned is the fence machinery itself:
   takes none, a batch that waits for more than one fence is never joined
   nor indexed, and a side-list batch has ``seq`` 0 (the mutants skipped
   ids, indexed a batch with more fences, or gave a side-list batch a
-  non-zero ``seq``).
+  non-zero ``seq``); batches behind one fence stay in deferral order in
+  their queue, so they are released in it (the mutant queued a later
+  free before an earlier batch of the same fence).
 
 No test here awaits anything: the ledger is synchronous.
 """
@@ -445,3 +447,17 @@ def test_deferral_ids_count_batches_one_by_one() -> None:
     assert led.deferral_counter == 5
     assert sorted(b.seq for b in led.pending_batches() if stream_key(b.fence) is None) == [0] * 3
     led.check()
+
+
+def test_batches_behind_one_fence_release_in_deferral_order() -> None:
+    led = Ledger()
+    s = FakeStream()
+    f = s.record()
+    e = EventFence()
+    e.set()  # complete already: the first batch is released with f
+    led.defer([1], f, e)
+    led.defer([2], f)  # behind the same fence, deferred later
+    assert [b.did for b in led.batch_groups()[0]] == [0, 1]
+    s.complete()
+    assert led.reclaim() == 2
+    assert led.released == [1, 2]

@@ -59,7 +59,14 @@ so what is pinned is the fence machinery itself:
   ids, indexed a batch with more fences, or gave a side-list batch a
   non-zero ``seq``); batches behind one fence stay in deferral order in
   their queue, so they are released in it (the mutant queued a later
-  free before an earlier batch of the same fence).
+  free before an earlier batch of the same fence);
+* ``reclaim`` quarantines every faulted batch of a stream queue at once,
+  asks the side list past a faulted fence, drops the queues it empties
+  (but not one a move refilled), faults a stream fence whose ``query()``
+  answers neither yes nor no, and, interrupted by a BaseException from a
+  side-list ``query()``, keeps every batch it did not settle (the mutants
+  stopped at the first fault, kept empty queues, took "PENDING" for done,
+  or lost a batch after the interruption).
 
 No test here awaits anything: the ledger is synchronous.
 """
@@ -461,3 +468,85 @@ def test_batches_behind_one_fence_release_in_deferral_order() -> None:
     s.complete()
     assert led.reclaim() == 2
     assert led.released == [1, 2]
+
+
+def test_reclaim_quarantines_every_faulted_batch_of_a_queue_at_once() -> None:
+    led = Ledger()
+    s = FakeStream()
+    f1, f2 = s.record(), s.record()
+    led.defer([1], f1)
+    led.defer([2], f2)
+    s.fault()
+    assert led.reclaim() == 0
+    assert led.quarantined_ids == [1, 2] and led.pending == 0
+    assert led._streams == {}  # no empty queue kept
+    led.check()
+
+
+def test_reclaim_asks_the_side_list_past_a_faulted_fence() -> None:
+    led = Ledger()
+    bad, good = EventFence(), EventFence()
+    led.defer([1], bad)
+    led.defer([2], good)
+    bad.error = FenceError("faulted")
+    bad.set()
+    good.set()
+    assert led.reclaim() == 1
+    assert led.quarantined_ids == [1] and led.released == [2]
+    assert led.pending == 0
+
+
+def test_reclaim_drops_the_queues_it_empties() -> None:
+    led = Ledger()
+    a, b = FakeStream(), FakeStream()
+    fa1, fa2, fb = a.record(), a.record(), b.record()
+    led.defer([1], fa1)
+    led.defer([2], fb, fa2)  # moves behind fa2 once fb completes
+    a.complete(upto=1)
+    b.complete()
+    assert led.reclaim() == 1  # a's queue emptied, then refilled by the move
+    assert list(led._streams) == [a.key]
+    assert [bt.fence for bt in led.batch_groups()[0]] == [fa2]
+    led.check()
+    a.complete()
+    assert led.reclaim() == 1
+    assert led._streams == {}
+    assert led.released == [1, 2]
+
+
+class _Answering(_Keyed):
+    def __init__(self, key: int, seq: int, answer: object) -> None:
+        super().__init__(key, seq)
+        self.answer = answer
+
+    def query(self) -> bool:
+        return self.answer  # type: ignore[return-value]
+
+
+def test_reclaim_faults_a_stream_fence_that_answers_neither_yes_nor_no() -> None:
+    led = Ledger()
+    f = _Answering(5_000_000, 1, "PENDING")
+    led.defer([1], f)
+    assert led.reclaim() == 0
+    assert led.released == [] and led.quarantined_ids == [1]
+    assert isinstance(led.last_fence_error, FenceError)
+    g = _Answering(5_000_001, 1, 1)  # an int 1 is a yes
+    led.defer([2], g)
+    assert led.reclaim() == 1 and led.released == [2]
+
+
+def test_an_interrupted_side_list_reclaim_keeps_the_batches_not_settled() -> None:
+    led = Ledger()
+    waiting, bad, odd, later = EventFence(), EventFence(), RaisingFence(), EventFence()
+    led.defer([0], waiting)  # asked, not done
+    led.defer([1], bad)
+    led.defer([2], odd)
+    led.defer([3], later)
+    bad.error = FenceError("faulted")
+    bad.set()
+    with pytest.raises(_Interrupt):
+        led.reclaim()
+    assert led.quarantined_ids == [1]
+    assert led.pending == 3
+    assert {b.fence for b in led.pending_batches()} == {waiting, odd, later}
+    led.check()

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -106,20 +107,26 @@ class _ProbingStream(HostStream):
         return super().record()
 
 
+def _foreign_alloc(pool: AsyncReqToTokenPool, outcome: dict[str, Any]) -> Callable[[], None]:
+    """A probe that calls ``pool.alloc(1)`` from a foreign thread and puts
+    its rows (``"rows"``) or its WrongThreadError (``"error"``) in ``outcome``."""
+
+    def probe() -> None:
+        try:
+            outcome["rows"] = in_thread(lambda: asyncio.run(pool.alloc(1)))
+        except WrongThreadError as err:
+            outcome["error"] = err
+
+    return probe
+
+
 async def test_general_free_keeps_the_unchecked_fast_paths_closed_throughout() -> None:
     async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
         rows = await pool.alloc(3)  # binds; the general alloc opened the fast paths
         outcome: dict[str, Any] = {}
-
-        def foreign_alloc() -> None:
-            try:
-                outcome["rows"] = in_thread(lambda: asyncio.run(pool.alloc(1)))
-            except WrongThreadError as err:
-                outcome["error"] = err
-
         stream = _ProbingStream("probe")
         try:
-            stream.probe = foreign_alloc
+            stream.probe = _foreign_alloc(pool, outcome)
             pool.free(rows[:2], after=stream)
         finally:
             stream.close()
@@ -239,14 +246,7 @@ async def test_the_fence_wake_up_closes_the_fast_paths_before_it_reclaims() -> N
             pool.free(rows[:2], fence)  # pending behind the fence
             pool.free(rows[2:])  # a checked single-row free: the fast paths reopen
             outcome: dict[str, Any] = {}
-
-            def foreign_alloc() -> None:
-                try:
-                    outcome["rows"] = in_thread(lambda: asyncio.run(pool.alloc(1)))
-                except WrongThreadError as err:
-                    outcome["error"] = err
-
-            fence.probe = foreign_alloc
+            fence.probe = _foreign_alloc(pool, outcome)
             fence.set()  # the watcher wakes the loop, whose reclaim asks the fence
             await until(lambda: bool(outcome))
             assert "error" in outcome, outcome

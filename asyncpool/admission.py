@@ -404,6 +404,8 @@ class Admission:
         pled = pages.ledger
         reclaimed = pled.reclaimed
         got = grow(rows, k)
+        if got is None:
+            pages.growth_refusals += 1
         if pled.reclaimed != reclaimed and self._waiters.count:
             self._waiters.grant()
         return got

@@ -189,6 +189,14 @@ FAMILIES: tuple[Family, ...] = (
         lambda s: s.admits,
     ),
     Family(
+        "growth_refusals",
+        "counter",
+        "",
+        "extend() and extend_rows() calls answered None, short of KV pages: "
+        "retractions the scheduler had to make.",
+        lambda s: s.growth_refusals,
+    ),
+    Family(
         "rows_allocated",
         "counter",
         "",

@@ -1178,6 +1178,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admits": admit_waits.count,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": admit_waits,
+                "growth_refusals": pages.growth_refusals,
             }
         if self._overdue is not None:
             # Explicit: overdue is what agree() agreed (not done on some rank).

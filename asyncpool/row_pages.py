@@ -117,6 +117,9 @@ class RowPages:
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.fast_admits = 0  # granted without queueing (zero waits)
+        #: ``extend``/``extend_rows`` calls answered None, short of pages:
+        #: each is a retraction the scheduler made.
+        self.growth_refusals = 0
         #: Waits of admissions granted after queueing (seconds): a recent
         #: window, and a histogram of all of them.
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)

@@ -256,6 +256,11 @@ class PoolStats:
         admit_wait_histogram: every granted admission's wait in seconds, from
             the call (or its queueing) to its grant; one granted without
             queueing counts as a zero wait.
+        growth_refusals: ``extend`` and ``extend_rows`` calls answered None
+            because fewer pages were free than asked after reclaiming
+            completed fences, total: each is a retraction the scheduler had
+            to make (its preemption figure, seen from the pool). Calls
+            refused with an error are not counted.
     """
 
     capacity: int
@@ -294,3 +299,4 @@ class PoolStats:
     admits: int = 0
     admit_wait: LatencySummary = field(default_factory=LatencySummary)
     admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    growth_refusals: int = 0

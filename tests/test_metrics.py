@@ -51,6 +51,7 @@ GAUGES = {
 COUNTERS = {
     "asyncpool_alloc_calls",
     "asyncpool_admit_calls",
+    "asyncpool_growth_refusals",
     "asyncpool_rows_allocated",
     "asyncpool_rows_freed",
     "asyncpool_rows_deferred",

@@ -160,6 +160,7 @@ _EXPORTS = {
     "released": "released",
     "alloc_calls_total": "alloc_calls",
     "admit_calls_total": "admits",
+    "growth_refusals_total": "growth_refusals",
     "rows_allocated_total": "rows_granted",
     "rows_deferred_total": "deferred_frees",
     "rows_reclaimed_total": "reclaimed",

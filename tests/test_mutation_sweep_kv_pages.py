@@ -1,0 +1,153 @@
+"""Gaps found by a mechanical mutation sweep of ``asyncpool/kv_pages.py``
+(``PageLedger`` and ``KVPagePool``).
+
+Each test pins one behaviour that a generated mutant broke while the focused
+page-pool test files still passed:
+
+* ``check_num_pages`` accepts exactly ``MAX_NUM_PAGES`` (2**31) pages and
+  refuses one more (the bound, not one below it);
+* ``PageLedger`` checks ``num_pages`` itself, as ``KVPagePool`` does: a
+  ledger of no pages (or of a non-int count) is a ``CapacityError``, not a
+  ledger of capacity 0;
+* ``free_all_allocated`` returns how many pages it freed;
+* a 0-d integer tensor or numpy array of a subclass frees its one page, as
+  a plain one does (the subclass paths of ``prepare``, not the iterable
+  fallback, which cannot iterate a 0-d array);
+* ``take`` counts quarantined pages out of the allocated ones when it
+  raises the peak (``peak_allocated`` is what was really allocated);
+* ``alloc`` of a numpy or 0-d torch integer count equal to the capacity
+  (validated by ``check_n``) hands out every page;
+* ``retire`` and ``agree`` of the page pool of an ``AsyncReqToTokenPool``
+  (``reclaim="explicit"``) refuse a foreign thread, changing nothing, as
+  ``free``, ``alloc`` and ``reclaim`` do (each would run that pool's grant
+  loop off its thread);
+* a fenced ``free`` of a tensor ``alloc`` handed out forgets it *and* its
+  pages in the count of remembered pages (else the count drifts up and the
+  pool forgets live tensors early).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import FakeStream, bounded, in_thread, kv_of
+
+from asyncpool import AsyncReqToTokenPool, CapacityError, KVPagePool, WrongThreadError
+from asyncpool.kv_pages import MAX_NUM_PAGES, PageLedger, check_num_pages
+
+
+def test_check_num_pages_accepts_the_bound_and_refuses_one_more() -> None:
+    assert MAX_NUM_PAGES == 2**31
+    check_num_pages(2**31)  # capacity 2**31 - 1: numbered in int32
+    with pytest.raises(CapacityError, match="at most 2"):
+        check_num_pages(2**31 + 1)
+
+
+@pytest.mark.parametrize("num_pages", [1, 0, 2.0, True])
+def test_a_page_ledger_checks_its_page_count(num_pages: object) -> None:
+    with pytest.raises(CapacityError, match="num_pages must be an int >= 2"):
+        PageLedger(num_pages)  # type: ignore[arg-type]
+
+
+def test_free_all_allocated_returns_the_pages_it_freed() -> None:
+    led = PageLedger(8)
+    pages = led.take(5)
+    assert pages is not None
+    assert led.free(pages[:2]) == 2
+    assert led.free_all_allocated() == 3
+    assert led.free_all_allocated() == 0
+    assert led.allocated == 0 and led.free_count == 7
+    led.check_invariants()
+
+
+class _TensorSub(torch.Tensor):
+    pass
+
+
+class _ArraySub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda page: torch.tensor(page).as_subclass(_TensorSub),
+        lambda page: np.array(page).view(_ArraySub),
+    ],
+    ids=["tensor-subclass", "ndarray-subclass"],
+)
+def test_a_zero_d_page_id_of_a_subclass_frees_its_page(make: Any) -> None:
+    kv = KVPagePool(8, 2)
+    pages = kv.alloc(3)
+    assert pages is not None
+    page = int(pages[1])
+    assert kv.free(make(page)) == 1
+    assert kv.ledger.state_of(page) == "free"
+    kv.check_invariants()
+
+
+def test_a_fenced_free_of_a_handed_out_tensor_uncounts_its_pages() -> None:
+    kv = KVPagePool(64, 4)
+    fs = FakeStream()
+    kept = kv.alloc(3)
+    pages = kv.alloc(5)
+    assert kept is not None and pages is not None
+    assert kv._handed_pages == 8
+    assert kv.free(pages, fence=fs.record()) == 0
+    assert kv._handed_pages == 3 and id(kept) in kv._handed
+    fs.complete()
+    assert kv.reclaim() == 5
+    kv.check_invariants()
+
+
+def test_the_peak_does_not_count_quarantined_pages() -> None:
+    kv = KVPagePool(10, 1)  # capacity 9
+    fs = FakeStream()
+    first = kv.alloc(3)
+    assert first is not None
+    fence = fs.record()
+    fs.fault()
+    assert kv.free(first, fence=fence) == 0  # logged as an error, quarantined
+    assert kv.quarantined_size() == 3
+    assert kv.alloc(2) is not None  # take (2 pages): 2 allocated, 3 quarantined
+    assert kv.stats().peak_allocated == 3
+    assert kv.alloc(4) is not None
+    assert kv.stats().peak_allocated == 6
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("form", [np.int64, torch.tensor], ids=["np.int64", "0-d tensor"])
+def test_alloc_of_a_scalar_count_equal_to_the_capacity(form: Any) -> None:
+    kv = KVPagePool(6, 2)  # capacity 5
+    pages = kv.alloc(form(5))
+    assert pages is not None and pages.tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(CapacityError, match="the pool has only 5"):
+        kv.alloc(form(6))
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("call", ["retire", "agree"])
+async def test_retire_and_agree_of_a_served_page_pool_refuse_a_foreign_thread(
+    call: str, group: Any
+) -> None:
+    s = FakeStream()
+    async with (
+        bounded(),
+        AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4), reclaim="explicit") as pool,
+    ):
+        kv = kv_of(pool)
+        g = await pool.admit(pages=4)
+        pages = pool.detach_pages(g.row)
+        pool.free([g.row])
+        fence = s.record()
+        assert kv.free(pages, fence=fence) == 0
+        s.complete()
+        act = {"retire": lambda: kv.retire(fence), "agree": lambda: kv.agree(group)}[call]
+        with pytest.raises(WrongThreadError, match="this KVPagePool serves"):
+            in_thread(act)
+        assert kv.pending_size() == 4 and kv.available_size() == 0
+        assert act() == 4  # from the pool's own thread
+        kv.check_invariants()

@@ -5,7 +5,9 @@ Each test pins one behaviour that a generated mutant broke while the focused
 page-pool test files still passed:
 
 * ``check_num_pages`` accepts exactly ``MAX_NUM_PAGES`` (2**31) pages and
-  refuses one more (the bound, not one below it);
+  refuses one more (the bound, not one below it); the smallest pool, of 2
+  pages (one page and the reserved page 0), is accepted and works;
+* a fresh pool's ``peak_allocated`` is 0;
 * ``PageLedger`` checks ``num_pages`` itself, as ``KVPagePool`` does: a
   ledger of no pages (or of a non-int count) is a ``CapacityError``, not a
   ledger of capacity 0;
@@ -44,6 +46,16 @@ def test_check_num_pages_accepts_the_bound_and_refuses_one_more() -> None:
     check_num_pages(2**31)  # capacity 2**31 - 1: numbered in int32
     with pytest.raises(CapacityError, match="at most 2"):
         check_num_pages(2**31 + 1)
+
+
+def test_the_smallest_pool_has_one_page_and_a_peak_of_zero() -> None:
+    kv = KVPagePool(2, 4)
+    assert kv.capacity == 1 and kv.stats().peak_allocated == 0
+    pages = kv.alloc(1)
+    assert pages is not None and pages.tolist() == [1] and kv.alloc(1) is None
+    assert kv.stats().peak_allocated == 1
+    assert kv.free(pages) == 1
+    kv.check_invariants()
 
 
 @pytest.mark.parametrize("num_pages", [1, 0, 2.0, True])

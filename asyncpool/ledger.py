@@ -243,12 +243,14 @@ class SlotLedger(Deferrals[int]):
     def _reset_dirty(self) -> None:
         free = self._free
         dirty = list(itertools.islice(free, self._clean, None))
+        if dirty:
+            # The hook first: if it raises (a CUDA OOM building its index),
+            # the rows stay dirty and the next take resets them, instead of
+            # handing them out with their last owner's lengths.
+            if self._on_reset is not None:
+                self._on_reset(dirty)
+            self.resets += 1
         self._clean = len(free)
-        if not dirty:
-            return
-        self.resets += 1
-        if self._on_reset is not None:
-            self._on_reset(dirty)
 
     def reset_all(self) -> None:
         """Mark every free row clean (the caller zeroed the whole table)."""

@@ -30,7 +30,13 @@ file that exercises the ledger still passed:
   already free: handing out every free row afterwards resets nothing;
 * ``take_unreset`` of clean rows only leaves the other clean rows clean
   (no needless reset of them later) and counts the rows it took as no
-  longer clean (a row freed since is reset before its next owner gets it).
+  longer clean (a row freed since is reset before its next owner gets it);
+* ``check_size`` takes ``MAX_ROWS_SIZE`` itself and refuses one more (the
+  pool tests of a huge size would build the ledger's lists for minutes, and
+  fill memory, if the bound stopped refusing);
+* ``as_index`` of a 0-d scalar of a library with no ``is_meta`` (not torch:
+  cupy, say) whose ``item()`` raises lets that device error through as it
+  is, as for a torch tensor: it is not bad input.
 
 The ledger is plain synchronous bookkeeping: nothing here awaits.
 """
@@ -44,9 +50,9 @@ from typing import Any
 import pytest
 from helpers import EventFence, FakeStream
 
-from asyncpool import FenceError
+from asyncpool import CapacityError, FenceError
 from asyncpool.fences import Fence
-from asyncpool.ledger import SlotLedger
+from asyncpool.ledger import MAX_ROWS_SIZE, SlotLedger, as_index, check_size
 
 
 @pytest.fixture(autouse=True)
@@ -192,3 +198,27 @@ def test_take_unreset_keeps_the_clean_count_true() -> None:
     assert led.take(3) == [5, 1, 2]
     assert resets == [[1, 2]]  # the rows freed since are reset, not the clean one
     led.check_invariants()
+
+
+def test_check_size_takes_the_largest_size_and_refuses_one_more() -> None:
+    check_size(MAX_ROWS_SIZE)
+    with pytest.raises(CapacityError, match=r"at most 2\*\*31"):
+        check_size(MAX_ROWS_SIZE + 1)
+
+
+class _FaultedForeignScalar:
+    """A 0-d device scalar of a library other than torch (no ``is_meta``)
+    after a sticky fault: ``item()`` raises the device's error."""
+
+    ndim = 0
+
+    def item(self) -> int:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_device_error_of_a_foreign_scalar_is_not_bad_input() -> None:
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        as_index(_FaultedForeignScalar())
+    led = SlotLedger(4)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        led.check_n(_FaultedForeignScalar())

@@ -712,11 +712,29 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return made
 
     def _flush_resets(self) -> None:
+        """Zero the lengths of the rows granted since the last flush.
+
+        Scheduled (``call_soon``) before the first of their waiters' futures
+        is resolved, so it runs before any of those tasks resumes. If the
+        batched op raises (on CUDA it copies an index to the device, which
+        can fail for memory), the rows are zeroed one by one through views
+        before this returns: the tasks resume right after it, and must not
+        read their rows' last owner's lengths. Only if that fails too does
+        the error reach the caller (the loop's exception handler).
+        """
         rows = self._unreset
         if rows:
             self._unreset = []
             self._ledger.resets += 1
-            self._tables.reset_rows(rows)
+            try:
+                self._tables.reset_rows(rows)
+            except Exception:
+                logger.warning(
+                    "the batched reset of %d granted rows raised; zeroing them one by one",
+                    len(rows),
+                    exc_info=True,
+                )
+                self._tables.reset_rows_each(rows)
 
     def _try_must_wait(self) -> bool:
         """For ``try_alloc``/``try_admit``: True while anyone is queued (no

@@ -359,6 +359,22 @@ class TokenTables:
             index = index_cpu.to(self.device, non_blocking=True)
             self._lens.index_fill_(1, index, 0)
 
+    def reset_rows_each(self, rows: list[int]) -> None:
+        """:meth:`reset_rows` a row at a time, through views of the tables.
+
+        Builds no index tensor, so it needs no new device memory: the
+        fallback when the batched op raised (a CUDA out-of-memory error
+        while it copied its index to the device). One small op per row.
+        """
+        lens = self._lens
+        with self._stream_context():
+            for row in rows:
+                lens[:, row].zero_()
+        if self._on_cuda:
+            cpu = self.alloced_lens_cpu
+            for row in rows:
+                cpu[row] = 0
+
     def reset_where(self, mask: torch.Tensor) -> None:
         """Zero the lengths of every row where the bool ``mask`` is True."""
         if not self._on_cuda:

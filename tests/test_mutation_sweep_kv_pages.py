@@ -26,6 +26,8 @@ page-pool test files still passed:
 * a fenced ``free`` of a tensor ``alloc`` handed out forgets it *and* its
   pages in the count of remembered pages (else the count drifts up and the
   pool forgets live tensors early).
+* the peak counts neither pending nor quarantined pages, on either take path
+  (``take`` and the inlined ``alloc(1)``);
 """
 
 from __future__ import annotations
@@ -163,3 +165,36 @@ async def test_retire_and_agree_of_a_served_page_pool_refuse_a_foreign_thread(
         assert kv.pending_size() == 4 and kv.available_size() == 0
         assert act() == 4  # from the pool's own thread
         kv.check_invariants()
+
+
+def test_the_peak_does_not_count_pending_pages() -> None:
+    kv = KVPagePool(10, 1)  # capacity 9
+    fs = FakeStream()
+    first = kv.alloc(3)
+    assert first is not None
+    assert kv.free(first, fence=fs.record()) == 0
+    assert kv.pending_size() == 3
+    assert kv.alloc(1) is not None  # the inlined take(1): 1 allocated, 3 pending
+    assert kv.stats().peak_allocated == 3
+    assert kv.alloc(2) is not None  # take (2 pages): 3 allocated, 3 pending
+    assert kv.stats().peak_allocated == 3
+    assert kv.alloc(3) is not None
+    assert kv.stats().peak_allocated == 6
+    fs.complete()
+    kv.check_invariants()
+
+
+def test_the_inlined_alloc_one_peak_does_not_count_quarantined_pages() -> None:
+    kv = KVPagePool(10, 1)  # capacity 9
+    fs = FakeStream()
+    first = kv.alloc(3)
+    assert first is not None
+    fence = fs.record()
+    fs.fault()
+    assert kv.free(first, fence=fence) == 0  # logged as an error, quarantined
+    assert kv.quarantined_size() == 3
+    assert kv.alloc(1) is not None  # 1 allocated, 3 quarantined
+    assert kv.stats().peak_allocated == 3
+    assert [kv.alloc(1) for _ in range(3)].count(None) == 0
+    assert kv.stats().peak_allocated == 4
+    kv.check_invariants()

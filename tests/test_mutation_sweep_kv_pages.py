@@ -28,6 +28,9 @@ page-pool test files still passed:
   pool forgets live tensors early).
 * the peak counts neither pending nor quarantined pages, on either take path
   (``take`` and the inlined ``alloc(1)``);
+* a fenced ``free`` keeps its own copy of the ids of a long int64 tensor, a
+  0-d one and a tensor or ndarray subclass: the caller may reuse its buffer
+  while the pages wait;
 """
 
 from __future__ import annotations
@@ -181,6 +184,35 @@ def test_the_peak_does_not_count_pending_pages() -> None:
     assert kv.alloc(3) is not None
     assert kv.stats().peak_allocated == 6
     fs.complete()
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda ids: torch.tensor(ids),  # 1-D int64, past the short pass: numpy() aliases it
+        lambda ids: torch.tensor(ids[0]),  # 0-d int64: numpy() aliases it, reshaped
+        lambda ids: torch.tensor(ids).as_subclass(_TensorSub),  # the subclass paths
+        lambda ids: np.array(ids).view(_ArraySub),
+    ],
+    ids=["tensor-of-20", "0-d-tensor", "tensor-subclass", "ndarray-subclass"],
+)
+def test_a_fenced_free_keeps_its_own_copy_of_the_callers_ids(form: Any) -> None:
+    kv = KVPagePool(64, 2)
+    fs = FakeStream()
+    freed = kv.alloc(20)
+    kept = kv.alloc(20)
+    assert freed is not None and kept is not None
+    ids = freed.tolist()
+    pages = form(ids)
+    n = pages.size if isinstance(pages, np.ndarray) else pages.numel()
+    assert kv.free(pages, fence=fs.record()) == 0
+    # The caller reuses its buffer while the pages wait behind the fence.
+    pages[...] = kept[0].item()
+    fs.complete()
+    assert kv.reclaim() == n
+    assert all(kv.ledger.state_of(p) == "free" for p in ids[:n])
+    assert all(kv.ledger.state_of(p) == "allocated" for p in kept.tolist())
     kv.check_invariants()
 
 

@@ -31,6 +31,8 @@ page-pool test files still passed:
 * a fenced ``free`` keeps its own copy of the ids of a long int64 tensor, a
   0-d one and a tensor or ndarray subclass: the caller may reuse its buffer
   while the pages wait;
+* a 0-d int64 numpy array frees its page (``prepare``'s short-array pass is
+  for 1-D ones) and an empty 2-D one is refused;
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ import pytest
 import torch
 from helpers import FakeStream, bounded, in_thread, kv_of
 
-from asyncpool import AsyncReqToTokenPool, CapacityError, KVPagePool, WrongThreadError
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    InvalidSlotError,
+    KVPagePool,
+    WrongThreadError,
+)
 from asyncpool.kv_pages import MAX_NUM_PAGES, PageLedger, check_num_pages
 
 
@@ -184,6 +192,18 @@ def test_the_peak_does_not_count_pending_pages() -> None:
     assert kv.alloc(3) is not None
     assert kv.stats().peak_allocated == 6
     fs.complete()
+    kv.check_invariants()
+
+
+def test_a_zero_d_int64_array_frees_its_page_and_an_empty_2d_one_is_refused() -> None:
+    kv = KVPagePool(8, 2)
+    pages = kv.alloc(3)
+    assert pages is not None
+    page = int(pages[1])
+    assert kv.free(np.array(page)) == 1
+    assert kv.ledger.state_of(page) == "free"
+    with pytest.raises(InvalidSlotError, match=r"1-D array, got shape \(0, 2\)"):
+        kv.free(np.zeros((0, 2), np.int64))
     kv.check_invariants()
 
 

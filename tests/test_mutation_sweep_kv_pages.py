@@ -33,6 +33,9 @@ page-pool test files still passed:
   while the pages wait;
 * a 0-d int64 numpy array frees its page (``prepare``'s short-array pass is
   for 1-D ones) and an empty 2-D one is refused;
+* an empty 1-D float tensor that ``numpy()`` refuses (requiring grad,
+  bfloat16) is no pages, in ``slots`` and in ``free`` of a subclass; a
+  non-empty one, or an empty 2-D one, is the dtype error;
 """
 
 from __future__ import annotations
@@ -233,6 +236,27 @@ def test_a_fenced_free_keeps_its_own_copy_of_the_callers_ids(form: Any) -> None:
     assert kv.reclaim() == n
     assert all(kv.ledger.state_of(p) == "free" for p in ids[:n])
     assert all(kv.ledger.state_of(p) == "allocated" for p in kept.tolist())
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(0, requires_grad=True),  # numpy() refuses it
+        lambda: torch.zeros(0, dtype=torch.bfloat16),  # no numpy dtype
+    ],
+    ids=["float-requires-grad", "bfloat16"],
+)
+def test_an_empty_float_tensor_numpy_refuses_is_no_pages(make: Any) -> None:
+    kv = KVPagePool(8, 2)
+    assert kv.alloc(2) is not None
+    assert kv.slots(make()).tolist() == []
+    assert kv.free(make().as_subclass(_TensorSub)) == 0
+    with pytest.raises(InvalidSlotError, match="page ids must be integers"):
+        kv.slots(torch.ones(1, dtype=make().dtype))
+    with pytest.raises(InvalidSlotError, match="page ids must be integers"):
+        kv.free(torch.zeros(0, 3, dtype=make().dtype, requires_grad=True))
+    assert kv.allocated_size() == 2
     kv.check_invariants()
 
 

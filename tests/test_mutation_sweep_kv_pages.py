@@ -36,6 +36,8 @@ page-pool test files still passed:
 * an empty 1-D float tensor that ``numpy()`` refuses (requiring grad,
   bfloat16) is no pages, in ``slots`` and in ``free`` of a subclass; a
   non-empty one, or an empty 2-D one, is the dtype error;
+* ``slots`` of many pages with ids past one byte (``check_ids``' top-byte
+  test);
 """
 
 from __future__ import annotations
@@ -258,6 +260,17 @@ def test_an_empty_float_tensor_numpy_refuses_is_no_pages(make: Any) -> None:
         kv.free(torch.zeros(0, 3, dtype=make().dtype, requires_grad=True))
     assert kv.allocated_size() == 2
     kv.check_invariants()
+
+
+def test_slots_of_many_pages() -> None:
+    kv = KVPagePool(1024, 2)
+    assert kv.alloc(299) is not None
+    pages = kv.alloc(20)  # pages 300..319: ids past one byte
+    assert pages is not None
+    ids = pages.tolist()
+    assert ids == list(range(300, 320))
+    assert kv.slots(pages).tolist() == [s for p in ids for s in (2 * p, 2 * p + 1)]
+    assert kv.slots(np.array(ids * 3)).shape == (120,)  # repeats are fine here
 
 
 def test_the_inlined_alloc_one_peak_does_not_count_quarantined_pages() -> None:

@@ -38,6 +38,7 @@ page-pool test files still passed:
   non-empty one, or an empty 2-D one, is the dtype error;
 * ``slots`` of many pages with ids past one byte (``check_ids``' top-byte
   test);
+* ``alloc`` answers None when a reclaim freed pages but still too few;
 """
 
 from __future__ import annotations
@@ -286,4 +287,17 @@ def test_the_inlined_alloc_one_peak_does_not_count_quarantined_pages() -> None:
     assert kv.stats().peak_allocated == 3
     assert [kv.alloc(1) for _ in range(3)].count(None) == 0
     assert kv.stats().peak_allocated == 4
+    kv.check_invariants()
+
+
+def test_alloc_short_after_a_reclaim_that_freed_too_few_answers_none() -> None:
+    kv = KVPagePool(6, 1)  # capacity 5
+    fs = FakeStream()
+    first = kv.alloc(2)
+    assert first is not None and kv.alloc(2) is not None
+    assert kv.free(first, fence=fs.record()) == 0
+    fs.complete()
+    assert kv.alloc(4) is None  # reclaims the 2 pending pages: 3 free, still short
+    assert kv.pending_size() == 0 and kv.available_size() == 3
+    assert kv.alloc(3) is not None
     kv.check_invariants()

@@ -39,6 +39,9 @@ page-pool test files still passed:
 * ``slots`` of many pages with ids past one byte (``check_ids``' top-byte
   test);
 * ``alloc`` answers None when a reclaim freed pages but still too few;
+* ``slots``, ``free`` and ``put_back`` name the bad page (page 0 as reserved
+  padding, not a good page before it) and say why a free or pending page
+  cannot be put back.
 """
 
 from __future__ import annotations
@@ -300,4 +303,41 @@ def test_alloc_short_after_a_reclaim_that_freed_too_few_answers_none() -> None:
     assert kv.alloc(4) is None  # reclaims the 2 pending pages: 3 free, still short
     assert kv.pending_size() == 0 and kv.available_size() == 3
     assert kv.alloc(3) is not None
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("pages", "message"),
+    [
+        ([1, 3, 0], r"page 0 is reserved padding and has no slots"),
+        ([1, 3, 8], r"page 8 is out of range 1\.\.7"),
+        ([1, 3, -1], r"page -1 is out of range 1\.\.7"),
+    ],
+)
+def test_slots_names_the_bad_page_not_a_good_one_before_it(pages: list[int], message: str) -> None:
+    kv = KVPagePool(8, 2)
+    with pytest.raises(InvalidSlotError, match=message):
+        kv.slots(pages)
+
+
+def test_free_and_put_back_name_page_0_and_a_page_not_allocated() -> None:
+    kv = KVPagePool(8, 2)
+    pages = kv.alloc(2)
+    assert pages is not None
+    with pytest.raises(InvalidSlotError, match="page 0 is reserved padding and cannot be freed"):
+        kv.free([*pages.tolist(), 0])
+    led = kv.ledger
+    free_page = 7  # never handed out: the "never allocated" case comes first
+    with pytest.raises(InvalidSlotError, match="page 7 was never allocated"):
+        led.put_back([free_page])
+    fs = FakeStream()
+    assert kv.free(pages[:1], fence=fs.record()) == 0
+    assert kv.free(pages[1:]) == 1
+    with pytest.raises(
+        InvalidSlotError, match=r"is already free \(not allocated\) and cannot be put back"
+    ):
+        led.put_back(pages[1:])
+    with pytest.raises(InvalidSlotError, match=r"already pending behind a fence \(not allocated\)"):
+        led.put_back(pages[:1])
+    fs.complete()
     kv.check_invariants()

@@ -25,7 +25,7 @@ page-pool test files still passed:
   loop off its thread);
 * a fenced ``free`` of a tensor ``alloc`` handed out forgets it *and* its
   pages in the count of remembered pages (else the count drifts up and the
-  pool forgets live tensors early).
+  pool forgets live tensors early);
 * the peak counts neither pending nor quarantined pages, on either take path
   (``take`` and the inlined ``alloc(1)``);
 * a fenced ``free`` keeps its own copy of the ids of a long int64 tensor, a
@@ -41,7 +41,9 @@ page-pool test files still passed:
 * ``alloc`` answers None when a reclaim freed pages but still too few;
 * ``slots``, ``free`` and ``put_back`` name the bad page (page 0 as reserved
   padding, not a good page before it) and say why a free or pending page
-  cannot be put back.
+  cannot be put back;
+* an empty ``free`` behind a fence returns 0 (not None), from
+  ``KVPagePool.free`` and ``PageLedger.free``.
 """
 
 from __future__ import annotations
@@ -341,3 +343,16 @@ def test_free_and_put_back_name_page_0_and_a_page_not_allocated() -> None:
         led.put_back(pages[:1])
     fs.complete()
     kv.check_invariants()
+
+
+def test_an_empty_free_behind_a_fence_returns_zero() -> None:
+    kv = KVPagePool(8, 2)
+    fs = FakeStream()
+    assert kv.free([], fence=fs.record()) == 0
+    assert kv.free(torch.zeros(0, dtype=torch.int64), fence=fs.record()) == 0
+    led = PageLedger(8)
+    assert led.free([]) == 0
+    assert led.free(np.zeros(0, np.int64), [fs.record()]) == 0
+    assert kv.pending_size() == 0 and led.pending == 0
+    kv.check_invariants()
+    led.check_invariants()

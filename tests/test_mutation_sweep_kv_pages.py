@@ -43,17 +43,21 @@ page-pool test files still passed:
   padding, not a good page before it) and say why a free or pending page
   cannot be put back;
 * an empty ``free`` behind a fence returns 0 (not None), from
-  ``KVPagePool.free`` and ``PageLedger.free``.
+  ``KVPagePool.free`` and ``PageLedger.free``;
+* an unfenced ``free`` of detached pages as a list or a numpy array (the
+  checked path, not the handed-out tensor's) wakes the serving pool's
+  queued admission.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import FakeStream, bounded, in_thread, kv_of
+from helpers import FakeStream, bounded, in_thread, kv_of, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -356,3 +360,20 @@ def test_an_empty_free_behind_a_fence_returns_zero() -> None:
     assert kv.pending_size() == 0 and led.pending == 0
     kv.check_invariants()
     led.check_invariants()
+
+
+@pytest.mark.parametrize("form", [list, np.array], ids=["list", "ndarray"])
+async def test_an_unfenced_checked_free_of_detached_pages_wakes_an_admission(form: Any) -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8, kv=KVPagePool(3, 4)) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=2)
+        pages = pool.detach_pages(g.row)
+        pool.free([g.row])
+        waiter = asyncio.create_task(pool.admit(pages=2))
+        await spin()
+        assert pool.waiting() == 1
+        assert kv.free(form(pages.tolist())) == 2
+        got = await waiter  # granted by that free, nobody else calls the pool
+        assert sorted(got.pages.tolist()) == sorted(pages.tolist())
+        pool.free([got.row])
+        kv.check_invariants()

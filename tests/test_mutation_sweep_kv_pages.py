@@ -143,7 +143,9 @@ def test_a_fenced_free_of_a_handed_out_tensor_uncounts_its_pages() -> None:
     kv.check_invariants()
 
 
-def test_the_peak_does_not_count_quarantined_pages() -> None:
+def _three_quarantined() -> KVPagePool:
+    """A pool of 9 pages, 3 of them quarantined behind a faulted fence (the
+    peak is 3: they were allocated), none allocated now."""
     kv = KVPagePool(10, 1)  # capacity 9
     fs = FakeStream()
     first = kv.alloc(3)
@@ -152,6 +154,11 @@ def test_the_peak_does_not_count_quarantined_pages() -> None:
     fs.fault()
     assert kv.free(first, fence=fence) == 0  # logged as an error, quarantined
     assert kv.quarantined_size() == 3
+    return kv
+
+
+def test_the_peak_does_not_count_quarantined_pages() -> None:
+    kv = _three_quarantined()
     assert kv.alloc(2) is not None  # take (2 pages): 2 allocated, 3 quarantined
     assert kv.stats().peak_allocated == 3
     assert kv.alloc(4) is not None
@@ -284,14 +291,7 @@ def test_slots_of_many_pages() -> None:
 
 
 def test_the_inlined_alloc_one_peak_does_not_count_quarantined_pages() -> None:
-    kv = KVPagePool(10, 1)  # capacity 9
-    fs = FakeStream()
-    first = kv.alloc(3)
-    assert first is not None
-    fence = fs.record()
-    fs.fault()
-    assert kv.free(first, fence=fence) == 0  # logged as an error, quarantined
-    assert kv.quarantined_size() == 3
+    kv = _three_quarantined()
     assert kv.alloc(1) is not None  # 1 allocated, 3 quarantined
     assert kv.stats().peak_allocated == 3
     assert [kv.alloc(1) for _ in range(3)].count(None) == 0

@@ -27,6 +27,24 @@ ints, released and quarantined ids are recorded):
   for them all (the mutant reported each batch, then all of them again),
   and a batch agreed overdue that ``conclude`` quarantines leaves
   ``agreed_overdue`` (the mutant kept its deferral id there for good);
+* ``agreement_flags`` skips a retired fence and goes on asking the
+  batch's later fences (no test gave it a retired fence: the mutants
+  stopped at it, calling the batch done while a later fence was open, or
+  returned no flags at all);
+* ``apply_agreement`` of a batch agreed done releases it even in explicit
+  mode, where its other fences are not retired (the mutant left them to
+  ``_settle``, which moved the batch behind them); of a batch agreed
+  faulted where a fence raised here, it blames that fence, the first of
+  the batch's fences that raised, and chains this rank's exception as the
+  cause (the mutants blamed the head, the last faulted fence, or dropped
+  the cause);
+* a faulted fence that takes no weak reference is remembered itself and
+  counted once however many frees meet it (the mutant remembered nothing
+  for it, counting it again each time); the error kept in
+  ``last_fence_error`` drops the traceback of an exception chained
+  implicitly (``__context__``) inside ``query()`` too, which would pin
+  ``query()``'s frame and its callers (the mutant followed ``__cause__``
+  only);
 * ``make_explicit`` refuses a ledger with ids pending *or* quarantined,
   either alone (the mutant refused only both at once).
 
@@ -177,3 +195,120 @@ def test_conclude_of_a_faulted_fence_forgets_an_agreed_overdue_batch() -> None:
     led.conclude(odd, FenceError("transfer failed"))
     assert led.quarantined_ids == [1]
     assert led.agreed_overdue == set()
+
+
+def test_agreement_flags_asks_the_fences_after_a_retired_one() -> None:
+    led = Ledger()
+    led.make_explicit()
+    a = FakeStream()
+    a1 = a.record()
+    head, later = EventFence(), EventFence()
+    head.set()
+    led.defer([1], head, a1, later)
+    led.retire(a1)
+    [batch] = led.pending_batches()
+    assert led.agreement_flags([batch], {}, None, 0.0) == [0, 0, 0]
+    later.set()
+    assert led.agreement_flags([batch], {}, None, 0.0) == [1, 0, 0]
+
+
+def test_apply_agreement_releases_a_done_batch_whatever_its_other_fences() -> None:
+    led = Ledger()
+    led.make_explicit()
+    a = FakeStream()
+    a1 = a.record()
+    odd = EventFence()
+    led.defer([1, 2], a1, odd)
+    [batch] = led.pending_batches()
+    assert led.apply_agreement([batch], [1, 0, 0], {}) == (2, [])
+    assert led.released == [1, 2] and led.pending == 0
+    assert led.pending_batches() == []
+
+
+class _Raising(EventFence):
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def query(self) -> bool:
+        raise self.exc
+
+
+def test_apply_agreement_blames_the_first_fence_that_raised_here() -> None:
+    faults: list[tuple[Fence, BaseException]] = []
+    led = Ledger(on_fault=lambda fence, err: faults.append((fence, err)))
+    led.make_explicit()
+    head = EventFence()  # fine here
+    first, second = _Raising(OSError("first")), _Raising(OSError("second"))
+    led.defer([1], head, first, second)
+    [batch] = led.pending_batches()
+    cache: dict[int, tuple[Fence, int, BaseException | None]] = {}
+    flags = led.agreement_flags([batch], cache, None, 0.0)
+    assert flags == [0, 0, 1]
+    assert led.apply_agreement([batch], flags, cache) == (0, [])
+    assert led.quarantined_ids == [1] and led.pending == 0
+    [(fence, err)] = faults
+    assert fence is first
+    assert isinstance(err, FenceError) and err.__cause__ is first.exc
+    assert "faulted here" in str(err)
+
+
+def test_apply_agreement_of_a_fault_seen_elsewhere_blames_the_head() -> None:
+    faults: list[tuple[Fence, BaseException]] = []
+    led = Ledger(on_fault=lambda fence, err: faults.append((fence, err)))
+    led.make_explicit()
+    head, other = EventFence(), EventFence()
+    led.defer([1], head, other)
+    [batch] = led.pending_batches()
+    assert led.apply_agreement([batch], [0, 0, 1], {}) == (0, [])
+    [(fence, err)] = faults
+    assert fence is head and err.__cause__ is None
+    assert "another rank" in str(err)
+
+
+class _SlotsFence:
+    """A fence of unknown origin that takes no weak reference."""
+
+    __slots__ = ("queries",)
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        raise OSError("transfer failed")
+
+    def synchronize(self) -> None:
+        raise OSError("transfer failed")
+
+
+def test_a_fence_without_weak_references_is_counted_once() -> None:
+    led = Ledger()
+    fence = _SlotsFence()
+    led.defer([1], fence)
+    led.reclaim()
+    led.defer([2], fence)
+    led.reclaim()
+    assert led.quarantined_ids == [1, 2]
+    assert led.fence_errors == 1
+
+
+class _Implicit(EventFence):
+    """query() raises while handling another error, chained implicitly."""
+
+    def query(self) -> bool:
+        try:
+            raise ConnectionError("socket closed")
+        except ConnectionError:
+            raise RuntimeError("transfer failed")  # noqa: B904
+
+
+def test_a_kept_error_drops_an_implicitly_chained_traceback() -> None:
+    led = Ledger()
+    led.defer([1], _Implicit())
+    led.reclaim()
+    err = led.last_fence_error
+    assert isinstance(err, FenceError) and isinstance(err.__cause__, RuntimeError)
+    context = err.__cause__.__context__
+    assert isinstance(context, ConnectionError)
+    assert context.__traceback__ is None

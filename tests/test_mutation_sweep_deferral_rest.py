@@ -45,6 +45,13 @@ ints, released and quarantined ids are recorded):
   implicitly (``__context__``) inside ``query()`` too, which would pin
   ``query()``'s frame and its callers (the mutant followed ``__cause__``
   only);
+* the side-list index, rebuilt at the first free after a call that
+  dropped it, stays the ledger's: every later free behind a fence of
+  unknown origin joins that fence's batch (the mutant kept the rebuilt
+  index local to the one free, so the next free made a second batch and
+  took a deferral id); an exception chain that loops (``__cause__``
+  set by hand) ends the traceback cleanup (the mutant walked it for
+  ever);
 * ``make_explicit`` refuses a ledger with ids pending *or* quarantined,
   either alone (the mutant refused only both at once).
 
@@ -312,3 +319,28 @@ def test_a_kept_error_drops_an_implicitly_chained_traceback() -> None:
     context = err.__cause__.__context__
     assert isinstance(context, ConnectionError)
     assert context.__traceback__ is None
+
+
+def test_frees_after_the_side_list_index_is_rebuilt_join_their_batch() -> None:
+    led = Ledger()
+    x, y = EventFence(), EventFence()
+    led.defer([1], x)
+    led.defer([2], y)
+    assert led.force_release(y) == 1  # drops the side-list index
+    led.defer([3], x)  # rebuilds it
+    led.defer([4], x)
+    assert led.deferral_counter == 2
+    [batch] = led.pending_batches()
+    assert batch.fence is x and batch.items == [1, 3, 4] and batch.n == 3
+
+
+def test_a_looping_exception_chain_ends_the_traceback_cleanup() -> None:
+    first, second = OSError("transfer failed"), RuntimeError("peer gone")
+    first.__cause__ = second
+    second.__cause__ = first
+    led = Ledger()
+    led.defer([1], _Raising(first))
+    led.reclaim()
+    assert led.quarantined_ids == [1]
+    err = led.last_fence_error
+    assert isinstance(err, FenceError) and err.__cause__ is first

@@ -52,6 +52,9 @@ ints, released and quarantined ids are recorded):
   took a deferral id); an exception chain that loops (``__cause__``
   set by hand) ends the traceback cleanup (the mutant walked it for
   ever);
+* ``remembers_fence`` answers for that very fence, not for another one
+  that bears the id a remembered fence had (the mutant took any entry
+  under the id);
 * ``make_explicit`` refuses a ledger with ids pending *or* quarantined,
   either alone (the mutant refused only both at once).
 
@@ -66,7 +69,7 @@ import pytest
 from helpers import EventFence, FakeStream
 
 from asyncpool import FenceError
-from asyncpool.deferral import Deferrals
+from asyncpool.deferral import Deferrals, remember_fence, remembers_fence
 from asyncpool.fences import Fence
 
 
@@ -344,3 +347,17 @@ def test_a_looping_exception_chain_ends_the_traceback_cleanup() -> None:
     assert led.quarantined_ids == [1]
     err = led.last_fence_error
     assert isinstance(err, FenceError) and err.__cause__ is first
+
+
+def test_remembers_fence_answers_for_that_very_fence_only() -> None:
+    memory: dict[int, object] = {}
+    f, g = EventFence(), EventFence()
+    remember_fence(memory, f)
+    assert remembers_fence(memory, f)
+    memory[id(g)] = memory.pop(id(f))  # g bears the id f was remembered by
+    assert not remembers_fence(memory, g)
+    h, k = _SlotsFence(), _SlotsFence()  # remembered strongly
+    remember_fence(memory, h)
+    assert remembers_fence(memory, h)
+    memory[id(k)] = memory.pop(id(h))
+    assert not remembers_fence(memory, k)

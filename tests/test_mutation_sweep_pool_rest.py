@@ -1,0 +1,259 @@
+"""Gaps found by a mechanical mutation sweep of the rest of
+``asyncpool/pool.py`` (``alloc``'s general path and inlined wait, loop and
+thread binding, ``retire``/``agree``, leases, the views and ``stats``, the
+overdue and fault hooks, the constructor).
+
+Each test pins one behaviour that a generated mutant broke while every pool
+test file that reaches the mutated line still passed:
+
+* ``alloc``'s default ``priority`` is 0, the same as an explicit
+  ``priority=0``: two such waiters are granted FIFO, the first queued first;
+* an ``alloc`` that times out leaves no reference cycle behind: with the
+  cycle collector off, the caller's frame (and its locals) is freed once
+  the caller is done with the error and the loop has let go of the timer's
+  wake-up;
+* ``bind()`` in a loop in asyncio's debug mode closes the unchecked fast
+  paths at once: the thread that owned the pool before, now foreign, has
+  its ``alloc(1)`` refused with ``WrongThreadError`` instead of served
+  unchecked;
+* ``lease``'s default ``priority`` is 0: a lease queues after an earlier
+  ``alloc(priority=0)`` and ahead of a later one;
+* ``async with pool`` alone binds the pool to the calling thread (a call
+  from another thread is then refused);
+* a pool that moves to another loop with nothing pending drops the
+  overdue-fence check left armed on the old loop, so a fence deferred on
+  the new loop is checked (and reported once overdue) there;
+* ``stats()`` of a pool with ``fence_timeout`` reports 0 overdue fences,
+  rows and pages while rows, or pages, are pending behind a fence not yet
+  overdue;
+* a closed pool arms no overdue-fence check for a fence deferred by a
+  ``free`` after ``close()``.
+
+Async tests run on asyncio and uvloop (conftest); every wait that could hang
+is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import weakref
+
+import pytest
+from helpers import FakeStream, bounded, in_thread, spin
+
+from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
+
+
+async def test_alloc_default_priority_is_priority_zero() -> None:
+    async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
+        held = await pool.alloc(1)
+        first = asyncio.ensure_future(pool.alloc(1))  # default priority
+        await spin()
+        second = asyncio.ensure_future(pool.alloc(1, priority=0))
+        await spin()
+        assert pool.waiting() == 2
+        pool.free(held)
+        assert await first == held  # FIFO within priority 0: the first queued
+        assert not second.done()
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        pool.free(await first)
+
+
+class _Token:
+    """A local of the caller's frame, watched through a weak reference."""
+
+
+async def test_a_timed_out_alloc_leaves_no_reference_cycle() -> None:
+    async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
+        held = await pool.alloc(1)
+        refs: list[weakref.ref[_Token]] = []
+
+        async def caller() -> None:
+            token = _Token()
+            refs.append(weakref.ref(token))
+            try:
+                await pool.alloc(1, timeout=0.001)
+            except TimeoutError:
+                pass
+
+        was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            await caller()
+            await spin(2)  # the loop lets go of the timer's wake-up
+            assert refs[0]() is None, "a cycle keeps the caller's frame alive"
+        finally:
+            if was_enabled:
+                gc.enable()
+        pool.free(held)
+
+
+def test_bind_in_a_debug_loop_closes_the_fast_paths_at_once() -> None:
+    pool = AsyncReqToTokenPool(4, 4)
+    owner = asyncio.new_event_loop()
+    try:
+
+        async def warm() -> list[int]:
+            return await pool.alloc(1)  # the general path: opens the fast paths
+
+        held = owner.run_until_complete(warm())
+        assert pool._fast  # open, as the owner left it
+        debug = asyncio.new_event_loop()
+        debug.set_debug(True)
+
+        def hand_over() -> None:
+            async def bind_here() -> None:
+                pool.bind()
+
+            debug.run_until_complete(bind_here())
+
+        try:
+            in_thread(hand_over)
+            # The old owner is foreign now, and the new loop is in debug
+            # mode: every foreign call raises, alloc(1) included.
+            with pytest.raises(WrongThreadError):
+                owner.run_until_complete(pool.alloc(1))
+            assert pool.available_size() == 2
+            pool.bind()  # back to this thread (no loop runs here)
+            pool.free(held)
+        finally:
+            debug.close()
+    finally:
+        owner.close()
+
+
+async def test_lease_default_priority_is_priority_zero() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 4) as pool:
+        held = await pool.alloc(2)
+        before = asyncio.ensure_future(pool.alloc(1, priority=0))
+        await spin()
+        lease = pool.lease(1)  # default priority
+        leased = asyncio.ensure_future(lease.__aenter__())
+        await spin()
+        after = asyncio.ensure_future(pool.alloc(1, priority=0))
+        await spin()
+        assert pool.waiting() == 3
+        pool.free([held[0]])
+        assert await before == [held[0]]  # queued ahead of the lease
+        pool.free([held[1]])
+        assert await leased == [held[1]]  # queued ahead of `after`
+        assert not after.done()
+        await lease.__aexit__(None, None, None)
+        assert await after == [held[1]]
+        pool.free([held[0], held[1]])
+
+
+async def test_entering_the_pool_binds_it_to_this_thread() -> None:
+    pool = AsyncReqToTokenPool(3, 4)
+    async with bounded(), pool:
+        # No other call in the body: `async with` alone binds the pool, so a
+        # call from another thread is refused.
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: pool.try_alloc(1))
+        assert pool.available_size() == 2
+
+
+class _OverdueSeen(logging.Handler):
+    """Sets an asyncio event (from the loop's thread) on an overdue warning."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overdue" in record.getMessage():
+            self.event.set()
+
+
+def test_moving_loops_with_nothing_pending_forgets_the_old_overdue_check() -> None:
+    pool = AsyncReqToTokenPool(4, 4, fence_timeout=0.05)
+    overdue = pool._overdue
+    assert overdue is not None
+    stream = FakeStream()
+
+    async def take() -> list[int]:
+        return await pool.alloc(2)
+
+    old = asyncio.new_event_loop()
+    try:
+        rows = old.run_until_complete(take())
+        # Between runs of the pool's loop: the check is armed there, and is
+        # still armed once the fence completed and its rows were reclaimed.
+        pool.free(rows, fence=stream.record())
+        stream.complete()
+        assert pool.reclaim() == 2
+        assert overdue.timer is not None
+
+        async def elsewhere() -> None:
+            seen = asyncio.Event()
+            handler = _OverdueSeen(seen)
+            logging.getLogger("asyncpool").addHandler(handler)
+            try:
+                async with bounded():
+                    await pool.drain()  # nothing pending: moves the pool here
+                # A fence deferred now is checked, on this loop.
+                pool.free(await pool.alloc(2), fence=stream.record())
+                async with bounded():
+                    await seen.wait()
+            finally:
+                logging.getLogger("asyncpool").removeHandler(handler)
+            stream.complete()
+            async with bounded():
+                await pool.drain()
+            await pool.close()
+
+        asyncio.run(elsewhere())
+    finally:
+        old.close()
+
+
+async def test_stats_count_no_overdue_rows_or_pages_while_none_is_overdue() -> None:
+    stream = FakeStream()
+    async with AsyncReqToTokenPool(4, 4, fence_timeout=60.0) as pool:
+        assert pool.stats().overdue_rows == 0
+        # Rows pending behind a fence that is not overdue yet.
+        pool.free(await pool.alloc(2), fence=stream.record())
+        stats = pool.stats()
+        assert stats.pending == 2
+        assert (stats.overdue_fences, stats.overdue_rows, stats.overdue_pages) == (0, 0, 0)
+        stream.complete()
+        async with bounded():
+            await pool.drain()
+
+
+async def test_stats_count_no_overdue_pages_while_none_is_overdue() -> None:
+    stream = FakeStream()
+    kv = KVPagePool(9, 4)  # 8 pages
+    async with AsyncReqToTokenPool(4, 8, kv=kv, fence_timeout=60.0) as pool:
+        grant = pool.try_admit(pages=2)
+        assert grant is not None
+        # Pages pending behind a fence that is not overdue yet.
+        kv.free(pool.detach_pages(grant.row), fence=stream.record())
+        stats = pool.stats()
+        assert stats.pages_pending == 2
+        assert (stats.overdue_fences, stats.overdue_rows, stats.overdue_pages) == (0, 0, 0)
+        pool.free([grant.row])
+        stream.complete()
+        async with bounded():
+            await pool.drain()
+
+
+async def test_a_closed_pool_arms_no_overdue_check() -> None:
+    stream = FakeStream()
+    async with AsyncReqToTokenPool(4, 4, fence_timeout=60.0) as pool:
+        rows = await pool.alloc(2)
+        await pool.close()
+        # free still works once closed; the fence it defers is not checked
+        # for being overdue (close() cancelled the check, for good).
+        pool.free(rows, fence=stream.record())
+        assert pool.stats().pending == 2
+        overdue = pool._overdue
+        assert overdue is not None and overdue.timer is None
+        stream.complete()
+        async with bounded():
+            await pool.drain()

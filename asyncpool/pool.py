@@ -952,6 +952,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._overdue.forget(fence)
         if self._watcher is not None:
             self._watcher.unwatch(fence)  # nothing waits on it: stop asking
+        if self._unwatched:
+            # Deferred while the pool's loop was closed, so not watched yet:
+            # the next loop must not start asking it either.
+            self._unwatched = [f for f in self._unwatched if f is not fence]
         if rows or pages:
             logger.warning(
                 "force_release(%r): %s and %s returned to circulation without the fence completing",

@@ -29,6 +29,11 @@ test file that reaches the mutated line still passed:
 * a closed pool arms no overdue-fence check for a fence deferred by a
   ``free`` after ``close()``.
 
+And one library defect that a surviving mutant of ``bind()`` led to (fixed
+in ``force_release``): a fence deferred while the pool's loop was closed,
+then given up on with ``force_release``, was still watched (polled for
+ever) once the pool ran in a new loop.
+
 Async tests run on asyncio and uvloop (conftest); every wait that could hang
 is bounded.
 """
@@ -257,3 +262,30 @@ async def test_a_closed_pool_arms_no_overdue_check() -> None:
         stream.complete()
         async with bounded():
             await pool.drain()
+
+
+def test_force_release_of_a_fence_deferred_while_no_loop_ran_stops_it_being_watched() -> None:
+    """Found through a surviving mutant of bind(): a fence deferred after the
+    pool's loop closed waits, unwatched, for the next loop; force_release()
+    gives up on it, so that loop must not start polling it (the writer is
+    dead: the poller would ask it for ever)."""
+    pool = AsyncReqToTokenPool(4, 4)
+
+    async def take() -> list[int]:
+        return await pool.alloc(2)
+
+    rows = asyncio.run(take())  # the pool's loop is closed now
+    stream = FakeStream()
+    fence = stream.record()
+    pool.free(rows, fence=fence)
+    assert pool.force_release(fence) == (2, 0)
+
+    async def next_loop() -> None:
+        async with bounded():
+            await pool.drain()  # binds this loop, watches what was deferred
+        watcher = pool._watcher
+        assert watcher is None or watcher.polled == 0
+        assert pool.available_size() == 3
+        await pool.close()
+
+    asyncio.run(next_loop())

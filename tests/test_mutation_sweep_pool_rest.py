@@ -6,8 +6,6 @@ overdue and fault hooks, the constructor).
 Each test pins one behaviour that a generated mutant broke while every pool
 test file that reaches the mutated line still passed:
 
-* ``alloc``'s default ``priority`` is 0, the same as an explicit
-  ``priority=0``: two such waiters are granted FIFO, the first queued first;
 * an ``alloc`` that times out leaves no reference cycle behind: with the
   cycle collector off, the caller's frame (and its locals) is freed once
   the caller is done with the error and the loop has let go of the timer's
@@ -49,23 +47,6 @@ import pytest
 from helpers import FakeStream, bounded, in_thread, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
-
-
-async def test_alloc_default_priority_is_priority_zero() -> None:
-    async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
-        held = await pool.alloc(1)
-        first = asyncio.ensure_future(pool.alloc(1))  # default priority
-        await spin()
-        second = asyncio.ensure_future(pool.alloc(1, priority=0))
-        await spin()
-        assert pool.waiting() == 2
-        pool.free(held)
-        assert await first == held  # FIFO within priority 0: the first queued
-        assert not second.done()
-        second.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await second
-        pool.free(await first)
 
 
 class _Token:

@@ -6,10 +6,6 @@ overdue and fault hooks, the constructor).
 Each test pins one behaviour that a generated mutant broke while every pool
 test file that reaches the mutated line still passed:
 
-* an ``alloc`` that times out leaves no reference cycle behind: with the
-  cycle collector off, the caller's frame (and its locals) is freed once
-  the caller is done with the error and the loop has let go of the timer's
-  wake-up;
 * ``bind()`` in a loop in asyncio's debug mode closes the unchecked fast
   paths at once: the thread that owned the pool before, now foreign, has
   its ``alloc(1)`` refused with ``WrongThreadError`` instead of served
@@ -25,7 +21,10 @@ test file that reaches the mutated line still passed:
   rows and pages while rows, or pages, are pending behind a fence not yet
   overdue;
 * a closed pool arms no overdue-fence check for a fence deferred by a
-  ``free`` after ``close()``.
+  ``free`` after ``close()``;
+* ``retire`` and ``agree`` refuse a foreign thread (``agree`` before the
+  collective), and ``agree`` refuses a ``reclaim="auto"`` pool, changing
+  nothing.
 
 And one library defect that a surviving mutant of ``bind()`` led to (fixed
 in ``force_release``): a fence deferred while the pool's loop was closed,
@@ -39,44 +38,13 @@ is bounded.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import weakref
+from typing import Any
 
 import pytest
 from helpers import FakeStream, bounded, in_thread, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
-
-
-class _Token:
-    """A local of the caller's frame, watched through a weak reference."""
-
-
-async def test_a_timed_out_alloc_leaves_no_reference_cycle() -> None:
-    async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
-        held = await pool.alloc(1)
-        refs: list[weakref.ref[_Token]] = []
-
-        async def caller() -> None:
-            token = _Token()
-            refs.append(weakref.ref(token))
-            try:
-                await pool.alloc(1, timeout=0.001)
-            except TimeoutError:
-                pass
-
-        was_enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            await caller()
-            await spin(2)  # the loop lets go of the timer's wake-up
-            assert refs[0]() is None, "a cycle keeps the caller's frame alive"
-        finally:
-            if was_enabled:
-                gc.enable()
-        pool.free(held)
 
 
 def test_bind_in_a_debug_loop_closes_the_fast_paths_at_once() -> None:
@@ -270,3 +238,36 @@ def test_force_release_of_a_fence_deferred_while_no_loop_ran_stops_it_being_watc
         await pool.close()
 
     asyncio.run(next_loop())
+
+
+async def test_retire_refuses_a_foreign_thread() -> None:
+    stream = FakeStream()
+    async with AsyncReqToTokenPool(4, 4, reclaim="explicit") as pool:
+        fence = stream.record()
+        pool.free(await pool.alloc(2), fence=fence)
+        stream.complete()
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: pool.retire(fence))
+        assert pool.stats().pending == 2  # changed nothing
+        assert pool.retire(fence) == (2, 0)
+
+
+async def test_agree_refuses_a_foreign_thread_before_the_collective(group: Any) -> None:
+    stream = FakeStream()
+    async with AsyncReqToTokenPool(4, 4, reclaim="explicit") as pool:
+        pool.free(await pool.alloc(2), fence=stream.record())
+        stream.complete()
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: pool.agree(group))
+        assert pool.stats().pending == 2  # changed nothing
+        assert pool.agree(group) == (2, 0)
+
+
+async def test_agree_refuses_an_auto_pool(group: Any) -> None:
+    stream = FakeStream()
+    async with AsyncReqToTokenPool(4, 4) as pool:
+        pool.free(await pool.alloc(2), fence=stream.record())
+        stream.complete()
+        with pytest.raises(RuntimeError, match='reclaim="explicit"'):
+            pool.agree(group)
+        assert pool.stats().pending == 2  # changed nothing

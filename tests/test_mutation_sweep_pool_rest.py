@@ -24,7 +24,13 @@ test file that reaches the mutated line still passed:
   ``free`` after ``close()``;
 * ``retire`` and ``agree`` refuse a foreign thread (``agree`` before the
   collective), and ``agree`` refuses a ``reclaim="auto"`` pool, changing
-  nothing.
+  nothing;
+* ``bind()`` outside any loop takes asyncio's debug mode from the
+  environment (``PYTHONASYNCIODEBUG``): the unchecked fast paths stay
+  closed, so a foreign ``alloc(1)`` is refused;
+* ``max_waiters`` given as a numpy integer 0 is taken as 0 (nobody may
+  queue), not refused;
+* ``write`` writes ``req_to_token``.
 
 And one library defect that a surviving mutant of ``bind()`` led to (fixed
 in ``force_release``): a fence deferred while the pool's loop was closed,
@@ -41,10 +47,12 @@ import asyncio
 import logging
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from helpers import FakeStream, bounded, in_thread, spin
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
+from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolBusyError, WrongThreadError
 
 
 def test_bind_in_a_debug_loop_closes_the_fast_paths_at_once() -> None:
@@ -271,3 +279,40 @@ async def test_agree_refuses_an_auto_pool(group: Any) -> None:
         with pytest.raises(RuntimeError, match='reclaim="explicit"'):
             pool.agree(group)
         assert pool.stats().pending == 2  # changed nothing
+
+
+def test_bind_outside_a_loop_reads_debug_mode_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONASYNCIODEBUG", "1")
+    pool = AsyncReqToTokenPool(4, 4)
+    pool.bind()  # no running loop: asyncio's debug mode is the environment's
+    loop = asyncio.new_event_loop()
+    try:
+        held = loop.run_until_complete(pool.alloc(1))  # the owner's general path
+        # Debug mode: the unchecked fast paths never open, so a foreign
+        # alloc(1) is checked, and refused.
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: asyncio.run(pool.alloc(1)))
+        assert pool.available_size() == 2
+        pool.free(held)
+        loop.run_until_complete(pool.close())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("zero", [np.int64(0), np.int32(0)])
+async def test_max_waiters_of_a_numpy_zero_is_taken_as_zero(zero: Any) -> None:
+    async with bounded(), AsyncReqToTokenPool(2, 4, max_waiters=zero) as pool:
+        held = await pool.alloc(1)
+        with pytest.raises(PoolBusyError):
+            await pool.alloc(1)  # max_waiters=0: nobody may queue
+        pool.free(held)
+
+
+async def test_write_writes_the_token_table() -> None:
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        (row,) = await pool.alloc(1)
+        pool.write((row, slice(0, 3)), torch.tensor([7, 8, 9], dtype=torch.int32))
+        assert pool.req_to_token[row, :3].tolist() == [7, 8, 9]
+        pool.free([row])

@@ -30,7 +30,11 @@ test file that reaches the mutated line still passed:
   closed, so a foreign ``alloc(1)`` is refused;
 * ``max_waiters`` given as a numpy integer 0 is taken as 0 (nobody may
   queue), not refused;
-* ``write`` writes ``req_to_token``.
+* ``write`` writes ``req_to_token``;
+* set-up code outside any loop can ``try_alloc`` and ``free`` one row (the
+  checked one-row ``free`` reads the fast-path flag before any bind), and
+  leaves the unchecked fast paths closed: the first ``alloc(1)`` made in a
+  loop afterwards still binds the pool to its thread.
 
 And one library defect that a surviving mutant of ``bind()`` led to (fixed
 in ``force_release``): a fence deferred while the pool's loop was closed,
@@ -316,3 +320,20 @@ async def test_write_writes_the_token_table() -> None:
         pool.write((row, slice(0, 3)), torch.tensor([7, 8, 9], dtype=torch.int32))
         assert pool.req_to_token[row, :3].tolist() == [7, 8, 9]
         pool.free([row])
+
+
+def test_set_up_code_outside_a_loop_leaves_the_first_call_in_a_loop_to_bind() -> None:
+    pool = AsyncReqToTokenPool(3, 4)
+    rows = pool.try_alloc(1)  # no loop runs: nothing binds
+    assert rows is not None
+    assert pool.free(rows) == 1  # the checked one-row path, before any bind
+    assert pool.available_size() == 2
+
+    async def first_in_a_loop() -> None:
+        held = await pool.alloc(1)  # the first call in a loop binds this thread
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: pool.try_alloc(1))
+        pool.free(held)
+        await pool.close()
+
+    asyncio.run(first_in_a_loop())

@@ -68,9 +68,25 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 10) -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+#: Threads alive when the running test started: another test's (a pool it
+#: never closed keeps its watcher thread until the cycle collector runs).
+_earlier_threads: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _note_earlier_threads() -> None:
+    _earlier_threads.clear()
+    _earlier_threads.update(threading.enumerate())
+
+
 def our_threads(*names: str) -> list[str]:
+    """The named (and watcher) threads this test started that are alive."""
     wanted = {*names, WATCHER}
-    return [t.name for t in threading.enumerate() if t.name in wanted and t.is_alive()]
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name in wanted and t.is_alive() and t not in _earlier_threads
+    ]
 
 
 def check_totals(pool: AsyncReqToTokenPool) -> None:

@@ -68,7 +68,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from types import TracebackType
 from typing import Any
@@ -104,7 +103,6 @@ __all__ = ["AsyncReqToTokenPool", "Lease"]
 logger = logging.getLogger(__name__)
 
 _get_ident = threading.get_ident
-_perf_counter = time.perf_counter
 _get_running_loop = asyncio.get_running_loop
 _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never raises
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -42,6 +43,23 @@ def kit() -> Iterator[Streams]:
     """HostStreams and gates that the test opens and closes at teardown."""
     with Streams() as k:
         yield k
+
+
+@pytest.fixture
+def quiet_asyncpool_logs() -> Iterator[None]:
+    """The ``asyncpool`` logger at CRITICAL for one test, then as it was.
+
+    For the stateful machines, whose thousands of injected fence faults log
+    at ERROR. Never set at import: that silenced the logger for every test
+    collected after, and a test waiting for a warning waited in vain.
+    """
+    logger = logging.getLogger("asyncpool")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")

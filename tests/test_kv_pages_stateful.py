@@ -16,10 +16,10 @@ the vectorised numpy path.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from helpers import FakeFence, FakeStream
 from hypothesis import HealthCheck, settings
@@ -41,7 +41,8 @@ from asyncpool import DoubleFreeError, FenceError, InvalidSlotError, KVPagePool
 NUM_PAGES = 24
 MAX_STREAMS = 3
 
-logging.getLogger("asyncpool").setLevel(logging.CRITICAL)  # faults log at ERROR
+# Faults log at ERROR: quiet, for these tests only (conftest).
+pytestmark = pytest.mark.usefixtures("quiet_asyncpool_logs")
 
 AnyFence = FakeFence | LooseFence
 

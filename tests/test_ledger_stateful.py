@@ -15,8 +15,7 @@ reuse is checked exactly where the contract fixes the order.
 
 from __future__ import annotations
 
-import logging
-
+import pytest
 from helpers import FakeFence, FakeStream, ledger_snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -35,7 +34,8 @@ from asyncpool.ledger import SlotLedger
 SIZE = 9
 MAX_STREAMS = 3
 
-logging.getLogger("asyncpool").setLevel(logging.CRITICAL)  # faults log at ERROR
+# Faults log at ERROR: quiet, for these tests only (conftest).
+pytestmark = pytest.mark.usefixtures("quiet_asyncpool_logs")
 
 
 class LooseFence:

@@ -40,9 +40,9 @@ releasing one fence too far (``retire``'s return).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
+import pytest
 import torch
 from helpers import FakeFence, FakeStream, ledger_snapshot
 from hypothesis import HealthCheck, settings
@@ -72,7 +72,8 @@ SIZE = 6  # rows 1..5
 NUM_PAGES = 13  # pages 1..12
 STREAMS = 3  # the last is also the after= stream
 
-logging.getLogger("asyncpool").setLevel(logging.CRITICAL)  # faults log at ERROR
+# Faults log at ERROR: quiet, for these tests only (conftest).
+pytestmark = pytest.mark.usefixtures("quiet_asyncpool_logs")
 
 AnyFence = FakeFence | LooseFence
 

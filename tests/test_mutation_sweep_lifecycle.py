@@ -24,8 +24,11 @@ lifecycle test files still passed:
   gets its row without any later ``free``;
 * a ``drain`` of a pool without ``kv`` that times out names rows only, in
   either reclaim mode;
-* an explicit-mode ``drain`` backs off the timer of its wait on a pending
-  host fence, doubling from 50 µs to 1 ms;
+* ``drain`` backs off the timer of its wait on a pending host fence,
+  doubling from 50 µs to 1 ms, in either reclaim mode (auto mode kept it at
+  50 µs, rebuilding the list of pending fences at each wake: fixed);
+* an auto-mode ``drain`` whose rows wait on two host fences moves on to the
+  second once the first completes, woken by its callback;
 * ``drain`` polls fences of unknown origin with the documented backoff,
   doubling from 50 µs to a 1 ms cap, and starts again from 50 µs once a
   fence completes, in either reclaim mode.
@@ -266,9 +269,12 @@ async def test_a_drain_without_kv_that_times_out_names_rows_only(reclaim: str) -
         await pool.close()
 
 
-async def test_an_explicit_drain_backs_off_its_host_fence_timer(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("reclaim", ["auto", "explicit"])
+async def test_drain_backs_off_its_host_fence_timer(
+    reclaim: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # In auto mode every timer wake used to count as progress: the timer
+    # stayed at 50 us and each wake rebuilt the list of pending fences.
     stream = HostStream()
     gate = Gate(stream)
     delays: list[float] = []
@@ -281,8 +287,8 @@ async def test_an_explicit_drain_backs_off_its_host_fence_timer(
         await real_wait(loop, fence, delay)
 
     monkeypatch.setattr(lifecycle_module, "_fence_or_timer", recording_wait)
-    kv = KVPagePool(16, 4, reclaim="explicit")
-    pool = AsyncReqToTokenPool(8, 16, kv=kv, reclaim="explicit")
+    kv = KVPagePool(16, 4, reclaim=reclaim)
+    pool = AsyncReqToTokenPool(8, 16, kv=kv, reclaim=reclaim)
     try:
         grant = await pool.admit(pages=1)
         pool.free([grant.row], fence=stream.record())
@@ -293,4 +299,48 @@ async def test_an_explicit_drain_backs_off_its_host_fence_timer(
     finally:
         gate.open()
         stream.close()
+        await pool.close()
+
+
+async def test_drain_moves_on_to_the_next_host_fence_of_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An hour-long poll: only the fences' callbacks can end the waits.
+    monkeypatch.setattr(lifecycle_module, "_DRAIN_POLL_MIN_S", 3600.0)
+    monkeypatch.setattr(lifecycle_module, "_DRAIN_POLL_MAX_S", 3600.0)
+    waited: list[Any] = []
+    real_wait = lifecycle_module._fence_or_timer
+
+    async def recording_wait(loop: asyncio.AbstractEventLoop, fence: Any, delay: float) -> None:
+        waited.append(fence)
+        await real_wait(loop, fence, delay)
+
+    monkeypatch.setattr(lifecycle_module, "_fence_or_timer", recording_wait)
+    first, second = HostStream("first"), HostStream("second")
+    gate_first, gate_second = Gate(first), Gate(second)
+    pool = AsyncReqToTokenPool(5, 4)
+    try:
+        rows = await pool.alloc(2)
+        use, last = first.record(), second.record()
+        pool.record_use(rows, use)
+        pool.free(rows, fence=last)  # waits for both fences
+        drain = asyncio.create_task(pool.drain())
+        await spin()
+        gate_first.open()
+        async with bounded():
+            await asyncio.to_thread(use.synchronize)
+        await spin(20)
+        assert not drain.done() and pool.stats().pending == 2
+        # Each fence waited for once: none asked again once it completed.
+        assert waited.count(use) <= 1 and waited.count(last) <= 1
+        gate_second.open()
+        async with bounded():
+            await drain
+        assert pool.stats().pending == 0
+        assert waited.count(use) <= 1 and waited.count(last) == 1
+    finally:
+        gate_first.open()
+        gate_second.open()
+        first.close()
+        second.close()
         await pool.close()

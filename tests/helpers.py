@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -403,3 +404,19 @@ def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+class OverdueSeen(logging.Handler):
+    """Sets an asyncio event (from the loop's thread) on an overdue warning.
+
+    Add it to the ``asyncpool`` logger for the time of a test, and remove it
+    after.
+    """
+
+    def __init__(self, event: asyncio.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overdue" in record.getMessage():
+            self.event.set()

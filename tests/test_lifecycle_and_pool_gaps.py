@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FakeStream, Streams, bounded, spin
+from helpers import FakeStream, OverdueSeen, Streams, bounded, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -442,18 +442,6 @@ def test_moving_to_a_debug_loop_closes_the_fast_paths() -> None:
         debug.close()
 
 
-class _Overdue(logging.Handler):
-    """Sets an asyncio event (from the loop's thread) on an overdue warning."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        super().__init__(logging.WARNING)
-        self.event = event
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "overdue" in record.getMessage():
-            self.event.set()
-
-
 def test_a_pool_that_moves_loops_keeps_checking_for_overdue_fences() -> None:
     """An overdue-fence check armed on a loop the pool leaves is moved to the
     new loop (cancelled there, armed here), so a fence still pending is
@@ -622,7 +610,7 @@ async def test_a_force_released_fence_that_holds_rows_again_is_reported_again(
     kit.gate(stream)
     stuck = stream.record()
     seen = asyncio.Event()
-    handler = _Overdue(seen)
+    handler = OverdueSeen(seen)
     logger = logging.getLogger("asyncpool")
     logger.addHandler(handler)
     try:

@@ -67,39 +67,16 @@ import logging
 
 import pytest
 from helpers import EventFence, FakeStream
+from test_mutation_sweep_deferral import Ledger  # the smallest ledger
 
 from asyncpool import FenceError
-from asyncpool.deferral import Deferrals, remember_fence, remembers_fence
+from asyncpool.deferral import remember_fence, remembers_fence
 from asyncpool.fences import Fence
 
 
 @pytest.fixture(autouse=True)
 def _quiet_fault_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
-
-
-class Ledger(Deferrals[int]):
-    """The smallest ledger: ids are ints, what leaves the queues is recorded."""
-
-    unit = "rows"
-
-    def __init__(self, **kw: object) -> None:
-        self.announced: list[Fence] = []
-        super().__init__(on_pending=self.announced.append, **kw)  # type: ignore[arg-type]
-        self.released: list[int] = []
-        self.quarantined_ids: list[int] = []
-
-    def _release_items(self, items: list[int]) -> None:
-        self.released.extend(items)
-
-    def _quarantine_items(self, items: list[int]) -> None:
-        self.quarantined_ids.extend(items)
-
-    def _count_items(self, items: list[int]) -> int:
-        return len(items)
-
-    def defer(self, ids: list[int], fence: Fence, *rest: Fence, now: float = 0.0) -> None:
-        self._defer(fence, list(ids), len(ids), now, tuple(rest))
 
 
 def test_pending_fences_names_every_batch_heads_first() -> None:

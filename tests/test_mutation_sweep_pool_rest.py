@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import FakeStream, bounded, in_thread, spin
+from helpers import FakeStream, OverdueSeen, bounded, in_thread, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolBusyError, WrongThreadError
 
@@ -124,18 +124,6 @@ async def test_entering_the_pool_binds_it_to_this_thread() -> None:
         assert pool.available_size() == 2
 
 
-class _OverdueSeen(logging.Handler):
-    """Sets an asyncio event (from the loop's thread) on an overdue warning."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        super().__init__(logging.WARNING)
-        self.event = event
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "overdue" in record.getMessage():
-            self.event.set()
-
-
 def test_moving_loops_with_nothing_pending_forgets_the_old_overdue_check() -> None:
     pool = AsyncReqToTokenPool(4, 4, fence_timeout=0.05)
     overdue = pool._overdue
@@ -157,7 +145,7 @@ def test_moving_loops_with_nothing_pending_forgets_the_old_overdue_check() -> No
 
         async def elsewhere() -> None:
             seen = asyncio.Event()
-            handler = _OverdueSeen(seen)
+            handler = OverdueSeen(seen)
             logging.getLogger("asyncpool").addHandler(handler)
             try:
                 async with bounded():

@@ -20,13 +20,14 @@ use without pytest plugin wiring:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -406,12 +407,8 @@ def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return mod
 
 
-class OverdueSeen(logging.Handler):
-    """Sets an asyncio event (from the loop's thread) on an overdue warning.
-
-    Add it to the ``asyncpool`` logger for the time of a test, and remove it
-    after.
-    """
+class _OverdueSeen(logging.Handler):
+    """Sets an asyncio event (from the loop's thread) on an overdue warning."""
 
     def __init__(self, event: asyncio.Event) -> None:
         super().__init__(logging.WARNING)
@@ -420,3 +417,17 @@ class OverdueSeen(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "overdue" in record.getMessage():
             self.event.set()
+
+
+@contextlib.contextmanager
+def overdue_warnings() -> Iterator[asyncio.Event]:
+    """An event set on every overdue-fence warning the ``asyncpool`` logger
+    emits while the block runs (its handler is removed after)."""
+    seen = asyncio.Event()
+    handler = _OverdueSeen(seen)
+    logger = logging.getLogger("asyncpool")
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)

@@ -664,7 +664,7 @@ class _Seen(logging.Handler):
 
 
 async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog):
-    caplog.set_level(logging.WARNING, logger="asyncpool")  # another module mutes it
+    caplog.set_level(logging.WARNING, logger="asyncpool")  # let the warnings through
     stuck = kit.event_fence()  # a transfer that never completes
     seen = _Seen("overdue")
     released = _Seen("force_release")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FakeStream, OverdueSeen, Streams, bounded, spin
+from helpers import FakeStream, Streams, bounded, overdue_warnings, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -609,11 +609,7 @@ async def test_a_force_released_fence_that_holds_rows_again_is_reported_again(
     stream = kit.stream()
     kit.gate(stream)
     stuck = stream.record()
-    seen = asyncio.Event()
-    handler = OverdueSeen(seen)
-    logger = logging.getLogger("asyncpool")
-    logger.addHandler(handler)
-    try:
+    with overdue_warnings() as seen:
         pool.free(await pool.alloc(2), fence=stuck)
         async with bounded():
             await seen.wait()
@@ -623,8 +619,6 @@ async def test_a_force_released_fence_that_holds_rows_again_is_reported_again(
         async with bounded():
             await seen.wait()
         assert pool.force_release(stuck) == (1, 0)
-    finally:
-        logger.removeHandler(handler)
     await pool.close()
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from helpers import WAIT_S, Streams, bounded
+from helpers import WAIT_S, Streams, bounded, overdue_warnings
 
 from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, ReqToTokenPoolInfo
 
@@ -175,22 +175,11 @@ def test_overdue_fences_are_logged_on_the_next_loop(
             await pool.drain()
 
     async def second() -> _Transfer:
-        logged = asyncio.Event()
-
-        class Overdue(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                if "overdue" in record.getMessage():
-                    logged.set()  # the timer runs on this loop's thread
-
-        handler = Overdue()
-        logging.getLogger("asyncpool").addHandler(handler)
-        try:
+        with overdue_warnings() as logged:  # the timer runs on this loop's thread
             transfer = _Transfer()
             pool.free(await pool.alloc(1), fence=transfer)
             async with bounded():
                 await logged.wait()
-        finally:
-            logging.getLogger("asyncpool").removeHandler(handler)
         return transfer
 
     run(factory, first())

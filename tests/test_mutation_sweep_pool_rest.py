@@ -48,13 +48,12 @@ is bounded.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import FakeStream, OverdueSeen, bounded, in_thread, spin
+from helpers import FakeStream, bounded, in_thread, overdue_warnings, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolBusyError, WrongThreadError
 
@@ -144,18 +143,13 @@ def test_moving_loops_with_nothing_pending_forgets_the_old_overdue_check() -> No
         assert overdue.timer is not None
 
         async def elsewhere() -> None:
-            seen = asyncio.Event()
-            handler = OverdueSeen(seen)
-            logging.getLogger("asyncpool").addHandler(handler)
-            try:
+            with overdue_warnings() as seen:
                 async with bounded():
                     await pool.drain()  # nothing pending: moves the pool here
                 # A fence deferred now is checked, on this loop.
                 pool.free(await pool.alloc(2), fence=stream.record())
                 async with bounded():
                     await seen.wait()
-            finally:
-                logging.getLogger("asyncpool").removeHandler(handler)
             stream.complete()
             async with bounded():
                 await pool.drain()

@@ -35,15 +35,18 @@ from typing import Any
 import pytest
 
 from asyncpool import FenceError, HostStream
+from asyncpool import fences as fences_mod
 from asyncpool.ledger import SlotLedger
 
 WAIT_S = 5.0  # bound on every wait for another thread
 LONG_S = 120.0  # bound on a whole demo or benchmark run awaited by a test
 
 
-def in_thread(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in a fresh thread named "foreign" (not the pool's); return
-    its result or re-raise its error here. Bounded by ``WAIT_S``."""
+def in_thread(fn: Callable[[], Any], *, name: str = "foreign", daemon: bool = False) -> Any:
+    """Run ``fn`` in a fresh thread named ``name`` (not the pool's); return
+    its result or re-raise its error here. Bounded by ``WAIT_S``: a call
+    still running then fails the test (a ``daemon`` thread left behind
+    cannot keep the process alive)."""
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -52,10 +55,10 @@ def in_thread(fn: Callable[[], Any]) -> Any:
         except BaseException as exc:  # re-raised below, in the test's thread
             out["error"] = exc
 
-    th = threading.Thread(target=run, name="foreign")
+    th = threading.Thread(target=run, name=name, daemon=daemon)
     th.start()
     th.join(WAIT_S)
-    assert not th.is_alive(), "the foreign call hung"
+    assert not th.is_alive(), f"the call in thread {name!r} hung"
     if "error" in out:
         raise out["error"]
     return out.get("value")
@@ -431,3 +434,32 @@ def overdue_warnings() -> Iterator[asyncio.Event]:
         yield seen
     finally:
         logger.removeHandler(handler)
+
+
+#: A device index no real CUDA device has: the stand-in events that
+#: CudaFence.__del__ gives back land in a free list nobody takes from
+#: (:func:`forget_stand_in_events` empties it).
+FAKE_DEVICE = -1
+
+
+class StandInEvent:
+    """What :class:`CudaFence` calls on a ``torch.cuda.Event``, gated by the
+    test: done once ``gate`` is set. ``synchronize()`` waits for the gate,
+    for at most ``wait_s`` seconds (None: for ever)."""
+
+    def __init__(self, gate: threading.Event, wait_s: float | None = None) -> None:
+        self.gate = gate
+        self.wait_s = wait_s
+        self.entered = threading.Event()  # a thread is blocked in synchronize()
+
+    def query(self) -> bool:
+        return self.gate.is_set()
+
+    def synchronize(self) -> None:
+        self.entered.set()
+        self.gate.wait(self.wait_s)
+
+
+def forget_stand_in_events() -> None:
+    """Drop the stand-in events CudaFence.__del__ gave back to the pool."""
+    fences_mod._event_pool._free.pop(FAKE_DEVICE, None)

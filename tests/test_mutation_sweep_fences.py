@@ -51,17 +51,19 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import WAIT_S, EventFence
+from helpers import (
+    FAKE_DEVICE,
+    WAIT_S,
+    EventFence,
+    StandInEvent,
+    forget_stand_in_events,
+    in_thread,
+)
 
 from asyncpool import fences as fences_mod
 from asyncpool import watcher as watcher_mod
 from asyncpool.fences import CudaFence, check_after, record_fence
 from asyncpool.watcher import FenceWatcher
-
-#: A device index no real CUDA device has: the stand-in events that
-#: CudaFence.__del__ gives back land in a free list nobody takes from.
-_FAKE_DEVICE = -1
-
 
 # --------------------------------------------------------------- fences.py
 
@@ -88,21 +90,6 @@ def test_check_after_takes_a_generic_torch_stream_on_a_cuda_device() -> None:
 
 
 # -------------------------------------------------------------- watcher.py
-
-
-class _StandInEvent:
-    """What :class:`CudaFence` calls on a ``torch.cuda.Event``, gated by the test."""
-
-    def __init__(self, gate: threading.Event) -> None:
-        self.gate = gate
-        self.entered = threading.Event()  # a thread is blocked in synchronize()
-
-    def query(self) -> bool:
-        return self.gate.is_set()
-
-    def synchronize(self) -> None:
-        self.entered.set()
-        self.gate.wait(WAIT_S)
 
 
 class _SignallingCondition(threading.Condition):
@@ -189,7 +176,7 @@ class _Kit:
         if done:
             gate.set()
         self.gates.append(gate)
-        return CudaFence(_StandInEvent(gate), _FAKE_DEVICE, self.key, seq)  # type: ignore[arg-type]
+        return CudaFence(StandInEvent(gate, WAIT_S), FAKE_DEVICE, self.key, seq)  # type: ignore[arg-type]
 
     def seqs(self) -> list[int]:
         assert self.watcher is not None
@@ -222,7 +209,7 @@ class _Kit:
         closer = threading.Thread(target=stop, name="sweep-close", daemon=True)
         closer.start()
         closer.join(WAIT_S)
-        fences_mod._event_pool._free.pop(_FAKE_DEVICE, None)
+        forget_stand_in_events()
 
 
 @pytest.fixture
@@ -234,30 +221,16 @@ def wk(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Kit]:
         kit.close()
 
 
-def _stand_in(fence: CudaFence) -> _StandInEvent:
+def _stand_in(fence: CudaFence) -> StandInEvent:
     event = fence.event
-    assert isinstance(event, _StandInEvent)
+    assert isinstance(event, StandInEvent)
     return event
 
 
 def _bounded_call(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on a daemon thread; fail if it has not returned in WAIT_S
     (a call that spins or blocks for ever is left behind, as a daemon)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            out["error"] = exc
-
-    th = threading.Thread(target=run, name="sweep-bounded", daemon=True)
-    th.start()
-    th.join(WAIT_S)
-    assert not th.is_alive(), "the call did not return"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
+    return in_thread(fn, name="sweep-bounded", daemon=True)
 
 
 def test_stream_fences_are_kept_in_seq_order_whatever_order_they_arrive(wk: _Kit) -> None:

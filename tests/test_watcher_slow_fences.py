@@ -27,10 +27,20 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import WAIT_S, EventFence, Streams, bounded, pool_snapshot, spin, until
+from helpers import (
+    FAKE_DEVICE,
+    WAIT_S,
+    EventFence,
+    StandInEvent,
+    Streams,
+    bounded,
+    forget_stand_in_events,
+    pool_snapshot,
+    spin,
+    until,
+)
 
 from asyncpool import AsyncReqToTokenPool, CapacityError, FenceError, PoolClosedError
-from asyncpool import fences as fences_mod
 from asyncpool import watcher as watcher_mod
 from asyncpool.fences import CudaFence
 
@@ -40,16 +50,12 @@ from asyncpool.fences import CudaFence
 #: waited for.
 PROMPT_S = 2.0
 
-#: A device index no real CUDA device has: the stand-in events that
-#: CudaFence.__del__ gives back land in a free list nobody takes from.
-_FAKE_DEVICE = -1
-
 
 @pytest.fixture(autouse=True)
 def _quiet_fault_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
     yield
-    fences_mod._event_pool._free.pop(_FAKE_DEVICE, None)
+    forget_stand_in_events()
 
 
 class NoSyncFence(EventFence):
@@ -62,21 +68,6 @@ class NoSyncFence(EventFence):
     def synchronize(self) -> None:
         self.synchronized += 1
         super().synchronize()
-
-
-class _StandInEvent:
-    """What :class:`CudaFence` calls on a ``torch.cuda.Event``, gated by the test."""
-
-    def __init__(self, gate: threading.Event) -> None:
-        self.gate = gate
-        self.entered = threading.Event()  # a thread is blocked in synchronize()
-
-    def query(self) -> bool:
-        return self.gate.is_set()
-
-    def synchronize(self) -> None:
-        self.entered.set()
-        self.gate.wait()
 
 
 class StandInCudaStream:
@@ -92,7 +83,7 @@ class StandInCudaStream:
     def record(self) -> tuple[CudaFence, threading.Event]:
         self.seq += 1
         gate = self.kit.event_fence().event  # the kit opens it at teardown
-        fence = CudaFence(_StandInEvent(gate), _FAKE_DEVICE, self.key, self.seq)  # type: ignore[arg-type]
+        fence = CudaFence(StandInEvent(gate), FAKE_DEVICE, self.key, self.seq)  # type: ignore[arg-type]
         return fence, gate
 
 
@@ -421,7 +412,7 @@ async def test_a_fence_raising_cancelled_error_does_not_end_the_poller(
     await pool.close()
 
 
-class _CancellingEvent(_StandInEvent):
+class _CancellingEvent(StandInEvent):
     def synchronize(self) -> None:
         self.entered.set()
         raise asyncio.CancelledError
@@ -438,7 +429,7 @@ def test_a_cuda_fence_raising_cancelled_error_does_not_end_its_stream_thread(
     try:
         stream = StandInCudaStream(kit)
         gate = kit.event_fence().event
-        bad = CudaFence(_CancellingEvent(gate), _FAKE_DEVICE, stream.key, 1)  # type: ignore[arg-type]
+        bad = CudaFence(_CancellingEvent(gate), FAKE_DEVICE, stream.key, 1)  # type: ignore[arg-type]
         watcher.watch(bad)
         assert fired.acquire(timeout=WAIT_S)  # reported: the pool asks it and quarantines
         good, good_gate = stream.record()

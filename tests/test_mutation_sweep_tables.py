@@ -1,0 +1,125 @@
+"""Gaps found by a mechanical mutation sweep of ``tables.py``.
+
+Each test pins one behaviour that an ``ast``-generated mutant broke while
+every test file that exercises the module still passed:
+
+* ``max_context_len`` is accepted up to ``2**31 - 1`` inclusive (the
+  mutants moved ``MAX_CONTEXT_LEN`` to ``2**31 - 2`` or ``2**30 - 1``, or
+  refused the bound itself), checked with the allocation stubbed out (the
+  real tables would be 8 GiB a row);
+* ``max_context_len=1`` is accepted: a one-token context is a pool (the
+  mutants refused 1 with the ``ValueError`` for non-positive lengths);
+* on the host, ``alloced_lens`` and ``alloced_lens_cpu`` are distinct
+  tensors, as the seed's are: an engine that writes one directly does not
+  change the other (the mutants made them views of the same row);
+* ``check_row`` takes row 0 (``generation(np.int64(0))`` answers, and
+  ``set_req_pool_info(0, ...)`` says the row is reserved padding, not out
+  of range) and refuses row ``size`` with :class:`InvalidSlotError` (the
+  mutants refused 0, or let ``size`` through to an ``IndexError``);
+* ``alloced_slots`` holding ``-1`` is refused, writing nothing (the mutant
+  let ``-1`` through to ``req_to_token``: a token slot id no KV page has);
+* a ``uint64`` slot past ``2**63 - 1`` next to a slot ``0`` is reported
+  with its own value (the mutants counted the ``0`` among the values that
+  wrapped negative and reported ``2**64``, a value the tensor does not hold);
+* ``alloced_len=-1`` is reported as a bad ``alloced_len`` (the mutant let
+  it through to the ``verified_len`` check, whose message blames the wrong
+  field).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncpool import InvalidSlotError, ReqToTokenPool, ReqToTokenPoolInfo
+from asyncpool import tables as tables_mod
+from asyncpool.tables import TokenTables
+
+
+def info(verified: int, alloced: int, start: int = 10) -> ReqToTokenPoolInfo:
+    return ReqToTokenPoolInfo(
+        verified, alloced, torch.arange(start, start + alloced, dtype=torch.int32)
+    )
+
+
+def test_max_context_len_is_accepted_up_to_2_31_minus_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tables_mod.MAX_CONTEXT_LEN == 2**31 - 1
+    monkeypatch.setattr(TokenTables, "_allocate", lambda self: None)
+    t = TokenTables(2, 2**31 - 1)
+    assert t.max_context_len == 2**31 - 1
+    with pytest.raises(ValueError, match=r"at most 2\*\*31 - 1"):
+        TokenTables(2, 2**31)
+
+
+def test_a_one_token_context_is_a_pool() -> None:
+    pool = ReqToTokenPool(3, 1)
+    (row,) = pool.alloc(1) or []
+    pool.set_req_pool_info(row, info(1, 1, start=7))
+    assert pool.req_to_token[row].tolist() == [7]
+    assert (int(pool.verified_lens[row]), int(pool.alloced_lens[row])) == (1, 1)
+
+
+def test_alloced_lens_and_its_host_copy_are_distinct_tensors() -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    pool.set_req_pool_info(row, info(2, 3))
+    # An engine writes the device tensor in its forward step...
+    pool.alloced_lens[row] = 5
+    assert int(pool.alloced_lens_cpu[row]) == 3
+    # ...and the host copy from the scheduler, each on its own.
+    pool.alloced_lens_cpu[row] = 6
+    assert int(pool.alloced_lens[row]) == 5
+    assert int(pool.verified_lens[row]) == 2
+    for a, b in [
+        (pool.verified_lens, pool.alloced_lens),
+        (pool.verified_lens, pool.alloced_lens_cpu),
+        (pool.alloced_lens, pool.alloced_lens_cpu),
+    ]:
+        assert a.data_ptr() != b.data_ptr()
+
+
+def test_check_row_takes_row_0_and_refuses_row_size() -> None:
+    pool = ReqToTokenPool(4, 8)
+    t = pool._tables
+    assert t.check_row(np.int64(0)) == 0
+    assert t.check_row(torch.tensor(3)) == 3
+    assert pool.generation(np.int64(0)) == 0
+    with pytest.raises(InvalidSlotError, match="reserved padding"):
+        pool.set_req_pool_info(0, info(1, 1))
+    for bad in (4, np.int64(4), torch.tensor(4), -1):
+        with pytest.raises(InvalidSlotError, match="out of range"):
+            t.check_row(bad)
+    with pytest.raises(InvalidSlotError):
+        pool.generation(np.int64(4))
+    with pytest.raises(InvalidSlotError):
+        pool.set_req_pool_info(4, info(1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_slot_id_of_minus_1_is_refused_writing_nothing(dtype: torch.dtype) -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    slots = torch.tensor([3, -1, 4], dtype=dtype)
+    with pytest.raises(InvalidSlotError, match="holds -1"):
+        pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, slots))
+    assert not pool.req_to_token[row].any()
+    assert (int(pool.verified_lens[row]), int(pool.alloced_lens[row])) == (0, 0)
+
+
+def test_a_negative_alloced_len_is_reported_as_such() -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    bad = ReqToTokenPoolInfo(0, -1, torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(InvalidSlotError, match=r"alloced_len -1 for row"):
+        pool.set_req_pool_info(row, bad)
+
+
+def test_a_uint64_slot_past_int64_is_reported_as_itself_next_to_a_zero() -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    value = 2**63 + 5
+    slots = torch.tensor([0, value, 0], dtype=torch.uint64)
+    with pytest.raises(InvalidSlotError, match=rf"holds {value}, outside"):
+        pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, slots))
+    assert not pool.req_to_token[row].any()

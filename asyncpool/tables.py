@@ -49,6 +49,23 @@ class ReqToTokenPoolInfo:
 
 _INFO_FIELDS = ("verified_len", "alloced_len", "alloced_slots")
 
+#: The dtypes ``alloced_slots`` may have: every integer dtype torch can copy
+#: into ``req_to_token``. Not bool, floats or complex (not slot ids), nor the
+#: quantized and sub-byte dtypes (``qint8``, ``int4``, ``bits8``): their copy
+#: raises, and a check that let them through wrote the lengths first.
+_SLOT_DTYPES = frozenset(
+    {
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    }
+)
+
 #: The largest ``max_context_len``: ``verified_lens`` and ``alloced_lens``
 #: hold lengths up to it in int32.
 MAX_CONTEXT_LEN = 2**31 - 1
@@ -259,8 +276,8 @@ class TokenTables:
         first write: metadata without those fields, lengths that are not integers in
         range, and ``alloced_slots`` that is not a 1-D integer tensor of
         ``alloced_len`` entries on a real device (any integer dtype, unsigned
-        ones included; on the host: of slot ids ``>= 0`` that fit
-        ``req_to_token``'s dtype) raise
+        ones included, not quantized or sub-byte ones; on the host: of slot
+        ids ``>= 0`` that fit ``req_to_token``'s dtype) raise
         :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
         """
         if not isinstance(info, ReqToTokenPoolInfo) and not all(
@@ -292,9 +309,7 @@ class TokenTables:
             )
         if (
             slots.dim() > 1
-            or slots.dtype is torch.bool
-            or slots.is_floating_point()
-            or slots.is_complex()
+            or slots.dtype not in _SLOT_DTYPES
             or slots.is_meta
             or slots.layout is not torch.strided
         ):

@@ -24,9 +24,17 @@ every test file that exercises the module still passed:
 * ``alloced_len=-1`` is reported as a bad ``alloced_len`` (the mutant let
   it through to the ``verified_len`` check, whose message blames the wrong
   field).
+
+Bug fix (not a mutant): ``alloced_slots`` of a quantized dtype passed every
+check, then the copy into ``req_to_token`` raised a ``RuntimeError`` after the
+row's lengths were written (the README promises ``InvalidSlotError``, nothing
+written); a sub-byte dtype (``int4``, ``bits8``) raised ``NotImplementedError``.
+Both are now refused with the other non-integer dtypes.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
@@ -123,3 +131,33 @@ def test_a_uint64_slot_past_int64_is_reported_as_itself_next_to_a_zero() -> None
     with pytest.raises(InvalidSlotError, match=rf"holds {value}, outside"):
         pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, slots))
     assert not pool.req_to_token[row].any()
+
+
+# ---------------------------------------------------------------- bug fix
+
+
+_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32)
+
+
+def _slots_of(dtype: torch.dtype) -> torch.Tensor:
+    """Three slots of ``dtype``: quantized, or sub-byte (no data ops at all)."""
+    if dtype in _QUANTIZED:
+        with warnings.catch_warnings():  # quantized tensors are deprecated in torch
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0]), 1.0, 0, dtype)
+    return torch.empty(3, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [*_QUANTIZED, torch.int4, torch.uint4, torch.bits8], ids=str)
+def test_slots_of_a_dtype_req_to_token_cannot_take_are_refused_writing_nothing(
+    dtype: torch.dtype,
+) -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    pool.set_req_pool_info(row, info(1, 2, start=20))
+    before = (pool.verified_lens.tolist(), pool.alloced_lens.tolist(), pool.req_to_token.tolist())
+    with pytest.raises(InvalidSlotError, match="1-D integer tensor"):
+        pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, _slots_of(dtype)))
+    after = (pool.verified_lens.tolist(), pool.alloced_lens.tolist(), pool.req_to_token.tolist())
+    assert after == before
+    assert pool.alloced_lens_cpu.tolist() == pool.alloced_lens.tolist()

@@ -25,6 +25,11 @@ every test file that exercises the module still passed:
   it through to the ``verified_len`` check, whose message blames the wrong
   field).
 
+CUDA (marked ``cuda``: skipped here, not yet run on a GPU): ``reset_rows_each``,
+``reset_where`` and ``reset_rows_from_1`` on a CUDA table zero the device
+lengths and the pinned host copy of exactly the rows named (CUDA-only
+mutants dropped the host copy's zeroing, or zeroed the wrong rows).
+
 Bug fix (not a mutant): ``alloced_slots`` of a quantized dtype passed every
 check, then the copy into ``req_to_token`` raised a ``RuntimeError`` after the
 row's lengths were written (the README promises ``InvalidSlotError``, nothing
@@ -131,6 +136,39 @@ def test_a_uint64_slot_past_int64_is_reported_as_itself_next_to_a_zero() -> None
     with pytest.raises(InvalidSlotError, match=rf"holds {value}, outside"):
         pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, slots))
     assert not pool.req_to_token[row].any()
+
+
+# ------------------------------------------------- CUDA (not run without a GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reset", ["each", "where", "from_1"])
+def test_every_cuda_reset_path_zeroes_the_device_lengths_and_the_host_copy(reset: str) -> None:
+    """The three reset paths no other CUDA test takes (``reset_rows`` and
+    ``reset_all`` have theirs): the device lengths, zeroed on the tables'
+    stream, and the pinned host copy, zeroed at once, of exactly the rows
+    named (row 0, the padding, included only where named)."""
+    stream = torch.cuda.Stream()
+    t = TokenTables(6, 8, device="cuda", stream=stream)
+    slots = torch.arange(2, dtype=torch.int32, device="cuda")
+    for r in range(6):
+        t.set_req_pool_info(r, ReqToTokenPoolInfo(1, 2, slots))
+    torch.cuda.synchronize()
+    zeroed = {2, 4}
+    if reset == "each":
+        t.reset_rows_each([2, 4])
+    elif reset == "where":
+        mask = torch.zeros(6, dtype=torch.bool)
+        mask[[2, 4]] = True
+        t.reset_where(mask)
+    else:
+        t.reset_rows_from_1()
+        zeroed = {1, 2, 3, 4, 5}
+    assert t.alloced_lens_cpu.tolist() == [0 if r in zeroed else 2 for r in range(6)]
+    stream.synchronize()
+    torch.cuda.synchronize()
+    assert t.verified_lens.tolist() == [0 if r in zeroed else 1 for r in range(6)]
+    assert t.alloced_lens.tolist() == [0 if r in zeroed else 2 for r in range(6)]
 
 
 # ---------------------------------------------------------------- bug fix

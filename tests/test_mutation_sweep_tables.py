@@ -34,7 +34,8 @@ Bug fix (not a mutant): ``alloced_slots`` of a quantized dtype passed every
 check, then the copy into ``req_to_token`` raised a ``RuntimeError`` after the
 row's lengths were written (the README promises ``InvalidSlotError``, nothing
 written); a sub-byte dtype (``int4``, ``bits8``) raised ``NotImplementedError``.
-Both are now refused with the other non-integer dtypes.
+Both are now refused with the other non-integer dtypes; the eight integer
+dtypes, signed and unsigned, are all still taken.
 """
 
 from __future__ import annotations
@@ -199,3 +200,25 @@ def test_slots_of_a_dtype_req_to_token_cannot_take_are_refused_writing_nothing(
     after = (pool.verified_lens.tolist(), pool.alloced_lens.tolist(), pool.req_to_token.tolist())
     assert after == before
     assert pool.alloced_lens_cpu.tolist() == pool.alloced_lens.tolist()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    ],
+    ids=str,
+)
+def test_slots_of_every_integer_dtype_are_taken(dtype: torch.dtype) -> None:
+    pool = ReqToTokenPool(4, 8)
+    (row,) = pool.alloc(1) or []
+    pool.set_req_pool_info(row, ReqToTokenPoolInfo(2, 3, torch.tensor([7, 0, 120], dtype=dtype)))
+    assert pool.req_to_token[row, :4].tolist() == [7, 0, 120, 0]
+    assert (int(pool.verified_lens[row]), int(pool.alloced_lens_cpu[row])) == (2, 3)

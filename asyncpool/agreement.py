@@ -290,12 +290,19 @@ def agree(
             held = overdue.setdefault(id(batch.fence), (batch.fence, {}))[1]
             held[led.unit] = held.get(led.unit, 0) + batch.n
     for fence, held in overdue.values():
+        # Overdue is agreed (MAX over ranks): a rank without a timeout logs
+        # a fence that another rank's timeout made overdue.
+        when = (
+            "past another rank's fence timeout (none here)"
+            if overdue_after is None
+            else f"{overdue_after:.3g} s after the free"
+        )
         logger.warning(
-            "fence %r is overdue: not done on at least one rank %.3g s after the free; "
+            "fence %r is overdue: not done on at least one rank %s; "
             "held on every rank: %s (a late write may still land); "
             "force_release(fence) on every rank only if its writer is known to be dead",
             fence,
-            overdue_after,
+            when,
             held_words(held),
         )
     return Agreement(

@@ -30,6 +30,10 @@ processes, so ``agree()`` runs all of its own code on every rank.
   and later handed out different pages);
 * a slot holding a ledger of plain ids on one rank and nothing on another
   is named so (the mutants named the kinds by the wrong words);
+* a rank that has no timeout (``overdue_after=None``) logs a fence that
+  another rank's timeout made overdue, naming it so (a library defect
+  the sweep's reading found: the warning was formatted with ``"%.3g" %
+  None`` and lost on that rank, a logging traceback in its place);
 * ``Agreement.quarantined`` counts what this call quarantined, not what
   earlier ones did (the mutant added the ledger's earlier count);
 * ``Agreement.seconds`` is the call's own wall time (the mutant added the
@@ -52,6 +56,7 @@ processes, so ``agree()`` runs all of its own code on every rank.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,6 +173,24 @@ def test_each_flag_is_reduced_over_the_ranks_its_own_way(ranks: ThreadRanks, gro
         pool.check_invariants()
     left = ranks.run(lambda r: pools[r].alloc(pools[r].available_size()))
     assert left[0] == left[1] and len(left[0]) == 3
+
+
+def test_a_rank_without_a_timeout_logs_the_fence_another_ranks_timeout_made_overdue(
+    ranks: ThreadRanks, group: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Overdue is agreed (MAX over ranks), so a rank that has no timeout
+    # (overdue_after=None) learns of an overdue fence too; its warning was
+    # formatted with "%.3g" % None and lost, a logging traceback instead.
+    pools = [ReqToTokenPool(4, 4, reclaim="explicit") for _ in range(2)]
+    _rows_freed_one_per_batch(ranks, pools, [["pending"], ["pending"]])
+    timeouts = [None, 0.0]
+    with caplog.at_level(logging.WARNING, logger="asyncpool.agreement"):
+        res = ranks.run(lambda r: agree(group, [pools[r]._ledger], overdue_after=timeouts[r]))
+    assert [r.newly_overdue for r in res] == [1, 1], res
+    messages = [r.getMessage() for r in caplog.records]  # raises if unformattable
+    assert len(messages) == 2
+    for when in ("0 s after the free", "past another rank's fence timeout (none here)"):
+        assert sum(f"not done on at least one rank {when}" in m for m in messages) == 1
 
 
 @pytest.mark.parametrize("counts", [(1, 2), (WIDTH - 14, WIDTH + 6)], ids=["few", "wide"])

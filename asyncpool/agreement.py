@@ -229,14 +229,17 @@ def agree(
     make the same calls, or their pools were built otherwise. The order of
     the free queues is not compared. What is checked before the collective
     raises on the calling rank only (``ValueError`` for more than
-    :data:`SLOTS` ledgers or a group this rank is not in, ``TypeError`` for
-    a non-group, ``RuntimeError`` without torch.distributed), and the other
-    ranks then wait in the all-reduce until the group's timeout. Errors of
-    the collective itself (a rank gone, a timeout of the group) propagate
-    as torch raises them.
+    :data:`SLOTS` ledgers, the same ledger twice or a group this rank is
+    not in, ``TypeError`` for a non-group, ``RuntimeError`` without
+    torch.distributed), and the other ranks then wait in the all-reduce
+    until the group's timeout. Errors of the collective itself (a rank
+    gone, a timeout of the group) propagate as torch raises them.
     """
     if len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
+    if len({id(led) for led in ledgers}) < len(ledgers):
+        # Each slot would settle the same batches: every id released twice.
+        raise ValueError("agree() was given the same ledger twice")
     check_group(group)
     t0 = time.perf_counter()
     device = _device_for(group)

@@ -45,6 +45,10 @@ processes, so ``agree()`` runs all of its own code on every rank.
 * a third ledger is refused with ``ValueError`` before any collective (the
   header has two slots, a pool's rows and its pages: the mutants went on
   with a header longer than its slots, or made room for three);
+* the same ledger twice is refused with ``ValueError`` before any
+  collective (a library defect the sweep's reading found: both slots
+  settled the same batches, releasing every id twice, or quarantining it
+  twice);
 * without torch.distributed initialised ``agree()`` raises the
   ``RuntimeError`` that says so, whatever the order the tests run in (the
   test of ``test_explicit.py`` skips once a module's group is live, and
@@ -327,6 +331,32 @@ def test_a_third_ledger_is_refused_before_any_collective(
     with pytest.raises(ValueError, match="at most 2 ledgers"):
         agree(group, [p._ledger for p in pools])
     assert pools[0].pending_size() == 1
+
+
+@pytest.mark.parametrize("unit", ["rows", "pages"])
+def test_the_same_ledger_twice_is_refused_before_any_collective(
+    group: Any, monkeypatch: pytest.MonkeyPatch, unit: str
+) -> None:
+    # Both slots settled the same batches: every id released twice (a row
+    # in the free queue twice, pending counted below zero), or, behind a
+    # faulted fence, quarantined twice.
+    def no_collective(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("agree() ran a collective")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    pool: ReqToTokenPool | KVPagePool = (
+        ReqToTokenPool(4, 4, reclaim="explicit")
+        if unit == "rows"
+        else KVPagePool(9, 4, reclaim="explicit")
+    )
+    for state in ("done", "failed"):
+        got = pool.alloc(1)
+        assert got is not None
+        pool.free(got, fence=_Handle(state))
+    with pytest.raises(ValueError, match="the same ledger twice"):
+        agree(group, [pool._ledger, pool._ledger])
+    assert pool.pending_size() == 2 and pool.quarantined_size() == 0
+    pool.check_invariants()
 
 
 def test_agree_without_an_initialised_group_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

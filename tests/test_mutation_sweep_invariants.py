@@ -36,6 +36,8 @@ guards it to raise ``AssertionError`` naming what broke. Pinned:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from helpers import EventFence, FakeStream, bounded, in_thread
@@ -223,14 +225,6 @@ def test_a_pending_page_no_batch_lists_is_caught() -> None:
         led.check_invariants()
 
 
-@pytest.mark.parametrize("delta", [-1, +1])
-def test_a_quarantined_count_off_by_one_is_caught(delta: int) -> None:
-    led, _ = _pages()
-    led.quarantined += delta
-    with pytest.raises(AssertionError, match="quarantined count"):
-        led.check_invariants()
-
-
 def test_a_handed_out_page_above_the_taken_mark_is_caught() -> None:
     led, _ = _pages()
     # Pages are taken in id order at first: every page above _taken is
@@ -354,8 +348,11 @@ def test_a_batch_listing_an_allocated_row_is_caught() -> None:
 
 
 @pytest.mark.parametrize("delta", [-1, +1])
-def test_a_row_quarantined_count_off_by_one_is_caught(delta: int) -> None:
-    led, _ = _rows()
+@pytest.mark.parametrize("build", [_pages, _rows], ids=["pages", "rows"])
+def test_a_quarantined_count_off_by_one_is_caught(
+    build: Callable[[], tuple[PageLedger | SlotLedger, object]], delta: int
+) -> None:
+    led, _ = build()
     led.quarantined += delta
     with pytest.raises(AssertionError, match="quarantined count"):
         led.check_invariants()

@@ -292,14 +292,14 @@ def agree(
         for batch in new:
             held = overdue.setdefault(id(batch.fence), (batch.fence, {}))[1]
             held[led.unit] = held.get(led.unit, 0) + batch.n
+    # Overdue is agreed (MAX over ranks): a rank without a timeout logs a
+    # fence that another rank's timeout made overdue.
+    when = (
+        "past another rank's fence timeout (none here)"
+        if overdue_after is None
+        else f"{overdue_after:.3g} s after the free"
+    )
     for fence, held in overdue.values():
-        # Overdue is agreed (MAX over ranks): a rank without a timeout logs
-        # a fence that another rank's timeout made overdue.
-        when = (
-            "past another rank's fence timeout (none here)"
-            if overdue_after is None
-            else f"{overdue_after:.3g} s after the free"
-        )
         logger.warning(
             "fence %r is overdue: not done on at least one rank %s; "
             "held on every rank: %s (a late write may still land); "

@@ -31,7 +31,7 @@ from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, PoolClosedError
 from .fences import Fence, HostStream, check_after, record_fence
 from .kv_pages import OWNED
-from .ledger import Rows, SlotLedger, as_index
+from .ledger import Rows, SlotLedger, as_index, describe
 from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
@@ -75,7 +75,7 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
         items = list(value)
     else:
         raise CapacityError(
-            f"{name} must be a page count (an integer) or one per row, got {value!r} "
+            f"{name} must be a page count (an integer) or one per row, got {describe(value)} "
             f"of type {type(value).__name__}"
         )
     if len(items) != n:
@@ -86,7 +86,7 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
             k = as_index(item)
         except TypeError:
             raise CapacityError(
-                f"{name} must hold page counts (integers), got {item!r} of type "
+                f"{name} must hold page counts (integers), got {describe(item)} of type "
                 f"{type(item).__name__}"
             ) from None
         if k < 0:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .fences import Fence, check_after, record_fence
-from .ledger import FREE, Rows, SlotLedger, as_index, check_size
+from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
@@ -45,8 +45,8 @@ def check_wait_args(priority: object, timeout: object) -> int:
         converted = int_arg(priority)
         if converted is None:
             raise TypeError(
-                f"priority must be an int (any integer type but bool), got {priority!r:.80} "
-                f"of type {type(priority).__name__}"
+                "priority must be an int (any integer type but bool), got "
+                f"{describe(priority, 80)} of type {type(priority).__name__}"
             )
         priority = converted
     if timeout is not None and (

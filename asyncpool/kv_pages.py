@@ -81,10 +81,11 @@ from .ledger import (
     STATE_NAMES,
     SlotLedger,
     as_index,
+    describe,
     index_or_error,
 )
 from .stats import LatencySummary
-from .tables import check_device
+from .tables import ID_DTYPES, check_device
 
 __all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
 
@@ -155,14 +156,14 @@ def check_num_pages(num_pages: object) -> None:
     ``2..MAX_NUM_PAGES`` (page 0 is reserved)."""
     if num_pages.__class__ is not int or num_pages < 2:
         raise CapacityError(
-            f"num_pages must be an int >= 2 (page 0 is reserved), got {num_pages!r}"
+            f"num_pages must be an int >= 2 (page 0 is reserved), got {describe(num_pages)}"
             + ("" if isinstance(num_pages, int) else f" of type {type(num_pages).__name__}")
         )
     assert isinstance(num_pages, int)
     if num_pages > MAX_NUM_PAGES:
         raise CapacityError(
             f"num_pages must be at most 2**31 (a call's pages are numbered in int32), "
-            f"got {num_pages!r}"
+            f"got {describe(num_pages)}"
         )
 
 
@@ -261,7 +262,7 @@ class PageLedger(Deferrals[PageArray]):
                 n = as_index(n)
             except TypeError:
                 raise CapacityError(
-                    f"a page count must be an integer, got {n!r} of type {type(n).__name__}"
+                    f"a page count must be an integer, got {describe(n)} of type {type(n).__name__}"
                 ) from None
         assert isinstance(n, int)
         if n < 1:
@@ -386,8 +387,8 @@ class PageLedger(Deferrals[PageArray]):
             if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
                 try:
                     small = pages.tolist()
-                except NotImplementedError:  # meta: _tensor_array refuses it
-                    small = None
+                except (NotImplementedError, RuntimeError):  # meta, quantized, sub-byte
+                    small = None  # _tensor_array refuses it
                 if small is not None and self._small_ok(small, expect):
                     return small, True
             try:
@@ -556,8 +557,8 @@ class PageLedger(Deferrals[PageArray]):
     def _tensor_array(pages: torch.Tensor) -> tuple[PageArray, bool]:
         try:
             arr = pages.numpy()  # a float, bool or complex dtype is refused below
-        except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
-            if pages.dtype is torch.bool or pages.is_floating_point() or pages.is_complex():
+        except (TypeError, RuntimeError):  # on a device, or no numpy dtype
+            if pages.dtype not in ID_DTYPES:  # bool, float, complex, quantized, sub-byte
                 if pages.dim() == 1 and not pages.numel():
                     return np.empty(0, dtype=np.int64), True  # no pages
                 raise _dtype_error(pages.dtype) from None

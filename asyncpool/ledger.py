@@ -269,7 +269,7 @@ class SlotLedger(Deferrals[int]):
                 n = as_index(n)
             except TypeError:
                 raise CapacityError(
-                    f"a row count must be an integer, got {n!r} of type {type(n).__name__}"
+                    f"a row count must be an integer, got {describe(n)} of type {type(n).__name__}"
                 ) from None
         assert isinstance(n, int)
         if n < 1:
@@ -286,7 +286,7 @@ class SlotLedger(Deferrals[int]):
     def _row_error(self, row: object, what: str) -> InvalidSlotError:
         if row.__class__ is not int:
             return InvalidSlotError(
-                f"row ids must be ints, got {row!r} of type {type(row).__name__}"
+                f"row ids must be ints, got {describe(row)} of type {type(row).__name__}"
             )
         assert isinstance(row, int)
         if row == 0:
@@ -717,15 +717,38 @@ def _rows_word(n: int) -> str:
     return "row" if n == 1 else "rows"
 
 
+def describe(value: object, limit: int | None = None) -> str:
+    """``repr(value)`` for an error message (cut to ``limit`` characters), or,
+    for a value whose repr raises (a tensor of a sub-byte dtype such as
+    ``torch.bits8``, which torch cannot print), its type with whatever
+    ``dtype``, ``shape``, ``layout`` and ``device`` it has: a bad argument's
+    error must not itself fail."""
+    try:
+        text = repr(value)
+    except Exception:
+        parts = [
+            f"{name} {getattr(value, name)}"
+            for name in ("dtype", "layout", "device")
+            if getattr(value, name, None) is not None
+        ]
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            parts.insert(1 if parts else 0, f"shape {tuple(shape)}")
+        text = f"<{type(value).__name__}" + (": " + ", ".join(parts) if parts else "") + ">"
+    return text if limit is None else text[:limit]
+
+
 def as_index(value: object) -> int:
     """One integer as a Python int: an int, a numpy or torch integer scalar,
     or a 0-d integer tensor or array. ``TypeError`` for anything else: bools
     and floats (bool tensors included), and tensors or arrays of one or more
     dimensions even when they hold one element (``operator.index`` would
     take ``torch.tensor([2])`` as 2). A value with no data to read (a meta
-    tensor) or whose ``item()`` or ``__index__`` raises is a ``TypeError``
-    too (chained to what it raised), so every caller's typed error covers
-    it."""
+    tensor), one of a dtype torch reads no scalar from (``item()`` raises
+    ``NotImplementedError``: ``bits8``, ``uint4``) and one whose
+    ``__index__`` raises are a ``TypeError`` too (chained to what it raised),
+    so every caller's typed error covers them. Any other error of ``item()``
+    (a device fault) is not bad input and propagates as it is."""
     if isinstance(value, int) and not isinstance(value, bool):
         return int(value)
     ndim = getattr(value, "ndim", None)
@@ -737,9 +760,14 @@ def as_index(value: object) -> int:
             try:
                 value = item()  # numpy scalar, 0-d array or tensor -> Python scalar
             except Exception as exc:
-                if getattr(value, "is_meta", False):  # no data to read: bad input
-                    raise TypeError(f"cannot read an integer from {value!r:.80}: {exc}") from exc
-                raise  # a device error (a CUDA fault) is not bad input: as it is
+                # No data to read (a meta tensor), or a dtype torch reads no
+                # scalar from (sub-byte: bits8, uint4; NotImplementedError):
+                # bad input. A device error (a CUDA fault) is not: as it is.
+                if getattr(value, "is_meta", False) or isinstance(exc, NotImplementedError):
+                    raise TypeError(
+                        f"cannot read an integer from {describe(value, 80)}: {exc}"
+                    ) from exc
+                raise
     if isinstance(value, bool):
         raise TypeError("a bool is not a row id")
     try:
@@ -783,9 +811,11 @@ def as_row_ids(rows: object) -> Sequence[int]:
     if ndim == 1 and hasattr(rows, "tolist"):
         try:
             values = rows.tolist()
-        except (RuntimeError, NotImplementedError):  # a meta or sparse tensor: no data
+        except (RuntimeError, NotImplementedError):  # meta, sparse, quantized, sub-byte
             raise InvalidSlotError(
-                f"rows must be a tensor with data (strided, on a real device), got {rows!r:.80}"
+                "rows must be a tensor with data (strided, on a real device) of an integer "
+                f"dtype, got a {type(rows).__name__} of dtype {getattr(rows, 'dtype', None)}, "
+                f"layout {getattr(rows, 'layout', None)}, device {getattr(rows, 'device', None)}"
             ) from None
         return [_row_id(row) for row in values]
     if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
@@ -793,7 +823,7 @@ def as_row_ids(rows: object) -> Sequence[int]:
         # KVPagePool.free refuses one too; a set (distinct ids) is accepted
         # by both.
         raise InvalidSlotError(
-            f"rows must be an int or a sequence of ints, got {rows!r:.80} of type "
+            f"rows must be an int or a sequence of ints, got {describe(rows, 80)} of type "
             f"{type(rows).__name__}"
         )
     return [_row_id(row) for row in rows]
@@ -807,7 +837,9 @@ def index_or_error(value: object, rule: str) -> int:
     try:
         return as_index(value)
     except TypeError:
-        raise InvalidSlotError(f"{rule}, got {value!r} of type {type(value).__name__}") from None
+        raise InvalidSlotError(
+            f"{rule}, got {describe(value)} of type {type(value).__name__}"
+        ) from None
 
 
 def _row_id(row: object) -> int:

@@ -89,7 +89,7 @@ from .errors import (
 )
 from .fences import Fence, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
-from .ledger import ALLOCATED, FREE, USED, Rows
+from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages
@@ -219,7 +219,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             converted = int_arg(max_waiters)  # an IntEnum, a numpy int: as an int
             if converted is None or converted < 0:
-                raise ValueError(f"max_waiters must be None or an int >= 0, got {max_waiters!r}")
+                raise ValueError(
+                    f"max_waiters must be None or an int >= 0, got {describe(max_waiters)}"
+                )
             max_waiters = converted
         timeout_s = check_fence_timeout(fence_timeout)
         explicit = check_reclaim_mode(reclaim)

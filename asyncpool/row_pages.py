@@ -27,7 +27,7 @@ import torch
 from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
 from .kv_pages import OWNED, KVPagePool, PageLedger
-from .ledger import as_index
+from .ledger import as_index, describe
 from .stats import Histogram
 
 __all__ = ["Grant", "RowPages", "check_page_count"]
@@ -69,7 +69,7 @@ def check_page_count(k: Any, capacity: int, *, least: int) -> int:
             k = as_index(k)
         except TypeError:
             raise CapacityError(
-                f"a page count must be an integer, got {k!r} of type {type(k).__name__}"
+                f"a page count must be an integer, got {describe(k)} of type {type(k).__name__}"
             ) from None
     assert isinstance(k, int)
     if k < least:

@@ -20,7 +20,7 @@ import torch
 
 from .errors import DeviceError, InvalidSlotError, MemorySaverError
 from .fences import HostStream
-from .ledger import as_index, index_or_error
+from .ledger import as_index, describe, index_or_error
 
 # What a pool off CUDA accepts as stream= (and ignores: its resets run at
 # once): the code an engine shares between CPU and GPU passes its forward
@@ -49,11 +49,12 @@ class ReqToTokenPoolInfo:
 
 _INFO_FIELDS = ("verified_len", "alloced_len", "alloced_slots")
 
-#: The dtypes ``alloced_slots`` may have: every integer dtype torch can copy
-#: into ``req_to_token``. Not bool, floats or complex (not slot ids), nor the
-#: quantized and sub-byte dtypes (``qint8``, ``int4``, ``bits8``): their copy
-#: raises, and a check that let them through wrote the lengths first.
-_SLOT_DTYPES = frozenset(
+#: The dtypes ids may have (``alloced_slots``, page ids in a tensor): every
+#: integer dtype torch can copy into ``req_to_token`` and read back. Not bool,
+#: floats or complex (not ids), nor the quantized and sub-byte dtypes
+#: (``qint8``, ``int4``, ``bits8``): their copy and their ``tolist()`` raise,
+#: and a check that let them through wrote a row's lengths first.
+ID_DTYPES = frozenset(
     {
         torch.int8,
         torch.int16,
@@ -195,15 +196,17 @@ class TokenTables:
         stream: Any | None = None,
     ) -> None:
         if max_context_len.__class__ is not int or max_context_len < 1:
-            raise ValueError(f"max_context_len must be a positive int, got {max_context_len!r}")
+            raise ValueError(
+                f"max_context_len must be a positive int, got {describe(max_context_len)}"
+            )
         if max_context_len > MAX_CONTEXT_LEN:
             raise ValueError(
                 f"max_context_len must be at most 2**31 - 1 (lengths are held in int32 "
-                f"tensors), got {max_context_len!r}"
+                f"tensors), got {describe(max_context_len)}"
             )
         if enable_memory_saver.__class__ is not bool:
             raise TypeError(
-                f"enable_memory_saver must be a bool, got {enable_memory_saver!r:.80} of "
+                f"enable_memory_saver must be a bool, got {describe(enable_memory_saver, 80)} of "
                 f"type {type(enable_memory_saver).__name__}"
             )
         self.size = size
@@ -262,7 +265,7 @@ class TokenTables:
             index = as_index(row)
         except TypeError:
             raise InvalidSlotError(
-                f"a row id must be an integer, got {row!r} of type {type(row).__name__}"
+                f"a row id must be an integer, got {describe(row)} of type {type(row).__name__}"
             ) from None
         if not 0 <= index < self.size:
             raise InvalidSlotError(f"row {index} is out of range 0..{self.size - 1}")
@@ -309,7 +312,7 @@ class TokenTables:
             )
         if (
             slots.dim() > 1
-            or slots.dtype not in _SLOT_DTYPES
+            or slots.dtype not in ID_DTYPES
             or slots.is_meta
             or slots.layout is not torch.strided
         ):

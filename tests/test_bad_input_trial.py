@@ -6,7 +6,9 @@ tensors and raising ``__index__`` give the typed error of any bad row id,
 count or page id; unsigned slot tensors in ``set_req_pool_info``; ``after=``
 objects that are not streams; the meta device, oversized sizes, unparsable
 devices and a non-bool ``enable_memory_saver`` in the constructors; empty
-float/bool tensors as rows or pages; mappings as rows; ``priority=`` and
+float/bool tensors as rows or pages; ids of a dtype torch cannot read
+(quantized, sub-byte: their ``tolist()``, ``item()`` and even ``repr()``
+raise) as rows or pages; mappings as rows; ``priority=`` and
 ``max_waiters=`` of any integer type but bool; the strict ``query()`` answer
 rule of ``is_done``; and ``force_release``'s log line.
 """
@@ -18,6 +20,7 @@ import enum
 import logging
 import re
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +117,11 @@ class RaisingIndex:
 BAD_SCALARS: dict[str, Callable[[], Any]] = {
     "meta-0d": lambda: torch.tensor(3, device="meta"),
     "raising-index": RaisingIndex,
+    # A dtype torch reads no scalar from, and cannot even print: item() and
+    # repr() raise NotImplementedError (the error message must not).
+    "bits8-0d": lambda: torch.tensor(3, dtype=torch.uint8).view(torch.bits8),
 }
+BAD_SCALAR_NAMED = r"meta|RaisingIndex|bits8"
 EMPTY_INFO = ReqToTokenPoolInfo(0, 0, torch.zeros(0, dtype=torch.int32))
 
 
@@ -162,7 +169,7 @@ async def test_meta_scalar_or_raising_index_is_refused_typed(call: Any, bad: str
             if asyncio.iscoroutine(result):
                 async with bounded():
                     await result
-        assert re.search(r"meta|RaisingIndex", str(info.value)), info.value
+        assert re.search(BAD_SCALAR_NAMED, str(info.value)), info.value
         assert snapshot(pool) == before
 
 
@@ -183,7 +190,7 @@ def test_meta_scalar_or_raising_index_on_the_sync_pool(call: Any, bad: str) -> N
     rows = pool.alloc(2)
     assert rows is not None
     before = snapshot(pool)
-    with pytest.raises((InvalidSlotError, CapacityError), match=r"meta|RaisingIndex"):
+    with pytest.raises((InvalidSlotError, CapacityError), match=BAD_SCALAR_NAMED):
         call(pool, rows[0], BAD_SCALARS[bad]())
     assert snapshot(pool) == before
 
@@ -747,3 +754,70 @@ async def test_a_device_error_reading_a_row_id_is_not_turned_into_bad_input() ->
         with pytest.raises(RuntimeError, match="illegal memory access"):
             pool.free([1, FaultedDeviceScalar()])
         assert snapshot(pool) == before
+
+
+# ------------------------------------------------- ids of a dtype torch cannot read
+
+
+def _quantized_ids() -> torch.Tensor:
+    with warnings.catch_warnings():  # quantized tensors are deprecated in torch
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 1.0, 0, torch.quint8)
+
+
+# 1-D tensors whose tolist() raises (RuntimeError) and, for the sub-byte
+# dtypes, whose repr() raises too: before, free() let torch's RuntimeError or
+# NotImplementedError out (from the error message's own repr, for the rows).
+UNREADABLE_IDS: dict[str, Callable[[], torch.Tensor]] = {
+    "quint8": _quantized_ids,
+    "bits8": lambda: torch.tensor([1, 2], dtype=torch.uint8).view(torch.bits8),
+    "uint4": lambda: torch.empty(2, dtype=torch.uint4),
+}
+UNREADABLE_CALLS: list[tuple[str, Callable[..., Any]]] = [
+    ("free", lambda p, t: p.free(t)),
+    ("free-fence", lambda p, t: p.free(t, EventFence())),
+    ("record_use", lambda p, t: p.record_use(t, EventFence())),
+    ("extend_rows", lambda p, t: p.extend_rows(t, k=1)),
+    ("kv.free", lambda p, t: p.kv.free(t)),
+    ("kv.free-fence", lambda p, t: p.kv.free(t, fence=EventFence())),
+]
+
+
+@pytest.mark.parametrize("dtype", UNREADABLE_IDS)
+@pytest.mark.parametrize(
+    "call", [c for _, c in UNREADABLE_CALLS], ids=[i for i, _ in UNREADABLE_CALLS]
+)
+async def test_ids_of_a_dtype_torch_cannot_read_are_refused_typed(call: Any, dtype: str) -> None:
+    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        await pool.admit(pages=2)
+        await pool.admit(pages=2)
+        assert pool.kv.alloc(2) is not None  # pages the caller holds
+        before = snapshot(pool)
+        with pytest.raises(InvalidSlotError, match=rf"dtype torch\.{dtype}"):
+            call(pool, UNREADABLE_IDS[dtype]())
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("dtype", UNREADABLE_IDS)
+def test_ids_of_a_dtype_torch_cannot_read_on_the_sync_pool_and_page_pool(dtype: str) -> None:
+    pool = ReqToTokenPool(10, 16)
+    assert pool.alloc(2) is not None
+    before = snapshot(pool)
+    with pytest.raises(InvalidSlotError, match=rf"dtype torch\.{dtype}"):
+        pool.free(UNREADABLE_IDS[dtype]())
+    assert snapshot(pool) == before
+    kv = KVPagePool(10, 4)
+    assert kv.alloc(2) is not None
+    kv_before = kv_snapshot(kv)
+    with pytest.raises(InvalidSlotError, match=rf"dtype torch\.{dtype}"):
+        kv.free(UNREADABLE_IDS[dtype]())
+    assert kv_snapshot(kv) == kv_before
+
+
+def test_an_empty_tensor_of_such_a_dtype_is_no_pages() -> None:
+    """As for an empty float or bool tensor (no ids whatever the dtype)."""
+    kv = KVPagePool(10, 4)
+    assert kv.alloc(2) is not None
+    before = kv_snapshot(kv)
+    assert kv.free(torch.empty(0, dtype=torch.bits8)) == 0
+    assert kv_snapshot(kv) == before

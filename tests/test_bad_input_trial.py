@@ -406,7 +406,8 @@ EMPTY_FINE: dict[str, Callable[[], Any]] = {
     "torch-bool": lambda: torch.tensor([], dtype=torch.bool),
     "numpy-float64": lambda: np.array([]),
 }
-EMPTY_CALLS: list[tuple[str, Callable[..., Any]]] = [
+# The calls that take a batch of rows or pages.
+BATCH_CALLS: list[tuple[str, Callable[..., Any]]] = [
     ("free", lambda p, e: p.free(e)),
     ("free-fence", lambda p, e: p.free(e, EventFence())),
     ("record_use", lambda p, e: p.record_use(e, EventFence())),
@@ -417,7 +418,7 @@ EMPTY_CALLS: list[tuple[str, Callable[..., Any]]] = [
 
 
 @pytest.mark.parametrize("empty", EMPTY_FINE)
-@pytest.mark.parametrize("call", [c for _, c in EMPTY_CALLS], ids=[i for i, _ in EMPTY_CALLS])
+@pytest.mark.parametrize("call", [c for _, c in BATCH_CALLS], ids=[i for i, _ in BATCH_CALLS])
 async def test_an_empty_sequence_or_tensor_is_no_rows(call: Any, empty: str) -> None:
     async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
         await pool.admit(pages=2)
@@ -773,20 +774,10 @@ UNREADABLE_IDS: dict[str, Callable[[], torch.Tensor]] = {
     "bits8": lambda: torch.tensor([1, 2], dtype=torch.uint8).view(torch.bits8),
     "uint4": lambda: torch.empty(2, dtype=torch.uint4),
 }
-UNREADABLE_CALLS: list[tuple[str, Callable[..., Any]]] = [
-    ("free", lambda p, t: p.free(t)),
-    ("free-fence", lambda p, t: p.free(t, EventFence())),
-    ("record_use", lambda p, t: p.record_use(t, EventFence())),
-    ("extend_rows", lambda p, t: p.extend_rows(t, k=1)),
-    ("kv.free", lambda p, t: p.kv.free(t)),
-    ("kv.free-fence", lambda p, t: p.kv.free(t, fence=EventFence())),
-]
 
 
 @pytest.mark.parametrize("dtype", UNREADABLE_IDS)
-@pytest.mark.parametrize(
-    "call", [c for _, c in UNREADABLE_CALLS], ids=[i for i, _ in UNREADABLE_CALLS]
-)
+@pytest.mark.parametrize("call", [c for _, c in BATCH_CALLS], ids=[i for i, _ in BATCH_CALLS])
 async def test_ids_of_a_dtype_torch_cannot_read_are_refused_typed(call: Any, dtype: str) -> None:
     async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
         await pool.admit(pages=2)
@@ -798,20 +789,23 @@ async def test_ids_of_a_dtype_torch_cannot_read_are_refused_typed(call: Any, dty
         assert snapshot(pool) == before
 
 
+# (make, snapshot) of the synchronous pools: each holds two ids from alloc(2).
+SYNC_POOLS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "ReqToTokenPool": (lambda: ReqToTokenPool(10, 16), snapshot),
+    "KVPagePool": (lambda: KVPagePool(10, 4), kv_snapshot),
+}
+
+
 @pytest.mark.parametrize("dtype", UNREADABLE_IDS)
-def test_ids_of_a_dtype_torch_cannot_read_on_the_sync_pool_and_page_pool(dtype: str) -> None:
-    pool = ReqToTokenPool(10, 16)
+@pytest.mark.parametrize("kind", SYNC_POOLS)
+def test_ids_of_a_dtype_torch_cannot_read_on_the_sync_pools(kind: str, dtype: str) -> None:
+    make, snap = SYNC_POOLS[kind]
+    pool = make()
     assert pool.alloc(2) is not None
-    before = snapshot(pool)
+    before = snap(pool)
     with pytest.raises(InvalidSlotError, match=rf"dtype torch\.{dtype}"):
         pool.free(UNREADABLE_IDS[dtype]())
-    assert snapshot(pool) == before
-    kv = KVPagePool(10, 4)
-    assert kv.alloc(2) is not None
-    kv_before = kv_snapshot(kv)
-    with pytest.raises(InvalidSlotError, match=rf"dtype torch\.{dtype}"):
-        kv.free(UNREADABLE_IDS[dtype]())
-    assert kv_snapshot(kv) == kv_before
+    assert snap(pool) == before
 
 
 def test_an_empty_tensor_of_such_a_dtype_is_no_pages() -> None:

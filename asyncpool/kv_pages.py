@@ -163,7 +163,7 @@ def check_num_pages(num_pages: object) -> None:
     if num_pages > MAX_NUM_PAGES:
         raise CapacityError(
             f"num_pages must be at most 2**31 (a call's pages are numbered in int32), "
-            f"got {describe(num_pages)}"
+            f"got {num_pages!r}"
         )
 
 
@@ -387,8 +387,12 @@ class PageLedger(Deferrals[PageArray]):
             if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
                 try:
                     small = pages.tolist()
-                except (NotImplementedError, RuntimeError):  # meta, quantized, sub-byte
-                    small = None  # _tensor_array refuses it
+                except NotImplementedError:  # meta: _tensor_array refuses it
+                    small = None
+                except RuntimeError:
+                    if pages.dtype in ID_DTYPES:
+                        raise  # a device fault (CUDA) is not bad input: as it is
+                    small = None  # quantized, sub-byte: _tensor_array refuses it
                 if small is not None and self._small_ok(small, expect):
                     return small, True
             try:
@@ -557,7 +561,7 @@ class PageLedger(Deferrals[PageArray]):
     def _tensor_array(pages: torch.Tensor) -> tuple[PageArray, bool]:
         try:
             arr = pages.numpy()  # a float, bool or complex dtype is refused below
-        except (TypeError, RuntimeError):  # on a device, or no numpy dtype
+        except (TypeError, RuntimeError):  # on a device, needs grad, or no numpy dtype
             if pages.dtype not in ID_DTYPES:  # bool, float, complex, quantized, sub-byte
                 if pages.dim() == 1 and not pages.numel():
                     return np.empty(0, dtype=np.int64), True  # no pages

@@ -726,16 +726,20 @@ def describe(value: object, limit: int | None = None) -> str:
     try:
         text = repr(value)
     except Exception:
-        parts = [
-            f"{name} {getattr(value, name)}"
-            for name in ("dtype", "layout", "device")
-            if getattr(value, name, None) is not None
-        ]
-        shape = getattr(value, "shape", None)
-        if shape is not None:
-            parts.insert(1 if parts else 0, f"shape {tuple(shape)}")
-        text = f"<{type(value).__name__}" + (": " + ", ".join(parts) if parts else "") + ">"
+        text = _attributes(value)
     return text if limit is None else text[:limit]
+
+
+def _attributes(value: object) -> str:
+    """``<Tensor: dtype torch.bits8, shape (2,), layout torch.strided, device
+    cpu>``: a value's type and whichever of those attributes it has, read
+    without touching its data."""
+    parts = []
+    for name in ("dtype", "shape", "layout", "device"):
+        attr = getattr(value, name, None)
+        if attr is not None:
+            parts.append(f"{name} {tuple(attr) if name == 'shape' else attr}")
+    return f"<{type(value).__name__}" + (": " + ", ".join(parts) if parts else "") + ">"
 
 
 def as_index(value: object) -> int:
@@ -814,8 +818,7 @@ def as_row_ids(rows: object) -> Sequence[int]:
         except (RuntimeError, NotImplementedError):  # meta, sparse, quantized, sub-byte
             raise InvalidSlotError(
                 "rows must be a tensor with data (strided, on a real device) of an integer "
-                f"dtype, got a {type(rows).__name__} of dtype {getattr(rows, 'dtype', None)}, "
-                f"layout {getattr(rows, 'layout', None)}, device {getattr(rows, 'device', None)}"
+                f"dtype, got {_attributes(rows)}"
             ) from None
         return [_row_id(row) for row in values]
     if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):

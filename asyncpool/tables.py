@@ -202,7 +202,7 @@ class TokenTables:
         if max_context_len > MAX_CONTEXT_LEN:
             raise ValueError(
                 f"max_context_len must be at most 2**31 - 1 (lengths are held in int32 "
-                f"tensors), got {describe(max_context_len)}"
+                f"tensors), got {max_context_len!r}"
             )
         if enable_memory_saver.__class__ is not bool:
             raise TypeError(

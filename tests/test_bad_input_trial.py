@@ -815,3 +815,26 @@ def test_an_empty_tensor_of_such_a_dtype_is_no_pages() -> None:
     before = kv_snapshot(kv)
     assert kv.free(torch.empty(0, dtype=torch.bits8)) == 0
     assert kv_snapshot(kv) == before
+
+
+def test_a_device_error_reading_a_few_page_ids_is_not_turned_into_bad_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A few page ids are read with ``tolist()``; on a device after a sticky
+    fault that raises the device's RuntimeError, which must reach the engine
+    as it is (as for a row id, above), not turn into ``InvalidSlotError`` or
+    fall through to another way of reading the ids. Quantized and sub-byte
+    dtypes raise RuntimeError there too: those are bad input (tested above)."""
+    kv = KVPagePool(10, 4)
+    pages = kv.alloc(2)
+    assert pages is not None
+    before = kv_snapshot(kv)
+
+    def faulted_tolist(self: torch.Tensor) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", faulted_tolist)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            kv.free(pages.clone())
+    assert kv_snapshot(kv) == before

@@ -779,7 +779,7 @@ UNREADABLE_IDS: dict[str, Callable[[], torch.Tensor]] = {
 @pytest.mark.parametrize("dtype", UNREADABLE_IDS)
 @pytest.mark.parametrize("call", [c for _, c in BATCH_CALLS], ids=[i for i, _ in BATCH_CALLS])
 async def test_ids_of_a_dtype_torch_cannot_read_are_refused_typed(call: Any, dtype: str) -> None:
-    async with AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
         await pool.admit(pages=2)
         await pool.admit(pages=2)
         assert pool.kv.alloc(2) is not None  # pages the caller holds

@@ -569,7 +569,9 @@ class PageLedger(Deferrals[PageArray]):
             # A negative view (torch._neg_view) reads negated: resolve it.
             try:
                 arr = pages.detach().cpu().resolve_neg().numpy()
-            except (TypeError, RuntimeError, NotImplementedError):  # meta, sparse
+            except (TypeError, RuntimeError, NotImplementedError):
+                if not pages.is_meta and pages.layout is torch.strided:
+                    raise  # a device fault (CUDA) is not bad input: as it is
                 raise InvalidSlotError(
                     "pages must be a strided integer tensor with data, got a "
                     f"{pages.layout} tensor of {pages.dtype} on {pages.device}"

@@ -792,6 +792,9 @@ def as_row_ids(rows: object) -> Sequence[int]:
     :class:`InvalidSlotError` naming the value for floats, bools, strings,
     mappings (a dict iterates its keys) and tensors that are not 1-D. A set
     is accepted (its ids are distinct), as ``KVPagePool.free`` accepts one.
+    A tensor without readable data (meta, sparse, quantized, sub-byte) is
+    an ``InvalidSlotError``; a strided integer tensor whose read fails (a
+    device fault) raises what the device raised, as it is.
     """
     cls = rows.__class__
     if cls is list or cls is tuple or cls is range:
@@ -815,7 +818,12 @@ def as_row_ids(rows: object) -> Sequence[int]:
     if ndim == 1 and hasattr(rows, "tolist"):
         try:
             values = rows.tolist()
-        except (RuntimeError, NotImplementedError):  # meta, sparse, quantized, sub-byte
+        except (RuntimeError, NotImplementedError) as exc:
+            # Meta (NotImplementedError), sparse, quantized, sub-byte: bad
+            # input. A strided integer tensor reads unless its device
+            # faulted (a sticky CUDA error): not bad input, as it is.
+            if not isinstance(exc, NotImplementedError) and _strided_integer_tensor(rows):
+                raise
             raise InvalidSlotError(
                 "rows must be a tensor with data (strided, on a real device) of an integer "
                 f"dtype, got {_attributes(rows)}"
@@ -830,6 +838,24 @@ def as_row_ids(rows: object) -> Sequence[int]:
             f"{type(rows).__name__}"
         )
     return [_row_id(row) for row in rows]
+
+
+#: How torch prints its integer dtypes (``str(torch.int64)``), so that
+#: this module tells them apart without importing torch; tables.ID_DTYPES
+#: holds the same eight.
+_INTEGER_DTYPE_NAMES = frozenset(
+    f"torch.{kind}{bits}" for kind in ("int", "uint") for bits in (8, 16, 32, 64)
+)
+
+
+def _strided_integer_tensor(value: object) -> bool:
+    """True for a tensor whose data a failed read could not be blamed on:
+    not meta, a strided layout and one of torch's integer dtypes."""
+    return (
+        not getattr(value, "is_meta", False)
+        and str(getattr(value, "layout", "")) == "torch.strided"
+        and str(getattr(value, "dtype", "")) in _INTEGER_DTYPE_NAMES
+    )
 
 
 def index_or_error(value: object, rule: str) -> int:

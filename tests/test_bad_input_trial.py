@@ -838,3 +838,39 @@ def test_a_device_error_reading_a_few_page_ids_is_not_turned_into_bad_input(
         with pytest.raises(RuntimeError, match="illegal memory access"):
             kv.free(pages.clone())
     assert kv_snapshot(kv) == before
+
+
+def _faulted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _on_a_device(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
+@pytest.mark.parametrize(("name", "call"), BATCH_CALLS, ids=[i for i, _ in BATCH_CALLS])
+async def test_a_device_error_reading_a_batch_of_ids_is_not_turned_into_bad_input(
+    name: str, call: Any, many: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1-D integer tensor of rows or pages on a device after a sticky
+    fault: ``tolist()`` (rows; a few pages) and ``.cpu()`` (many pages, after
+    ``numpy()`` refuses a device tensor) raise the device's RuntimeError,
+    which must reach the engine as it is, as for one row id (above), not
+    become ``InvalidSlotError``. Meta, sparse, quantized and sub-byte tensors
+    fail the same reads and stay bad input (tested above and in
+    test_bad_input)."""
+    n = 24 if many else 2  # pages past PageLedger's few-ids path (16) for "many"
+    async with bounded(), AsyncReqToTokenPool(30, 16, kv=KVPagePool(2 * n + 2, 4)) as pool:
+        rows = [(await pool.admit(pages=1)).row for _ in range(n)]
+        held = pool.kv.alloc(n)  # pages the caller holds
+        assert held is not None
+        ids = held.clone() if name.startswith("kv.") else torch.tensor(rows)
+        before = snapshot(pool)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "tolist", _faulted)
+            patch.setattr(torch.Tensor, "numpy", _on_a_device)
+            patch.setattr(torch.Tensor, "cpu", _faulted)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                call(pool, ids)
+        assert snapshot(pool) == before

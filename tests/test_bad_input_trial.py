@@ -874,3 +874,11 @@ async def test_a_device_error_reading_a_batch_of_ids_is_not_turned_into_bad_inpu
             with pytest.raises(RuntimeError, match="illegal memory access"):
                 call(pool, ids)
         assert snapshot(pool) == before
+
+
+def test_the_ledger_names_the_same_integer_dtypes_the_tables_hold() -> None:
+    """ledger.py tells a device fault from bad input by the dtype's printed
+    name (it imports no torch); those names must be tables.ID_DTYPES'."""
+    from asyncpool import ledger, tables
+
+    assert {str(dtype) for dtype in tables.ID_DTYPES} == ledger._INTEGER_DTYPE_NAMES

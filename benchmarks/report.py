@@ -433,7 +433,8 @@ def render_markdown(
         "`VENV/bin/python -m benchmarks`, run from the repo root, then measures everything "
         "with the peers' rows (`--only pages,decode` for those alone: a subset leaves this "
         "page as it is). The "
-        "script runs exactly these commands (`$WHEELS` is a temporary folder); vLLM is its "
+        "script's install commands are these (`$WHEELS` is a temporary folder; it also clears "
+        "`$VENV/vllm-src` before unpacking and ends by importing both peers); vLLM is its "
         "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",
         "",
         "```bash",

@@ -46,6 +46,13 @@ def kit() -> Iterator[Streams]:
 
 
 @pytest.fixture
+def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.is_available()`` answers False for one test, so the
+    CPU-only refusals are tested on a GPU machine too (rather than skipped)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
 def quiet_asyncpool_logs() -> Iterator[None]:
     """The ``asyncpool`` logger at CRITICAL for one test, then as it was.
 

@@ -139,7 +139,7 @@ async def test_try_admit_reclaims_completed_fences_before_answering_none(kit):
         pool.free([g.row], after=stream)
         assert kv_of(pool).pending_size() == 4
         gate.open()
-        await asyncio.to_thread(stream.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), WAIT_S)
         g2 = pool.try_admit(pages=4)
         assert g2 is not None
         pool.free(g2.row)
@@ -376,11 +376,11 @@ async def test_free_waits_for_use_and_explicit_fence_on_pages(kit):
         kv = kv_of(pool)
         assert kv.pending_size() == 2
         g1.open()
-        await asyncio.to_thread(s1.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(s1.synchronize), WAIT_S)
         pool.reclaim()
         assert kv.pending_size() == 2  # still behind s2's fence
         g2.open()
-        await asyncio.to_thread(s2.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(s2.synchronize), WAIT_S)
         pool.reclaim()
         assert kv.pending_size() == 0 and pool.pending_size() == 0
         conserved(pool)
@@ -399,7 +399,7 @@ async def test_a_faulted_fence_quarantines_row_and_pages(kit, caplog):
         stream.launch(boom)
         pool.free([g.row], after=stream)
         gate.open()
-        await asyncio.to_thread(settled, stream)
+        await asyncio.wait_for(asyncio.to_thread(settled, stream), WAIT_S)
         pool.reclaim()
         st = pool.stats()
         assert st.quarantined == 1 and st.pages_quarantined == 3
@@ -556,7 +556,7 @@ async def test_extend_reclaims_completed_page_fences_first(kit):
         pool.free([a.row], after=stream)
         assert pool.extend(b.row, 3) is None  # behind the gate
         gate.open()
-        await asyncio.to_thread(stream.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), WAIT_S)
         more = pool.extend(b.row, 3)
         assert more is not None and len(pool.pages_of(b.row)) == 4
         pool.free(b.row)
@@ -687,8 +687,11 @@ async def test_overdue_fence_is_counted_and_logged_once_memory_held(kit, caplog)
             msg = record.getMessage()
             assert repr(stuck) in msg and "1 row " in msg and "3 pages" in msg
             other = kit.event_fence()
+            seen.event.clear()
             pool.free([h.row], fence=other)  # arms another check, past the timeout
-            await asyncio.sleep(0.3)  # later checks do not log the same fence again
+            async with asyncio.timeout(WAIT_S):
+                await seen.event.wait()  # that check's records, all of them
+            # It logged the new fence and not the one already logged.
             assert len(seen.records) == 2 and repr(other) in seen.records[1].getMessage()
             del seen.records[1]
             other.set()
@@ -771,7 +774,7 @@ async def test_force_release_stops_watching_and_covers_uses_still_recorded(kit):
         assert pool._watcher.polled == 0  # nothing waits on it: not asked again
         pool.free([b.row])
         gate.open()
-        await asyncio.to_thread(stream.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), WAIT_S)
         pool.reclaim()
         assert pool.pending_size() == 1  # b waits for `other` only
         other.set()
@@ -795,7 +798,7 @@ async def test_force_release_of_one_fence_of_two_keeps_waiting_for_the_other(kit
         pool.force_release(stuck)
         assert pool.pending_size() == 1 and kv_of(pool).pending_size() == 2
         gate.open()
-        await asyncio.to_thread(stream.synchronize)
+        await asyncio.wait_for(asyncio.to_thread(stream.synchronize), WAIT_S)
         pool.reclaim()
         assert pool.pending_size() == 0 and kv_of(pool).pending_size() == 0
         conserved(pool)
@@ -1209,7 +1212,7 @@ async def test_a_faulted_page_fence_counts_in_pool_stats(kit, caplog):
         pages = pool.detach_pages(g.row)
         pool.free(g.row)
         kv_of(pool).free(pages, after=stream)
-        await asyncio.to_thread(settled, stream)
+        await asyncio.wait_for(asyncio.to_thread(settled, stream), WAIT_S)
         pool.reclaim()
         assert pool.stats().pages_quarantined == 1
         assert kv_of(pool).stats().fence_errors == 1

@@ -337,7 +337,7 @@ def test_a_device_torch_cannot_use_is_a_device_error(make: Any, device: Any) -> 
         make(device)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.usefixtures("without_cuda")
 def test_page_pool_on_cuda_without_cuda_is_a_device_error() -> None:
     with pytest.raises(DeviceError, match="needs CUDA"):
         KVPagePool(10, 4, device="cuda")

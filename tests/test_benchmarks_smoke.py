@@ -91,7 +91,8 @@ def _check_pages(rows: list[Row]) -> None:
 
 
 async def test_pages() -> None:
-    rows, skipped = await bench_pages(SMOKE)
+    async with bounded(LONG_S):
+        rows, skipped = await bench_pages(SMOKE)
     _check_pages(rows)
     counts = SMOKE.pages_counts
     # The seed-style peer is always there, at every n.
@@ -139,7 +140,8 @@ async def test_pages_peers_found_skipped_and_broken(monkeypatch: pytest.MonkeyPa
             "Broken": ("numpy", broken),
         },
     )
-    rows, skipped = await bench_pages(SMOKE)
+    async with bounded(LONG_S):
+        rows, skipped = await bench_pages(SMOKE)
     _check_pages(rows)
     assert set(skipped) == {"pages vs SGLang", "pages vs Broken"}
     assert "`asyncpool_no_such_peer` is not importable" in skipped["pages vs SGLang"]
@@ -178,7 +180,8 @@ def _check_decode(rows: list[Row]) -> None:
 async def test_decode() -> None:
     """The asyncpool sides always run (their page counts checked every step);
     each peer is measured or said skipped, never both."""
-    rows, skipped = await bench_decode(SMOKE)
+    async with bounded(LONG_S):
+        rows, skipped = await bench_decode(SMOKE)
     _check_decode(rows)
     for peer, (_, _, bench) in decode_mod.PEERS.items():
         measured = [r for r in rows if peer in r.samples]  # keyed by the PEERS name
@@ -230,7 +233,8 @@ async def test_decode_peers_found_skipped_broken_and_checked(
             "Broken": ("numpy", broken, decode_mod.BENCH_SLOTS),
         },
     )
-    rows, skipped = await bench_decode(SMOKE)
+    async with bounded(LONG_S):
+        rows, skipped = await bench_decode(SMOKE)
     _check_decode(rows)
     assert [(r.bench, r.reference) for r in rows] == [
         (decode_mod.BENCH_PAGES, "vLLM stand-in"),
@@ -241,8 +245,9 @@ async def test_decode_peers_found_skipped_broken_and_checked(
     assert "RuntimeError: no CUDA here" in skipped["decode vs Broken"]
 
     monkeypatch.setattr(decode_mod, "PEERS", {"Greedy": ("numpy", _Greedy, decode_mod.BENCH_PAGES)})
-    with pytest.raises(AssertionError, match="greedy stand-in: step 0 handed out"):
-        await bench_decode(SMOKE)
+    async with bounded(LONG_S):
+        with pytest.raises(AssertionError, match="greedy stand-in: step 0 handed out"):
+            await bench_decode(SMOKE)
 
 
 def test_decode_scenario() -> None:
@@ -358,7 +363,8 @@ async def test_wake_latency() -> None:
 async def test_metrics_scrape() -> None:
     from benchmarks.bench_metrics import bench_metrics_scrape
 
-    rows = await bench_metrics_scrape(SMOKE)
+    async with bounded(LONG_S):
+        rows = await bench_metrics_scrape(SMOKE)
     _check(rows)
     assert rows[0].target is not None and rows[0].reference_value == 1e6
 

@@ -588,8 +588,11 @@ async def test_host_stream_closed_with_work_queued_runs_it() -> None:
         closer = asyncio.create_task(asyncio.to_thread(stream.close))
         async with bounded():
             await until(lambda: stream.closed, "close() to mark the stream closed")
-            await asyncio.sleep(0.01)
-        assert not closer.done()  # close waits for the queued work
+        # close waits for the queued work: it must not finish while the gate
+        # holds that work (given 10 ms in which a close that did not wait
+        # would return).
+        done, _ = await asyncio.wait({closer}, timeout=0.01)
+        assert not done and ran == []
         gate.set()
         async with asyncio.timeout(10):
             await closer

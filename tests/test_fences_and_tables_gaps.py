@@ -286,7 +286,7 @@ def test_memory_saver_pause_and_resume_reach_the_saver() -> None:
     assert saver.calls == [("pause", "kv_cache"), ("resume", "kv_cache")]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+@pytest.mark.usefixtures("without_cuda")
 @pytest.mark.parametrize("device", ["cpu", "cpu:0"])  # "meta" is a DeviceError now
 def test_memory_saver_without_cuda_says_the_machine_has_none(device: str) -> None:
     """On a machine without CUDA, ``enable_memory_saver=True`` is refused

@@ -274,27 +274,53 @@ async def test_a_stale_wake_up_flag_of_another_loop_does_not_suppress_wake_ups(k
 # ---------------------------------------------------------------- the poller
 
 
+class _IdleCondition(threading.Condition):
+    """Says whether a thread is blocked in ``wait()`` (``inside``, read under
+    the condition's lock, is True only while a waiter has released it) and
+    how each wait ended (``ended``: True notified, False timed out)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.inside = False
+        self.ended: list[bool] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.inside = True
+        try:
+            notified = super().wait(timeout)
+        finally:
+            self.inside = False  # the lock is held again here
+        self.ended.append(notified)
+        return notified
+
+
 def test_a_fence_watched_while_the_poller_idles_wakes_it():
     fired = threading.Event()
     watcher = FenceWatcher(fired.set)
+    cond = watcher._poll_cond = _IdleCondition(watcher._lock)
     try:
         first = EventFence()
         first.set()
         watcher.watch(first)
         assert fired.wait(WAIT_S)
-        # Let the poller run out of fences and block for new ones (a pass
-        # every <= 1 ms while it still polls; none for 20 ms means idle).
+        # Until the poller has run out of fences and blocks for new ones
+        # (it lingers there for a second before it exits).
         deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            polls = watcher.polls
-            time.sleep(0.02)
-            if watcher.polls == polls and watcher.polled == 0:
-                break
+        while True:
+            with watcher._lock:
+                if cond.inside and not watcher.polled:
+                    idle_wait = len(cond.ended)  # the wait it is blocked in
+                    break
+            assert time.monotonic() < deadline, "the poller never went idle"
+            time.sleep(0.001)
         fired.clear()
         second = EventFence()
         second.set()
         watcher.watch(second)
-        assert fired.wait(WAIT_S), "the idle poller was not woken by watch()"
+        assert fired.wait(WAIT_S)
+        # watch() woke the idle wait: it did not merely time out (a second
+        # later) and find the fence then.
+        assert cond.ended[idle_wait] is True, "the idle poller was not woken by watch()"
     finally:
         watcher.stop()
         assert watcher.join(WAIT_S)

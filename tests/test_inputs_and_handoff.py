@@ -286,7 +286,7 @@ async def test_after_that_is_not_a_stream_names_the_after_parameter():
             await pool.close()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.usefixtures("without_cuda")
 @pytest.mark.parametrize("cls", [ReqToTokenPool, AsyncReqToTokenPool])
 def test_cuda_device_without_cuda_is_a_clear_pool_error(cls):
     with pytest.raises(DeviceError, match="needs CUDA") as info:

@@ -223,7 +223,9 @@ async def test_wait_leaves_no_cycle_through_a_timeout() -> None:
         gc.enable()
 
 
-async def test_a_timer_firing_after_the_grant_does_nothing() -> None:
+async def test_a_timer_firing_after_the_grant_does_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The grant and the waiter's timer fall due in the same loop turn: the
     grant wins, the timer finds the future settled and leaves it (and the
     queue) alone: no error in the loop's handler, no extra grant pass."""
@@ -233,6 +235,14 @@ async def test_a_timer_firing_after_the_grant_does_nothing() -> None:
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     window: collections.deque[float] = collections.deque()
+    fired = asyncio.Event()
+    expire = type(queues)._expire
+
+    def expire_and_say(self: Any, *args: Any) -> None:
+        expire(self, *args)
+        fired.set()
+
+    monkeypatch.setattr(type(queues), "_expire", expire_and_say)
     try:
         async with bounded():
             waiter, handle = queues.enqueue(_Need(1), 0, 0.0, loop, window, Histogram())
@@ -242,8 +252,7 @@ async def test_a_timer_firing_after_the_grant_does_nothing() -> None:
             rows.free.append(9)
             queues.grant()  # the head is served; its timer is still armed
             assert fut.result() == [9] and rows.takes == [1, 2]
-            for _ in range(3):
-                await asyncio.sleep(0.001)
+            await fired.wait()  # the timer has run
             assert errors == []
             assert fut.result() == [9] and not blocked.done()
             assert rows.takes == [1, 2]  # the fired timer ran no grant pass
@@ -346,7 +355,7 @@ async def test_admit_refuses_at_once_what_quarantined_pages_alone_rule_out(
         g = await pool.admit(pages=2)
     pool.trim_pages(g.row, 0, after=stream)
     gate.open()
-    await asyncio.to_thread(_settled, stream)
+    await asyncio.wait_for(asyncio.to_thread(_settled, stream), WAIT_S)
     pool.reclaim()
     st = pool.stats()
     assert st.pages_quarantined == 2 and st.quarantined == 0

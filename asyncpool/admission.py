@@ -161,14 +161,18 @@ class Admission:
         pages holds no row, and one short of rows holds no pages. Waits in
         the same queue as :meth:`alloc`, FIFO within ``priority``; the head
         blocks those behind it whatever they need. Returns at once, without
-        suspending, when nobody is queued and both fit (reclaiming completed
-        fences first). The row owns its pages until it is freed (with them)
-        or they are detached; do not modify ``grant.pages`` in place.
+        suspending, when nobody is queued, both fit (reclaiming completed
+        fences when short) and the memory is not released. The row owns its
+        pages until it is freed (with them) or they are detached; do not
+        modify ``grant.pages`` in place.
 
         Raises :class:`CapacityError` at once for a page count that is not an
         int in ``0..kv.capacity`` (or a pool without ``kv``), or one that can
-        never fit because of quarantine; :class:`PoolBusyError`,
-        :class:`PoolClosedError` and ``TimeoutError`` as :meth:`alloc` does.
+        never fit because of quarantine (also to a waiter, when quarantine
+        makes its request impossible while it waits); ``TypeError`` and
+        ``ValueError`` for ``priority`` and ``timeout``,
+        :class:`PoolBusyError`, :class:`PoolClosedError` and
+        ``TimeoutError`` as :meth:`alloc` does.
         On any exception, cancellation included, nothing was allocated; a
         waiter cancelled after its grant gives row and pages back.
         """
@@ -306,7 +310,8 @@ class Admission:
         hand-over (README: *Growth and queued admissions*). Raises
         :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
         :class:`InvalidSlotError` unless ``row`` is allocated,
-        :class:`PoolClosedError` after :meth:`close`; changing nothing.
+        :class:`PoolClosedError` after :meth:`close`; changing nothing. On a
+        pool without ``kv``: :class:`CapacityError`.
         """
         self._check_thread()
         k = self._page_count(k, 1)
@@ -454,7 +459,8 @@ class Admission:
         for a ``keep`` that is not an int >= 0 (or one per row),
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows or for a record written into (as :meth:`free`), ``TypeError``
-        for a non-fence. Allowed after :meth:`close`, as :meth:`free`.
+        for a non-fence; :class:`CapacityError` on a pool without ``kv``.
+        Allowed after :meth:`close`, as :meth:`free`.
         """
         self._check_thread()
         pages = self._kv_pages("trim a row's pages")

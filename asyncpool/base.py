@@ -157,10 +157,15 @@ class PoolCore:
         return self._ledger.quarantined
 
     def allocated_size(self) -> int:
+        """Rows handed out and not yet freed."""
         return self._ledger.allocated
 
     def set_req_pool_info(self, req_pool_idx: int, metadata: ReqToTokenPoolInfo) -> None:
-        """Write a row's lengths and token slots (for chunked prefill)."""
+        """Write a row's lengths and token slots (for chunked prefill).
+
+        Raises :class:`InvalidSlotError`, changing nothing, for row 0, a row
+        out of range or not allocated, and metadata that does not fit the
+        row (lengths, dtype, shape, slot ids out of range)."""
         row = self._tables.check_row(req_pool_idx)
         if self._ledger.state_of(row) != "allocated":
             raise self._ledger._row_error(row, "written")

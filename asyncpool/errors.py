@@ -3,7 +3,13 @@
 Every error is a :class:`PoolError`, so ``except PoolError`` catches all of
 them. Several also derive from the builtin that a caller would reach for
 first: a bad size is a ``ValueError``, a closed pool a ``RuntimeError``.
-A call that raises any of these has changed nothing in the pool.
+A call that raises any of these has changed nothing in the pool, with
+these exceptions, each documented where it happens: ``lease``'s exit frees
+the rows its body did not free before raising :class:`DoubleFreeError` for
+those it did; ``bind()`` and ``release_memory()`` return memory behind
+completed fences to circulation before they refuse; and a queued waiter
+failed by :class:`CapacityError` or :class:`PoolClosedError` holds
+nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ class PoolError(Exception):
 
 
 class CapacityError(PoolError, ValueError):
-    """A requested row count is not an int in ``1..capacity``.
+    """A requested count of rows or pages can never be met.
 
-    Raised at once, never after a wait: a request that can never be met is
-    refused rather than queued forever.
+    Not an int in ``1..capacity`` (pages: ``0..kv.capacity``), or more than
+    the memory that is not quarantined: raised at once, rather than queued
+    forever. A waiter already queued gets it too, when a fence that faults
+    quarantines memory so that its request can no longer fit.
     """
 
 
@@ -54,8 +62,11 @@ class PoolClosedError(PoolError, RuntimeError):
 class PoolBusyError(PoolError):
     """The pool refuses the call in its current state.
 
-    ``max_waiters`` waiters already queue (load shedding), or
-    ``release_memory()`` was asked while rows are still allocated.
+    ``max_waiters`` waiters already queue (load shedding);
+    ``release_memory()`` while rows or pages are allocated;
+    ``resume_memory()`` while a release still drains; ``bind()`` while
+    anyone waits or anything is pending behind a fence; ``clear()`` of a
+    ``KVPagePool`` that serves a row pool (``kv=``).
     """
 
 

@@ -137,7 +137,8 @@ class HostFence:
         return False
 
     def synchronize(self) -> None:
-        """Block the calling thread until the fence completes or faults."""
+        """Block the calling thread until the fence completes; raise
+        :class:`FenceError` if it faulted."""
         self._event.wait()
         if self._state == _FAULTED:
             raise self._fault()
@@ -349,6 +350,7 @@ class HostStream:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called."""
         return self._closed
 
     def launch(self, fn: Callable[..., object], *args: object) -> None:
@@ -356,7 +358,7 @@ class HostStream:
 
         ``TypeError`` for an ``fn`` that is not callable, queueing nothing
         (as ``loop.call_soon`` does): on the worker it would fault the
-        stream for good.
+        stream for good. ``RuntimeError`` on a closed stream.
         """
         if not callable(fn):
             raise TypeError(
@@ -376,6 +378,7 @@ class HostStream:
         without a trip through the worker. Work launched concurrently from
         another thread is either ordered before this call (and covered by
         the fence) or after it; ``launch`` and ``record`` take the same lock.
+        ``RuntimeError`` on a closed stream.
         """
         with self._lock:
             self._check_open()
@@ -405,7 +408,8 @@ class HostStream:
         self.launch(synchronize)
 
     def synchronize(self) -> None:
-        """Block until all work launched so far has run; raise if faulted."""
+        """Block until all work launched so far has run; :class:`FenceError`
+        if the stream faulted, ``RuntimeError`` if it is closed."""
         self.record().synchronize()
 
     def close(self, *, cancel_pending: bool = False) -> None:
@@ -490,9 +494,11 @@ class CudaFence:
         return f"<CudaFence stream={self.stream_key} seq={self.seq}>"
 
     def query(self) -> bool:
+        """True once the event's work on its stream has completed; never blocks."""
         return bool(self.event.query())  # type: ignore[no-untyped-call]
 
     def synchronize(self) -> None:
+        """Block the calling thread until the event's work has completed."""
         self.event.synchronize()
 
     def __del__(self) -> None:
@@ -523,6 +529,8 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
     a pooled event. Both carry ``stream_key`` and ``seq``. Fences of one CUDA
     stream are ordered by the order of ``record_fence`` calls, so record from
     one thread per stream (the scheduler's), as a CUDA stream is used anyway.
+    ``TypeError`` for anything else; ``RuntimeError`` for a closed
+    :class:`HostStream`.
     """
     if isinstance(stream, HostStream):
         return stream.record()

@@ -1030,10 +1030,14 @@ class KVPagePool:
         are checked), the pages wait for every such fence; a fence already
         faulted quarantines them.
 
-        Raises, changing nothing: ``TypeError`` for a non-fence,
-        :class:`InvalidSlotError` for page 0, ids out of range, non-integer
-        ids or dtypes, duplicates, pages not allocated (or quarantined),
-        :class:`DoubleFreeError` for pages already free or pending. A call
+        Raises, changing nothing: ``TypeError`` for a non-fence or an
+        ``after`` that is not a stream, ``RuntimeError`` for a closed
+        ``HostStream`` as ``after``, :class:`InvalidSlotError` for page 0, ids
+        out of range, non-integer ids or dtypes, duplicates, pages not
+        allocated (or quarantined) and pages a row of the served pool owns
+        (``kv=``: free the row, or detach them first),
+        :class:`DoubleFreeError` for pages already free or pending;
+        :class:`WrongThreadError` from another thread than the served pool's. A call
         with one bad id among good ones frees none. Pages carry no
         generation (rows do): a stale id of a page that was freed and
         handed out again is allocated, so freeing it frees the new owner's
@@ -1186,7 +1190,10 @@ class KVPagePool:
         (``reclaim="explicit"``; see :mod:`asyncpool.agreement`). A
         collective: every rank calls it at the same point. Returns the pages
         made free; raises :class:`AgreementError` on every rank, changing
-        nothing, when the ranks' pools disagree.
+        nothing, when the ranks' pools disagree. ``RuntimeError`` on an
+        ``"auto"`` pool or without an initialised ``torch.distributed``, and
+        ``TypeError``/``ValueError`` for a bad ``group``, raise on this rank
+        alone, before the collective (the other ranks then wait in it).
         """
         if self._guard is not None:
             self._guard()
@@ -1201,7 +1208,8 @@ class KVPagePool:
 
         Never releases a page behind an incomplete fence: pages already
         pending stay pending and return through :meth:`reclaim` once their
-        fences complete; quarantined pages stay quarantined. Allocated pages
+        fences complete (``reclaim="explicit"``: through :meth:`retire` or
+        :meth:`agree`); quarantined pages stay quarantined. Allocated pages
         carry no fence the pool knows of, so call this only when no work in
         flight still writes them. Raises :class:`PoolBusyError`, changing
         nothing, while the pool serves an ``AsyncReqToTokenPool`` (``kv=``):
@@ -1244,6 +1252,7 @@ class KVPagePool:
         return self._ledger.quarantined
 
     def allocated_size(self) -> int:
+        """Pages handed out and not yet freed (a row's pages included)."""
         return self._ledger.allocated
 
     def slots(self, pages: object) -> torch.Tensor:
@@ -1261,6 +1270,8 @@ class KVPagePool:
         return torch.from_numpy(slots).to(self.device)
 
     def stats(self) -> KVPageStats:
+        """A snapshot of the page counts and totals; changes nothing, and may
+        be read from another thread (a metrics scrape)."""
         led = self._ledger
         return KVPageStats(
             num_pages=self.num_pages,
@@ -1284,7 +1295,9 @@ class KVPagePool:
         """Raise AssertionError unless every bookkeeping invariant holds.
 
         On the page pool of an ``AsyncReqToTokenPool``, from that pool's
-        thread only (:class:`WrongThreadError` otherwise), as every call.
+        thread only (:class:`WrongThreadError` otherwise), as every call
+        that changes the pool (the reads a metrics scrape makes are not
+        checked).
         """
         if self._guard is not None:
             self._guard()

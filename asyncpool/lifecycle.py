@@ -230,8 +230,8 @@ class Lifecycle:
         """Close the pool: new allocations and current waiters fail.
 
         Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
-        later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend`` calls
-        too. ``free`` still works, and rows
+        later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend``/
+        ``extend_rows``/``release_memory`` calls too. ``free`` still works, and rows
         pending behind fences stay pending (``drain()`` waits for them).
         Never waits for a fence: the fence watcher is told to stop, and only
         its threads that are not inside a fence's ``synchronize()`` are
@@ -256,16 +256,19 @@ class Lifecycle:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called."""
         return self._closed
 
     async def release_memory(self) -> None:
         """Drain fences and release the ``kv_cache`` memory region.
 
         While released, ``alloc``/``admit`` wait and ``try_alloc``,
-        ``try_admit`` and ``extend`` return None; so they do during the
-        drain. Raises :class:`PoolBusyError` (and stays serving) if rows, or
-        pages of the ``kv`` pool (detached ones included), are allocated:
-        at once, before any drain, and again once fences are drained. Without the memory saver the
+        ``try_admit``, ``extend`` and ``extend_rows`` return None; so they do
+        during the drain. Raises :class:`PoolClosedError` on a closed pool,
+        and :class:`PoolBusyError` (and stays serving) if rows, or pages of
+        the ``kv`` pool (detached ones included), are allocated: at once,
+        before any drain, and again once fences are drained. Without the
+        memory saver the
         memory step is a no-op and the state machine is the same. A call
         made while another is draining waits for it and shares its outcome
         (it raises :class:`PoolBusyError` if that one did not release).

@@ -178,18 +178,22 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         ``TypeError``.
     max_waiters
         At most this many ``alloc``/``admit`` calls may queue; one more raises
-        :class:`PoolBusyError` at once (load shedding). ``None``: unbounded.
+        :class:`PoolBusyError` at once (load shedding). ``None``: unbounded;
+        otherwise an int >= 0 (``ValueError``).
     kv
         A :class:`KVPagePool` whose pages this pool hands out with its rows
-        (:meth:`admit`); it then serves this pool only. Without it the pool
-        manages rows only, exactly as fast as before.
+        (:meth:`admit`); it then serves this pool only (``TypeError`` for
+        anything else, ``ValueError`` for a page pool that already serves
+        another). Without it the pool manages rows only, exactly as fast as
+        before.
     fence_timeout
         Seconds after which a fence still holding rows or pages is
         *overdue*: logged once at WARNING and counted in :meth:`stats`; its
-        memory stays held (see :meth:`force_release`). ``None``: never.
-        With ``reclaim="explicit"`` a fence is overdue when :meth:`agree`
-        finds it not done past the timeout on some rank, counted at the
-        same call on every rank.
+        memory stays held (see :meth:`force_release`). ``None``: never;
+        otherwise a finite number > 0 (``ValueError``). With
+        ``reclaim="explicit"`` a fence is overdue when :meth:`agree` finds
+        it not done past the timeout on some rank, counted at the same call
+        on every rank.
     reclaim
         ``"auto"`` (default): memory returns as soon as its fences complete
         (fence callbacks, watcher threads, reclaim inside ``alloc``).
@@ -200,7 +204,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         for fences the scheduler does not observe), so ranks that make the
         same calls make the same grants. ``kv`` follows the pool's mode (a
         fresh ``"auto"`` page pool is switched to explicit). See the
-        README's tensor-parallel section.
+        README's tensor-parallel section. Anything else: ``ValueError``.
+
+    ``async with pool:`` returns the pool and calls :meth:`close` on exit.
     """
 
     def __init__(
@@ -408,11 +414,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         ``bind()`` in the scheduler's thread (or in its event loop) before
         using it there. Without a running loop only the thread is bound; the
         first ``alloc`` that has to wait binds the loop. From then on, calls
-        from any other thread raise :class:`WrongThreadError`.
+        from any other thread raise :class:`WrongThreadError`, except on the
+        two unchecked fast paths (``alloc(1)`` of a clean row, ``free([row])``
+        of one unfenced row while nobody waits; the module docstring says
+        why a foreign call there is safe).
 
         The previous thread must have stopped calling the pool. Raises
-        :class:`PoolBusyError`, changing nothing, while an ``alloc`` waits or
-        a row is pending behind a fence (their wake-ups belong to the old
+        :class:`PoolBusyError` while an ``alloc`` or ``admit`` waits or a row
+        or page is pending behind a fence (their wake-ups belong to the old
         loop); free or drain first. Fences that completed are reclaimed
         first, and waiters of a loop that was closed under them (their tasks
         can never resume) are dropped, not counted.
@@ -479,15 +488,20 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     async def alloc(self, n: int, *, priority: int = 0, timeout: float | None = None) -> list[int]:
         """Allocate ``n`` rows, waiting until they can all be granted at once.
 
-        Returns at once, without suspending, when nobody is queued and ``n``
-        rows are free. Otherwise waits FIFO within ``priority`` (lower number
+        Returns at once, without suspending, when nobody is queued, ``n``
+        rows are free and the memory is not released (see
+        :meth:`release_memory`). Otherwise waits FIFO within ``priority`` (lower number
         first; the head of the most urgent queue blocks everyone behind it,
         so large requests do not starve). Rows that are only pending behind a
         fence are waited for, not treated as exhaustion.
 
         Raises :class:`CapacityError` at once for ``n`` that is not an int in
-        ``1..capacity``, :class:`PoolBusyError` when ``max_waiters`` already
-        queue, :class:`PoolClosedError` when the pool is (or gets) closed,
+        ``1..capacity`` or more rows than are not quarantined, and to a
+        waiter whose request quarantine makes impossible while it waits;
+        ``TypeError`` for a ``priority`` that is not an integer (a bool, a
+        float), ``ValueError`` for a ``timeout`` that is not a number >= 0;
+        :class:`PoolBusyError` when ``max_waiters`` already queue,
+        :class:`PoolClosedError` when the pool is (or gets) closed,
         ``TimeoutError`` after ``timeout`` seconds. On any exception,
         cancellation included, nothing was allocated.
         """
@@ -749,7 +763,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """Allocate ``n`` rows now, or return None; never waits.
 
         Returns None while anyone is queued (no queue jumping) or while the
-        memory is released; reclaims completed fences before answering None.
+        memory is released; otherwise, when the free rows are short, it
+        reclaims completed fences before answering None.
         Raises :class:`CapacityError` for bad ``n`` and
         :class:`PoolClosedError` after :meth:`close`.
         """
@@ -776,7 +791,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Call it once per scheduler step, right after launching the step, with
         the one fence recorded after that launch. A later :meth:`free` of a
         row then waits for the newest use recorded for it (per stream).
-        Raises, changing nothing, unless every row is allocated.
+        Raises, changing nothing: :class:`InvalidSlotError` unless every row
+        is allocated, ``TypeError`` for a ``fence`` that is not a fence.
         """
         self._check_thread()
         self._ledger.record_use(rows, fence)
@@ -800,7 +816,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Raises,
         changing nothing, for row 0, out-of-range or non-int ids, rows not
         allocated (:class:`DoubleFreeError` for one already freed),
-        duplicates, and a ``fence`` that is not a fence. Allowed after
+        duplicates, a ``fence`` that is not a fence (``TypeError``), an
+        ``after`` that is not a stream (``TypeError``) or a closed
+        ``HostStream`` (``RuntimeError``), and, with ``kv``, a row whose page
+        record was written into (:class:`InvalidSlotError`). Allowed after
         :meth:`close`.
         """
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
@@ -904,7 +923,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         in the ids they hold: they did not make the same calls) or were
         built otherwise (``kv=`` on some ranks only). ``RuntimeError`` on an
         ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
-        ``TypeError``/``ValueError`` for a bad ``group`` raise on this rank
+        ``TypeError``/``ValueError`` for a bad ``group`` (``RuntimeError``
+        when ``torch.distributed`` is not initialised) raise on this rank
         alone, before the collective: the other ranks then wait in it until
         the group's timeout.
         """
@@ -938,7 +958,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         free or use naming ``fence`` waits for it again, since a fence
         object may be armed again (a CUDA event recorded anew); a transfer
         known dead should answer ``query()`` True instead (docs/cuda.md).
-        Raises ``TypeError`` for a non-fence.
+        Rows and pages quarantined behind a fence that *faulted* stay
+        quarantined (a faulted writer may still write; nothing returns
+        them). Raises ``TypeError`` for a non-fence, changing nothing.
         """
         self._check_thread()
         led = self._ledger
@@ -1173,7 +1195,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.
 
-        Never mutates the pool. ``summaries=False`` leaves ``wait_time`` and
+        Changes nothing a caller can see (it only caches a count it derives).
+        ``summaries=False`` leaves ``wait_time``, ``admit_wait`` and
         ``fence_latency`` empty (sorting their sample windows is the costly
         part); metrics scrapes use it. May be called from another thread (a
         scrape): the figures are then read a few operations apart.

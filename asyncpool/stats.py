@@ -148,6 +148,7 @@ class LatencySummary:
 
     @classmethod
     def of(cls, samples: Iterable[float]) -> LatencySummary:
+        """The summary of ``samples`` (seconds); all zeros for none."""
         data = sorted(samples)
         n = len(data)
         if not n:

@@ -110,7 +110,11 @@ class ReqToTokenPool(PoolCore):
         return led.free_count
 
     def record_use(self, rows: Rows, fence: Fence) -> None:
-        """Tie ``rows`` to work that completes with ``fence`` (see the ledger)."""
+        """Tie ``rows`` to work that completes with ``fence``: a later
+        :meth:`free` of a row waits for the newest use recorded for it (per
+        stream). Raises, changing nothing: :class:`InvalidSlotError` unless
+        every row is allocated, ``TypeError`` for a ``fence`` that is not a
+        fence."""
         self._ledger.record_use(rows, fence)
 
     def free(
@@ -126,8 +130,11 @@ class ReqToTokenPool(PoolCore):
         position or keyword, ``after`` by keyword only. ``after=stream``
         records a fence on ``stream`` now and waits for it too. Returns how
         many rows were free at once. Raises, changing nothing, for bad rows
-        or a non-fence. ``free_index``: an int, a list of ints, integer
-        scalars or a 1-D integer tensor or array.
+        (:class:`InvalidSlotError`, :class:`DoubleFreeError`), a non-fence
+        or an ``after`` that is not a stream (``TypeError``) and a closed
+        ``HostStream`` as ``after`` (``RuntimeError``). ``free_index``: an
+        int, a list of ints, integer scalars or a 1-D integer tensor or
+        array.
         """
         led = self._ledger
         if after is not None:
@@ -168,7 +175,10 @@ class ReqToTokenPool(PoolCore):
         A collective over a ``torch.distributed`` process group (None: the
         default group): every rank calls it at the same point. Returns the
         rows made free. Raises :class:`AgreementError` on every rank,
-        changing nothing, when the ranks' pools disagree.
+        changing nothing, when the ranks' pools disagree. ``RuntimeError`` on
+        an ``"auto"`` pool or without an initialised ``torch.distributed``,
+        and ``TypeError``/``ValueError`` for a bad ``group``, raise on this
+        rank alone, before the collective (the other ranks then wait in it).
         """
         check_explicit(self._ledger, "agree")
         return agree(group, [self._ledger]).released[0]
@@ -220,11 +230,13 @@ class ReqToTokenPool(PoolCore):
         return rows
 
     def clear(self) -> None:
-        """Flush: free every allocated row at once and zero the tables.
+        """Flush: free every allocated row at once and zero every row's
+        lengths (``req_to_token`` keeps its contents, as after any free).
 
         Never releases a row still behind a fence: allocated rows with an
         incomplete recorded use, and rows already pending, *stay pending*
-        and return through :meth:`reclaim` once their fences complete.
+        and return through :meth:`reclaim` once their fences complete
+        (``reclaim="explicit"``: through :meth:`retire` or :meth:`agree`).
         """
         led = self._ledger
         led.free_all_allocated()

@@ -390,6 +390,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dem
                 f"(got {Path(args.plot).suffix or 'no extension'!r})"
             )
         check_output_path(parser, "--plot", args.plot)
+        try:  # before the run, not after it
+            import matplotlib  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib, which is not installed: "
+                "pip install 'asyncpool[demo]' (or drop --plot)"
+            )
     if cfg.device == "cuda":
         import torch
 

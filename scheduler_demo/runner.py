@@ -177,7 +177,11 @@ async def run_demo(
 def _progress_bar(cfg: DemoConfig) -> Any:
     if not cfg.progress or not sys.stderr.isatty():
         return None
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:  # installed without the demo extra: no bar, same run
+        logger.info("no progress bar: tqdm is not installed (pip install 'asyncpool[demo]')")
+        return None
 
     return tqdm(
         total=cfg.num_requests,

@@ -5,6 +5,7 @@ checks after it), so these are fast."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,26 @@ async def test_timeout_cuts_short_the_steps_in_flight() -> None:
         with pytest.raises(TimeoutError):
             await run_demo(cfg)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed without the demo extra, ``--plot`` failed after the whole
+    run, at the import of matplotlib; it is refused up front, saying what
+    to install."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    err = _refused(main, ["--plot", str(tmp_path / "x.png")], capsys)
+    assert "--plot needs matplotlib" in err and "asyncpool[demo]" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_no_tqdm_means_no_progress_bar_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With stderr a terminal and tqdm missing (no demo extra), the run goes
+    on without a bar instead of failing at the import."""
+    from scheduler_demo.config import DemoConfig
+    from scheduler_demo.runner import _progress_bar
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert _progress_bar(DemoConfig(progress=True)) is None

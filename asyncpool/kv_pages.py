@@ -82,6 +82,7 @@ from .ledger import (
     SlotLedger,
     as_index,
     describe,
+    device_fault,
     index_or_error,
 )
 from .stats import LatencySummary
@@ -387,12 +388,10 @@ class PageLedger(Deferrals[PageArray]):
             if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
                 try:
                     small = pages.tolist()
-                except NotImplementedError:  # meta: _tensor_array refuses it
-                    small = None
-                except RuntimeError:
-                    if pages.dtype in ID_DTYPES:
+                except (RuntimeError, NotImplementedError) as exc:
+                    if device_fault(pages, exc):
                         raise  # a device fault (CUDA) is not bad input: as it is
-                    small = None  # quantized, sub-byte: _tensor_array refuses it
+                    small = None  # meta, quantized, sub-byte: _tensor_array refuses it
                 if small is not None and self._small_ok(small, expect):
                     return small, True
             try:
@@ -569,8 +568,8 @@ class PageLedger(Deferrals[PageArray]):
             # A negative view (torch._neg_view) reads negated: resolve it.
             try:
                 arr = pages.detach().cpu().resolve_neg().numpy()
-            except (TypeError, RuntimeError, NotImplementedError):
-                if not pages.is_meta and pages.layout is torch.strided:
+            except (TypeError, RuntimeError, NotImplementedError) as exc:
+                if device_fault(pages, exc):
                     raise  # a device fault (CUDA) is not bad input: as it is
                 raise InvalidSlotError(
                     "pages must be a strided integer tensor with data, got a "

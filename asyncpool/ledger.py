@@ -822,7 +822,7 @@ def as_row_ids(rows: object) -> Sequence[int]:
             # Meta (NotImplementedError), sparse, quantized, sub-byte: bad
             # input. A strided integer tensor reads unless its device
             # faulted (a sticky CUDA error): not bad input, as it is.
-            if not isinstance(exc, NotImplementedError) and _strided_integer_tensor(rows):
+            if device_fault(rows, exc):
                 raise
             raise InvalidSlotError(
                 "rows must be a tensor with data (strided, on a real device) of an integer "
@@ -840,21 +840,26 @@ def as_row_ids(rows: object) -> Sequence[int]:
     return [_row_id(row) for row in rows]
 
 
-#: How torch prints its integer dtypes (``str(torch.int64)``), so that
-#: this module tells them apart without importing torch; tables.ID_DTYPES
-#: holds the same eight.
-_INTEGER_DTYPE_NAMES = frozenset(
+#: torch's integer dtypes by how torch prints them (``str(torch.int64)``),
+#: so that this module tells them apart without importing torch;
+#: ``tables.ID_DTYPES`` is built from these names.
+INTEGER_DTYPE_NAMES = frozenset(
     f"torch.{kind}{bits}" for kind in ("int", "uint") for bits in (8, 16, 32, 64)
 )
 
 
-def _strided_integer_tensor(value: object) -> bool:
-    """True for a tensor whose data a failed read could not be blamed on:
-    not meta, a strided layout and one of torch's integer dtypes."""
+def device_fault(tensor: object, exc: BaseException) -> bool:
+    """True when reading ids out of ``tensor`` raised ``exc`` because of its
+    device (a sticky CUDA fault), not because of what it is: a strided,
+    non-meta tensor of an integer dtype reads unless its device failed, and
+    a meta tensor's ``NotImplementedError`` (no data) is bad input. Callers
+    re-raise such an error as it is and turn any other into their typed
+    error; sparse, quantized and sub-byte tensors are bad input."""
     return (
-        not getattr(value, "is_meta", False)
-        and str(getattr(value, "layout", "")) == "torch.strided"
-        and str(getattr(value, "dtype", "")) in _INTEGER_DTYPE_NAMES
+        not isinstance(exc, NotImplementedError)
+        and not getattr(tensor, "is_meta", False)
+        and str(getattr(tensor, "layout", "")) == "torch.strided"
+        and str(getattr(tensor, "dtype", "")) in INTEGER_DTYPE_NAMES
     )
 
 

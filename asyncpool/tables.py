@@ -20,7 +20,7 @@ import torch
 
 from .errors import DeviceError, InvalidSlotError, MemorySaverError
 from .fences import HostStream
-from .ledger import as_index, describe, index_or_error
+from .ledger import INTEGER_DTYPE_NAMES, as_index, describe, index_or_error
 
 # What a pool off CUDA accepts as stream= (and ignores: its resets run at
 # once): the code an engine shares between CPU and GPU passes its forward
@@ -53,19 +53,9 @@ _INFO_FIELDS = ("verified_len", "alloced_len", "alloced_slots")
 #: integer dtype torch can copy into ``req_to_token`` and read back. Not bool,
 #: floats or complex (not ids), nor the quantized and sub-byte dtypes
 #: (``qint8``, ``int4``, ``bits8``): their copy and their ``tolist()`` raise,
-#: and a check that let them through wrote a row's lengths first.
-ID_DTYPES = frozenset(
-    {
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-    }
-)
+#: and a check that let them through wrote a row's lengths first. The eight
+#: of ``ledger.INTEGER_DTYPE_NAMES`` (int8..int64, uint8..uint64), one list.
+ID_DTYPES = frozenset(getattr(torch, name[len("torch.") :]) for name in INTEGER_DTYPE_NAMES)
 
 #: The largest ``max_context_len``: ``verified_lens`` and ``alloced_lens``
 #: hold lengths up to it in int32.

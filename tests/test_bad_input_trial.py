@@ -817,6 +817,11 @@ def test_an_empty_tensor_of_such_a_dtype_is_no_pages() -> None:
     assert kv_snapshot(kv) == before
 
 
+def _faulted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A tensor read on a device after a sticky fault."""
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
 def test_a_device_error_reading_a_few_page_ids_is_not_turned_into_bad_input(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -829,19 +834,11 @@ def test_a_device_error_reading_a_few_page_ids_is_not_turned_into_bad_input(
     pages = kv.alloc(2)
     assert pages is not None
     before = kv_snapshot(kv)
-
-    def faulted_tolist(self: torch.Tensor) -> Any:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
     with monkeypatch.context() as patch:
-        patch.setattr(torch.Tensor, "tolist", faulted_tolist)
+        patch.setattr(torch.Tensor, "tolist", _faulted)
         with pytest.raises(RuntimeError, match="illegal memory access"):
             kv.free(pages.clone())
     assert kv_snapshot(kv) == before
-
-
-def _faulted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def _on_a_device(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -881,4 +878,4 @@ def test_the_ledger_names_the_same_integer_dtypes_the_tables_hold() -> None:
     name (it imports no torch); those names must be tables.ID_DTYPES'."""
     from asyncpool import ledger, tables
 
-    assert {str(dtype) for dtype in tables.ID_DTYPES} == ledger._INTEGER_DTYPE_NAMES
+    assert {str(dtype) for dtype in tables.ID_DTYPES} == ledger.INTEGER_DTYPE_NAMES

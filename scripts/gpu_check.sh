@@ -4,6 +4,10 @@
 #   scripts/gpu_check.sh            # logs and summary go to $OUT if set, else a temp dir
 #   OUT=/some/dir scripts/gpu_check.sh
 #   DEMO_N=1500 PYTHON=python3.11 scripts/gpu_check.sh   # demo size, interpreter
+#   INSTALL=0 scripts/gpu_check.sh  # offline machine whose python already has
+#                                   # the test dependencies: run from the checkout
+#   PYTEST_ARGS="-W default" scripts/gpu_check.sh   # extra pytest options
+#   FULL_SUITE=1 scripts/gpu_check.sh   # also the whole suite (xdist if present)
 #
 # Steps (each has its own time limit; a failure does not stop the others):
 #   1. environment: GPU, driver, torch and CUDA versions
@@ -19,6 +23,8 @@
 #      speculative_decode.py on CUDA streams
 #   8. the demo as one tensor-parallel replica over NCCL (--tp 1): explicit
 #      pools, agree() with CUDA tensors; must finish with 0 mismatches
+#   9. (FULL_SUITE=1) the whole suite on the CUDA machine, reported apart:
+#      not part of the pass/fail verdict
 # Writes $OUT/gpu_check_summary.txt and $OUT/gpu_check_summary.json, per-step
 # logs, junit XML, and the demo reports ($OUT/demo_fenced.json, demo_unsafe.json).
 # Exit status: 0 when every step passed, 1 otherwise.
@@ -104,7 +110,9 @@ install_project() {
     "$PY" -m pip install $iso --no-deps -e . || true
     return 1
 }
-if run_step install 120 install_project; then :; else
+if [ "${INSTALL:-1}" = 0 ]; then
+    say "INSTALL=0: not installing; asyncpool and scheduler_demo run from $ROOT"
+elif run_step install 120 install_project; then :; else
     say "install incomplete: falling back to PYTHONPATH=$ROOT for asyncpool/scheduler_demo"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -117,7 +125,8 @@ EOF
 [ -n "$MISSING" ] && say "missing modules: $MISSING (the steps below that need them will fail)"
 
 # --------------------------------------------------------------------------- 3. cuda tests
-PYTEST=("$PY" -m pytest -p no:cacheprovider -rA -s --timeout 120)
+# shellcheck disable=SC2206  # PYTEST_ARGS is split into options on purpose
+PYTEST=("$PY" -m pytest -p no:cacheprovider -rA -s --timeout 120 ${PYTEST_ARGS:-})
 run_step cuda_tests 150 "${PYTEST[@]}" -m cuda tests --junitxml="$OUT_DIR/cuda_tests.xml"
 
 skip_step() {
@@ -151,6 +160,14 @@ run_step demo_unsafe 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --uns
 run_step examples 90 bash -c '"$PY" examples/overlap_step.py --device cuda && "$PY" examples/sync_dropin.py --device cuda && "$PY" examples/paged_admission.py --device cuda && "$PY" examples/speculative_decode.py --device cuda'
 # --------------------------------------------------------------------------- 8. --tp over NCCL
 run_step demo_tp 90 "$PY" -m scheduler_demo --device cuda --tp 1 -n 200 --no-progress --timeout 80
+# --------------------------------------------------------------------------- 9. whole suite
+if [ "${FULL_SUITE:-0}" = 1 ]; then
+    XDIST=()
+    "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${FULL_SUITE_WORKERS:-8}")
+    # shellcheck disable=SC2206
+    run_step full_suite "${FULL_SUITE_LIMIT:-300}" "$PY" -m pytest -p no:cacheprovider -q \
+        ${PYTEST_ARGS:-} "${XDIST[@]}" tests --junitxml="$OUT_DIR/full_suite.xml"
+fi
 fi
 
 # --------------------------------------------------------------------------- summary
@@ -224,6 +241,7 @@ ok["demo_tp"] = steps.get("demo_tp", {}).get("rc") == "0" and bool(
     grep("demo_tp.log", r"tensor parallel: .* 0 mismatches")
 )
 ok["install"] = steps.get("install", {}).get("rc") == "0"
+ok["full_suite"] = steps.get("full_suite", {}).get("rc") == "0"
 summary = {
     "passed": all(ok[k] for k in ("cuda_tests", "memory_saver_preload", "demo_fenced", "demo_unsafe",
                                   "examples", "demo_tp")),
@@ -233,6 +251,7 @@ summary = {
     "steps": steps,
     "cuda_tests": t,
     "memory_saver_preload_tests": junit("memory_saver_preload.xml"),
+    "full_suite": junit("full_suite.xml"),
     "watcher": grep("cuda_tests.log", r"watcher wake latency: [^\n]*"),
     "memory_saver": grep("cuda_tests.log", r"memory saver: released [^\n]*"),
     "demo_fenced": fenced,
@@ -253,6 +272,13 @@ if t:
     )
     lines += ["    failed: " + f for f in t["failed"]]
     lines += ["    skipped: " + f for f in t["skipped_tests"][:20]]
+fs = summary["full_suite"]
+if fs:
+    lines.append(
+        f"  full suite (not in the verdict): {fs['tests']} run, "
+        f"{fs['failures'] + fs['errors']} failed, {fs['skipped']} skipped"
+    )
+    lines += ["    failed: " + f for f in fs["failed"][:30]]
 lines += ["  " + w for w in summary["watcher"] + summary["memory_saver"]]
 lines.append(f"  demo fenced: {fenced}")
 lines.append(f"  demo unsafe: {unsafe}")

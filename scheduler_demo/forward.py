@@ -161,7 +161,9 @@ class Forward:
         self.kv: torch.Tensor | None = None
         self._max_col = 0
         self._ncols = 0
-        self.busy_s = 0.0  # worker time spent in steps (CPU only)
+        self._busy_s = 0.0  # worker time spent in steps (host stream)
+        # CUDA: a timing event pair around each step, read by busy_s.
+        self._step_events: list[tuple[Any, Any]] = []
         # Set when the run is given up (--timeout): the steps still queued or
         # running skip the rest of their matmuls, so closing the stream does
         # not wait out steps nobody will read.
@@ -229,12 +231,31 @@ class Forward:
 
     # -- launching -----------------------------------------------------------
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the forward stream has spent in steps so far.
+
+        On the host stream, the worker's wall time inside steps; on CUDA, the
+        sum of each step's timing events (read after the stream has synchronized,
+        so call it between runs, not per step).
+        """
+        if not self.is_cuda:
+            return self._busy_s
+        if self._step_events:
+            self._step_events[-1][1].synchronize()
+        return float(sum(a.elapsed_time(b) for a, b in self._step_events)) / 1e3
+
     def launch(self, step: Step) -> Any:
         """Queue ``step`` on the stream; return the fence recorded right after it."""
         if self.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             with torch.cuda.stream(self.stream):
                 step.inputs = self._inputs(step)
+                start.record(self.stream)
                 self._run(step)
+                end.record(self.stream)
+            self._step_events.append((start, end))
         else:
             step.inputs = self._inputs(step)
             self.stream.launch(self._run_timed, step)
@@ -264,7 +285,7 @@ class Forward:
     def _run_timed(self, step: Step) -> None:
         t0 = time.perf_counter()
         self._run(step)
-        self.busy_s += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
 
     def _run(self, step: Step) -> None:
         # 1. The model: compute sized by the tokens whose KV the step computes.

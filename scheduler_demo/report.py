@@ -101,8 +101,8 @@ class Report:
     transfer_ms: float
     transfers: int
     stalls: int
-    forward_busy: float  # fraction of the run the forward worker spent in steps (CPU only)
-    forward_ms_per_step: float  # mean wall time of a step on the forward worker (CPU only)
+    forward_busy: float  # fraction of the run the forward stream spent in steps
+    forward_ms_per_step: float  # mean time of a step on the forward stream (CUDA: events)
     sched_cpu_ms_per_step: float  # the event loop thread's CPU time per step
     config: dict[str, Any] = field(default_factory=dict)
     trace: Trace = field(default_factory=Trace, repr=False, compare=False)

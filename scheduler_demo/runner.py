@@ -147,8 +147,8 @@ async def run_demo(
         transfer_ms=cfg.transfer_ms,
         transfers=transfers.started,
         stalls=sched.stalls,
-        forward_busy=0.0 if forward.is_cuda else min(1.0, busy / elapsed),
-        forward_ms_per_step=0.0 if forward.is_cuda else busy / steps * 1e3,
+        forward_busy=min(1.0, busy / elapsed),
+        forward_ms_per_step=busy / steps * 1e3,
         sched_cpu_ms_per_step=sched.cpu_s / steps * 1e3,
         config=cfg.to_dict(),
         trace=Trace(

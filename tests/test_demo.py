@@ -280,6 +280,9 @@ async def test_cuda_fenced_overlap() -> None:
         report = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0))
     assert _all_served(report)
     assert report.corruptions == 0 and report.kv_corruptions == 0
+    # the forward stream's time in steps, from CUDA timing events: a step
+    # holds at least its 2 ms of compute
+    assert report.forward_ms_per_step > 1.0 and 0.0 < report.forward_busy <= 1.0
     async with bounded(LONG_S):
         unsafe = await run_demo(replace(SMALL, device="cuda", forward_ms=2.0, unsafe=True))
     assert _all_served(unsafe)

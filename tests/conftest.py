@@ -9,6 +9,14 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+# CUDA tests hold a "step in flight" with a spinning kernel, then launch its
+# late write and check that the fence is still open. Under CUDA's lazy module
+# loading (torch's default) the first launch of a kernel may synchronise the
+# whole context, which ends the spin early: on an H200 eight such tests saw
+# their fence complete before the check. Load every kernel when the context
+# starts instead (read then; torch sets LAZY only when the variable is unset).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 import pytest
 import torch
 import torch.distributed as dist

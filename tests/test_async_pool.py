@@ -1166,7 +1166,7 @@ async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
         rows = await pool.alloc(2)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(100_000_000)  # an in-flight step
-            pool.verified_lens[rows[0]] = 9  # its late write
+            pool.verified_lens[rows[0] : rows[0] + 1].fill_(9)  # its late write (a kernel)
         pool.record_use(rows, record_fence(stream))
         assert pool.free(rows) == 0
         t = asyncio.create_task(pool.alloc(2))

@@ -6,6 +6,12 @@ without a CUDA device. ``scripts/gpu_check.sh`` runs them on one.
 A forward step that is still running is a kernel that spins on the GPU
 (``torch.cuda._sleep``), calibrated once to milliseconds, so "the step is
 still in flight" holds by hundreds of milliseconds rather than by luck.
+
+Its late writes are kernels (``fill_`` on a view, ``index_fill_``), never
+``t[i] = value`` from the host: on CUDA that is a blocking copy, which waits
+for the spin and makes the write early (seen on an H200; conftest.py also
+loads every kernel at start, since a lazily loaded kernel can synchronise the
+context at its first launch).
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ def spin(ms: float) -> None:
     """Launch a kernel that keeps the current stream busy for about ``ms``."""
     global _cycles_per_ms
     if _cycles_per_ms is None:
+        # One untimed spin first: an idle GPU clocks low (345 MHz against
+        # 1980 on an H200), and cycles counted at the low clock would make
+        # every later spin several times shorter than asked.
+        torch.cuda._sleep(50_000_000)
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -172,12 +182,13 @@ async def test_unfenced_free_lets_the_late_write_corrupt_the_new_owner() -> None
             (row,) = await pool.alloc(1)
         with torch.cuda.stream(fwd):
             spin(300)
-            pool.verified_lens[row] = 7  # step t's late write
+            pool.verified_lens[row : row + 1].fill_(7)  # step t's late write
         pool.free([row])  # unsafe: no record_use, no fence
         async with bounded():
             (again,) = await pool.alloc(1)  # granted while step t still runs
         assert again == row
-        pool.verified_lens[again] = 3  # the new owner's prefill, on the scheduler's stream
+        # the new owner's prefill, on the scheduler's stream
+        pool.verified_lens[again : again + 1].fill_(3)
         torch.cuda.synchronize()
         assert pool.verified_lens[again].item() == 7, "the late write should have landed"
     finally:

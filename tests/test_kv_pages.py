@@ -697,7 +697,9 @@ def test_pages_on_cuda_wait_for_a_cuda_fence_and_the_late_write_misses_the_next_
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         torch.cuda._sleep(50_000_000)
-        cache[slots_a] = 1  # the late write of an in-flight step
+        # the late write of a step in flight (a kernel: `cache[slots_a] = 1`
+        # copies the 1 from the host, a copy that waits for the stream)
+        cache.index_fill_(0, slots_a, 1)
     assert kv.free(a, fence=record_fence(stream)) == 0
     assert kv.alloc(1) is None
     stream.synchronize()

@@ -212,7 +212,7 @@ def test_sync_pool_on_cuda_defers_free_behind_cuda_fence():
     rows = pool.alloc(3)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(50_000_000)
-        pool.verified_lens[rows[0]] = 7  # the late write of an in-flight step
+        pool.verified_lens[rows[0] : rows[0] + 1].fill_(7)  # the late write of a step in flight
     f = record_fence(stream)
     pool.record_use(rows, f)
     assert pool.free(rows[:1]) == 0

@@ -86,7 +86,7 @@ from .ledger import (
     index_or_error,
 )
 from .stats import LatencySummary
-from .tables import ID_DTYPES, check_device
+from .tables import ID_DTYPES, check_device, host_to_device
 
 __all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
 
@@ -870,6 +870,8 @@ class KVPagePool:
         self.page_size = page_size
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
+        # The offsets on each device slots() has computed on, made once.
+        self._device_offsets: dict[torch.device, torch.Tensor] = {}
         self._on_free: Callable[[], None] | None = None
         self._guard: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
@@ -969,7 +971,7 @@ class KVPagePool:
             if remembered > self._handed_limit:
                 self._trim_handed()
             return out
-        return torch.from_numpy(pages).to(self.device)
+        return host_to_device(torch.from_numpy(pages), self.device)
 
     def _hand_out(self, pages: PageArray) -> torch.Tensor:
         """The tensor over ``pages`` (distinct ids the pool owns, in a private
@@ -1261,12 +1263,36 @@ class KVPagePool:
         slots, page by page. Any page id in ``1..num_pages - 1`` is accepted
         whatever its state; page 0 and ids out of range raise
         :class:`InvalidSlotError`.
+
+        On a CUDA pool nothing here waits for the device. Host ids are
+        checked, then copied through pinned memory. A CUDA tensor of ids
+        (``grant.pages``, ``pages_of``, ``alloc``'s) becomes slots on the
+        GPU, queued on the current stream: its dtype and shape are checked,
+        its ids are not (reading them back would wait for the stream, and
+        with it for the step in flight), as ``set_req_pool_info`` does not
+        check device slots.
         """
+        if not self._on_host and isinstance(pages, torch.Tensor) and pages.is_cuda:
+            return self._device_slots(pages).to(self.device, non_blocking=True)
         arr = self._ledger.check_ids(pages)
         slots = (arr[:, None] * self.page_size + self._offsets).reshape(-1)
         if self._on_host:
             return torch.from_numpy(slots)
-        return torch.from_numpy(slots).to(self.device)
+        return host_to_device(torch.from_numpy(slots), self.device)
+
+    def _device_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """:meth:`slots` of a tensor of ids, computed where it lies, its ids
+        unread: only its dtype, shape and layout are checked."""
+        if pages.dtype not in ID_DTYPES or pages.dim() > 1 or pages.layout is not torch.strided:
+            raise InvalidSlotError(
+                f"page ids must be a 1-D integer tensor, got shape {tuple(pages.shape)}, "
+                f"dtype {pages.dtype}, layout {pages.layout}"
+            )
+        offsets = self._device_offsets.get(pages.device)
+        if offsets is None:
+            offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+            self._device_offsets[pages.device] = offsets
+        return (pages.reshape(-1, 1).to(torch.int64) * self.page_size + offsets).reshape(-1)
 
     def stats(self) -> KVPageStats:
         """A snapshot of the page counts and totals; changes nothing, and may

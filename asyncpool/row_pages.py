@@ -29,6 +29,7 @@ from .fences import Fence
 from .kv_pages import OWNED, KVPagePool, PageLedger
 from .ledger import as_index, describe
 from .stats import Histogram
+from .tables import host_to_device
 
 __all__ = ["Grant", "RowPages", "check_page_count"]
 
@@ -132,7 +133,7 @@ class RowPages:
         (on the host, a zero-copy view of the pool's record: read only)."""
         if self._on_host:
             return torch.from_numpy(pages)
-        return torch.from_numpy(pages).to(self._device, non_blocking=True)
+        return host_to_device(torch.from_numpy(pages), self._device)
 
     def take(self, k: int) -> npt.NDArray[np.int64] | None:
         """``k`` pages (empty for 0), or None when short.

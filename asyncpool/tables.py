@@ -31,7 +31,13 @@ _STREAMS: tuple[type, ...] = (
     getattr(torch, "Stream", torch.cuda.Stream),
 )
 
-__all__ = ["MemorySaverAdapter", "ReqToTokenPoolInfo", "TokenTables", "check_device"]
+__all__ = [
+    "MemorySaverAdapter",
+    "ReqToTokenPoolInfo",
+    "TokenTables",
+    "check_device",
+    "host_to_device",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,24 @@ def check_device(device: object) -> torch.device:
             f"(torch {torch.__version__}); use device='cpu' on this machine"
         )
     return dev
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of the host tensor ``host`` on ``device``, queued on the current
+    stream without blocking the calling thread.
+
+    On CUDA the data is staged in pinned memory first. A copy from pageable
+    memory synchronises: a blocking ``.to(device)`` waits for everything on
+    the current stream, and a ``non_blocking`` one may wait for it in the
+    driver. The current stream may be the forward stream with a step in
+    flight (the pool's resets run on ``stream=``), so either would end the
+    overlap. ``pin_memory()`` copies ``host`` at once (the caller may reuse
+    its buffer) and the caching host allocator keeps the pinned block until
+    the copy has run. Off CUDA, a plain ``.to(device)``.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _length(value: object, name: str, row: int) -> int:
@@ -332,10 +356,25 @@ class TokenTables:
                     f"ids 0..{limit} that req_to_token ({self.req_to_token.dtype}) can hold"
                 )
         self._after_resets()
-        self.verified_lens[row] = verified
-        self.alloced_lens[row] = alloced
+        if not self._on_cuda:
+            self.verified_lens[row] = verified
+            self.alloced_lens[row] = alloced
+            self.alloced_lens_cpu[row] = alloced
+            self.req_to_token[row, :alloced] = slots
+            return
+        # On CUDA, ``t[row] = value`` from a host scalar is a blocking copy
+        # (it waits for the whole current stream, the forward step in flight
+        # included), and so is a copy from pageable memory: fill_ a view (a
+        # kernel that takes the value as its argument) and stage host slots
+        # in pinned memory. Everything is queued on the current stream.
+        self.verified_lens[row : row + 1].fill_(verified)
+        self.alloced_lens[row : row + 1].fill_(alloced)
         self.alloced_lens_cpu[row] = alloced
-        self.req_to_token[row, :alloced] = slots
+        if alloced:
+            dst = self.req_to_token[row, :alloced]
+            if slots.device.type == "cpu":
+                slots = slots.to(dst.dtype).pin_memory()
+            dst.copy_(slots, non_blocking=True)
 
     def write(self, indices: Any, values: Any) -> None:
         """``req_to_token[indices] = values`` (the seed's raw write)."""
@@ -364,7 +403,7 @@ class TokenTables:
             return
         self.alloced_lens_cpu.index_fill_(0, index_cpu, 0)
         with self._stream_context():
-            index = index_cpu.to(self.device, non_blocking=True)
+            index = host_to_device(index_cpu, self.device)
             self._lens.index_fill_(1, index, 0)
 
     def reset_rows_each(self, rows: list[int]) -> None:
@@ -390,7 +429,7 @@ class TokenTables:
             return
         self.alloced_lens_cpu.masked_fill_(mask, 0)
         with self._stream_context():
-            self._lens.masked_fill_(mask.to(self.device, non_blocking=True), 0)
+            self._lens.masked_fill_(host_to_device(mask, self.device), 0)
 
     def reset_rows_from_1(self) -> None:
         """Zero the lengths of every row but the padding row 0: one op on CPU.

@@ -31,6 +31,8 @@ from helpers import bounded
 from asyncpool import (
     AsyncReqToTokenPool,
     CudaFence,
+    Grant,
+    KVPagePool,
     PoolBusyError,
     ReqToTokenPool,
     ReqToTokenPoolInfo,
@@ -223,6 +225,71 @@ async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None
         assert pool.verified_lens[again[1]].item() == 0
         assert pool.alloced_lens[again[1]].item() == 0
         pool.free(again)
+    finally:
+        async with bounded():
+            await pool.close()
+        torch.cuda.synchronize()
+
+
+async def test_the_calls_of_a_scheduler_step_never_wait_for_the_stream() -> None:
+    """A step's pool calls queue their device work and return: none waits
+    for the stream, where the forward step may still be running.
+
+    On the pool's own stream (``stream=``, here the current stream as well)
+    a kernel spins for 300 ms; then the calls a scheduler makes while it
+    runs: a grant that resets dirty rows, ``set_req_pool_info`` with device
+    and host slots, an admission's pages, ``KVPagePool.alloc`` and
+    ``slots`` of device and host ids. The spin's fence must still be open
+    after them, and torch's sync debug mode turns any synchronising call
+    into an error. Before host_to_device, the fill_ writes and slots on the
+    GPU, ``set_req_pool_info`` (``t[row] = n``), ``alloc`` and ``slots`` (a
+    read-back, a blocking ``.to``) and the resets (a pageable copy) each
+    waited.
+    """
+    fwd = torch.cuda.Stream()
+    kv = KVPagePool(65, 4, device="cuda")
+    pool = AsyncReqToTokenPool(9, 64, device="cuda", stream=fwd, kv=kv)
+    host_slots = torch.arange(1, 9, dtype=torch.int64)
+
+    def step() -> tuple[list[int], Grant, torch.Tensor]:
+        rows = pool.try_alloc(2)
+        assert rows is not None
+        pool.set_req_pool_info(rows[0], info(3, 8))
+        pool.set_req_pool_info(rows[1], ReqToTokenPoolInfo(3, 8, host_slots))
+        grant = pool.try_admit(pages=4)
+        assert grant is not None
+        pages = kv.alloc(4)
+        assert pages is not None
+        kv.slots(grant.pages)  # device ids: computed on the GPU, unread
+        kv.slots(pages)
+        kv.slots([1, 2])  # host ids: checked, copied through pinned memory
+        return rows, grant, pages
+
+    def give_back(rows: list[int], grant: Grant, pages: torch.Tensor) -> None:
+        pool.free(rows)  # dirty rows: the next grant resets them
+        pool.free([grant.row])
+        kv.free(pages)
+
+    try:
+        with torch.cuda.stream(fwd):
+            give_back(*step())  # warm: kernels, pinned blocks
+            torch.cuda.synchronize()
+            spin(300)
+            in_flight = record_fence(fwd)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert not in_flight.query(), "a pool call waited for the step in flight"
+            rows = out[0]
+            in_flight.synchronize()
+            assert pool.verified_lens[rows].tolist() == [3, 3]
+            assert pool.req_to_token[rows[1], :8].tolist() == host_slots.tolist()
+            give_back(*out)
+        async with bounded():
+            await pool.drain()
+        pool.check_invariants()
     finally:
         async with bounded():
             await pool.close()

@@ -602,6 +602,47 @@ def test_slots_refuses_page_zero_and_out_of_range(bad):
         kv.slots(bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_device_slots_match_the_checked_slots_without_reading_ids(dtype):
+    """The arithmetic a CUDA pool runs on a device tensor of ids (where reading
+    them would wait for the stream), here on host tensors: the same slots as
+    the checked path, for every shape slots() takes."""
+    kv = KVPagePool(16, 4)
+    for pages in ([3, 1, 9], [7], []):
+        t = torch.tensor(pages, dtype=dtype)
+        assert kv._device_slots(t).tolist() == kv.slots(pages).tolist()
+    assert kv._device_slots(torch.tensor(7, dtype=dtype)).tolist() == [28, 29, 30, 31]
+    assert kv._device_slots(torch.tensor([2], dtype=dtype)).dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "bad", [torch.tensor([1.0]), torch.tensor([True]), torch.ones(2, 2, dtype=torch.int64)]
+)
+def test_device_slots_refuse_what_is_not_a_1d_integer_tensor(bad):
+    kv = KVPagePool(16, 4)
+    with pytest.raises(InvalidSlotError, match="1-D integer tensor"):
+        kv._device_slots(bad)
+
+
+@pytest.mark.cuda
+def test_slots_of_a_cuda_tensor_are_computed_on_the_gpu_without_waiting() -> None:
+    from asyncpool import record_fence
+
+    kv = KVPagePool(16, 4, device="cuda")
+    pages = kv.alloc(3)
+    assert pages is not None and pages.is_cuda
+    host = pages.tolist()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # a step in flight on the current stream
+        busy = record_fence(stream)
+        slots = kv.slots(pages)
+        assert not busy.query()  # not read back: nothing waited for the stream
+    torch.cuda.synchronize()
+    assert slots.is_cuda and slots.tolist() == kv.slots(host).tolist()
+
+
 # ---------------------------------------------------------------- stats, clear, put_back
 
 

@@ -21,6 +21,7 @@ from .errors import (
     PoolError,
     WrongThreadError,
 )
+from .fence_wait import wait_fence
 from .fences import (
     CudaFence,
     Fence,
@@ -67,6 +68,7 @@ __all__ = [
     "WrongThreadError",
     "new_stream_key",
     "record_fence",
+    "wait_fence",
 ]
 
 __version__ = "0.1.0"

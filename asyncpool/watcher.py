@@ -162,6 +162,12 @@ class FenceWatcher:
             else:
                 self._poll_cond.notify()
 
+    def polling(self, fence: Fence) -> bool:
+        """Whether the poller still watches ``fence`` (it drops a fence once
+        its ``query()`` answered done or raised)."""
+        with self._lock:
+            return id(fence) in self._polled
+
     def unwatch(self, fence: Fence) -> bool:
         """Stop polling ``fence`` (say, one an operator gave up on); True if it was.
 

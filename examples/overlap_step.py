@@ -43,7 +43,13 @@ from typing import Any
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool, HostStream, ReqToTokenPoolInfo, record_fence
+from asyncpool import (
+    AsyncReqToTokenPool,
+    HostStream,
+    ReqToTokenPoolInfo,
+    record_fence,
+    wait_fence,
+)
 
 MAX_LEN = 128
 
@@ -201,7 +207,7 @@ async def run(args: argparse.Namespace) -> int:
             # Process step t-1 while step t runs.
             if prev is not None:
                 prev_fence, prev_batch = prev
-                prev_fence.synchronize()  # its results are ready
+                await wait_fence(prev_fence)  # its results are ready; the loop runs on
                 for req, admission in prev_batch:
                     if req.admission != admission or req not in running:
                         continue  # retracted since: that step's token is discarded

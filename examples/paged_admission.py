@@ -95,6 +95,7 @@ from asyncpool import (
     KVPagePool,
     ReqToTokenPoolInfo,
     record_fence,
+    wait_fence,
 )
 
 MAX_LEN = 128
@@ -443,7 +444,7 @@ async def run(args: argparse.Namespace) -> int:
             # 4. Process step t-1 while step t runs.
             if prev is not None:
                 prev_fence, prev_batch = prev
-                prev_fence.synchronize()  # its results are ready
+                await wait_fence(prev_fence)  # its results are ready; the loop runs on
                 newest = launched[0] if launched is not None else prev_fence
                 for req, admission in prev_batch:
                     if req.admission != admission or req not in running:

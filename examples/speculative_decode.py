@@ -56,6 +56,7 @@ from asyncpool import (
     KVPagePool,
     ReqToTokenPoolInfo,
     record_fence,
+    wait_fence,
 )
 
 MAX_LEN = 128
@@ -284,7 +285,7 @@ async def run(args: argparse.Namespace) -> int:
             for r in running:
                 r.inflight = None if r.id in sitting_out else drafts(r)
             # 4. Process step t-1 while step t runs.
-            cut.synchronize()  # step t-1's results are in
+            await wait_fence(cut)  # step t-1's results are in; the loop runs on
             if prev is not None:
                 prev_out, prev_batch = prev
                 for (req, admission, _), got_to in zip(prev_batch, prev_out.tolist(), strict=True):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import asyncpool
 from asyncpool import HostStream, record_fence
 
 __all__ = ["Forward", "Step", "wait_fence"]
@@ -370,16 +371,17 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 async def wait_fence(fence: Any) -> None:
     """Await a fence without blocking the loop; raises if its stream faulted.
 
-    Host fences call back into the loop when they complete; any other fence
-    (a CUDA event) is synchronized in the loop's default executor.
+    The demo's transfers and host fences call back into the loop when they
+    complete (``add_done_callback``); any other fence (a CUDA event) goes to
+    :func:`asyncpool.wait_fence`, whose daemon threads watch it.
     """
     if fence.query():
         return
-    loop = asyncio.get_running_loop()
     add_done_callback = getattr(fence, "add_done_callback", None)
     if add_done_callback is None:
-        await loop.run_in_executor(None, fence.synchronize)
+        await asyncpool.wait_fence(fence)
         return
+    loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:

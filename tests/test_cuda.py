@@ -37,6 +37,7 @@ from asyncpool import (
     ReqToTokenPool,
     ReqToTokenPoolInfo,
     record_fence,
+    wait_fence,
 )
 
 pytestmark = pytest.mark.cuda
@@ -294,6 +295,23 @@ async def test_the_calls_of_a_scheduler_step_never_wait_for_the_stream() -> None
         async with bounded():
             await pool.close()
         torch.cuda.synchronize()
+
+
+async def test_wait_fence_on_a_cuda_event_lets_the_loop_run() -> None:
+    """``await wait_fence(event)`` sleeps in a watcher thread, not in the loop."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        spin(200)
+    fence = record_fence(stream)
+    waiter = asyncio.create_task(wait_fence(fence))
+    ran = 0
+    while ran < 50 and not fence.query():
+        await asyncio.sleep(0)
+        ran += 1
+    assert ran == 50 and not waiter.done()  # the loop ran while the kernel spun
+    async with bounded():
+        await waiter
+    assert fence.query()
 
 
 def test_sync_pool_on_cuda_with_fences() -> None:

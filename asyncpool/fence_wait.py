@@ -1,0 +1,187 @@
+"""``await wait_fence(fence)``: a coroutine waits for a fence, the loop runs on.
+
+The pools wait for their own fences. A scheduler also waits for some itself:
+the step whose outputs it must read before it builds the next batch, a
+transfer it must see land. ``fence.synchronize()`` inside ``async def``
+blocks the event loop for the whole wait (every other task, the pool's
+waiters included, stands still), and ``run_in_executor(None,
+fence.synchronize)`` leaves a thread of the default executor blocked for
+ever on a fence that never completes (and the interpreter joins those
+threads at exit). :func:`wait_fence` does neither:
+
+* a :class:`~asyncpool.fences.HostFence` calls back into the loop when it
+  completes (``add_done_callback``);
+* a CUDA event or a fence of unknown origin (a transfer handle) is watched
+  by a :class:`~asyncpool.watcher.FenceWatcher`, one per event loop, the
+  threads the pools use: daemons, one per CUDA stream sleeping in the
+  driver, one poller calling ``query()`` with a 50 µs to 1 ms backoff; none
+  ever calls an unknown fence's ``synchronize()``, none keeps the process
+  alive.
+
+Knows nothing of pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from .errors import FenceError
+from .fences import CudaFence, Fence, HostFence, is_done, is_fence
+from .watcher import FenceWatcher
+
+__all__ = ["wait_fence"]
+
+
+async def wait_fence(fence: Fence) -> None:
+    """Wait until ``fence`` completes, without blocking the event loop.
+
+    Returns at once when it has completed. Raises what its ``query()``
+    raises (:class:`~asyncpool.FenceError` for a faulted stream, a transfer
+    handle's own error) and ``TypeError`` for an object that is not a fence
+    (no callable ``query()`` and ``synchronize()``) or whose ``query()``
+    answers something other than yes or no (see :func:`~asyncpool.fences.is_done`).
+
+    Cancellation: cancelling the await (or an ``asyncio.timeout`` around it,
+    the way to bound a wait on a fence that may never complete) stops the
+    wait and nothing else: the fence is not touched, and nothing of the
+    wait stays behind (its callback is removed, its fence no longer
+    polled, unless another task waits for the same fence).
+
+    Thread rules: call it in a coroutine on a running loop. Any number of
+    tasks may wait for the same fence.
+    """
+    if not is_fence(fence):
+        raise TypeError(
+            f"wait_fence() needs a fence (an object with query() and synchronize()), "
+            f"got {type(fence).__name__}"
+        )
+    if is_done(fence.query()):
+        return
+    loop = asyncio.get_running_loop()
+    if fence.__class__ is HostFence:
+        await _wait_host(loop, fence)
+    else:
+        await _LoopWaits.of(loop).wait(fence)
+
+
+async def _wait_host(loop: asyncio.AbstractEventLoop, fence: HostFence) -> None:
+    """Wait for a host fence through its own completion callback."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:  # on the loop
+        if not done.done():
+            done.set_result(None)
+
+    def on_done() -> None:  # on the stream's worker thread, or here when settled
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody is left to wake
+            pass
+
+    fence.add_done_callback(on_done)
+    try:
+        await done
+    finally:
+        fence.remove_done_callback(on_done)
+    fence.query()  # raises if the fence faulted
+
+
+class _LoopWaits:
+    """The waits of one event loop on fences with no callback of their own.
+
+    Loop-thread state (``_waiting``) is touched on the loop only; the
+    watcher's threads only call :meth:`_notify`, which schedules one
+    :meth:`_check` per burst of completions.
+    """
+
+    _by_loop: dict[int, _LoopWaits] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        # id(fence) -> the fence and the futures of the tasks waiting for it
+        self._waiting: dict[int, tuple[Fence, list[asyncio.Future[None]]]] = {}
+        self._scheduled = False  # a _check is queued on the loop
+        self._watcher = FenceWatcher(
+            self._notify, name="asyncpool-wait-fence", alive=lambda: not loop.is_closed()
+        )
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaits:
+        """The waits of ``loop``, made on its first wait (entries of closed
+        loops are dropped then)."""
+        key = id(loop)
+        with cls._registry_lock:
+            waits = cls._by_loop.get(key)
+            if waits is None or waits._loop is not loop:
+                for stale in [k for k, w in cls._by_loop.items() if w._loop.is_closed()]:
+                    cls._by_loop.pop(stale)._watcher.stop()
+                waits = cls._by_loop[key] = cls(loop)
+            return waits
+
+    async def wait(self, fence: Fence) -> None:
+        done: asyncio.Future[None] = self._loop.create_future()
+        key = id(fence)
+        entry = self._waiting.get(key)
+        if entry is None:
+            self._waiting[key] = (fence, [done])
+            self._watcher.watch(fence)
+        else:
+            entry[1].append(done)
+        try:
+            await done
+        finally:
+            entry = self._waiting.get(key)
+            if entry is not None and done in entry[1]:
+                entry[1].remove(done)
+                if not entry[1]:  # the last waiter gave up
+                    del self._waiting[key]
+                    self._watcher.unwatch(fence)
+
+    def _notify(self) -> None:  # on a watcher thread
+        if self._scheduled:
+            return
+        self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._check)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _check(self) -> None:  # on the loop
+        # Cleared before the fences are asked: a fence that completes while
+        # this runs schedules another check instead of being lost.
+        self._scheduled = False
+        for key, (fence, futures) in list(self._waiting.items()):
+            error: BaseException | None = None
+            try:
+                done = is_done(fence.query())
+            except Exception as exc:
+                done, error = True, exc
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # CancelledError from a query(): a fault
+                done = True
+                error = FenceError(f"{fence!r}.query() raised {type(exc).__name__}")
+                error.__cause__ = exc
+            if not done:
+                # Notified for another fence. A fence the poller dropped
+                # (its query() raised there, not here) is watched again.
+                if fence.__class__ is not CudaFence and not self._watcher.polling(fence):
+                    self._watcher.watch(fence)
+                continue
+            del self._waiting[key]
+            for fut in futures:
+                if fut.done():
+                    continue
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
+
+def _pending_waits(loop: Any) -> int:
+    """How many fences ``loop``'s waits watch (for tests)."""
+    waits = _LoopWaits._by_loop.get(id(loop))
+    return 0 if waits is None or waits._loop is not loop else len(waits._waiting)

@@ -1,0 +1,250 @@
+"""``await wait_fence(fence)``: a coroutine waits for a fence, the loop runs on.
+
+Every wait is bounded (``bounded()``); a wait that blocked the loop would
+also block ``asyncio.timeout``, so the tests that prove the loop runs have a
+watchdog thread complete the fence after a few seconds and check that the
+loop had run before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+from helpers import EventFence, Streams, bounded
+
+from asyncpool import FenceError, HostStream, wait_fence
+from asyncpool.fence_wait import _LoopWaits, _pending_waits
+
+WATCHDOG_S = 5.0
+
+
+@pytest.fixture
+def watchdog() -> Iterator[list[threading.Timer]]:
+    """Timers that complete a fence if the test never does (cancelled at exit)."""
+    timers: list[threading.Timer] = []
+    yield timers
+    for t in timers:
+        t.cancel()
+
+
+def _arm(timers: list[threading.Timer], fn: object) -> None:
+    t = threading.Timer(WATCHDOG_S, fn)  # type: ignore[arg-type]
+    t.daemon = True
+    t.start()
+    timers.append(t)
+
+
+class _CountingFence(EventFence):
+    """An unknown-origin fence that counts synchronize() calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        super().synchronize()
+
+
+async def _ticks_while(cond: object, n: int = 50) -> int:
+    """Yield to the loop ``n`` times while ``cond()`` holds; how many ran."""
+    ran = 0
+    for _ in range(n):
+        if not cond():  # type: ignore[operator]
+            break
+        await asyncio.sleep(0)
+        ran += 1
+    return ran
+
+
+async def test_a_completed_fence_returns_at_once(kit: Streams) -> None:
+    idle = kit.stream().record()  # nothing launched: complete at once
+    done = EventFence()
+    done.set()
+    async with bounded():
+        await wait_fence(idle)
+        await wait_fence(done)
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
+async def test_a_host_fence_wakes_its_waiter_and_the_loop_runs_meanwhile(
+    kit: Streams, watchdog: list[threading.Timer]
+) -> None:
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    fence = stream.record()
+    _arm(watchdog, gate.open)
+    waiter = asyncio.create_task(wait_fence(fence))
+    ran = await _ticks_while(lambda: not gate.is_open)
+    # fence.synchronize() in the coroutine would have held the loop until
+    # the watchdog opened the gate
+    assert ran == 50 and not gate.is_open and not waiter.done()
+    gate.open()
+    async with bounded():
+        await waiter
+    assert fence.query() and not fence._callbacks  # type: ignore[attr-defined]
+
+
+async def test_an_unknown_fence_is_polled_never_synchronized(
+    watchdog: list[threading.Timer],
+) -> None:
+    fence = _CountingFence()
+    _arm(watchdog, fence.set)
+    waiter = asyncio.create_task(wait_fence(fence))
+    ran = await _ticks_while(lambda: not fence.event.is_set())
+    assert ran == 50 and not fence.event.is_set() and not waiter.done()
+    threading.Thread(target=fence.set).start()  # a transfer lands, elsewhere
+    async with bounded():
+        await waiter
+    assert fence.synchronized == 0 and fence.queries >= 2
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
+async def test_every_task_waiting_for_a_fence_is_woken(kit: Streams) -> None:
+    host_stream = kit.stream()
+    gate = kit.gate(host_stream)
+    host, other = host_stream.record(), kit.event_fence()
+    waiters = [asyncio.create_task(wait_fence(f)) for f in (host, host, other, other)]
+    quitter = asyncio.create_task(wait_fence(other))
+    await asyncio.sleep(0)
+    quitter.cancel()
+    gate.open()
+    other.set()
+    async with bounded():
+        await asyncio.gather(*waiters)
+    assert quitter.cancelled()
+
+
+@pytest.mark.parametrize("kind", ["host", "unknown"])
+async def test_cancelled_or_timed_out_leaves_nothing_behind(kit: Streams, kind: str) -> None:
+    loop = asyncio.get_running_loop()
+    if kind == "host":
+        stream = kit.stream()
+        kit.gate(stream)
+        fence: object = stream.record()
+    else:
+        fence = kit.event_fence()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await wait_fence(fence)  # type: ignore[arg-type]
+    task = asyncio.create_task(wait_fence(fence))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _pending_waits(loop) == 0
+    if kind == "host":
+        assert not fence._callbacks  # type: ignore[attr-defined]
+    else:
+        assert not _LoopWaits.of(loop)._watcher.polling(fence)  # type: ignore[arg-type]
+    assert not fence.query()  # type: ignore[attr-defined]  # untouched, still pending
+
+
+async def test_a_faulted_host_stream_raises_fence_error() -> None:
+    stream = HostStream("faulty")
+    try:
+        gate = threading.Event()
+        stream.launch(gate.wait)
+
+        def boom() -> None:
+            raise ValueError("kernel failed")
+
+        stream.launch(boom)
+        fence = stream.record()
+        waiter = asyncio.create_task(wait_fence(fence))
+        await asyncio.sleep(0)
+        gate.set()
+        with pytest.raises(FenceError):
+            async with bounded():
+                await waiter
+    finally:
+        stream.close(cancel_pending=True)
+
+
+async def test_a_transfer_that_fails_raises_its_own_error() -> None:
+    fence = EventFence()
+    fence.error = ConnectionResetError("peer gone")
+    waiter = asyncio.create_task(wait_fence(fence))
+    await asyncio.sleep(0)
+    fence.set()
+    with pytest.raises(ConnectionResetError, match="peer gone"):
+        async with bounded():
+            await waiter
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
+async def test_a_query_raising_cancelled_error_is_a_fault_not_a_cancellation() -> None:
+    fence = EventFence()
+    fence.error = asyncio.CancelledError()
+    waiter = asyncio.create_task(wait_fence(fence))
+    await asyncio.sleep(0)
+    fence.set()
+    with pytest.raises(FenceError, match="CancelledError"):
+        async with bounded():
+            await waiter
+
+
+@pytest.mark.parametrize(
+    "bad", [object(), None, HostStream, type("Half", (), {"query": lambda self: False})()]
+)
+async def test_what_is_not_a_fence_is_refused_and_nothing_watched(bad: object) -> None:
+    with pytest.raises(TypeError, match="needs a fence"):
+        await wait_fence(bad)  # type: ignore[arg-type]
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
+async def test_a_query_answering_a_status_word_is_refused() -> None:
+    class Wordy:
+        def query(self) -> str:
+            return "PENDING"
+
+        def synchronize(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="not True or False"):
+        await wait_fence(Wordy())  # type: ignore[arg-type]
+
+
+async def test_a_fence_completing_while_the_check_runs_is_not_lost() -> None:
+    """``_check`` clears its "scheduled" flag before it asks the fences. A
+    completion reported while it runs (here: while it asks ``first``) must
+    schedule another check; with the flag cleared after the pass, that
+    report is dropped and the waiter of ``late`` hangs.
+
+    ``late`` answers done only on the loop thread, so the watcher's poller
+    never reports it: the report made during the check is its only one.
+    """
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.current_thread()
+    waits = _LoopWaits.of(loop)
+
+    class LateFence(EventFence):
+        def query(self) -> bool:
+            return self.event.is_set() and threading.current_thread() is loop_thread
+
+    late = LateFence()
+
+    class FirstFence(EventFence):
+        def query(self) -> bool:
+            done = super().query()
+            if done and threading.current_thread() is loop_thread and not late.event.is_set():
+                late.set()  # completes while the check runs...
+                waits._notify()  # ...and is reported then, as a watcher thread would
+            return done
+
+    first = FirstFence()
+    try:
+        late_waiter = asyncio.create_task(wait_fence(late))  # asked first in the pass
+        await asyncio.sleep(0)
+        first_waiter = asyncio.create_task(wait_fence(first))
+        await asyncio.sleep(0)
+        first.set()
+        async with bounded(5):
+            await first_waiter
+            await late_waiter
+    finally:
+        late.set()
+        first.set()

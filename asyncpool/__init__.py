@@ -32,6 +32,7 @@ from .fences import (
     record_fence,
 )
 from .kv_pages import KVPagePool, KVPageStats
+from .ledger import Rows
 from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
@@ -65,6 +66,7 @@ __all__ = [
     "PoolStats",
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",
+    "Rows",
     "WrongThreadError",
     "new_stream_key",
     "record_fence",

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,9 @@ from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
 __all__ = ["Admission", "Need"]
+
+#: Page counts: one for every row, or one per row.
+Counts = SupportsIndex | Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]] | torch.Tensor
 
 _get_ident = threading.get_ident
 _get_running_loop = asyncio.get_running_loop
@@ -154,7 +157,9 @@ class Admission:
 
     # ------------------------------------------------------------ admitting
 
-    async def admit(self, pages: int, *, priority: int = 0, timeout: float | None = None) -> Grant:
+    async def admit(
+        self, pages: SupportsIndex, *, priority: int = 0, timeout: float | None = None
+    ) -> Grant:
         """Admit a request: one row and ``pages`` KV pages, granted together.
 
         All or nothing (System V ``semop`` semantics): a waiter short of
@@ -222,7 +227,7 @@ class Admission:
             # the caller's frames (and their locals) until the cycle collector.
             del waiter
 
-    def try_admit(self, pages: int) -> Grant | None:
+    def try_admit(self, pages: SupportsIndex) -> Grant | None:
         """Admit now (one row and ``pages`` pages), or return None; never waits.
 
         None while anyone is queued (no queue jumping), while the memory is
@@ -295,7 +300,7 @@ class Admission:
             return torch.zeros(0, dtype=torch.int64)
         return self._pages.of(row)
 
-    def extend(self, row: int, k: int) -> torch.Tensor | None:
+    def extend(self, row: SupportsIndex, k: SupportsIndex) -> torch.Tensor | None:
         """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
 
         Returns the new pages (they belong to the row from now on), or None
@@ -327,7 +332,7 @@ class Admission:
     def extend_rows(
         self,
         rows: Rows,
-        k: int | Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor = 1,
+        k: Counts = 1,
     ) -> torch.Tensor | None:
         """Add ``k`` pages to each of ``rows`` at once (a decode step's
         growth), all or nothing; never waits.
@@ -436,7 +441,7 @@ class Admission:
     def trim_pages(
         self,
         rows: Rows,
-        keep: int | Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor,
+        keep: Counts,
         fence: Fence | None = None,
         *,
         after: HostStream | Any | None = None,

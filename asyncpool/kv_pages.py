@@ -61,7 +61,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, SupportsIndex, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -920,7 +920,7 @@ class KVPagePool:
 
     # ------------------------------------------------------------------ alloc
 
-    def alloc(self, n: int) -> torch.Tensor | None:
+    def alloc(self, n: SupportsIndex) -> torch.Tensor | None:
         """Take the ``n`` oldest-freed pages, or None when short.
 
         Reclaims completed fences before answering None. Returns a fresh 1-D

@@ -70,7 +70,7 @@ import sys
 import threading
 import weakref
 from types import TracebackType
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -485,7 +485,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     # ------------------------------------------------------------ allocation
 
-    async def alloc(self, n: int, *, priority: int = 0, timeout: float | None = None) -> list[int]:
+    async def alloc(
+        self, n: SupportsIndex, *, priority: int = 0, timeout: float | None = None
+    ) -> list[int]:
         """Allocate ``n`` rows, waiting until they can all be granted at once.
 
         Returns at once, without suspending, when nobody is queued, ``n``
@@ -759,7 +761,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._drop_dead_waiters()
         return bool(self._waiters.count or self._released)
 
-    def try_alloc(self, n: int) -> list[int] | None:
+    def try_alloc(self, n: SupportsIndex) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.
 
         Returns None while anyone is queued (no queue jumping) or while the

@@ -20,7 +20,7 @@ another thread (a scrape).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -76,7 +76,7 @@ class ReqToTokenPool(PoolCore):
             f"allocated={led.allocated} pending={led.pending} quarantined={led.quarantined}>"
         )
 
-    def alloc(self, need_size: int) -> list[int] | None:
+    def alloc(self, need_size: SupportsIndex) -> list[int] | None:
         """Take ``need_size`` rows (oldest-freed first), or None when short.
 
         Reclaims completed fences before answering None. Raises

@@ -96,7 +96,7 @@ def unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
     from asyncpool import AsyncReqToTokenPool
 
     class UncheckedAlloc(AsyncReqToTokenPool):
-        async def alloc(
+        async def alloc(  # type: ignore[override]  # a stand-in: ints only
             self, n: int, *, priority: int = 0, timeout: float | None = None
         ) -> list[int]:
             waiters = self._waiters

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncpool import AsyncReqToTokenPool, HostStream, ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, ReqToTokenPool
 
 
 def rows_as_engines_hold_them(
@@ -28,3 +28,20 @@ def rows_as_engines_hold_them(
     pool.extend_rows(torch.tensor([1, 2]), 1)
     sync.free(np.array([5]))
     pool.free(1.5)  # type: ignore[arg-type]
+
+
+async def counts_as_engines_hold_them(
+    pool: AsyncReqToTokenPool, sync: ReqToTokenPool, kv: KVPagePool
+) -> None:
+    """Counts and a row id as integer scalars: accepted at run time (the
+    input tests) and by the annotations (``SupportsIndex``)."""
+    await pool.alloc(np.int64(1))
+    pool.try_alloc(np.int64(1))
+    await pool.admit(np.int64(2))
+    pool.try_admit(torch.tensor(2))
+    pool.extend(np.int64(1), np.int64(1))
+    pool.extend_rows([1, 2], [np.int64(1), 2])
+    pool.trim_pages([1], np.int64(1))
+    kv.alloc(np.int32(2))
+    sync.alloc(np.int64(1))
+    await pool.admit(2.0)  # type: ignore[arg-type]

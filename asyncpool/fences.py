@@ -571,8 +571,15 @@ def check_after(after: object) -> None:
     HostStream, a ``torch.cuda.Stream`` or a ``torch.Stream`` of type
     ``cuda``; an object that merely has a CUDA ``.device``, such as a CUDA
     tensor, is refused): the check of every ``after=`` parameter, made
-    before anything changes."""
-    if not isinstance(after, HostStream) and not _is_cuda_stream(after):
+    before anything changes. ``RuntimeError`` for a closed HostStream."""
+    if isinstance(after, HostStream):
+        if after.closed:
+            raise RuntimeError(
+                f"after= is {after.name}, a HostStream that is closed: no fence can be "
+                "recorded on it, so nothing was freed"
+            )
+        return
+    if not _is_cuda_stream(after):
         raise TypeError(
             f"after= must be a HostStream or a CUDA stream to record a fence on, "
             f"got {after!r} of type {type(after).__name__}"

@@ -23,6 +23,7 @@ from asyncpool import (
     CapacityError,
     DeviceError,
     DoubleFreeError,
+    HostStream,
     InvalidSlotError,
     KVPagePool,
     PoolBusyError,
@@ -281,6 +282,24 @@ async def test_after_that_is_not_a_stream_names_the_after_parameter():
         before = pool_snapshot(pool)
         with pytest.raises(TypeError, match=r"after= must be a HostStream .* got 'x' of type str"):
             pool.free(rows, after="x")
+        assert pool_snapshot(pool) == before
+        if isinstance(pool, AsyncReqToTokenPool):
+            await pool.close()
+
+
+async def test_after_a_closed_stream_names_it_and_frees_nothing():
+    closed = HostStream("copy")
+    closed.close()
+    kv = KVPagePool(9, 4)
+    pages = kv.alloc(2)
+    with pytest.raises(RuntimeError, match="after= is copy, a HostStream that is closed"):
+        kv.free(pages, after=closed)
+    assert kv.allocated_size() == 2
+    for pool in _pools():
+        rows = await _alloc(pool, 1)
+        before = pool_snapshot(pool)
+        with pytest.raises(RuntimeError, match="nothing was freed"):
+            pool.free(rows, after=closed)
         assert pool_snapshot(pool) == before
         if isinstance(pool, AsyncReqToTokenPool):
             await pool.close()

@@ -300,7 +300,6 @@ async def test_lease_with_an_after_that_is_not_a_stream_allocates_nothing() -> N
 # ------------------------------------------------- 5, 6. constructors
 
 ROW_POOLS = [ReqToTokenPool, AsyncReqToTokenPool]
-NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="device 0 is CUDA here")
 
 
 @pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "device"])
@@ -320,7 +319,7 @@ def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
 
 @pytest.mark.parametrize(
     "device",
-    ["10", "bogus", -1, None, 2.5, pytest.param(0, marks=NO_CUDA)],
+    ["10", "bogus", -1, None, 2.5],
     ids=repr,
 )
 @pytest.mark.parametrize(
@@ -335,6 +334,24 @@ def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
 def test_a_device_torch_cannot_use_is_a_device_error(make: Any, device: Any) -> None:
     with pytest.raises(DeviceError, match=rf"device={re.escape(repr(device))} is not a device"):
         make(device)
+
+
+@pytest.mark.usefixtures("without_cuda")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: ReqToTokenPool(10, 16, device=d),
+        lambda d: AsyncReqToTokenPool(10, 16, device=d),
+        lambda d: KVPagePool(10, 4, device=d),
+    ],
+    ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
+)
+def test_device_index_0_without_cuda_is_a_device_error(make: Any) -> None:
+    # A CPU build refuses to parse 0 (no accelerator); on a GPU machine with
+    # CUDA reported unavailable, 0 parses as cuda:0 and needs CUDA: either
+    # way a DeviceError naming the value (run on both kinds of machine).
+    with pytest.raises(DeviceError, match=r"device=0 (is not a device|needs CUDA)"):
+        make(0)
 
 
 @pytest.mark.usefixtures("without_cuda")

@@ -560,21 +560,23 @@ def test_agree_over_nccl_uses_a_cuda_tensor(group: Any) -> None:
     from asyncpool import record_fence
 
     nccl = dist.new_group(ranks=[0], backend="nccl")
-    stream = torch.cuda.Stream()
-    pool = ReqToTokenPool(4, 4, device="cuda", reclaim="explicit")
-    kv = KVPagePool(9, 4, device="cuda", reclaim="explicit")
-    rows = pool.alloc(2)
-    pages = kv.alloc(4)
-    assert rows is not None and pages is not None
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(1_000_000)
-    f = record_fence(stream)
-    pool.record_use(rows, f)
-    pool.free(rows)
-    kv.free(pages, fence=f)
-    stream.synchronize()
-    res = agree(nccl, [pool._ledger, kv.ledger])
-    assert res.released == (2, 4)
-    pool.check_invariants()
-    kv.check_invariants()
-    dist.destroy_process_group(nccl)
+    try:
+        stream = torch.cuda.Stream()
+        pool = ReqToTokenPool(4, 4, device="cuda", reclaim="explicit")
+        kv = KVPagePool(9, 4, device="cuda", reclaim="explicit")
+        rows = pool.alloc(2)
+        pages = kv.alloc(4)
+        assert rows is not None and pages is not None
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000)
+        f = record_fence(stream)
+        pool.record_use(rows, f)
+        pool.free(rows)
+        kv.free(pages, fence=f)
+        stream.synchronize()
+        res = agree(nccl, [pool._ledger, kv.ledger])
+        assert res.released == (2, 4)
+        pool.check_invariants()
+        kv.check_invariants()
+    finally:  # a failure must not leave the subgroup to later tests
+        dist.destroy_process_group(nccl)

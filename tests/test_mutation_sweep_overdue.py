@@ -26,7 +26,7 @@ from helpers import ManualClock
 
 from asyncpool import AsyncReqToTokenPool
 from asyncpool.ledger import SlotLedger
-from asyncpool.overdue import OverdueFences
+from asyncpool.overdue import OverdueFences, check_fence_timeout
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +41,7 @@ def test_a_fence_timeout_that_is_not_a_number_above_zero_is_refused(timeout: obj
 
 
 def test_the_smallest_positive_fence_timeout_is_taken() -> None:
+    assert check_fence_timeout(5e-324) == 5e-324  # as given, not rounded or refused
     pool = AsyncReqToTokenPool(3, 4, fence_timeout=5e-324)
     pool.check_invariants()
 

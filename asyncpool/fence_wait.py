@@ -103,6 +103,10 @@ class _LoopWaits:
         self._loop = loop
         # id(fence) -> the fence and the futures of the tasks waiting for it
         self._waiting: dict[int, tuple[Fence, list[asyncio.Future[None]]]] = {}
+        # CUDA fences handed to the watcher and not yet seen done: a stream
+        # thread cannot give one back (unwatch), so a wait given up and taken
+        # up again must not hand it over twice. Held, so no id is reused.
+        self._cuda_handed: dict[int, CudaFence] = {}
         self._scheduled = False  # a _check is queued on the loop
         self._watcher = FenceWatcher(
             self._notify, name="asyncpool-wait-fence", alive=lambda: not loop.is_closed()
@@ -126,8 +130,12 @@ class _LoopWaits:
         key = id(fence)
         entry = self._waiting.get(key)
         if entry is None:
+            if fence.__class__ is not CudaFence:
+                self._watcher.watch(fence)
+            elif key not in self._cuda_handed:
+                self._watcher.watch(fence)
+                self._cuda_handed[key] = fence
             self._waiting[key] = (fence, [done])
-            self._watcher.watch(fence)
         else:
             entry[1].append(done)
         try:
@@ -153,18 +161,23 @@ class _LoopWaits:
         # Cleared before the fences are asked: a fence that completes while
         # this runs schedules another check instead of being lost.
         self._scheduled = False
+        for key, cuda in list(self._cuda_handed.items()):
+            if key not in self._waiting and _settled(cuda):
+                del self._cuda_handed[key]  # the watcher is done with it
         for key, (fence, futures) in list(self._waiting.items()):
             error: BaseException | None = None
             try:
                 done = is_done(fence.query())
+            except (StopIteration, StopAsyncIteration) as exc:  # no future takes these
+                done, error = True, _fault(fence, exc)
             except Exception as exc:
                 done, error = True, exc
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # CancelledError from a query(): a fault
-                done = True
-                error = FenceError(f"{fence!r}.query() raised {type(exc).__name__}")
-                error.__cause__ = exc
+                done, error = True, _fault(fence, exc)
+            if done:
+                self._cuda_handed.pop(key, None)
             if not done:
                 # Notified for another fence. A fence the poller dropped
                 # (its query() raised there, not here) is watched again.
@@ -179,6 +192,22 @@ class _LoopWaits:
                     fut.set_result(None)
                 else:
                     fut.set_exception(error)
+
+
+def _fault(fence: Fence, exc: BaseException) -> FenceError:
+    """A FenceError for a ``query()`` that raised what no future can carry."""
+    error = FenceError(f"{fence!r}.query() raised {type(exc).__name__}")
+    error.__cause__ = exc
+    return error
+
+
+def _settled(fence: CudaFence) -> bool:
+    """Whether a CUDA fence's watcher thread is done with it (completed, or
+    its query raises: faulted)."""
+    try:
+        return bool(fence.query())
+    except Exception:
+        return True
 
 
 def _pending_waits(loop: Any) -> int:

@@ -870,8 +870,13 @@ class KVPagePool:
         self.page_size = page_size
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
-        # The offsets on each device slots() has computed on, made once.
+        # The offsets on each CUDA device slots() computes on, made once and
+        # waited for: a kernel queued on another stream must never read them
+        # before they are written. The pool's own device is done here, before
+        # any step is in flight.
         self._device_offsets: dict[torch.device, torch.Tensor] = {}
+        if self.device.type == "cuda":
+            self._offsets_on(torch.empty(0, device=self.device).device)
         self._on_free: Callable[[], None] | None = None
         self._guard: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
@@ -1290,9 +1295,17 @@ class KVPagePool:
             )
         offsets = self._device_offsets.get(pages.device)
         if offsets is None:
-            offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
-            self._device_offsets[pages.device] = offsets
+            offsets = self._offsets_on(pages.device)
         return (pages.reshape(-1, 1).to(torch.int64) * self.page_size + offsets).reshape(-1)
+
+    def _offsets_on(self, device: torch.device) -> torch.Tensor:
+        """``arange(page_size)`` on ``device``, written before this returns
+        (waits once, for the stream it was made on), and remembered."""
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)
+        if offsets.is_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        self._device_offsets[device] = offsets
+        return offsets
 
     def stats(self) -> KVPageStats:
         """A snapshot of the page counts and totals; changes nothing, and may

@@ -99,18 +99,26 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of the host tensor ``host`` on ``device``, queued on the current
     stream without blocking the calling thread.
 
-    On CUDA the data is staged in pinned memory first. A copy from pageable
-    memory synchronises: a blocking ``.to(device)`` waits for everything on
-    the current stream, and a ``non_blocking`` one may wait for it in the
-    driver. The current stream may be the forward stream with a step in
-    flight (the pool's resets run on ``stream=``), so either would end the
-    overlap. ``pin_memory()`` copies ``host`` at once (the caller may reuse
-    its buffer) and the caching host allocator keeps the pinned block until
-    the copy has run. Off CUDA, a plain ``.to(device)``.
+    On CUDA the data is staged in a pinned buffer of the pool's own first. A
+    copy from pageable memory synchronises: a blocking ``.to(device)`` waits
+    for everything on the current stream, and a ``non_blocking`` one may wait
+    for it in the driver. The current stream may be the forward stream with a
+    step in flight (the pool's resets run on ``stream=``), so either would end
+    the overlap. The staging copy is made at once, so the caller may reuse
+    ``host`` (a pinned buffer of its own included) as soon as this returns;
+    the caching host allocator keeps the staging block until the copy has run.
+    Off CUDA, ``host.to(device)`` (``host`` itself on the CPU).
     """
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return _staged(host, host.dtype).to(device, non_blocking=True)
+
+
+def _staged(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A pinned copy of ``host`` (of ``dtype``, contiguous) that nobody else holds."""
+    staged = torch.empty(host.shape, dtype=dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged
 
 
 def _length(value: object, name: str, row: int) -> int:
@@ -366,14 +374,16 @@ class TokenTables:
         # (it waits for the whole current stream, the forward step in flight
         # included), and so is a copy from pageable memory: fill_ a view (a
         # kernel that takes the value as its argument) and stage host slots
-        # in pinned memory. Everything is queued on the current stream.
+        # in a pinned buffer of our own (the caller may reuse theirs at
+        # once), staged before anything is written. Everything is queued on
+        # the current stream.
+        dst = self.req_to_token[row, :alloced]
+        if alloced and slots.device.type == "cpu":
+            slots = _staged(slots.reshape(-1).expand(alloced), dst.dtype)
         self.verified_lens[row : row + 1].fill_(verified)
         self.alloced_lens[row : row + 1].fill_(alloced)
         self.alloced_lens_cpu[row] = alloced
         if alloced:
-            dst = self.req_to_token[row, :alloced]
-            if slots.device.type == "cpu":
-                slots = slots.to(dst.dtype).pin_memory()
             dst.copy_(slots, non_blocking=True)
 
     def write(self, indices: Any, values: Any) -> None:

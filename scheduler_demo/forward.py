@@ -162,8 +162,8 @@ class Forward:
         self.kv: torch.Tensor | None = None
         self._max_col = 0
         self._ncols = 0
-        self._busy_s = 0.0  # worker time spent in steps (host stream)
-        # CUDA: a timing event pair around each step, read by busy_s.
+        self._busy_s = 0.0  # time spent in steps (the worker's; CUDA: folded events)
+        # CUDA: a timing event pair around each step not yet folded into _busy_s.
         self._step_events: list[tuple[Any, Any]] = []
         # Set when the run is given up (--timeout): the steps still queued or
         # running skip the rest of their matmuls, so closing the stream does
@@ -244,7 +244,19 @@ class Forward:
             return self._busy_s
         if self._step_events:
             self._step_events[-1][1].synchronize()
-        return float(sum(a.elapsed_time(b) for a, b in self._step_events)) / 1e3
+        self._fold_step_events()
+        return self._busy_s
+
+    def _fold_step_events(self) -> None:
+        """Add the steps whose timing events have completed to ``_busy_s``
+        (they complete in order, on one stream): the list stays short."""
+        events = self._step_events
+        done = 0
+        while done < len(events) and events[done][1].query():
+            start, end = events[done]
+            self._busy_s += start.elapsed_time(end) / 1e3
+            done += 1
+        del events[:done]
 
     def launch(self, step: Step) -> Any:
         """Queue ``step`` on the stream; return the fence recorded right after it."""
@@ -257,6 +269,8 @@ class Forward:
                 self._run(step)
                 end.record(self.stream)
             self._step_events.append((start, end))
+            if len(self._step_events) > 64:
+                self._fold_step_events()
         else:
             step.inputs = self._inputs(step)
             self.stream.launch(self._run_timed, step)

@@ -232,6 +232,8 @@ async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None
         torch.cuda.synchronize()
 
 
+# torch warns that the debug mode is a prototype; the suite's warnings are errors.
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 async def test_the_calls_of_a_scheduler_step_never_wait_for_the_stream() -> None:
     """A step's pool calls queue their device work and return: none waits
     for the stream, where the forward step may still be running.

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from helpers import EventFence, Streams, bounded
+from helpers import FAKE_DEVICE, EventFence, StandInEvent, Streams, bounded, forget_stand_in_events
 
-from asyncpool import FenceError, HostStream, wait_fence
+from asyncpool import CudaFence, FenceError, HostStream, new_stream_key, wait_fence
 from asyncpool.fence_wait import _LoopWaits, _pending_waits
 
 WATCHDOG_S = 5.0
@@ -141,6 +141,49 @@ async def test_cancelled_or_timed_out_leaves_nothing_behind(kit: Streams, kind: 
     else:
         assert not _LoopWaits.of(loop)._watcher.polling(fence)  # type: ignore[arg-type]
     assert not fence.query()  # type: ignore[attr-defined]  # untouched, still pending
+
+
+async def test_a_cuda_fence_waited_for_again_and_again_is_handed_over_once() -> None:
+    """A stream thread cannot give a CUDA fence back: five waits given up
+    (timeouts) and a sixth that sees it complete hand it to the watcher once,
+    and once it has completed nothing of it is kept."""
+    loop = asyncio.get_running_loop()
+    gate = threading.Event()
+    key = new_stream_key()
+    fence = CudaFence(StandInEvent(gate, 10.0), FAKE_DEVICE, key, 1)  # type: ignore[arg-type]
+    waits = _LoopWaits.of(loop)
+    try:
+        for _ in range(5):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.005):
+                    await wait_fence(fence)
+        assert waits._watcher.watched == 1 and len(waits._cuda_handed) == 1
+        last = asyncio.create_task(wait_fence(fence))
+        await asyncio.sleep(0)
+        gate.set()
+        async with bounded():
+            await last
+        assert waits._watcher.watched == 1
+        assert not waits._cuda_handed  # dropped by the check that saw it done
+        assert _pending_waits(loop) == 0
+    finally:
+        gate.set()
+        del fence
+        forget_stand_in_events()
+
+
+@pytest.mark.parametrize("raised", [StopIteration, StopAsyncIteration])
+async def test_a_query_raising_what_no_future_takes_is_a_fault(raised: type) -> None:
+    fence, other = EventFence(), EventFence()
+    fence.error = raised()
+    waiters = [asyncio.create_task(wait_fence(f)) for f in (fence, other)]
+    await asyncio.sleep(0)
+    fence.set()
+    other.set()
+    async with bounded():
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert isinstance(results[0], FenceError) and raised.__name__ in str(results[0])
+    assert results[1] is None  # the same pass went on to the next fence
 
 
 async def test_a_faulted_host_stream_raises_fence_error() -> None:

@@ -89,6 +89,10 @@ class AfterStream(HostStream):
     def __repr__(self) -> str:
         return f"<AfterStream {self.fake.key}>"
 
+    @property
+    def closed(self) -> bool:  # asked by after='s check: never closed
+        return False
+
     def record(self) -> FakeFence:  # type: ignore[override]
         return self.fake.record()
 

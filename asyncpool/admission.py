@@ -288,17 +288,21 @@ class Admission:
             return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 
-    def pages_of(self, row: int) -> torch.Tensor:
+    def pages_of(self, row: int, *, host: bool = False) -> torch.Tensor:
         """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
 
-        Raises :class:`InvalidSlotError` unless ``row`` is allocated. Read
-        only: the tensor is the pool's record.
+        On the ``KVPagePool``'s device; with ``host=True`` on the CPU, from
+        the pool's host record with no copy to the device (on a CUDA pool,
+        ids for the engine's own bookkeeping, which ``kv.free`` and
+        ``kv.slots`` take without reading anything back). Raises
+        :class:`InvalidSlotError` unless ``row`` is allocated. Read only:
+        the tensor is (a copy of) the pool's record.
         """
         self._check_thread()
         row = self._allocated_row(row, "asked for its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
-        return self._pages.of(row)
+        return self._pages.of(row, host)
 
     def extend(self, row: SupportsIndex, k: SupportsIndex) -> torch.Tensor | None:
         """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
@@ -420,7 +424,7 @@ class Admission:
             self._waiters.grant()
         return got
 
-    def detach_pages(self, row: int) -> torch.Tensor:
+    def detach_pages(self, row: int, *, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller, who owns them from now on.
 
         For prefix caching: the caller keeps them (in a radix tree, say) and
@@ -429,14 +433,17 @@ class Admission:
         pool's waiters). A later :meth:`free` of ``row`` frees only pages
         it owns then. The tensor lists the pages the row was granted, even
         if its record (``grant.pages``, ``pages_of``) was written into since
-        (then a fresh tensor, not that record). Raises
+        (then a fresh tensor, not that record). On the ``KVPagePool``'s
+        device; with ``host=True`` on the CPU, no copy to the device (on a
+        CUDA pool: the ids to keep in a prefix cache and give to
+        ``kv.free`` later, which then reads nothing back). Raises
         :class:`InvalidSlotError` unless ``row`` is allocated.
         """
         self._check_thread()
         row = self._allocated_row(row, "detached from its pages")
         if self._pages is None:
             return torch.zeros(0, dtype=torch.int64)
-        return self._pages.detach(row)
+        return self._pages.detach(row, host)
 
     def trim_pages(
         self,

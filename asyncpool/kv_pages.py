@@ -925,11 +925,14 @@ class KVPagePool:
 
     # ------------------------------------------------------------------ alloc
 
-    def alloc(self, n: SupportsIndex) -> torch.Tensor | None:
+    def alloc(self, n: SupportsIndex, *, host: bool = False) -> torch.Tensor | None:
         """Take the ``n`` oldest-freed pages, or None when short.
 
         Reclaims completed fences before answering None. Returns a fresh 1-D
-        int64 tensor (it never aliases the pool's memory). On a page pool
+        int64 tensor (it never aliases the pool's memory), on ``device``; with
+        ``host=True`` on the CPU, with no copy to the device (on a CUDA pool:
+        ids that :meth:`free` and :meth:`slots` take without reading
+        anything back). On a page pool
         that serves an ``AsyncReqToTokenPool`` (``kv=``) this bypasses that
         pool's queue, its close and its memory release: allocate through the
         pool (``admit``, ``extend``) unless pages outside any row are meant. Raises
@@ -976,6 +979,8 @@ class KVPagePool:
             if remembered > self._handed_limit:
                 self._trim_handed()
             return out
+        if host:
+            return torch.from_numpy(pages)
         return host_to_device(torch.from_numpy(pages), self.device)
 
     def _hand_out(self, pages: PageArray) -> torch.Tensor:

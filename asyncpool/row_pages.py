@@ -273,11 +273,13 @@ class RowPages:
             seal = self.sealed[row] = bytearray(seal)
         seal += arr.tobytes()
 
-    def of(self, row: int) -> torch.Tensor:
+    def of(self, row: int, host: bool = False) -> torch.Tensor:
         pages = self.owned[row]
-        return self.out(pages if pages is not None else _EMPTY)
+        if pages is None:
+            pages = _EMPTY
+        return torch.from_numpy(pages) if host else self.out(pages)
 
-    def detach(self, row: int) -> torch.Tensor:
+    def detach(self, row: int, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller; the tensor is theirs (on the
         host the page pool remembers it, so freeing it there is cheap)."""
         pages = self.owned[row]
@@ -285,7 +287,7 @@ class RowPages:
         self.grown[row] = None
         sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
-            return self.out(_EMPTY)
+            return torch.from_numpy(_EMPTY) if host else self.out(_EMPTY)
         # The row's pages are the caller's now, and KVPagePool.free takes
         # them. They are the seal's: a record written into may list others
         # (another holder's page, which kv.free would then take from it),
@@ -303,7 +305,7 @@ class RowPages:
             pages = pages.copy()
         if self._on_host and pages.shape[0] > 1:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
-        return self.out(pages)
+        return torch.from_numpy(pages) if host else self.out(pages)
 
     def written_error(self, row: int) -> InvalidSlotError:
         return InvalidSlotError(

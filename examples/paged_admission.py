@@ -356,7 +356,7 @@ async def run(args: argparse.Namespace) -> int:
     def start(req: Request, grant: Grant, entry: Entry | None) -> None:
         nonlocal hits
         req.row = grant.row
-        req.pages = grant.pages.tolist()
+        req.pages = pool.pages_of(grant.row, host=True).tolist()  # host ids: no read-back
         req.admission += 1
         req.launched = req.done
         cached = 0
@@ -464,7 +464,7 @@ async def run(args: argparse.Namespace) -> int:
                         # the row's fences, so the cache carries the newest
                         # along (step t may still use the row), and the rest
                         # are freed behind it and the copy.
-                        pages, k = pool.detach_pages(req.row), args.prefix_pages
+                        pages, k = pool.detach_pages(req.row, host=True), args.prefix_pages
                         cache.insert(req.prefix, pages[:k], newest, steps)
                         kv.free(pages[k:], fence=newest, after=engine.copy)
                     pool.free([req.row], after=engine.copy)  # ...so the free waits for it too

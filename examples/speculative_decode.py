@@ -229,7 +229,7 @@ async def run(args: argparse.Namespace) -> int:
 
     def start(req: Request, grant: Grant) -> None:
         req.row, req.pages, req.admission = grant.row, [], req.admission + 1
-        engine.give(pool, req, grant.pages.tolist())
+        engine.give(pool, req, pool.pages_of(grant.row, host=True).tolist())  # no read-back
         running.append(req)
 
     prev: tuple[torch.Tensor, list[tuple[Request, int, int]]] | None = None

@@ -577,6 +577,29 @@ async def test_detach_pages_hands_them_to_the_caller():
         conserved(pool)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+async def test_host_ids_are_the_same_pages_on_the_cpu(n):
+    """``host=True`` (for a CUDA pool's host bookkeeping) gives the same ids
+    as CPU tensors: here, where the pool is on the CPU, the same tensors'
+    contents; tests/test_cuda.py checks a CUDA pool."""
+    async with make(rows=3, pages=8) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=n)
+        for got in (pool.pages_of(g.row, host=True), pool.pages_of(g.row)):
+            assert got.device.type == "cpu" and got.dtype == torch.int64
+            assert ids(got) == ids(g.pages)
+        mine = kv.alloc(2, host=True)
+        assert mine is not None and mine.device.type == "cpu" and len(ids(mine)) == 2
+        detached = pool.detach_pages(g.row, host=True)
+        assert detached.device.type == "cpu" and ids(detached) == ids(g.pages)
+        assert ids(pool.pages_of(g.row, host=True)) == []
+        assert ids(pool.detach_pages(g.row, host=True)) == []
+        kv.free(detached)
+        kv.free(mine)
+        pool.free(g.row)
+        conserved(pool)
+
+
 @pytest.mark.parametrize("n", [1, 4, 12])
 @pytest.mark.parametrize("form", ["detached tensor", "tensor", "list", "numpy"])
 async def test_the_caller_freeing_detached_pages_serves_a_waiter(n, form):

@@ -316,6 +316,35 @@ async def test_wait_fence_on_a_cuda_event_lets_the_loop_run() -> None:
     assert fence.query()
 
 
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
+async def test_host_ids_of_a_cuda_pool_stay_on_the_cpu_and_free_without_a_read_back() -> None:
+    kv = KVPagePool(33, 4, device="cuda")
+    pool = AsyncReqToTokenPool(4, 64, device="cuda", kv=kv)
+    try:
+        grant = pool.try_admit(pages=3)
+        assert grant is not None and grant.pages.is_cuda
+        host = pool.pages_of(grant.row, host=True)
+        mine = kv.alloc(2, host=True)
+        assert mine is not None and not host.is_cuda and not mine.is_cuda
+        assert host.tolist() == grant.pages.tolist()
+        detached = pool.detach_pages(grant.row, host=True)
+        assert not detached.is_cuda and detached.tolist() == host.tolist()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            kv.slots(detached)  # host ids: checked on the host, copied pinned
+            kv.free(detached)  # nothing to read back
+            kv.free(mine)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        pool.free([grant.row])
+        pool.check_invariants()
+    finally:
+        async with bounded():
+            await pool.close()
+        torch.cuda.synchronize()
+
+
 def test_sync_pool_on_cuda_with_fences() -> None:
     fwd = torch.cuda.Stream()
     pool = ReqToTokenPool(9, 32, device="cuda", stream=fwd)

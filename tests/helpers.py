@@ -197,6 +197,19 @@ class EventFence:
             raise self.error
 
 
+class NoSyncFence(EventFence):
+    """A fence of unknown origin whose ``synchronize()`` must never be called
+    (it counts the calls in ``synchronized``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        super().synchronize()
+
+
 _fake_keys = itertools.count(1_000_000)  # far from HostStream / CUDA keys
 
 

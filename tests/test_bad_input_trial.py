@@ -300,10 +300,8 @@ async def test_lease_with_an_after_that_is_not_a_stream_allocates_nothing() -> N
 # ------------------------------------------------- 5, 6. constructors
 
 ROW_POOLS = [ReqToTokenPool, AsyncReqToTokenPool]
-
-
-@pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "device"])
-@pytest.mark.parametrize(
+#: Each pool built on the device ``d``.
+EVERY_POOL = pytest.mark.parametrize(
     "make",
     [
         lambda d: ReqToTokenPool(10, 16, device=d),
@@ -312,6 +310,10 @@ ROW_POOLS = [ReqToTokenPool, AsyncReqToTokenPool]
     ],
     ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
 )
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "device"])
+@EVERY_POOL
 def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
     with pytest.raises(DeviceError, match=r"device=.*meta.* holds no data"):
         make(device)
@@ -322,30 +324,14 @@ def test_the_meta_device_is_refused(make: Any, device: Any) -> None:
     ["10", "bogus", -1, None, 2.5],
     ids=repr,
 )
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda d: ReqToTokenPool(10, 16, device=d),
-        lambda d: AsyncReqToTokenPool(10, 16, device=d),
-        lambda d: KVPagePool(10, 4, device=d),
-    ],
-    ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
-)
+@EVERY_POOL
 def test_a_device_torch_cannot_use_is_a_device_error(make: Any, device: Any) -> None:
     with pytest.raises(DeviceError, match=rf"device={re.escape(repr(device))} is not a device"):
         make(device)
 
 
 @pytest.mark.usefixtures("without_cuda")
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda d: ReqToTokenPool(10, 16, device=d),
-        lambda d: AsyncReqToTokenPool(10, 16, device=d),
-        lambda d: KVPagePool(10, 4, device=d),
-    ],
-    ids=["ReqToTokenPool", "AsyncReqToTokenPool", "KVPagePool"],
-)
+@EVERY_POOL
 def test_device_index_0_without_cuda_is_a_device_error(make: Any) -> None:
     # A CPU build refuses to parse 0 (no accelerator); on a GPU machine with
     # CUDA reported unavailable, 0 parses as cuda:0 and needs CUDA: either

@@ -13,7 +13,15 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from helpers import FAKE_DEVICE, EventFence, StandInEvent, Streams, bounded, forget_stand_in_events
+from helpers import (
+    FAKE_DEVICE,
+    EventFence,
+    NoSyncFence,
+    StandInEvent,
+    Streams,
+    bounded,
+    forget_stand_in_events,
+)
 
 from asyncpool import CudaFence, FenceError, HostStream, new_stream_key, wait_fence
 from asyncpool.fence_wait import _LoopWaits, _pending_waits
@@ -35,18 +43,6 @@ def _arm(timers: list[threading.Timer], fn: object) -> None:
     t.daemon = True
     t.start()
     timers.append(t)
-
-
-class _CountingFence(EventFence):
-    """An unknown-origin fence that counts synchronize() calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.synchronized = 0
-
-    def synchronize(self) -> None:
-        self.synchronized += 1
-        super().synchronize()
 
 
 async def _ticks_while(cond: object, n: int = 50) -> int:
@@ -91,7 +87,7 @@ async def test_a_host_fence_wakes_its_waiter_and_the_loop_runs_meanwhile(
 async def test_an_unknown_fence_is_polled_never_synchronized(
     watchdog: list[threading.Timer],
 ) -> None:
-    fence = _CountingFence()
+    fence = NoSyncFence()
     _arm(watchdog, fence.set)
     waiter = asyncio.create_task(wait_fence(fence))
     ran = await _ticks_while(lambda: not fence.event.is_set())

@@ -30,7 +30,7 @@ import pytest
 from helpers import (
     FAKE_DEVICE,
     WAIT_S,
-    EventFence,
+    NoSyncFence,
     StandInEvent,
     Streams,
     bounded,
@@ -56,18 +56,6 @@ def _quiet_fault_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
     yield
     forget_stand_in_events()
-
-
-class NoSyncFence(EventFence):
-    """A fence of unknown origin whose ``synchronize()`` must never be called."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.synchronized = 0
-
-    def synchronize(self) -> None:
-        self.synchronized += 1
-        super().synchronize()
 
 
 class StandInCudaStream:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any
 
 from .errors import FenceError
@@ -100,7 +101,9 @@ class _LoopWaits:
     _registry_lock = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weak: a closed loop that nobody holds is collected, not kept by
+        # the registry (or the watcher's threads) until another loop waits.
+        self._loop_ref = weakref.ref(loop)
         # id(fence) -> the fence and the futures of the tasks waiting for it
         self._waiting: dict[int, tuple[Fence, list[asyncio.Future[None]]]] = {}
         # CUDA fences handed to the watcher and not yet seen done: a stream
@@ -108,9 +111,11 @@ class _LoopWaits:
         # up again must not hand it over twice. Held, so no id is reused.
         self._cuda_handed: dict[int, CudaFence] = {}
         self._scheduled = False  # a _check is queued on the loop
-        self._watcher = FenceWatcher(
-            self._notify, name="asyncpool-wait-fence", alive=lambda: not loop.is_closed()
-        )
+        self._watcher = FenceWatcher(self._notify, name="asyncpool-wait-fence", alive=self._open)
+
+    def _open(self) -> bool:
+        loop = self._loop_ref()
+        return loop is not None and not loop.is_closed()
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaits:
@@ -119,14 +124,14 @@ class _LoopWaits:
         key = id(loop)
         with cls._registry_lock:
             waits = cls._by_loop.get(key)
-            if waits is None or waits._loop is not loop:
-                for stale in [k for k, w in cls._by_loop.items() if w._loop.is_closed()]:
+            if waits is None or waits._loop_ref() is not loop:
+                for stale in [k for k, w in cls._by_loop.items() if not w._open()]:
                     cls._by_loop.pop(stale)._watcher.stop()
                 waits = cls._by_loop[key] = cls(loop)
             return waits
 
     async def wait(self, fence: Fence) -> None:
-        done: asyncio.Future[None] = self._loop.create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         key = id(fence)
         entry = self._waiting.get(key)
         if entry is None:
@@ -152,8 +157,11 @@ class _LoopWaits:
         if self._scheduled:
             return
         self._scheduled = True
+        loop = self._loop_ref()
+        if loop is None:  # collected: nobody is left to wake
+            return
         try:
-            self._loop.call_soon_threadsafe(self._check)
+            loop.call_soon_threadsafe(self._check)
         except RuntimeError:  # the loop is closed
             pass
 
@@ -213,4 +221,4 @@ def _settled(fence: CudaFence) -> bool:
 def _pending_waits(loop: Any) -> int:
     """How many fences ``loop``'s waits watch (for tests)."""
     waits = _LoopWaits._by_loop.get(id(loop))
-    return 0 if waits is None or waits._loop is not loop else len(waits._waiting)
+    return 0 if waits is None or waits._loop_ref() is not loop else len(waits._waiting)

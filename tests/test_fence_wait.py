@@ -9,10 +9,13 @@ loop had run before that.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 from helpers import (
     FAKE_DEVICE,
     EventFence,
@@ -287,3 +290,27 @@ async def test_a_fence_completing_while_the_check_runs_is_not_lost() -> None:
     finally:
         late.set()
         first.set()
+
+
+@pytest.mark.parametrize(
+    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_closed_loop_is_not_kept_by_its_waits(factory: object) -> None:
+    """The per-loop waits hold their loop weakly: once a loop that waited
+    for a fence is closed and dropped, it is collected (the registry, the
+    watcher's threads and its ``alive`` check keep no reference)."""
+    fence = EventFence()
+
+    async def main() -> weakref.ref[asyncio.AbstractEventLoop]:
+        waiter = asyncio.create_task(wait_fence(fence))
+        await asyncio.sleep(0)
+        fence.set()
+        async with bounded():
+            await waiter
+        return weakref.ref(asyncio.get_running_loop())
+
+    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[arg-type]
+        ref = runner.run(main())
+    del runner
+    gc.collect()
+    assert ref() is None

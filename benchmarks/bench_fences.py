@@ -573,6 +573,91 @@ class _SlowFence:
         self.event.wait()
 
 
+async def bench_wait_fence(cfg: Config) -> list[Row]:
+    """``await wait_fence(fence)`` against ``await loop.run_in_executor(None,
+    fence.synchronize)``, the other way to wait without blocking the loop.
+
+    Latency from the fence's completion (stamped by whoever completes it, just
+    before) to the awaiting task's resumption, interleaved sample by sample,
+    for a host fence (it calls back) and for a fence of unknown origin (polled
+    by the watcher, which never calls its ``synchronize()``; the executor
+    blocks a thread in it for the whole wait, for ever if it never completes).
+    """
+    from asyncpool import HostStream, wait_fence
+
+    loop_kind = loop_name()
+    loop = asyncio.get_running_loop()
+    stream = HostStream(name="bench-wait-fence")
+
+    def host_fence() -> tuple[Any, Callable[[], None], list[int]]:
+        gate = threading.Event()
+        cell = [0]
+        stream.launch(gate.wait)
+        stream.launch(_stamp, cell)
+        return stream.record(), gate.set, cell
+
+    def unknown_fence() -> tuple[Any, Callable[[], None], list[int]]:
+        fence = _SlowFence()
+        cell = [0]
+
+        def complete() -> None:
+            def land() -> None:  # the transfer lands on a thread of its own
+                cell[0] = perf_counter_ns()
+                fence.event.set()
+
+            threading.Thread(target=land, daemon=True).start()
+
+        return fence, complete, cell
+
+    async def once(
+        make: Callable[[], tuple[Any, Callable[[], None], list[int]]], how: str
+    ) -> float:
+        fence, complete, cell = make()
+
+        async def resume() -> int:
+            if how == "wait_fence":
+                await wait_fence(fence)
+            else:
+                await loop.run_in_executor(None, fence.synchronize)
+            return perf_counter_ns()
+
+        task = asyncio.ensure_future(resume())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the wait is under way
+        complete()
+        t1 = await task
+        return float(t1 - cell[0])
+
+    rows: list[Row] = []
+    try:
+        for kind, make in (("host fence", host_fence), ("fence of unknown origin", unknown_fence)):
+            lat: dict[str, list[float]] = {"wait_fence": [], "executor": []}
+            for _ in range(3):  # warm-up (the executor's thread, the watcher)
+                await once(make, "wait_fence")
+                await once(make, "executor")
+            for i in range(cfg.wake_samples):
+                order = ("executor", "wait_fence") if i % 2 else ("wait_fence", "executor")
+                for how in order:
+                    lat[how].append(await once(make, how))
+            rows.append(
+                compare(
+                    lat,
+                    bench=f"wait_fence wake-up ({kind})",
+                    loop=loop_kind,
+                    subject="wait_fence",
+                    reference="executor",
+                    unit="ns",
+                    speedup=False,
+                    subject_label="await wait_fence(fence)",
+                    reference_label="await run_in_executor(None, fence.synchronize)",
+                    note="from the fence's completion to the task's resumption",
+                )
+            )
+    finally:
+        stream.close()
+    return rows
+
+
 async def bench_wake_slow_fences(cfg: Config) -> list[Row]:
     """Wake-up latency with ``cfg.slow_fences`` slow fences of unknown origin watched.
 

@@ -135,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_fenced_free,
         bench_reclaim_sweep,
         bench_record_use,
+        bench_wait_fence,
         bench_wake_latency,
         bench_wake_slow_fences,
     )
@@ -151,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return [*await bench_fenced_free(cfg), *await bench_record_use(cfg)]
 
     async def wake_all(cfg: Config) -> list[Row]:
-        return [*await bench_wake_latency(cfg), *await bench_wake_slow_fences(cfg)]
+        return [
+            *await bench_wake_latency(cfg),
+            *await bench_wake_slow_fences(cfg),
+            *await bench_wait_fence(cfg),
+        ]
 
     simple: dict[str, Callable[[Config], Coroutine[Any, Any, list[Row]]]] = {
         "uncontended": bench_uncontended,

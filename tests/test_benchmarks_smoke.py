@@ -26,6 +26,7 @@ from benchmarks.bench_decode import bench_decode
 from benchmarks.bench_fences import (
     bench_fenced_free,
     bench_reclaim_sweep,
+    bench_wait_fence,
     bench_wake_latency,
     bench_wake_slow_fences,
 )
@@ -358,6 +359,16 @@ async def test_wake_latency() -> None:
         rows = await bench_wake_latency(SMOKE, device="cpu")
     _check(rows)
     assert rows[0].samples["idle_cpu_fraction"][0] >= 0
+
+
+async def test_wait_fence_against_the_executor() -> None:
+    async with bounded(LONG_S):
+        rows = await bench_wait_fence(SMOKE)
+    _check(rows)
+    assert [r.bench for r in rows] == [
+        "wait_fence wake-up (host fence)",
+        "wait_fence wake-up (fence of unknown origin)",
+    ]
 
 
 async def test_metrics_scrape() -> None:

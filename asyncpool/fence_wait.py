@@ -184,8 +184,6 @@ class _LoopWaits:
                 raise
             except BaseException as exc:  # CancelledError from a query(): a fault
                 done, error = True, _fault(fence, exc)
-            if done:
-                self._cuda_handed.pop(key, None)
             if not done:
                 # Notified for another fence. A fence the poller dropped
                 # (its query() raised there, not here) is watched again.
@@ -193,6 +191,7 @@ class _LoopWaits:
                     self._watcher.watch(fence)
                 continue
             del self._waiting[key]
+            self._cuda_handed.pop(key, None)
             for fut in futures:
                 if fut.done():
                     continue

@@ -876,7 +876,7 @@ class KVPagePool:
         # any step is in flight.
         self._device_offsets: dict[torch.device, torch.Tensor] = {}
         if self.device.type == "cuda":
-            self._offsets_on(torch.empty(0, device=self.device).device)
+            self._offsets_on(self.device)
         self._on_free: Callable[[], None] | None = None
         self._guard: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
@@ -1305,11 +1305,13 @@ class KVPagePool:
 
     def _offsets_on(self, device: torch.device) -> torch.Tensor:
         """``arange(page_size)`` on ``device``, written before this returns
-        (waits once, for the stream it was made on), and remembered."""
+        (waits once, for the stream it was made on), and remembered under
+        the device it landed on (``cuda`` resolves to ``cuda:N``, the key a
+        tensor's ``.device`` looks it up by)."""
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)
         if offsets.is_cuda:
-            torch.cuda.current_stream(device).synchronize()
-        self._device_offsets[device] = offsets
+            torch.cuda.current_stream(offsets.device).synchronize()
+        self._device_offsets[offsets.device] = offsets
         return offsets
 
     def stats(self) -> KVPageStats:

@@ -128,10 +128,11 @@ class RowPages:
 
     # ------------------------------------------------------------ handing out
 
-    def out(self, pages: npt.NDArray[np.int64]) -> torch.Tensor:
-        """The caller's view of page ids: a tensor on the KV pool's device
-        (on the host, a zero-copy view of the pool's record: read only)."""
-        if self._on_host:
+    def out(self, pages: npt.NDArray[np.int64], host: bool = False) -> torch.Tensor:
+        """The caller's view of page ids: a tensor on the KV pool's device,
+        or with ``host`` on the CPU (there a zero-copy view of the pool's
+        record: read only)."""
+        if self._on_host or host:
             return torch.from_numpy(pages)
         return host_to_device(torch.from_numpy(pages), self._device)
 
@@ -275,9 +276,7 @@ class RowPages:
 
     def of(self, row: int, host: bool = False) -> torch.Tensor:
         pages = self.owned[row]
-        if pages is None:
-            pages = _EMPTY
-        return torch.from_numpy(pages) if host else self.out(pages)
+        return self.out(pages if pages is not None else _EMPTY, host)
 
     def detach(self, row: int, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller; the tensor is theirs (on the
@@ -287,7 +286,7 @@ class RowPages:
         self.grown[row] = None
         sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
-            return torch.from_numpy(_EMPTY) if host else self.out(_EMPTY)
+            return self.out(_EMPTY, host)
         # The row's pages are the caller's now, and KVPagePool.free takes
         # them. They are the seal's: a record written into may list others
         # (another holder's page, which kv.free would then take from it),
@@ -305,7 +304,7 @@ class RowPages:
             pages = pages.copy()
         if self._on_host and pages.shape[0] > 1:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
-        return torch.from_numpy(pages) if host else self.out(pages)
+        return self.out(pages, host)
 
     def written_error(self, row: int) -> InvalidSlotError:
         return InvalidSlotError(

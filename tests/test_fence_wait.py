@@ -206,27 +206,28 @@ async def test_a_faulted_host_stream_raises_fence_error() -> None:
         stream.close(cancel_pending=True)
 
 
-async def test_a_transfer_that_fails_raises_its_own_error() -> None:
+@pytest.mark.parametrize(
+    "raised, expected, match",
+    [
+        # a transfer that fails: its own error
+        (ConnectionResetError("peer gone"), ConnectionResetError, "peer gone"),
+        # a CancelledError from query() is a fault, not a cancellation
+        (asyncio.CancelledError(), FenceError, "CancelledError"),
+    ],
+    ids=["transfer error", "cancelled error"],
+)
+async def test_a_query_that_raises_fails_the_waiter(
+    raised: BaseException, expected: type[BaseException], match: str
+) -> None:
     fence = EventFence()
-    fence.error = ConnectionResetError("peer gone")
+    fence.error = raised
     waiter = asyncio.create_task(wait_fence(fence))
     await asyncio.sleep(0)
     fence.set()
-    with pytest.raises(ConnectionResetError, match="peer gone"):
+    with pytest.raises(expected, match=match):
         async with bounded():
             await waiter
     assert _pending_waits(asyncio.get_running_loop()) == 0
-
-
-async def test_a_query_raising_cancelled_error_is_a_fault_not_a_cancellation() -> None:
-    fence = EventFence()
-    fence.error = asyncio.CancelledError()
-    waiter = asyncio.create_task(wait_fence(fence))
-    await asyncio.sleep(0)
-    fence.set()
-    with pytest.raises(FenceError, match="CancelledError"):
-        async with bounded():
-            await waiter
 
 
 @pytest.mark.parametrize(

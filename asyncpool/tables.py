@@ -9,6 +9,7 @@ indexed op: one torch call per about ``capacity`` frees, not per free.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import logging
 import os
@@ -138,6 +139,40 @@ def _unsigned_range(slots: torch.Tensor) -> tuple[int, int]:
     return low, high
 
 
+_exit_guard_registered = False
+
+
+def _let_the_saver_free_its_region_at_exit(saver: Any) -> None:
+    """Register, once per process, :func:`_mark_main_thread_in_region` at exit.
+
+    In torch hook mode torch-memory-saver's free hook refuses a free made
+    outside one of its regions, and refuses by calling C ``exit(1)``. Its
+    memory pools live as long as the process, so that free happens once, at
+    interpreter shutdown, when the pools are destroyed on the main thread:
+    outside any region. A process that used ``enable_memory_saver=True`` would
+    print "only support interesting region" and exit with status 1 after a
+    clean run. Every pointer that hook sees is the saver's own (its pluggable
+    allocator serves only its pools), so the refusal guards nothing there.
+    """
+    global _exit_guard_registered
+    if not _exit_guard_registered:
+        atexit.register(_mark_main_thread_in_region, saver)
+        _exit_guard_registered = True
+
+
+def _mark_main_thread_in_region(saver: Any) -> None:
+    """At exit: mark this (the main) thread as inside a region, so the
+    shutdown frees of the saver's pools pass its check. Only its torch-hook
+    allocator reads the mark; it no longer matters once the process exits."""
+    try:
+        impl = saver._impl
+        if impl is None or impl._hook_mode != "torch":
+            return  # never initialised, or its preload hooks (which check nothing here)
+        impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+    except Exception as exc:  # a saver never initialised, or another version
+        logger.debug("torch_memory_saver exit guard not applied: %r", exc)
+
+
 class MemorySaverAdapter:
     """torch-memory-saver when enabled and CUDA is present; a no-op otherwise.
 
@@ -169,6 +204,7 @@ class MemorySaverAdapter:
                 torch_memory_saver.hook_mode = "torch"
             except Exception:  # already initialised in some mode: keep it
                 logger.debug("torch_memory_saver already initialised; keeping its hook mode")
+            _let_the_saver_free_its_region_at_exit(torch_memory_saver)
         return cls(torch_memory_saver)
 
     @property

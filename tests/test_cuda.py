@@ -21,6 +21,8 @@ import gc
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -470,3 +472,33 @@ async def test_memory_saver_releases_and_resumes_the_kv_cache_region() -> None:
         async with bounded():
             await pool.close()
         torch.cuda.synchronize()
+
+
+_SAVER_PROCESS = """
+import asyncio, gc, torch
+from asyncpool import AsyncReqToTokenPool
+
+async def main():
+    pool = AsyncReqToTokenPool(64, 4096, device="cuda", enable_memory_saver=True)
+    await pool.release_memory()
+    await pool.resume_memory()
+    await pool.close()
+
+asyncio.run(main())
+gc.collect()
+torch.cuda.empty_cache()  # the pool is gone; its region's pool is cached, not freed
+print("pool dropped", flush=True)
+"""
+
+
+def test_a_process_that_used_the_memory_saver_exits_cleanly() -> None:
+    """torch-memory-saver's torch-hook free calls ``exit(1)`` for a free made
+    outside a region, and its pools are freed at shutdown, outside any: the
+    process exited 1 after a clean run until the adapter's exit guard."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVER_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert "pool dropped" in proc.stdout, out
+    assert "only support interesting region" not in out, out
+    assert proc.returncode == 0, out

@@ -27,6 +27,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from asyncpool import (
     errors,
     record_fence,
 )
+from asyncpool import tables as tables_module
 from asyncpool.base import check_wait_args, count_of
 from asyncpool.fences import is_done
 from asyncpool.tables import KV_CACHE_TAG, MemorySaverAdapter, TokenTables
@@ -284,6 +286,52 @@ def test_memory_saver_pause_and_resume_reach_the_saver() -> None:
     m.pause("kv_cache")
     m.resume("kv_cache")
     assert saver.calls == [("pause", "kv_cache"), ("resume", "kv_cache")]
+
+
+class _FakeCdll:
+    def __init__(self) -> None:
+        self.marks: list[bool] = []
+
+    def tms_set_interesting_region(self, value: bool) -> None:
+        self.marks.append(value)
+
+
+def _initialised_saver(hook_mode: str) -> Any:
+    cdll = _FakeCdll()
+    impl = SimpleNamespace(_hook_mode=hook_mode, _binary_wrapper=SimpleNamespace(cdll=cdll))
+    return SimpleNamespace(_impl=impl), cdll
+
+
+def test_exit_guard_marks_the_thread_in_a_region_only_in_torch_hook_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At exit the guard marks the thread as inside a region when the saver
+    runs torch's allocator hooks (whose free calls ``exit(1)`` outside one;
+    on a GPU, test_cuda's exit test shows it), and does nothing for the
+    preload hooks, a saver never initialised, or one of another shape (it
+    logs that at debug and never raises at exit)."""
+    saver, cdll = _initialised_saver("torch")
+    tables_module._mark_main_thread_in_region(saver)
+    assert cdll.marks == [True]
+
+    saver, cdll = _initialised_saver("preload")
+    tables_module._mark_main_thread_in_region(saver)
+    assert cdll.marks == []
+
+    tables_module._mark_main_thread_in_region(SimpleNamespace(_impl=None))
+    with caplog.at_level(logging.DEBUG, logger="asyncpool.tables"):
+        tables_module._mark_main_thread_in_region(object())
+    assert "exit guard not applied" in caplog.text
+
+
+def test_exit_guard_is_registered_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(tables_module, "_exit_guard_registered", False)
+    monkeypatch.setattr(tables_module.atexit, "register", lambda *a: registered.append(a))
+    saver = object()
+    tables_module._let_the_saver_free_its_region_at_exit(saver)
+    tables_module._let_the_saver_free_its_region_at_exit(saver)
+    assert registered == [(tables_module._mark_main_thread_in_region, saver)]
 
 
 @pytest.mark.usefixtures("without_cuda")

@@ -870,13 +870,10 @@ class KVPagePool:
         self.page_size = page_size
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
-        # The offsets on each CUDA device slots() computes on, made once and
-        # waited for: a kernel queued on another stream must never read them
-        # before they are written. The pool's own device is done here, before
-        # any step is in flight.
-        self._device_offsets: dict[torch.device, torch.Tensor] = {}
+        # The pool's device gets its offsets for slots() now, before any
+        # step is in flight (see _offsets_on).
         if self.device.type == "cuda":
-            self._offsets_on(self.device)
+            _offsets_on(self.device, page_size)
         self._on_free: Callable[[], None] | None = None
         self._guard: Callable[[], None] | None = None
         # Tensors handed out on the host, by id(): the tensor itself (which
@@ -1280,7 +1277,9 @@ class KVPagePool:
         GPU, queued on the current stream: its dtype and shape are checked,
         its ids are not (reading them back would wait for the stream, and
         with it for the step in flight), as ``set_req_pool_info`` does not
-        check device slots.
+        check device slots. (The first such call with ids on a CUDA device
+        other than the pool's makes that device's offsets and waits once
+        for them.)
         """
         if not self._on_host and isinstance(pages, torch.Tensor) and pages.is_cuda:
             return self._device_slots(pages).to(self.device, non_blocking=True)
@@ -1298,21 +1297,10 @@ class KVPagePool:
                 f"page ids must be a 1-D integer tensor, got shape {tuple(pages.shape)}, "
                 f"dtype {pages.dtype}, layout {pages.layout}"
             )
-        offsets = self._device_offsets.get(pages.device)
+        offsets = _DEVICE_OFFSETS.get((pages.device, self.page_size))
         if offsets is None:
-            offsets = self._offsets_on(pages.device)
+            offsets = _offsets_on(pages.device, self.page_size)
         return (pages.reshape(-1, 1).to(torch.int64) * self.page_size + offsets).reshape(-1)
-
-    def _offsets_on(self, device: torch.device) -> torch.Tensor:
-        """``arange(page_size)`` on ``device``, written before this returns
-        (waits once, for the stream it was made on), and remembered under
-        the device it landed on (``cuda`` resolves to ``cuda:N``, the key a
-        tensor's ``.device`` looks it up by)."""
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)
-        if offsets.is_cuda:
-            torch.cuda.current_stream(offsets.device).synchronize()
-        self._device_offsets[offsets.device] = offsets
-        return offsets
 
     def stats(self) -> KVPageStats:
         """A snapshot of the page counts and totals; changes nothing, and may
@@ -1347,3 +1335,24 @@ class KVPagePool:
         if self._guard is not None:
             self._guard()
         self._ledger.check_invariants()
+
+
+#: ``arange(page_size)`` per (CUDA device, page size), for the slots of a
+#: CUDA tensor of ids. Kept for the process, never freed: the kernels that
+#: read them run on any stream, after the call returns, so a tensor of a
+#: pool's own could go back to torch's caching allocator (the pool
+#: collected) and be handed to work on another stream while such a kernel
+#: is still queued. A few kilobytes per device and page size.
+_DEVICE_OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _offsets_on(device: torch.device, page_size: int) -> torch.Tensor:
+    """The offsets for ``device``, made on first use and written before this
+    returns (it waits once, for the stream they were made on: a kernel on
+    another stream must never read them unwritten), kept under the device
+    they landed on (``cuda`` resolves to ``cuda:N``, the key a tensor's
+    ``.device`` looks them up by)."""
+    offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+    if offsets.is_cuda:
+        torch.cuda.current_stream(offsets.device).synchronize()
+    return _DEVICE_OFFSETS.setdefault((offsets.device, page_size), offsets)

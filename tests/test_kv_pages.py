@@ -4,6 +4,7 @@ faults, input forms, bad input atomicity, slots, stats, clear."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Any
 
@@ -21,7 +22,7 @@ from asyncpool import (
     KVPageStats,
     PoolError,
 )
-from asyncpool.kv_pages import PageLedger
+from asyncpool.kv_pages import _DEVICE_OFFSETS, PageLedger
 
 
 @pytest.fixture(autouse=True)
@@ -641,6 +642,16 @@ def test_slots_of_a_cuda_tensor_are_computed_on_the_gpu_without_waiting() -> Non
         assert not busy.query()  # not read back: nothing waited for the stream
     torch.cuda.synchronize()
     assert slots.is_cuda and slots.tolist() == kv.slots(host).tolist()
+    # The offsets those kernels read are the process's, not the pool's: a
+    # pool collected with such a kernel still queued gives nothing back to
+    # torch's allocator for another stream to reuse, and pools share them.
+    key = (slots.device, 4)
+    offsets = _DEVICE_OFFSETS[key]
+    del kv, pages, slots
+    gc.collect()
+    assert _DEVICE_OFFSETS[key] is offsets
+    again = KVPagePool(32, 4, device="cuda")
+    assert _DEVICE_OFFSETS[key] is offsets and again.slots(again.alloc(1)).is_cuda
 
 
 # ---------------------------------------------------------------- stats, clear, put_back

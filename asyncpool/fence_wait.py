@@ -40,15 +40,21 @@ async def wait_fence(fence: Fence) -> None:
 
     Returns at once when it has completed. Raises what its ``query()``
     raises (:class:`~asyncpool.FenceError` for a faulted stream, a transfer
-    handle's own error) and ``TypeError`` for an object that is not a fence
-    (no callable ``query()`` and ``synchronize()``) or whose ``query()``
-    answers something other than yes or no (see :func:`~asyncpool.fences.is_done`).
+    handle's own error; a ``CancelledError``, ``StopIteration`` or
+    ``StopAsyncIteration`` from ``query()``, which would pass for a
+    cancellation or end the coroutine, becomes a ``FenceError`` chained to
+    it) and ``TypeError`` for an object that is not a fence (no callable
+    ``query()`` and ``synchronize()``) or whose ``query()`` answers
+    something other than yes or no (see :func:`~asyncpool.fences.is_done`).
 
     Cancellation: cancelling the await (or an ``asyncio.timeout`` around it,
     the way to bound a wait on a fence that may never complete) stops the
     wait and nothing else: the fence is not touched, and nothing of the
     wait stays behind (its callback is removed, its fence no longer
-    polled, unless another task waits for the same fence).
+    polled, unless another task waits for the same fence). A CUDA fence
+    is the exception: once handed over it stays watched until it completes
+    (a stream thread blocked in it cannot give it back), and a later wait
+    for it is not handed over again.
 
     Thread rules: call it in a coroutine on a running loop. Any number of
     tasks may wait for the same fence.
@@ -58,7 +64,10 @@ async def wait_fence(fence: Fence) -> None:
             f"wait_fence() needs a fence (an object with query() and synchronize()), "
             f"got {type(fence).__name__}"
         )
-    if is_done(fence.query()):
+    done, error = _ask(fence)
+    if error is not None:
+        raise error
+    if done:
         return
     loop = asyncio.get_running_loop()
     if fence.__class__ is HostFence:
@@ -68,16 +77,26 @@ async def wait_fence(fence: Fence) -> None:
 
 
 async def _wait_host(loop: asyncio.AbstractEventLoop, fence: HostFence) -> None:
-    """Wait for a host fence through its own completion callback."""
+    """Wait for a host fence through its own completion callback.
+
+    The callback holds the loop and the future weakly: a loop closed with
+    this wait pending (by hand; ``asyncio.run`` cancels it first) is not
+    kept alive by a fence that may never complete.
+    """
     done: asyncio.Future[None] = loop.create_future()
+    loop_ref, done_ref = weakref.ref(loop), weakref.ref(done)
 
     def settle() -> None:  # on the loop
-        if not done.done():
-            done.set_result(None)
+        fut = done_ref()
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def on_done() -> None:  # on the stream's worker thread, or here when settled
+        target = loop_ref()
+        if target is None:
+            return
         try:
-            loop.call_soon_threadsafe(settle)
+            target.call_soon_threadsafe(settle)
         except RuntimeError:  # the loop is closed: nobody is left to wake
             pass
 
@@ -104,8 +123,10 @@ class _LoopWaits:
         # Weak: a closed loop that nobody holds is collected, not kept by
         # the registry (or the watcher's threads) until another loop waits.
         self._loop_ref = weakref.ref(loop)
-        # id(fence) -> the fence and the futures of the tasks waiting for it
-        self._waiting: dict[int, tuple[Fence, list[asyncio.Future[None]]]] = {}
+        # id(fence) -> the fence and the futures of the tasks waiting for
+        # it, held weakly (their tasks hold them): a loop closed with waits
+        # pending is not kept alive through them.
+        self._waiting: dict[int, tuple[Fence, list[weakref.ref[asyncio.Future[None]]]]] = {}
         # CUDA fences handed to the watcher and not yet seen done: a stream
         # thread cannot give one back (unwatch), so a wait given up and taken
         # up again must not hand it over twice. Held, so no id is reused.
@@ -132,7 +153,9 @@ class _LoopWaits:
 
     async def wait(self, fence: Fence) -> None:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ref = weakref.ref(done)
         key = id(fence)
+        cuda = fence.__class__ is CudaFence
         entry = self._waiting.get(key)
         if entry is None:
             if fence.__class__ is not CudaFence:
@@ -140,18 +163,19 @@ class _LoopWaits:
             elif key not in self._cuda_handed:
                 self._watcher.watch(fence)
                 self._cuda_handed[key] = fence
-            self._waiting[key] = (fence, [done])
+            self._waiting[key] = (fence, [ref])
         else:
-            entry[1].append(done)
+            entry[1].append(ref)
         try:
             await done
         finally:
             entry = self._waiting.get(key)
-            if entry is not None and done in entry[1]:
-                entry[1].remove(done)
+            if entry is not None and ref in entry[1]:
+                entry[1].remove(ref)
                 if not entry[1]:  # the last waiter gave up
                     del self._waiting[key]
-                    self._watcher.unwatch(fence)
+                    if not cuda:  # a CUDA fence stays handed over (see above)
+                        self._watcher.unwatch(fence)
 
     def _notify(self) -> None:  # on a watcher thread
         if self._scheduled:
@@ -173,17 +197,7 @@ class _LoopWaits:
             if key not in self._waiting and _settled(cuda):
                 del self._cuda_handed[key]  # the watcher is done with it
         for key, (fence, futures) in list(self._waiting.items()):
-            error: BaseException | None = None
-            try:
-                done = is_done(fence.query())
-            except (StopIteration, StopAsyncIteration) as exc:  # no future takes these
-                done, error = True, _fault(fence, exc)
-            except Exception as exc:
-                done, error = True, exc
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:  # CancelledError from a query(): a fault
-                done, error = True, _fault(fence, exc)
+            done, error = _ask(fence)
             if not done:
                 # Notified for another fence. A fence the poller dropped
                 # (its query() raised there, not here) is watched again.
@@ -192,13 +206,32 @@ class _LoopWaits:
                 continue
             del self._waiting[key]
             self._cuda_handed.pop(key, None)
-            for fut in futures:
-                if fut.done():
+            for ref in futures:
+                fut = ref()
+                if fut is None or fut.done():
                     continue
                 if error is None:
                     fut.set_result(None)
                 else:
                     fut.set_exception(error)
+
+
+def _ask(fence: Fence) -> tuple[bool, BaseException | None]:
+    """``(done, error)`` from one ``fence.query()``: a query that raises is
+    done with its error; one raising what no future (or ``await``) can carry
+    (``StopIteration``, ``StopAsyncIteration``, ``CancelledError``, which
+    would pass for the waiter's own cancellation) is a :class:`FenceError`.
+    ``KeyboardInterrupt`` and ``SystemExit`` propagate."""
+    try:
+        return is_done(fence.query()), None
+    except (StopIteration, StopAsyncIteration) as exc:
+        return True, _fault(fence, exc)
+    except Exception as exc:
+        return True, exc
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # CancelledError from a query(): a fault
+        return True, _fault(fence, exc)
 
 
 def _fault(fence: Fence, exc: BaseException) -> FenceError:

@@ -17,9 +17,10 @@ shutdown. Two kinds of thread, both daemons:
   (the events are recorded with ``blocking=True``: the thread sleeps in the
   driver, it does not spin), notifies, and moves to the next. A slow fence
   delays only the fences of its own stream, which could not have completed
-  earlier anyway. A thread with nothing to wait for exits after
-  ``_STREAM_LINGER_S`` idle seconds, so streams used once cost no thread
-  for long.
+  earlier anyway. A fence older than the one the thread is already blocked
+  in (handed over out of record order) goes to the poller below instead.
+  A thread with nothing to wait for exits after ``_STREAM_LINGER_S`` idle
+  seconds, so streams used once cost no thread for long.
 * **One poller, for every other fence.** A fence of unknown origin may take
   seconds or never complete, and its ``synchronize()`` cannot be
   interrupted, so the watcher never calls it: one thread polls every such
@@ -153,14 +154,8 @@ class FenceWatcher:
             self.watched += 1
             if fence.__class__ is CudaFence:
                 self._watch_ordered(fence)
-                return
-            self._polled[id(fence)] = fence
-            self._kicked = True
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._poll, name=self._name, daemon=True)
-                self._thread.start()
             else:
-                self._poll_cond.notify()
+                self._watch_polled(fence)
 
     def polling(self, fence: Fence) -> bool:
         """Whether the poller still watches ``fence`` (it drops a fence once
@@ -227,6 +222,16 @@ class FenceWatcher:
         except Exception:
             logger.exception("fence watcher notify failed")
 
+    def _watch_polled(self, fence: Fence) -> None:
+        # Under _lock.
+        self._polled[id(fence)] = fence
+        self._kicked = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name=self._name, daemon=True)
+            self._thread.start()
+        else:
+            self._poll_cond.notify()
+
     def _watch_ordered(self, fence: CudaFence) -> None:
         # Under _lock. Keep the stream's fences in seq order (frees usually
         # arrive in it: scan from the tail), so the thread waits the oldest.
@@ -235,6 +240,13 @@ class FenceWatcher:
         if stream is None:
             stream = self._streams[key] = _Stream(key, self._lock)
         fences = stream.fences
+        if stream.busy and fences[0].seq > fence.seq:
+            # Older than the fence the stream's thread is blocked in (handed
+            # out of record order, or that newer one's waiter gave up): in
+            # the queue it would be noticed only once the newer completes,
+            # and never if that one never does. The poller asks it instead.
+            self._watch_polled(fence)
+            return
         index = len(fences)
         while index > (1 if stream.busy else 0) and fences[index - 1].seq > fence.seq:
             index -= 1

@@ -185,6 +185,23 @@ async def test_a_query_raising_what_no_future_takes_is_a_fault(raised: type) -> 
     assert results[1] is None  # the same pass went on to the next fence
 
 
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, StopIteration, StopAsyncIteration])
+async def test_a_first_query_raising_what_no_future_takes_is_a_fault(raised: type) -> None:
+    """A transfer handle that has already failed so, before any waiting: a
+    ``FenceError`` too, not the waiter's task cancelled in silence (a
+    ``CancelledError``) nor PEP 479's ``RuntimeError`` (a ``StopIteration``)."""
+    fence = EventFence()
+    fence.error = raised()
+    fence.set()
+    waiter = asyncio.create_task(wait_fence(fence))
+    async with bounded():
+        results = await asyncio.gather(waiter, return_exceptions=True)
+    assert not waiter.cancelled()
+    assert isinstance(results[0], FenceError) and raised.__name__ in str(results[0])
+    assert isinstance(results[0].__cause__, raised)
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
 async def test_a_faulted_host_stream_raises_fence_error() -> None:
     stream = HostStream("faulty")
     try:
@@ -315,3 +332,82 @@ def test_a_closed_loop_is_not_kept_by_its_waits(factory: object) -> None:
     del runner
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("newer_wait", ["given up", "still waiting", "older retried"])
+async def test_an_older_cuda_fence_is_not_stuck_behind_a_newer_one(newer_wait: str) -> None:
+    """The stream thread blocks in the first CUDA fence handed to it. A wait
+    for an *older* fence of that stream, handed after (a newer wait given
+    up, or two tasks waiting out of record order), is woken when that older
+    fence completes, not when (or if ever) the newer one does; also when
+    the older one's first wait was given up and a second one taken up (it
+    was handed over once, and stays watched)."""
+    loop = asyncio.get_running_loop()
+    key = new_stream_key()
+    g_old, g_new = threading.Event(), threading.Event()
+    new_event = StandInEvent(g_new, 10.0)
+    old = CudaFence(StandInEvent(g_old, 10.0), FAKE_DEVICE, key, 1)  # type: ignore[arg-type]
+    new = CudaFence(new_event, FAKE_DEVICE, key, 2)  # type: ignore[arg-type]
+    try:
+        newer = asyncio.create_task(wait_fence(new))
+        # the stream thread is in new.synchronize()
+        assert await asyncio.to_thread(new_event.entered.wait, WATCHDOG_S)
+        if newer_wait == "given up":
+            newer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await newer
+        older = asyncio.create_task(wait_fence(old))
+        await asyncio.sleep(0)
+        if newer_wait == "older retried":
+            older.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await older
+            older = asyncio.create_task(wait_fence(old))
+            await asyncio.sleep(0)
+        g_old.set()
+        async with bounded():
+            await older
+        assert not newer.done() or newer.cancelled()
+        assert _LoopWaits.of(loop)._cuda_handed.get(id(new)) is new  # still in its thread
+    finally:
+        g_old.set()
+        g_new.set()
+        if not newer.done():
+            async with bounded():
+                await newer
+        del old, new
+        forget_stand_in_events()
+
+
+@pytest.mark.parametrize(
+    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+@pytest.mark.parametrize("kind", ["host fence", "polled fence"])
+def test_a_loop_closed_with_a_wait_pending_is_not_kept_by_it(factory: object, kind: str) -> None:
+    """Closed by hand while a wait is still pending (``asyncio.run`` would
+    cancel it first), on a fence that never completes: the loop is collected
+    all the same, and nothing of the wait is left on the fence."""
+    stream = HostStream("never")
+    gate = threading.Event()
+    try:
+        if kind == "host fence":
+            stream.launch(gate.wait)
+            fence: object = stream.record()
+        else:
+            fence = EventFence()
+        loop = factory()  # type: ignore[operator]
+        task = loop.create_task(wait_fence(fence))  # type: ignore[arg-type]
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert not task.done()
+        ref = weakref.ref(loop)
+        loop.close()
+        del loop, task
+        gc.collect()
+        assert ref() is None
+        if kind == "host fence":
+            assert not fence._callbacks  # type: ignore[attr-defined]
+        else:
+            assert all(not w._waiting for w in _LoopWaits._by_loop.values() if not w._open())
+    finally:
+        gate.set()
+        stream.close()

@@ -180,6 +180,30 @@ async def test_cuda_fences_of_one_stream_are_waited_in_record_order(kit: Streams
         assert len(threads) == 1  # one thread for the stream, not one per fence
 
 
+async def test_a_row_freed_behind_an_older_fence_of_a_blocked_stream_is_served(
+    kit: Streams,
+) -> None:
+    """Frees handed over out of record order: the stream's thread already
+    blocks in the newer fence when the older one arrives. The row behind
+    the older fence is granted as soon as that fence completes, with the
+    newer still running (in the stream's queue it would wait for it)."""
+    s = StandInCudaStream(kit)
+    async with AsyncReqToTokenPool(3, 8) as pool:
+        first, second = await pool.alloc(2)
+        older, older_gate = s.record()
+        newer, _ = s.record()  # never completes during the test
+        pool.free([second], fence=newer)
+        waiter = asyncio.create_task(pool.alloc(1))
+        await spin()  # the pool hands the newer fence to the watcher on its loop
+        assert await asyncio.to_thread(newer.event.entered.wait, WAIT_S)  # type: ignore[attr-defined]
+        pool.free([first], fence=older)
+        await spin()
+        older_gate.set()
+        got, _ = await timed(waiter)
+        assert got == [first]
+        pool.free(got)
+
+
 async def test_an_idle_stream_thread_exits(kit: Streams, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", 0.01)
     s = StandInCudaStream(kit)

@@ -218,7 +218,9 @@ class HostFence:
 
     def _fault(self) -> FenceError:
         err = FenceError(
-            f"HostStream {self.stream_key} faulted before fence {self.seq}: {self._error!r}"
+            f"HostStream {self.stream_key} faulted before fence {self.seq}: {self._error!r}; "
+            "the fault is sticky (every later fence of this stream reports it, and what "
+            "is freed behind one is quarantined): record on a new HostStream"
         )
         err.__cause__ = self._error
         return err

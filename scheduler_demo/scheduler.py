@@ -382,8 +382,9 @@ class Scheduler:
         fence completes, before a stalled request can ``extend`` again; a
         victim retracted for that request would take its pages straight back
         (livelock). Cancelled means nothing was allocated (a waiter granted
-        but not yet resumed gives row and pages back), so the pages stay free
-        for the stalled request, and the admissions wait in the scheduler's
+        but not yet resumed gives row and pages back when its task next
+        runs, before this scheduler's next pass), so the pages stay free for
+        the stalled request, and the admissions wait in the scheduler's
         queue, at its head, in order.
         """
         for req, (task, n, priority) in reversed(list(self._admitting.items())):

@@ -177,6 +177,8 @@ async def test_work_that_raises_quarantines_rows_and_the_pool_keeps_serving(
         with pytest.raises(FenceError, match="faulted") as info:
             f_bad.query()
         assert isinstance(info.value.__cause__, DeviceLost)
+        # says what to do: the stream stays faulted, record on a new one
+        assert "sticky" in str(info.value) and "record on a new HostStream" in str(info.value)
         assert isinstance(bad.error, DeviceLost)
         # surfaced in the logs: the stream's fault and the quarantine
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

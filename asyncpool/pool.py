@@ -1124,7 +1124,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             return CapacityError(
                 f"cannot admit a request for {_count(k, 'page')}: only {cap - q} of {cap} "
                 f"can ever be free again ({_count(q, 'page')} quarantined behind faulted "
-                "fences)"
+                "fences, for the pool's life: a new pool is the way back)"
             )
         return None
 
@@ -1133,7 +1133,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return CapacityError(
             f"cannot allocate {_count(n, 'row')}: only {self._capacity - q} of "
             f"{self._capacity} can ever be free again ({_count(q, 'row')} quarantined "
-            "behind faulted fences)"
+            "behind faulted fences, for the pool's life: a new pool is the way back)"
         )
 
     # ------------------------------------------------------------ leases

@@ -664,8 +664,9 @@ async def test_host_stream_closed_cancelling_pending_work(
         assert any("quarantined" in r.getMessage() for r in caplog.records)
         # 2 rows can ever be free again: the waiter for 3 fails instead of hanging
         async with asyncio.timeout(10):
-            with pytest.raises(CapacityError, match="3 rows"):
+            with pytest.raises(CapacityError, match="3 rows") as info:
                 await waiter
+        assert "for the pool's life: a new pool is the way back" in str(info.value)
         async with bounded():
             assert sorted(await pool.alloc(2)) == [3, 4]
         check_totals(pool)

@@ -430,7 +430,10 @@ class Admission:
         For prefix caching: the caller keeps them (in a radix tree, say) and
         frees them to the :class:`KVPagePool` later, fenced as well (its
         ``free(pages, fence=..., after=...)``; a completion wakes this
-        pool's waiters). A later :meth:`free` of ``row`` frees only pages
+        pool's waiters). The row's recorded uses stay with the row, not the
+        pages: the step in flight may still use them, so that later free
+        needs a fence at least as new as the row's newest step (and each
+        step that read them since). A later :meth:`free` of ``row`` frees only pages
         it owns then. The tensor lists the pages the row was granted, even
         if its record (``grant.pages``, ``pages_of``) was written into since
         (then a fresh tensor, not that record). On the ``KVPagePool``'s

@@ -404,7 +404,7 @@ async def test_a_faulted_fence_quarantines_row_and_pages(kit, caplog):
         st = pool.stats()
         assert st.quarantined == 1 and st.pages_quarantined == 3
         # Only one page can ever be free again: an admit for two fails at once.
-        with pytest.raises(CapacityError, match="pages.*a new pool is the way back"):
+        with pytest.raises(CapacityError, match=r"pages.*a new pool is the way back"):
             async with bounded():  # a lost check must fail, not hang
                 await pool.admit(pages=2)
         conserved(pool)

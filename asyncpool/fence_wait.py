@@ -11,12 +11,12 @@ threads at exit). :func:`wait_fence` does neither:
 
 * a :class:`~asyncpool.fences.HostFence` calls back into the loop when it
   completes (``add_done_callback``);
-* a CUDA event or a fence of unknown origin (a transfer handle) is polled
-  by a :class:`~asyncpool.watcher.FenceWatcher`, one per event loop: one
-  daemon thread calling ``query()`` with a 50 µs to 1 ms backoff, never
-  ``synchronize()``, so a wait given up leaves no thread blocked in a fence
-  (a CUDA event included: a thread blocked in its ``synchronize()`` could
-  not be called off), and nothing keeps the process alive.
+* a CUDA event or a fence of unknown origin (a transfer handle) is watched
+  by a :class:`~asyncpool.watcher.FenceWatcher`, one per event loop, the
+  threads the pools use: daemons, one per CUDA stream sleeping in the
+  driver, one poller calling ``query()`` with a 50 µs to 1 ms backoff; none
+  ever calls an unknown fence's ``synchronize()``, none keeps the process
+  alive.
 
 Knows nothing of pools.
 """
@@ -29,7 +29,7 @@ import weakref
 from typing import Any
 
 from .errors import FenceError
-from .fences import Fence, HostFence, is_done, is_fence
+from .fences import CudaFence, Fence, HostFence, is_done, is_fence
 from .watcher import FenceWatcher
 
 __all__ = ["wait_fence"]
@@ -51,7 +51,10 @@ async def wait_fence(fence: Fence) -> None:
     the way to bound a wait on a fence that may never complete) stops the
     wait and nothing else: the fence is not touched, and nothing of the
     wait stays behind (its callback is removed, its fence no longer
-    polled, unless another task waits for the same fence).
+    polled, unless another task waits for the same fence). A CUDA fence
+    is the exception: once handed over it stays watched until it completes
+    (a stream thread blocked in it cannot give it back), and a later wait
+    for it is not handed over again.
 
     Thread rules: call it in a coroutine on a running loop. Any number of
     tasks may wait for the same fence.
@@ -124,6 +127,10 @@ class _LoopWaits:
         # it, held weakly (their tasks hold them): a loop closed with waits
         # pending is not kept alive through them.
         self._waiting: dict[int, tuple[Fence, list[weakref.ref[asyncio.Future[None]]]]] = {}
+        # CUDA fences handed to the watcher and not yet seen done: a stream
+        # thread cannot give one back (unwatch), so a wait given up and taken
+        # up again must not hand it over twice. Held, so no id is reused.
+        self._cuda_handed: dict[int, CudaFence] = {}
         self._scheduled = False  # a _check is queued on the loop
         self._watcher = FenceWatcher(self._notify, name="asyncpool-wait-fence", alive=self._open)
 
@@ -148,9 +155,14 @@ class _LoopWaits:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ref = weakref.ref(done)
         key = id(fence)
+        cuda = fence.__class__ is CudaFence
         entry = self._waiting.get(key)
         if entry is None:
-            self._watcher.poll(fence)
+            if fence.__class__ is not CudaFence:
+                self._watcher.watch(fence)
+            elif key not in self._cuda_handed:
+                self._watcher.watch(fence)
+                self._cuda_handed[key] = fence
             self._waiting[key] = (fence, [ref])
         else:
             entry[1].append(ref)
@@ -162,7 +174,8 @@ class _LoopWaits:
                 entry[1].remove(ref)
                 if not entry[1]:  # the last waiter gave up
                     del self._waiting[key]
-                    self._watcher.unwatch(fence)
+                    if not cuda:  # a CUDA fence stays handed over (see above)
+                        self._watcher.unwatch(fence)
 
     def _notify(self) -> None:  # on a watcher thread
         if self._scheduled:
@@ -180,15 +193,19 @@ class _LoopWaits:
         # Cleared before the fences are asked: a fence that completes while
         # this runs schedules another check instead of being lost.
         self._scheduled = False
+        for key, cuda in list(self._cuda_handed.items()):
+            if key not in self._waiting and _settled(cuda):
+                del self._cuda_handed[key]  # the watcher is done with it
         for key, (fence, futures) in list(self._waiting.items()):
             done, error = _ask(fence)
             if not done:
                 # Notified for another fence. A fence the poller dropped
-                # (its query() raised there, not here) is polled again.
-                if not self._watcher.polling(fence):
-                    self._watcher.poll(fence)
+                # (its query() raised there, not here) is watched again.
+                if fence.__class__ is not CudaFence and not self._watcher.polling(fence):
+                    self._watcher.watch(fence)
                 continue
             del self._waiting[key]
+            self._cuda_handed.pop(key, None)
             for ref in futures:
                 fut = ref()
                 if fut is None or fut.done():
@@ -222,6 +239,15 @@ def _fault(fence: Fence, exc: BaseException) -> FenceError:
     error = FenceError(f"{fence!r}.query() raised {type(exc).__name__}")
     error.__cause__ = exc
     return error
+
+
+def _settled(fence: CudaFence) -> bool:
+    """Whether a CUDA fence's watcher thread is done with it (completed, or
+    its query raises: faulted)."""
+    try:
+        return bool(fence.query())
+    except Exception:
+        return True
 
 
 def _pending_waits(loop: Any) -> int:

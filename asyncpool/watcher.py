@@ -157,17 +157,6 @@ class FenceWatcher:
             else:
                 self._watch_polled(fence)
 
-    def poll(self, fence: Fence) -> None:
-        """Like :meth:`watch`, but through the poller whatever the fence's
-        kind: only its ``query()`` is ever called, so :meth:`unwatch` can
-        always take it back (a CUDA fence handed to a stream thread cannot
-        be; :func:`~asyncpool.wait_fence` needs that for cancellation)."""
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("the fence watcher was stopped")
-            self.watched += 1
-            self._watch_polled(fence)
-
     def polling(self, fence: Fence) -> bool:
         """Whether the poller still watches ``fence`` (it drops a fence once
         its ``query()`` answered done or raised)."""

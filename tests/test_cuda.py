@@ -302,7 +302,7 @@ async def test_the_calls_of_a_scheduler_step_never_wait_for_the_stream() -> None
 
 
 async def test_wait_fence_on_a_cuda_event_lets_the_loop_run() -> None:
-    """``await wait_fence(event)`` is polled by a watcher thread; the loop runs."""
+    """``await wait_fence(event)`` sleeps in a watcher thread, not in the loop."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         spin(200)

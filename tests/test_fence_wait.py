@@ -142,42 +142,32 @@ async def test_cancelled_or_timed_out_leaves_nothing_behind(kit: Streams, kind: 
     assert not fence.query()  # type: ignore[attr-defined]  # untouched, still pending
 
 
-async def test_cuda_fences_are_polled_in_any_order_and_never_synchronized() -> None:
-    """``wait_fence`` asks a CUDA fence's ``query()`` only: a newer fence of
-    a stream waited for first (one that does not complete here) holds up no
-    wait for an older one, no thread ever blocks in ``synchronize()`` (one
-    could not be called off), and a wait given up and taken up again, or
-    cancelled, leaves nothing polled."""
+async def test_a_cuda_fence_waited_for_again_and_again_is_handed_over_once() -> None:
+    """A stream thread cannot give a CUDA fence back: five waits given up
+    (timeouts) and a sixth that sees it complete hand it to the watcher once,
+    and once it has completed nothing of it is kept."""
     loop = asyncio.get_running_loop()
+    gate = threading.Event()
     key = new_stream_key()
-    g_old, g_new = threading.Event(), threading.Event()
-    e_old, e_new = StandInEvent(g_old, 10.0), StandInEvent(g_new, 10.0)
-    old = CudaFence(e_old, FAKE_DEVICE, key, 1)  # type: ignore[arg-type]
-    new = CudaFence(e_new, FAKE_DEVICE, key, 2)  # type: ignore[arg-type]
+    fence = CudaFence(StandInEvent(gate, 10.0), FAKE_DEVICE, key, 1)  # type: ignore[arg-type]
     waits = _LoopWaits.of(loop)
     try:
-        newer = asyncio.create_task(wait_fence(new))
+        for _ in range(5):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.005):
+                    await wait_fence(fence)
+        assert waits._watcher.watched == 1 and len(waits._cuda_handed) == 1
+        last = asyncio.create_task(wait_fence(fence))
         await asyncio.sleep(0)
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.02):
-                await wait_fence(old)
-        assert not waits._watcher.polling(old)
-        older = asyncio.create_task(wait_fence(old))
-        await asyncio.sleep(0)
-        g_old.set()
+        gate.set()
         async with bounded():
-            await older
-        assert not newer.done()
-        newer.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await newer
+            await last
+        assert waits._watcher.watched == 1
+        assert not waits._cuda_handed  # dropped by the check that saw it done
         assert _pending_waits(loop) == 0
-        assert not waits._watcher.polling(new) and not waits._watcher.polling(old)
-        assert not e_old.entered.is_set() and not e_new.entered.is_set()
     finally:
-        g_old.set()
-        g_new.set()
-        del old, new
+        gate.set()
+        del fence
         forget_stand_in_events()
 
 
@@ -342,6 +332,51 @@ def test_a_closed_loop_is_not_kept_by_its_waits(factory: object) -> None:
     del runner
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("newer_wait", ["given up", "still waiting", "older retried"])
+async def test_an_older_cuda_fence_is_not_stuck_behind_a_newer_one(newer_wait: str) -> None:
+    """The stream thread blocks in the first CUDA fence handed to it. A wait
+    for an *older* fence of that stream, handed after (a newer wait given
+    up, or two tasks waiting out of record order), is woken when that older
+    fence completes, not when (or if ever) the newer one does; also when
+    the older one's first wait was given up and a second one taken up (it
+    was handed over once, and stays watched)."""
+    loop = asyncio.get_running_loop()
+    key = new_stream_key()
+    g_old, g_new = threading.Event(), threading.Event()
+    new_event = StandInEvent(g_new, 10.0)
+    old = CudaFence(StandInEvent(g_old, 10.0), FAKE_DEVICE, key, 1)  # type: ignore[arg-type]
+    new = CudaFence(new_event, FAKE_DEVICE, key, 2)  # type: ignore[arg-type]
+    try:
+        newer = asyncio.create_task(wait_fence(new))
+        # the stream thread is in new.synchronize()
+        assert await asyncio.to_thread(new_event.entered.wait, WATCHDOG_S)
+        if newer_wait == "given up":
+            newer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await newer
+        older = asyncio.create_task(wait_fence(old))
+        await asyncio.sleep(0)
+        if newer_wait == "older retried":
+            older.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await older
+            older = asyncio.create_task(wait_fence(old))
+            await asyncio.sleep(0)
+        g_old.set()
+        async with bounded():
+            await older
+        assert not newer.done() or newer.cancelled()
+        assert _LoopWaits.of(loop)._cuda_handed.get(id(new)) is new  # still in its thread
+    finally:
+        g_old.set()
+        g_new.set()
+        if not newer.done():
+            async with bounded():
+                await newer
+        del old, new
+        forget_stand_in_events()
 
 
 @pytest.mark.parametrize(

@@ -79,24 +79,19 @@ async def wait_fence(fence: Fence) -> None:
 async def _wait_host(loop: asyncio.AbstractEventLoop, fence: HostFence) -> None:
     """Wait for a host fence through its own completion callback.
 
-    The callback holds the loop and the future weakly: a loop closed with
-    this wait pending (by hand; ``asyncio.run`` cancels it first) is not
-    kept alive by a fence that may never complete.
+    The callback holds the future, and through it the waiting task, as
+    asyncio's own primitives hold their waiters: a task nobody else
+    references still runs on once the fence completes.
     """
     done: asyncio.Future[None] = loop.create_future()
-    loop_ref, done_ref = weakref.ref(loop), weakref.ref(done)
 
     def settle() -> None:  # on the loop
-        fut = done_ref()
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        if not done.done():
+            done.set_result(None)
 
     def on_done() -> None:  # on the stream's worker thread, or here when settled
-        target = loop_ref()
-        if target is None:
-            return
         try:
-            target.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the loop is closed: nobody is left to wake
             pass
 
@@ -124,9 +119,10 @@ class _LoopWaits:
         # the registry (or the watcher's threads) until another loop waits.
         self._loop_ref = weakref.ref(loop)
         # id(fence) -> the fence and the futures of the tasks waiting for
-        # it, held weakly (their tasks hold them): a loop closed with waits
-        # pending is not kept alive through them.
-        self._waiting: dict[int, tuple[Fence, list[weakref.ref[asyncio.Future[None]]]]] = {}
+        # it. Held strongly, as asyncio's primitives hold their waiters: a
+        # future's callbacks hold its task, so a task nobody else references
+        # (fire and forget, or shielded past a timeout) still runs on.
+        self._waiting: dict[int, tuple[Fence, list[asyncio.Future[None]]]] = {}
         # CUDA fences handed to the watcher and not yet seen done: a stream
         # thread cannot give one back (unwatch), so a wait given up and taken
         # up again must not hand it over twice. Held, so no id is reused.
@@ -153,7 +149,6 @@ class _LoopWaits:
 
     async def wait(self, fence: Fence) -> None:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        ref = weakref.ref(done)
         key = id(fence)
         cuda = fence.__class__ is CudaFence
         entry = self._waiting.get(key)
@@ -163,15 +158,15 @@ class _LoopWaits:
             elif key not in self._cuda_handed:
                 self._watcher.watch(fence)
                 self._cuda_handed[key] = fence
-            self._waiting[key] = (fence, [ref])
+            self._waiting[key] = (fence, [done])
         else:
-            entry[1].append(ref)
+            entry[1].append(done)
         try:
             await done
         finally:
             entry = self._waiting.get(key)
-            if entry is not None and ref in entry[1]:
-                entry[1].remove(ref)
+            if entry is not None and done in entry[1]:
+                entry[1].remove(done)
                 if not entry[1]:  # the last waiter gave up
                     del self._waiting[key]
                     if not cuda:  # a CUDA fence stays handed over (see above)
@@ -206,9 +201,8 @@ class _LoopWaits:
                 continue
             del self._waiting[key]
             self._cuda_handed.pop(key, None)
-            for ref in futures:
-                fut = ref()
-                if fut is None or fut.done():
+            for fut in futures:
+                if fut.done():
                     continue
                 if error is None:
                     fut.set_result(None)

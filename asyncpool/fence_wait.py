@@ -126,7 +126,7 @@ class _LoopWaits:
         # CUDA fences handed to the watcher and not yet seen done: a stream
         # thread cannot give one back (unwatch), so a wait given up and taken
         # up again must not hand it over twice. Held, so no id is reused.
-        self._cuda_handed: dict[int, CudaFence] = {}
+        self._cuda_handed: dict[int, Fence] = {}
         self._scheduled = False  # a _check is queued on the loop
         self._watcher = FenceWatcher(self._notify, name="asyncpool-wait-fence", alive=self._open)
 
@@ -153,10 +153,9 @@ class _LoopWaits:
         cuda = fence.__class__ is CudaFence
         entry = self._waiting.get(key)
         if entry is None:
-            if fence.__class__ is not CudaFence:
+            if not cuda or key not in self._cuda_handed:
                 self._watcher.watch(fence)
-            elif key not in self._cuda_handed:
-                self._watcher.watch(fence)
+            if cuda:
                 self._cuda_handed[key] = fence
             self._waiting[key] = (fence, [done])
         else:
@@ -235,7 +234,7 @@ def _fault(fence: Fence, exc: BaseException) -> FenceError:
     return error
 
 
-def _settled(fence: CudaFence) -> bool:
+def _settled(fence: Fence) -> bool:
     """Whether a CUDA fence's watcher thread is done with it (completed, or
     its query raises: faulted)."""
     try:

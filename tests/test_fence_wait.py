@@ -48,6 +48,14 @@ def _arm(timers: list[threading.Timer], fn: object) -> None:
     timers.append(t)
 
 
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and see it end cancelled, within the bound."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with bounded():
+            await task
+
+
 async def _ticks_while(cond: object, n: int = 50) -> int:
     """Yield to the loop ``n`` times while ``cond()`` holds; how many ran."""
     ran = 0
@@ -131,9 +139,7 @@ async def test_cancelled_or_timed_out_leaves_nothing_behind(kit: Streams, kind: 
             await wait_fence(fence)  # type: ignore[arg-type]
     task = asyncio.create_task(wait_fence(fence))  # type: ignore[arg-type]
     await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _cancel(task)
     assert _pending_waits(loop) == 0
     if kind == "host":
         assert not fence._callbacks  # type: ignore[attr-defined]
@@ -353,15 +359,11 @@ async def test_an_older_cuda_fence_is_not_stuck_behind_a_newer_one(newer_wait: s
         # the stream thread is in new.synchronize()
         assert await asyncio.to_thread(new_event.entered.wait, WATCHDOG_S)
         if newer_wait == "given up":
-            newer.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await newer
+            await _cancel(newer)
         older = asyncio.create_task(wait_fence(old))
         await asyncio.sleep(0)
         if newer_wait == "older retried":
-            older.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await older
+            await _cancel(older)
             older = asyncio.create_task(wait_fence(old))
             await asyncio.sleep(0)
         g_old.set()

@@ -409,6 +409,37 @@ async def spin(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+_cycles_per_ms: float | None = None
+
+
+def gpu_busy(ms: float) -> None:
+    """Queue a kernel that keeps the current CUDA stream busy for about ``ms``.
+
+    The tests that need "a step still in flight" hold a stream with this and
+    must finish their host-side work well inside ``ms``; keep ``ms`` in the
+    hundreds: a worker of ``pytest -n 8`` can be descheduled, or load a
+    kernel's module lazily, for tens of milliseconds (seen on an H200).
+    """
+    import torch
+
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        # One untimed spin first: an idle GPU clocks low (345 MHz against
+        # 1980 on an H200), and cycles counted at the low clock would make
+        # every later spin several times shorter than asked.
+        torch.cuda._sleep(50_000_000)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        cycles = 50_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(ms * _cycles_per_ms))
+
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -15,7 +15,15 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream, assert_conserved, bounded, pool_snapshot, spin
+from helpers import (
+    WAIT_S,
+    FakeStream,
+    assert_conserved,
+    bounded,
+    gpu_busy,
+    pool_snapshot,
+    spin,
+)
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -1165,7 +1173,7 @@ async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
     async with bounded(), AsyncReqToTokenPool(3, 8, device="cuda", stream=stream) as pool:
         rows = await pool.alloc(2)
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(100_000_000)  # an in-flight step
+            gpu_busy(300)  # an in-flight step
             pool.verified_lens[rows[0] : rows[0] + 1].fill_(9)  # its late write (a kernel)
         pool.record_use(rows, record_fence(stream))
         assert pool.free(rows) == 0

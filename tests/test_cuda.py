@@ -28,7 +28,7 @@ import time
 
 import pytest
 import torch
-from helpers import bounded
+from helpers import bounded, gpu_busy
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -43,28 +43,6 @@ from asyncpool import (
 )
 
 pytestmark = pytest.mark.cuda
-
-_cycles_per_ms: float | None = None
-
-
-def spin(ms: float) -> None:
-    """Launch a kernel that keeps the current stream busy for about ``ms``."""
-    global _cycles_per_ms
-    if _cycles_per_ms is None:
-        # One untimed spin first: an idle GPU clocks low (345 MHz against
-        # 1980 on an H200), and cycles counted at the low clock would make
-        # every later spin several times shorter than asked.
-        torch.cuda._sleep(50_000_000)
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        cycles = 50_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
-    torch.cuda._sleep(int(ms * _cycles_per_ms))
 
 
 def cpu_seconds() -> float:
@@ -97,14 +75,14 @@ def _use_torch_hook_mode_unless_preloaded() -> None:
 def test_cuda_fences_are_ordered_per_stream() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):
-        spin(100)
+        gpu_busy(300)
     a = record_fence(s1)
     b = record_fence(s1)
     c = record_fence(s2)
     assert isinstance(a, CudaFence) and isinstance(c, CudaFence)
     assert a.stream_key == b.stream_key != c.stream_key
     assert b.seq == a.seq + 1
-    assert not a.query() and not b.query()  # the kernel spins for 100 ms
+    assert not a.query() and not b.query()  # the kernel spins for 300 ms
     b.synchronize()
     assert a.query() and b.query()
     c.synchronize()
@@ -149,7 +127,7 @@ async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write(
             rows = await pool.alloc(4)
         index = torch.tensor(rows, device="cuda")
         with torch.cuda.stream(fwd):
-            spin(300)  # step t is still running...
+            gpu_busy(300)  # step t is still running...
             pool.verified_lens.index_fill_(0, index, 7)  # ...and writes the rows late
         step = record_fence(fwd)
         pool.record_use(rows, step)
@@ -186,7 +164,7 @@ async def test_unfenced_free_lets_the_late_write_corrupt_the_new_owner() -> None
         async with bounded():
             (row,) = await pool.alloc(1)
         with torch.cuda.stream(fwd):
-            spin(300)
+            gpu_busy(300)
             pool.verified_lens[row : row + 1].fill_(7)  # step t's late write
         pool.free([row])  # unsafe: no record_use, no fence
         async with bounded():
@@ -213,7 +191,7 @@ async def test_resets_run_on_the_pools_stream_and_precede_later_writes() -> None
         torch.cuda.synchronize()
         pool.free(rows)  # dirty rows, free at once
         with torch.cuda.stream(pool_stream):
-            spin(300)  # hold the pool's stream
+            gpu_busy(300)  # hold the pool's stream
         async with bounded():
             again = await pool.alloc(2)  # the bulk reset is queued on the pool's stream
         assert sorted(again) == sorted(rows)
@@ -279,7 +257,7 @@ async def test_the_calls_of_a_scheduler_step_never_wait_for_the_stream() -> None
         with torch.cuda.stream(fwd):
             give_back(*step())  # warm: kernels, pinned blocks
             torch.cuda.synchronize()
-            spin(300)
+            gpu_busy(300)
             in_flight = record_fence(fwd)
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -305,7 +283,7 @@ async def test_wait_fence_on_a_cuda_event_lets_the_loop_run() -> None:
     """``await wait_fence(event)`` sleeps in a watcher thread, not in the loop."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        spin(200)
+        gpu_busy(200)
     fence = record_fence(stream)
     waiter = asyncio.create_task(wait_fence(fence))
     ran = 0
@@ -353,7 +331,7 @@ def test_sync_pool_on_cuda_with_fences() -> None:
     rows = pool.alloc(8)
     assert rows is not None
     with torch.cuda.stream(fwd):
-        spin(200)
+        gpu_busy(200)
     pool.free(rows, after=fwd)
     assert pool.pending_size() == 8
     assert pool.alloc(1) is None  # pending, not reclaimed before the kernel ends
@@ -376,7 +354,7 @@ async def test_watcher_wake_latency_and_cpu() -> None:
             async with bounded():
                 (row,) = await pool.alloc(1)
             with torch.cuda.stream(fwd):
-                spin(50)
+                gpu_busy(50)
             fence = record_fence(fwd)
             pool.record_use([row], fence)
             pool.free([row])

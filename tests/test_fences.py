@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import WAIT_S, bounded
+from helpers import WAIT_S, bounded, gpu_busy
 
 from asyncpool import (
     CudaFence,
@@ -370,7 +370,7 @@ def test_is_fence_duck_typing(kit):
 def test_cuda_fence_query_synchronize_on_a_real_stream():
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)  # ~tens of ms of device time
+        gpu_busy(300)  # a step in flight
     f = record_fence(stream)
     assert isinstance(f, CudaFence)
     assert isinstance(f, OrderedFence)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, FakeStream
+from helpers import WAIT_S, FakeStream, gpu_busy
 
 from asyncpool import (
     CapacityError,
@@ -636,7 +636,7 @@ def test_slots_of_a_cuda_tensor_are_computed_on_the_gpu_without_waiting() -> Non
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(200_000_000)  # a step in flight on the current stream
+        gpu_busy(300)  # a step in flight on the current stream
         busy = record_fence(stream)
         slots = kv.slots(pages)
         assert not busy.query()  # not read back: nothing waited for the stream
@@ -748,7 +748,7 @@ def test_pages_on_cuda_wait_for_a_cuda_fence_and_the_late_write_misses_the_next_
     assert slots_a.is_cuda
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)
+        gpu_busy(300)
         # the late write of a step in flight (a kernel: `cache[slots_a] = 1`
         # copies the 1 from the host, a copy that waits for the stream)
         cache.index_fill_(0, slots_a, 1)

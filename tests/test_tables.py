@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import gpu_busy
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -211,7 +212,7 @@ def test_sync_pool_on_cuda_defers_free_behind_cuda_fence():
     pool = ReqToTokenPool(4, 8, "cuda", False, stream=stream)
     rows = pool.alloc(3)
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)
+        gpu_busy(300)
         pool.verified_lens[rows[0] : rows[0] + 1].fill_(7)  # the late write of a step in flight
     f = record_fence(stream)
     pool.record_use(rows, f)

@@ -350,21 +350,33 @@ class Forward:
 
     def snapshot(
         self, row: int, length: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of ``req_to_token[row, :length]`` and ``kv[slots]``, ordered on
-        the stream.
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Copies of ``req_to_token[row, :length]`` and ``kv[slots]``, queued on
+        the forward stream, and the fence recorded after them.
 
-        On CPU they are taken now (the caller has waited for the step that
-        wrote them); on CUDA they are queued on the forward stream, so they
-        land before any later step can rewrite the row or the pages.
+        The copies are reads of the row and its pages queued after every step
+        launched so far, so later steps cannot rewrite what they read; but a
+        transfer on another stream can, once the row's pages are free again.
+        Free the row behind the returned fence: the read is a use of the
+        memory like any write. The tensors are filled once the fence has
+        completed (read them after :meth:`synchronize`).
         """
         r2t, kv = self.req_to_token, self.kv
         assert r2t is not None and kv is not None
         if self.is_cuda:
             with torch.cuda.stream(self.stream):
                 idx = slots.pin_memory().to(self.device, non_blocking=True)
-                return _to_host(r2t[row, :length]), _to_host(kv[idx])
-        return r2t[row, :length].clone(), kv[slots]
+                found = _to_host(r2t[row, :length]), _to_host(kv[idx])
+            return (*found, record_fence(self.stream))
+        row_out = torch.empty(length, dtype=r2t.dtype)
+        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
+
+        def read() -> None:
+            row_out.copy_(r2t[row, :length])
+            torch.index_select(kv, 0, slots, out=kv_out)
+
+        self.stream.launch(read)
+        return row_out, kv_out, self.stream.record()
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -751,14 +751,17 @@ class Scheduler:
         # Columns [0, length) are the request's content; a step in flight may
         # still write column `length` (its extra, unneeded token).
         req.slots = self._mirror[req.row, :length].copy()
-        req.snapshot, req.kv_snapshot = self.forward.snapshot(
+        # The final check's copies of the row and its KV, queued on the
+        # forward stream: a read of the memory, so the row and its pages are
+        # freed behind it as behind the steps' writes (unsafe: at once).
+        req.snapshot, req.kv_snapshot, read = self.forward.snapshot(
             req.row, length, torch.from_numpy(req.slots)
         )
         req.kv_len = length
         self.running.remove(req)
         self.pages_held -= req.n_pages
         req.state = FINISHED
-        self.pool.free([req.row])
+        self.pool.free([req.row], fence=read if self.fenced else None)
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(1)

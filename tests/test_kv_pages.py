@@ -629,6 +629,11 @@ def test_device_slots_refuse_what_is_not_a_1d_integer_tensor(bad):
 def test_slots_of_a_cuda_tensor_are_computed_on_the_gpu_without_waiting() -> None:
     from asyncpool import record_fence
 
+    # As in a fresh process: the pool must make the offsets when built, for
+    # made at the first slots() they would wait for the busy stream below.
+    # (Nothing queued reads the old ones once synchronized.)
+    torch.cuda.synchronize()
+    _DEVICE_OFFSETS.clear()
     kv = KVPagePool(16, 4, device="cuda")
     pages = kv.alloc(3)
     assert pages is not None and pages.is_cuda

@@ -33,6 +33,7 @@ from .fences import (
 )
 from .kv_pages import KVPagePool, KVPageStats
 from .ledger import Rows
+from .lifecycle import GrantHold
 from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
@@ -49,6 +50,7 @@ __all__ = [
     "Fence",
     "FenceError",
     "Grant",
+    "GrantHold",
     "Histogram",
     "HistogramSnapshot",
     "HostFence",

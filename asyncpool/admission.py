@@ -231,7 +231,8 @@ class Admission:
         """Admit now (one row and ``pages`` pages), or return None; never waits.
 
         None while anyone is queued (no queue jumping), while the memory is
-        released, or when either does not fit after reclaiming completed
+        released or the grants are held (:meth:`hold_grants`), or when either
+        does not fit after reclaiming completed
         fences. Raises as :meth:`admit` does for bad input, and
         :class:`PoolClosedError` after :meth:`close`.
         """

@@ -3,9 +3,11 @@
 The pool's lifecycle half (a mixin with no state of its own): ``drain``
 (wait, with a timeout, for every pending fence of both ledgers, in either
 reclaim mode), ``close`` (fail the waiters, stop the fence watcher without
-waiting for any fence) and ``release_memory``/``resume_memory`` (the
-``kv_cache`` memory-saver region). It knows nothing of how rows or pages are
-granted.
+waiting for any fence), ``release_memory``/``resume_memory`` (the
+``kv_cache`` memory-saver region) and ``hold_grants`` (the scheduler's own
+hold on the grant loop, :class:`GrantHold`). Each gates the grant loop; the
+loop stays gated while any of them does. It knows nothing of how rows or
+pages are granted.
 
 Thread rules: the pool's (:mod:`asyncpool.pool`); every call here is checked.
 """
@@ -28,7 +30,7 @@ from .tables import TokenTables
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
-__all__ = ["Lifecycle"]
+__all__ = ["GrantHold", "Lifecycle"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class Lifecycle:
     _closed: bool
     _released: bool
     _releasing: asyncio.Future[None] | None
+    _holds: int
 
     if TYPE_CHECKING:
 
@@ -301,7 +304,7 @@ class Lifecycle:
             self._tables.pause()
         except BaseException:
             self._released = False
-            self._waiters.gated = self._closed
+            self._waiters.gated = self._closed or self._holds > 0
             self._waiters.grant()
             raise
         finally:
@@ -346,9 +349,48 @@ class Lifecycle:
         self._tables.resume()
         self._ledger.reset_all()
         self._released = False
-        self._waiters.gated = self._closed
+        self._waiters.gated = self._closed or self._holds > 0
         self._waiters.grant()
         logger.info("resumed the kv_cache region of %r", self)
+
+    def hold_grants(self) -> GrantHold:
+        """Hold the grant loop: queued ``alloc``/``admit`` waiters get nothing
+        until the hold is released; return the hold.
+
+        For growth first: the memory that frees and completed fences return
+        while any hold is held stays free for the scheduler's own calls that
+        never wait (``extend``, ``extend_rows``), instead of going to the
+        queued admissions at hand-over. A scheduler whose decode growth comes
+        up short holds, retracts, and releases once growth has what it needs
+        (the victims' pages come back when the step in flight completes: keep
+        the hold across the steps until then). Meanwhile ``try_alloc`` and
+        ``try_admit`` answer None, and ``alloc`` and ``admit`` queue (FIFO
+        within priority, as ever; timeouts and cancellation as ever). When
+        the last hold is released the grant loop runs at once, unless the
+        memory is released or the pool closed (those gate it too).
+
+        Holds nest (each must be released once); ``release()`` is
+        idempotent and the hold is a context manager (``with
+        pool.hold_grants():``). Allowed after :meth:`close` (it holds
+        nothing there). The event loop's thread only: from another thread,
+        :class:`~asyncpool.WrongThreadError`, changing nothing. A hold never
+        released starves every waiter: nothing releases it for you.
+        """
+        self._check_thread()  # closes the unchecked fast paths: gated, none reopens
+        self._holds += 1
+        self._waiters.gated = True
+        return GrantHold(self)
+
+    @property
+    def grants_held(self) -> bool:
+        """True while any :meth:`hold_grants` hold is held."""
+        return self._holds > 0
+
+    def _end_hold(self) -> None:
+        self._holds -= 1
+        if not self._holds and not self._released and not self._closed:
+            self._waiters.gated = False
+            self._waiters.grant()
 
     @property
     def released(self) -> bool:
@@ -357,3 +399,41 @@ class Lifecycle:
         fences (allocation is already held then, and the region still holds
         memory), and False again if that release fails."""
         return self._released and self._releasing is None
+
+
+class GrantHold:
+    """A hold on a pool's grant loop, from ``AsyncReqToTokenPool.hold_grants()``.
+
+    :meth:`release` (or leaving a ``with`` block) ends it; once every hold of
+    the pool has ended, the queued waiters are granted at once. Idempotent.
+    The pool's event-loop thread only: from another thread,
+    :class:`~asyncpool.WrongThreadError`, and the hold stays held.
+    """
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Lifecycle) -> None:
+        self._pool: Lifecycle | None = pool
+
+    def __repr__(self) -> str:
+        return f"<GrantHold {'held' if self._pool is not None else 'released'}>"
+
+    @property
+    def held(self) -> bool:
+        """True until :meth:`release`."""
+        return self._pool is not None
+
+    def release(self) -> None:
+        """End this hold; the grant loop runs if it was the pool's last."""
+        pool = self._pool
+        if pool is None:
+            return
+        pool._check_thread()
+        self._pool = None
+        pool._end_hold()
+
+    def __enter__(self) -> GrantHold:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

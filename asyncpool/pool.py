@@ -277,13 +277,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # docstring): decided when the pool binds (_choose_fast_paths).
         self._unchecked = False
         # The waiter queues and the grant loop (asyncpool.waiters), gated
-        # while closed or released (no fast path, no grants).
+        # while closed, released or held (no fast path, no grants).
         self._waiters = WaiterQueues(
             self._take_for_waiter, self._give_back, _describe, max_waiters, supply=led._free
         )
         self._closed = False
         self._released = False
         self._releasing: asyncio.Future[None] | None = None  # release_memory() draining
+        self._holds = 0  # hold_grants() holds not yet released
         # True while the unchecked fast paths of alloc and free are open:
         # bound, nobody queued, not gated, unchecked paths allowed, and no
         # checked call under way. Every checked call clears it before it
@@ -754,18 +755,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def _try_must_wait(self) -> bool:
         """For ``try_alloc``/``try_admit``: True while anyone is queued (no
-        queue jumping) or the memory is released. Waiters of a loop closed
-        under them are dropped first: they are not queued, they can never
-        resume."""
+        queue jumping), the memory is released or the grants are held.
+        Waiters of a loop closed under them are dropped first: they are not
+        queued, they can never resume."""
         if self._waiters.count:
             self._drop_dead_waiters()
-        return bool(self._waiters.count or self._released)
+        return bool(self._waiters.count or self._released or self._holds)
 
     def try_alloc(self, n: SupportsIndex) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.
 
-        Returns None while anyone is queued (no queue jumping) or while the
-        memory is released; otherwise, when the free rows are short, it
+        Returns None while anyone is queued (no queue jumping), while the
+        memory is released or while the grants are held
+        (:meth:`hold_grants`); otherwise, when the free rows are short, it
         reclaims completed fences before answering None.
         Raises :class:`CapacityError` for bad ``n`` and
         :class:`PoolClosedError` after :meth:`close`.

@@ -1,0 +1,226 @@
+"""``pool.hold_grants()``: growth first, against admissions queued in tasks.
+
+Grant at hand-over gives the memory a free or a completed fence returns to
+the queued ``alloc``/``admit`` waiters at once; a scheduler whose running
+requests come up short of pages for decode growth, and whose new requests
+await ``admit`` in tasks, retracts a victim only to see its pages go to the
+next admission (a new engine developer's trial cancelled and re-queued its
+admissions some 1,650 times per 300 requests to get round it). A hold gates
+the grant loop: while it is held the memory stays free for ``extend`` and
+``extend_rows``, ``try_alloc``/``try_admit`` answer None, ``alloc``/``admit``
+queue, and releasing the last hold runs the grant loop. Holds nest, release
+is idempotent, the gate of ``release_memory`` and ``close`` outlives a hold,
+and only the loop's thread may hold or release. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import Streams, bounded, in_thread, spin, until
+from helpers import page_ids as ids
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    GrantHold,
+    KVPagePool,
+    PoolClosedError,
+    WrongThreadError,
+)
+
+
+def paged(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
+
+
+async def test_a_free_under_a_hold_grants_no_waiter_and_growth_takes_the_pages() -> None:
+    async with bounded(), paged(rows=4, pages=8) as pool:
+        running = await pool.admit(pages=4)
+        victim = await pool.admit(pages=4)
+        queued = asyncio.ensure_future(pool.admit(pages=4))
+        await spin()
+        assert not queued.done()
+        assert pool.extend(running.row, 4) is None  # growth comes up short
+        with pool.hold_grants() as hold:
+            assert isinstance(hold, GrantHold) and hold.held and pool.grants_held
+            victim_pages = ids(pool.pages_of(victim.row))
+            pool.free([victim.row])  # the retraction
+            await spin()
+            assert not queued.done()  # grant at hand-over would have given it them
+            grown = pool.extend(running.row, 4)
+            assert grown is not None and sorted(ids(grown)) == sorted(victim_pages)
+        assert not hold.held and not pool.grants_held
+        await spin()
+        assert not queued.done()  # the pages went to growth: nothing left for it
+        pool.free([running.row])
+        got = await queued
+        assert len(ids(got.pages)) == 4
+        pool.free([got.row])
+        pool.check_invariants()
+
+
+async def test_memory_a_fence_returns_under_a_hold_waits_for_growth() -> None:
+    with Streams() as streams:
+        step = streams.stream("forward")
+        async with bounded(), paged(rows=4, pages=8) as pool:
+            running = await pool.admit(pages=4)
+            victim = await pool.admit(pages=4)
+            gate = streams.gate(step)
+            pool.record_use([running.row, victim.row], step.record())  # the step in flight
+            queued = asyncio.ensure_future(pool.admit(pages=2))
+            hold = pool.hold_grants()
+            pool.free([victim.row])  # pending behind the step
+            gate.open()
+            # The watcher's wake-up reclaims on the loop with nobody calling the pool.
+            await until(lambda: pool.kv is not None and pool.kv.pending_size() == 0)
+            await spin()
+            assert not queued.done()
+            assert pool.extend(running.row, 4) is not None
+            hold.release()
+            await spin()
+            assert not queued.done()
+            pool.free([running.row])
+            got = await queued
+            pool.free([got.row])
+            pool.check_invariants()
+
+
+async def test_under_a_hold_new_calls_queue_and_try_calls_answer_none() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        pool.free(await pool.alloc(1))  # opens the unchecked one-row paths
+        hold = pool.hold_grants()
+        row_task = asyncio.ensure_future(pool.alloc(1))  # first: any checked call closes them
+        await spin()
+        assert not row_task.done() and pool.waiting() == 1
+        assert pool.try_alloc(1) is None
+        hold.release()
+        rows = await row_task
+        assert len(rows) == 1
+        pool.free(rows)
+    async with bounded(), paged() as pool:
+        hold = pool.hold_grants()
+        assert pool.try_admit(pages=1) is None
+        admit_task = asyncio.ensure_future(pool.admit(pages=1))
+        await spin()
+        assert not admit_task.done()
+        hold.release()
+        got = await admit_task
+        pool.free([got.row])
+
+
+async def test_a_one_row_free_under_a_hold_grants_nobody() -> None:
+    async with bounded(), AsyncReqToTokenPool(2, 8) as pool:
+        (row,) = await pool.alloc(1)
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        hold = pool.hold_grants()
+        assert pool.free([row]) == 1
+        await spin()
+        assert not waiter.done() and pool.available_size() == 1
+        hold.release()
+        assert await waiter == [row]
+        pool.free([row])
+
+
+async def test_holds_nest_and_release_is_idempotent() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        first, second = pool.hold_grants(), pool.hold_grants()
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        first.release()
+        first.release()  # does not end the other hold
+        await spin()
+        assert pool.grants_held and not waiter.done()
+        second.release()
+        assert not pool.grants_held
+        pool.free(await waiter)
+        assert repr(first) == "<GrantHold released>"
+
+
+async def test_a_cancelled_or_timed_out_waiter_under_a_hold_holds_nothing() -> None:
+    async with bounded(), paged(rows=2, pages=4) as pool:
+        with pool.hold_grants():
+            cancelled = asyncio.ensure_future(pool.admit(pages=2))
+            timed_out = asyncio.ensure_future(pool.admit(pages=2, timeout=0.001))
+            await spin()
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            with pytest.raises(TimeoutError):
+                await timed_out
+            assert pool.waiting() == 0
+        assert pool.available_size() == 2 and pool.kv is not None
+        assert pool.kv.available_size() == 4
+        pool.check_invariants()
+
+
+async def test_release_memory_and_close_outlast_a_hold() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        hold = pool.hold_grants()
+        await pool.release_memory()
+        hold.release()  # the pool is still released: still gated
+        assert pool.try_alloc(1) is None
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        assert not waiter.done()
+        await pool.resume_memory()
+        pool.free(await waiter)
+        # and the other way round: resumed while held stays gated
+        await pool.release_memory()
+        hold = pool.hold_grants()
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        await pool.resume_memory()
+        await spin()
+        assert not waiter.done() and pool.try_alloc(1) is None
+        hold.release()
+        pool.free(await waiter)
+    # a release_memory() that fails (cancelled in its drain) leaves the hold's gate
+    with Streams() as streams:
+        step = streams.stream("forward")
+        async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+            gate = streams.gate(step)
+            pool.free(await pool.alloc(1), fence=step.record())  # pending behind the gate
+            hold = pool.hold_grants()
+            waiter = asyncio.ensure_future(pool.alloc(1))
+            release = asyncio.ensure_future(pool.release_memory())
+            await spin()
+            release.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await release
+            await spin()
+            assert not pool.released and not waiter.done()
+            hold.release()
+            pool.free(await waiter)
+            gate.open()
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        (row,) = await pool.alloc(1)
+        hold = pool.hold_grants()
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        await pool.close()
+        with pytest.raises(PoolClosedError):
+            await waiter
+        hold.release()  # the last hold: the pool stays closed, gated for good
+        pool.free([row])  # allowed after close; must not reopen a fast path
+        with pytest.raises(PoolClosedError):
+            await pool.alloc(1)
+        with pytest.raises(PoolClosedError):
+            pool.try_alloc(1)
+        with pool.hold_grants():  # allowed after close; holds nothing
+            pass
+
+
+async def test_only_the_loops_thread_holds_or_releases() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        pool.free(await pool.alloc(1))  # bind
+        with pytest.raises(WrongThreadError):
+            in_thread(pool.hold_grants)
+        assert not pool.grants_held and pool.try_alloc(1) is not None
+        hold = pool.hold_grants()
+        with pytest.raises(WrongThreadError):
+            in_thread(hold.release)
+        assert hold.held and pool.grants_held
+        hold.release()
+        assert not pool.grants_held

@@ -351,15 +351,16 @@ class Forward:
     def snapshot(
         self, row: int, length: int, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Copies of ``req_to_token[row, :length]`` and ``kv[slots]``, queued on
-        the forward stream, and the fence recorded after them.
+        """Copies of ``req_to_token[row, :length]`` and ``kv[slots]``, and the
+        fence to free the row behind (None when there is nothing to wait for).
 
-        The copies are reads of the row and its pages queued after every step
-        launched so far, so later steps cannot rewrite what they read; but a
-        transfer on another stream can, once the row's pages are free again.
-        Free the row behind the returned fence: the read is a use of the
-        memory like any write. The tensors are filled once the fence has
-        completed (read them after :meth:`synchronize`).
+        On CPU they are taken now (the caller has waited for the step that
+        wrote them). On CUDA they are queued on the forward stream, so no
+        later step can rewrite what they read; but a transfer on another
+        stream can, once the row's pages are free again: the read is a use of
+        the memory like any write, so free the row behind the fence recorded
+        after it. The tensors are filled once it has completed (read them
+        after :meth:`synchronize`).
         """
         r2t, kv = self.req_to_token, self.kv
         assert r2t is not None and kv is not None
@@ -368,15 +369,7 @@ class Forward:
                 idx = slots.pin_memory().to(self.device, non_blocking=True)
                 found = _to_host(r2t[row, :length]), _to_host(kv[idx])
             return (*found, record_fence(self.stream))
-        row_out = torch.empty(length, dtype=r2t.dtype)
-        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
-
-        def read() -> None:
-            row_out.copy_(r2t[row, :length])
-            torch.index_select(kv, 0, slots, out=kv_out)
-
-        self.stream.launch(read)
-        return row_out, kv_out, self.stream.record()
+        return r2t[row, :length].clone(), kv[slots], None
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import LONG_S, bounded
 
 from scheduler_demo import DemoConfig, Report, run_demo
@@ -134,24 +135,35 @@ async def test_fenced_overlap_completes_without_corruption() -> None:
 async def test_a_finished_requests_final_read_is_fenced_like_a_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The snapshot a finished request's final check reads is queued on the
-    forward stream after the steps in flight. It is a use of the row's pages
-    like any write: freed behind the step's fence alone, the pages went to a
-    new owner whose transfer (another stream) could land before the late
-    read, which then read the new owner's KV: KV corruption reported in
-    fenced mode (19 here without the fence). Here the forward stream lags
-    before each read, as a GPU shared by many processes makes it."""
+    """On CUDA, the copies a finished request's final check reads are queued
+    on the forward stream after the steps in flight. The read is a use of
+    the row's pages like any write: freed behind the step's fence alone, the
+    pages went to a new owner whose transfer (another stream) could land
+    before the late read, which then read the new owner's KV: KV corruption
+    reported in fenced mode (19 here without the read's fence). On CPU the
+    copies are taken at once; here they are queued as on CUDA, behind a
+    lagging stream, as a GPU shared by many processes makes it."""
     import time
 
     from scheduler_demo.forward import Forward
 
-    snapshot = Forward.snapshot
+    def queued_as_on_cuda(
+        self: Forward, row: int, length: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        r2t, kv = self.req_to_token, self.kv
+        assert r2t is not None and kv is not None
+        row_out = torch.empty(length, dtype=r2t.dtype)
+        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
 
-    def late(self: Forward, row: int, length: int, slots: object) -> object:
-        self.stream.launch(time.sleep, 0.02)  # widens the window; no ordering relies on it
-        return snapshot(self, row, length, slots)  # type: ignore[arg-type]
+        def read() -> None:
+            time.sleep(0.02)  # the lag; it widens the window, no ordering relies on it
+            row_out.copy_(r2t[row, :length])
+            torch.index_select(kv, 0, slots, out=kv_out)
 
-    monkeypatch.setattr(Forward, "snapshot", late)
+        self.stream.launch(read)
+        return row_out, kv_out, self.stream.record()
+
+    monkeypatch.setattr(Forward, "snapshot", queued_as_on_cuda)
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, transfer_ms=0.4))
     assert _all_served(report) and report.completed > 0

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool
+from asyncpool import AsyncReqToTokenPool, GrantHold, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
@@ -192,8 +192,9 @@ class Scheduler:
         self.cpu_s = 0.0  # CPU time of the scheduler's thread (the event loop's)
 
         self._tasks: set[asyncio.Task[None]] = set()
-        # Atomic admissions queued in the pool: req -> (task, pages, priority).
-        self._admitting: dict[Req, tuple[asyncio.Task[None], int, int]] = {}
+        # Held while decode growth is short: the pool grants its queued
+        # admissions nothing until the stalled requests have grown.
+        self._growth_hold: GrantHold | None = None
         self._timers: set[asyncio.TimerHandle] = set()
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -358,8 +359,7 @@ class Scheduler:
                         self._granted(req, grant.pages)
                     else:  # waits in the pool's queue for a fence to release memory
                         req.state = ADMITTING
-                        task = self._spawn(self._admit(req, n, priority))
-                        self._admitting[req] = (task, n, priority)
+                        self._spawn(self._admit(req, n, priority))
                     continue
                 pages = self.pool.extend(req.row, n)
                 if pages is None:
@@ -371,30 +371,26 @@ class Scheduler:
 
     async def _admit(self, req: Req, n: int, priority: int) -> None:
         grant = await self.pool.admit(pages=n, priority=priority)
-        del self._admitting[req]
         req.row = grant.row
         self._granted(req, grant.pages)
 
-    def _withdraw_admissions(self) -> None:
-        """Growth goes first: take the admissions queued in the pool back out.
+    def _hold_for_growth(self, stalled: bool) -> None:
+        """Growth goes first: hold the pool's grant loop while requests stall.
 
-        The pool grants freed pages to its queued waiters as soon as their
+        The pool grants freed pages to its queued admissions as soon as their
         fence completes, before a stalled request can ``extend`` again; a
         victim retracted for that request would take its pages straight back
-        (livelock). Cancelled means nothing was allocated (a waiter granted
-        but not yet resumed gives row and pages back when its task next
-        runs, before this scheduler's next pass), so the pages stay free for
-        the stalled request, and the admissions wait in the scheduler's
-        queue, at its head, in order.
+        (livelock). Held, the victims' pages stay free for the stalled
+        requests, across the steps until their fence completes; the queued
+        admissions keep their places and are granted once growth has what
+        it needs.
         """
-        for req, (task, n, priority) in reversed(list(self._admitting.items())):
-            task.cancel()
-            self.pages_held -= n
-            req.state = WAITING
-            (self.waiting_retracted if priority < NEW_PRIORITY else self.waiting_new).appendleft(
-                req
-            )
-        self._admitting.clear()
+        if stalled:
+            if self._growth_hold is None:
+                self._growth_hold = self.pool.hold_grants()
+        elif self._growth_hold is not None:
+            self._growth_hold.release()
+            self._growth_hold = None
 
     def _granted(self, req: Req, pages: torch.Tensor) -> None:
         """``req`` holds its row and first pages: start its transfer, or queue
@@ -504,9 +500,8 @@ class Scheduler:
     def _schedule(self) -> Step | None:
         """Build the next batch: grow (retract when short), admit, join."""
         stalled = self._grow()
-        if stalled:
-            self._withdraw_admissions()
         if not stalled:
+            self._hold_for_growth(False)
             self._admit_more()
         joined: list[Req] = list(self.ready_join)
         self.ready_join.clear()
@@ -547,6 +542,7 @@ class Scheduler:
                 self._add_pages(req, pages)
         if not stalled:
             return set()
+        self._hold_for_growth(True)  # before a retraction frees anything
         self.stalls += len(stalled)
         short = len(stalled)
         while short > 0 and len(self.running) > 1:

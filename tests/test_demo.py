@@ -597,10 +597,10 @@ async def test_transfer_flush_lands_everything() -> None:
 async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> None:
     # Four pages of two slots, all held: A (running, out of slots) and B
     # (running, the victim); C waits in the pool for two pages. A cannot
-    # grow, so B is retracted; its pages are handed over to C at once. The
-    # scheduler must take C's admission back out, so that A gets a page on
-    # the next step instead of C, and B's re-admission, taking them back
-    # forever (the livelock this guards against).
+    # grow, so B is retracted; at hand-over its pages would go to C at once.
+    # The scheduler holds the pool's grants while A stalls, so that A gets a
+    # page on the next step instead of C, and B's re-admission, taking them
+    # back forever (the livelock this guards against); C keeps its place.
     from asyncpool import AsyncReqToTokenPool, KVPagePool
     from scheduler_demo.forward import Forward
     from scheduler_demo.scheduler import DECODE, RUNNING, Scheduler
@@ -627,19 +627,20 @@ async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> No
             # waits in the pool, no page being free.
             assert pool.try_admit(pages=2) is None
             task = sched._spawn(sched._admit(c, 2, 0))
-            sched._admitting[c] = (task, 2, 0)
             sched.pages_held += 2
             await asyncio.sleep(0)
             assert pool.waiting() == 1
 
             step = sched._schedule()  # A stalls, B is retracted
             assert step is None and sched.running == [a] and b.row == -1
+            assert pool.grants_held
             for _ in range(3):
-                await asyncio.sleep(0)  # the cancelled admission gives its grant back
-            assert not sched._admitting
+                await asyncio.sleep(0)
+            assert not task.done() and pool.waiting() == 1  # B's pages did not go to C
             step = sched._schedule()
             assert step is not None and step.rows == [a.row]
             assert a.n_pages == 3  # A grew into one of B's pages
+            assert not pool.grants_held and pool.waiting() == 1  # C waits for two pages
             await sched._stop_tasks()
     finally:
         forward.close()

@@ -367,7 +367,13 @@ class Lifecycle:
         ``try_admit`` answer None, and ``alloc`` and ``admit`` queue (FIFO
         within priority, as ever; timeouts and cancellation as ever). When
         the last hold is released the grant loop runs at once, unless the
-        memory is released or the pool closed (those gate it too).
+        memory is released or the pool closed (those gate it too). While
+        held, ``alloc``/``admit`` queue even when memory is free, so they
+        count toward ``max_waiters`` (:class:`~asyncpool.PoolBusyError` past
+        it) and the time held shows in the wait figures of ``stats()``. On
+        tensor-parallel replicas (``reclaim="explicit"``) the release grants:
+        hold and release at the same point of the step on every rank, as
+        with ``agree()``.
 
         Holds nest (each must be released once); ``release()`` is
         idempotent and the hold is a context manager (``with

@@ -6,7 +6,8 @@ calling the pool. The design follows ``asyncio.Semaphore`` (CPython
 ``Lib/asyncio/locks.py``) with one change that removes its class of
 lost-wake-up and queue-jumping bugs: **grant at hand-over**. Whoever makes
 rows free (``free``, a completed fence, a cancelled or timed-out head,
-``resume_memory``) runs the grant loop, which takes the rows for the waiters
+``resume_memory``, the release of the last ``hold_grants()`` hold) runs the
+grant loop, which takes the rows for the waiters
 at the head of the queues and resolves their futures *with the rows*. A woken
 waiter never re-checks and competes; ``try_alloc`` answers ``None`` while
 anyone waits. With a :class:`~asyncpool.KVPagePool` (``kv=``), ``admit``
@@ -340,7 +341,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         elif self._releasing is not None:
             state = "releasing"
         else:
-            state = "released" if self._released else "open"
+            state = "released" if self._released else "held" if self._holds else "open"
         return (
             f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} "
@@ -425,7 +426,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         or page is pending behind a fence (their wake-ups belong to the old
         loop); free or drain first. Fences that completed are reclaimed
         first, and waiters of a loop that was closed under them (their tasks
-        can never resume) are dropped, not counted.
+        can never resume) are dropped, not counted. A :meth:`hold_grants`
+        hold carries over: the new thread releases it.
         """
         self._drop_dead_waiters()
         self._reclaim_both()  # fences done while no loop could be told
@@ -1259,6 +1261,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._check_thread()
         super().check_invariants()
         self._waiters.check_invariants()
+        gate = self._closed or self._released or self._holds > 0
+        if self._holds < 0 or self._waiters.gated != gate:
+            raise AssertionError(
+                f"the grant loop is {'' if self._waiters.gated else 'not '}gated with "
+                f"closed={self._closed} released={self._released} holds={self._holds}"
+            )
         if self._pages is not None:
             self._pages.ledger.check_invariants()
             self._pages.check_invariants(self._ledger.allocated_rows())

@@ -35,8 +35,8 @@ that removes its lost-wake-up and queue-jumping bugs):
 * **bounded**: past ``max_waiters`` a new waiter is refused with
   :class:`PoolBusyError` at once (load shedding);
 * **gate**: while :attr:`WaiterQueues.gated` is set (the owner's memory is
-  released, or the owner closed) the loop grants nothing; :meth:`fail_all`
-  fails every waiter (close).
+  released, the owner closed, or its scheduler holds the grants) the loop
+  grants nothing; :meth:`fail_all` fails every waiter (close).
 
 Thread rules: loop-affine, like the pool that owns it; not thread-safe.
 """

@@ -249,6 +249,7 @@ class Scheduler:
             for t, _ in self._held:
                 self.transfers.release(t)
             self._held.clear()
+            self._hold_for_growth(False)  # a run given up mid-stall leaves no hold
             await self._stop_tasks()
         self._final_check()
 

@@ -645,3 +645,32 @@ async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> No
     finally:
         forward.close()
         transfers.close()
+
+
+async def test_a_run_given_up_mid_stall_leaves_no_hold() -> None:
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+    from scheduler_demo.forward import Forward
+    from scheduler_demo.scheduler import Scheduler
+    from scheduler_demo.transfer import TransferEngine
+    from scheduler_demo.workload import RequestSpec
+
+    cfg = replace(SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=1)
+    kv = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
+    forward = Forward("cpu", 0.0, 0.0)
+    transfers = TransferEngine("cpu", 1.0, 2.0)
+    try:
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv) as pool:
+            sched = Scheduler(cfg, pool, kv, forward, transfers, [RequestSpec(0, 0.0, 2, 4)])
+            sched._hold_for_growth(True)  # a stall in progress
+
+            def fails() -> None:
+                raise RuntimeError("the run is given up")
+
+            sched._schedule = fails  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="given up"):
+                async with bounded():
+                    await sched.run()
+            assert not pool.grants_held
+    finally:
+        forward.close()
+        transfers.close()

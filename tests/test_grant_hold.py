@@ -224,3 +224,21 @@ async def test_only_the_loops_thread_holds_or_releases() -> None:
         assert hold.held and pool.grants_held
         hold.release()
         assert not pool.grants_held
+
+
+async def test_a_held_pool_says_so_and_its_gate_is_checked() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        hold = pool.hold_grants()
+        assert "held" in repr(pool)
+        pool.check_invariants()
+        pool._waiters.gated = False  # a gate opened under a hold
+        with pytest.raises(AssertionError, match="not gated with closed=False released=False"):
+            pool.check_invariants()
+        pool._waiters.gated = True
+        hold.release()
+        assert "open" in repr(pool)
+        pool._waiters.gated = True  # a gate nobody holds
+        with pytest.raises(AssertionError, match="holds=0"):
+            pool.check_invariants()
+        pool._waiters.gated = False
+        pool.check_invariants()

@@ -19,7 +19,11 @@ A mutant is a one-line edit: a statement deleted (``pass``), a ``return``
 of ``None``, a condition negated, an operator, boolean or number swapped.
 Results: ``killed`` (a test failed), ``timeout`` (it hung: killed too),
 ``survived`` (every CUDA test passed: a gap, or a line the CPU suite runs in
-a subprocess that coverage did not see), ``skipped`` (past the deadline).
+a subprocess that coverage did not see), ``skipped`` (past the deadline),
+``error`` (it did not import: a swap that is not Python, such as ``for x
+not in``). The controls are reported apart; if one failed, a kill by the
+test it failed proves nothing. A killed mutant keeps its first failing
+test's line, the rest their output's tail.
 Not a test and not run by CI.
 """
 
@@ -33,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -159,14 +164,24 @@ def run(mutants_file: str, out: str, workers: int, deadline_s: float, per_mutant
             cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                    "-m", "cuda", "--timeout", "60", *CUDA_TEST_FILES]  # fmt: skip
             s = time.monotonic()
+            # A session of its own: a hung run's children (subprocess tests) die with it.
+            proc = subprocess.Popen(
+                cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, start_new_session=True,
+            )  # fmt: skip
             try:
-                p = subprocess.run(
-                    cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=per_mutant_s
-                )
-                rc, tail = p.returncode, (p.stdout + p.stderr)[-1500:]
-            except subprocess.TimeoutExpired as exc:
-                rc, tail = "timeout", str(exc.stdout)[-500:] if exc.stdout else ""
-            result = {0: "survived", 1: "killed", "timeout": "timeout"}.get(rc, f"error rc={rc}")
+                out, _ = proc.communicate(timeout=per_mutant_s)
+                rc: int | str = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                rc = "timeout"
+            tail = (out or "")[-1500:]
+            if "file" not in job:  # the unmutated control
+                result = "control passed" if rc == 0 else f"control FAILED (rc={rc})"
+            else:
+                named = {0: "survived", 1: "killed", "timeout": "timeout"}
+                result = named.get(rc, f"error rc={rc}")
             return {**job, "result": result, "seconds": round(time.monotonic() - s, 1),
                     "tail": tail if result != "killed" else _first_failure(tail)}  # fmt: skip
         finally:
@@ -183,7 +198,8 @@ def run(mutants_file: str, out: str, workers: int, deadline_s: float, per_mutant
             print(r["id"], r["result"], r.get("seconds"), flush=True)
     counts: dict[str, int] = {}
     for r in results:
-        counts[r["result"]] = counts.get(r["result"], 0) + 1
+        if "file" in r:  # the controls are reported on their own lines above
+            counts[r["result"]] = counts.get(r["result"], 0) + 1
     shutil.rmtree(base, ignore_errors=True)
     print("totals", counts, f"in {time.monotonic() - t0:.0f}s")
 

@@ -342,9 +342,8 @@ async def test_a_granted_waiter_still_queued_is_caught() -> None:
 async def test_freeing_a_row_whose_page_is_no_longer_owned_raises_changing_nothing(
     k: int,
 ) -> None:
-    async with bounded():
-        kv = KVPagePool(17, 4)
-        pool = AsyncReqToTokenPool(4, 64, kv=kv)
+    kv = KVPagePool(17, 4)
+    async with bounded(), AsyncReqToTokenPool(4, 64, kv=kv) as pool:
         grant = await pool.admit(pages=k)
         pages = page_ids(pool.pages_of(grant.row))
         assert len(pages) == k
@@ -365,7 +364,6 @@ async def test_freeing_a_row_whose_page_is_no_longer_owned_raises_changing_nothi
         assert kv.available_size() == kv.capacity
         pool.check_invariants()
         kv.check_invariants()
-        await pool.close()
 
 
 # ------------------------------------------------------------------ FenceWatcher

@@ -173,6 +173,13 @@ FAMILIES: tuple[Family, ...] = (
         "1 while the pool's memory region is released, else 0.",
         lambda s: s.released,
     ),
+    Family(
+        "grants_held",
+        "gauge",
+        "",
+        "1 while a hold_grants() hold keeps the queued waiters from grants, else 0.",
+        lambda s: s.grants_held,
+    ),
     # counters: lifetime totals
     Family(
         "alloc_calls",

@@ -1245,6 +1245,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             rejections=waiters.rejections,
             closed=self._closed,
             released=self.released,
+            grants_held=self._holds > 0,
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,

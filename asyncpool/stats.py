@@ -207,6 +207,9 @@ class PoolStats:
         closed: ``close()`` was called.
         released: the memory region is released (``release_memory()`` has
             returned; False while it still drains fences).
+        grants_held: a ``hold_grants()`` hold is held: queued waiters get
+            nothing until it is released (a hold never released starves
+            them; this says so).
         wait_time: percentiles (seconds) of the recent window of queued
             allocations' waits, from queueing to grant; allocations granted
             without queueing are not in the window. Empty when ``stats``
@@ -282,6 +285,7 @@ class PoolStats:
     fence_errors: int = 0
     closed: bool = False
     released: bool = False
+    grants_held: bool = False
     wait_time: LatencySummary = field(default_factory=LatencySummary)
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
     alloc_calls: int = 0

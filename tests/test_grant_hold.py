@@ -242,3 +242,23 @@ async def test_a_held_pool_says_so_and_its_gate_is_checked() -> None:
             pool.check_invariants()
         pool._waiters.gated = False
         pool.check_invariants()
+
+
+async def test_a_hold_shows_in_stats_and_the_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from asyncpool.metrics import PoolCollector
+
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="decode"))
+
+        def gauge() -> str:
+            text = generate_latest(registry).decode()
+            (line,) = [ln for ln in text.splitlines() if ln.startswith("asyncpool_grants_held{")]
+            return line.rsplit(" ", 1)[1]
+
+        assert not pool.stats().grants_held and gauge() == "0.0"
+        with pool.hold_grants():
+            assert pool.stats().grants_held and gauge() == "1.0"
+        assert not pool.stats().grants_held and gauge() == "0.0"

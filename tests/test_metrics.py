@@ -46,6 +46,7 @@ GAUGES = {
     "asyncpool_overdue_pages": "pages",
     "asyncpool_closed": "",
     "asyncpool_released": "",
+    "asyncpool_grants_held": "",
 }
 COUNTERS = {
     "asyncpool_alloc_calls",

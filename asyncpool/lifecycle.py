@@ -361,9 +361,12 @@ class Lifecycle:
         while any hold is held stays free for the scheduler's own calls that
         never wait (``extend``, ``extend_rows``), instead of going to the
         queued admissions at hand-over. A scheduler whose decode growth comes
-        up short holds, retracts, and releases once growth has what it needs
-        (the victims' pages come back when the step in flight completes: keep
-        the hold across the steps until then). Meanwhile ``try_alloc`` and
+        up short holds (before it retracts: a free with nothing to wait for
+        grants at once), retracts, and releases at the first scheduling pass
+        that finds nobody stalled, a step planned or not (the victims' pages
+        come back when the step in flight completes: keep the hold across
+        the steps until then; but a loop that idles with the hold held, its
+        stalled requests finished or aborted, waits for ever). Meanwhile ``try_alloc`` and
         ``try_admit`` answer None, and ``alloc`` and ``admit`` queue (FIFO
         within priority, as ever; timeouts and cancellation as ever). When
         the last hold is released the grant loop runs at once, unless the
@@ -380,7 +383,9 @@ class Lifecycle:
         pool.hold_grants():``). Allowed after :meth:`close` (it holds
         nothing there). The event loop's thread only: from another thread,
         :class:`~asyncpool.WrongThreadError`, changing nothing. A hold never
-        released starves every waiter: nothing releases it for you.
+        released starves every waiter: nothing releases it for you (a hold
+        collected while held logs an error and stays held for good;
+        ``stats().grants_held`` shows it).
         """
         self._check_thread()  # closes the unchecked fast paths: gated, none reopens
         self._holds += 1
@@ -440,6 +445,18 @@ class GrantHold:
 
     def __enter__(self) -> GrantHold:
         return self
+
+    def __del__(self) -> None:
+        # Collected while held: nothing can release it now, and every queued
+        # waiter of the pool starves. Say so loudly; do not release here (a
+        # collection may run inside one of the pool's own calls, or on
+        # another thread).
+        if self._pool is not None:
+            logger.error(
+                "a GrantHold of %r was collected while held: the pool grants its "
+                "queued waiters nothing for good; keep each hold and release() it",
+                self._pool,
+            )
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()

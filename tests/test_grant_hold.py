@@ -16,6 +16,7 @@ and only the loop's thread may hold or release. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from helpers import Streams, bounded, in_thread, spin, until
@@ -262,3 +263,38 @@ async def test_a_hold_shows_in_stats_and_the_metrics() -> None:
         with pool.hold_grants():
             assert pool.stats().grants_held and gauge() == "1.0"
         assert not pool.stats().grants_held and gauge() == "0.0"
+
+
+async def test_a_hold_collected_while_held_says_so_and_stays_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        with caplog.at_level("ERROR", logger="asyncpool.lifecycle"):
+            pool.hold_grants()  # the handle dropped at once
+            gc.collect()
+            kept = pool.hold_grants()
+            kept.release()
+            del kept
+            gc.collect()
+        errors = [r for r in caplog.records if "collected while held" in r.getMessage()]
+        assert len(errors) == 1 and errors[0].levelname == "ERROR"
+        assert pool.grants_held and pool.try_alloc(1) is None  # nothing releases it
+
+
+async def test_a_hold_released_by_a_pass_that_finds_nothing_running() -> None:
+    # The recipe's edge (a trial's reproducer): the stalled request finishes
+    # while the hold is held, so no step is planned; the scheduler must still
+    # release at that pass, or the re-queued victim waits for ever.
+    async with bounded(), paged(rows=2, pages=2) as pool:
+        a = await pool.admit(pages=1)
+        b = await pool.admit(pages=1)
+        assert pool.extend(a.row, 1) is None  # A stalls
+        hold = pool.hold_grants()  # before retracting
+        pool.free([b.row])
+        b_again = asyncio.ensure_future(pool.admit(pages=1))
+        pool.free([a.row])  # A finishes: nothing runs, nothing is stalled
+        await spin()
+        assert not b_again.done()  # held: the pass must let go
+        hold.release()
+        got = await b_again
+        pool.free([got.row])

@@ -304,7 +304,7 @@ class Lifecycle:
             self._tables.pause()
         except BaseException:
             self._released = False
-            self._waiters.gated = self._closed or self._holds > 0
+            self._waiters.gated = self._gate_wanted()
             self._waiters.grant()
             raise
         finally:
@@ -349,7 +349,7 @@ class Lifecycle:
         self._tables.resume()
         self._ledger.reset_all()
         self._released = False
-        self._waiters.gated = self._closed or self._holds > 0
+        self._waiters.gated = self._gate_wanted()
         self._waiters.grant()
         logger.info("resumed the kv_cache region of %r", self)
 
@@ -366,9 +366,10 @@ class Lifecycle:
         that finds nobody stalled, a step planned or not (the victims' pages
         come back when the step in flight completes: keep the hold across
         the steps until then; but a loop that idles with the hold held, its
-        stalled requests finished or aborted, waits for ever). Meanwhile ``try_alloc`` and
-        ``try_admit`` answer None, and ``alloc`` and ``admit`` queue (FIFO
-        within priority, as ever; timeouts and cancellation as ever). When
+        stalled requests finished or aborted, waits for ever). Meanwhile
+        ``try_alloc`` and ``try_admit`` answer None, and ``alloc`` and
+        ``admit`` queue (FIFO within priority, as ever; timeouts and
+        cancellation as ever). When
         the last hold is released the grant loop runs at once, unless the
         memory is released or the pool closed (those gate it too). While
         held, ``alloc``/``admit`` queue even when memory is free, so they
@@ -399,9 +400,15 @@ class Lifecycle:
 
     def _end_hold(self) -> None:
         self._holds -= 1
-        if not self._holds and not self._released and not self._closed:
+        if not self._gate_wanted():
             self._waiters.gated = False
             self._waiters.grant()
+
+    def _gate_wanted(self) -> bool:
+        """Whether the grant loop must stay gated: closed, released (or
+        releasing) or held. The one rule every gate change and
+        ``check_invariants`` follow."""
+        return self._closed or self._released or self._holds > 0
 
     @property
     def released(self) -> bool:
@@ -446,6 +453,9 @@ class GrantHold:
     def __enter__(self) -> GrantHold:
         return self
 
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
     def __del__(self) -> None:
         # Collected while held: nothing can release it now, and every queued
         # waiter of the pool starves. Say so loudly; do not release here (a
@@ -457,6 +467,3 @@ class GrantHold:
                 "queued waiters nothing for good; keep each hold and release() it",
                 self._pool,
             )
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()

@@ -1262,8 +1262,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._check_thread()
         super().check_invariants()
         self._waiters.check_invariants()
-        gate = self._closed or self._released or self._holds > 0
-        if self._holds < 0 or self._waiters.gated != gate:
+        if self._holds < 0 or self._waiters.gated != self._gate_wanted():
             raise AssertionError(
                 f"the grant loop is {'' if self._waiters.gated else 'not '}gated with "
                 f"closed={self._closed} released={self._released} holds={self._holds}"

@@ -12,13 +12,16 @@ and the fenced run must not, on any machine and under any load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
 import struct
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -594,6 +597,32 @@ async def test_transfer_flush_lands_everything() -> None:
 # -- growth before admission -------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _tiny_scheduler(num_requests: int) -> AsyncIterator[tuple[Any, Any]]:
+    """A demo ``Scheduler`` and its pool on 4 rows and 4 KV pages of 2 slots,
+    CPU streams, ``num_requests`` requests of 2 prompt and 4 output tokens;
+    the streams and the pool are closed on the way out."""
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+    from scheduler_demo.forward import Forward
+    from scheduler_demo.scheduler import Scheduler
+    from scheduler_demo.transfer import TransferEngine
+    from scheduler_demo.workload import RequestSpec
+
+    cfg = replace(
+        SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=num_requests
+    )
+    kv = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
+    forward = Forward("cpu", 0.0, 0.0)
+    transfers = TransferEngine("cpu", 1.0, 2.0)
+    specs = [RequestSpec(i, 0.0, 2, 4) for i in range(num_requests)]
+    try:
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv) as pool:
+            yield Scheduler(cfg, pool, kv, forward, transfers, specs), pool
+    finally:
+        forward.close()
+        transfers.close()
+
+
 async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> None:
     # Four pages of two slots, all held: A (running, out of slots) and B
     # (running, the victim); C waits in the pool for two pages. A cannot
@@ -601,76 +630,47 @@ async def test_a_stalled_request_gets_the_pages_before_queued_admissions() -> No
     # The scheduler holds the pool's grants while A stalls, so that A gets a
     # page on the next step instead of C, and B's re-admission, taking them
     # back forever (the livelock this guards against); C keeps its place.
-    from asyncpool import AsyncReqToTokenPool, KVPagePool
-    from scheduler_demo.forward import Forward
-    from scheduler_demo.scheduler import DECODE, RUNNING, Scheduler
-    from scheduler_demo.transfer import TransferEngine
-    from scheduler_demo.workload import RequestSpec
+    from scheduler_demo.scheduler import DECODE, RUNNING
 
-    cfg = replace(SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=3)
-    kv = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
-    forward = Forward("cpu", 0.0, 0.0)
-    transfers = TransferEngine("cpu", 1.0, 2.0)
-    specs = [RequestSpec(i, 0.0, 2, 4) for i in range(3)]
-    try:
-        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv) as pool:
-            sched = Scheduler(cfg, pool, kv, forward, transfers, specs)
-            a, b, c = sched.reqs
-            for req, generated in ((a, 3), (b, 1)):
-                grant = await pool.admit(pages=2)
-                req.row = grant.row
-                sched._add_pages(req, grant.pages)
-                req.kv_len, req.generated, req.entry, req.state = 4, generated, DECODE, RUNNING
-                sched.running.append(req)
-                sched.pages_held += 2
-            # C admitted past the budget (as a burst of frees can make it): it
-            # waits in the pool, no page being free.
-            assert pool.try_admit(pages=2) is None
-            task = sched._spawn(sched._admit(c, 2, 0))
+    async with _tiny_scheduler(3) as (sched, pool):
+        a, b, c = sched.reqs
+        for req, generated in ((a, 3), (b, 1)):
+            grant = await pool.admit(pages=2)
+            req.row = grant.row
+            sched._add_pages(req, grant.pages)
+            req.kv_len, req.generated, req.entry, req.state = 4, generated, DECODE, RUNNING
+            sched.running.append(req)
             sched.pages_held += 2
-            await asyncio.sleep(0)
-            assert pool.waiting() == 1
+        # C admitted past the budget (as a burst of frees can make it): it
+        # waits in the pool, no page being free.
+        assert pool.try_admit(pages=2) is None
+        task = sched._spawn(sched._admit(c, 2, 0))
+        sched.pages_held += 2
+        await asyncio.sleep(0)
+        assert pool.waiting() == 1
 
-            step = sched._schedule()  # A stalls, B is retracted
-            assert step is None and sched.running == [a] and b.row == -1
-            assert pool.grants_held
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert not task.done() and pool.waiting() == 1  # B's pages did not go to C
-            step = sched._schedule()
-            assert step is not None and step.rows == [a.row]
-            assert a.n_pages == 3  # A grew into one of B's pages
-            assert not pool.grants_held and pool.waiting() == 1  # C waits for two pages
-            await sched._stop_tasks()
-    finally:
-        forward.close()
-        transfers.close()
+        step = sched._schedule()  # A stalls, B is retracted
+        assert step is None and sched.running == [a] and b.row == -1
+        assert pool.grants_held
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not task.done() and pool.waiting() == 1  # B's pages did not go to C
+        step = sched._schedule()
+        assert step is not None and step.rows == [a.row]
+        assert a.n_pages == 3  # A grew into one of B's pages
+        assert not pool.grants_held and pool.waiting() == 1  # C waits for two pages
+        await sched._stop_tasks()
 
 
 async def test_a_run_given_up_mid_stall_leaves_no_hold() -> None:
-    from asyncpool import AsyncReqToTokenPool, KVPagePool
-    from scheduler_demo.forward import Forward
-    from scheduler_demo.scheduler import Scheduler
-    from scheduler_demo.transfer import TransferEngine
-    from scheduler_demo.workload import RequestSpec
+    async with _tiny_scheduler(1) as (sched, pool):
+        sched._hold_for_growth(True)  # a stall in progress
 
-    cfg = replace(SMALL, rows=4, kv_pages=4, page_size=2, max_context_len=8, num_requests=1)
-    kv = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
-    forward = Forward("cpu", 0.0, 0.0)
-    transfers = TransferEngine("cpu", 1.0, 2.0)
-    try:
-        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv) as pool:
-            sched = Scheduler(cfg, pool, kv, forward, transfers, [RequestSpec(0, 0.0, 2, 4)])
-            sched._hold_for_growth(True)  # a stall in progress
+        def fails() -> None:
+            raise RuntimeError("the run is given up")
 
-            def fails() -> None:
-                raise RuntimeError("the run is given up")
-
-            sched._schedule = fails  # type: ignore[method-assign]
-            with pytest.raises(RuntimeError, match="given up"):
-                async with bounded():
-                    await sched.run()
-            assert not pool.grants_held
-    finally:
-        forward.close()
-        transfers.close()
+        sched._schedule = fails
+        with pytest.raises(RuntimeError, match="given up"):
+            async with bounded():
+                await sched.run()
+        assert not pool.grants_held

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import EventFence, Gate, bounded, in_thread, pool_snapshot, spin
+from helpers import EventFence, Gate, bounded, in_thread, pool_snapshot, spin, until
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -336,7 +336,10 @@ async def test_drain_moves_on_to_the_next_host_fence_of_the_same_rows(
         gate_first.open()
         async with bounded():
             await asyncio.to_thread(use.synchronize)
-        await spin(20)
+        # The drain hears of `use` through its callback, which the stream's
+        # worker runs after synchronize() has returned: wait until it has
+        # moved on to `last` (a fixed number of loop turns raced with it).
+        await until(lambda: last in waited)
         assert not drain.done() and pool.stats().pending == 2
         # Each fence waited for once: none asked again once it completed.
         assert waited.count(use) <= 1 and waited.count(last) <= 1

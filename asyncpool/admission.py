@@ -408,6 +408,56 @@ class Admission:
             return torch.zeros(0, dtype=torch.int64, device=pages.kv.device)
         return self._grow(pages.extend_each, seq, counts)
 
+    def extend_fitting(self, rows: Rows, k: Counts = 1) -> tuple[int, torch.Tensor]:
+        """Grow ``rows`` in order, as many as the free pages cover; never waits.
+
+        :meth:`extend_rows` for a scheduler that orders its running requests
+        (by priority, by age) and retracts from the back when pages run
+        short: ``rows[:m]`` each get ``k`` pages (or ``k[i]``, one count per
+        row as :meth:`extend_rows` takes them) for the largest ``m`` whose
+        pages are free after reclaiming completed fences, and the rows from
+        ``rows[m]`` on get nothing. Returns ``(m, pages)``: for an int ``k``
+        an ``(m, k)`` int64 tensor, line ``i`` the new pages of ``rows[i]``;
+        for per-row counts a 1-D tensor of ``sum(k[:m])`` pages in row order.
+        Read-only, as :meth:`extend`'s tensor. ``m == len(rows)``: every row
+        grew (as :meth:`extend_rows` would have); ``m < len(rows)``: the
+        scheduler retracts ``rows[m]`` or others (counted in
+        ``stats().growth_refusals``). While the memory is released: ``m == 0``.
+        Same takes as :meth:`extend`: free pages even while admissions queue.
+        One take and one tensor for the run. Raises as :meth:`extend_rows`
+        (:class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``
+        or counts not ints >= 0, :class:`InvalidSlotError` unless the rows
+        are distinct allocated rows, :class:`PoolClosedError` after
+        :meth:`close`; changing nothing), except that a total past
+        ``kv.capacity`` is no error: the run stops where the pages do.
+        """
+        self._check_thread()
+        pages = self._kv_pages()
+        led = self._ledger
+        seq = led.as_rows(rows)
+        if k.__class__ is not int and (
+            isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim)
+        ):
+            counts = _page_counts(k, len(seq), "k")
+            per_row = None
+        else:
+            per_row = self._page_count(k, 1)
+            counts = [per_row] * len(seq)
+        led.check_allocated(seq, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        m, arr = 0, np.zeros(0, dtype=np.int64)
+        if not self._released and seq:
+            pled = pages.ledger
+            reclaimed = pled.reclaimed
+            m, arr = pages.extend_fitting(seq, counts)
+            if m < len(seq):
+                pages.growth_refusals += 1
+            if pled.reclaimed != reclaimed and self._waiters.count:
+                self._waiters.grant()
+        got = pages.out(arr)
+        return m, got if per_row is None else got.reshape(m, per_row)
+
     def _grow(
         self, grow: Callable[[Any, Any], torch.Tensor | None], rows: Any, k: Any
     ) -> torch.Tensor | None:

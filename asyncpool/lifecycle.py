@@ -398,6 +398,12 @@ class Lifecycle:
         """True while any :meth:`hold_grants` hold is held."""
         return self._holds > 0
 
+    @property
+    def grant_holds(self) -> int:
+        """How many :meth:`hold_grants` holds are held now (they nest: the
+        grant loop reopens when the last is released). 0 when none."""
+        return self._holds
+
     def _end_hold(self) -> None:
         self._holds -= 1
         if not self._gate_wanted():

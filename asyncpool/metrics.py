@@ -177,8 +177,9 @@ FAMILIES: tuple[Family, ...] = (
         "grants_held",
         "gauge",
         "",
-        "1 while a hold_grants() hold keeps the queued waiters from grants, else 0.",
-        lambda s: s.grants_held,
+        "hold_grants() holds held now, which keep the queued waiters from grants "
+        "(they nest; 0 when none).",
+        lambda s: s.grant_holds,
     ),
     # counters: lifetime totals
     Family(
@@ -199,8 +200,9 @@ FAMILIES: tuple[Family, ...] = (
         "growth_refusals",
         "counter",
         "",
-        "extend() and extend_rows() calls answered None, short of KV pages: "
-        "retractions the scheduler had to make.",
+        "extend() and extend_rows() calls answered None, and extend_fitting() calls "
+        "that grew fewer rows than given, short of KV pages: retractions the "
+        "scheduler had to make.",
         lambda s: s.growth_refusals,
     ),
     Family(

@@ -1246,6 +1246,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             closed=self._closed,
             released=self.released,
             grants_held=self._holds > 0,
+            grant_holds=self._holds,
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,

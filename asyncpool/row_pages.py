@@ -212,6 +212,41 @@ class RowPages:
                 at += k
         return self.out(arr)
 
+    def extend_fitting(
+        self, rows: Sequence[int], counts: Sequence[int]
+    ) -> tuple[int, npt.NDArray[np.int64]]:
+        """Add ``counts[i]`` pages to ``rows[i]`` (distinct, validated; counts
+        >= 0) for the longest run ``rows[:m]`` whose sum the free pages cover
+        (reclaiming first if they cover fewer than all); ``(m, pages)``, the
+        new pages in row order (empty when none were taken).
+
+        One take from the page ledger for the run.
+        """
+        led = self.ledger
+        if sum(counts) > led.free_count and led.pending:
+            led.reclaim()
+        free = led.free_count
+        m = need = 0
+        for k in counts:
+            if need + k > free:
+                break
+            need += k
+            m += 1
+        if not need:
+            return m, _EMPTY
+        arr = led.take(need, OWNED)
+        assert arr is not None  # need <= free_count
+        if need == m and max(counts[:m]) == 1:  # one page a row: decode growth
+            self._append_one_each(rows, arr)
+        else:
+            append = self._append
+            at = 0
+            for row, k in zip(rows[:m], counts, strict=False):
+                if k:
+                    append(row, arr[at : at + k])
+                    at += k
+        return m, arr
+
     def _append_one_each(self, rows: Sequence[int], arr: npt.NDArray[np.int64]) -> None:
         """``_append(rows[i], arr[i : i + 1])`` for each i: a decode step's
         growth, one page a row. Step for step :meth:`_append` where a row's

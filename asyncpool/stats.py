@@ -210,6 +210,9 @@ class PoolStats:
         grants_held: a ``hold_grants()`` hold is held: queued waiters get
             nothing until it is released (a hold never released starves
             them; this says so).
+        grant_holds: how many ``hold_grants()`` holds are held (they nest;
+            ``grants_held`` is ``grant_holds > 0``): a count that stays up
+            after every holder thinks it released names a leaked hold.
         wait_time: percentiles (seconds) of the recent window of queued
             allocations' waits, from queueing to grant; allocations granted
             without queueing are not in the window. Empty when ``stats``
@@ -262,9 +265,10 @@ class PoolStats:
             queueing counts as a zero wait.
         growth_refusals: ``extend`` and ``extend_rows`` calls answered None
             because fewer pages were free than asked after reclaiming
-            completed fences, total: each is a retraction the scheduler had
-            to make (its preemption figure, seen from the pool). Calls
-            refused with an error are not counted.
+            completed fences, and ``extend_fitting`` calls that grew fewer
+            rows than they were given, total: each is a retraction the
+            scheduler had to make (its preemption figure, seen from the
+            pool). Calls refused with an error are not counted.
     """
 
     capacity: int
@@ -286,6 +290,7 @@ class PoolStats:
     closed: bool = False
     released: bool = False
     grants_held: bool = False
+    grant_holds: int = 0
     wait_time: LatencySummary = field(default_factory=LatencySummary)
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
     alloc_calls: int = 0

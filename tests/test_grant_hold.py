@@ -262,7 +262,13 @@ async def test_a_hold_shows_in_stats_and_the_metrics() -> None:
         assert not pool.stats().grants_held and gauge() == "0.0"
         with pool.hold_grants():
             assert pool.stats().grants_held and gauge() == "1.0"
+            with pool.hold_grants():  # nested: counted, as the gauge shows
+                assert pool.grant_holds == pool.stats().grant_holds == 2
+                assert gauge() == "2.0"
+            assert pool.grant_holds == pool.stats().grant_holds == 1
+            assert pool.stats().grants_held and gauge() == "1.0"
         assert not pool.stats().grants_held and gauge() == "0.0"
+        assert pool.grant_holds == pool.stats().grant_holds == 0
 
 
 async def test_a_hold_collected_while_held_says_so_and_stays_held(

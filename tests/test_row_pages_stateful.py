@@ -371,6 +371,27 @@ class RowPagesMachine(RuleBasedStateMachine):
             self.owned[row] += pages[i * k : i * k + k]
         return True
 
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data(), counts=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def extend_fitting(self, data: st.DataObject, counts: list[int]) -> None:
+        rows = self._rows(data, min_size=0)
+        counts = (counts * len(rows))[: len(rows)]
+        short = sum(counts) > self.free_pages.count()  # reclaims only when short
+        m, got = self.pool.extend_fitting(rows, counts)
+        if short:
+            self._reclaim_pages()
+        free = self.free_pages.count()
+        fit = 0
+        while fit < len(rows) and sum(counts[: fit + 1]) <= free:
+            fit += 1
+        assert m == fit and got.shape == (sum(counts[:m]),)
+        pages = ids(got)
+        self._hand_out_pages(pages)
+        at = 0
+        for row, k in zip(rows[:m], counts, strict=False):
+            self.owned[row] += pages[at : at + k]
+            at += k
+
     # ------------------------------------------------------------ uses, trims, frees
 
     @precondition(lambda self: self.owned)

@@ -1,0 +1,209 @@
+"""``pool.extend_fitting(rows, k)``: grow rows in order, as many as fit.
+
+For a scheduler that orders its running requests and retracts from the
+back: ``rows[:m]`` grow, the rest get nothing, one take for the run. The
+rules of ``extend_rows`` otherwise (validation of every row, reclaiming
+completed fences first, the pages belong to their row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import FakeStream, assert_pages_conserved, bounded, kv_of, kv_pool_state, spin
+from helpers import page_ids as ids
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    InvalidSlotError,
+    KVPagePool,
+    PoolClosedError,
+)
+
+
+def make(rows: int = 4, pages: int = 16) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
+
+
+state = kv_pool_state
+
+
+def memory(pool: AsyncReqToTokenPool) -> tuple[Any, ...]:
+    """``state`` less the growth-refusal counter, which a short run bumps."""
+    stats, *rest = state(pool)
+    return (dataclasses.replace(stats, growth_refusals=0), *rest)
+
+
+async def test_the_rows_grow_in_order_until_the_pages_run_out():
+    async with make(rows=4, pages=7) as pool:
+        grants = [await pool.admit(pages=1) for _ in range(4)]  # 3 pages free
+        rows = [g.row for g in reversed(grants)]  # an order of the caller's
+        m, got = pool.extend_fitting(rows, 1)
+        assert m == 3 and got.shape == (3, 1) and got.dtype == torch.int64
+        for i, row in enumerate(rows[:3]):
+            assert ids(pool.pages_of(row)) == ids(grants[3 - i].pages) + ids(got[i])
+        assert ids(pool.pages_of(rows[3])) == ids(grants[0].pages)  # nothing
+        kv = kv_of(pool)
+        assert kv.available_size() == 0
+        assert pool.stats().growth_refusals == 1  # a retraction to make
+        pool.free(rows)
+        assert_pages_conserved(pool)
+
+
+async def test_the_run_stops_at_the_first_row_that_does_not_fit():
+    # Rows after it that would fit stay as they are: the order is the rule.
+    async with make(rows=3, pages=8) as pool:
+        a, b, c = [await pool.admit(pages=1) for _ in range(3)]  # 5 free
+        m, got = pool.extend_fitting([a.row, b.row, c.row], [2, 4, 1])
+        assert m == 1 and ids(got) == ids(pool.pages_of(a.row))[1:]
+        assert len(pool.pages_of(b.row)) == len(pool.pages_of(c.row)) == 1
+        assert kv_of(pool).available_size() == 3
+        pool.free([a.row, b.row, c.row])
+        assert_pages_conserved(pool)
+
+
+async def test_when_every_row_fits_it_grows_them_all_as_extend_rows_does():
+    async with make(rows=3, pages=16) as pool:
+        rows = [(await pool.admit(pages=1)).row for _ in range(3)]
+        m, got = pool.extend_fitting(rows, 2)
+        assert m == 3 and got.shape == (3, 2)
+        assert [ids(pool.pages_of(r))[1:] for r in rows] == [ids(line) for line in got]
+        m, got = pool.extend_fitting(rows, np.array([0, 3, 1]))
+        assert m == 3 and got.shape == (4,)
+        assert ids(pool.pages_of(rows[1]))[3:] == ids(got[:3])
+        assert ids(pool.pages_of(rows[2]))[3:] == ids(got[3:])
+        m, got = pool.extend_fitting(rows, [2, 0, 1])  # as many pages as rows
+        assert m == 3 and got.shape == (3,)
+        assert ids(pool.pages_of(rows[0]))[3:] == ids(got[:2])
+        assert len(pool.pages_of(rows[1])) == 6
+        assert ids(pool.pages_of(rows[2]))[4:] == ids(got[2:])
+        assert pool.stats().growth_refusals == 0
+        pool.free(rows)
+        assert_pages_conserved(pool)
+
+
+async def test_nothing_fits_answers_zero_rows_and_changes_no_memory():
+    async with make(rows=2, pages=2) as pool:
+        a, b = await pool.admit(pages=1), await pool.admit(pages=1)
+        before = memory(pool)
+        m, got = pool.extend_fitting([a.row, b.row], 1)
+        assert m == 0 and got.shape == (0, 1)
+        m, got = pool.extend_fitting([a.row, b.row], [1, 0])
+        assert m == 0 and got.shape == (0,)
+        assert memory(pool) == before and pool.stats().growth_refusals == 2
+
+
+async def test_a_total_past_the_kv_capacity_is_no_error_here():
+    async with make(rows=3, pages=4) as pool:
+        rows = [(await pool.admit(pages=0)).row for _ in range(3)]
+        with pytest.raises(CapacityError):
+            pool.extend_rows(rows, 2)  # 6 > 4: extend_rows refuses it
+        m, got = pool.extend_fitting(rows, 2)
+        assert m == 2 and got.shape == (2, 2)
+        pool.free(rows)
+        assert_pages_conserved(pool)
+
+
+async def test_it_reclaims_completed_fences_first_and_serves_waiters_in_the_call():
+    s = FakeStream()
+    async with make(rows=3, pages=6) as pool:
+        a = await pool.admit(pages=4)
+        b = await pool.admit(pages=1)  # 1 page free
+        pool.free([a.row], fence=s.record())
+        waiter = asyncio.ensure_future(pool.admit(pages=3))
+        await spin()
+        assert pool.waiting() == 1
+        assert pool.extend_fitting([b.row], 2)[0] == 0  # behind the fence
+        s.complete()  # no loop step before the call below: it reclaims itself
+        m, got = pool.extend_fitting([b.row], 2)
+        assert m == 1 and ids(got[0]) == ids(pool.pages_of(b.row))[1:]
+        assert pool.waiting() == 0  # what was left went to the admission, in the call
+        async with bounded():
+            g = await waiter
+        assert len(g.pages) == 3
+        pool.free([b.row, g.row])
+        assert_pages_conserved(pool)
+
+
+async def test_while_released_no_row_grows():
+    async with make(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=0)
+        # release_memory refuses while a row is allocated: poke the flag to
+        # reach the branch (the pool's invariants do not hold meanwhile).
+        pool._released = True
+        try:
+            m, got = pool.extend_fitting([g.row], 1)
+        finally:
+            pool._released = False
+        assert m == 0 and got.shape == (0, 1)
+        assert kv_of(pool).available_size() == 4 and len(pool.pages_of(g.row)) == 0
+        pool.free(g.row)
+
+
+@pytest.mark.parametrize(
+    "rows, k, error",
+    [
+        ("duplicate", 1, InvalidSlotError),
+        ("row 0", 1, InvalidSlotError),
+        ("a free row", 1, InvalidSlotError),
+        ("a freed row", 1, InvalidSlotError),
+        ("a float", 1, InvalidSlotError),
+        ("both", 0, CapacityError),
+        ("both", 17, CapacityError),
+        ("both", 1.0, CapacityError),
+        ("both", True, CapacityError),
+        ("both", [1], CapacityError),
+        ("both", [1, -1], CapacityError),
+        ("both", torch.tensor([1.0, 1.0]), CapacityError),
+    ],
+)
+async def test_bad_input_raises_typed_and_changes_nothing(rows, k, error):
+    # The last row is checked though the run would stop before it.
+    async with make(rows=4, pages=16) as pool:
+        a = await pool.admit(pages=1)
+        b = await pool.admit(pages=1)
+        gone = await pool.admit(pages=0)
+        pool.free(gone.row)
+        arg = {
+            "both": [a.row, b.row],
+            "duplicate": [a.row, a.row],
+            "row 0": [a.row, 0],
+            "a free row": [a.row, 4],
+            "a freed row": [a.row, gone.row],
+            "a float": [a.row, 2.0],
+        }[rows]
+        before = state(pool)
+        with pytest.raises(error):
+            pool.extend_fitting(arg, k)
+        assert state(pool) == before
+        pool.free([a.row, b.row])
+
+
+async def test_after_close_it_raises_and_a_pool_without_kv_refuses():
+    pool = make(rows=2, pages=4)
+    g = await pool.admit(pages=1)
+    await pool.close()
+    before = state(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend_fitting([g.row], 1)
+    assert state(pool) == before
+    pool.free(g.row)
+    async with AsyncReqToTokenPool(3, 8) as rows_only:
+        row = await rows_only.alloc(1)
+        with pytest.raises(CapacityError, match="no KV pages"):
+            rows_only.extend_fitting(row, 1)
+        rows_only.free(row)
+
+
+async def test_no_rows_is_an_empty_run():
+    async with make(rows=2, pages=4) as pool:
+        before = memory(pool)
+        m, got = pool.extend_fitting([], 3)
+        assert m == 0 and got.shape == (0, 3) and memory(pool) == before
+        assert pool.stats().growth_refusals == 0

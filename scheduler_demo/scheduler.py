@@ -10,7 +10,7 @@ per iteration::
 
     launch(step t)                  # on the stream; record_use(rows, fence)
     process(step t-1)               # await its fence, verify, finish/abort -> free
-    schedule(step t+1)              # grow (extend; retract when short), admit,
+    schedule(step t+1)              # grow (extend_fitting; retract when short), admit,
                                     # join landed transfers, build the batch
     busy CPU work (sched_ms)
 
@@ -408,7 +408,9 @@ class Scheduler:
         self._wake.set()
 
     def _add_pages(self, req: Req, pages: torch.Tensor) -> None:
-        ids = pages.tolist()
+        self._add_page_ids(req, pages.tolist())
+
+    def _add_page_ids(self, req: Req, ids: list[int]) -> None:
         ps = self.ps
         at = req.n_pages * ps
         for p in ids:
@@ -526,21 +528,24 @@ class Scheduler:
     def _grow(self) -> set[Req]:
         """Give every decoding request the page its next token needs.
 
-        ``extend`` never waits; a request it cannot serve sits this step out,
-        and requests are retracted until their pages cover those stalled. A
-        victim's pages are behind the step in flight (fenced), so they serve
-        the stalled requests from the next step on.
+        One ``extend_fitting`` for the step: it never waits, and grows the
+        requests in running order as far as the free pages go; those it
+        cannot serve sit this step out, and requests are retracted until
+        their pages cover those stalled. A victim's pages are behind the step
+        in flight (fenced), so they serve the stalled requests from the next
+        step on.
         """
-        stalled: list[Req] = []
         ps = self.ps
-        for req in self.running:
-            if req.entry == DECODE and req.kv_len >= req.n_pages * ps:
-                pages = self.pool.extend(req.row, 1)
-                if pages is None:
-                    stalled.append(req)
-                    continue
-                self.pages_held += 1
-                self._add_pages(req, pages)
+        growing = [
+            req for req in self.running if req.entry == DECODE and req.kv_len >= req.n_pages * ps
+        ]
+        if not growing:
+            return set()
+        m, pages = self.pool.extend_fitting([req.row for req in growing], 1)
+        self.pages_held += m
+        for req, page in zip(growing, pages[:, 0].tolist(), strict=False):
+            self._add_page_ids(req, [page])
+        stalled = growing[m:]
         if not stalled:
             return set()
         self._hold_for_growth(True)  # before a retraction frees anything

@@ -435,28 +435,31 @@ class Admission:
         pages = self._kv_pages()
         led = self._ledger
         seq = led.as_rows(rows)
+        counts: list[int] | None = None  # one page count per row, or
+        per_row = 0  # one for every row
         if k.__class__ is not int and (
             isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim)
         ):
             counts = _page_counts(k, len(seq), "k")
-            per_row = None
         else:
             per_row = self._page_count(k, 1)
-            counts = [per_row] * len(seq)
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         m, arr = 0, np.zeros(0, dtype=np.int64)
-        if not self._released and seq:
+        if not self._released:
             pled = pages.ledger
             reclaimed = pled.reclaimed
-            m, arr = pages.extend_fitting(seq, counts)
+            if counts is None:
+                m, arr = pages.extend_fitting(seq, per_row)
+            else:
+                m, arr = pages.extend_fitting_each(seq, counts)
             if m < len(seq):
                 pages.growth_refusals += 1
             if pled.reclaimed != reclaimed and self._waiters.count:
                 self._waiters.grant()
         got = pages.out(arr)
-        return m, got if per_row is None else got.reshape(m, per_row)
+        return m, got if counts is not None else got.reshape(m, per_row)
 
     def _grow(
         self, grow: Callable[[Any, Any], torch.Tensor | None], rows: Any, k: Any

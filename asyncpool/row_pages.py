@@ -15,7 +15,9 @@ Not thread-safe: the owning pool serialises calls.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -212,7 +214,32 @@ class RowPages:
                 at += k
         return self.out(arr)
 
-    def extend_fitting(
+    def extend_fitting(self, rows: Sequence[int], k: int) -> tuple[int, npt.NDArray[np.int64]]:
+        """Add ``k`` pages to each of the first ``m`` of ``rows`` (distinct,
+        validated; ``k >= 1``), the most the free pages cover (reclaiming
+        first if they cover fewer than all); ``(m, pages)``, row i's pages
+        at ``pages[i * k : i * k + k]`` (empty when ``m`` is 0).
+
+        One take from the page ledger for the run.
+        """
+        led = self.ledger
+        n = len(rows)
+        if n * k > led.free_count and led.pending:
+            led.reclaim()
+        m = min(n, led.free_count // k)
+        if not m:
+            return 0, _EMPTY
+        arr = led.take(m * k, OWNED)
+        assert arr is not None  # m * k <= free_count
+        if k == 1:
+            self._append_one_each(rows, arr)
+        else:
+            append = self._append
+            for i in range(m):
+                append(rows[i], arr[i * k : i * k + k])
+        return m, arr
+
+    def extend_fitting_each(
         self, rows: Sequence[int], counts: Sequence[int]
     ) -> tuple[int, npt.NDArray[np.int64]]:
         """Add ``counts[i]`` pages to ``rows[i]`` (distinct, validated; counts
@@ -223,28 +250,21 @@ class RowPages:
         One take from the page ledger for the run.
         """
         led = self.ledger
-        if sum(counts) > led.free_count and led.pending:
+        ends = list(itertools.accumulate(counts))  # ends[i]: the run rows[: i + 1]'s pages
+        if ends and ends[-1] > led.free_count and led.pending:
             led.reclaim()
-        free = led.free_count
-        m = need = 0
-        for k in counts:
-            if need + k > free:
-                break
-            need += k
-            m += 1
+        m = bisect.bisect_right(ends, led.free_count)  # ends never decrease
+        need = ends[m - 1] if m else 0
         if not need:
             return m, _EMPTY
         arr = led.take(need, OWNED)
         assert arr is not None  # need <= free_count
-        if need == m and max(counts[:m]) == 1:  # one page a row: decode growth
-            self._append_one_each(rows, arr)
-        else:
-            append = self._append
-            at = 0
-            for row, k in zip(rows[:m], counts, strict=False):
-                if k:
-                    append(row, arr[at : at + k])
-                    at += k
+        append = self._append
+        at = 0
+        for row, k in zip(rows[:m], counts, strict=False):
+            if k:
+                append(row, arr[at : at + k])
+                at += k
         return m, arr
 
     def _append_one_each(self, rows: Sequence[int], arr: npt.NDArray[np.int64]) -> None:

@@ -19,7 +19,8 @@
   O(n) (the record copied per extend) before the record grew in a buffer.
 * Context: a decode step's growth of 256 rows by one page each,
   ``pool.extend_rows(rows, 1)`` against ``pool.extend(row, 1)`` per row;
-  per row.
+  per row. And ``pool.extend_fitting(rows, 1)`` (every row fits) against
+  ``extend_rows``: what the prefix count costs over all or nothing.
 * Context: speculative decoding's rollback, 256 rows each giving back the
   2 pages past its first 8 behind the step still in flight (a host stream
   held by a gate, the step's fence recorded as the rows' use):
@@ -231,13 +232,14 @@ async def _extend(cfg: Config) -> list[Row]:
     batch, steps = cfg.extend_batch_rows, 16
     batch_pool = AsyncReqToTokenPool(batch + 1, 16, kv=KVPagePool(batch * (steps + 1) + 1, 1))
 
-    def decode_steps(batched: bool) -> Sampler:
+    def decode_steps(how: str) -> Sampler:
         async def sample(n: int) -> int:
             # n decode steps (of `batch` row-extends each: ops_per_call), at
             # most `steps` on one batch of freshly admitted rows.
             elapsed = done = 0
             admit, free = batch_pool.try_admit, batch_pool.free
             extend, extend_rows = batch_pool.extend, batch_pool.extend_rows
+            extend_fitting = batch_pool.extend_fitting
             while done < n:
                 c = min(steps, n - done)
                 rows = []
@@ -247,8 +249,10 @@ async def _extend(cfg: Config) -> list[Row]:
                     rows.append(grant.row)
                 t0 = now()
                 for _ in range(c):
-                    if batched:
+                    if how == "rows":
                         extend_rows(rows, 1)
+                    elif how == "fitting":
+                        extend_fitting(rows, 1)
                     else:
                         for row in rows:
                             extend(row, 1)
@@ -264,12 +268,13 @@ async def _extend(cfg: Config) -> list[Row]:
             {
                 "long": extends_at(long),
                 "short": extends_at(short),
-                "extend_rows": decode_steps(True),
-                "extend each": decode_steps(False),
+                "extend_rows": decode_steps("rows"),
+                "extend_fitting": decode_steps("fitting"),
+                "extend each": decode_steps("each"),
             },
             rounds=cfg.rounds,
             target_s=cfg.sample_s,
-            ops_per_call={"extend_rows": batch, "extend each": batch},
+            ops_per_call={"extend_rows": batch, "extend_fitting": batch, "extend each": batch},
         )
     finally:
         await pool.close()
@@ -286,6 +291,18 @@ async def _extend(cfg: Config) -> list[Row]:
             subject_label=f"extend_rows(rows, 1), {batch} rows",
             reference_label=f"extend(row, 1) for each of {batch} rows",
             note="context: one take and one tensor for the batch",
+        ),
+        compare(
+            per_op,
+            bench=f"decode step: {batch} rows grow 1 page each, as far as pages go",
+            loop=loop,
+            subject="extend_fitting",
+            reference="extend_rows",
+            unit="ns/row",
+            speedup=False,
+            subject_label=f"extend_fitting(rows, 1), {batch} rows (all fit)",
+            reference_label=f"extend_rows(rows, 1), {batch} rows",
+            note="context: the prefix count costs little over all or nothing",
         ),
         compare(
             per_op,

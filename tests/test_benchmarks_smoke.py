@@ -340,6 +340,7 @@ async def test_admit() -> None:
     benches = [r.bench for r in rows]
     assert any(b.startswith("uncontended admit(") for b in benches)
     assert any(b.startswith("contended admit") for b in benches)
+    assert any(b.endswith("as far as pages go") for b in benches)  # extend_fitting
 
 
 async def test_fenced_free() -> None:

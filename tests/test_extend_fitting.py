@@ -68,6 +68,17 @@ async def test_the_run_stops_at_the_first_row_that_does_not_fit():
         assert_pages_conserved(pool)
 
 
+async def test_a_row_that_needs_no_pages_right_after_the_run_is_in_it():
+    async with make(rows=3, pages=5) as pool:
+        a, b, c = [await pool.admit(pages=1) for _ in range(3)]  # 2 free
+        m, got = pool.extend_fitting([a.row, b.row, c.row], [2, 0, 4])
+        assert m == 2 and got.shape == (2,)  # b "grew" by none; c did not fit
+        assert ids(pool.pages_of(a.row))[1:] == ids(got)
+        assert len(pool.pages_of(c.row)) == 1
+        pool.free([a.row, b.row, c.row])
+        assert_pages_conserved(pool)
+
+
 async def test_when_every_row_fits_it_grows_them_all_as_extend_rows_does():
     async with make(rows=3, pages=16) as pool:
         rows = [(await pool.admit(pages=1)).row for _ in range(3)]
@@ -110,7 +121,8 @@ async def test_a_total_past_the_kv_capacity_is_no_error_here():
         assert_pages_conserved(pool)
 
 
-async def test_it_reclaims_completed_fences_first_and_serves_waiters_in_the_call():
+@pytest.mark.parametrize("form", ["one count", "a count per row"])
+async def test_it_reclaims_completed_fences_first_and_serves_waiters_in_the_call(form):
     s = FakeStream()
     async with make(rows=3, pages=6) as pool:
         a = await pool.admit(pages=4)
@@ -119,10 +131,11 @@ async def test_it_reclaims_completed_fences_first_and_serves_waiters_in_the_call
         waiter = asyncio.ensure_future(pool.admit(pages=3))
         await spin()
         assert pool.waiting() == 1
-        assert pool.extend_fitting([b.row], 2)[0] == 0  # behind the fence
+        k: Any = 2 if form == "one count" else [2]
+        assert pool.extend_fitting([b.row], k)[0] == 0  # behind the fence
         s.complete()  # no loop step before the call below: it reclaims itself
-        m, got = pool.extend_fitting([b.row], 2)
-        assert m == 1 and ids(got[0]) == ids(pool.pages_of(b.row))[1:]
+        m, got = pool.extend_fitting([b.row], k)
+        assert m == 1 and ids(got) == ids(pool.pages_of(b.row))[1:]
         assert pool.waiting() == 0  # what was left went to the admission, in the call
         async with bounded():
             g = await waiter

@@ -289,6 +289,35 @@ class Admission:
             return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 
+    def pages_short(self) -> int:
+        """How many pages the next queued waiter lacks: those to evict for it.
+
+        The pool cannot evict a prefix cache's pages (it does not know
+        them), so an ``await admit(pages=k)`` short of pages that only the
+        cache holds waits until the engine evicts some. This says how many:
+        the head of the queue (the waiter the grant loop serves next; it
+        blocks those behind it) is an admission for ``k`` pages, and ``k``
+        exceeds the pages free plus those pending behind fences (on their
+        way back: evicting for them would empty the cache for memory that
+        returns within a step or so) by this much. 0 when nobody waits, when
+        the head is an ``alloc`` (rows only) or its pages are covered (it may
+        still wait for a row), and on a pool without ``kv``. A read: it
+        reclaims nothing and grants nothing (a completed fence's pages count
+        as pending until the pool's wake-up or a call reclaims them). Evict
+        that many, behind their readers' fences (README: *Prefix caching*);
+        the pages come back to the queue's head first. The event loop's
+        thread only (:class:`~asyncpool.WrongThreadError` otherwise).
+        """
+        self._check_thread()
+        pages = self._pages
+        if pages is None or not self._waiters.count:
+            return 0
+        need: Need | None = self._waiters.head()
+        if need is None or isinstance(need, int):
+            return 0
+        pled = pages.ledger
+        return max(0, need[1] - pled.free_count - pled.pending)
+
     def pages_of(self, row: int, *, host: bool = False) -> torch.Tensor:
         """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
 

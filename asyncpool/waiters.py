@@ -350,6 +350,15 @@ class WaiterQueues:
 
     # ------------------------------------------------------------ views
 
+    def head(self) -> Any | None:
+        """The need the grant loop serves next (the first queued waiter not
+        yet cancelled), or None when nobody waits."""
+        for p in self._prios:
+            for w in self._queues[p]:
+                if not w[1].done():
+                    return w[0]
+        return None
+
     def needs(self) -> list[Any]:
         """The needs of the queued waiters, in grant order (for tests and repr)."""
         return [w[0] for p in self._prios for w in self._queues[p] if not w[1].done()]

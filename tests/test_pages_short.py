@@ -1,0 +1,137 @@
+"""``pool.pages_short()``: how many pages the next queued waiter lacks.
+
+The pool cannot evict an engine's prefix cache; an awaited admission short
+of pages that only the cache holds waits until the engine evicts. This read
+tells the engine how many to evict: the head's page count less the pages
+free and those pending behind fences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+from helpers import FakeStream, bounded, in_thread, kv_of, spin
+
+from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
+
+T = TypeVar("T")
+
+
+def paged(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:
+    return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
+
+
+async def queued(call: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    task = asyncio.ensure_future(call)
+    await spin()
+    assert not task.done()
+    return task
+
+
+async def test_nobody_waiting_or_no_kv_means_nothing_short() -> None:
+    async with bounded(), paged(rows=2, pages=4) as pool:
+        g = await pool.admit(pages=4)  # every page taken, nobody waits
+        assert pool.pages_short() == 0
+        pool.free([g.row])
+    async with bounded(), AsyncReqToTokenPool(3, 8) as rows_only:
+        rows = await rows_only.alloc(2)
+        waiter = await queued(rows_only.alloc(1))
+        assert rows_only.pages_short() == 0
+        rows_only.free(rows)
+        rows_only.free(await waiter)
+
+
+async def test_the_heads_pages_less_those_free_and_those_on_their_way_back() -> None:
+    s = FakeStream()
+    async with bounded(), paged(rows=4, pages=8) as pool:
+        kv = kv_of(pool)
+        cached = await pool.admit(pages=6)  # a finished request's pages...
+        held = pool.detach_pages(cached.row)  # ...kept by the engine's cache
+        pool.free([cached.row])
+        waiter = await queued(pool.admit(pages=5))  # 2 free
+        assert pool.pages_short() == 3
+        kv.free(held[:2], fence=s.record())  # evicted behind a reader: pending
+        assert pool.pages_short() == 1 and kv.pending_size() == 2
+        s.complete()  # a read: it reclaims nothing, the pages count either way
+        assert pool.pages_short() == 1
+        kv.free(held[2:3])  # at once: the grant loop runs and serves the head
+        async with bounded():
+            g = await waiter
+        assert pool.pages_short() == 0
+        pool.free([g.row])
+        kv.free(held[3:])
+
+
+async def test_a_head_that_asks_rows_only_or_has_its_pages_counts_nothing() -> None:
+    async with bounded(), paged(rows=1, pages=4) as pool:
+        g = await pool.admit(pages=1)  # the only row
+        alloc = await queued(pool.alloc(1))  # the head: rows only
+        admit = await queued(pool.admit(pages=4))  # short of pages too
+        assert pool.pages_short() == 0  # the head needs no pages
+        alloc.cancel()  # its future is done at once, still queued until it runs
+        assert pool.pages_short() == 1  # the admission is the next served
+        await asyncio.gather(alloc, return_exceptions=True)
+        assert pool.pages_short() == 1
+        pool.free([g.row])  # the row and its page: the admission fits
+        async with bounded():
+            got = await admit
+        pool.free([got.row])
+        g = await pool.admit(pages=1)
+        short_of_a_row = await queued(pool.admit(pages=2))  # 3 free
+        assert pool.pages_short() == 0  # its pages are free: it waits for a row
+        pool.free([g.row])
+        async with bounded():
+            got = await short_of_a_row
+        pool.free([got.row])
+
+
+async def test_a_more_urgent_admission_is_the_head() -> None:
+    async with bounded(), paged(rows=4, pages=8) as pool:
+        g = await pool.admit(pages=8)
+        low = await queued(pool.admit(pages=2, priority=5))
+        assert pool.pages_short() == 2
+        high = await queued(pool.admit(pages=7, priority=0))
+        assert pool.pages_short() == 7
+        high.cancel()
+        low.cancel()
+        await asyncio.gather(high, low, return_exceptions=True)
+        assert pool.pages_short() == 0
+        pool.free([g.row])
+
+
+async def test_evicting_what_it_says_serves_an_admission_the_cache_starves() -> None:
+    # The engine's loop: a queued admit waits on pages only the cache holds;
+    # the engine evicts pages_short() of them (behind their reader's fence)
+    # and the admission is granted once that fence completes.
+    s = FakeStream()
+    async with bounded(), paged(rows=2, pages=8) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=8)
+        cache = list(pool.detach_pages(g.row).tolist())  # all 8 pages cached
+        pool.free([g.row])
+        reader = s.record()  # the newest step that read the cached pages
+        waiter = await queued(pool.admit(pages=3))
+        short = pool.pages_short()
+        assert short == 3
+        evicted, cache = cache[:short], cache[short:]
+        kv.free(evicted, fence=reader)
+        assert pool.pages_short() == 0  # on their way back: evict no more
+        s.complete()
+        kv.reclaim()  # (or the pool's wake-up, once the watcher sees it)
+        async with bounded():
+            got = await waiter
+        assert sorted(got.pages.tolist()) == sorted(evicted)
+        assert len(cache) == 5  # the rest of the cache kept
+        pool.free([got.row])
+        kv.free(cache)
+
+
+async def test_from_another_thread_it_is_refused() -> None:
+    async with bounded(), paged() as pool:
+        g = await pool.admit(pages=1)
+        with pytest.raises(WrongThreadError):
+            in_thread(pool.pages_short)
+        pool.free([g.row])

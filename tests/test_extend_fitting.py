@@ -220,3 +220,23 @@ async def test_no_rows_is_an_empty_run():
         m, got = pool.extend_fitting([], 3)
         assert m == 0 and got.shape == (0, 3) and memory(pool) == before
         assert pool.stats().growth_refusals == 0
+
+
+async def test_on_an_explicit_pool_it_reclaims_only_what_was_retired():
+    # Tensor parallel: every rank must grow the same rows, whatever fences
+    # happen to have completed on it.
+    s = FakeStream()
+    pool = AsyncReqToTokenPool(4, 64, kv=KVPagePool(5, 4, reclaim="explicit"), reclaim="explicit")
+    async with pool:
+        a = await pool.admit(pages=3)
+        b = await pool.admit(pages=1)
+        f = s.record()
+        pool.free([a.row], fence=f)
+        s.complete()  # done on this rank, perhaps not on another
+        m, got = pool.extend_fitting([b.row], 1)
+        assert m == 0 and got.shape == (0, 1)
+        pool.retire(f)
+        m, got = pool.extend_fitting([b.row], 3)
+        assert m == 1 and got.shape == (1, 3)
+        pool.free([b.row])
+        assert_pages_conserved(pool)

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
@@ -28,10 +29,10 @@ import numpy.typing as npt
 import torch
 
 from .base import check_wait_args as _check_wait_args
-from .errors import CapacityError, PoolClosedError
+from .errors import CapacityError, InvalidSlotError, PoolClosedError
 from .fences import Fence, HostStream, check_after, record_fence
 from .kv_pages import OWNED
-from .ledger import Rows, SlotLedger, as_index, describe
+from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fault
 from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
@@ -73,7 +74,17 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
                 f"{name} must be a page count or one per row (1-D, integers), got a "
                 f"{value.ndim}-D {value.dtype} {type(value).__name__}"
             )
-        items: list[object] = value.tolist()
+        try:
+            items: list[object] = value.tolist()
+        except (RuntimeError, NotImplementedError) as exc:
+            # Meta, sparse, quantized, sub-byte: bad input, as for rows. A
+            # strided integer tensor reads unless its device faulted.
+            if device_fault(value, exc):
+                raise
+            raise CapacityError(
+                f"{name} must be page counts in a tensor with data (strided, on a real "
+                f"device) of an integer dtype, got {_attributes(value)}"
+            ) from None
     elif isinstance(value, (list, tuple)):
         items = list(value)
     else:
@@ -96,6 +107,17 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
             raise CapacityError(f"{name} must hold page counts >= 0, got {k}")
         counts.append(k)
     return counts
+
+
+def _check_ordered(rows: object, what: str) -> None:
+    """:class:`InvalidSlotError` for rows in a set (a ``set``, ``frozenset``
+    or a dict's keys), whose order is arbitrary, where ``what`` gives the
+    order a meaning; other forms of rows are checked as usual later."""
+    if isinstance(rows, AbstractSet):
+        raise InvalidSlotError(
+            f"{what} pairs rows with their order, and a {type(rows).__name__} has none: "
+            "give the rows as a list, tuple, 1-D array or tensor"
+        )
 
 
 class Admission:
@@ -305,8 +327,13 @@ class Admission:
         reclaims nothing and grants nothing (a completed fence's pages count
         as pending until the pool's wake-up or a call reclaims them). Evict
         that many, behind their readers' fences (README: *Prefix caching*);
-        the pages come back to the queue's head first. The event loop's
-        thread only (:class:`~asyncpool.WrongThreadError` otherwise).
+        the pages come back to the queue's head first, except while a
+        :meth:`hold_grants` hold is held: then growth takes what comes back
+        first (the hold's purpose), so this may read 0 while the stalled
+        requests are still to take the pending pages; read it again once
+        the hold is released (growth's own shortfall is the scheduler's to
+        count). The event loop's thread only
+        (:class:`~asyncpool.WrongThreadError` otherwise).
         """
         self._check_thread()
         pages = self._pages
@@ -419,6 +446,7 @@ class Admission:
     def _extend_each(self, rows: Rows, k: object) -> torch.Tensor | None:
         """:meth:`extend_rows` with one page count per row."""
         pages = self._kv_pages()
+        _check_ordered(rows, "extend_rows with one page count per row")
         led = self._ledger
         seq = led.as_rows(rows)
         counts = _page_counts(k, len(seq), "k")
@@ -451,17 +479,21 @@ class Admission:
         Read-only, as :meth:`extend`'s tensor. ``m == len(rows)``: every row
         grew (as :meth:`extend_rows` would have); ``m < len(rows)``: the
         scheduler retracts ``rows[m]`` or others (counted in
-        ``stats().growth_refusals``). While the memory is released: ``m == 0``.
-        Same takes as :meth:`extend`: free pages even while admissions queue.
-        One take and one tensor for the run. Raises as :meth:`extend_rows`
-        (:class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``
-        or counts not ints >= 0, :class:`InvalidSlotError` unless the rows
-        are distinct allocated rows, :class:`PoolClosedError` after
-        :meth:`close`; changing nothing), except that a total past
-        ``kv.capacity`` is no error: the run stops where the pages do.
+        ``stats().growth_refusals``; with per-row counts, rows after
+        ``rows[m]`` that asked for 0 pages are not short: the caller knows
+        which asked). Same takes as :meth:`extend`: free pages even while
+        admissions queue. One take and one tensor for the run. Raises as
+        :meth:`extend_rows` (:class:`CapacityError` for ``k`` not an int in
+        ``1..kv.capacity`` or counts not ints >= 0,
+        :class:`InvalidSlotError` unless the rows are distinct allocated
+        rows, or for rows in a set, which has no order;
+        :class:`PoolClosedError` after :meth:`close`; changing nothing),
+        except that a total past ``kv.capacity`` is no error: the run stops
+        where the pages do.
         """
         self._check_thread()
         pages = self._kv_pages()
+        _check_ordered(rows, "extend_fitting")
         led = self._ledger
         seq = led.as_rows(rows)
         counts: list[int] | None = None  # one page count per row, or
@@ -577,6 +609,10 @@ class Admission:
                 seq = [self._allocated_row(rows, "trimmed")]
                 keeps = _page_counts(keep, 1, "keep")
         else:
+            if isinstance(keep, list | tuple) or (
+                isinstance(keep, torch.Tensor | np.ndarray) and keep.ndim
+            ):
+                _check_ordered(rows, "trim_pages with one keep per row")
             seq = self._ledger.as_rows(rows)
             keeps = _page_counts(keep, len(seq), "keep")
         led = self._ledger

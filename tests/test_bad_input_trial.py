@@ -882,3 +882,85 @@ def test_the_ledger_names_the_same_integer_dtypes_the_tables_hold() -> None:
     from asyncpool import ledger, tables
 
     assert {str(dtype) for dtype in tables.ID_DTYPES} == ledger.INTEGER_DTYPE_NAMES
+
+
+# ------------------------------------------------- page counts torch cannot read
+
+# One count per row, as extend_rows, extend_fitting and trim_pages take them.
+UNREADABLE_COUNTS: dict[str, Callable[[], torch.Tensor]] = {
+    **UNREADABLE_IDS,
+    "meta": lambda: torch.ones(2, dtype=torch.int64, device="meta"),
+    "sparse": lambda: torch.ones(2, dtype=torch.int64).to_sparse(),
+}
+COUNT_CALLS: dict[str, Callable[[Any, list[int], Any], Any]] = {
+    "extend_rows": lambda pool, rows, k: pool.extend_rows(rows, k),
+    "extend_fitting": lambda pool, rows, k: pool.extend_fitting(rows, k),
+    "trim_pages": lambda pool, rows, k: pool.trim_pages(rows, k),
+}
+
+
+@pytest.mark.parametrize("form", UNREADABLE_COUNTS)
+@pytest.mark.parametrize("call", COUNT_CALLS)
+async def test_page_counts_in_a_tensor_torch_cannot_read_are_refused_typed(
+    call: str, form: str
+) -> None:
+    # A trial found them raising torch's NotImplementedError or RuntimeError:
+    # the rows were covered, 1-D counts were not.
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        rows = [(await pool.admit(pages=2)).row for _ in range(2)]
+        before = snapshot(pool)
+        with pytest.raises(CapacityError, match=r"page counts in a tensor with data"):
+            COUNT_CALLS[call](pool, rows, UNREADABLE_COUNTS[form]())
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("call", COUNT_CALLS)
+async def test_a_device_error_reading_page_counts_is_not_turned_into_bad_input(
+    call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        rows = [(await pool.admit(pages=2)).row for _ in range(2)]
+        counts = torch.ones(2, dtype=torch.int64)
+        before = snapshot(pool)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "tolist", _faulted)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                COUNT_CALLS[call](pool, rows, counts)
+        assert snapshot(pool) == before
+
+
+SET_FORMS: dict[str, Callable[[list[int]], Any]] = {
+    "set": set,
+    "frozenset": frozenset,
+    "dict keys": lambda rows: dict.fromkeys(rows).keys(),
+}
+ORDERED_CALLS: dict[str, Callable[[Any, Any], Any]] = {
+    "extend_fitting": lambda pool, rows: pool.extend_fitting(rows, 1),
+    "extend_fitting, counts": lambda pool, rows: pool.extend_fitting(rows, [1, 2]),
+    "extend_rows, counts": lambda pool, rows: pool.extend_rows(rows, [1, 2]),
+    "trim_pages, keeps": lambda pool, rows: pool.trim_pages(rows, [0, 1]),
+}
+
+
+@pytest.mark.parametrize("form", SET_FORMS)
+@pytest.mark.parametrize("call", ORDERED_CALLS)
+async def test_rows_in_a_set_are_refused_where_their_order_means_something(
+    call: str, form: str
+) -> None:
+    # extend_fitting grows rows in the caller's order; per-row counts pair
+    # with rows by position. A set has no order to pair by (a trial's find).
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        rows = [(await pool.admit(pages=2)).row for _ in range(2)]
+        before = snapshot(pool)
+        with pytest.raises(InvalidSlotError, match=r"has none: give the rows as a list"):
+            ORDERED_CALLS[call](pool, SET_FORMS[form](rows))
+        assert snapshot(pool) == before
+
+
+async def test_a_set_of_rows_still_does_where_order_means_nothing() -> None:
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        rows = [(await pool.admit(pages=2)).row for _ in range(2)]
+        assert pool.extend_rows(set(rows), 1) is not None  # one count for all
+        assert pool.trim_pages(set(rows), 2) == 2  # one keep for all
+        assert pool.trim_pages(set(rows), np.int64(1)) == 2
+        assert pool.free(set(rows)) == 2

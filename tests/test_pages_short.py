@@ -135,3 +135,24 @@ async def test_from_another_thread_it_is_refused() -> None:
         with pytest.raises(WrongThreadError):
             in_thread(pool.pages_short)
         pool.free([g.row])
+
+
+async def test_under_a_hold_growth_takes_the_pending_pages_first() -> None:
+    # Documented: the pending pages count for the head, but while a hold is
+    # held growth takes them first, so the shortfall shows once it has.
+    s = FakeStream()
+    async with bounded(), paged(rows=4, pages=8) as pool:
+        running = await pool.admit(pages=4)
+        victim = await pool.admit(pages=4)
+        waiter = await queued(pool.admit(pages=4))
+        hold = pool.hold_grants()  # the stall: growth first
+        pool.free([victim.row], fence=s.record())  # the retraction, behind the step
+        assert pool.pages_short() == 0  # 4 pending: the head's, as it reads now
+        s.complete()
+        grown = pool.extend(running.row, 3)  # growth reclaims and takes them
+        assert grown is not None
+        assert pool.pages_short() == 3  # 1 free now: the real shortfall
+        hold.release()
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        pool.free([running.row])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from .base import check_wait_args as _check_wait_args
@@ -24,7 +25,7 @@ from .deferral import Deferrals
 from .errors import PoolBusyError, PoolClosedError
 from .fences import Fence, HostFence, is_done
 from .ledger import SlotLedger
-from .overdue import OverdueFences
+from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import RowPages
 from .tables import TokenTables
 from .waiters import WaiterQueues
@@ -353,7 +354,7 @@ class Lifecycle:
         self._waiters.grant()
         logger.info("resumed the kv_cache region of %r", self)
 
-    def hold_grants(self) -> GrantHold:
+    def hold_grants(self, *, warn_after: float | None = 10.0) -> GrantHold:
         """Hold the grant loop: queued ``alloc``/``admit`` waiters get nothing
         until the hold is released; return the hold.
 
@@ -386,12 +387,19 @@ class Lifecycle:
         :class:`~asyncpool.WrongThreadError`, changing nothing. A hold never
         released starves every waiter: nothing releases it for you (a hold
         collected while held logs an error and stays held for good;
-        ``stats().grants_held`` shows it).
+        ``stats().grants_held`` shows it). So a hold still held
+        ``warn_after`` seconds after it was taken logs a WARNING once (how
+        long, how many waiters queue), from the event loop it was taken in;
+        a stall rarely lasts more than a few steps. ``None``: no warning;
+        none either for a hold taken with no running loop. Raises
+        ``ValueError``, changing nothing, for a ``warn_after`` that is not
+        None or a number > 0.
         """
         self._check_thread()  # closes the unchecked fast paths: gated, none reopens
+        warn = check_fence_timeout(warn_after, "warn_after")
         self._holds += 1
         self._waiters.gated = True
-        return GrantHold(self)
+        return GrantHold(self, warn)
 
     @property
     def grants_held(self) -> bool:
@@ -434,10 +442,19 @@ class GrantHold:
     :class:`~asyncpool.WrongThreadError`, and the hold stays held.
     """
 
-    __slots__ = ("_pool",)
+    __slots__ = ("__weakref__", "_pool", "_timer")
 
-    def __init__(self, pool: Lifecycle) -> None:
+    def __init__(self, pool: Lifecycle, warn_after: float | None = None) -> None:
         self._pool: Lifecycle | None = pool
+        self._timer: asyncio.TimerHandle | None = None
+        if warn_after is not None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no running loop: no warning
+                return
+            # A weak reference: the timer must not keep a dropped hold alive
+            # (its collection is how a lost hold is reported).
+            self._timer = loop.call_later(warn_after, _warn_if_held, weakref.ref(self), warn_after)
 
     def __repr__(self) -> str:
         return f"<GrantHold {'held' if self._pool is not None else 'released'}>"
@@ -454,6 +471,9 @@ class GrantHold:
             return
         pool._check_thread()
         self._pool = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pool._end_hold()
 
     def __enter__(self) -> GrantHold:
@@ -473,3 +493,20 @@ class GrantHold:
                 "queued waiters nothing for good; keep each hold and release() it",
                 self._pool,
             )
+
+
+def _warn_if_held(ref: weakref.ReferenceType[GrantHold], held_s: float) -> None:
+    """The ``warn_after`` timer of a :class:`GrantHold`: warn once if held."""
+    hold = ref()
+    if hold is None or hold._pool is None:
+        return
+    hold._timer = None
+    pool = hold._pool
+    logger.warning(
+        "a hold_grants() hold on %r has been held for %.3g s, %d waiters queued behind "
+        "it: release it at the first scheduling pass that finds nobody stalled (a loop "
+        "that idles with it held waits for ever)",
+        pool,
+        held_s,
+        pool._waiters.count,
+    )

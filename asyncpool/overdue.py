@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 _t0_of = operator.attrgetter("t0")
 
 
-def check_fence_timeout(timeout: object) -> float | None:
-    """``timeout`` as a positive finite float, or None; ValueError otherwise."""
+def check_fence_timeout(timeout: object, name: str = "fence_timeout") -> float | None:
+    """``timeout`` as a positive finite float, or None; ValueError (naming
+    the parameter ``name``) otherwise."""
     if timeout is None:
         return None
     if (
@@ -40,7 +41,7 @@ def check_fence_timeout(timeout: object) -> float | None:
         or not isinstance(timeout, (int, float))
         or not 0 < timeout < float("inf")
     ):
-        raise ValueError(f"fence_timeout must be None or a number > 0, got {timeout!r}")
+        raise ValueError(f"{name} must be None or a number > 0, got {timeout!r}")
     return float(timeout)
 
 

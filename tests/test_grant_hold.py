@@ -16,7 +16,10 @@ and only the loop's thread may hold or release. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
+from collections.abc import Iterator
 
 import pytest
 from helpers import Streams, bounded, in_thread, spin, until
@@ -304,3 +307,73 @@ async def test_a_hold_released_by_a_pass_that_finds_nothing_running() -> None:
         hold.release()
         got = await b_again
         pool.free([got.row])
+
+
+class _HoldWarnings(logging.Handler):
+    """Collects the held-too-long warnings; sets ``seen`` at the first."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = asyncio.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "hold_grants() hold" in record.getMessage():
+            self.messages.append(record.getMessage())
+            self.seen.set()
+
+
+@contextlib.contextmanager
+def hold_warnings() -> Iterator[_HoldWarnings]:
+    handler = _HoldWarnings()
+    logger = logging.getLogger("asyncpool")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+async def test_a_hold_kept_past_warn_after_warns_once_naming_the_waiters() -> None:
+    # The trial's hang: its loop idled with the hold held, and nothing said so.
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        rows = await pool.alloc(2)
+        with hold_warnings() as seen:
+            hold = pool.hold_grants(warn_after=0.01)
+            waiter = asyncio.ensure_future(pool.alloc(1))
+            await seen.seen.wait()
+            (message,) = seen.messages
+            assert "held for 0.01 s, 1 waiters queued" in message
+            assert hold.held and hold._timer is None  # once: not re-armed
+            other = pool.hold_grants(warn_after=None)  # no timer at all
+            assert other._timer is None
+            other.release()
+            hold.release()
+        pool.free(rows)
+        pool.free(await waiter)
+
+
+async def test_a_hold_released_in_time_cancels_its_warning() -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        with pool.hold_grants() as hold:  # the default: 10 s
+            timer = hold._timer
+            assert timer is not None and not timer.cancelled()
+            assert 9 < timer.when() - asyncio.get_running_loop().time() <= 10
+        assert timer.cancelled() and hold._timer is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), True, "1", [1]])
+async def test_a_bad_warn_after_is_refused_and_holds_nothing(bad: object) -> None:
+    async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
+        with pytest.raises(ValueError, match="warn_after must be None or a number > 0"):
+            pool.hold_grants(warn_after=bad)  # type: ignore[arg-type]
+        assert pool.grant_holds == 0 and not pool.grants_held
+        assert pool.try_alloc(1) is not None
+
+
+def test_a_hold_taken_with_no_running_loop_has_no_warning_timer() -> None:
+    pool = AsyncReqToTokenPool(3, 8)
+    hold = pool.hold_grants()
+    assert hold._timer is None and pool.grants_held and pool.try_alloc(1) is None
+    hold.release()
+    assert pool.try_alloc(1) is not None

@@ -156,3 +156,17 @@ async def test_under_a_hold_growth_takes_the_pending_pages_first() -> None:
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         pool.free([running.row])
+
+
+async def test_a_hit_found_after_the_grant_gives_back_the_surplus_at_once() -> None:
+    # The README's recipe for a cache that changed while the admission
+    # queued: a row's pages are interchangeable until written, so a late hit
+    # of h pages keeps the first k - h and trims the rest, free at once.
+    async with bounded(), paged(rows=2, pages=8) as pool:
+        kv = kv_of(pool)
+        g = await pool.admit(pages=5)  # counted with no hit
+        own = pool.pages_of(g.row).tolist()
+        assert pool.trim_pages(g.row, 5 - 2) == 2  # a 2-page hit found now
+        assert pool.pages_of(g.row).tolist() == own[:3]
+        assert kv.available_size() == 5 and kv.pending_size() == 0
+        pool.free([g.row])

@@ -21,7 +21,6 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
@@ -85,8 +84,8 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
                 f"{name} must be page counts in a tensor with data (strided, on a real "
                 f"device) of an integer dtype, got {_attributes(value)}"
             ) from None
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
+    elif _per_row(value):  # a sequence: list, tuple, range, deque, array.array
+        items = list(value)  # type: ignore[call-overload]
     else:
         raise CapacityError(
             f"{name} must be a page count (an integer) or one per row, got {describe(value)} "
@@ -109,11 +108,19 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
     return counts
 
 
+def _per_row(counts: object) -> bool:
+    """Whether ``counts`` gives one page count per row (a sequence other
+    than text or bytes, a 1-D array or tensor) rather than one for all."""
+    if isinstance(counts, torch.Tensor | np.ndarray):
+        return bool(counts.ndim)
+    return isinstance(counts, Sequence) and not isinstance(counts, str | bytes | bytearray)
+
+
 def _check_ordered(rows: object, what: str) -> None:
-    """:class:`InvalidSlotError` for rows in a set (a ``set``, ``frozenset``
-    or a dict's keys), whose order is arbitrary, where ``what`` gives the
-    order a meaning; other forms of rows are checked as usual later."""
-    if isinstance(rows, AbstractSet):
+    """:class:`InvalidSlotError` for rows in a ``set`` or ``frozenset``,
+    whose order is arbitrary, where ``what`` gives the order a meaning;
+    other forms of rows are checked as usual later."""
+    if isinstance(rows, set | frozenset):
         raise InvalidSlotError(
             f"{what} pairs rows with their order, and a {type(rows).__name__} has none: "
             "give the rows as a list, tuple, 1-D array or tensor"
@@ -152,6 +159,8 @@ class Admission:
         def _try_must_wait(self) -> bool: ...
 
         def _reclaim_both(self) -> bool: ...
+
+        def _drop_dead_waiters(self) -> bool: ...
 
         def _take_for_waiter(self, need: Need) -> list[int] | Grant | None: ...
 
@@ -323,8 +332,10 @@ class Admission:
         way back: evicting for them would empty the cache for memory that
         returns within a step or so) by this much. 0 when nobody waits, when
         the head is an ``alloc`` (rows only) or its pages are covered (it may
-        still wait for a row), and on a pool without ``kv``. A read: it
-        reclaims nothing and grants nothing (a completed fence's pages count
+        still wait for a row), and on a pool without ``kv``; waiters whose
+        event loop was closed under them are dropped first, as every call
+        that looks at the queue drops them. Otherwise a read: it reclaims
+        nothing and grants nothing (a completed fence's pages count
         as pending until the pool's wake-up or a call reclaims them). Evict
         that many, behind their readers' fences (README: *Prefix caching*);
         the pages come back to the queue's head first, except while a
@@ -339,6 +350,7 @@ class Admission:
         pages = self._pages
         if pages is None or not self._waiters.count:
             return 0
+        self._drop_dead_waiters()  # waiters of a loop closed under them never run
         need: Need | None = self._waiters.head()
         if need is None or isinstance(need, int):
             return 0
@@ -419,9 +431,7 @@ class Admission:
         are not that or whose sum is past ``kv.capacity``.
         """
         self._check_thread()
-        if k.__class__ is not int and (
-            isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim)
-        ):
+        if k.__class__ is not int and _per_row(k):
             return self._extend_each(rows, k)
         k = self._page_count(k, 1)
         led = self._ledger
@@ -498,9 +508,7 @@ class Admission:
         seq = led.as_rows(rows)
         counts: list[int] | None = None  # one page count per row, or
         per_row = 0  # one for every row
-        if k.__class__ is not int and (
-            isinstance(k, list | tuple) or (isinstance(k, torch.Tensor | np.ndarray) and k.ndim)
-        ):
+        if k.__class__ is not int and _per_row(k):
             counts = _page_counts(k, len(seq), "k")
         else:
             per_row = self._page_count(k, 1)
@@ -609,9 +617,7 @@ class Admission:
                 seq = [self._allocated_row(rows, "trimmed")]
                 keeps = _page_counts(keep, 1, "keep")
         else:
-            if isinstance(keep, list | tuple) or (
-                isinstance(keep, torch.Tensor | np.ndarray) and keep.ndim
-            ):
+            if _per_row(keep):
                 _check_ordered(rows, "trim_pages with one keep per row")
             seq = self._ledger.as_rows(rows)
             keeps = _page_counts(keep, len(seq), "keep")

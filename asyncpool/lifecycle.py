@@ -35,6 +35,8 @@ __all__ = ["GrantHold", "Lifecycle"]
 
 logger = logging.getLogger(__name__)
 
+_peek_running_loop = asyncio._get_running_loop  # None outside a loop; never raises
+
 # drain() polls fences without a done callback with this backoff (seconds).
 _DRAIN_POLL_MIN_S = 50e-6
 _DRAIN_POLL_MAX_S = 1e-3
@@ -391,15 +393,19 @@ class Lifecycle:
         ``warn_after`` seconds after it was taken logs a WARNING once (how
         long, how many waiters queue), from the event loop it was taken in;
         a stall rarely lasts more than a few steps. ``None``: no warning;
-        none either for a hold taken with no running loop. Raises
+        none either for a hold taken with no running loop, and none once
+        the pool is closed. A hold released from another thread (carried
+        over by :meth:`bind`) leaves its timer to its loop, where it finds
+        the hold released. Raises
         ``ValueError``, changing nothing, for a ``warn_after`` that is not
         None or a number > 0.
         """
         self._check_thread()  # closes the unchecked fast paths: gated, none reopens
         warn = check_fence_timeout(warn_after, "warn_after")
+        hold = GrantHold(self, None if self._closed else warn)  # armed before it counts
         self._holds += 1
         self._waiters.gated = True
-        return GrantHold(self, warn)
+        return hold
 
     @property
     def grants_held(self) -> bool:
@@ -442,19 +448,22 @@ class GrantHold:
     :class:`~asyncpool.WrongThreadError`, and the hold stays held.
     """
 
-    __slots__ = ("__weakref__", "_pool", "_timer")
+    __slots__ = ("__weakref__", "_loop", "_pool", "_timer")
 
     def __init__(self, pool: Lifecycle, warn_after: float | None = None) -> None:
-        self._pool: Lifecycle | None = pool
+        self._pool: Lifecycle | None = None  # held once the timer is armed
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         if warn_after is not None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no running loop: no warning
-                return
-            # A weak reference: the timer must not keep a dropped hold alive
-            # (its collection is how a lost hold is reported).
-            self._timer = loop.call_later(warn_after, _warn_if_held, weakref.ref(self), warn_after)
+            loop = _peek_running_loop()
+            if loop is not None:  # no running loop: no warning
+                # A weak reference: the timer must not keep a dropped hold
+                # alive (its collection is how a lost hold is reported).
+                self._timer = loop.call_later(
+                    warn_after, _warn_if_held, weakref.ref(self), warn_after
+                )
+                self._loop = loop
+        self._pool = pool
 
     def __repr__(self) -> str:
         return f"<GrantHold {'held' if self._pool is not None else 'released'}>"
@@ -471,9 +480,12 @@ class GrantHold:
             return
         pool._check_thread()
         self._pool = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        timer, self._timer = self._timer, None
+        # A timer handle is its loop's, not thread-safe: cancel it only from
+        # that loop (a hold carried over by bind() is released elsewhere;
+        # there the timer fires later and finds the hold released).
+        if timer is not None and _peek_running_loop() is self._loop:
+            timer.cancel()
         pool._end_hold()
 
     def __enter__(self) -> GrantHold:
@@ -498,9 +510,8 @@ class GrantHold:
 def _warn_if_held(ref: weakref.ReferenceType[GrantHold], held_s: float) -> None:
     """The ``warn_after`` timer of a :class:`GrantHold`: warn once if held."""
     hold = ref()
-    if hold is None or hold._pool is None:
-        return
-    hold._timer = None
+    if hold is None or hold._pool is None or hold._pool._closed:
+        return  # collected (reported as such), released, or closed: holds nothing
     pool = hold._pool
     logger.warning(
         "a hold_grants() hold on %r has been held for %.3g s, %d waiters queued behind "

@@ -177,8 +177,14 @@ FAMILIES: tuple[Family, ...] = (
         "grants_held",
         "gauge",
         "",
-        "hold_grants() holds held now, which keep the queued waiters from grants "
-        "(they nest; 0 when none).",
+        "1 while a hold_grants() hold keeps the queued waiters from grants, else 0.",
+        lambda s: s.grants_held,
+    ),
+    Family(
+        "grant_holds",
+        "gauge",
+        "",
+        "hold_grants() holds held now (they nest; 0 when none).",
         lambda s: s.grant_holds,
     ),
     # counters: lifetime totals

@@ -1208,6 +1208,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         scrape): the figures are then read a few operations apart.
         """
         waiters = self._waiters
+        holds = self._holds  # read once: grants_held and grant_holds agree
         waits = self._wait_histogram.snapshot(zeros=self._zero_wait_allocs())
         extra: dict[str, Any] = {}
         pages = self._pages
@@ -1245,8 +1246,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             rejections=waiters.rejections,
             closed=self._closed,
             released=self.released,
-            grants_held=self._holds > 0,
-            grant_holds=self._holds,
+            grants_held=holds > 0,
+            grant_holds=holds,
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,

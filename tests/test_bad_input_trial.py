@@ -15,7 +15,9 @@ rule of ``is_done``; and ``force_release``'s log line.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import collections
 import enum
 import logging
 import re
@@ -932,7 +934,6 @@ async def test_a_device_error_reading_page_counts_is_not_turned_into_bad_input(
 SET_FORMS: dict[str, Callable[[list[int]], Any]] = {
     "set": set,
     "frozenset": frozenset,
-    "dict keys": lambda rows: dict.fromkeys(rows).keys(),
 }
 ORDERED_CALLS: dict[str, Callable[[Any, Any], Any]] = {
     "extend_fitting": lambda pool, rows: pool.extend_fitting(rows, 1),
@@ -964,3 +965,39 @@ async def test_a_set_of_rows_still_does_where_order_means_nothing() -> None:
         assert pool.trim_pages(set(rows), 2) == 2  # one keep for all
         assert pool.trim_pages(set(rows), np.int64(1)) == 2
         assert pool.free(set(rows)) == 2
+
+
+async def test_a_dicts_keys_keep_their_order_and_are_taken() -> None:
+    # Insertion-ordered, unlike a set (a review's note).
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        a, b = [(await pool.admit(pages=1)).row for _ in range(2)]
+        m, got = pool.extend_fitting(dict.fromkeys([b, a]).keys(), [2, 1])
+        assert m == 2 and pool.pages_of(b)[1:].tolist() == got[:2].tolist()
+        assert pool.pages_of(a)[1:].tolist() == got[2:].tolist()
+        pool.free([a, b])
+
+
+COUNT_SEQUENCES: dict[str, Callable[[list[int]], Any]] = {
+    "range": lambda counts: range(counts[0], counts[0] + len(counts)),
+    "deque": collections.deque,
+    "array.array": lambda counts: array.array("q", counts),
+}
+
+
+@pytest.mark.parametrize("form", COUNT_SEQUENCES)
+async def test_per_row_counts_in_any_sequence_are_taken(form: str) -> None:
+    # A range, deque or array.array of counts was read as one count and
+    # refused with "a page count must be an integer" (a review's find).
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(33, 4)) as pool:
+        rows = [(await pool.admit(pages=1)).row for _ in range(2)]
+        counts = COUNT_SEQUENCES[form]([1, 2])
+        got = pool.extend_rows(rows, counts)
+        assert got is not None and got.shape == (3,)
+        m, got = pool.extend_fitting(rows, COUNT_SEQUENCES[form]([1, 2]))
+        assert m == 2 and got.shape == (3,)
+        assert [len(pool.pages_of(r)) for r in rows] == [3, 5]
+        assert pool.trim_pages(rows, COUNT_SEQUENCES[form]([1, 2])) == 2 + 3
+        assert [len(pool.pages_of(r)) for r in rows] == [1, 2]
+        with pytest.raises(CapacityError, match="lists 1 page counts for 2 rows"):
+            pool.extend_rows(rows, COUNT_SEQUENCES[form]([1]))
+        pool.free(rows)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,7 @@ from asyncpool import (
     PoolClosedError,
     WrongThreadError,
 )
+from asyncpool.lifecycle import _warn_if_held
 
 
 def paged(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:
@@ -257,20 +259,20 @@ async def test_a_hold_shows_in_stats_and_the_metrics() -> None:
         registry = CollectorRegistry()
         registry.register(PoolCollector(pool, name="decode"))
 
-        def gauge() -> str:
+        def gauge(name: str = "grants_held") -> str:
             text = generate_latest(registry).decode()
-            (line,) = [ln for ln in text.splitlines() if ln.startswith("asyncpool_grants_held{")]
+            (line,) = [ln for ln in text.splitlines() if ln.startswith(f"asyncpool_{name}{{")]
             return line.rsplit(" ", 1)[1]
 
         assert not pool.stats().grants_held and gauge() == "0.0"
         with pool.hold_grants():
             assert pool.stats().grants_held and gauge() == "1.0"
-            with pool.hold_grants():  # nested: counted, as the gauge shows
+            with pool.hold_grants():  # nested: the 0/1 gauge stays 1, the count is 2
                 assert pool.grant_holds == pool.stats().grant_holds == 2
-                assert gauge() == "2.0"
+                assert gauge() == "1.0" and gauge("grant_holds") == "2.0"
             assert pool.grant_holds == pool.stats().grant_holds == 1
-            assert pool.stats().grants_held and gauge() == "1.0"
-        assert not pool.stats().grants_held and gauge() == "0.0"
+            assert pool.stats().grants_held and gauge() == gauge("grant_holds") == "1.0"
+        assert not pool.stats().grants_held and gauge() == gauge("grant_holds") == "0.0"
         assert pool.grant_holds == pool.stats().grant_holds == 0
 
 
@@ -344,7 +346,7 @@ async def test_a_hold_kept_past_warn_after_warns_once_naming_the_waiters() -> No
             await seen.seen.wait()
             (message,) = seen.messages
             assert "held for 0.01 s, 1 waiters queued" in message
-            assert hold.held and hold._timer is None  # once: not re-armed
+            assert hold.held
             other = pool.hold_grants(warn_after=None)  # no timer at all
             assert other._timer is None
             other.release()
@@ -377,3 +379,41 @@ def test_a_hold_taken_with_no_running_loop_has_no_warning_timer() -> None:
     assert hold._timer is None and pool.grants_held and pool.try_alloc(1) is None
     hold.release()
     assert pool.try_alloc(1) is not None
+
+
+async def test_a_hold_carried_over_by_bind_is_released_without_touching_its_timer() -> None:
+    # A review's find: release() from the thread bind() handed the pool to
+    # cancelled the old loop's timer handle from that thread (asyncio's
+    # handles are not thread-safe). The timer is left to its loop, and
+    # finds the hold released when it fires.
+    pool = AsyncReqToTokenPool(3, 8)
+    hold = pool.hold_grants(warn_after=30)
+    timer = hold._timer
+    assert timer is not None
+
+    def scheduler_thread() -> None:
+        pool.bind()
+        hold.release()
+
+    in_thread(scheduler_thread, name="scheduler")
+    assert not hold.held and not pool.grants_held and not timer.cancelled()
+    with hold_warnings() as seen:
+        _warn_if_held(weakref.ref(hold), 30)  # what the timer runs, 30 s on
+        assert seen.messages == []
+    timer.cancel()  # (from its own loop: the test ends before it fires)
+
+
+async def test_a_hold_on_a_closed_pool_arms_no_warning_and_a_close_silences_one() -> None:
+    pool = AsyncReqToTokenPool(3, 8)
+    held_before = pool.hold_grants(warn_after=30)
+    timer = held_before._timer
+    assert timer is not None
+    await pool.close()
+    after = pool.hold_grants(warn_after=30)
+    assert after._timer is None  # it holds nothing there
+    with hold_warnings() as seen:
+        _warn_if_held(weakref.ref(held_before), 30)  # the pool is closed now
+        assert seen.messages == []
+    timer.cancel()
+    held_before.release()
+    after.release()

@@ -47,6 +47,7 @@ GAUGES = {
     "asyncpool_closed": "",
     "asyncpool_released": "",
     "asyncpool_grants_held": "",
+    "asyncpool_grant_holds": "",
 }
 COUNTERS = {
     "asyncpool_alloc_calls",

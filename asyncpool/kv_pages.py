@@ -80,6 +80,7 @@ from .ledger import (
     RESERVED,
     STATE_NAMES,
     SlotLedger,
+    _attributes,
     as_index,
     describe,
     device_fault,
@@ -384,7 +385,13 @@ class PageLedger(Deferrals[PageArray]):
         cls = pages.__class__
         if cls is torch.Tensor:
             assert isinstance(pages, torch.Tensor)
-            shape = pages.shape
+            try:
+                shape = pages.shape
+            except RuntimeError:  # a nested tensor has no shape
+                raise InvalidSlotError(
+                    f"pages {what} must be a 1-D sequence of page ids, got a nested "
+                    f"{_attributes(pages)}"
+                ) from None
             if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
                 try:
                     small = pages.tolist()

@@ -736,7 +736,10 @@ def _attributes(value: object) -> str:
     without touching its data."""
     parts = []
     for name in ("dtype", "shape", "layout", "device"):
-        attr = getattr(value, name, None)
+        try:
+            attr = getattr(value, name, None)
+        except RuntimeError:  # a nested tensor has no shape to read
+            continue
         if attr is not None:
             parts.append(f"{name} {tuple(attr) if name == 'shape' else attr}")
     return f"<{type(value).__name__}" + (": " + ", ".join(parts) if parts else "") + ">"
@@ -812,8 +815,8 @@ def as_row_ids(rows: object) -> Sequence[int]:
         return (_row_id(rows),)
     if ndim is not None and ndim != 1:
         raise InvalidSlotError(
-            f"rows must be one row id or a 1-D sequence of row ids, got a "
-            f"{ndim}-D {type(rows).__name__} of shape {tuple(getattr(rows, 'shape', ()))}"
+            f"rows must be one row id or a 1-D sequence of row ids, got a {ndim}-D "
+            f"{_attributes(rows)}"
         )
     if ndim == 1 and hasattr(rows, "tolist"):
         try:

@@ -1001,3 +1001,22 @@ async def test_per_row_counts_in_any_sequence_are_taken(form: str) -> None:
         with pytest.raises(CapacityError, match="lists 1 page counts for 2 rows"):
             pool.extend_rows(rows, COUNT_SEQUENCES[form]([1]))
         pool.free(rows)
+
+
+def _nested(*rows: list[int]) -> torch.Tensor:
+    with warnings.catch_warnings():  # nested tensors are a prototype in torch
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.tensor(r) for r in rows])
+
+
+@pytest.mark.parametrize("call", [c for _, c in BATCH_CALLS], ids=[i for i, _ in BATCH_CALLS])
+async def test_rows_in_a_nested_tensor_are_refused_typed(call: Any) -> None:
+    # A review's find: the refusal of a 2-D tensor read its shape for the
+    # message, which a nested tensor cannot give (torch's RuntimeError).
+    async with bounded(), AsyncReqToTokenPool(9, 16, kv=KVPagePool(17, 4)) as pool:
+        g = await pool.admit(pages=1)
+        before = snapshot(pool)
+        refused = r"got a (2-D|nested) <Tensor: dtype torch\.int64"
+        with pytest.raises(InvalidSlotError, match=refused):
+            call(pool, _nested([g.row], [g.row]))
+        assert snapshot(pool) == before

@@ -188,12 +188,7 @@ class RowPages:
         arr = self._take_reclaiming(len(rows) * k)
         if arr is None:
             return None
-        if k == 1:
-            self._append_one_each(rows, arr)
-        else:
-            append = self._append
-            for i, row in enumerate(rows):
-                append(row, arr[i * k : i * k + k])
+        self._append_lines(rows, arr, k)
         return self.out(arr.reshape(len(rows), k))
 
     def extend_each(self, rows: Sequence[int], counts: Sequence[int]) -> torch.Tensor | None:
@@ -206,12 +201,7 @@ class RowPages:
         arr = self._take_reclaiming(sum(counts))
         if arr is None:
             return None
-        append = self._append
-        at = 0
-        for row, k in zip(rows, counts, strict=True):
-            if k:
-                append(row, arr[at : at + k])
-                at += k
+        self._append_counts(rows, counts, arr)
         return self.out(arr)
 
     def extend_fitting(self, rows: Sequence[int], k: int) -> tuple[int, npt.NDArray[np.int64]]:
@@ -231,12 +221,7 @@ class RowPages:
             return 0, _EMPTY
         arr = led.take(m * k, OWNED)
         assert arr is not None  # m * k <= free_count
-        if k == 1:
-            self._append_one_each(rows, arr)
-        else:
-            append = self._append
-            for i in range(m):
-                append(rows[i], arr[i * k : i * k + k])
+        self._append_lines(rows, arr, k)
         return m, arr
 
     def extend_fitting_each(
@@ -259,13 +244,30 @@ class RowPages:
             return m, _EMPTY
         arr = led.take(need, OWNED)
         assert arr is not None  # need <= free_count
+        self._append_counts(rows[:m], counts[:m], arr)
+        return m, arr
+
+    def _append_lines(self, rows: Sequence[int], arr: npt.NDArray[np.int64], k: int) -> None:
+        """Append ``arr[i * k : i * k + k]`` to ``rows[i]`` for each of the
+        ``len(arr) // k`` first rows (pages just taken OWNED)."""
+        if k == 1:
+            self._append_one_each(rows, arr)
+            return
+        append = self._append
+        for i in range(len(arr) // k):
+            append(rows[i], arr[i * k : i * k + k])
+
+    def _append_counts(
+        self, rows: Sequence[int], counts: Sequence[int], arr: npt.NDArray[np.int64]
+    ) -> None:
+        """Append the next ``counts[i]`` pages of ``arr`` to ``rows[i]``, in
+        row order (pages just taken OWNED; ``sum(counts)`` of them)."""
         append = self._append
         at = 0
-        for row, k in zip(rows[:m], counts, strict=False):
+        for row, k in zip(rows, counts, strict=True):
             if k:
                 append(row, arr[at : at + k])
                 at += k
-        return m, arr
 
     def _append_one_each(self, rows: Sequence[int], arr: npt.NDArray[np.int64]) -> None:
         """``_append(rows[i], arr[i : i + 1])`` for each i: a decode step's

@@ -460,30 +460,42 @@ def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return mod
 
 
-class _OverdueSeen(logging.Handler):
-    """Sets an asyncio event (from the loop's thread) on an overdue warning."""
+class WarningsSeen(logging.Handler):
+    """The ``asyncpool`` logger's warnings whose message contains ``text``:
+    kept in ``messages``, and ``event`` set (emitted from the loop's thread)."""
 
-    def __init__(self, event: asyncio.Event) -> None:
+    def __init__(self, text: str) -> None:
         super().__init__(logging.WARNING)
-        self.event = event
+        self.text = text
+        self.event = asyncio.Event()
+        self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "overdue" in record.getMessage():
+        message = record.getMessage()
+        if self.text in message:
+            self.messages.append(message)
             self.event.set()
+
+
+@contextlib.contextmanager
+def warnings_seen(text: str) -> Iterator[WarningsSeen]:
+    """A :class:`WarningsSeen` on the ``asyncpool`` logger while the block
+    runs (its handler is removed after)."""
+    handler = WarningsSeen(text)
+    logger = logging.getLogger("asyncpool")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
 
 
 @contextlib.contextmanager
 def overdue_warnings() -> Iterator[asyncio.Event]:
     """An event set on every overdue-fence warning the ``asyncpool`` logger
     emits while the block runs (its handler is removed after)."""
-    seen = asyncio.Event()
-    handler = _OverdueSeen(seen)
-    logger = logging.getLogger("asyncpool")
-    logger.addHandler(handler)
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(handler)
+    with warnings_seen("overdue") as seen:
+        yield seen.event
 
 
 #: A device index no real CUDA device has: the stand-in events that

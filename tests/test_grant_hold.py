@@ -16,14 +16,11 @@ and only the loop's thread may hold or release. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import logging
 import weakref
-from collections.abc import Iterator
 
 import pytest
-from helpers import Streams, bounded, in_thread, spin, until
+from helpers import Streams, bounded, in_thread, spin, until, warnings_seen
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -311,39 +308,14 @@ async def test_a_hold_released_by_a_pass_that_finds_nothing_running() -> None:
         pool.free([got.row])
 
 
-class _HoldWarnings(logging.Handler):
-    """Collects the held-too-long warnings; sets ``seen`` at the first."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.seen = asyncio.Event()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "hold_grants() hold" in record.getMessage():
-            self.messages.append(record.getMessage())
-            self.seen.set()
-
-
-@contextlib.contextmanager
-def hold_warnings() -> Iterator[_HoldWarnings]:
-    handler = _HoldWarnings()
-    logger = logging.getLogger("asyncpool")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-
-
 async def test_a_hold_kept_past_warn_after_warns_once_naming_the_waiters() -> None:
     # The trial's hang: its loop idled with the hold held, and nothing said so.
     async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
         rows = await pool.alloc(2)
-        with hold_warnings() as seen:
+        with warnings_seen("hold_grants() hold") as seen:
             hold = pool.hold_grants(warn_after=0.01)
             waiter = asyncio.ensure_future(pool.alloc(1))
-            await seen.seen.wait()
+            await seen.event.wait()
             (message,) = seen.messages
             assert "held for 0.01 s, 1 waiters queued" in message
             assert hold.held
@@ -397,7 +369,7 @@ async def test_a_hold_carried_over_by_bind_is_released_without_touching_its_time
 
     in_thread(scheduler_thread, name="scheduler")
     assert not hold.held and not pool.grants_held and not timer.cancelled()
-    with hold_warnings() as seen:
+    with warnings_seen("hold_grants() hold") as seen:
         _warn_if_held(weakref.ref(hold), 30)  # what the timer runs, 30 s on
         assert seen.messages == []
     timer.cancel()  # (from its own loop: the test ends before it fires)
@@ -411,7 +383,7 @@ async def test_a_hold_on_a_closed_pool_arms_no_warning_and_a_close_silences_one(
     await pool.close()
     after = pool.hold_grants(warn_after=30)
     assert after._timer is None  # it holds nothing there
-    with hold_warnings() as seen:
+    with warnings_seen("hold_grants() hold") as seen:
         _warn_if_held(weakref.ref(held_before), 30)  # the pool is closed now
         assert seen.messages == []
     timer.cancel()

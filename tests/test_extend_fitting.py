@@ -3,7 +3,9 @@
 For a scheduler that orders its running requests and retracts from the
 back: ``rows[:m]`` grow, the rest get nothing, one take for the run. The
 rules of ``extend_rows`` otherwise (validation of every row, reclaiming
-completed fences first, the pages belong to their row).
+completed fences first, the pages belong to their row); its bad-input,
+close and no-``kv`` refusals are tested with ``extend_rows``'s, in
+tests/test_extend_rows.py.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ from helpers import page_ids as ids
 from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
-    InvalidSlotError,
     KVPagePool,
-    PoolClosedError,
 )
 
 
@@ -157,61 +157,6 @@ async def test_while_released_no_row_grows():
         assert m == 0 and got.shape == (0, 1)
         assert kv_of(pool).available_size() == 4 and len(pool.pages_of(g.row)) == 0
         pool.free(g.row)
-
-
-@pytest.mark.parametrize(
-    "rows, k, error",
-    [
-        ("duplicate", 1, InvalidSlotError),
-        ("row 0", 1, InvalidSlotError),
-        ("a free row", 1, InvalidSlotError),
-        ("a freed row", 1, InvalidSlotError),
-        ("a float", 1, InvalidSlotError),
-        ("both", 0, CapacityError),
-        ("both", 17, CapacityError),
-        ("both", 1.0, CapacityError),
-        ("both", True, CapacityError),
-        ("both", [1], CapacityError),
-        ("both", [1, -1], CapacityError),
-        ("both", torch.tensor([1.0, 1.0]), CapacityError),
-    ],
-)
-async def test_bad_input_raises_typed_and_changes_nothing(rows, k, error):
-    # The last row is checked though the run would stop before it.
-    async with make(rows=4, pages=16) as pool:
-        a = await pool.admit(pages=1)
-        b = await pool.admit(pages=1)
-        gone = await pool.admit(pages=0)
-        pool.free(gone.row)
-        arg = {
-            "both": [a.row, b.row],
-            "duplicate": [a.row, a.row],
-            "row 0": [a.row, 0],
-            "a free row": [a.row, 4],
-            "a freed row": [a.row, gone.row],
-            "a float": [a.row, 2.0],
-        }[rows]
-        before = state(pool)
-        with pytest.raises(error):
-            pool.extend_fitting(arg, k)
-        assert state(pool) == before
-        pool.free([a.row, b.row])
-
-
-async def test_after_close_it_raises_and_a_pool_without_kv_refuses():
-    pool = make(rows=2, pages=4)
-    g = await pool.admit(pages=1)
-    await pool.close()
-    before = state(pool)
-    with pytest.raises(PoolClosedError):
-        pool.extend_fitting([g.row], 1)
-    assert state(pool) == before
-    pool.free(g.row)
-    async with AsyncReqToTokenPool(3, 8) as rows_only:
-        row = await rows_only.alloc(1)
-        with pytest.raises(CapacityError, match="no KV pages"):
-            rows_only.extend_fitting(row, 1)
-        rows_only.free(row)
 
 
 async def test_no_rows_is_an_empty_run():

@@ -148,24 +148,33 @@ async def test_rows_in_every_form_free_takes_and_no_rows_is_an_empty_batch():
         conserved(pool)
 
 
+# extend_fitting (tests/test_extend_fitting.py) takes rows and counts as
+# extend_rows does: the refusals below are both's, but for a total past the
+# KV pool's capacity, which only extend_rows refuses (the run stops there).
+GROWS = ("extend_rows", "extend_fitting")
+BAD_INPUT = [
+    ("both", 0, CapacityError),
+    ("both", -1, CapacityError),
+    ("both", 1.0, CapacityError),
+    ("both", True, CapacityError),
+    ("both", 17, CapacityError),
+    ("duplicate", 1, InvalidSlotError),
+    ("row 0", 1, InvalidSlotError),
+    ("out of range", 1, InvalidSlotError),
+    ("a free row", 1, InvalidSlotError),
+    ("a freed row", 1, InvalidSlotError),  # DoubleFreeError is for frees
+    ("a float", 1, InvalidSlotError),
+]
+
+
 @pytest.mark.parametrize(
-    ("rows", "k", "error"),
-    [
-        ("both", 0, CapacityError),
-        ("both", -1, CapacityError),
-        ("both", 1.0, CapacityError),
-        ("both", True, CapacityError),
-        ("both", 17, CapacityError),
-        ("both", 9, CapacityError),  # 18 pages of 16: never fits
-        ("duplicate", 1, InvalidSlotError),
-        ("row 0", 1, InvalidSlotError),
-        ("out of range", 1, InvalidSlotError),
-        ("a free row", 1, InvalidSlotError),
-        ("a freed row", 1, InvalidSlotError),  # DoubleFreeError is for frees
-        ("a float", 1, InvalidSlotError),
-    ],
+    ("grow", "rows", "k", "error"),
+    [(grow, *case) for grow in GROWS for case in BAD_INPUT]
+    + [("extend_rows", "both", 9, CapacityError)],  # 18 pages of 16: never fits
 )
-async def test_bad_input_raises_typed_and_changes_nothing(rows, k, error):
+async def test_bad_input_raises_typed_and_changes_nothing(grow, rows, k, error):
+    # The bad row is the last: checked though extend_fitting's run would
+    # stop before it.
     async with make(rows=4, pages=16) as pool:
         a = await pool.admit(pages=1)
         b = await pool.admit(pages=1)
@@ -182,26 +191,28 @@ async def test_bad_input_raises_typed_and_changes_nothing(rows, k, error):
         }[rows]
         before = state(pool)
         with pytest.raises(error):
-            pool.extend_rows(arg, k)
+            getattr(pool, grow)(arg, k)
         assert state(pool) == before
         pool.free([a.row, b.row])
         conserved(pool)
 
 
-async def test_after_close_it_raises_and_a_pool_without_kv_refuses():
+@pytest.mark.parametrize("k", [1, [1]], ids=["one count", "a count per row"])
+@pytest.mark.parametrize("grow", GROWS)
+async def test_after_close_it_raises_and_a_pool_without_kv_refuses(grow, k):
     pool = make(rows=2, pages=4)
     g = await pool.admit(pages=1)
     await pool.close()
     before = state(pool)
     with pytest.raises(PoolClosedError):
-        pool.extend_rows([g.row], 1)
+        getattr(pool, grow)([g.row], k)
     assert state(pool) == before
     pool.free(g.row)
     conserved(pool)
     async with AsyncReqToTokenPool(3, 8) as rows_only:
         row = await rows_only.alloc(1)
         with pytest.raises(CapacityError, match="no KV pages"):
-            rows_only.extend_rows(row, 1)
+            getattr(rows_only, grow)(row, k)
         rows_only.free(row)
 
 
@@ -290,40 +301,28 @@ async def test_counts_as_arrays_and_tensors():
         conserved(pool)
 
 
+BAD_COUNTS = [
+    [1],
+    [1, 1, 1],
+    [1, -1],
+    [1, 1.5],
+    [True, 1],
+    torch.tensor([[1, 1]]),
+    np.array([1.0, 1.0]),
+    torch.tensor([1.0, 1.0]),
+    torch.tensor([True, True]),
+]
+
+
 @pytest.mark.parametrize(
-    "k",
-    [
-        [1],
-        [1, 1, 1],
-        [1, -1],
-        [1, 1.5],
-        [True, 1],
-        [9, 8],
-        torch.tensor([[1, 1]]),
-        np.array([1.0, 1.0]),
-        torch.tensor([True, True]),
-    ],
+    ("grow", "k"),
+    [(grow, k) for grow in GROWS for k in BAD_COUNTS]
+    + [("extend_rows", [9, 8])],  # 17 pages of 16: extend_fitting stops short
 )
-async def test_bad_counts_per_row_raise_typed_and_change_nothing(k):
+async def test_bad_counts_per_row_raise_typed_and_change_nothing(grow, k):
     async with make(rows=2, pages=16) as pool:
         a, b = await pool.admit(pages=1), await pool.admit(pages=1)
         before = state(pool)
         with pytest.raises(CapacityError):
-            pool.extend_rows([a.row, b.row], k)
+            getattr(pool, grow)([a.row, b.row], k)
         assert state(pool) == before
-
-
-async def test_counts_per_row_after_close_and_without_kv():
-    pool = make(rows=2, pages=4)
-    g = await pool.admit(pages=1)
-    await pool.close()
-    before = state(pool)
-    with pytest.raises(PoolClosedError):
-        pool.extend_rows([g.row], [1])
-    assert state(pool) == before
-    pool.free(g.row)
-    async with AsyncReqToTokenPool(3, 8) as rows_only:
-        row = await rows_only.alloc(1)
-        with pytest.raises(CapacityError, match="no KV pages"):
-            rows_only.extend_rows(row, [1])
-        rows_only.free(row)

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,9 @@ Need = int | tuple[int, int]
 # ledger's one-pass check-and-free (about 0.1 us a page), more through the
 # seal test and its vectorised free_owned (under 1 us whatever the count).
 _TRUSTED_PASS = 8
+
+
+_Got = TypeVar("_Got")  # what a growth answers: pages, None, or (m, pages)
 
 
 def _page_counts(value: object, n: int, name: str) -> list[int]:
@@ -517,25 +520,20 @@ class Admission:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         m, arr = 0, np.zeros(0, dtype=np.int64)
         if not self._released:
-            pled = pages.ledger
-            reclaimed = pled.reclaimed
             if counts is None:
-                m, arr = pages.extend_fitting(seq, per_row)
+                m, arr = self._grow(pages.extend_fitting, seq, per_row)
             else:
-                m, arr = pages.extend_fitting_each(seq, counts)
+                m, arr = self._grow(pages.extend_fitting_each, seq, counts)
             if m < len(seq):
                 pages.growth_refusals += 1
-            if pled.reclaimed != reclaimed and self._waiters.count:
-                self._waiters.grant()
         got = pages.out(arr)
         return m, got if counts is not None else got.reshape(m, per_row)
 
-    def _grow(
-        self, grow: Callable[[Any, Any], torch.Tensor | None], rows: Any, k: Any
-    ) -> torch.Tensor | None:
-        """``grow(rows, k)`` (RowPages.extend or extend_rows), then the grant
-        loop if the growth reclaimed completed fences: it may have made free
-        more than it took, and queued admissions may fit now."""
+    def _grow(self, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:
+        """``grow(rows, k)`` (a RowPages growth), then the grant loop if the
+        growth reclaimed completed fences: it may have made free more than
+        it took, and queued admissions may fit now. A None answer counts as
+        a growth refusal (``extend_fitting`` counts its short runs itself)."""
         pages = self._pages
         assert pages is not None
         pled = pages.ledger

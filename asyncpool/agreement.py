@@ -19,11 +19,14 @@ What :func:`agree` sends: ONE int64 tensor per call in the common case::
 
     [header, -header, flags of the first WIDTH batches (zero padded)]
 
-``header`` has six numbers for each of two ledger slots, whatever the
+``header`` has seven numbers for each of two ledger slots, whatever the
 caller passes (a pool with ``kv=`` fills both, one without fills the
 first, a bare ``KVPagePool`` the first with pages): what the slot holds
 (none, rows, pages), pending batches, deferral counter, pending ids, free
-ids, a CRC-32 of the pending ids in deferral order. So the tensor has the
+ids, a CRC-32 of the pending ids in deferral order, quarantined ids (with
+free and pending, they fix the allocated count: a rank that quarantined
+what another released, a drain's local verdict on a fence that faulted
+on one rank only, is caught even once both have allocated the rest). So the tensor has the
 same length on every rank, and MIN of ``header`` and of ``-header`` gives
 the least and the greatest value across ranks: a rank that made different
 calls (hence holds different batches), or whose pool was built otherwise
@@ -87,6 +90,7 @@ _HEADER = (
     "pending ids",
     "free ids",
     "pending ids (crc32)",
+    "quarantined ids",
 )
 # What a header slot holds (its "ledger kind"), and the words for each.
 _KINDS = {"rows": 1, "pages": 2}
@@ -224,16 +228,22 @@ def agree(
     for what is sent and how the flags are agreed. Raises
     :class:`AgreementError` on every rank, changing nothing, when the
     ranks' ledgers disagree (what they are, different pending batches,
-    deferral counters, pending or free counts, or a CRC-32 of the pending
-    ids: as many batches holding other rows or pages): the ranks did not
-    make the same calls, or their pools were built otherwise. The order of
-    the free queues is not compared. What is checked before the collective
+    deferral counters, pending, free or quarantined counts, or a CRC-32 of
+    the pending ids: as many batches holding other rows or pages): the
+    ranks did not make the same calls, or their pools were built otherwise.
+    The order of the free queues is not compared, nor which request holds
+    what (a pool does not know its requests): ranks that hand the same rows
+    to different requests pass. What is checked before the collective
     raises on the calling rank only (``ValueError`` for more than
     :data:`SLOTS` ledgers, the same ledger twice or a group this rank is
     not in, ``TypeError`` for a non-group, ``RuntimeError`` without
     torch.distributed), and the other ranks then wait in the all-reduce
-    until the group's timeout. Errors of the collective itself (a rank
-    gone, a timeout of the group) propagate as torch raises them.
+    until the group's timeout. A fence's ``query()`` that raises what is
+    not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) counts
+    as not done here, the collectives run and their verdicts apply, and
+    then it is raised: the other ranks are not left in a collective alone.
+    Errors of the collective itself (a rank gone, a timeout of the group)
+    propagate as torch raises them.
     """
     if len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
@@ -242,9 +252,28 @@ def agree(
         raise ValueError("agree() was given the same ledger twice")
     check_group(group)
     t0 = time.perf_counter()
-    device = _device_for(group)
     views: list[list[Deferred[Any]]] = [led.pending_batches() for led in ledgers]
     cache: dict[int, tuple[Fence, int, BaseException | None]] = {}
+    # A query() that raised CancelledError or KeyboardInterrupt here: raised
+    # once the collectives are over, so no other rank waits in one alone.
+    interrupted: list[BaseException] = []
+    try:
+        return _agree(group, ledgers, overdue_after, t0, views, cache, interrupted)
+    finally:
+        if interrupted:
+            raise interrupted[0]
+
+
+def _agree(
+    group: Any,
+    ledgers: Sequence[Deferrals[Any]],
+    overdue_after: float | None,
+    t0: float,
+    views: list[list[Deferred[Any]]],
+    cache: dict[int, tuple[Fence, int, BaseException | None]],
+    interrupted: list[BaseException],
+) -> Agreement:
+    device = _device_for(group)
     header: list[int] = []
     flags: list[int] = []
     for led, batches in zip(ledgers, views, strict=True):
@@ -256,9 +285,10 @@ def agree(
                 led.pending,
                 _free_count(led),
                 _digest(batches),
+                led.quarantined,
             )
         )
-        flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock()))
+        flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock(), interrupted))
     _flip(flags)  # overdue and faulted negated: their MIN is -MAX
     header.extend([0] * (len(_HEADER) * SLOTS - len(header)))  # empty slots
     total = sum(len(b) for b in views)

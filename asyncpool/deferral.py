@@ -765,15 +765,21 @@ class Deferrals(Generic[T]):
         cache: dict[int, tuple[Fence, int, BaseException | None]],
         overdue_after: float | None,
         now: float,
+        interrupted: list[BaseException] | None = None,
     ) -> list[int]:
         """This replica's view of ``batches`` (in deferral order): three
         flags per batch, ``[done, overdue, faulted]`` each 0 or 1.
 
         ``done``: every fence the batch waits for is retired or answers
-        ``query()`` True here; ``faulted``: one of them raised; ``overdue``:
-        not done and pending for ``overdue_after`` seconds or more. Each
-        fence is asked at most once per ``cache`` (shared by every ledger of
-        one agreement; it keeps the fences alive while it lives).
+        ``query()`` True here; ``faulted``: one of them raised an
+        ``Exception``; ``overdue``: not done and pending for
+        ``overdue_after`` seconds or more. Each fence is asked at most once
+        per ``cache`` (shared by every ledger of one agreement; it keeps the
+        fences alive while it lives). A ``query()`` that raises what is not
+        an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) counts
+        as not done and its exception goes to ``interrupted``, for the
+        caller to raise once the collective is over (the other ranks are
+        already in it); without ``interrupted`` it propagates at once.
         """
         out: list[int] = []
         for batch in batches:
@@ -788,6 +794,11 @@ class Deferrals(Generic[T]):
                         entry = (f, 1 if is_done(f.query()) else 0, None)
                     except Exception as exc:  # a faulted stream
                         entry = (f, 2, exc)
+                    except BaseException as exc:
+                        if interrupted is None:
+                            raise
+                        interrupted.append(exc)
+                        entry = (f, 0, None)  # not done: the batch waits, as in reclaim
                     cache[id(f)] = entry
                 if entry[1] == 2:
                     faulted = 1

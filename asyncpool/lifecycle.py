@@ -135,7 +135,11 @@ class Lifecycle:
         fence in turn and settles what is behind it (rows and pages) as
         :meth:`retire` would (faulted: quarantined). The outcome, nothing
         pending, does not depend on timing, so ranks that drain at the same
-        point stay alike.
+        point stay alike, unless a fence faulted on some ranks only: each
+        rank settles by what it sees (quarantined there, released
+        elsewhere), and the next ``agree()`` raises ``AgreementError``.
+        Where that can happen, settle with ``agree()`` until nothing is
+        pending first (README, *Tensor-parallel engines*).
         """
         self._check_thread()
         if timeout is not None:
@@ -185,7 +189,8 @@ class Lifecycle:
         # fence in turn and settle what is behind it (rows and pages) as
         # retire() would. The outcome (nothing pending) is the same on every
         # rank whatever the timing, so replicas that drain at the same point
-        # stay in step.
+        # stay in step, but a fault is this rank's own verdict (drain has no
+        # group to agree it with; see the docstring).
         ledgers: list[Deferrals[Any]] = [self._ledger]
         if self._pages is not None:
             ledgers.append(self._pages.ledger)

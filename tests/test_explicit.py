@@ -432,6 +432,89 @@ def test_agreement_error_on_disagreeing_ranks(group: Any, monkeypatch: pytest.Mo
     assert snapshot(pool) == before
 
 
+class InterruptingFence:
+    """A transfer handle whose query() raises ``error`` (not an Exception)
+    until it is told it is done."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+        self.done = False
+
+    def query(self) -> bool:
+        if not self.done:
+            raise self.error
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("error", [asyncio.CancelledError, KeyboardInterrupt])
+def test_agree_raises_a_query_interrupt_only_after_the_collective(
+    group: Any, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+) -> None:
+    """A query() raising CancelledError or KeyboardInterrupt on one rank
+    used to leave agree() before its all-reduce, and every other rank then
+    waited in it until the group's timeout (gloo's default: 30 minutes).
+    Now the fence counts as not done here, the collective runs, and the
+    interrupt is raised after it; nothing is released or quarantined."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    f = InterruptingFence(error)
+    pool.free(rows, fence=f)
+    seen: list[list[int]] = []
+    real = agreement._all_reduce_min
+
+    def counted(values: list[int], g: Any, device: torch.device, **kw: Any) -> list[int]:
+        seen.append(list(values))
+        return real(values, g, device, **kw)
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", counted)
+    with pytest.raises(error):
+        pool.agree(group)
+    assert len(seen) == 1  # the collective ran before the interrupt was raised
+    nh = len(agreement._HEADER) * agreement.SLOTS
+    assert seen[0][2 * nh : 2 * nh + 3] == [0, 0, 0]  # not done, overdue or faulted
+    assert pool.pending_size() == 2 and pool.quarantined_size() == 0
+    pool.check_invariants()
+    f.done = True
+    assert pool.agree(group) == 2  # ReqToTokenPool.agree: the rows released
+    assert pool.available_size() == pool.capacity
+
+
+def test_agreement_error_on_ranks_that_quarantined_differently(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that quarantined rows another released (a drain's local
+    verdict on a fence that faulted on one rank only) and has since
+    allocated the rest holds as many free and pending rows as the other:
+    only the quarantined count tells them apart."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    t = CountingFence(done=True)
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=t)
+    real = agreement._all_reduce_min
+    n = len(agreement._HEADER) * agreement.SLOTS
+    q = agreement._HEADER.index("quarantined ids")
+
+    def other_rank_quarantined_one(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[n + q] = min(out[n + q], -1)  # the other rank: 1 quarantined (stored negated)
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_quarantined_one)
+    before = snapshot(pool)
+    with pytest.raises(AgreementError, match=r"rows quarantined ids 0\.\.1"):
+        pool.agree(group)
+    assert snapshot(pool) == before
+
+
 def test_agree_merges_both_ledgers_in_one_tensor(group: Any) -> None:
     pool = rows_pool()
     kv = kv_pool()

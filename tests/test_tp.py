@@ -129,6 +129,35 @@ def test_pools_built_otherwise_raise_agreement_error_on_every_rank(
 
 
 @pytest.mark.timeout(120)
+def test_a_query_interrupt_on_one_rank_leaves_no_rank_in_a_collective(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """Rank 1's transfer raised CancelledError from query(): it used to
+    leave agree() before the all-reduce, and rank 0 waited in it until the
+    group's timeout (the fixture's ranks would fail after 60 s)."""
+    here, there = (r["interrupt"] for r in one_rank_differs)
+    assert here["first"] == "agreed 0 0" and there["first"] == "CancelledError"
+    for r in (here, there):
+        assert r["pending"] == [1, 3]  # not done on rank 1: held on both
+        assert r["then"] == [1, 3]  # done on both now: released on both
+
+
+@pytest.mark.timeout(120)
+def test_a_drain_split_by_a_one_rank_fault_is_caught_by_the_next_agree(
+    one_rank_differs: list[dict[str, Any]],
+) -> None:
+    """drain() quarantined on rank 1 what it released on rank 0. Once both
+    ranks allocated every free row and page, free and pending counts agreed
+    and the next agree() passed; the quarantined counts now tell them
+    apart."""
+    for r in one_rank_differs:
+        assert r["drain_split"].startswith("AgreementError"), r
+        assert "rows quarantined ids 0..1" in r["drain_split"], r
+        assert "pages quarantined ids 0..3" in r["drain_split"], r
+        assert "free ids" not in r["drain_split"], r
+
+
+@pytest.mark.timeout(120)
 def test_faults_and_stuck_transfers_beyond_the_first_all_reduce(
     one_rank_differs: list[dict[str, Any]],
 ) -> None:

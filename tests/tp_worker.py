@@ -389,7 +389,8 @@ def disagree_rank(
 
 
 class _Handle:
-    """A transfer handle whose state the scenario sets: done, pending or failed."""
+    """A transfer handle whose state the scenario sets: done, pending, failed
+    or cancel (its query() raises CancelledError)."""
 
     __slots__ = ("state",)
 
@@ -399,6 +400,8 @@ class _Handle:
     def query(self) -> bool:
         if self.state == "failed":
             raise RuntimeError("the RDMA peer is gone")
+        if self.state == "cancel":
+            raise asyncio.CancelledError
         return self.state == "done"
 
     def synchronize(self) -> None:
@@ -416,7 +419,16 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
     * ``wide``: more pending batches than the first all-reduce carries, one
       failed and one stuck on rank 1 in each all-reduce: the same verdicts;
     * ``kv``: rank 0's pool has ``kv=``, rank 1's not: every rank raises
-      AgreementError (the all-reduced tensor is as long on every rank).
+      AgreementError (the all-reduced tensor is as long on every rank);
+    * ``interrupt``: a transfer's ``query()`` raises ``CancelledError`` on
+      rank 1 only: rank 1 raises it after the collective, rank 0 returns
+      (neither waits in an all-reduce alone), the memory stays pending on
+      both, and a later agree() releases it on both;
+    * ``drain_split``: a transfer fails on rank 1 only and both ranks
+      ``drain()`` (local verdicts: released on rank 0, quarantined on rank
+      1), then allocate every free row: the next agree() raises
+      AgreementError on every rank (free and pending counts match; the
+      quarantined counts do not).
 
     Writes one JSON object of outcomes per rank.
     """
@@ -476,6 +488,45 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
             "pending": wide.pending_size(),
         }
         wide.check_invariants()
+        # A query() that raises CancelledError on rank 1 only.
+        p = pool()
+        g = p.try_admit(pages=3)
+        assert g is not None
+        handle = _Handle("done" if rank == 0 else "cancel")
+        p.free([g.row], fence=handle)
+        try:
+            rows, pages = p.agree()
+            first = f"agreed {rows} {pages}"
+        except asyncio.CancelledError:
+            first = "CancelledError"
+        pending = [p.pending_size(), p.kv.pending_size()]  # type: ignore[union-attr]
+        handle.state = "done"
+        out["interrupt"] = {"first": first, "pending": pending, "then": list(p.agree())}
+        p.check_invariants()
+        await p.close()
+        # drain() settles by what it sees here: a fence that faulted on rank
+        # 1 only splits the ranks, and agree() must say so even once both
+        # have allocated what they hold free.
+        p = pool()
+        g = p.try_admit(pages=3)
+        assert g is not None
+        p.free([g.row], fence=_Handle("done" if rank == 0 else "failed"))
+        await p.drain(timeout=10)
+        taken = p.try_alloc(p.available_size())
+        kv = p.kv
+        assert kv is not None
+        held = kv.alloc(kv.available_size())
+        try:
+            p.agree()
+            out["drain_split"] = "agreed"
+        except AgreementError as exc:
+            out["drain_split"] = f"AgreementError: {exc}"
+        if taken:
+            p.free(taken)
+        if held is not None:
+            kv.free(held)
+        p.check_invariants()
+        await p.close()
         p = pool(kv=rank == 0)
         g = p.try_admit(pages=2) if rank == 0 else None
         row = g.row if g is not None else (await p.alloc(1))[0]

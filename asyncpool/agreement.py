@@ -61,6 +61,7 @@ scheduler's thread, every rank at the same point, as for any collective.
 from __future__ import annotations
 
 import array
+import dataclasses
 import logging
 import threading
 import time
@@ -75,7 +76,7 @@ from .deferral import Deferrals, Deferred, held_words
 from .errors import AgreementError
 from .fences import Fence
 
-__all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
+__all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,9 @@ class Agreement:
     some rank past the timeout);
     ``batches``: pending batches the call covered; ``collectives``: how many
     all-reduces it ran (1, or 2 beyond ``WIDTH`` batches); ``seconds``: its
-    wall time here.
+    wall time here; ``interrupt``: what a fence's ``query()`` raised here
+    that is not an ``Exception`` (:func:`settle` only: :func:`agree` raises
+    it), for the caller to raise once it has acted on the agreement.
     """
 
     released: tuple[int, ...]
@@ -135,6 +138,7 @@ class Agreement:
     batches: int
     collectives: int
     seconds: float
+    interrupt: BaseException | None = None
 
 
 def _free_count(led: Deferrals[Any]) -> int:
@@ -215,7 +219,7 @@ def check_group(group: Any) -> None:
         )
 
 
-def agree(
+def settle(
     group: Any,
     ledgers: Sequence[Deferrals[Any]],
     *,
@@ -241,7 +245,10 @@ def agree(
     until the group's timeout. A fence's ``query()`` that raises what is
     not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) counts
     as not done here, the collectives run and their verdicts apply, and
-    then it is raised: the other ranks are not left in a collective alone.
+    it is returned as ``interrupt`` for the caller to raise once it has
+    acted on the agreement (run its grant loop: the other ranks do), so no
+    rank is left in a collective alone; it is raised at once only when the
+    agreement itself raises (nothing changed then).
     Errors of the collective itself (a rank gone, a timeout of the group)
     propagate as torch raises them.
     """
@@ -258,10 +265,27 @@ def agree(
     # once the collectives are over, so no other rank waits in one alone.
     interrupted: list[BaseException] = []
     try:
-        return _agree(group, ledgers, overdue_after, t0, views, cache, interrupted)
-    finally:
-        if interrupted:
-            raise interrupted[0]
+        res = _agree(group, ledgers, overdue_after, t0, views, cache, interrupted)
+    except BaseException:
+        if interrupted:  # the agreement raised, changing nothing: the interrupt instead
+            raise interrupted[0]  # noqa: B904 (its context is the agreement's error)
+        raise
+    if interrupted:
+        return dataclasses.replace(res, interrupt=interrupted[0])
+    return res
+
+
+def agree(
+    group: Any,
+    ledgers: Sequence[Deferrals[Any]],
+    *,
+    overdue_after: float | None = None,
+) -> Agreement:
+    """:func:`settle`, then raise the interrupt it met, if any."""
+    res = settle(group, ledgers, overdue_after=overdue_after)
+    if res.interrupt is not None:
+        raise res.interrupt
+    return res
 
 
 def _agree(

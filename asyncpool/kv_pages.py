@@ -67,7 +67,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .agreement import agree, check_explicit, check_reclaim_mode
+from .agreement import check_explicit, check_reclaim_mode, settle
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, check_after, record_fence
@@ -1213,9 +1213,12 @@ class KVPagePool:
         if self._guard is not None:
             self._guard()
         check_explicit(self._ledger, "agree")
-        n = agree(group, [self._ledger]).released[0]
+        res = settle(group, [self._ledger])
+        n = res.released[0]
         if n and self._on_free is not None:
-            self._on_free()  # an owning pool's grant loop
+            self._on_free()  # an owning pool's grant loop, interrupted or not
+        if res.interrupt is not None:
+            raise res.interrupt
         return n
 
     def clear(self) -> None:

@@ -76,7 +76,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from .admission import Admission, Need
-from .agreement import agree, check_explicit, check_reclaim_mode
+from .agreement import check_explicit, check_reclaim_mode, settle
 from .base import PoolCore, int_arg
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
@@ -941,11 +941,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._pages is not None:
             ledgers.append(self._pages.ledger)
         timeout = self._overdue.timeout if self._overdue is not None else None
-        res = agree(group, ledgers, overdue_after=timeout)
+        res = settle(group, ledgers, overdue_after=timeout)
         rows = res.released[0]
         pages = res.released[1] if len(res.released) > 1 else 0
         if (rows or pages or res.quarantined) and self._waiters.count:
-            self._waiters.grant()
+            self._waiters.grant()  # as on every other rank, interrupted or not
+        if res.interrupt is not None:
+            raise res.interrupt
         return rows, pages
 
     def force_release(self, fence: Fence) -> tuple[int, int]:

@@ -485,6 +485,81 @@ def test_agree_raises_a_query_interrupt_only_after_the_collective(
     assert pool.available_size() == pool.capacity
 
 
+async def test_agree_interrupted_still_grants_what_it_released(group: Any) -> None:
+    """The other ranks run their grant loop after the collective; a rank
+    whose query() raised CancelledError must too, before raising it, or a
+    waiter granted everywhere else waits here (the ranks' batches part)."""
+    kv = KVPagePool(9, 4, reclaim="explicit")
+    pool = AsyncReqToTokenPool(3, 4, kv=kv, reclaim="explicit")
+    done = CountingFence(done=True)
+    stuck = InterruptingFence(asyncio.CancelledError)
+    a = pool.try_admit(pages=4)
+    b = pool.try_admit(pages=4)
+    assert a is not None and b is not None
+    pool.free([a.row], fence=done)
+    pool.free([b.row], fence=stuck)
+    waiter = asyncio.ensure_future(pool.admit(pages=4))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiter.done()
+    with pytest.raises(asyncio.CancelledError):
+        pool.agree(group)
+    assert pool.waiting() == 0 and pool.available_size() == 0  # granted at hand-over
+    assert pool.pending_size() == 1 and kv.pending_size() == 4  # b: not done here
+    async with bounded():
+        g = await waiter
+    assert g.row == a.row
+    pool.free([g.row])
+    stuck.done = True
+    assert pool.agree(group) == (1, 4)
+    pool.check_invariants()
+    await pool.close()
+
+
+def test_kv_agree_interrupted_still_tells_its_owner(group: Any) -> None:
+    """KVPagePool.agree calls its owning pool's hook for the pages it
+    released before raising the interrupt, as it does without one."""
+    kv = kv_pool()
+    told: list[int] = []
+    kv._on_free = lambda: told.append(1)
+    done = CountingFence(done=True)
+    stuck = InterruptingFence(KeyboardInterrupt)
+    a, b = kv.alloc(2), kv.alloc(3)
+    assert a is not None and b is not None
+    kv.free(a, fence=done)
+    kv.free(b, fence=stuck)
+    with pytest.raises(KeyboardInterrupt):
+        kv.agree(group)
+    assert told == [1] and kv.pending_size() == 3
+
+
+def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the ranks disagree, nothing is settled and the interrupt is
+    raised at once, the AgreementError as its context."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=InterruptingFence(asyncio.CancelledError))
+    real = agreement._all_reduce_min
+    n = len(agreement._HEADER) * agreement.SLOTS
+
+    def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[n + 1] = min(out[n + 1], -2)  # the other rank: 2 batches (stored negated)
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
+    before = snapshot(pool)
+    with pytest.raises(asyncio.CancelledError) as info:
+        pool.agree(group)
+    assert isinstance(info.value.__context__, AgreementError)
+    assert snapshot(pool) == before
+
+
 def test_agreement_error_on_ranks_that_quarantined_differently(
     group: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

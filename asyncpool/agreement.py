@@ -17,7 +17,7 @@ back through two calls that every rank makes at the same point of its loop:
 
 What :func:`agree` sends: ONE int64 tensor per call in the common case::
 
-    [header, -header, flags of the first WIDTH batches (zero padded)]
+    [header, -header, flags of the first WIDTH batches (zero padded), interrupted]
 
 ``header`` has seven numbers for each of two ledger slots, whatever the
 caller passes (a pool with ``kv=`` fills both, one without fills the
@@ -37,7 +37,8 @@ aborting on mismatched sizes. Flags are three per pending batch, in
 deferral order (the ``did`` each batch got when it was created: identical
 across ranks that made the same calls): ``done`` (every fence it waits for
 completed here), ``overdue`` (not done here, and pending for
-``fence_timeout`` or more) and ``faulted`` (a fence raised here), the last
+``fence_timeout`` or more) and ``faulted`` (a fence raised an ``Exception``
+here), the last
 two sent negated, so that MIN reduces them to the MAX over ranks. Agreed:
 faulted on any rank -> quarantined on every rank (a transfer that failed on
 one rank only must not hold its memory forever unseen; quarantine never
@@ -45,7 +46,10 @@ frees early); else done on every rank -> released; else overdue on any
 rank -> counted and logged once as overdue on every rank (the memory stays
 held; ``force_release`` is the operator's call). Batches beyond ``WIDTH``
 go in a second all-reduce whose size every rank knows from the checked
-header.
+header. The first tensor ends with one more word, -1 on a rank where a
+fence's ``query()`` raised what is not an ``Exception`` (an interrupt):
+then no rank settles anything, that rank raises its interrupt and the
+others :class:`AgreementError`.
 
 Which fences: every pending batch, ordered fences not yet retired included
 (an offload copy on a side stream is ordered but nobody retires it; for the
@@ -61,7 +65,6 @@ scheduler's thread, every rank at the same point, as for any collective.
 from __future__ import annotations
 
 import array
-import dataclasses
 import logging
 import threading
 import time
@@ -76,7 +79,7 @@ from .deferral import Deferrals, Deferred, held_words
 from .errors import AgreementError
 from .fences import Fence
 
-__all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode", "settle"]
+__all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +130,7 @@ class Agreement:
     some rank past the timeout);
     ``batches``: pending batches the call covered; ``collectives``: how many
     all-reduces it ran (1, or 2 beyond ``WIDTH`` batches); ``seconds``: its
-    wall time here; ``interrupt``: what a fence's ``query()`` raised here
-    that is not an ``Exception`` (:func:`settle` only: :func:`agree` raises
-    it), for the caller to raise once it has acted on the agreement.
+    wall time here.
     """
 
     released: tuple[int, ...]
@@ -138,7 +139,6 @@ class Agreement:
     batches: int
     collectives: int
     seconds: float
-    interrupt: BaseException | None = None
 
 
 def _free_count(led: Deferrals[Any]) -> int:
@@ -170,8 +170,9 @@ def _device_for(group: Any) -> torch.device:
 
 # Reused all-reduce buffers, per (thread, device, length): gloo pays a few
 # hundred microseconds to set up a tensor it has not seen (measured: a fresh
-# 112-element tensor per call cost 0.7-0.9 ms against 0.5-0.6 ms for a reused
-# one, 2 ranks on one host), and the first round always has the same length.
+# first-round tensor, then of 112 elements, per call cost 0.7-0.9 ms against
+# 0.5-0.6 ms for a reused one, 2 ranks on one host), and the first round
+# always has the same length.
 _buffers: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -219,7 +220,7 @@ def check_group(group: Any) -> None:
         )
 
 
-def settle(
+def agree(
     group: Any,
     ledgers: Sequence[Deferrals[Any]],
     *,
@@ -243,14 +244,14 @@ def settle(
     not in, ``TypeError`` for a non-group, ``RuntimeError`` without
     torch.distributed), and the other ranks then wait in the all-reduce
     until the group's timeout. A fence's ``query()`` that raises what is
-    not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) counts
-    as not done here, the collectives run and their verdicts apply, and
-    it is returned as ``interrupt`` for the caller to raise once it has
-    acted on the agreement (run its grant loop: the other ranks do), so no
-    rank is left in a collective alone; it is raised at once only when the
-    agreement itself raises (nothing changed then).
-    Errors of the collective itself (a rank gone, a timeout of the group)
-    propagate as torch raises them.
+    not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) on
+    some rank interrupts the agreement on every rank at the same call,
+    changing nothing anywhere: no other fence is asked there, the first
+    all-reduce still runs (it carries an "interrupted" word), that rank
+    raises its interrupt and every other rank :class:`AgreementError`. No
+    rank is left in a collective alone, and all of them leave the call
+    alike. Errors of the collective itself (a rank gone, a timeout of the
+    group) propagate as torch raises them.
     """
     if len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
@@ -261,42 +262,10 @@ def settle(
     t0 = time.perf_counter()
     views: list[list[Deferred[Any]]] = [led.pending_batches() for led in ledgers]
     cache: dict[int, tuple[Fence, int, BaseException | None]] = {}
-    # A query() that raised CancelledError or KeyboardInterrupt here: raised
-    # once the collectives are over, so no other rank waits in one alone.
+    # A query() that raised CancelledError or KeyboardInterrupt here: the
+    # agreement still runs its first collective, so no other rank waits in
+    # it alone, and every rank then leaves the call, nothing changed.
     interrupted: list[BaseException] = []
-    try:
-        res = _agree(group, ledgers, overdue_after, t0, views, cache, interrupted)
-    except BaseException:
-        if interrupted:  # the agreement raised, changing nothing: the interrupt instead
-            raise interrupted[0]  # noqa: B904 (its context is the agreement's error)
-        raise
-    if interrupted:
-        return dataclasses.replace(res, interrupt=interrupted[0])
-    return res
-
-
-def agree(
-    group: Any,
-    ledgers: Sequence[Deferrals[Any]],
-    *,
-    overdue_after: float | None = None,
-) -> Agreement:
-    """:func:`settle`, then raise the interrupt it met, if any."""
-    res = settle(group, ledgers, overdue_after=overdue_after)
-    if res.interrupt is not None:
-        raise res.interrupt
-    return res
-
-
-def _agree(
-    group: Any,
-    ledgers: Sequence[Deferrals[Any]],
-    overdue_after: float | None,
-    t0: float,
-    views: list[list[Deferred[Any]]],
-    cache: dict[int, tuple[Fence, int, BaseException | None]],
-    interrupted: list[BaseException],
-) -> Agreement:
     device = _device_for(group)
     header: list[int] = []
     flags: list[int] = []
@@ -318,12 +287,27 @@ def _agree(
     total = sum(len(b) for b in views)
     first = flags[: 3 * WIDTH]
     first.extend([0] * (3 * WIDTH - len(first)))
-    reduced = _all_reduce_min([*header, *(-h for h in header), *first], group, device)
+    # The last word: -1 where a query() was interrupted (MIN: on any rank).
+    stop = -1 if interrupted else 0
+    try:
+        reduced = _all_reduce_min([*header, *(-h for h in header), *first, stop], group, device)
+    except Exception:
+        if interrupted:  # the interrupt, with the collective's error as its context
+            raise interrupted[0]  # noqa: B904
+        raise
     collectives = 1
     nh = len(header)
     low, high = reduced[:nh], [-v for v in reduced[nh : 2 * nh]]
+    if interrupted:
+        raise interrupted[0]  # every other rank raises AgreementError below
     if low != high:
         raise AgreementError(_disagreement(ledgers, low, high))
+    if reduced[-1]:
+        raise AgreementError(
+            "agree(): a fence's query() was interrupted (CancelledError or "
+            "KeyboardInterrupt) on another rank, which raised it; nothing was changed "
+            "on any rank"
+        )
     agreed = reduced[2 * nh : 2 * nh + 3 * min(total, WIDTH)]
     if total > WIDTH:
         agreed.extend(_all_reduce_min(flags[3 * WIDTH :], group, device, reuse=False))

@@ -776,10 +776,11 @@ class Deferrals(Generic[T]):
         ``overdue_after`` seconds or more. Each fence is asked at most once
         per ``cache`` (shared by every ledger of one agreement; it keeps the
         fences alive while it lives). A ``query()`` that raises what is not
-        an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) counts
-        as not done and its exception goes to ``interrupted``, for the
-        caller to raise once the collective is over (the other ranks are
-        already in it); without ``interrupted`` it propagates at once.
+        an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) goes to
+        ``interrupted`` and no fence is asked after it (the flags then mean
+        nothing: the caller still joins the collective, the other ranks
+        being in it, and settles nothing); without ``interrupted`` it
+        propagates at once.
         """
         out: list[int] = []
         for batch in batches:
@@ -790,6 +791,9 @@ class Deferrals(Generic[T]):
                     continue
                 entry = cache.get(id(f))
                 if entry is None:
+                    if interrupted:  # nothing will be settled: ask nothing more
+                        done = 0
+                        break
                     try:
                         entry = (f, 1 if is_done(f.query()) else 0, None)
                     except Exception as exc:  # a faulted stream
@@ -798,7 +802,7 @@ class Deferrals(Generic[T]):
                         if interrupted is None:
                             raise
                         interrupted.append(exc)
-                        entry = (f, 0, None)  # not done: the batch waits, as in reclaim
+                        entry = (f, 0, None)
                     cache[id(f)] = entry
                 if entry[1] == 2:
                     faulted = 1

@@ -67,7 +67,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .agreement import check_explicit, check_reclaim_mode, settle
+from .agreement import agree, check_explicit, check_reclaim_mode
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, check_after, record_fence
@@ -1205,7 +1205,9 @@ class KVPagePool:
         (``reclaim="explicit"``; see :mod:`asyncpool.agreement`). A
         collective: every rank calls it at the same point. Returns the pages
         made free; raises :class:`AgreementError` on every rank, changing
-        nothing, when the ranks' pools disagree. ``RuntimeError`` on an
+        nothing, when the ranks' pools disagree or a fence's ``query()`` was
+        interrupted on another rank (that rank raises its ``CancelledError``
+        or ``KeyboardInterrupt``). ``RuntimeError`` on an
         ``"auto"`` pool or without an initialised ``torch.distributed``, and
         ``TypeError``/``ValueError`` for a bad ``group``, raise on this rank
         alone, before the collective (the other ranks then wait in it).
@@ -1213,12 +1215,9 @@ class KVPagePool:
         if self._guard is not None:
             self._guard()
         check_explicit(self._ledger, "agree")
-        res = settle(group, [self._ledger])
-        n = res.released[0]
+        n = agree(group, [self._ledger]).released[0]
         if n and self._on_free is not None:
-            self._on_free()  # an owning pool's grant loop, interrupted or not
-        if res.interrupt is not None:
-            raise res.interrupt
+            self._on_free()  # an owning pool's grant loop
         return n
 
     def clear(self) -> None:

@@ -137,9 +137,10 @@ class Lifecycle:
         pending, does not depend on timing, so ranks that drain at the same
         point stay alike, unless a fence faulted on some ranks only: each
         rank settles by what it sees (quarantined there, released
-        elsewhere), and the next ``agree()`` raises ``AgreementError``.
-        Where that can happen, settle with ``agree()`` until nothing is
-        pending first (README, *Tensor-parallel engines*).
+        elsewhere), and every later ``agree()`` raises ``AgreementError``
+        (quarantine is for life: rebuild the pools). Where that can happen,
+        settle with ``agree()`` until nothing is pending first (README,
+        *Tensor-parallel engines*).
         """
         self._check_thread()
         if timeout is not None:

@@ -76,7 +76,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from .admission import Admission, Need
-from .agreement import check_explicit, check_reclaim_mode, settle
+from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore, int_arg
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
@@ -927,8 +927,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Raises :class:`AgreementError` on every rank, changing nothing,
         when the ranks' pools hold different pending batches (in number or
         in the ids they hold: they did not make the same calls) or were
-        built otherwise (``kv=`` on some ranks only). ``RuntimeError`` on an
-        ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
+        built otherwise (``kv=`` on some ranks only), or when a fence's
+        ``query()`` raised ``CancelledError``/``KeyboardInterrupt`` on
+        another rank (that rank raises it, also changing nothing).
+        ``RuntimeError`` on an ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
         ``TypeError``/``ValueError`` for a bad ``group`` (``RuntimeError``
         when ``torch.distributed`` is not initialised) raise on this rank
         alone, before the collective: the other ranks then wait in it until
@@ -941,13 +943,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._pages is not None:
             ledgers.append(self._pages.ledger)
         timeout = self._overdue.timeout if self._overdue is not None else None
-        res = settle(group, ledgers, overdue_after=timeout)
+        res = agree(group, ledgers, overdue_after=timeout)
         rows = res.released[0]
         pages = res.released[1] if len(res.released) > 1 else 0
         if (rows or pages or res.quarantined) and self._waiters.count:
-            self._waiters.grant()  # as on every other rank, interrupted or not
-        if res.interrupt is not None:
-            raise res.interrupt
+            self._waiters.grant()
         return rows, pages
 
     def force_release(self, fence: Fence) -> tuple[int, int]:

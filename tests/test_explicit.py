@@ -456,8 +456,9 @@ def test_agree_raises_a_query_interrupt_only_after_the_collective(
     """A query() raising CancelledError or KeyboardInterrupt on one rank
     used to leave agree() before its all-reduce, and every other rank then
     waited in it until the group's timeout (gloo's default: 30 minutes).
-    Now the fence counts as not done here, the collective runs, and the
-    interrupt is raised after it; nothing is released or quarantined."""
+    Now the first collective still runs (its last word says this rank was
+    interrupted) and the interrupt is raised after it; nothing is released
+    or quarantined."""
     import asyncpool.agreement as agreement
 
     pool = rows_pool()
@@ -478,6 +479,7 @@ def test_agree_raises_a_query_interrupt_only_after_the_collective(
     assert len(seen) == 1  # the collective ran before the interrupt was raised
     nh = len(agreement._HEADER) * agreement.SLOTS
     assert seen[0][2 * nh : 2 * nh + 3] == [0, 0, 0]  # not done, overdue or faulted
+    assert seen[0][-1] == -1  # the last word: interrupted here
     assert pool.pending_size() == 2 and pool.quarantined_size() == 0
     pool.check_invariants()
     f.done = True
@@ -485,40 +487,67 @@ def test_agree_raises_a_query_interrupt_only_after_the_collective(
     assert pool.available_size() == pool.capacity
 
 
-async def test_agree_interrupted_still_grants_what_it_released(group: Any) -> None:
-    """The other ranks run their grant loop after the collective; a rank
-    whose query() raised CancelledError must too, before raising it, or a
-    waiter granted everywhere else waits here (the ranks' batches part)."""
+async def test_an_interrupted_agreement_changes_nothing_even_what_was_done(group: Any) -> None:
+    """Every rank leaves an interrupted agreement alike: nothing settled,
+    not even a batch every rank saw done, so no grant loop runs anywhere;
+    and no fence is asked after the interrupt."""
     kv = KVPagePool(9, 4, reclaim="explicit")
     pool = AsyncReqToTokenPool(3, 4, kv=kv, reclaim="explicit")
-    done = CountingFence(done=True)
     stuck = InterruptingFence(asyncio.CancelledError)
+    later = CountingFence(done=True)
     a = pool.try_admit(pages=4)
     b = pool.try_admit(pages=4)
     assert a is not None and b is not None
-    pool.free([a.row], fence=done)
-    pool.free([b.row], fence=stuck)
+    pool.free([a.row], fence=stuck)
+    pool.free([b.row], fence=later)
     waiter = asyncio.ensure_future(pool.admit(pages=4))
     for _ in range(3):
         await asyncio.sleep(0)
-    assert not waiter.done()
+    before = snapshot(pool)
     with pytest.raises(asyncio.CancelledError):
         pool.agree(group)
-    assert pool.waiting() == 0 and pool.available_size() == 0  # granted at hand-over
-    assert pool.pending_size() == 1 and kv.pending_size() == 4  # b: not done here
+    assert later.queries == 0  # asked nothing after the interrupt
+    assert snapshot(pool) == before and pool.waiting() == 1
+    assert pool.pending_size() == 2 and kv.pending_size() == 8
+    stuck.done = True
+    assert pool.agree(group) == (2, 8)
     async with bounded():
         g = await waiter
-    assert g.row == a.row
     pool.free([g.row])
-    stuck.done = True
-    assert pool.agree(group) == (1, 4)
     pool.check_invariants()
     await pool.close()
 
 
-def test_kv_agree_interrupted_still_tells_its_owner(group: Any) -> None:
-    """KVPagePool.agree calls its owning pool's hook for the pages it
-    released before raising the interrupt, as it does without one."""
+def test_agreement_error_when_another_rank_was_interrupted(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks that were not interrupted raise AgreementError at the same
+    call, changing nothing, instead of settling what the interrupted rank
+    does not."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    t = CountingFence(done=True)
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=t)
+    real = agreement._all_reduce_min
+
+    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[-1] = -1  # the last word: a query() was interrupted on some rank
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
+    before = snapshot(pool)
+    with pytest.raises(AgreementError, match=r"interrupted .* on another rank"):
+        pool.agree(group)
+    assert snapshot(pool) == before
+
+
+def test_kv_agree_interrupted_changes_nothing(group: Any) -> None:
+    """A bare KVPagePool alike: nothing released, its owner's hook not
+    called, until an agreement that is not interrupted."""
     kv = kv_pool()
     told: list[int] = []
     kv._on_free = lambda: told.append(1)
@@ -530,14 +559,16 @@ def test_kv_agree_interrupted_still_tells_its_owner(group: Any) -> None:
     kv.free(b, fence=stuck)
     with pytest.raises(KeyboardInterrupt):
         kv.agree(group)
-    assert told == [1] and kv.pending_size() == 3
+    assert told == [] and kv.pending_size() == 5
+    stuck.done = True
+    assert kv.agree(group) == 5 and told == [1]
 
 
 def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
     group: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When the ranks disagree, nothing is settled and the interrupt is
-    raised at once, the AgreementError as its context."""
+    """The interrupted rank raises its interrupt whatever the others hold;
+    they raise AgreementError (the header differs)."""
     import asyncpool.agreement as agreement
 
     pool = rows_pool()
@@ -554,10 +585,30 @@ def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
 
     monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
     before = snapshot(pool)
-    with pytest.raises(asyncio.CancelledError) as info:
+    with pytest.raises(asyncio.CancelledError):
         pool.agree(group)
-    assert isinstance(info.value.__context__, AgreementError)
     assert snapshot(pool) == before
+
+
+def test_a_keyboard_interrupt_in_the_collective_is_not_replaced(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while in the all-reduce stays a KeyboardInterrupt, even on a
+    rank whose query() was interrupted by a CancelledError before it."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=InterruptingFence(asyncio.CancelledError))
+
+    def ctrl_c(values: list[int], g: Any, device: torch.device) -> list[int]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        pool.agree(group)
+    assert pool.pending_size() == 2
 
 
 def test_agreement_error_on_ranks_that_quarantined_differently(

@@ -421,9 +421,10 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
     * ``kv``: rank 0's pool has ``kv=``, rank 1's not: every rank raises
       AgreementError (the all-reduced tensor is as long on every rank);
     * ``interrupt``: a transfer's ``query()`` raises ``CancelledError`` on
-      rank 1 only: rank 1 raises it after the collective, rank 0 returns
-      (neither waits in an all-reduce alone), the memory stays pending on
-      both, and a later agree() releases it on both;
+      rank 1 only: rank 1 raises it after the collective, rank 0 raises
+      AgreementError at the same call (neither waits in an all-reduce
+      alone, both leave it), the memory stays pending on both, and a later
+      agree() releases it on both;
     * ``drain_split``: a transfer fails on rank 1 only and both ranks
       ``drain()`` (local verdicts: released on rank 0, quarantined on rank
       1), then allocate every free row: the next agree() raises
@@ -499,6 +500,8 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
             first = f"agreed {rows} {pages}"
         except asyncio.CancelledError:
             first = "CancelledError"
+        except AgreementError as exc:
+            first = f"AgreementError: {exc}"
         pending = [p.pending_size(), p.kv.pending_size()]  # type: ignore[union-attr]
         handle.state = "done"
         out["interrupt"] = {"first": first, "pending": pending, "then": list(p.agree())}

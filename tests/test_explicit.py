@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -404,34 +405,6 @@ async def test_async_reclaim_is_a_no_op_on_an_explicit_pool() -> None:
         assert pool.pending_size() == 2 and t.queries == 0
 
 
-def test_agreement_error_on_disagreeing_ranks(group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Simulate a second rank holding one more batch: MIN over ranks of the
-    header then differs from MAX, and nothing changes."""
-    import asyncpool.agreement as agreement
-
-    pool = rows_pool()
-    t = CountingFence(done=True)
-    rows = pool.alloc(2)
-    assert rows is not None
-    pool.free(rows, fence=t)
-    real = agreement._all_reduce_min
-
-    def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        # The header: a slot per ledger, what it holds first, then its
-        # pending batches; then the header negated.
-        out[1] = min(out[1], 1)  # this rank: 1 batch
-        n = len(agreement._HEADER) * agreement.SLOTS
-        out[n + 1] = min(out[n + 1], -2)  # the other: 2 batches (stored negated)
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
-    before = snapshot(pool)
-    with pytest.raises(AgreementError, match=r"rows pending batches 1\.\.2"):
-        pool.agree(group)
-    assert snapshot(pool) == before
-
-
 class InterruptingFence:
     """A transfer handle whose query() raises ``error`` (not an Exception)
     until it is told it is done."""
@@ -518,33 +491,6 @@ async def test_an_interrupted_agreement_changes_nothing_even_what_was_done(group
     await pool.close()
 
 
-def test_agreement_error_when_another_rank_was_interrupted(
-    group: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The ranks that were not interrupted raise AgreementError at the same
-    call, changing nothing, instead of settling what the interrupted rank
-    does not."""
-    import asyncpool.agreement as agreement
-
-    pool = rows_pool()
-    t = CountingFence(done=True)
-    rows = pool.alloc(2)
-    assert rows is not None
-    pool.free(rows, fence=t)
-    real = agreement._all_reduce_min
-
-    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        out[-1] = -1  # the last word: a query() was interrupted on some rank
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
-    before = snapshot(pool)
-    with pytest.raises(AgreementError, match=r"interrupted .* on another rank"):
-        pool.agree(group)
-    assert snapshot(pool) == before
-
-
 def test_kv_agree_interrupted_changes_nothing(group: Any) -> None:
     """A bare KVPagePool alike: nothing released, its owner's hook not
     called, until an agreement that is not interrupted."""
@@ -611,32 +557,63 @@ def test_a_keyboard_interrupt_in_the_collective_is_not_replaced(
     assert pool.pending_size() == 2
 
 
-def test_agreement_error_on_ranks_that_quarantined_differently(
-    group: Any, monkeypatch: pytest.MonkeyPatch
+def _more_batches(out: list[int], n: int) -> None:
+    # The header: a slot per ledger, what it holds first, then its pending
+    # batches; then the header negated. This rank: 1 batch; the other: 2.
+    out[1] = min(out[1], 1)
+    out[n + 1] = min(out[n + 1], -2)
+
+
+def _one_quarantined(out: list[int], n: int) -> None:
+    # The other rank quarantined a row this one released (a drain's local
+    # verdict on a fence that faulted on one rank only) and has since
+    # allocated the rest: as many free and pending rows, one quarantined.
+    import asyncpool.agreement as agreement
+
+    q = agreement._HEADER.index("quarantined ids")
+    out[n + q] = min(out[n + q], -1)  # stored negated
+
+
+def _interrupted(out: list[int], n: int) -> None:
+    out[-1] = -1  # the last word: a query() was interrupted on some rank
+
+
+@pytest.mark.parametrize(
+    ("peer", "match"),
+    [
+        (_more_batches, r"rows pending batches 1\.\.2"),
+        (_one_quarantined, r"rows quarantined ids 0\.\.1"),
+        (_interrupted, r"interrupted .* on another rank"),
+    ],
+)
+def test_agreement_error_when_a_peer_differs(
+    group: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    peer: Callable[[list[int], int], None],
+    match: str,
 ) -> None:
-    """A rank that quarantined rows another released (a drain's local
-    verdict on a fence that faulted on one rank only) and has since
-    allocated the rest holds as many free and pending rows as the other:
-    only the quarantined count tells them apart."""
+    """A second rank simulated in the all-reduce's result: one holding
+    another batch (MIN over ranks of the header then differs from MAX), one
+    that quarantined what this one released (only the quarantined count
+    tells them apart), one whose query() was interrupted. Every case:
+    AgreementError, and nothing changed."""
     import asyncpool.agreement as agreement
 
     pool = rows_pool()
-    t = CountingFence(done=True)
     rows = pool.alloc(2)
     assert rows is not None
-    pool.free(rows, fence=t)
+    pool.free(rows, fence=CountingFence(done=True))
     real = agreement._all_reduce_min
     n = len(agreement._HEADER) * agreement.SLOTS
-    q = agreement._HEADER.index("quarantined ids")
 
-    def other_rank_quarantined_one(values: list[int], g: Any, device: torch.device) -> list[int]:
+    def other_rank(values: list[int], g: Any, device: torch.device) -> list[int]:
         out = real(values, g, device)
-        out[n + q] = min(out[n + q], -1)  # the other rank: 1 quarantined (stored negated)
+        peer(out, n)
         return out
 
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_quarantined_one)
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank)
     before = snapshot(pool)
-    with pytest.raises(AgreementError, match=r"rows quarantined ids 0\.\.1"):
+    with pytest.raises(AgreementError, match=match):
         pool.agree(group)
     assert snapshot(pool) == before
 

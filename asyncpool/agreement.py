@@ -47,9 +47,9 @@ rank -> counted and logged once as overdue on every rank (the memory stays
 held; ``force_release`` is the operator's call). Batches beyond ``WIDTH``
 go in a second all-reduce whose size every rank knows from the checked
 header. The first tensor ends with one more word, -1 on a rank where a
-fence's ``query()`` raised what is not an ``Exception`` (an interrupt):
-then no rank settles anything, that rank raises its interrupt and the
-others :class:`AgreementError`.
+fence's ``query()`` raised ``KeyboardInterrupt`` or ``SystemExit`` (an
+interrupt): then no rank settles anything, that rank raises its interrupt
+and the others :class:`AgreementError`.
 
 Which fences: every pending batch, ordered fences not yet retired included
 (an offload copy on a side stream is ordered but nobody retires it; for the
@@ -243,15 +243,20 @@ def agree(
     :data:`SLOTS` ledgers, the same ledger twice or a group this rank is
     not in, ``TypeError`` for a non-group, ``RuntimeError`` without
     torch.distributed), and the other ranks then wait in the all-reduce
-    until the group's timeout. A fence's ``query()`` that raises what is
-    not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) on
-    some rank interrupts the agreement on every rank at the same call,
-    changing nothing anywhere: no other fence is asked there, the first
-    all-reduce still runs (it carries an "interrupted" word), that rank
-    raises its interrupt and every other rank :class:`AgreementError`. No
-    rank is left in a collective alone, and all of them leave the call
-    alike. Errors of the collective itself (a rank gone, a timeout of the
-    group) propagate as torch raises them.
+    until the group's timeout. A fence's ``query()`` that raises
+    ``KeyboardInterrupt`` or ``SystemExit`` on some rank interrupts the
+    agreement on every rank at the same call, changing nothing anywhere:
+    no other fence is asked there, the first all-reduce still runs (it
+    carries an "interrupted" word), that rank raises its interrupt and
+    every other rank :class:`AgreementError`. No rank is left in a
+    collective alone, and all of them leave the call alike. A
+    ``CancelledError`` from a ``query()`` (a handle wrapping a cancelled
+    future: its own state, which repeats) is a fault, as any exception.
+    A fault seen at an agreement that settles nothing (it raised, or was
+    interrupted) is still a fault at the next one, whatever the fence
+    answers then. Errors of the collective itself (a rank gone, a timeout
+    of the group) propagate as torch raises them, but on an interrupted
+    rank the interrupt is raised instead (the error as its context).
     """
     if len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
@@ -262,7 +267,7 @@ def agree(
     t0 = time.perf_counter()
     views: list[list[Deferred[Any]]] = [led.pending_batches() for led in ledgers]
     cache: dict[int, tuple[Fence, int, BaseException | None]] = {}
-    # A query() that raised CancelledError or KeyboardInterrupt here: the
+    # A query() that raised KeyboardInterrupt or SystemExit here: the
     # agreement still runs its first collective, so no other rank waits in
     # it alone, and every rank then leaves the call, nothing changed.
     interrupted: list[BaseException] = []
@@ -304,8 +309,8 @@ def agree(
         raise AgreementError(_disagreement(ledgers, low, high))
     if reduced[-1]:
         raise AgreementError(
-            "agree(): a fence's query() was interrupted (CancelledError or "
-            "KeyboardInterrupt) on another rank, which raised it; nothing was changed "
+            "agree(): a fence's query() was interrupted (KeyboardInterrupt or "
+            "SystemExit) on another rank, which raised it; nothing was changed "
             "on any rank"
         )
     agreed = reduced[2 * nh : 2 * nh + 3 * min(total, WIDTH)]

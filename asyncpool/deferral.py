@@ -231,6 +231,14 @@ class Deferrals(Generic[T]):
         # handle may own a large buffer), else the fence itself (so that its
         # id is not reused while it is remembered).
         self._faulted: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        # Explicit mode: faults agree() saw here that no agreement has acted
+        # on yet (one that raised or was interrupted settles nothing), by
+        # fence id: (the fence or a weak reference to it, its error). Kept
+        # so that a fence that raised once and answers True later is still
+        # quarantined, as auto mode would have at once.
+        self._unagreed_faults: collections.OrderedDict[int, tuple[Any, BaseException]] = (
+            collections.OrderedDict()
+        )
         self.fence_latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
         # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
         # the newest retired seq per stream, and the deferral ids of batches
@@ -775,12 +783,16 @@ class Deferrals(Generic[T]):
         ``Exception``; ``overdue``: not done and pending for
         ``overdue_after`` seconds or more. Each fence is asked at most once
         per ``cache`` (shared by every ledger of one agreement; it keeps the
-        fences alive while it lives). A ``query()`` that raises what is not
-        an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``) goes to
-        ``interrupted`` and no fence is asked after it (the flags then mean
-        nothing: the caller still joins the collective, the other ranks
-        being in it, and settles nothing); without ``interrupted`` it
-        propagates at once.
+        fences alive while it lives). A ``CancelledError`` (or another
+        ``BaseException`` but the two below) from a synchronous ``query()``
+        is the handle's own state (a cancelled future it wraps), not this
+        task's cancellation, and repeats: a fault, as for ``wait_fence``. A
+        ``KeyboardInterrupt`` or ``SystemExit`` goes to ``interrupted`` and
+        no fence is asked after it (the flags then mean nothing: the caller
+        still joins the collective, the other ranks being in it, and
+        settles nothing); without ``interrupted`` it propagates at once. A
+        fault seen here stays a fault until an agreement acts on it, even
+        if that fence answers True later.
         """
         out: list[int] = []
         for batch in batches:
@@ -791,22 +803,30 @@ class Deferrals(Generic[T]):
                     continue
                 entry = cache.get(id(f))
                 if entry is None:
-                    if interrupted:  # nothing will be settled: ask nothing more
+                    seen = self._unagreed_fault(f)
+                    if seen is not None:
+                        entry = (f, 2, seen)
+                    elif interrupted:  # nothing will be settled: ask nothing more
                         done = 0
                         break
-                    try:
-                        entry = (f, 1 if is_done(f.query()) else 0, None)
-                    except Exception as exc:  # a faulted stream
-                        entry = (f, 2, exc)
-                    except BaseException as exc:
-                        if interrupted is None:
-                            raise
-                        interrupted.append(exc)
-                        entry = (f, 0, None)
+                    else:
+                        try:
+                            entry = (f, 1 if is_done(f.query()) else 0, None)
+                        except Exception as exc:  # a faulted stream
+                            entry = (f, 2, exc)
+                        except (KeyboardInterrupt, SystemExit) as exc:
+                            if interrupted is None:
+                                raise
+                            interrupted.append(exc)
+                            entry = (f, 0, None)
+                        except BaseException as exc:  # CancelledError: a fault
+                            entry = (f, 2, exc)
                     cache[id(f)] = entry
                 if entry[1] == 2:
                     faulted = 1
                     done = 0
+                    if entry[2] is not None and self._unagreed_fault(f) is None:
+                        self._keep_unagreed_fault(f, entry[2])
                 elif entry[1] == 0:
                     done = 0
             overdue = int(
@@ -814,6 +834,25 @@ class Deferrals(Generic[T]):
             )
             out.extend((done, overdue, faulted))
         return out
+
+    def _unagreed_fault(self, fence: Fence) -> BaseException | None:
+        """The error ``fence`` raised at an agreement that settled nothing."""
+        entry = self._unagreed_faults.get(id(fence))
+        if entry is None:
+            return None
+        held, exc = entry
+        return exc if (held() if held.__class__ is weakref.ref else held) is fence else None
+
+    def _keep_unagreed_fault(self, fence: Fence, exc: BaseException) -> None:
+        _drop_pinning_tracebacks(exc)
+        try:
+            held: Any = weakref.ref(fence)
+        except TypeError:  # no weak references (__slots__ without one)
+            held = fence
+        faults = self._unagreed_faults
+        faults[id(fence)] = (held, exc)
+        if len(faults) > _FAULTS_REMEMBERED:
+            faults.popitem(last=False)
 
     def apply_agreement(
         self,
@@ -858,6 +897,8 @@ class Deferrals(Generic[T]):
                     if entry is not None and entry[1] == 2:
                         culprit, local = f, entry[2]
                         break
+                for f in (batch.fence, *batch.rest):
+                    self._unagreed_faults.pop(id(f), None)  # acted on now
                 if local is not None:
                     err = FenceError(f"fence {culprit!r} faulted here: {local!r}")
                     err.__cause__ = local

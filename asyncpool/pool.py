@@ -928,7 +928,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         when the ranks' pools hold different pending batches (in number or
         in the ids they hold: they did not make the same calls) or were
         built otherwise (``kv=`` on some ranks only), or when a fence's
-        ``query()`` raised ``CancelledError``/``KeyboardInterrupt`` on
+        ``query()`` raised ``KeyboardInterrupt``/``SystemExit`` on
         another rank (that rank raises it, also changing nothing).
         ``RuntimeError`` on an ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
         ``TypeError``/``ValueError`` for a bad ``group`` (``RuntimeError``

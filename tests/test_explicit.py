@@ -422,11 +422,11 @@ class InterruptingFence:
         pass
 
 
-@pytest.mark.parametrize("error", [asyncio.CancelledError, KeyboardInterrupt])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
 def test_agree_raises_a_query_interrupt_only_after_the_collective(
     group: Any, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
 ) -> None:
-    """A query() raising CancelledError or KeyboardInterrupt on one rank
+    """A query() raising KeyboardInterrupt or SystemExit on one rank
     used to leave agree() before its all-reduce, and every other rank then
     waited in it until the group's timeout (gloo's default: 30 minutes).
     Now the first collective still runs (its last word says this rank was
@@ -466,7 +466,7 @@ async def test_an_interrupted_agreement_changes_nothing_even_what_was_done(group
     and no fence is asked after the interrupt."""
     kv = KVPagePool(9, 4, reclaim="explicit")
     pool = AsyncReqToTokenPool(3, 4, kv=kv, reclaim="explicit")
-    stuck = InterruptingFence(asyncio.CancelledError)
+    stuck = InterruptingFence(KeyboardInterrupt)
     later = CountingFence(done=True)
     a = pool.try_admit(pages=4)
     b = pool.try_admit(pages=4)
@@ -477,7 +477,7 @@ async def test_an_interrupted_agreement_changes_nothing_even_what_was_done(group
     for _ in range(3):
         await asyncio.sleep(0)
     before = snapshot(pool)
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(KeyboardInterrupt):
         pool.agree(group)
     assert later.queries == 0  # asked nothing after the interrupt
     assert snapshot(pool) == before and pool.waiting() == 1
@@ -520,7 +520,7 @@ def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
-    pool.free(rows, fence=InterruptingFence(asyncio.CancelledError))
+    pool.free(rows, fence=InterruptingFence(SystemExit))
     real = agreement._all_reduce_min
     n = len(agreement._HEADER) * agreement.SLOTS
 
@@ -531,7 +531,7 @@ def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
 
     monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
     before = snapshot(pool)
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(SystemExit):
         pool.agree(group)
     assert snapshot(pool) == before
 
@@ -540,13 +540,13 @@ def test_a_keyboard_interrupt_in_the_collective_is_not_replaced(
     group: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while in the all-reduce stays a KeyboardInterrupt, even on a
-    rank whose query() was interrupted by a CancelledError before it."""
+    rank whose query() was interrupted by a SystemExit before it."""
     import asyncpool.agreement as agreement
 
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
-    pool.free(rows, fence=InterruptingFence(asyncio.CancelledError))
+    pool.free(rows, fence=InterruptingFence(SystemExit))
 
     def ctrl_c(values: list[int], g: Any, device: torch.device) -> list[int]:
         raise KeyboardInterrupt
@@ -555,6 +555,73 @@ def test_a_keyboard_interrupt_in_the_collective_is_not_replaced(
     with pytest.raises(KeyboardInterrupt):
         pool.agree(group)
     assert pool.pending_size() == 2
+
+
+class FlakyFence:
+    """A transfer handle that raises once, then answers True."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def query(self) -> bool:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("the RDMA peer is gone")
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_agree_takes_a_cancelled_error_from_query_for_a_fault(group: Any) -> None:
+    """A synchronous query() cannot see this task's cancellation: a
+    CancelledError from it is the handle's own state (a cancelled future
+    it wraps) and repeats. Taken for an interrupt, it made every agree()
+    fail on every rank for good; it is a fault, as wait_fence says."""
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    done = CountingFence(done=True)
+    other = pool.alloc(1)
+    assert other is not None
+    pool.free(rows, fence=InterruptingFence(asyncio.CancelledError))
+    pool.free(other, fence=done)
+    assert pool.agree(group) == 1  # the other batch is released as usual
+    assert pool.quarantined_size() == 2 and pool.pending_size() == 0
+    assert pool.stats().fence_errors == 1
+    pool.check_invariants()
+
+
+def test_a_fault_seen_at_an_agreement_that_settled_nothing_stays_a_fault(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handle raised at an agreement another rank interrupted, then
+    answers True: it used to be released at the next agree(), the failed
+    transfer's target back in circulation on every rank. It is
+    quarantined, as auto mode would have at once."""
+    import asyncpool.agreement as agreement
+
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    flaky = FlakyFence()
+    pool.free(rows, fence=flaky)
+    real = agreement._all_reduce_min
+
+    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[-1] = -1
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
+    with pytest.raises(AgreementError, match="interrupted"):
+        pool.agree(group)
+    assert flaky.raised and pool.pending_size() == 2
+    monkeypatch.setattr(agreement, "_all_reduce_min", real)
+    assert pool.agree(group) == 0
+    assert pool.quarantined_size() == 2 and pool.pending_size() == 0
+    assert pool._ledger._unagreed_faults == {}  # acted on: forgotten
+    pool.check_invariants()
 
 
 def _more_batches(out: list[int], n: int) -> None:

@@ -390,7 +390,7 @@ def disagree_rank(
 
 class _Handle:
     """A transfer handle whose state the scenario sets: done, pending, failed
-    or cancel (its query() raises CancelledError)."""
+    or interrupt (its query() raises KeyboardInterrupt)."""
 
     __slots__ = ("state",)
 
@@ -400,8 +400,8 @@ class _Handle:
     def query(self) -> bool:
         if self.state == "failed":
             raise RuntimeError("the RDMA peer is gone")
-        if self.state == "cancel":
-            raise asyncio.CancelledError
+        if self.state == "interrupt":
+            raise KeyboardInterrupt
         return self.state == "done"
 
     def synchronize(self) -> None:
@@ -420,8 +420,8 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
       failed and one stuck on rank 1 in each all-reduce: the same verdicts;
     * ``kv``: rank 0's pool has ``kv=``, rank 1's not: every rank raises
       AgreementError (the all-reduced tensor is as long on every rank);
-    * ``interrupt``: a transfer's ``query()`` raises ``CancelledError`` on
-      rank 1 only: rank 1 raises it after the collective, rank 0 raises
+    * ``interrupt``: a transfer's ``query()`` raises ``KeyboardInterrupt``
+      on rank 1 only: rank 1 raises it after the collective, rank 0 raises
       AgreementError at the same call (neither waits in an all-reduce
       alone, both leave it), the memory stays pending on both, and a later
       agree() releases it on both;
@@ -489,17 +489,17 @@ def one_rank_differs_rank(rank: int, world: int, init_file: str, out_dir: str) -
             "pending": wide.pending_size(),
         }
         wide.check_invariants()
-        # A query() that raises CancelledError on rank 1 only.
+        # A query() that raises KeyboardInterrupt on rank 1 only.
         p = pool()
         g = p.try_admit(pages=3)
         assert g is not None
-        handle = _Handle("done" if rank == 0 else "cancel")
+        handle = _Handle("done" if rank == 0 else "interrupt")
         p.free([g.row], fence=handle)
         try:
             rows, pages = p.agree()
             first = f"agreed {rows} {pages}"
-        except asyncio.CancelledError:
-            first = "CancelledError"
+        except KeyboardInterrupt:
+            first = "KeyboardInterrupt"
         except AgreementError as exc:
             first = f"AgreementError: {exc}"
         pending = [p.pending_size(), p.kv.pending_size()]  # type: ignore[union-attr]

@@ -37,8 +37,8 @@ aborting on mismatched sizes. Flags are three per pending batch, in
 deferral order (the ``did`` each batch got when it was created: identical
 across ranks that made the same calls): ``done`` (every fence it waits for
 completed here), ``overdue`` (not done here, and pending for
-``fence_timeout`` or more) and ``faulted`` (a fence raised an ``Exception``
-here), the last
+``fence_timeout`` or more) and ``faulted`` (a fence raised here, an
+interrupt aside), the last
 two sent negated, so that MIN reduces them to the MAX over ranks. Agreed:
 faulted on any rank -> quarantined on every rank (a transfer that failed on
 one rank only must not hold its memory forever unseen; quarantine never

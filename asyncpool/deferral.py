@@ -524,6 +524,7 @@ class Deferrals(Generic[T]):
         ``fence`` anything. Returns the ids released; 0 if it held nothing.
         O(pending batches).
         """
+        self._unagreed_faults.pop(id(fence), None)  # the operator's verdict now
         hits: list[Deferred[T]] = []
         for key, queue in list(self._streams.items()):
             if not any(b.fence is fence or b.rest for b in queue):
@@ -735,6 +736,7 @@ class Deferrals(Generic[T]):
         explicit owner's ``drain()``, whose outcome (nothing pending) does not
         depend on timing. Returns the ids released. O(pending batches).
         """
+        self._unagreed_faults.pop(id(fence), None)  # settled here now
         if error is None and stream_key(fence) is not None:
             return self.retire(fence)
         hits: list[Deferred[T]] = []
@@ -779,8 +781,8 @@ class Deferrals(Generic[T]):
         flags per batch, ``[done, overdue, faulted]`` each 0 or 1.
 
         ``done``: every fence the batch waits for is retired or answers
-        ``query()`` True here; ``faulted``: one of them raised an
-        ``Exception``; ``overdue``: not done and pending for
+        ``query()`` True here; ``faulted``: one of them raised (an
+        interrupt aside, below); ``overdue``: not done and pending for
         ``overdue_after`` seconds or more. Each fence is asked at most once
         per ``cache`` (shared by every ledger of one agreement; it keeps the
         fences alive while it lives). A ``CancelledError`` (or another
@@ -803,7 +805,7 @@ class Deferrals(Generic[T]):
                     continue
                 entry = cache.get(id(f))
                 if entry is None:
-                    seen = self._unagreed_fault(f)
+                    seen = self.unagreed_fault(f)
                     if seen is not None:
                         entry = (f, 2, seen)
                     elif interrupted:  # nothing will be settled: ask nothing more
@@ -825,7 +827,7 @@ class Deferrals(Generic[T]):
                 if entry[1] == 2:
                     faulted = 1
                     done = 0
-                    if entry[2] is not None and self._unagreed_fault(f) is None:
+                    if entry[2] is not None and self.unagreed_fault(f) is None:
                         self._keep_unagreed_fault(f, entry[2])
                 elif entry[1] == 0:
                     done = 0
@@ -835,8 +837,9 @@ class Deferrals(Generic[T]):
             out.extend((done, overdue, faulted))
         return out
 
-    def _unagreed_fault(self, fence: Fence) -> BaseException | None:
-        """The error ``fence`` raised at an agreement that settled nothing."""
+    def unagreed_fault(self, fence: Fence) -> BaseException | None:
+        """The error ``fence`` raised at an agreement that settled nothing
+        (None if none): still a fault, whatever it answers now."""
         entry = self._unagreed_faults.get(id(fence))
         if entry is None:
             return None

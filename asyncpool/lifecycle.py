@@ -200,11 +200,19 @@ class Lifecycle:
                 delay = _DRAIN_POLL_MIN_S
                 while self._pending_any():
                     head = self._pending_fences()[0]
-                    error: BaseException | None = None
-                    try:
-                        done = is_done(head.query())
-                    except Exception as exc:  # a faulted fence: quarantine what it holds
-                        done, error = True, exc
+                    # A fault an agreement saw and did not act on (it was
+                    # interrupted) stays a fault, whatever the fence says now.
+                    error: BaseException | None = next(
+                        (e for led in ledgers if (e := led.unagreed_fault(head)) is not None),
+                        None,
+                    )
+                    if error is not None:
+                        done = True
+                    else:
+                        try:
+                            done = is_done(head.query())
+                        except Exception as exc:  # a faulted fence: quarantine what it holds
+                            done, error = True, exc
                     if done:
                         made = sum(led.conclude(head, error) for led in ledgers)
                         if made and self._waiters.count:

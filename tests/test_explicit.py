@@ -624,6 +624,67 @@ def test_a_fault_seen_at_an_agreement_that_settled_nothing_stays_a_fault(
     pool.check_invariants()
 
 
+def _interrupted_elsewhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Make the next agree() see another rank interrupted; return the undo."""
+    import asyncpool.agreement as agreement
+
+    real = agreement._all_reduce_min
+
+    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        out[-1] = -1
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
+    return lambda: monkeypatch.setattr(agreement, "_all_reduce_min", real)
+
+
+async def test_drain_after_an_interrupted_agreement_keeps_its_fault(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drain() asks the fence itself; one that faulted at an agreement that
+    settled nothing and answers True now is quarantined, not released, and
+    forgotten once settled."""
+    pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
+    rows = await pool.alloc(2)
+    flaky = FlakyFence()
+    pool.free(rows, fence=flaky)
+    undo = _interrupted_elsewhere(monkeypatch)
+    with pytest.raises(AgreementError, match="interrupted"):
+        pool.agree(group)
+    undo()
+    async with bounded():
+        await pool.drain(timeout=5)
+    assert pool.quarantined_size() == 2 and pool.pending_size() == 0
+    assert pool._ledger._unagreed_faults == {}
+    pool.check_invariants()
+    await pool.close()
+
+
+def test_force_release_overrides_a_fault_an_agreement_did_not_act_on(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator's force_release is the verdict: the rows return, and
+    the remembered fault is dropped (a handle armed again later is asked
+    afresh)."""
+    pool = rows_pool()
+    rows = pool.alloc(2)
+    assert rows is not None
+    flaky = FlakyFence()
+    pool.free(rows, fence=flaky)
+    undo = _interrupted_elsewhere(monkeypatch)
+    with pytest.raises(AgreementError, match="interrupted"):
+        pool.agree(group)
+    undo()
+    assert pool.force_release(flaky) == 2
+    assert pool._ledger._unagreed_faults == {}
+    again = pool.alloc(1)
+    assert again is not None
+    pool.free(again, fence=flaky)  # armed again: it answers True now
+    assert pool.agree(group) == 1 and pool.quarantined_size() == 0
+    pool.check_invariants()
+
+
 def _more_batches(out: list[int], n: int) -> None:
     # The header: a slot per ledger, what it holds first, then its pending
     # batches; then the header negated. This rank: 1 batch; the other: 2.

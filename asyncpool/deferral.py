@@ -72,22 +72,33 @@ _FAULTS_REMEMBERED = 256
 T = TypeVar("T")
 
 
-def remember_fence(memory: dict[int, Any], fence: Fence) -> None:
-    """Remember ``fence`` in ``memory``, by id: weakly where the fence takes
-    a weak reference (a transfer handle may own a large buffer, which the
-    pool must not keep alive), else the fence itself (so that its id is not
-    reused while it is remembered)."""
+def _hold(fence: Fence) -> Any:
+    """What remembers ``fence`` by id: a weak reference where the fence
+    takes one (a transfer handle may own a large buffer, which the pool must
+    not keep alive), else the fence itself (so that its id is not reused
+    while it is remembered)."""
     try:
-        memory[id(fence)] = weakref.ref(fence)
+        return weakref.ref(fence)
     except TypeError:  # no weak references (__slots__ without one)
-        memory[id(fence)] = fence
+        return fence
+
+
+def _holds(held: Any, fence: Fence) -> bool:
+    """Whether ``held`` (see :func:`_hold`) is this very fence, not another,
+    collected one whose id it bore."""
+    return (held() if held.__class__ is weakref.ref else held) is fence
+
+
+def remember_fence(memory: dict[int, Any], fence: Fence) -> None:
+    """Remember ``fence`` in ``memory``, by id (see :func:`_hold`)."""
+    memory[id(fence)] = _hold(fence)
 
 
 def remembers_fence(memory: dict[int, Any], fence: Fence) -> bool:
     """Whether ``memory`` (see :func:`remember_fence`) holds this very fence,
     not another, collected one whose id it now bears."""
     entry = memory.get(id(fence))
-    return entry is not None and (entry() if entry.__class__ is weakref.ref else entry) is fence
+    return entry is not None and _holds(entry, fence)
 
 
 def held_words(held: dict[str, int]) -> str:
@@ -844,16 +855,12 @@ class Deferrals(Generic[T]):
         if entry is None:
             return None
         held, exc = entry
-        return exc if (held() if held.__class__ is weakref.ref else held) is fence else None
+        return exc if _holds(held, fence) else None
 
     def _keep_unagreed_fault(self, fence: Fence, exc: BaseException) -> None:
         _drop_pinning_tracebacks(exc)
-        try:
-            held: Any = weakref.ref(fence)
-        except TypeError:  # no weak references (__slots__ without one)
-            held = fence
         faults = self._unagreed_faults
-        faults[id(fence)] = (held, exc)
+        faults[id(fence)] = (_hold(fence), exc)
         if len(faults) > _FAULTS_REMEMBERED:
             faults.popitem(last=False)
 

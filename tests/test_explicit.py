@@ -515,21 +515,11 @@ def test_an_interrupt_and_a_disagreement_raise_the_interrupt_changing_nothing(
 ) -> None:
     """The interrupted rank raises its interrupt whatever the others hold;
     they raise AgreementError (the header differs)."""
-    import asyncpool.agreement as agreement
-
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
     pool.free(rows, fence=InterruptingFence(SystemExit))
-    real = agreement._all_reduce_min
-    n = len(agreement._HEADER) * agreement.SLOTS
-
-    def other_rank_has_more(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        out[n + 1] = min(out[n + 1], -2)  # the other rank: 2 batches (stored negated)
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_has_more)
+    _simulate_peer(monkeypatch, _more_batches)
     before = snapshot(pool)
     with pytest.raises(SystemExit):
         pool.agree(group)
@@ -557,6 +547,47 @@ def test_a_keyboard_interrupt_in_the_collective_is_not_replaced(
     assert pool.pending_size() == 2
 
 
+def _more_batches(out: list[int], n: int) -> None:
+    # The header: a slot per ledger, what it holds first, then its pending
+    # batches; then the header negated. This rank: 1 batch; the other: 2.
+    out[1] = min(out[1], 1)
+    out[n + 1] = min(out[n + 1], -2)
+
+
+def _one_quarantined(out: list[int], n: int) -> None:
+    # The other rank quarantined a row this one released (a drain's local
+    # verdict on a fence that faulted on one rank only) and has since
+    # allocated the rest: as many free and pending rows, one quarantined.
+    import asyncpool.agreement as agreement
+
+    q = agreement._HEADER.index("quarantined ids")
+    out[n + q] = min(out[n + q], -1)  # stored negated
+
+
+def _interrupted(out: list[int], n: int) -> None:
+    out[-1] = -1  # the last word: a query() was interrupted on some rank
+
+
+def _simulate_peer(
+    monkeypatch: pytest.MonkeyPatch, peer: Callable[[list[int], int], None]
+) -> Callable[[], None]:
+    """Make agree()'s all-reduce answer as if a second rank differed as
+    ``peer`` says (it alters the reduced list; ``n`` is the header's
+    length); return the undo."""
+    import asyncpool.agreement as agreement
+
+    real = agreement._all_reduce_min
+    n = len(agreement._HEADER) * agreement.SLOTS
+
+    def other_rank(values: list[int], g: Any, device: torch.device) -> list[int]:
+        out = real(values, g, device)
+        peer(out, n)
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank)
+    return lambda: monkeypatch.setattr(agreement, "_all_reduce_min", real)
+
+
 class FlakyFence:
     """A transfer handle that raises once, then answers True."""
 
@@ -571,6 +602,21 @@ class FlakyFence:
 
     def synchronize(self) -> None:
         pass
+
+
+def _fault_at_an_interrupted_agreement(
+    pool: Any, rows: list[int], group: Any, monkeypatch: pytest.MonkeyPatch
+) -> FlakyFence:
+    """Free ``rows`` behind a FlakyFence and run an agree() that another
+    rank interrupted: the fence raised there, and nothing was settled."""
+    flaky = FlakyFence()
+    pool.free(rows, fence=flaky)
+    undo = _simulate_peer(monkeypatch, _interrupted)
+    with pytest.raises(AgreementError, match="interrupted"):
+        pool.agree(group)
+    undo()
+    assert flaky.raised and pool.pending_size() == len(rows)
+    return flaky
 
 
 def test_agree_takes_a_cancelled_error_from_query_for_a_fault(group: Any) -> None:
@@ -599,44 +645,14 @@ def test_a_fault_seen_at_an_agreement_that_settled_nothing_stays_a_fault(
     answers True: it used to be released at the next agree(), the failed
     transfer's target back in circulation on every rank. It is
     quarantined, as auto mode would have at once."""
-    import asyncpool.agreement as agreement
-
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
-    flaky = FlakyFence()
-    pool.free(rows, fence=flaky)
-    real = agreement._all_reduce_min
-
-    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        out[-1] = -1
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
-    with pytest.raises(AgreementError, match="interrupted"):
-        pool.agree(group)
-    assert flaky.raised and pool.pending_size() == 2
-    monkeypatch.setattr(agreement, "_all_reduce_min", real)
+    _fault_at_an_interrupted_agreement(pool, rows, group, monkeypatch)
     assert pool.agree(group) == 0
     assert pool.quarantined_size() == 2 and pool.pending_size() == 0
     assert pool._ledger._unagreed_faults == {}  # acted on: forgotten
     pool.check_invariants()
-
-
-def _interrupted_elsewhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
-    """Make the next agree() see another rank interrupted; return the undo."""
-    import asyncpool.agreement as agreement
-
-    real = agreement._all_reduce_min
-
-    def other_rank_interrupted(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        out[-1] = -1
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank_interrupted)
-    return lambda: monkeypatch.setattr(agreement, "_all_reduce_min", real)
 
 
 async def test_drain_after_an_interrupted_agreement_keeps_its_fault(
@@ -647,12 +663,7 @@ async def test_drain_after_an_interrupted_agreement_keeps_its_fault(
     forgotten once settled."""
     pool = AsyncReqToTokenPool(4, 4, reclaim="explicit")
     rows = await pool.alloc(2)
-    flaky = FlakyFence()
-    pool.free(rows, fence=flaky)
-    undo = _interrupted_elsewhere(monkeypatch)
-    with pytest.raises(AgreementError, match="interrupted"):
-        pool.agree(group)
-    undo()
+    _fault_at_an_interrupted_agreement(pool, rows, group, monkeypatch)
     async with bounded():
         await pool.drain(timeout=5)
     assert pool.quarantined_size() == 2 and pool.pending_size() == 0
@@ -670,12 +681,7 @@ def test_force_release_overrides_a_fault_an_agreement_did_not_act_on(
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
-    flaky = FlakyFence()
-    pool.free(rows, fence=flaky)
-    undo = _interrupted_elsewhere(monkeypatch)
-    with pytest.raises(AgreementError, match="interrupted"):
-        pool.agree(group)
-    undo()
+    flaky = _fault_at_an_interrupted_agreement(pool, rows, group, monkeypatch)
     assert pool.force_release(flaky) == 2
     assert pool._ledger._unagreed_faults == {}
     again = pool.alloc(1)
@@ -683,27 +689,6 @@ def test_force_release_overrides_a_fault_an_agreement_did_not_act_on(
     pool.free(again, fence=flaky)  # armed again: it answers True now
     assert pool.agree(group) == 1 and pool.quarantined_size() == 0
     pool.check_invariants()
-
-
-def _more_batches(out: list[int], n: int) -> None:
-    # The header: a slot per ledger, what it holds first, then its pending
-    # batches; then the header negated. This rank: 1 batch; the other: 2.
-    out[1] = min(out[1], 1)
-    out[n + 1] = min(out[n + 1], -2)
-
-
-def _one_quarantined(out: list[int], n: int) -> None:
-    # The other rank quarantined a row this one released (a drain's local
-    # verdict on a fence that faulted on one rank only) and has since
-    # allocated the rest: as many free and pending rows, one quarantined.
-    import asyncpool.agreement as agreement
-
-    q = agreement._HEADER.index("quarantined ids")
-    out[n + q] = min(out[n + q], -1)  # stored negated
-
-
-def _interrupted(out: list[int], n: int) -> None:
-    out[-1] = -1  # the last word: a query() was interrupted on some rank
 
 
 @pytest.mark.parametrize(
@@ -725,21 +710,11 @@ def test_agreement_error_when_a_peer_differs(
     that quarantined what this one released (only the quarantined count
     tells them apart), one whose query() was interrupted. Every case:
     AgreementError, and nothing changed."""
-    import asyncpool.agreement as agreement
-
     pool = rows_pool()
     rows = pool.alloc(2)
     assert rows is not None
     pool.free(rows, fence=CountingFence(done=True))
-    real = agreement._all_reduce_min
-    n = len(agreement._HEADER) * agreement.SLOTS
-
-    def other_rank(values: list[int], g: Any, device: torch.device) -> list[int]:
-        out = real(values, g, device)
-        peer(out, n)
-        return out
-
-    monkeypatch.setattr(agreement, "_all_reduce_min", other_rank)
+    _simulate_peer(monkeypatch, peer)
     before = snapshot(pool)
     with pytest.raises(AgreementError, match=match):
         pool.agree(group)

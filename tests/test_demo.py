@@ -313,8 +313,13 @@ async def test_timeout_cleans_up() -> None:
             await run_demo(cfg)
     # Only the loop's default executor may remain (the pool stops its fence
     # watcher there); it is shut down with the loop.
+    # close() waits 50 ms at most for the watcher; give each thread time to end.
+    loops = ("asyncio_", "uvloop_", "ThreadPoolExecutor")
+    for thread in set(threading.enumerate()) - before:
+        if not thread.name.startswith(loops):
+            thread.join(LONG_S)
     left = [t.name for t in set(threading.enumerate()) - before]
-    assert all(n.startswith(("asyncio_", "uvloop_", "ThreadPoolExecutor")) for n in left), left
+    assert all(n.startswith(loops) for n in left), left
 
 
 @pytest.mark.cuda

@@ -165,7 +165,8 @@ def test_overdue_fences_are_logged_on_the_next_loop(
     factory = LOOPS[loop]
     caplog.set_level(logging.WARNING, logger="asyncpool")
     # Long enough that the first loop ends with its timer still armed.
-    pool = AsyncReqToTokenPool(3, 8, fence_timeout=0.2)
+    # (1 s: at 0.2 s a slow first loop could see its transfer overdue.)
+    pool = AsyncReqToTokenPool(3, 8, fence_timeout=1.0)
 
     async def first() -> None:
         transfer = _Transfer()

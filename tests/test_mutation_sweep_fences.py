@@ -357,7 +357,9 @@ def test_a_stream_thread_whose_owner_is_gone_ends_without_notifying(wk: _Kit) ->
 
 
 def test_an_idle_stream_thread_ends_and_its_stream_is_forgotten(wk: _Kit) -> None:
-    wk.monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", 0.01)
+    # Long enough that the thread is still there when looked up below on a
+    # loaded machine (at 0.01 s a 30 ms stall read KeyError).
+    wk.monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", 0.5)
     watcher = wk.make()
     watcher.watch(wk.fence(1, done=True))
     thread = wk.stream().thread

@@ -134,7 +134,9 @@ async def test_a_waiter_at_either_end_of_its_queue_leaves_without_a_search() -> 
     async with bounded():
         pool = AsyncReqToTokenPool(2, 4, device="cpu")  # one row
         held = await pool.alloc(1)
-        oldest = asyncio.ensure_future(pool.alloc(1, timeout=0.01))
+        # Long enough that a loaded machine's stall before the cancel below
+        # cannot expire it first (0.01 s did, 2 runs in 600 under load).
+        oldest = asyncio.ensure_future(pool.alloc(1, timeout=0.5))
         middle = [asyncio.ensure_future(pool.alloc(1)) for _ in range(8)]
         newest = asyncio.ensure_future(pool.alloc(1))
         await asyncio.sleep(0)

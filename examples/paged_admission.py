@@ -70,8 +70,12 @@ puts the old step first: docs/cuda.md):
   if the writer were all that mattered: its pages go to a new request, whose
   prompt is written into them while a step (or a copy) still reads them.
 
-The test runs each with ``--requests 300``. Exit status: 0 when everything
-checks out and the pool ends empty, 1 otherwise. Public API only.
+On host streams the copies of the requests finished in a step land before
+the next admissions (the earliest a copy can end), so a row or page freed
+behind the copy alone is reused while a step still reads it every run, not
+by the copy thread's timing. The test runs each with ``--requests 300``.
+Exit status: 0 when everything checks out and the pool ends empty, 1
+otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -406,6 +410,13 @@ async def run(args: argparse.Namespace) -> int:
             #    first token in one call, keeping --headroom pages free for
             #    growth (engines reserve decode budget the same way); the
             #    cache evicts when short; none while growth came up short.
+            if not engine.cuda:
+                # Host streams: the copies of the requests finished last step
+                # land first, as early as a copy can, so a row freed behind
+                # the copy alone (the --no-record-use bug) goes to a new
+                # request before the step still reading it runs: caught every
+                # time, not by how soon the copy thread gets a core.
+                engine.copy.synchronize()
             pool.reclaim()  # the counts below only read: take what completed first
             while waiting and not sitting_out:
                 entry = lookup(waiting[0])

@@ -550,6 +550,10 @@ async def test_grants_in_separate_iterations_each_reset_before_the_owner_resumes
 # ---------------------------------------------------------------- bytes per row
 
 
+# Modules whose code runs on threads of the library's own (watchers, streams).
+_THREADED = ("watcher.py", "fences.py", "fence_wait.py")
+
+
 def _bookkeeping_bytes(size: int, rounds: int, batch: int) -> int:
     """Python bytes a pool holds after ``rounds`` of handing out every row,
     ``batch`` rows per alloc (tracemalloc: tensors are not counted)."""
@@ -574,10 +578,6 @@ def _bookkeeping_bytes(size: int, rounds: int, batch: int) -> int:
         tracemalloc.stop()
     del pool
     return used
-
-
-# Modules whose code runs on threads of the library's own (watchers, streams).
-_THREADED = ("watcher.py", "fences.py", "fence_wait.py")
 
 
 def test_bookkeeping_is_bounded_however_long_the_pool_runs():

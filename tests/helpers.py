@@ -32,7 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from asyncpool import FenceError, HostStream
 from asyncpool import fences as fences_mod
@@ -40,6 +42,23 @@ from asyncpool.ledger import SlotLedger
 
 WAIT_S = 5.0  # bound on every wait for another thread
 LONG_S = 120.0  # bound on a whole demo or benchmark run awaited by a test
+
+#: Page counts per row for two rows that every call taking one count per row
+#: (``extend_rows``, ``extend_fitting``, ``trim_pages``' ``keep``) refuses with
+#: ``CapacityError``: one validator reads them all. Too few or too many, a
+#: negative, a float, a bool, 2-D, float and bool arrays and tensors.
+BAD_COUNTS_FOR_TWO_ROWS: list[object] = [
+    [1],
+    [1, 1, 1],
+    [1, 2, 3],
+    [1, -1],
+    [1, 1.5],
+    [True, 1],
+    torch.tensor([[1, 1]]),
+    np.array([1.0, 1.0]),
+    torch.tensor([1.0, 1.0]),
+    torch.tensor([True, True]),
+]
 
 
 def in_thread(fn: Callable[[], Any], *, name: str = "foreign", daemon: bool = False) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_pages_conserved, kv_of, kv_pool_state
+from helpers import BAD_COUNTS_FOR_TWO_ROWS, assert_pages_conserved, kv_of, kv_pool_state
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -301,22 +301,9 @@ async def test_counts_as_arrays_and_tensors():
         conserved(pool)
 
 
-BAD_COUNTS = [
-    [1],
-    [1, 1, 1],
-    [1, -1],
-    [1, 1.5],
-    [True, 1],
-    torch.tensor([[1, 1]]),
-    np.array([1.0, 1.0]),
-    torch.tensor([1.0, 1.0]),
-    torch.tensor([True, True]),
-]
-
-
 @pytest.mark.parametrize(
     ("grow", "k"),
-    [(grow, k) for grow in GROWS for k in BAD_COUNTS]
+    [(grow, k) for grow in GROWS for k in BAD_COUNTS_FOR_TWO_ROWS]
     + [("extend_rows", [9, 8])],  # 17 pages of 16: extend_fitting stops short
 )
 async def test_bad_counts_per_row_raise_typed_and_change_nothing(grow, k):

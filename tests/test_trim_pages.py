@@ -16,7 +16,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import EventFence, Streams, bounded, kv_pool_state, spin
+from helpers import BAD_COUNTS_FOR_TWO_ROWS, EventFence, Streams, bounded, kv_pool_state, spin
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -316,18 +316,7 @@ async def test_rows_with_different_uses_each_wait_for_their_own(kit: Streams):
         assert kv.pending_size() == 0
 
 
-@pytest.mark.parametrize(
-    "keep",
-    [
-        [1],
-        [1, 2, 3],
-        [1, -1],
-        [1, 1.5],
-        [True, 1],
-        torch.tensor([[1, 1]]),
-        torch.tensor([1.0, 1.0]),
-    ],
-)
+@pytest.mark.parametrize("keep", BAD_COUNTS_FOR_TWO_ROWS)
 async def test_a_bad_keep_per_row_raises_and_changes_nothing(keep: object):
     async with make(rows=2, pages=8) as pool:
         rows = [(await pool.admit(pages=4)).row for _ in range(2)]

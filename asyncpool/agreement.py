@@ -26,8 +26,8 @@ first, a bare ``KVPagePool`` the first with pages): what the slot holds
 ids, a CRC-32 of the pending ids in deferral order, quarantined ids (with
 free and pending, they fix the allocated count: a rank that quarantined
 what another released, a drain's local verdict on a fence that faulted
-on one rank only, is caught even once both have allocated the rest). So the tensor has the
-same length on every rank, and MIN of ``header`` and of ``-header`` gives
+on one rank only, is caught even once both have allocated the rest). So
+the tensor has the same length on every rank, and MIN of ``header`` and of ``-header`` gives
 the least and the greatest value across ranks: a rank that made different
 calls (hence holds different batches), or whose pool was built otherwise
 (``kv=`` on one rank only), is detected *before* any flag is trusted, and
@@ -38,8 +38,7 @@ deferral order (the ``did`` each batch got when it was created: identical
 across ranks that made the same calls): ``done`` (every fence it waits for
 completed here), ``overdue`` (not done here, and pending for
 ``fence_timeout`` or more) and ``faulted`` (a fence raised here, an
-interrupt aside), the last
-two sent negated, so that MIN reduces them to the MAX over ranks. Agreed:
+interrupt aside), the last two sent negated, so that MIN reduces them to the MAX over ranks. Agreed:
 faulted on any rank -> quarantined on every rank (a transfer that failed on
 one rank only must not hold its memory forever unseen; quarantine never
 frees early); else done on every rank -> released; else overdue on any

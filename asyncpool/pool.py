@@ -930,11 +930,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         built otherwise (``kv=`` on some ranks only), or when a fence's
         ``query()`` raised ``KeyboardInterrupt``/``SystemExit`` on
         another rank (that rank raises it, also changing nothing).
-        ``RuntimeError`` on an ``"auto"`` pool, :class:`WrongThreadError` from a foreign thread and
-        ``TypeError``/``ValueError`` for a bad ``group`` (``RuntimeError``
-        when ``torch.distributed`` is not initialised) raise on this rank
-        alone, before the collective: the other ranks then wait in it until
-        the group's timeout.
+        ``RuntimeError`` on an ``"auto"`` pool, :class:`WrongThreadError`
+        from a foreign thread and ``TypeError``/``ValueError`` for a bad
+        ``group`` (``RuntimeError`` when ``torch.distributed`` is not
+        initialised) raise on this rank alone, before the collective: the
+        other ranks then wait in it until the group's timeout.
         """
         self._check_thread()
         led = self._ledger

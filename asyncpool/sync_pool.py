@@ -175,10 +175,10 @@ class ReqToTokenPool(PoolCore):
         A collective over a ``torch.distributed`` process group (None: the
         default group): every rank calls it at the same point. Returns the
         rows made free. Raises :class:`AgreementError` on every rank,
-        changing nothing, when the ranks' pools disagree or a fence's ``query()`` was
-        interrupted on another rank (that rank raises its ``KeyboardInterrupt``
-        or ``SystemExit``). ``RuntimeError`` on
-        an ``"auto"`` pool or without an initialised ``torch.distributed``,
+        changing nothing, when the ranks' pools disagree or a fence's
+        ``query()`` was interrupted on another rank (that rank raises its
+        ``KeyboardInterrupt`` or ``SystemExit``). ``RuntimeError`` on an
+        ``"auto"`` pool or without an initialised ``torch.distributed``,
         and ``TypeError``/``ValueError`` for a bad ``group``, raise on this
         rank alone, before the collective (the other ranks then wait in it).
         """

@@ -116,7 +116,9 @@ def _per_row(counts: object) -> bool:
     than text or bytes, a 1-D array or tensor) rather than one for all."""
     if isinstance(counts, torch.Tensor | np.ndarray):
         return bool(counts.ndim)
-    return isinstance(counts, Sequence) and not isinstance(counts, str | bytes | bytearray)
+    return isinstance(counts, Sequence) and not isinstance(
+        counts, str | bytes | bytearray | memoryview
+    )
 
 
 def _check_ordered(rows: object, what: str) -> None:
@@ -220,7 +222,7 @@ class Admission:
         self._fast = False  # no unchecked call may interleave with this one
         k = self._page_count(pages, 0)
         if timeout is not None or priority.__class__ is not int:
-            priority = _check_wait_args(priority, timeout)
+            priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
             grant = self._admit_now(k)

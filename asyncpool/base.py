@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
-__all__ = ["PoolCore", "check_wait_args", "count_of", "int_arg"]
+__all__ = ["PoolCore", "check_timeout", "check_wait_args", "count_of", "int_arg"]
 
 # From this many dirty rows on, a bulk reset uses a mask of the FREE rows
 # instead of an index list (measured: about 3x cheaper at 1,024 rows).
@@ -37,10 +38,12 @@ def int_arg(value: object) -> int | None:
         return None
 
 
-def check_wait_args(priority: object, timeout: object) -> int:
-    """``priority`` as an int (see :func:`int_arg`); raise ``TypeError`` for
-    one that is not an integer (a bool, a float) and ``ValueError`` for a
-    bad ``timeout``."""
+def check_wait_args(priority: object, timeout: object) -> tuple[int, float | None]:
+    """``(priority, timeout)`` checked: ``priority`` as an int (see
+    :func:`int_arg`), ``timeout`` None or a real number >= 0 (a numpy
+    integer or float as a Python float). Raises ``TypeError`` for a priority
+    that is not an integer (a bool, a float) and ``ValueError`` for a bad
+    ``timeout`` (a bool, a string, a negative number, NaN)."""
     if priority.__class__ is not int:
         converted = int_arg(priority)
         if converted is None:
@@ -49,12 +52,25 @@ def check_wait_args(priority: object, timeout: object) -> int:
                 f"{describe(priority, 80)} of type {type(priority).__name__}"
             )
         priority = converted
-    if timeout is not None and (
-        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
-    ):
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
     assert isinstance(priority, int)
-    return priority
+    return priority, check_timeout(timeout)
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float | None:
+    """``timeout`` (None or a real number >= 0: an int, a float, a numpy
+    integer or float; not a bool) as it is when an int or float, as a Python
+    float otherwise; ``ValueError``, naming the parameter ``name``, for
+    anything else."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        pass
+    elif isinstance(timeout, (int, float)):
+        if timeout >= 0:  # False for NaN
+            return timeout
+    elif float(timeout) >= 0:  # a numpy number
+        return float(timeout)
+    raise ValueError(f"{name} must be None or a number >= 0, got {describe(timeout, 80)}")
 
 
 class PoolCore:
@@ -78,9 +94,10 @@ class PoolCore:
         enable_memory_saver: bool = False,
         stream: Any | None = None,
     ) -> None:
-        """Bounds, checked before anything is built: ``size`` an int in
+        """Bounds, checked before anything is built: ``size`` an int (any
+        integer type but bool: numpy and torch integers are read as ints) in
         ``2..2**31`` (row ids fit the int32 index tensors engines keep them
-        in; :class:`CapacityError`), ``max_context_len`` an int in
+        in; :class:`CapacityError`), ``max_context_len`` an int (likewise) in
         ``1..2**31 - 1`` (lengths are int32; ``ValueError``),
         ``enable_memory_saver`` a bool (``TypeError``), ``device`` one torch
         parses, not ``meta`` (its tensors hold no data) and not CUDA without
@@ -88,8 +105,9 @@ class PoolCore:
         int32 slots) are allocated before the ledger's per-row lists, so a
         pool too large for memory fails at once, in torch's allocator.
         """
-        check_size(size)
+        size = check_size(size)
         self._tables = TokenTables(size, max_context_len, device, enable_memory_saver, stream)
+        max_context_len = self._tables.max_context_len
         self._ledger = SlotLedger(
             size,
             on_reset=self._reset_rows,

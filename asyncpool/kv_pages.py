@@ -59,7 +59,7 @@ import array
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex, TypeAlias
 
@@ -73,6 +73,7 @@ from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyEr
 from .fences import Fence, HostStream, check_after, record_fence
 from .ledger import (
     _CHECKING,
+    _NOT_IDS,
     ALLOCATED,
     FREE,
     PENDING,
@@ -85,6 +86,7 @@ from .ledger import (
     describe,
     device_fault,
     index_or_error,
+    integral,
 )
 from .stats import LatencySummary
 from .tables import ID_DTYPES, check_device, host_to_device
@@ -153,9 +155,11 @@ MAX_NUM_PAGES = 2**31
 MAX_SLOTS = 2**31
 
 
-def check_num_pages(num_pages: object) -> None:
-    """Raise :class:`CapacityError` unless ``num_pages`` is an int in
+def check_num_pages(num_pages: object) -> int:
+    """``num_pages`` as a Python int; :class:`CapacityError` unless it is an
+    integer (any type :func:`~asyncpool.ledger.integral` converts) in
     ``2..MAX_NUM_PAGES`` (page 0 is reserved)."""
+    num_pages = integral(num_pages)
     if num_pages.__class__ is not int or num_pages < 2:
         raise CapacityError(
             f"num_pages must be an int >= 2 (page 0 is reserved), got {describe(num_pages)}"
@@ -167,6 +171,7 @@ def check_num_pages(num_pages: object) -> None:
             f"num_pages must be at most 2**31 (a call's pages are numbered in int32), "
             f"got {num_pages!r}"
         )
+    return num_pages
 
 
 class PageLedger(Deferrals[PageArray]):
@@ -192,7 +197,7 @@ class PageLedger(Deferrals[PageArray]):
         clock: Callable[[], float] = time.perf_counter,
         latency_window: int = 4096,
     ) -> None:
-        check_num_pages(num_pages)
+        num_pages = check_num_pages(num_pages)
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
@@ -431,7 +436,7 @@ class PageLedger(Deferrals[PageArray]):
             return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if isinstance(pages, (np.integer, int)) and not isinstance(pages, bool):
             return self._checked(self._list_array([pages], what), True, what, expect)
-        if isinstance(pages, Iterable) and not isinstance(pages, (str, bytes, bytearray, Mapping)):
+        if isinstance(pages, Iterable) and not isinstance(pages, _NOT_IDS):
             return self._checked(self._list_array(list(pages), what), True, what, expect)
         raise InvalidSlotError(
             "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
@@ -689,9 +694,7 @@ class PageLedger(Deferrals[PageArray]):
             arr, _ = self._numpy_array(pages, owned=False)
         elif isinstance(pages, (int, np.integer)) and not isinstance(pages, bool):
             arr = self._list_array([pages], None)
-        elif isinstance(pages, Iterable) and not isinstance(
-            pages, (str, bytes, bytearray, Mapping)
-        ):
+        elif isinstance(pages, Iterable) and not isinstance(pages, _NOT_IDS):
             arr = self._list_array(list(pages), None)
         else:
             raise InvalidSlotError(
@@ -859,7 +862,8 @@ class KVPagePool:
         *,
         reclaim: str = "auto",
     ) -> None:
-        check_num_pages(num_pages)
+        num_pages = check_num_pages(num_pages)
+        page_size = integral(page_size)  # type: ignore[assignment]
         if page_size.__class__ is not int or page_size < 1:
             raise CapacityError(f"page_size must be an int >= 1, got {page_size!r}")
         if num_pages * page_size > MAX_SLOTS:

@@ -88,7 +88,7 @@ class SlotLedger(Deferrals[int]):
         clock: Callable[[], float] = time.perf_counter,
         latency_window: int = 4096,
     ) -> None:
-        check_size(size)
+        size = check_size(size)
         self.size = size
         self.capacity = size - 1
         self._free: collections.deque[int] = collections.deque(range(1, size))
@@ -698,9 +698,11 @@ class SlotLedger(Deferrals[int]):
 MAX_ROWS_SIZE = 2**31
 
 
-def check_size(size: object) -> None:
-    """Raise :class:`CapacityError` unless ``size`` is an int in
-    ``2..MAX_ROWS_SIZE`` (row 0 is reserved; ids fit int32)."""
+def check_size(size: object) -> int:
+    """``size`` as a Python int; :class:`CapacityError` unless it is an
+    integer (any type :func:`integral` converts) in ``2..MAX_ROWS_SIZE``
+    (row 0 is reserved; ids fit int32)."""
+    size = integral(size)
     if size.__class__ is not int:
         raise CapacityError(f"size must be an int, got {size!r} of type {type(size).__name__}")
     assert isinstance(size, int)
@@ -711,10 +713,25 @@ def check_size(size: object) -> None:
             f"size must be at most 2**31 (row ids must fit the int32 index tensors "
             f"engines keep them in), got {size!r}"
         )
+    return size
 
 
 def _rows_word(n: int) -> str:
     return "row" if n == 1 else "rows"
+
+
+def integral(value: object) -> object:
+    """``value`` as a Python int if it is an integer of another type (a numpy
+    or torch integer scalar, a 0-d integer tensor or array, an ``IntEnum``:
+    what :func:`as_index` reads), bools excepted; otherwise ``value`` as it
+    is, for the caller's check to refuse by name. For constructor sizes,
+    which engines often compute with numpy."""
+    if value.__class__ is int or isinstance(value, bool):
+        return value
+    try:
+        return as_index(value)
+    except TypeError:
+        return value
 
 
 def describe(value: object, limit: int | None = None) -> str:
@@ -785,6 +802,11 @@ def as_index(value: object) -> int:
         raise TypeError(f"{type(value).__name__}.__index__ raised {exc!r}") from exc
 
 
+#: What a call that takes ids refuses although it iterates: text, bytes
+#: (and views of them) and mappings (whose iteration yields their keys).
+_NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
+
+
 def as_row_ids(rows: object) -> Sequence[int]:
     """What engines hold, as a sequence of Python ints.
 
@@ -810,6 +832,15 @@ def as_row_ids(rows: object) -> Sequence[int]:
         return [_row_id(row) for row in seq]
     if cls is int:
         return (rows,)  # type: ignore[return-value]
+    if isinstance(rows, _NOT_IDS):
+        # A mapping iterates its keys: free({3: "x"}) would free row 3; text
+        # and bytes (a memoryview too: it has ndim and tolist) are not ids.
+        # KVPagePool.free refuses them too; a set (distinct ids) is accepted
+        # by both.
+        raise InvalidSlotError(
+            f"rows must be an int or a sequence of ints, got {describe(rows, 80)} of type "
+            f"{type(rows).__name__}"
+        )
     ndim = getattr(rows, "ndim", None)
     if ndim == 0:
         return (_row_id(rows),)
@@ -832,10 +863,7 @@ def as_row_ids(rows: object) -> Sequence[int]:
                 f"dtype, got {_attributes(rows)}"
             ) from None
         return [_row_id(row) for row in values]
-    if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
-        # A mapping iterates its keys: free({3: "x"}) would free row 3.
-        # KVPagePool.free refuses one too; a set (distinct ids) is accepted
-        # by both.
+    if not isinstance(rows, Iterable):
         raise InvalidSlotError(
             f"rows must be an int or a sequence of ints, got {describe(rows, 80)} of type "
             f"{type(rows).__name__}"

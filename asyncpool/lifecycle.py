@@ -20,7 +20,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .base import check_wait_args as _check_wait_args
+from .base import check_timeout as _check_timeout
 from .deferral import Deferrals
 from .errors import PoolBusyError, PoolClosedError
 from .fences import Fence, HostFence, is_done
@@ -144,7 +144,7 @@ class Lifecycle:
         """
         self._check_thread()
         if timeout is not None:
-            _check_wait_args(0, timeout)
+            timeout = _check_timeout(timeout)
         # The running loop, rebinding to it: the pool may still name a loop
         # that has since stopped (asyncio.run twice in one thread).
         loop = self._prepare_wait(asyncio.get_running_loop())

@@ -355,7 +355,9 @@ class PoolCollector:
         """Export ``pool`` too, labelled ``pool=name``.
 
         Raises ``ValueError`` if ``name`` is taken (two pools with one label
-        would make an invalid scrape), ``TypeError`` for a non-str name and
+        would make an invalid scrape) or ``pool`` is exported already, under
+        any name (its figures would count twice in every sum over pools),
+        ``TypeError`` for a non-str name and
         for a ``pool`` with no ``stats()`` or a ``KVPagePool`` (its stats are
         another kind; one bad pool would fail every later scrape, for every
         pool): export a ``ReqToTokenPool`` or an ``AsyncReqToTokenPool``,
@@ -371,6 +373,12 @@ class PoolCollector:
                 "(an object whose stats(summaries=False) returns PoolStats); a KVPagePool's "
                 "pages are exported by the AsyncReqToTokenPool built with kv="
             )
+        for taken, (exported, _) in self._pools.items():
+            if exported is pool:
+                raise ValueError(
+                    f"this collector already exports {pool!r} as {taken!r}; a pool is "
+                    "exported once (its figures would count twice in a sum over pools)"
+                )
         self._pools[name] = (pool, object())
 
     def remove(self, name: str) -> None:

@@ -16,6 +16,7 @@ calls :meth:`OverdueFences.check`) or of what the ids are.
 from __future__ import annotations
 
 import logging
+import numbers
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -32,17 +33,18 @@ _t0_of = operator.attrgetter("t0")
 
 
 def check_fence_timeout(timeout: object, name: str = "fence_timeout") -> float | None:
-    """``timeout`` as a positive finite float, or None; ValueError (naming
-    the parameter ``name``) otherwise."""
+    """``timeout`` (a real number: an int, a float, a numpy integer or float;
+    not a bool) as a positive finite float, or None; ValueError (naming the
+    parameter ``name``) otherwise."""
     if timeout is None:
         return None
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < float("inf")
-    ):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):  # numpy's are
+        value = 0.0
+    else:
+        value = float(timeout)
+    if not 0 < value < float("inf"):  # False for NaN
         raise ValueError(f"{name} must be None or a number > 0, got {timeout!r}")
-    return float(timeout)
+    return value
 
 
 class OverdueFences:

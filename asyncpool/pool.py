@@ -541,7 +541,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = self._ledger.check_n(n)
         if timeout is not None or priority.__class__ is not int:
-            priority = _check_wait_args(priority, timeout)
+            priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
             led = self._ledger

@@ -21,7 +21,7 @@ import torch
 
 from .errors import DeviceError, InvalidSlotError, MemorySaverError
 from .fences import HostStream
-from .ledger import INTEGER_DTYPE_NAMES, as_index, describe, index_or_error
+from .ledger import INTEGER_DTYPE_NAMES, as_index, describe, index_or_error, integral
 
 # What a pool off CUDA accepts as stream= (and ignores: its resets run at
 # once): the code an engine shares between CPU and GPU passes its forward
@@ -253,6 +253,7 @@ class TokenTables:
         enable_memory_saver: bool = False,
         stream: Any | None = None,
     ) -> None:
+        max_context_len = integral(max_context_len)  # type: ignore[assignment]
         if max_context_len.__class__ is not int or max_context_len < 1:
             raise ValueError(
                 f"max_context_len must be a positive int, got {describe(max_context_len)}"

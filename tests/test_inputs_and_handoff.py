@@ -131,6 +131,11 @@ BAD_ROWS: list[tuple[str, Any, str]] = [
     ("2d-tensor", torch.tensor([[1, 2]]), "2-D"),
     ("2d-array", np.array([[1], [2]]), "2-D"),
     ("string", "12", "'12'"),
+    # Bytes are not row ids, whatever wraps them (a memoryview has ndim and
+    # tolist, as an array does).
+    ("bytes", bytes([1, 2]), "b'"),
+    ("bytearray", bytearray([1, 2]), "bytearray"),
+    ("memoryview", memoryview(bytes([1, 2])), "memoryview"),
 ]
 
 
@@ -148,6 +153,25 @@ async def test_floats_bools_and_bad_shapes_are_refused_naming_the_value(name, ro
         pool.free(held)
         if isinstance(pool, AsyncReqToTokenPool):
             await pool.close()
+
+
+async def test_pages_and_page_counts_refuse_bytes_and_memoryviews():
+    kv = KVPagePool(9, 4)
+    pages = kv.alloc(2)
+    assert pages is not None
+    async with AsyncReqToTokenPool(5, 16, kv=KVPagePool(9, 4)) as pool:
+        async with asyncio.timeout(WAIT_S):
+            grant = await pool.admit(pages=1)
+        before = pool_snapshot(pool)
+        for bad in (bytes(pages.tolist()), memoryview(bytes(pages.tolist()))):
+            with pytest.raises(InvalidSlotError, match="pages must be"):
+                kv.free(bad)
+            # Per-row counts as bytes would read as small ints: refused.
+            with pytest.raises(CapacityError):
+                pool.extend_rows([grant.row], memoryview(bytes([1])))
+        assert kv.allocated_size() == 2
+        assert pool_snapshot(pool) == before
+        pool.free([grant.row])
 
 
 @pytest.mark.parametrize("bad", [np.float64(2.0), torch.tensor(2.0), np.bool_(True), True, 2.0])
@@ -275,6 +299,89 @@ def test_size_messages(cls, size, rule):
     with pytest.raises(CapacityError, match=rule) as info:
         cls(size, 8)
     assert repr(size) in str(info.value)
+
+
+# Sizes an engine computes with numpy or torch (from a memory budget).
+INTEGER_SIZES: dict[str, Callable[[int], Any]] = {
+    "numpy-int64": np.int64,
+    "numpy-uint32": np.uint32,
+    "torch-0d": torch.tensor,
+}
+
+
+@pytest.mark.parametrize("form", INTEGER_SIZES)
+async def test_constructors_read_integer_scalars_as_ints(form):
+    make = INTEGER_SIZES[form]
+    sync = ReqToTokenPool(make(5), make(16))
+    kv = KVPagePool(make(9), make(4))
+    pool = AsyncReqToTokenPool(make(5), make(16), kv=kv)
+    for made in (sync, pool):
+        assert type(made.size) is int and made.size == 5
+        assert type(made.max_context_len) is int and made.max_context_len == 16
+        assert tuple(made.req_to_token.shape) == (5, 16)
+    assert type(kv.ledger.num_pages) is int and kv.capacity == 8
+    assert type(kv.page_size) is int and kv.page_size == 4
+    assert sync.alloc(4) == [1, 2, 3, 4]
+    async with asyncio.timeout(WAIT_S):
+        grant = await pool.admit(pages=8)
+    assert kv.available_size() == 0
+    pool.free([grant.row])
+    await pool.close()
+
+
+@pytest.mark.parametrize(
+    "build,culprit",
+    [
+        (lambda: ReqToTokenPool(np.float64(5.0), 16), "size must be an int"),
+        (lambda: ReqToTokenPool(np.bool_(True), 16), "size must be an int"),
+        (lambda: ReqToTokenPool(torch.tensor([5]), 16), "size must be an int"),
+        (lambda: ReqToTokenPool(5, np.float32(16.0)), "max_context_len must be a positive int"),
+        (lambda: ReqToTokenPool(5, True), "max_context_len must be a positive int"),
+        (lambda: KVPagePool(np.float64(9.0), 4), "num_pages must be an int"),
+        (lambda: KVPagePool(9, np.bool_(True)), "page_size must be an int"),
+        (lambda: KVPagePool(9, torch.tensor(4.0)), "page_size must be an int"),
+    ],
+)
+def test_constructors_still_refuse_floats_bools_and_arrays(build, culprit):
+    with pytest.raises((CapacityError, ValueError), match=culprit):
+        build()
+
+
+@pytest.mark.parametrize("timeout", [np.float32(0.01), np.float64(0.01), np.int64(0)])
+async def test_a_numpy_timeout_times_out(timeout):
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        held = await pool.alloc(2)
+        with pytest.raises(TimeoutError, match=r"alloc\(1\) timed out after 0"):
+            async with asyncio.timeout(WAIT_S):
+                await pool.alloc(1, timeout=timeout)
+        with pytest.raises(TimeoutError, match="could not be granted"):
+            async with asyncio.timeout(WAIT_S):
+                async with pool.lease(1, timeout=timeout):
+                    pass
+        pool.free(held)
+        async with asyncio.timeout(WAIT_S):
+            assert await pool.alloc(1, timeout=np.int64(5)) == [1]
+        await pool.drain(timeout=np.float32(1.0))
+    # fence_timeout and warn_after are numbers > 0: numpy numbers too.
+    pool = AsyncReqToTokenPool(3, 4, fence_timeout=np.int64(2))
+    assert pool.stats().overdue_fences == 0
+    pool.hold_grants(warn_after=np.float32(1.0)).release()
+    await pool.close()
+
+
+@pytest.mark.parametrize("bad", [np.float32("nan"), np.float64(-1.0), np.bool_(True), True, "1"])
+async def test_timeouts_refuse_nan_negatives_bools_and_text(bad):
+    async with AsyncReqToTokenPool(3, 4) as pool:
+        before = pool_snapshot(pool)
+        with pytest.raises(ValueError, match="timeout must be None or a number >= 0"):
+            async with asyncio.timeout(WAIT_S):
+                await pool.alloc(1, timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be None or a number >= 0"):
+            async with asyncio.timeout(WAIT_S):
+                await pool.drain(timeout=bad)
+        assert pool_snapshot(pool) == before
+    with pytest.raises(ValueError, match="fence_timeout must be None or a number > 0"):
+        AsyncReqToTokenPool(3, 4, fence_timeout=bad)
 
 
 async def test_after_that_is_not_a_stream_names_the_after_parameter():

@@ -349,6 +349,9 @@ async def test_one_collector_exports_several_pools() -> None:
         collector.add(b, name="prefill")
         with pytest.raises(ValueError, match="decode"):
             collector.add(b, name="decode")
+        # One pool under a second name would count twice in a sum over pools.
+        with pytest.raises(ValueError, match=r"exports .* as 'prefill'"):
+            collector.add(b, name="prefill2")
         with pytest.raises(TypeError):
             collector.add(b, name=3)  # type: ignore[arg-type]
         assert collector.names == ("decode", "prefill")

@@ -169,6 +169,8 @@ class Admission:
 
         def _take_for_waiter(self, need: Need) -> list[int] | Grant | None: ...
 
+        def _give_back(self, granted: list[int] | Grant) -> None: ...
+
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
         def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop: ...
@@ -187,9 +189,24 @@ class Admission:
             return None
         taken = pages.take(k)
         assert taken is not None
-        rows = self._take_for_waiter(1)
+        rows = self._take_for_waiter(1)  # its reset is deferred: cannot raise
         assert isinstance(rows, list)
-        return pages.grant(rows[0], taken)
+        try:
+            return pages.grant(rows[0], taken)
+        except BaseException:
+            # The grant's tensor could not be made (a device error): undo the
+            # hand-over; the error reaches whoever ran the grant loop and the
+            # waiter stays at the head, served by the next grant.
+            self._untake(rows[0], taken)
+            raise
+
+    def _untake(self, row: int, taken: npt.NDArray[np.int64]) -> None:
+        """Return a row and the pages taken for it whose grant was never made."""
+        pages = self._pages
+        assert pages is not None
+        if taken.shape[0]:
+            pages.ledger.put_back(taken, OWNED)
+        self._give_back([row])
 
     # ------------------------------------------------------------ admitting
 
@@ -290,12 +307,20 @@ class Admission:
             not self._reclaim_both() or not free or k > pled.free_count
         ):
             return None
-        taken = pages.take(k)
-        assert taken is not None
+        # The row first: taking a dirty one runs its reset, a device op that
+        # may raise, and then nothing must have been taken (taking the pages
+        # cannot fail once counted).
         rows = self._take(1)
         assert rows is not None
+        taken = pages.take(k)
+        assert taken is not None
+        try:
+            grant = pages.grant(rows[0], taken)
+        except BaseException:
+            self._untake(rows[0], taken)
+            raise
         pages.fast_admits += 1
-        return pages.grant(rows[0], taken)
+        return grant
 
     def _kv_pages(self, what: str = "admit or extend with pages") -> RowPages:
         """The pool's pages; :class:`CapacityError` on a pool without ``kv``."""
@@ -520,16 +545,16 @@ class Admission:
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
-        m, arr = 0, np.zeros(0, dtype=np.int64)
-        if not self._released:
-            if counts is None:
-                m, arr = self._grow(pages.extend_fitting, seq, per_row)
-            else:
-                m, arr = self._grow(pages.extend_fitting_each, seq, counts)
-            if m < len(seq):
-                pages.growth_refusals += 1
-        got = pages.out(arr)
-        return m, got if counts is not None else got.reshape(m, per_row)
+        if self._released:
+            empty = np.zeros(0, dtype=np.int64)
+            return 0, pages.out(empty if counts is not None else empty.reshape(0, per_row))
+        if counts is None:
+            m, got = self._grow(pages.extend_fitting, seq, per_row)
+        else:
+            m, got = self._grow(pages.extend_fitting_each, seq, counts)
+        if m < len(seq):
+            pages.growth_refusals += 1
+        return m, got
 
     def _grow(self, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:
         """``grow(rows, k)`` (a RowPages growth), then the grant loop if the

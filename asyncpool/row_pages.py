@@ -148,13 +148,18 @@ class RowPages:
         return self.ledger.take(k, OWNED)
 
     def grant(self, row: int, pages: npt.NDArray[np.int64]) -> Grant:
-        """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``."""
+        """Attach ``pages`` (from :meth:`take`) to the newly granted ``row``.
+
+        The caller's tensor is made first: if that raises (on CUDA, the
+        staging or the device allocation of the copy), nothing is recorded
+        and the caller gives row and pages back.
+        """
+        # out(), inlined on the host.
+        out = _from_numpy(pages) if self._on_host else self.out(pages)
         if pages.shape[0]:
             self.owned[row] = pages
             self.sealed[row] = pages.tobytes()
-        if self._on_host:  # out(), inlined
-            return _new_grant(Grant, (row, _from_numpy(pages)))
-        return _new_grant(Grant, (row, self.out(pages)))
+        return _new_grant(Grant, (row, out))
 
     def give_back(self, row: int) -> None:
         """Undo :meth:`grant` for a waiter cancelled before it resumed: the
@@ -176,8 +181,13 @@ class RowPages:
         arr = self._take_reclaiming(k)
         if arr is None:
             return None
+        try:
+            out = self.out(arr)  # first: see _put_back_for
+        except BaseException:
+            self._put_back_for(arr)
+            raise
         self._append(row, arr)
-        return self.out(arr)
+        return out
 
     def extend_rows(self, rows: Sequence[int], k: int) -> torch.Tensor | None:
         """Add ``k`` pages to each of ``rows`` (distinct, validated), all or
@@ -188,8 +198,13 @@ class RowPages:
         arr = self._take_reclaiming(len(rows) * k)
         if arr is None:
             return None
+        try:
+            out = self.out(arr.reshape(len(rows), k))  # first: see _put_back_for
+        except BaseException:
+            self._put_back_for(arr)
+            raise
         self._append_lines(rows, arr, k)
-        return self.out(arr.reshape(len(rows), k))
+        return out
 
     def extend_each(self, rows: Sequence[int], counts: Sequence[int]) -> torch.Tensor | None:
         """Add ``counts[i]`` pages to ``rows[i]`` (distinct, validated; counts
@@ -201,14 +216,26 @@ class RowPages:
         arr = self._take_reclaiming(sum(counts))
         if arr is None:
             return None
+        try:
+            out = self.out(arr)  # first: see _put_back_for
+        except BaseException:
+            self._put_back_for(arr)
+            raise
         self._append_counts(rows, counts, arr)
-        return self.out(arr)
+        return out
 
-    def extend_fitting(self, rows: Sequence[int], k: int) -> tuple[int, npt.NDArray[np.int64]]:
+    def _put_back_for(self, arr: npt.NDArray[np.int64]) -> None:
+        """Return pages a growth took when the caller's tensor of them could
+        not be made (on CUDA, a device allocation): each growth makes that
+        tensor before it records the pages, so that it takes nothing if it
+        raises."""
+        self.ledger.put_back(arr, OWNED)
+
+    def extend_fitting(self, rows: Sequence[int], k: int) -> tuple[int, torch.Tensor]:
         """Add ``k`` pages to each of the first ``m`` of ``rows`` (distinct,
         validated; ``k >= 1``), the most the free pages cover (reclaiming
-        first if they cover fewer than all); ``(m, pages)``, row i's pages
-        at ``pages[i * k : i * k + k]`` (empty when ``m`` is 0).
+        first if they cover fewer than all); ``(m, pages)``, an ``(m, k)``
+        tensor, row i's pages in line i.
 
         One take from the page ledger for the run.
         """
@@ -218,19 +245,24 @@ class RowPages:
             led.reclaim()
         m = min(n, led.free_count // k)
         if not m:
-            return 0, _EMPTY
+            return 0, self.out(_EMPTY.reshape(0, k))
         arr = led.take(m * k, OWNED)
         assert arr is not None  # m * k <= free_count
+        try:
+            out = self.out(arr.reshape(m, k))  # first: see _put_back_for
+        except BaseException:
+            self._put_back_for(arr)
+            raise
         self._append_lines(rows, arr, k)
-        return m, arr
+        return m, out
 
     def extend_fitting_each(
         self, rows: Sequence[int], counts: Sequence[int]
-    ) -> tuple[int, npt.NDArray[np.int64]]:
+    ) -> tuple[int, torch.Tensor]:
         """Add ``counts[i]`` pages to ``rows[i]`` (distinct, validated; counts
         >= 0) for the longest run ``rows[:m]`` whose sum the free pages cover
-        (reclaiming first if they cover fewer than all); ``(m, pages)``, the
-        new pages in row order (empty when none were taken).
+        (reclaiming first if they cover fewer than all); ``(m, pages)``, a
+        1-D tensor of the new pages in row order (empty when none were taken).
 
         One take from the page ledger for the run.
         """
@@ -241,11 +273,16 @@ class RowPages:
         m = bisect.bisect_right(ends, led.free_count)  # ends never decrease
         need = ends[m - 1] if m else 0
         if not need:
-            return m, _EMPTY
+            return m, self.out(_EMPTY)
         arr = led.take(need, OWNED)
         assert arr is not None  # need <= free_count
+        try:
+            out = self.out(arr)  # first: see _put_back_for
+        except BaseException:
+            self._put_back_for(arr)
+            raise
         self._append_counts(rows[:m], counts[:m], arr)
-        return m, arr
+        return m, out
 
     def _append_lines(self, rows: Sequence[int], arr: npt.NDArray[np.int64], k: int) -> None:
         """Append ``arr[i * k : i * k + k]`` to ``rows[i]`` for each of the

@@ -374,20 +374,22 @@ class RowPages:
 
     def detach(self, row: int, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller; the tensor is theirs (on the
-        host the page pool remembers it, so freeing it there is cheap)."""
+        host the page pool remembers it, so freeing it there is cheap). The
+        tensor is made before anything changes: if that raises (on CUDA, a
+        device allocation), the row keeps its pages."""
         pages = self.owned[row]
-        self.owned[row] = None
-        self.grown[row] = None
-        sealed, self.sealed[row] = self.sealed[row], None
         if pages is None:
-            return self.out(_EMPTY, host)
+            empty = self.out(_EMPTY, host)
+            self.grown[row] = None
+            self.sealed[row] = None
+            return empty
         # The row's pages are the caller's now, and KVPagePool.free takes
         # them. They are the seal's: a record written into may list others
         # (another holder's page, which kv.free would then take from it),
         # so the caller gets a fresh copy of the row's own pages instead.
+        sealed = self.sealed[row]
         assert sealed is not None
         own = np.frombuffer(sealed, dtype=np.int64)
-        self.ledger.disown(own)
         if pages.tobytes() != sealed:
             pages = own.copy()
         elif pages.base is not None:
@@ -396,9 +398,15 @@ class RowPages:
             # caller keeps detached pages for long (a prefix cache), so they
             # get an exact-size array of their own, pinning neither.
             pages = pages.copy()
-        if self._on_host and pages.shape[0] > 1:
+        remembered = self._on_host and pages.shape[0] > 1
+        out: torch.Tensor | None = None if remembered else self.out(pages, host)
+        self.owned[row] = None
+        self.grown[row] = None
+        self.sealed[row] = None
+        self.ledger.disown(own)
+        if out is None:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
-        return self.out(pages, host)
+        return out
 
     def written_error(self, row: int) -> InvalidSlotError:
         return InvalidSlotError(

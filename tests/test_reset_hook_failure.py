@@ -299,3 +299,29 @@ async def test_a_growth_whose_pages_tensor_raises_takes_nothing(
         assert grow(pool, rows) is not None  # and then it works
         assert pool.kv.allocated_size() == 2 + adds
         pool.free(rows)
+
+
+@pytest.mark.parametrize("host", [False, True])
+async def test_a_detach_whose_tensor_raises_leaves_the_row_its_pages(
+    monkeypatch: pytest.MonkeyPatch, host: bool
+) -> None:
+    async with AsyncReqToTokenPool(4, 8, kv=KVPagePool(17, 4)) as pool:
+        grant = await pool.admit(pages=1)
+        before = pool_snapshot(pool)
+        rp = pool._pages
+        assert rp is not None
+        real = rp.out
+
+        def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
+            monkeypatch.setattr(rp, "out", real)  # once
+            raise torch.OutOfMemoryError("no memory for the detached pages")
+
+        monkeypatch.setattr(rp, "out", fail)
+        with pytest.raises(torch.OutOfMemoryError):
+            pool.detach_pages(grant.row, host=host)
+        assert pool_snapshot(pool) == before
+        assert pool.pages_of(grant.row).tolist() == grant.pages.tolist()
+        pages = pool.detach_pages(grant.row, host=host)
+        assert pages.tolist() == grant.pages.tolist()
+        pool.free([grant.row])
+        assert pool.kv.free(pages) == 1

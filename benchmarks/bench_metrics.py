@@ -5,7 +5,7 @@ as many frees behind fences (a :class:`~asyncpool.HostStream`), so both
 latency windows are full and both histograms hold 10^4 observations. Then,
 interleaved: ``generate_latest(registry)`` with one
 :class:`~asyncpool.metrics.PoolCollector` registered (the whole scrape:
-``stats(summaries=False)``, 21 families, the text format), against
+``stats(summaries=False)``, every family of ``FAMILIES``, the text format), against
 ``pool.stats()`` with its percentile summaries (what the old collector read
 on every scrape; sorting the two sample windows is most of it). Pass mark,
 absolute: under 1 ms per scrape, reported as the ratio to a constant 1 ms

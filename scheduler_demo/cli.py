@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="free rows and KV pages immediately, as the seed pool does: no "
         "fences, no recorded uses, and an aborted request's pages are freed "
-        "without waiting for its KV transfer to land (shows the corruption)",
+        "without waiting for its KV transfer to land (shows the corruption); "
+        "with --device cuda the pool's row resets also run on the current "
+        "stream, not the forward stream, as the seed's do",
     )
     e.add_argument(
         "--device",

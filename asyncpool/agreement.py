@@ -23,7 +23,7 @@ What :func:`agree` sends: ONE int64 tensor per call in the common case::
 caller passes (a pool with ``kv=`` fills both, one without fills the
 first, a bare ``KVPagePool`` the first with pages): what the slot holds
 (none, rows, pages), pending batches, deferral counter, pending ids, free
-ids, a CRC-32 of the pending ids in deferral order, quarantined ids (with
+ids, a CRC-32 of the pending batches' sizes and ids in deferral order, quarantined ids (with
 free and pending, they fix the allocated count: a rank that quarantined
 what another released, a drain's local verdict on a fence that faulted
 on one rank only, is caught even once both have allocated the rest). So
@@ -145,10 +145,12 @@ def _free_count(led: Deferrals[Any]) -> int:
 
 
 def _digest(batches: Sequence[Deferred[Any]]) -> int:
-    """A CRC-32 of the pending batches' ids, in deferral order: ranks whose
-    batches are as many but hold different rows or pages disagree."""
+    """A CRC-32 of the pending batches' sizes and ids, in deferral order:
+    ranks whose batches are as many but hold different rows or pages, or
+    the same ones cut into batches at other places, disagree."""
     crc = 0
     for batch in batches:
+        crc = zlib.crc32(batch.n.to_bytes(8, "little"), crc)
         items = batch.items
         if items and items[0].__class__ is int:  # row ids
             crc = zlib.crc32(array.array("q", items).tobytes(), crc)
@@ -233,7 +235,8 @@ def agree(
     :class:`AgreementError` on every rank, changing nothing, when the
     ranks' ledgers disagree (what they are, different pending batches,
     deferral counters, pending, free or quarantined counts, or a CRC-32 of
-    the pending ids: as many batches holding other rows or pages): the
+    the pending batches: as many batches holding other rows or pages, or
+    the same ones cut at other places): the
     ranks did not make the same calls, or their pools were built otherwise.
     The order of the free queues is not compared, nor which request holds
     what (a pool does not know its requests): ranks that hand the same rows

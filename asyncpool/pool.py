@@ -324,10 +324,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if kv is not None:
                 ledgers.append(kv.ledger)
             self._overdue = OverdueFences(timeout_s, ledgers)
-        if kv is not None and kv.ledger.pending:
+        if kv is not None and kv.ledger.pending and not explicit:
             # Pages the page pool deferred before it was handed over were
             # announced to no hook: watch their fences as if freed now, or a
-            # completion would wake no admission.
+            # completion would wake no admission. Not in explicit mode: its
+            # pool never asks a fence (retire() and agree() return memory).
             seen: set[int] = set()
             for fence in kv.ledger.pending_fences():
                 if id(fence) not in seen:

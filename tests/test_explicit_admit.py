@@ -47,6 +47,30 @@ def test_kv_follows_the_pool_mode() -> None:
     assert busy.reclaim_mode == "auto" and busy.ledger._on_pending is None
 
 
+async def test_an_explicit_page_pool_handed_over_with_pending_pages_is_not_watched(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An explicit pool never asks a fence, also for the pages its page pool
+    deferred before it was handed over: no watcher thread polls them and no
+    overdue warning is logged by this rank's own clock (a review found both:
+    the hand-over announced them as an auto pool must)."""
+    kv = KVPagePool(17, 4, reclaim="explicit")
+    pages = kv.alloc(4)
+    assert pages is not None
+    transfer = Transfer()
+    kv.free(pages[:2], fence=transfer)
+    stream = FakeStream()
+    kv.free(pages[2:], fence=stream.record())
+    with caplog.at_level(logging.WARNING, logger="asyncpool"):
+        pool = AsyncReqToTokenPool(4, 8, kv=kv, reclaim="explicit", fence_timeout=0.01)
+        for _ in range(3):
+            await asyncio.sleep(0.02)
+    assert pool._watcher is None and transfer.queries == 0
+    assert "overdue" not in caplog.text and pool.stats().overdue_fences == 0
+    assert kv.pending_size() == 4
+    await pool.close()
+
+
 async def test_retire_returns_rows_and_pages_and_admits_a_waiter() -> None:
     pool = explicit_pool(rows=2, pages=9)
     s = FakeStream()

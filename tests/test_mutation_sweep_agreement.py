@@ -259,6 +259,38 @@ def test_as_many_pending_ids_but_other_ones_disagree(
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("unit", ["rows", "pages"])
+def test_the_same_ids_split_into_batches_differently_disagree(
+    ranks: ThreadRanks, group: Any, unit: str
+) -> None:
+    """The same ids in the same order, in as many batches, but cut at other
+    places: the first agreement would release other ids on each rank (one
+    batch's fence done, the other's not), so the CRC covers each batch's
+    size too. Found by a review: the ranks went on, apart, one call longer."""
+    pools: list[Any] = [
+        ReqToTokenPool(9, 4, reclaim="explicit")
+        if unit == "rows"
+        else KVPagePool(9, 4, reclaim="explicit")
+        for _ in range(2)
+    ]
+    done, pending = [_Handle("done"), _Handle("done")], [_Handle("pending"), _Handle("pending")]
+
+    def free_cut(rank: int) -> None:
+        got = pools[rank].alloc(3)
+        assert got is not None
+        cut = 2 - rank  # rank 0: [1, 2] + [3]; rank 1: [1] + [2, 3]
+        pools[rank].free(got[:cut], fence=done[rank])
+        pools[rank].free(got[cut:], fence=pending[rank])
+
+    assert ranks.run(free_cut) == [None, None]
+    ledgers = [pool._ledger for pool in pools]
+    (msg, _) = _disagreements(ranks.run(lambda r: agree(group, [ledgers[r]])))
+    assert f"{unit} pending ids (crc32)" in msg and "pending batches" not in msg
+    for pool in pools:
+        assert pool.pending_size() == 3 and pool.available_size() == 5
+        pool.check_invariants()
+
+
 def test_plain_ids_on_one_rank_and_nothing_on_another_are_named(
     ranks: ThreadRanks, group: Any
 ) -> None:

@@ -658,7 +658,12 @@ class Admission:
         extra: tuple[Fence, ...] = () if fence is None else (fence,)
         if after is not None:
             extra = (*extra, record_fence(after))
-        immediate = pages.free(prepared, extra, dict(zip(seq, keeps, strict=True)))
+        pled = pages.ledger
+        pled.answers = {}  # one verdict per fence for every group (Deferrals.answer)
+        try:
+            immediate = pages.free(prepared, extra, dict(zip(seq, keeps, strict=True)))
+        finally:
+            pled.answers = None
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate
@@ -721,8 +726,15 @@ class Admission:
             step = record_fence(after)
             led.record_use(seq, step, "freed")
             extra = (*extra, step)
-        freed_pages = pages.free(prepared, extra)
-        immediate = led.free(seq, fence)
+        # One verdict per fence for a row and its pages (and every group of
+        # pages): both ledgers share the answers of this call (Deferrals.answer).
+        pled = pages.ledger
+        led.answers = pled.answers = {}
+        try:
+            freed_pages = pages.free(prepared, extra)
+            immediate = led.free(seq, fence)
+        finally:
+            led.answers = pled.answers = None
         if (immediate or freed_pages) and self._waiters.count:
             self._waiters.grant()
         return immediate

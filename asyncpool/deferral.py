@@ -258,6 +258,13 @@ class Deferrals(Generic[T]):
         self._retired: dict[int, int] = {}
         self.agreed_overdue: set[int] = set()
         self.fence_histogram = Histogram()  # every batch's latency, for metrics
+        # While an owner frees through several ledgers (or groups) in one
+        # call, the answers of the fences asked so far in that call, by id
+        # (the fence kept with its answer, so the id is not reused): each
+        # fence is then asked once and every id behind it gets one verdict.
+        # None (outside such a call): ask afresh. The owner sets one dict on
+        # every ledger of the call and resets them to None in a finally.
+        self.answers: dict[int, tuple[Fence, Any]] | None = None
 
     def set_hooks(
         self,
@@ -300,16 +307,42 @@ class Deferrals(Generic[T]):
         if self.explicit:  # never ask a fence: only retire() says it is done
             return [f for f in newest_per_stream(fences) if not self.is_retired(f)], None, None
         waits: list[Fence] = []
+        answers = self.answers
         for f in newest_per_stream(fences) if len(fences) > 1 else fences:
             try:
-                done = f.query()
-                if done is not True and done is not False:
-                    done = is_done(done)  # not a yes or no: a fault
+                if answers is None:
+                    done = f.query()
+                    if done is not True and done is not False:
+                        done = is_done(done)  # not a yes or no: a fault
+                else:
+                    done = self.answer(f)
             except Exception as exc:  # a faulted stream
                 return waits, f, exc
             if not done:
                 waits.append(f)
         return waits, None, None
+
+    def answer(self, fence: Fence) -> bool:
+        """``fence.query()`` as a bool, asked once per call while
+        :attr:`answers` is set (the first answer, or the exception it
+        raised, is given again). An answer that is not a yes or no raises,
+        as a fault. Auto mode only."""
+        answers = self.answers
+        assert answers is not None
+        known = answers.get(id(fence))
+        if known is not None:
+            if known[1].__class__ is bool:
+                return bool(known[1])
+            raise known[1]
+        try:
+            done = fence.query()
+            if done is not True and done is not False:
+                done = is_done(done)  # not a yes or no: a fault
+        except Exception as exc:
+            answers[id(fence)] = (fence, exc)
+            raise
+        answers[id(fence)] = (fence, done)
+        return bool(done)
 
     def _defer(
         self,

@@ -479,6 +479,7 @@ class SlotLedger(Deferrals[int]):
         # Rows quarantined behind a faulted fence, by fence: reported (counted,
         # logged) together once the call has decided every row.
         faults: dict[int, tuple[Fence, BaseException, list[int]]] | None = None
+        answers = self.answers  # set: ask each fence once (Deferrals.answer)
         try:
             for row in seq:
                 use = uses[row]
@@ -506,10 +507,12 @@ class SlotLedger(Deferrals[int]):
                             # In the try: an answer that is not a yes or no is a fault.
                             if self.explicit:
                                 last_done = self.is_retired(use)
-                            else:
+                            elif answers is None:
                                 last_done = use.query()
                                 if last_done is not True and last_done is not False:
                                     last_done = is_done(last_done)
+                            else:
+                                last_done = self.answer(use)
                         except Exception as exc:  # a faulted stream
                             last_error = exc
                             faults = self._fault_row(faults, row, use, exc)

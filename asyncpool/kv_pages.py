@@ -1084,6 +1084,7 @@ class KVPagePool:
                     and pages.dtype is torch.int64
                     and pages.stride() == (1,)
                     and pages.numel() == numel
+                    and not pages.is_neg()  # a negated view reads other ids
                     and arr.tobytes() == handed_bytes
                     # free_owned, inlined
                     and led._all_allocated.startswith(led._state[arr].tobytes())

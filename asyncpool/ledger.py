@@ -888,12 +888,15 @@ def device_fault(tensor: object, exc: BaseException) -> bool:
     non-meta tensor of an integer dtype reads unless its device failed, and
     a meta tensor's ``NotImplementedError`` (no data) is bad input. Callers
     re-raise such an error as it is and turn any other into their typed
-    error; sparse, quantized and sub-byte tensors are bad input."""
+    error; sparse, quantized and sub-byte tensors are bad input, and so is
+    a ZeroTensor (``torch._efficientzerotensor``: strided, but no storage)."""
+    is_zero = getattr(tensor, "_is_zerotensor", None)
     return (
         not isinstance(exc, NotImplementedError)
         and not getattr(tensor, "is_meta", False)
         and str(getattr(tensor, "layout", "")) == "torch.strided"
         and str(getattr(tensor, "dtype", "")) in INTEGER_DTYPE_NAMES
+        and not (callable(is_zero) and is_zero())
     )
 
 

@@ -115,6 +115,14 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _staged(host, host.dtype).to(device, non_blocking=True)
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage."""
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except RuntimeError:  # no storage to compare (checked by the caller first)
+        return False
+
+
 def _staged(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A pinned copy of ``host`` (of ``dtype``, contiguous) that nobody else holds."""
     staged = torch.empty(host.shape, dtype=dtype, pin_memory=True)
@@ -401,11 +409,20 @@ class TokenTables:
                     f"ids 0..{limit} that req_to_token ({self.req_to_token.dtype}) can hold"
                 )
         self._after_resets()
+        # The slots first, from a copy when they lie in req_to_token itself
+        # (a row's own slots shifted, say: torch refuses a copy between
+        # overlapping places), so that nothing is written if the copy fails.
+        if (
+            alloced
+            and slots.device == self.req_to_token.device
+            and _shares_storage(slots, self.req_to_token)
+        ):
+            slots = slots.clone()
         if not self._on_cuda:
+            self.req_to_token[row, :alloced] = slots
             self.verified_lens[row] = verified
             self.alloced_lens[row] = alloced
             self.alloced_lens_cpu[row] = alloced
-            self.req_to_token[row, :alloced] = slots
             return
         # On CUDA, ``t[row] = value`` from a host scalar is a blocking copy
         # (it waits for the whole current stream, the forward step in flight
@@ -417,11 +434,11 @@ class TokenTables:
         dst = self.req_to_token[row, :alloced]
         if alloced and slots.device.type == "cpu":
             slots = _staged(slots.reshape(-1).expand(alloced), dst.dtype)
+        if alloced:
+            dst.copy_(slots, non_blocking=True)
         self.verified_lens[row : row + 1].fill_(verified)
         self.alloced_lens[row : row + 1].fill_(alloced)
         self.alloced_lens_cpu[row] = alloced
-        if alloced:
-            dst.copy_(slots, non_blocking=True)
 
     def write(self, indices: Any, values: Any) -> None:
         """``req_to_token[indices] = values`` (the seed's raw write)."""

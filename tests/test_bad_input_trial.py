@@ -487,6 +487,27 @@ def test_a_mapping_is_refused_by_the_sync_pool_and_the_page_pool(mapping: str) -
     assert kv_snapshot(kv) == kv_before
 
 
+def test_a_zero_tensor_is_refused_typed() -> None:
+    """A ZeroTensor (``torch._efficientzerotensor``) is strided and of an
+    integer dtype but has no storage: its read fails as bad input, not as a
+    device fault (a review found torch's bare RuntimeError)."""
+    zeros = torch._efficientzerotensor(3, dtype=torch.int64)
+    pool = ReqToTokenPool(10, 16)
+    assert pool.alloc(3) is not None
+    before = snapshot(pool)
+    with pytest.raises(InvalidSlotError):
+        pool.free(zeros)
+    with pytest.raises(InvalidSlotError):
+        pool.record_use(zeros, EventFence())
+    assert snapshot(pool) == before
+    kv = KVPagePool(10, 4)
+    assert kv.alloc(3) is not None
+    kv_before = kv_snapshot(kv)
+    with pytest.raises(InvalidSlotError):
+        kv.free(zeros)
+    assert kv_snapshot(kv) == kv_before
+
+
 async def test_a_set_of_rows_is_accepted_as_kv_free_accepts_one() -> None:
     # Sets hold distinct ids, so nothing is freed twice; both paths take one.
     async with AsyncReqToTokenPool(9, 16) as pool:

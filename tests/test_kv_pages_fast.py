@@ -454,6 +454,26 @@ def test_a_negative_view_is_refused_with_a_typed_error():
         assert kv.free(pages) == n
 
 
+@pytest.mark.parametrize("how", ["data", "set_neg"])
+def test_the_handed_out_tensor_made_a_negative_view_is_refused(how):
+    """Its memory, address, strides and bytes are unchanged, but it reads
+    other ids (``-p``): the trusted path must not free what it held (a
+    review found it freed pages 1-4 for a tensor reading [-1, -2, -3, -4])."""
+    kv = KVPagePool(64, 4)
+    for n in (1, 4, _TINY + 4):
+        pages = kv.alloc(n)
+        assert pages is not None
+        before = snapshot(kv)
+        if how == "data":
+            pages.data = torch._neg_view(pages)
+        else:
+            torch._C._set_neg(pages, True)
+        with pytest.raises(InvalidSlotError, match="out of range"):
+            kv.free(pages)
+        assert snapshot(kv) == before
+        assert kv.free(pages.resolve_neg().neg()) == n
+
+
 def test_a_fenced_free_of_a_handed_out_tensor_forgets_it():
     kv = KVPagePool(64, 4)
     fs = FakeStream()

@@ -55,6 +55,37 @@ def test_set_req_pool_info_writes_lengths_and_leading_slots():
     assert not t.req_to_token[[0, 1, 3]].any()
 
 
+@pytest.mark.parametrize("cls", [ReqToTokenPool, AsyncReqToTokenPool])
+def test_set_req_pool_info_takes_slots_from_req_to_token_itself(cls):
+    """A row's own slots shifted (dropping a prefix): the source overlaps
+    the destination, which torch refuses to copy; the pool copies from a
+    clone. Found by a review: the lengths were written, then the copy raised
+    torch's RuntimeError."""
+    pool = cls(4, 8)
+    row = pool.try_alloc(1)[0] if cls is AsyncReqToTokenPool else pool.alloc(1)[0]
+    pool.set_req_pool_info(row, info(4, 5))  # slots 10..14
+    pool.set_req_pool_info(row, ReqToTokenPoolInfo(1, 3, pool.req_to_token[row, 1:4]))
+    assert pool.req_to_token[row, :5].tolist() == [11, 12, 13, 13, 14]
+    assert (int(pool.verified_lens[row]), int(pool.alloced_lens[row])) == (1, 3)
+    assert int(pool.alloced_lens_cpu[row]) == 3
+
+
+def test_set_req_pool_info_writes_no_length_when_the_slot_copy_raises(monkeypatch):
+    """The slots are copied before the lengths are written: a copy that
+    raises leaves the row as it was."""
+    import asyncpool.tables as tables
+
+    t = TokenTables(4, 8)
+    t.set_req_pool_info(1, info(4, 5))
+    before = (t.req_to_token.clone(), t.verified_lens.clone(), t.alloced_lens.clone())
+    monkeypatch.setattr(tables, "_shares_storage", lambda a, b: False)  # no clone
+    with pytest.raises(RuntimeError):
+        t.set_req_pool_info(1, ReqToTokenPoolInfo(1, 3, t.req_to_token[1, 1:4]))
+    assert torch.equal(t.req_to_token, before[0])
+    assert torch.equal(t.verified_lens, before[1]) and torch.equal(t.alloced_lens, before[2])
+    assert int(t.alloced_lens_cpu[1]) == 5
+
+
 def test_set_req_pool_info_full_context_is_allowed():
     t = TokenTables(3, 4)
     t.set_req_pool_info(1, info(4, 4))

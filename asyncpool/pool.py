@@ -88,7 +88,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import Fence, HostFence, HostStream, check_after
+from .fences import CudaFence, Fence, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
@@ -159,6 +159,13 @@ class _Wake:
     def alive(self) -> bool:
         """Whether the pool still exists (the watcher's threads end once not)."""
         return self._pool() is not None
+
+
+def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
+    """An overdue check's timer callback, holding its pool weakly."""
+    pool = pool_ref()
+    if pool is not None:
+        pool._check_overdue(loop)
 
 
 class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
@@ -299,6 +306,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # it must not suppress the wake-ups of the loop the pool moved to.
         self._wake_scheduled: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
+        self._watcher_faults = 0  # the watcher's faults count last seen
         self._wake = _Wake(self)  # what fences and the watcher call back (weakly)
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
@@ -453,6 +461,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._loop = None
         self._set_owner(self._loop)
         self._wake_scheduled = None  # nothing is pending, so nothing to wake
+        if self._overdue is not None:
+            # A check armed on the old loop stays that loop's (not cancelled
+            # from this thread): it finds the pool moved and does nothing.
+            # Nothing is pending, so the next deferral arms one here.
+            self._overdue.timer = None
 
     def _set_owner(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Bind to the calling thread; open or close the unchecked fast paths."""
@@ -1080,7 +1093,28 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._wake_scheduled = None
         self._fast = False  # no unchecked call may interleave with this one
         self._reclaim_both()
+        watcher = self._watcher
+        if watcher is not None and watcher.faults != self._watcher_faults:
+            self._rewatch_faulted(watcher)
         self._waiters.grant()
+
+    def _rewatch_faulted(self, watcher: FenceWatcher) -> None:
+        # The poller dropped a fence whose query() raised there (or answered
+        # neither yes nor no); the reclaim just now asked it again and, if it
+        # raised here too, quarantined its memory. One that answered "not
+        # done" here (a transfer whose status poll failed once) still holds
+        # memory: watch it again, or its completion would wake nobody.
+        self._watcher_faults = watcher.faults
+        pending = [
+            fence
+            for fence in self._pending_fences()
+            if fence.__class__ is not HostFence and fence.__class__ is not CudaFence
+        ]
+        if pending:
+            try:
+                watcher.rewatch(pending)
+            except RuntimeError:  # stopped: the pool is closed (drain() reclaims)
+                pass
 
     def _on_pages_freed(self) -> None:
         # KVPagePool.free/reclaim called by the caller (detached pages) made
@@ -1092,11 +1126,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         loop = self._loop
         if loop is not None and not loop.is_closed() and not self._closed:
             assert self._overdue is not None
-            self._overdue.timer = loop.call_later(delay, self._check_overdue)
+            # Weakly, as the fence wake-ups (_Wake): a pool nothing else holds
+            # is collected, not kept until a long fence_timeout passes.
+            self._overdue.timer = loop.call_later(delay, _check_overdue_of, weakref.ref(self), loop)
 
-    def _check_overdue(self) -> None:
+    def _check_overdue(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         # Loop thread, while fences are pending: log newly overdue fences
         # once, then look again when the next pending one becomes overdue.
+        # ``loop``: the loop the check was armed on; one the pool has left
+        # (bind() to another thread's loop) does nothing, as a stale wake-up.
+        if loop is not None and loop is not self._loop:
+            return
         assert self._overdue is not None
         self._overdue.timer = None
         due = self._overdue.check()

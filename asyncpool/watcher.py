@@ -125,6 +125,11 @@ class FenceWatcher:
         self._streams: dict[int, _Stream] = {}
         self.watched = 0
         self.polls = 0
+        # Fences the poller dropped because their query() raised or gave an
+        # answer that is not a yes or no: the owner, whose own query may then
+        # say "not done" (a transfer whose status poll failed once), watches
+        # again those it still waits for (rewatch()) when this count moves.
+        self.faults = 0
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
@@ -162,6 +167,23 @@ class FenceWatcher:
         its ``query()`` answered done or raised)."""
         with self._lock:
             return id(fence) in self._polled
+
+    def rewatch(self, fences: list[Fence]) -> int:
+        """Poll again each of ``fences`` (of unknown origin) that the poller
+        no longer polls; return how many. One lock for the lot.
+
+        Raises ``RuntimeError`` after :meth:`stop`.
+        """
+        again = 0
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the fence watcher was stopped")
+            for fence in fences:
+                if id(fence) not in self._polled:
+                    self.watched += 1
+                    self._watch_polled(fence)
+                    again += 1
+        return again
 
     def unwatch(self, fence: Fence) -> bool:
         """Stop polling ``fence`` (say, one an operator gave up on); True if it was.
@@ -329,6 +351,7 @@ class FenceWatcher:
                     # every fence of unknown origin and must not end.
                     logger.debug("watched fence %r faulted: %r", fence, exc)
                     done.append(fence)
+                    self.faults += 1  # before the notify (see rewatch)
             cost = _perf_counter() - t0
             self.polls += 1
             if done:

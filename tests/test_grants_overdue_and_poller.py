@@ -324,3 +324,60 @@ def test_a_fence_watched_while_the_poller_idles_wakes_it():
     finally:
         watcher.stop()
         assert watcher.join(WAIT_S)
+
+
+class _GlitchOnce:
+    """A transfer handle whose status poll fails once, from the pool's
+    poller thread, then answers: not done until the test lands it."""
+
+    def __init__(self, first: object) -> None:
+        self.first = first  # what the poller's first query() gets
+        self.glitched = threading.Event()
+        self.landed = threading.Event()
+        self.owner = threading.get_ident()
+
+    def query(self) -> bool:
+        if threading.get_ident() != self.owner and not self.glitched.is_set():
+            self.glitched.set()
+            if isinstance(self.first, BaseException):
+                raise self.first
+            return self.first  # type: ignore[return-value]
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        self.landed.wait()
+
+
+@pytest.mark.parametrize("first", ["raises", "answers None"])
+async def test_a_fence_the_poller_dropped_on_a_glitch_is_watched_again(
+    first: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The poller drops a fence whose query() raised there (or answered
+    neither yes nor no) and wakes the pool; the pool's own query says "not
+    done", so its memory stays pending, and the pool watches it again: its
+    completion wakes the waiter with nobody calling the pool. A review found
+    the waiter hanging: nothing watched the fence any more."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(2, 8)  # one row
+    transfer = _GlitchOnce(ConnectionError("status poll failed") if first == "raises" else None)
+    # The pool's wake-up for the glitch (it asks the fence, then watches it
+    # again): the test lands the transfer only after it.
+    rewatched = asyncio.Event()
+    real = pool._rewatch_faulted
+
+    def spy(watcher: FenceWatcher) -> None:
+        real(watcher)
+        rewatched.set()
+
+    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    pool.free(await pool.alloc(1), fence=transfer)
+    waiter = asyncio.ensure_future(pool.alloc(1))
+    async with bounded():
+        await rewatched.wait()
+    assert transfer.glitched.is_set()
+    assert not waiter.done() and pool.pending_size() == 1 and pool.stats().quarantined == 0
+    assert pool._watcher is not None and pool._watcher.polling(transfer)
+    transfer.landed.set()
+    async with bounded():
+        assert await waiter == [1]
+    await pool.close()

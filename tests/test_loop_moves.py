@@ -193,6 +193,101 @@ def test_overdue_fences_are_logged_on_the_next_loop(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("where", ["another thread", "this thread"])
+def test_overdue_fences_are_logged_after_bind(loop: str, where: str) -> None:
+    """Warmed up (a fenced free arms the overdue check on the warm-up loop),
+    then handed over with bind(): overdue fences are logged on the new loop.
+    A review found none logged: bind() kept the old loop's timer as armed,
+    so no check was armed on the new loop."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8, fence_timeout=1.0)
+
+    async def warm_up() -> None:
+        transfer = _Transfer()
+        pool.free(await pool.alloc(1), fence=transfer)  # arms the check here
+        transfer.done = True
+        async with bounded():
+            await pool.drain()
+
+    if where == "another thread":
+        warm = threading.Thread(target=run, args=(factory, warm_up()))
+        warm.start()
+        warm.join(WAIT_S)
+        assert not warm.is_alive()
+    else:
+        run(factory, warm_up())
+
+    async def serve() -> _Transfer:
+        pool.bind()
+        with overdue_warnings() as logged:
+            transfer = _Transfer()
+            pool.free(await pool.alloc(1), fence=transfer)
+            async with bounded():
+                await logged.wait()
+        return transfer
+
+    transfer = run(factory, serve())
+    assert pool.stats().overdue_fences == 1
+    transfer.done = True
+    assert pool.reclaim() == 1
+    run(factory, pool.close())
+
+
+def test_an_overdue_check_left_on_a_running_loop_does_nothing_there() -> None:
+    """The old loop still runs in its thread after bind(): the check armed
+    there finds the pool moved and does nothing on that thread (it used to
+    check the ledgers there and arm a timer on the new loop from it)."""
+    pool = AsyncReqToTokenPool(3, 8, fence_timeout=0.2)
+    old = asyncio.new_event_loop()
+    armed = threading.Event()
+    errors: list[dict[str, Any]] = []
+
+    def old_thread() -> None:
+        async def warm_up() -> None:
+            transfer = _Transfer()
+            pool.free(await pool.alloc(1), fence=transfer)  # arms the check here
+            transfer.done = True
+            assert pool.reclaim() == 1
+
+        old.set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        old.run_until_complete(warm_up())
+        old.call_soon(armed.set)
+        old.run_forever()  # running past the timer, until the test stops it
+
+    thread = threading.Thread(target=old_thread, name="old-loop-thread")
+    thread.start()
+    try:
+        assert armed.wait(WAIT_S)
+        checks: list[str] = []
+        real = pool._overdue.check  # type: ignore[union-attr]
+
+        def check() -> float | None:
+            checks.append(threading.current_thread().name)
+            return real()
+
+        pool._overdue.check = check  # type: ignore[union-attr, method-assign]
+
+        async def serve() -> None:
+            pool.bind()
+            with overdue_warnings() as logged:
+                transfer = _Transfer()
+                pool.free(await pool.alloc(1), fence=transfer)
+                async with bounded():
+                    await logged.wait()
+                transfer.done = True
+                assert pool.reclaim() == 1
+
+        run(asyncio.new_event_loop, serve())
+        assert "old-loop-thread" not in checks and checks
+    finally:
+        old.call_soon_threadsafe(old.stop)
+        thread.join(WAIT_S)
+        old.close()
+    assert not errors
+    run(asyncio.new_event_loop, pool.close())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("kind", ["alloc", "admit"])
 @pytest.mark.parametrize("then", ["free", "wait, then free"])
 def test_waiters_of_a_closed_loop_are_dropped_not_granted(

@@ -193,6 +193,26 @@ async def test_a_dropped_pool_with_a_stuck_transfer_is_collected_and_its_poller_
     stuck.set()
 
 
+async def test_a_dropped_pool_with_fence_timeout_is_collected_before_the_timeout() -> None:
+    """The overdue check's timer holds its pool weakly, as the wake-ups do
+    (a review found a pool with fence_timeout=3 alive for 3 s after its last
+    reference went, its poller asking the stuck fence all the while)."""
+    stuck = EventFence()
+    pool = AsyncReqToTokenPool(5, 8, fence_timeout=600.0)
+    pool.free(await pool.alloc(2), fence=stuck)  # arms the overdue check
+    assert pool._overdue is not None and pool._overdue.timer is not None
+    watcher = pool._watcher
+    assert watcher is not None and watcher._thread is not None
+    poller = watcher._thread
+    ref = weakref.ref(pool)
+    del pool, watcher
+    gc.collect()
+    assert ref() is None  # the armed timer did not keep it
+    poller.join(WAIT_S)
+    assert not poller.is_alive()
+    stuck.set()
+
+
 async def test_force_release_of_a_stuck_host_fence_keeps_no_pool_alive(kit: Streams) -> None:
     stream = kit.stream("soak-stuck")
     kit.gate(stream)  # the stream is stuck until teardown

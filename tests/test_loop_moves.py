@@ -192,6 +192,18 @@ def test_overdue_fences_are_logged_on_the_next_loop(
     run(factory, pool.close())  # stops the watcher thread that polled the transfers
 
 
+async def _bind_and_see_a_fence_overdue(pool: AsyncReqToTokenPool) -> _Transfer:
+    """bind() here, free a row behind a transfer that does not complete, and
+    wait for its overdue warning (logged on this loop's thread)."""
+    pool.bind()
+    with overdue_warnings() as logged:
+        transfer = _Transfer()
+        pool.free(await pool.alloc(1), fence=transfer)
+        async with bounded():
+            await logged.wait()
+    return transfer
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("where", ["another thread", "this thread"])
 def test_overdue_fences_are_logged_after_bind(loop: str, where: str) -> None:
@@ -217,16 +229,7 @@ def test_overdue_fences_are_logged_after_bind(loop: str, where: str) -> None:
     else:
         run(factory, warm_up())
 
-    async def serve() -> _Transfer:
-        pool.bind()
-        with overdue_warnings() as logged:
-            transfer = _Transfer()
-            pool.free(await pool.alloc(1), fence=transfer)
-            async with bounded():
-                await logged.wait()
-        return transfer
-
-    transfer = run(factory, serve())
+    transfer = run(factory, _bind_and_see_a_fence_overdue(pool))
     assert pool.stats().overdue_fences == 1
     transfer.done = True
     assert pool.reclaim() == 1
@@ -268,14 +271,9 @@ def test_an_overdue_check_left_on_a_running_loop_does_nothing_there() -> None:
         pool._overdue.check = check  # type: ignore[union-attr, method-assign]
 
         async def serve() -> None:
-            pool.bind()
-            with overdue_warnings() as logged:
-                transfer = _Transfer()
-                pool.free(await pool.alloc(1), fence=transfer)
-                async with bounded():
-                    await logged.wait()
-                transfer.done = True
-                assert pool.reclaim() == 1
+            transfer = await _bind_and_see_a_fence_overdue(pool)
+            transfer.done = True
+            assert pool.reclaim() == 1
 
         run(asyncio.new_event_loop, serve())
         assert "old-loop-thread" not in checks and checks

@@ -261,6 +261,20 @@ async def test_a_queued_admission_whose_pages_tensor_raises_stays_queued(
         pool.free([grant.row])
 
 
+def _fail_out_once(monkeypatch: pytest.MonkeyPatch, pool: AsyncReqToTokenPool, what: str) -> None:
+    """Make the next tensor of page ids the pool makes for a caller raise
+    (on CUDA: a staging or device allocation), once."""
+    rp = pool._pages
+    assert rp is not None
+    real = rp.out
+
+    def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
+        monkeypatch.setattr(rp, "out", real)  # once
+        raise torch.OutOfMemoryError(f"no memory for {what}")
+
+    monkeypatch.setattr(rp, "out", fail)
+
+
 # Each growth of two rows holding a page each, and the pages it adds.
 GROWTHS: dict[str, tuple[Any, int]] = {
     "extend": (lambda pool, rows: pool.extend(rows[0], 2), 2),
@@ -282,15 +296,7 @@ async def test_a_growth_whose_pages_tensor_raises_takes_nothing(
         rows = [(await pool.admit(pages=1)).row for _ in range(2)]
         before = pool_snapshot(pool)
         records = [pool.pages_of(row).tolist() for row in rows]
-        rp = pool._pages
-        assert rp is not None
-        real = rp.out
-
-        def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
-            monkeypatch.setattr(rp, "out", real)  # once
-            raise torch.OutOfMemoryError("no memory for the growth's pages")
-
-        monkeypatch.setattr(rp, "out", fail)
+        _fail_out_once(monkeypatch, pool, "the growth's pages")
         grow, adds = GROWTHS[growth]
         with pytest.raises(torch.OutOfMemoryError):
             grow(pool, rows)
@@ -308,15 +314,7 @@ async def test_a_detach_whose_tensor_raises_leaves_the_row_its_pages(
     async with AsyncReqToTokenPool(4, 8, kv=KVPagePool(17, 4)) as pool:
         grant = await pool.admit(pages=1)
         before = pool_snapshot(pool)
-        rp = pool._pages
-        assert rp is not None
-        real = rp.out
-
-        def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
-            monkeypatch.setattr(rp, "out", real)  # once
-            raise torch.OutOfMemoryError("no memory for the detached pages")
-
-        monkeypatch.setattr(rp, "out", fail)
+        _fail_out_once(monkeypatch, pool, "the detached pages")
         with pytest.raises(torch.OutOfMemoryError):
             pool.detach_pages(grant.row, host=host)
         assert pool_snapshot(pool) == before

@@ -28,6 +28,7 @@ import logging
 import operator
 import queue
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -279,6 +280,12 @@ class _Worker:
                 try:
                     fn(*args)
                 except BaseException as exc:  # a fault of the stream
+                    # Kept for every later fence, with its traceback (where it
+                    # raised), but not the finished frames' locals: the work's
+                    # frame may hold the stream (a bound method of its owner,
+                    # the stream as an argument), which would then never be
+                    # collected, nor this worker end.
+                    traceback.clear_frames(exc.__traceback__)
                     self.error = exc
                     logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
                 # Drop the work before waiting for the next item: it may
@@ -425,14 +432,15 @@ class HostStream:
         keep the process alive.
         """
         with self._lock:
-            if self._closed:
-                already = True
-            else:
-                already = False
+            if not self._closed:
                 self._closed = True
                 self._worker.cancel = cancel_pending
                 self._queue.put(_CLOSE)
-        if not already and self._thread is not threading.current_thread():
+        # Joined by every caller but the worker itself (work that closes its
+        # own stream), also one that finds the stream closed already: a
+        # second close() (another thread's, or after the work's own) returns
+        # only once the worker ended, as the first does.
+        if self._thread is not threading.current_thread():
             self._thread.join()
 
     def _check_open(self) -> None:

@@ -266,6 +266,77 @@ def test_a_dropped_host_stream_is_collected_and_its_worker_ends() -> None:
     assert fence.query()  # what was queued before the drop still ran
 
 
+class _Engine:
+    """Owns a stream; its step raises (a kernel that failed)."""
+
+    def __init__(self) -> None:
+        self.stream = HostStream("soak-engine")
+
+    def step(self) -> None:
+        raise RuntimeError("the kernel failed (simulated)")
+
+
+def _fails_with(stream: HostStream) -> None:
+    raise ValueError(f"work on {stream.name} failed (simulated)")
+
+
+@pytest.mark.parametrize("how", ["a bound method of its owner", "the stream as an argument"])
+def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fault a stream keeps (for every later fence) keeps its traceback
+    but not the finished frames' locals: the failed work's frame held the
+    stream, so a dropped faulted stream was never collected and its worker
+    never ended (found by a review)."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    engine = _Engine()
+    stream = engine.stream
+    if how == "a bound method of its owner":
+        stream.launch(engine.step)
+    else:
+        stream.launch(_fails_with, stream)
+    with pytest.raises(FenceError):
+        stream.synchronize()  # the fault happened
+    assert stream.error is not None and stream.error.__traceback__ is not None
+    thread = stream._thread
+    ref = weakref.ref(stream)
+    del stream, engine
+    gc.collect()
+    assert ref() is None
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_a_second_close_returns_once_the_worker_ended() -> None:
+    """Work that closes its own stream does not wait for itself; the owner's
+    close() after it found the stream closed and returned at once, with the
+    work still running. Every close() but the worker's own joins it."""
+    stream = HostStream("soak-closes-itself")
+    entered, gate = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def work() -> None:
+        stream.close()  # from the worker: returns without joining
+        entered.set()
+        gate.wait(WAIT_S)
+        log.append("work done")
+
+    stream.launch(work)
+    assert entered.wait(WAIT_S)
+
+    def owner() -> None:
+        stream.close()
+        log.append("owner's close returned")
+
+    closer = threading.Thread(target=owner)
+    closer.start()
+    closer.join(0.5)  # bounded: it must still be waiting for the worker
+    gate.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive()
+    assert log == ["work done", "owner's close returned"]
+
+
 def test_an_idle_host_stream_keeps_no_work_it_ran() -> None:
     class Batch:
         pass

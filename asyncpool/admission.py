@@ -257,12 +257,18 @@ class Admission:
             if error is not None:
                 raise error
         loop = _get_running_loop()
+        dropped = False
         if loop is not self._loop or self._unwatched:
+            queued = waiters.count
             self._prepare_wait(loop)
+            dropped = queued > 0 and not waiters.count
         # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
         waiter, handle = waiters.enqueue(
             need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
         )
+        if dropped:
+            # Those ahead were of a loop closed under them (see alloc()).
+            waiters.serve_soon(waiter, loop)
         try:
             granted: Grant = await waiter[1]
             return granted

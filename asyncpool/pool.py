@@ -575,14 +575,22 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if n > self._capacity - self._ledger.quarantined:
             raise self._unfittable(n)
         loop = _get_running_loop()
+        dropped = False
         if loop is not self._loop or self._unwatched:
+            queued = waiters.count
             self._prepare_wait(loop)
+            dropped = queued > 0 and not waiters.count
         # _fast stays False from the check above: no unchecked free can land
         # between the take that came up short and this enqueue (it would
         # grant nobody), so nothing needs re-checking.
         waiter, handle = waiters.enqueue(
             n, priority, timeout, loop, self._wait_times, self._wait_histogram
         )
+        if dropped:
+            # The waiters that kept this call from taking were of a loop
+            # closed under them, dropped by the move to this one: nobody is
+            # ahead now, and what is free may fit (a free may never come).
+            waiters.serve_soon(waiter, loop)
         try:
             granted: list[int] = await waiter[1]
             return granted

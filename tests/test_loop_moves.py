@@ -356,6 +356,40 @@ def _abandon_a_waiter(factory: Callable[[], asyncio.AbstractEventLoop], setup: A
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("kind", ["alloc", "admit"])
+def test_a_request_behind_only_dead_waiters_is_granted_what_is_free(
+    loop: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter abandoned with its closed loop kept the next loop's request
+    from taking what was free (it saw a queue); moving to the new loop then
+    dropped the dead waiter, and the request, queued alone, waited for a
+    free that might never come (found by a review). It is served at the
+    loop's next turn now."""
+    caplog.set_level(logging.ERROR)
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))  # 3 rows, 8 pages
+    held: list[Any] = []
+
+    async def setup() -> None:
+        held.extend([await pool.admit(pages=2), await pool.admit(pages=2)])
+        await pool.alloc(2)  # 1 row free: queued; abandoned with its loop
+
+    _abandon_a_waiter(factory, setup)
+    assert pool.available_size() == 1 and pool.waiting() == 1
+
+    async def second() -> Any:
+        async with bounded():
+            if kind == "alloc":
+                return await pool.alloc(1)
+            return await pool.admit(pages=2)
+
+    got = run(factory, second())
+    assert (got == [3]) if kind == "alloc" else (got.row == 3 and len(got.pages) == 2)
+    assert pool.waiting() == 0
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_completion_missed_while_the_loop_was_closed_is_seen_on_the_next(
     loop: str, caplog: pytest.LogCaptureFixture, kit: Streams
 ) -> None:

@@ -412,7 +412,7 @@ class Lifecycle:
         over by :meth:`bind`) leaves its timer to its loop, where it finds
         the hold released. Raises
         ``ValueError``, changing nothing, for a ``warn_after`` that is not
-        None or a number > 0.
+        None or a finite number > 0.
         """
         self._check_thread()  # closes the unchecked fast paths: gated, none reopens
         warn = check_fence_timeout(warn_after, "warn_after")

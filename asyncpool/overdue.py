@@ -43,7 +43,7 @@ def check_fence_timeout(timeout: object, name: str = "fence_timeout") -> float |
     else:
         value = float(timeout)
     if not 0 < value < float("inf"):  # False for NaN
-        raise ValueError(f"{name} must be None or a number > 0, got {timeout!r}")
+        raise ValueError(f"{name} must be None or a finite number > 0, got {timeout!r}")
     return value
 
 

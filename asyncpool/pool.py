@@ -1214,7 +1214,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         recorded on raises ``TypeError`` here, before anything is allocated
         (found at exit, it would leave the rows only their recorded uses);
         one that fails at exit (a ``HostStream`` closed in the body) raises
-        there, its rows freed behind their recorded uses alone. A lease held
+        ``RuntimeError`` there, its rows freed behind their recorded uses
+        alone (the message names them, and any the body freed itself). A
+        ``Lease`` is entered once at a time: entering it again while it
+        holds rows raises ``RuntimeError`` (one after another is fine). A lease held
         while another is awaited is hold-and-wait, as with any two
         allocations: nested leases that together exceed what is free wait
         for ever unless something else frees rows (take one lease of the
@@ -1353,6 +1356,12 @@ class Lease:
         self.rows: list[int] = []
 
     async def __aenter__(self) -> list[int]:
+        if self._held:
+            # Its exit frees one grant: a second would be lost for good.
+            raise RuntimeError(
+                f"this lease already holds rows {list(self._held)}: a Lease is entered "
+                "once at a time (take pool.lease(n) again for another)"
+            )
         pool = self._pool
         self.rows = await pool.alloc(self._n, priority=self._priority, timeout=self._timeout)
         self._held = tuple(self.rows)
@@ -1367,26 +1376,36 @@ class Lease:
     ) -> None:
         pool = self._pool
         led = pool._ledger
-        held = self._held
+        held, self._held = self._held, ()  # entered again later: a fresh grant
         stale = [
             r
             for r, g in zip(held, self._gens, strict=True)
             if pool.generation(r) != g or led.state_of(r) != "allocated"
         ]
         rows = [r for r in held if r not in stale] if stale else list(held)
-        if rows:
-            try:
-                pool.free(rows, after=self._after)
-            except Exception:
-                # No fence could be recorded on `after` (say, a HostStream
-                # closed in the body: its work has run or been dropped). Never
-                # leak the rows: free them behind their recorded uses, then
-                # report.
-                if all(led.state_of(r) == "allocated" for r in rows):
-                    pool.free(rows)
-                raise
-        if stale:
-            raise DoubleFreeError(
+        stale_error = (
+            DoubleFreeError(
                 f"lease rows {stale} were freed inside the lease body, so the lease "
                 "does not free them again (they may belong to another request now)"
             )
+            if stale
+            else None
+        )
+        if rows:
+            try:
+                pool.free(rows, after=self._after)
+            except Exception as error:
+                # No fence could be recorded on `after` (say, a HostStream
+                # closed in the body: its work has run or been dropped). Never
+                # leak the rows: free them behind their recorded uses, then
+                # say so (the error said nothing was freed: true of that
+                # call), with the rows the body freed itself, if any.
+                if not all(led.state_of(r) == "allocated" for r in rows):
+                    raise
+                pool.free(rows)
+                raise RuntimeError(
+                    f"lease exit: {error}; the lease freed its rows {rows} behind their "
+                    "recorded uses alone" + ("" if stale_error is None else f" ({stale_error})")
+                ) from error
+        if stale_error is not None:
+            raise stale_error

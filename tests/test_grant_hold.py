@@ -341,7 +341,7 @@ async def test_a_hold_released_in_time_cancels_its_warning() -> None:
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), True, "1", [1]])
 async def test_a_bad_warn_after_is_refused_and_holds_nothing(bad: object) -> None:
     async with bounded(), AsyncReqToTokenPool(3, 8) as pool:
-        with pytest.raises(ValueError, match="warn_after must be None or a number > 0"):
+        with pytest.raises(ValueError, match="warn_after must be None or a finite number > 0"):
             pool.hold_grants(warn_after=bad)  # type: ignore[arg-type]
         assert pool.grant_holds == 0 and not pool.grants_held
         assert pool.try_alloc(1) is not None

@@ -380,7 +380,7 @@ async def test_timeouts_refuse_nan_negatives_bools_and_text(bad):
             async with asyncio.timeout(WAIT_S):
                 await pool.drain(timeout=bad)
         assert pool_snapshot(pool) == before
-    with pytest.raises(ValueError, match="fence_timeout must be None or a number > 0"):
+    with pytest.raises(ValueError, match="fence_timeout must be None or a finite number > 0"):
         AsyncReqToTokenPool(3, 4, fence_timeout=bad)
 
 

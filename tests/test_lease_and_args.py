@@ -50,6 +50,49 @@ async def test_lease_exit_with_a_closed_stream_raises_but_never_leaks() -> None:
         await pool.close()
 
 
+@pytest.mark.parametrize("body_frees", [False, True])
+async def test_lease_exit_with_a_closed_stream_says_what_it_freed(body_frees: bool) -> None:
+    """The closed stream's error says "nothing was freed" (true of that
+    call); the lease then frees its rows behind their recorded uses, so its
+    error says so and names them, and the rows the body freed itself (whose
+    DoubleFreeError it replaces). Found by a review: a caller believing the
+    message and freeing them again got a DoubleFreeError."""
+    pool = AsyncReqToTokenPool(5, 4)
+    stream = HostStream()
+    with pytest.raises(RuntimeError) as info:
+        async with bounded(), pool.lease(2, after=stream) as rows:
+            held = list(rows)
+            if body_frees:
+                pool.free(rows[:1])
+            stream.close()
+    message = str(info.value)
+    assert "closed" in message and "the lease freed its rows" in message
+    assert str(held[1:] if body_frees else held) in message
+    assert (f"lease rows {held[:1]} were freed inside the lease body" in message) is body_frees
+    assert pool.stats().allocated == 0 and pool.available_size() == 4
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_a_lease_entered_again_while_it_holds_rows_is_refused() -> None:
+    """Its exit frees one grant: a second, overwriting the first, was lost
+    for good (found by a review). One use after another still works."""
+    pool = AsyncReqToTokenPool(5, 4)
+    lease = pool.lease(1)
+    async with bounded():
+        async with lease:
+            with pytest.raises(RuntimeError, match="already holds rows"):
+                async with lease:
+                    pass  # never runs
+            assert pool.stats().allocated == 1
+        assert pool.stats().allocated == 0
+        async with lease as again:
+            assert len(again) == 1
+        assert pool.stats().allocated == 0
+    pool.check_invariants()
+    await pool.close()
+
+
 @pytest.mark.parametrize("after", [object(), "forward", 0])
 async def test_a_lease_after_no_stream_is_refused_before_it_allocates(after: object) -> None:
     """``lease(n, after=x)`` with no fence recordable on ``x`` raises at the

@@ -731,6 +731,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return rows
 
     def _give_back(self, granted: list[int] | Grant) -> None:
+        # A waiter cancelled after its grant (WaiterQueues.cancelled): a
+        # checked change of the ledger like any other, so the unchecked paths
+        # close first. They may be open: the grant emptied the queue and a
+        # call since reopened them (the module docstring's rule; a foreign
+        # alloc(1) inside put_back's clean count lost its decrement, and a
+        # dirty row went out as clean).
+        self._fast = False
         if granted.__class__ is Grant:
             assert self._pages is not None and isinstance(granted, Grant)
             self._pages.give_back(granted.row)

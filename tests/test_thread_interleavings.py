@@ -18,6 +18,7 @@ and its commit (a new switch point there) fails these tests.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -198,3 +199,56 @@ async def test_a_checked_call_with_a_reset_keeps_foreign_calls_out(foreign_kind:
     pool.free(await pool.alloc(1))
     assert _explore(setup, check) >= 3
     await pool.close()
+
+
+async def test_a_give_back_after_a_cancelled_grant_keeps_foreign_calls_out() -> None:
+    """A waiter granted rows and cancelled before it resumed gives them back
+    (``WaiterQueues.cancelled`` -> the pool's ``_give_back``). The grant
+    emptied the queue and a checked free reopened the unchecked paths, so a
+    foreign ``alloc(1)`` could land inside ``put_back``'s ``_clean += k`` and
+    lose its decrement: a dirty row was then counted clean and handed out
+    with its last owner's lengths (found by a review; with tracing on, the
+    only way CPython 3.11 keeps that switch point, it showed with real
+    threads too). The give-back closes the unchecked paths first."""
+
+    async def prepare() -> tuple[AsyncReqToTokenPool, Any]:
+        pool = AsyncReqToTokenPool(12, 4)
+        spare = await pool.alloc(1)  # bound here
+        dirty = [_run_sync(pool.alloc(1)) for _ in range(4)]
+        for rows in dirty:
+            pool.verified_lens[rows[0]] = 7  # the last owner's lengths
+            pool.free(rows)  # to the tail, dirty
+        hold = pool.hold_grants(warn_after=None)
+        loop = asyncio.get_running_loop()
+        # What alloc(3) does when it must queue (enqueue is inlined there).
+        waiter, _ = pool._waiters.enqueue(3, 0, None, loop, pool._wait_times, pool._wait_histogram)
+        hold.release()  # the grant loop hands the waiter 3 rows
+        assert waiter[1].done() and not pool.waiting()
+        pool.free(spare)  # a checked one-row free, nobody waiting: reopens
+        assert pool._fast
+        return pool, waiter
+
+    def check(state: Any, mine: tuple[str, Any], theirs: tuple[str, Any]) -> None:
+        pool, clean_before = state
+        led = pool._ledger
+        took = 1 if theirs[0] == "ok" else 0
+        assert led._clean == clean_before + 3 - took, (mine, theirs)
+        if took:
+            assert int(pool.verified_lens[theirs[1][0]]) == 0, "handed out dirty"
+        pool.check_invariants()
+        while led._clean:  # every row counted clean reads zero
+            row = _run_sync(pool.alloc(1))[0]
+            assert int(pool.verified_lens[row]) == 0, f"row {row} counted clean, dirty"
+
+    points = 0
+    for at in range(1, MAX_POINTS):
+        pool, waiter = await prepare()
+        clean_before = pool._ledger._clean
+        injector = _Injector(at, lambda pool=pool: _run_sync(pool.alloc(1)))
+        mine = injector.run(lambda pool=pool, waiter=waiter: pool._waiters.cancelled(waiter))
+        if injector.outcome is None:
+            points = at - 1
+            break
+        check((pool, clean_before), mine, injector.outcome)
+        await pool.close()
+    assert points >= 3

@@ -285,7 +285,7 @@ class _Worker:
                     # frame may hold the stream (a bound method of its owner,
                     # the stream as an argument), which would then never be
                     # collected, nor this worker end.
-                    traceback.clear_frames(exc.__traceback__)
+                    _clear_frames(exc)
                     self.error = exc
                     logger.error("%s faulted: work %r raised %r", self.name, fn, exc)
                 # Drop the work before waiting for the next item: it may
@@ -294,6 +294,21 @@ class _Worker:
             # Last, after the item's effects (its fault included) are visible.
             self.done += 1
             del item
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s tracebacks and
+    those of the exceptions it chains (``__cause__``, ``__context__``); the
+    lines stay. Frames still running are skipped (``traceback.clear_frames``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        todo.extend((err.__cause__, err.__context__))
 
 
 class HostStream:

@@ -1224,7 +1224,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         ``RuntimeError`` there, its rows freed behind their recorded uses
         alone (the message names them, and any the body freed itself). A
         ``Lease`` is entered once at a time: entering it again while it
-        holds rows raises ``RuntimeError`` (one after another is fine). A lease held
+        holds or awaits rows (another task's ``async with`` of the same
+        object) raises ``RuntimeError`` (one after another is fine). A lease held
         while another is awaited is hold-and-wait, as with any two
         allocations: nested leases that together exceed what is free wait
         for ever unless something else frees rows (take one lease of the
@@ -1341,7 +1342,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 class Lease:
     """The async context manager returned by :meth:`AsyncReqToTokenPool.lease`."""
 
-    __slots__ = ("_after", "_gens", "_held", "_n", "_pool", "_priority", "_timeout", "rows")
+    __slots__ = (
+        "_after",
+        "_entered",
+        "_gens",
+        "_held",
+        "_n",
+        "_pool",
+        "_priority",
+        "_timeout",
+        "rows",
+    )
 
     def __init__(
         self,
@@ -1360,17 +1371,23 @@ class Lease:
         # The rows granted, kept apart from the list the body gets (which it
         # may change): exit frees exactly these.
         self._held: tuple[int, ...] = ()
+        self._entered = False  # from __aenter__'s start to __aexit__
         self.rows: list[int] = []
 
     async def __aenter__(self) -> list[int]:
-        if self._held:
+        if self._entered:
             # Its exit frees one grant: a second would be lost for good.
             raise RuntimeError(
-                f"this lease already holds rows {list(self._held)}: a Lease is entered "
-                "once at a time (take pool.lease(n) again for another)"
+                "this lease is entered already (it holds or awaits rows): a Lease is "
+                "entered once at a time (take pool.lease(n) again for another)"
             )
+        self._entered = True  # before the await: two tasks may enter at once
         pool = self._pool
-        self.rows = await pool.alloc(self._n, priority=self._priority, timeout=self._timeout)
+        try:
+            self.rows = await pool.alloc(self._n, priority=self._priority, timeout=self._timeout)
+        except BaseException:
+            self._entered = False
+            raise
         self._held = tuple(self.rows)
         self._gens = [pool.generation(r) for r in self._held]
         return self.rows
@@ -1384,9 +1401,11 @@ class Lease:
         pool = self._pool
         led = pool._ledger
         held, self._held = self._held, ()  # entered again later: a fresh grant
+        gens, self._gens = self._gens, []
+        self._entered = False
         stale = [
             r
-            for r, g in zip(held, self._gens, strict=True)
+            for r, g in zip(held, gens, strict=True)
             if pool.generation(r) != g or led.state_of(r) != "allocated"
         ]
         rows = [r for r in held if r not in stale] if stale else list(held)

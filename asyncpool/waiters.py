@@ -137,7 +137,7 @@ class WaiterQueues:
         from now to the grant, goes to ``window`` and ``histogram``. Raises
         :class:`PoolBusyError` (queueing nothing) past ``max_waiters``.
         """
-        if self._max is not None and self.count >= self._max and not self._purge_cancelled():
+        if self._max is not None and self.count >= self._max:
             self.rejections += 1
             raise PoolBusyError(
                 f"{_waiters(self.count)} already queued, the limit set by "
@@ -161,26 +161,6 @@ class WaiterQueues:
             None if timeout is None else loop.call_later(timeout, self._expire, waiter, timeout)
         )
         return waiter, handle
-
-    def _purge_cancelled(self) -> int:
-        """Take off the queues the waiters whose task was cancelled but has
-        not run its handler yet (their place is free: they can never be
-        granted); return how many. Only at the ``max_waiters`` limit: a
-        cancelled waiter then does not refuse a new one for the rest of the
-        loop turn. Their handlers find them gone (:meth:`_dequeue`)."""
-        purged = 0
-        for prio in list(self._prios):
-            queue = self._queues[prio]
-            live = collections.deque(w for w in queue if not w[1].cancelled())
-            if len(live) != len(queue):
-                purged += len(queue) - len(live)
-                if live:
-                    self._queues[prio] = live
-                else:
-                    del self._queues[prio]
-                    self._prios.remove(prio)
-        self.count -= purged
-        return purged
 
     def serve_soon(self, waiter: Waiter, loop: asyncio.AbstractEventLoop) -> None:
         """Run the grant loop for ``waiter`` at the loop's next turn, if it

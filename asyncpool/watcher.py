@@ -340,6 +340,7 @@ class FenceWatcher:
                 return
             t0 = _perf_counter()
             done: list[Fence] = []
+            faulted = 0
             for i, fence in enumerate(fences):
                 if i % _STOP_CHECK_EVERY == _STOP_CHECK_EVERY - 1 and self._stopped:
                     return
@@ -351,13 +352,17 @@ class FenceWatcher:
                     # every fence of unknown origin and must not end.
                     logger.debug("watched fence %r faulted: %r", fence, exc)
                     done.append(fence)
-                    self.faults += 1  # before the notify (see rewatch)
+                    faulted += 1
             cost = _perf_counter() - t0
             self.polls += 1
             if done:
                 with lock:
                     for fence in done:
                         polled.pop(id(fence), None)
+                    # Counted once they are off the poll list and before the
+                    # notify: an owner that sees the count move (see rewatch)
+                    # finds them dropped, whichever wake-up it runs in.
+                    self.faults += faulted
                 self._fire()
                 delay = _POLL_MIN_S  # others may follow soon
             sleep = max(delay, cost / _POLL_MAX_DUTY)

@@ -381,3 +381,63 @@ async def test_a_fence_the_poller_dropped_on_a_glitch_is_watched_again(
     async with bounded():
         assert await waiter == [1]
     await pool.close()
+
+
+class _BlockingOnce:
+    """A transfer handle whose first status poll, from the poller, blocks
+    until the test releases it (then: not done, until landed)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.landed = threading.Event()
+        self.owner = threading.get_ident()
+
+    def query(self) -> bool:
+        if threading.get_ident() != self.owner and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(WAIT_S)
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        self.landed.wait()
+
+
+async def test_a_glitch_is_rewatched_when_another_wake_up_runs_mid_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poller counts a glitch only once the fence is off its list: a
+    wake-up that ran while the poller still asked the other fences (here a
+    slow one) saw the count move, found the glitched fence still polled,
+    and took the count as handled; the poller's own wake-up then did
+    nothing and the fence was never polled again (found by a review)."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    pool = AsyncReqToTokenPool(3, 8)  # two rows
+    glitch = _GlitchOnce(ConnectionError("status poll failed"))
+    slow = _BlockingOnce()
+    rows = await pool.alloc(2)
+    pool.free(rows[:1], fence=glitch)  # polled first
+    pool.free(rows[1:], fence=slow)  # then this one, which blocks the pass
+    waiter = asyncio.ensure_future(pool.alloc(2))
+    async with bounded():
+        await asyncio.to_thread(slow.entered.wait, WAIT_S)  # mid-pass
+    assert glitch.glitched.is_set()
+    pool._wake()  # another wake-up (a host fence, a stream thread) runs now
+    await spin()
+    slow.release.set()  # the pass ends: the glitched fence leaves the list
+    rewatched = asyncio.Event()
+    real = pool._rewatch_faulted
+
+    def spy(watcher: FenceWatcher) -> None:
+        real(watcher)
+        rewatched.set()
+
+    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    async with bounded():
+        await rewatched.wait()
+    assert pool._watcher is not None and pool._watcher.polling(glitch)
+    glitch.landed.set()
+    slow.landed.set()
+    async with bounded():
+        assert sorted(await waiter) == rows
+    await pool.close()

@@ -81,7 +81,7 @@ async def test_a_lease_entered_again_while_it_holds_rows_is_refused() -> None:
     lease = pool.lease(1)
     async with bounded():
         async with lease:
-            with pytest.raises(RuntimeError, match="already holds rows"):
+            with pytest.raises(RuntimeError, match="entered already"):
                 async with lease:
                     pass  # never runs
             assert pool.stats().allocated == 1
@@ -89,6 +89,34 @@ async def test_a_lease_entered_again_while_it_holds_rows_is_refused() -> None:
         async with lease as again:
             assert len(again) == 1
         assert pool.stats().allocated == 0
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_one_lease_entered_by_two_tasks_at_once_is_refused_to_the_second() -> None:
+    """The first task's entry awaits its rows; the second's, meanwhile, is
+    refused at once (a review found both entering, the second's grant
+    overwriting the first's, which was leaked, and the first's exit freeing
+    the second task's row under it)."""
+    pool = AsyncReqToTokenPool(3, 4)  # two rows
+    held = await pool.alloc(1)
+    lease = pool.lease(2)  # waits until `held` is freed
+    entered = asyncio.Event()
+
+    async def first() -> list[int]:
+        async with lease as rows:
+            entered.set()
+            return list(rows)
+
+    task = asyncio.ensure_future(first())
+    await asyncio.sleep(0)  # the first entry is queued for its rows
+    with pytest.raises(RuntimeError, match="entered already"):
+        async with bounded(), lease:  # bounded: a second entry would wait
+            pass  # never runs
+    pool.free(held)
+    async with bounded():
+        assert sorted(await task) == [1, 2]
+    assert pool.stats().allocated == 0 and pool.available_size() == 2
     pool.check_invariants()
     await pool.close()
 

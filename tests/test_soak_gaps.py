@@ -275,12 +275,23 @@ class _Engine:
     def step(self) -> None:
         raise RuntimeError("the kernel failed (simulated)")
 
+    def step_chained(self) -> None:
+        try:
+            self._launch()
+        except ValueError as exc:
+            raise RuntimeError("the step failed (simulated)") from exc
+
+    def _launch(self) -> None:
+        raise ValueError("the launch failed (simulated)")  # this frame holds self
+
 
 def _fails_with(stream: HostStream) -> None:
     raise ValueError(f"work on {stream.name} failed (simulated)")
 
 
-@pytest.mark.parametrize("how", ["a bound method of its owner", "the stream as an argument"])
+@pytest.mark.parametrize(
+    "how", ["a bound method of its owner", "the stream as an argument", "a chained error"]
+)
 def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
     how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -293,6 +304,8 @@ def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
     stream = engine.stream
     if how == "a bound method of its owner":
         stream.launch(engine.step)
+    elif how == "a chained error":
+        stream.launch(engine.step_chained)  # the cause's frames hold it too
     else:
         stream.launch(_fails_with, stream)
     with pytest.raises(FenceError):

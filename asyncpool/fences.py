@@ -23,12 +23,12 @@ the fence had already completed) and must not block.
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import logging
 import operator
 import queue
 import threading
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -265,6 +265,7 @@ class _Worker:
         self.done = 0
 
     def run(self) -> None:
+        _on_worker.worker = True  # close() from here never joins (see close)
         get = self.queue.get
         while True:
             item = get()
@@ -296,10 +297,20 @@ class _Worker:
             del item
 
 
+#: Set on every HostStream worker thread (see HostStream.close).
+_on_worker = threading.local()
+
+#: Code flags of frames that may be suspended, not finished (a generator or
+#: coroutine paused at a yield): clearing one would close it.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames in ``exc``'s tracebacks and
-    those of the exceptions it chains (``__cause__``, ``__context__``); the
-    lines stay. Frames still running are skipped (``traceback.clear_frames``)."""
+    """Drop the locals of the finished frames in ``exc``'s tracebacks and in
+    those of the exceptions it chains (``__cause__``, ``__context__``, an
+    exception group's members); the lines stay. Frames still running and
+    those of generators or coroutines (which may only be paused: clearing
+    would close them under their owner) are left as they are."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -307,8 +318,18 @@ def _clear_frames(exc: BaseException) -> None:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
+        tb = err.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if not frame.f_code.co_flags & _SUSPENDABLE:
+                try:
+                    frame.clear()
+                except RuntimeError:  # still executing
+                    pass
+            tb = tb.tb_next
         todo.extend((err.__cause__, err.__context__))
+        if isinstance(err, BaseExceptionGroup):
+            todo.extend(err.exceptions)
 
 
 class HostStream:
@@ -440,8 +461,11 @@ class HostStream:
         """Stop the worker after the queued work (or dropping it); idempotent.
 
         Joins the worker, so it returns only once the work running now has
-        returned, also with ``cancel_pending=True`` (a thread cannot be
-        interrupted): a stream blocked in work that never returns (a
+        returned (a second ``close()`` too), also with
+        ``cancel_pending=True`` (a thread cannot be interrupted); called on
+        a stream's worker thread (work, or a fence callback, of this stream
+        or another) it does not wait, since that worker may be what this one
+        waits for: a stream blocked in work that never returns (a
         ``wait`` on a fence that never completes) never closes. Queued work
         is then never started, and the worker, a daemon thread, does not
         keep the process alive.
@@ -451,11 +475,12 @@ class HostStream:
                 self._closed = True
                 self._worker.cancel = cancel_pending
                 self._queue.put(_CLOSE)
-        # Joined by every caller but the worker itself (work that closes its
-        # own stream), also one that finds the stream closed already: a
-        # second close() (another thread's, or after the work's own) returns
-        # only once the worker ended, as the first does.
-        if self._thread is not threading.current_thread():
+        # Joined by every caller, also one that finds the stream closed
+        # already (a second close() returns only once the worker ended, as
+        # the first does), except on a stream's worker thread (this one's, or
+        # another's: work or a fence callback there waiting for a worker
+        # that may wait for that very stream would deadlock them).
+        if not getattr(_on_worker, "worker", False):
             self._thread.join()
 
     def _check_open(self) -> None:

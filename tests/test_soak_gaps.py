@@ -40,6 +40,7 @@ import gc
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
 
 import pytest
 from helpers import WAIT_S, EventFence, Streams, bounded, until
@@ -284,13 +285,28 @@ class _Engine:
     def _launch(self) -> None:
         raise ValueError("the launch failed (simulated)")  # this frame holds self
 
+    def step_grouped(self) -> None:
+        errors: list[Exception] = []
+        try:
+            self._launch()
+        except ValueError as exc:
+            errors.append(exc)
+        # Raised outside the handler: its members are reached only as members.
+        raise ExceptionGroup("the step failed (simulated)", errors)
+
 
 def _fails_with(stream: HostStream) -> None:
     raise ValueError(f"work on {stream.name} failed (simulated)")
 
 
 @pytest.mark.parametrize(
-    "how", ["a bound method of its owner", "the stream as an argument", "a chained error"]
+    "how",
+    [
+        "a bound method of its owner",
+        "the stream as an argument",
+        "a chained error",
+        "an exception group",
+    ],
 )
 def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
     how: str, caplog: pytest.LogCaptureFixture
@@ -306,6 +322,8 @@ def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
         stream.launch(engine.step)
     elif how == "a chained error":
         stream.launch(engine.step_chained)  # the cause's frames hold it too
+    elif how == "an exception group":
+        stream.launch(engine.step_grouped)  # so do its members' frames
     else:
         stream.launch(_fails_with, stream)
     with pytest.raises(FenceError):
@@ -318,6 +336,54 @@ def test_a_dropped_faulted_stream_is_collected_and_its_worker_ends(
     assert ref() is None
     thread.join(WAIT_S)
     assert not thread.is_alive()
+
+
+def test_a_fault_chained_to_a_paused_generator_leaves_the_generator_alive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Clearing the kept fault's frames skips generator frames: one in a
+    chained error's traceback may be paused at a yield, and clearing it
+    would close the generator under its owner (found by a review)."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+
+    def attempts() -> Iterator[KeyError]:  # hands out the errors it caught
+        while True:
+            try:
+                raise KeyError("probe failed")
+            except KeyError as exc:
+                yield exc  # paused here: this frame is in exc.__traceback__
+
+    probes = attempts()
+
+    def work() -> None:
+        raise RuntimeError("the step failed (simulated)") from next(probes)
+
+    with HostStream("soak-generator") as stream:
+        stream.launch(work)
+        with pytest.raises(FenceError):
+            stream.synchronize()
+    assert isinstance(next(probes), KeyError)  # still running, not closed
+
+
+def test_a_close_from_another_streams_worker_does_not_wait_for_it() -> None:
+    """Stream A's work waits for a fence of stream B; a fence callback on
+    B's worker closes A again (A closed already): waiting there for A's
+    worker, which waits for B, deadlocked both. close() joins from any
+    thread but a stream's worker (found by a review)."""
+    a, b = HostStream("soak-a"), HostStream("soak-b")
+    gate = threading.Event()
+    b.launch(gate.wait, WAIT_S)  # B busy until the gate opens
+    early = b.record()
+    b.launch(lambda: None)
+    later = b.record()
+    a.wait(later)  # A's worker will wait for B's later fence
+    early.add_done_callback(a.close)  # runs on B's worker
+    owner = threading.Thread(target=a.close, name="soak-owner")
+    owner.start()  # the first close: joins A's worker
+    gate.set()
+    owner.join(WAIT_S)
+    assert not owner.is_alive() and later.query()
+    b.close()
 
 
 def test_a_second_close_returns_once_the_worker_ended() -> None:

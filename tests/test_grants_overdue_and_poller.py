@@ -330,14 +330,19 @@ class _GlitchOnce:
     """A transfer handle whose status poll fails once, from the pool's
     poller thread, then answers: not done until the test lands it."""
 
-    def __init__(self, first: object) -> None:
+    def __init__(self, first: object, armed: threading.Event | None = None) -> None:
         self.first = first  # what the poller's first query() gets
+        self.armed = armed  # until set, the poller is told "not done"
         self.glitched = threading.Event()
         self.landed = threading.Event()
         self.owner = threading.get_ident()
 
     def query(self) -> bool:
-        if threading.get_ident() != self.owner and not self.glitched.is_set():
+        if (
+            threading.get_ident() != self.owner
+            and not self.glitched.is_set()
+            and (self.armed is None or self.armed.is_set())
+        ):
             self.glitched.set()
             if isinstance(self.first, BaseException):
                 raise self.first
@@ -387,14 +392,19 @@ class _BlockingOnce:
     """A transfer handle whose first status poll, from the poller, blocks
     until the test releases it (then: not done, until landed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, armed: threading.Event) -> None:
+        self.armed = armed  # until set, the poller is told "not done"
         self.entered = threading.Event()
         self.release = threading.Event()
         self.landed = threading.Event()
         self.owner = threading.get_ident()
 
     def query(self) -> bool:
-        if threading.get_ident() != self.owner and not self.entered.is_set():
+        if (
+            threading.get_ident() != self.owner
+            and not self.entered.is_set()
+            and self.armed.is_set()
+        ):
             self.entered.set()
             self.release.wait(WAIT_S)
         return self.landed.is_set()
@@ -413,11 +423,15 @@ async def test_a_glitch_is_rewatched_when_another_wake_up_runs_mid_poll(
     nothing and the fence was never polled again (found by a review)."""
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
     pool = AsyncReqToTokenPool(3, 8)  # two rows
-    glitch = _GlitchOnce(ConnectionError("status poll failed"))
-    slow = _BlockingOnce()
+    # Both misbehave only once both are watched, so that one poller pass
+    # meets the glitch first and then blocks in the slow one.
+    armed = threading.Event()
+    glitch = _GlitchOnce(ConnectionError("status poll failed"), armed)
+    slow = _BlockingOnce(armed)
     rows = await pool.alloc(2)
     pool.free(rows[:1], fence=glitch)  # polled first
     pool.free(rows[1:], fence=slow)  # then this one, which blocks the pass
+    armed.set()
     waiter = asyncio.ensure_future(pool.alloc(2))
     async with bounded():
         await asyncio.to_thread(slow.entered.wait, WAIT_S)  # mid-pass

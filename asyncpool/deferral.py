@@ -52,7 +52,7 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
-from .fences import Fence, is_done
+from .fences import Fence, chained, is_done
 from .stats import Histogram
 
 __all__ = [
@@ -1015,13 +1015,7 @@ def _drop_pinning_tracebacks(err: BaseException) -> None:
     while frame is not None:
         here.add(id(frame))
         frame = frame.f_back
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        exc = todo.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
+    for exc in chained(err):
         tb = exc.__traceback__
         if tb is not None:
             # Its outermost frame's callers: every later frame of the
@@ -1031,8 +1025,6 @@ def _drop_pinning_tracebacks(err: BaseException) -> None:
                 frame = frame.f_back
             if frame is not None:  # it reaches the calling stack
                 exc.__traceback__ = None
-        todo.append(exc.__cause__)
-        todo.append(exc.__context__)
 
 
 def _describe(items: list[Any], n: int, limit: int = 16) -> str:

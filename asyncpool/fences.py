@@ -30,7 +30,7 @@ import operator
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .errors import FenceError
@@ -311,13 +311,7 @@ def _clear_frames(exc: BaseException) -> None:
     exception group's members); the lines stay. Frames still running and
     those of generators or coroutines (which may only be paused: clearing
     would close them under their owner) are left as they are."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        err = todo.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
+    for err in chained(exc, members=True):
         tb = err.__traceback__
         while tb is not None:
             frame = tb.tb_frame
@@ -327,8 +321,22 @@ def _clear_frames(exc: BaseException) -> None:
                 except RuntimeError:  # still executing
                     pass
             tb = tb.tb_next
+
+
+def chained(exc: BaseException, *, members: bool = False) -> Iterator[BaseException]:
+    """``exc`` and every exception it chains (``__cause__``, ``__context__``,
+    and with ``members`` an exception group's members), each once, cycles
+    included."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
         todo.extend((err.__cause__, err.__context__))
-        if isinstance(err, BaseExceptionGroup):
+        if members and isinstance(err, BaseExceptionGroup):
             todo.extend(err.exceptions)
 
 

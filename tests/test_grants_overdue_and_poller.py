@@ -326,6 +326,20 @@ def test_a_fence_watched_while_the_poller_idles_wakes_it():
         assert watcher.join(WAIT_S)
 
 
+def _on_rewatch(pool: AsyncReqToTokenPool) -> asyncio.Event:
+    """An event set each time the pool's wake-up has re-watched the fences
+    its poller dropped on a fault (``_rewatch_faulted`` ran)."""
+    rewatched = asyncio.Event()
+    real = pool._rewatch_faulted
+
+    def spy(watcher: FenceWatcher) -> None:
+        real(watcher)
+        rewatched.set()
+
+    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    return rewatched
+
+
 class _GlitchOnce:
     """A transfer handle whose status poll fails once, from the pool's
     poller thread, then answers: not done until the test lands it."""
@@ -367,14 +381,7 @@ async def test_a_fence_the_poller_dropped_on_a_glitch_is_watched_again(
     transfer = _GlitchOnce(ConnectionError("status poll failed") if first == "raises" else None)
     # The pool's wake-up for the glitch (it asks the fence, then watches it
     # again): the test lands the transfer only after it.
-    rewatched = asyncio.Event()
-    real = pool._rewatch_faulted
-
-    def spy(watcher: FenceWatcher) -> None:
-        real(watcher)
-        rewatched.set()
-
-    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    rewatched = _on_rewatch(pool)
     pool.free(await pool.alloc(1), fence=transfer)
     waiter = asyncio.ensure_future(pool.alloc(1))
     async with bounded():
@@ -439,14 +446,7 @@ async def test_a_glitch_is_rewatched_when_another_wake_up_runs_mid_poll(
     pool._wake()  # another wake-up (a host fence, a stream thread) runs now
     await spin()
     slow.release.set()  # the pass ends: the glitched fence leaves the list
-    rewatched = asyncio.Event()
-    real = pool._rewatch_faulted
-
-    def spy(watcher: FenceWatcher) -> None:
-        real(watcher)
-        rewatched.set()
-
-    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    rewatched = _on_rewatch(pool)
     async with bounded():
         await rewatched.wait()
     assert pool._watcher is not None and pool._watcher.polling(glitch)

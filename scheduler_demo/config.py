@@ -45,7 +45,9 @@ class DemoConfig:
     ``page_size`` running requests spare for decode growth; when a running
     request needs a page and none is free, requests are retracted (freed,
     re-queued at a higher priority, recomputed later by a prefill of at most
-    ``max_prefill_tokens`` per step). ``admission="atomic"`` admits a row and
+    ``max_prefill_tokens`` per step; one retracted before its first token
+    has been produced fetches its prompt's KV again by a transfer, so there
+    can be more prompt KV transfers than requests). ``admission="atomic"`` admits a row and
     its pages together (``pool.admit``); ``"row-first"`` takes a row at
     arrival and its pages when the budget allows (hold-and-wait).
 
@@ -140,7 +142,7 @@ class DemoConfig:
         if self.forward_us_per_token > MAX_US_PER_TOKEN:
             raise ValueError(f"forward_us_per_token must be <= {MAX_US_PER_TOKEN:g}")
         if self.gate and self.device != "cpu":
-            raise ValueError("gate needs device='cpu' (it blocks the HostStream's worker)")
+            raise ValueError("gate needs device 'cpu' (it blocks the HostStream's worker)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
         # The big buffers (req_to_token, its host mirror, the KV stand-in),

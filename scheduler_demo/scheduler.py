@@ -395,7 +395,9 @@ class Scheduler:
 
     def _granted(self, req: Req, pages: torch.Tensor) -> None:
         """``req`` holds its row and first pages: start its transfer, or queue
-        its prefill (a retracted request recomputes its KV locally)."""
+        its prefill (a retracted request recomputes its KV locally, unless
+        it was retracted before producing its first token: nothing of it was
+        computed here, so its prompt's KV is transferred again)."""
         self.admit_waits.append(time.perf_counter() - req.admit_t0)
         self._add_pages(req, pages)
         if req.generated == 0:
@@ -427,9 +429,19 @@ class Scheduler:
         req.state = TRANSFER
         self._spawn(self._await_transfer(req, t))
         if req.spec.abort == "transfer":
-            loop = asyncio.get_running_loop()
-            timer = loop.call_later(req.spec.abort_at * t.duration_s, self._client_abort, req, t)
-            self._timers.add(timer)
+            self._call_later(req.spec.abort_at * t.duration_s, self._client_abort, req, t)
+
+    def _call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> None:
+        """``callback(*args)`` after ``delay`` seconds, cancelled by
+        :meth:`_stop_tasks` if still pending; a fired timer leaves ``_timers``."""
+        timer: asyncio.TimerHandle
+
+        def fire() -> None:
+            self._timers.discard(timer)
+            callback(*args)
+
+        timer = asyncio.get_running_loop().call_later(delay, fire)
+        self._timers.add(timer)
 
     async def _await_transfer(self, req: Req, t: Transfer) -> None:
         await wait_fence(t)

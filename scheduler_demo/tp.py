@@ -201,9 +201,8 @@ class TPScheduler(Scheduler):
                 self.ready_join.append(req)
                 del self._in_transfer[req.spec.rid]
         t1 = time.perf_counter()
-        if not self.explicit:
-            return
-        self.pool.agree(self.group)  # rows and pages, one all-reduce
+        if self.explicit:  # "auto" pools have nothing to agree
+            self.pool.agree(self.group)  # rows and pages, one all-reduce
         t2 = time.perf_counter()
         self.agree_s += t2 - t1
         self.exchange_s += t2 - t0

@@ -31,6 +31,7 @@ from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import build_parser, main
 from scheduler_demo.compare import main as compare_main
 from scheduler_demo.plot import save_plot
+from scheduler_demo.scheduler import Scheduler
 from scheduler_demo.workload import LengthDist, WorkloadConfig, generate
 
 # 48 requests arriving at once on 8 rows and 32 KV pages of 8 slots: admission
@@ -206,6 +207,25 @@ async def test_unsafe_sync_still_corrupts_kv_through_the_transfer() -> None:
     assert report.corruptions == 0
     assert report.kv_corruptions > 0
     assert report.deferred_frees == 0
+
+
+async def test_a_fired_abort_timer_is_not_kept_until_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every client-abort timer has fired by the time all requests are
+    # served; each used to stay in the scheduler's set until shutdown.
+    left: list[int] = []
+    stop = Scheduler._stop_tasks
+
+    async def counting_stop(self: Scheduler) -> None:
+        left.append(len(self._timers))
+        await stop(self)
+
+    monkeypatch.setattr(Scheduler, "_stop_tasks", counting_stop)
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL)
+    assert _all_served(report) and report.aborts_in_transfer > 0
+    assert left == [0]
 
 
 async def test_sync_mode_completes() -> None:

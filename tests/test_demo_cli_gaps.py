@@ -66,6 +66,15 @@ def test_bad_numbers_are_refused_naming_the_flag(
         assert field not in err
 
 
+def test_gate_on_cuda_is_refused_in_words_naming_both_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The config's message once read "device='cpu'", which the flag
+    # rewriter turned into "--device='cpu'".
+    err = _refused(main, ["--gate", "--device", "cuda"], capsys)
+    assert "error: --gate needs --device 'cpu'" in err, err
+
+
 def test_a_user_value_is_quoted_as_written_not_renamed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -252,3 +252,12 @@ async def test_the_exchange_applies_an_abort_only_to_the_epoch_it_fired_in(
         assert req.state == ABORTED and req.row == -1
         assert sched.aborted == 1 and sched.aborts_in_transfer == 1
         assert sched.pool.stats().allocated == 0
+
+
+async def test_the_exchange_is_timed_with_auto_pools_too(group: Any) -> None:
+    """``--tp-reclaim auto`` reported 0 ms of exchange: the auto path
+    returned before adding the broadcast's and all-reduce's time."""
+    async with bounded(), _one_rank_in_transfer(group) as (sched, _):
+        sched.explicit = False  # what an "auto" pool makes it
+        sched._exchange()
+        assert sched.exchange_s > 0.0 and sched.iterations == 1

@@ -559,11 +559,35 @@ class CudaFence:
         """Block the calling thread until the event's work has completed."""
         self.event.synchronize()
 
+    @property
+    def device_index(self) -> int:
+        """The CUDA device of the stream the event was recorded on."""
+        return self._device_index
+
     def __del__(self) -> None:
         try:
             _event_pool.give_back(self._device_index, self.event)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def use_device(device_index: int) -> None:
+    """Make CUDA device ``device_index`` current on the calling thread; never raises.
+
+    For the pool's own threads (the watcher's), before they ask a CUDA
+    event anything. A new thread starts on device 0, and its first CUDA
+    runtime call (``cudaEventSynchronize``, ``cudaEventQuery``) creates a
+    primary context there, about 500 MiB of GPU 0, in a process whose pool
+    lives on ``cuda:3`` (each rank of a tensor-parallel job, say, on a
+    host where every process sees every GPU). A failure is logged: the
+    fence is still asked, and a fault shows there.
+    """
+    try:
+        import torch
+
+        torch.cuda.set_device(device_index)
+    except Exception as exc:
+        logger.debug("could not make cuda:%d current on this thread: %r", device_index, exc)
 
 
 def _record_cuda(stream: torch.cuda.Stream) -> CudaFence:

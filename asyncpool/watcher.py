@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .fences import CudaFence, Fence, is_done
+from .fences import CudaFence, Fence, is_done, use_device
 
 __all__ = ["FenceWatcher"]
 
@@ -287,6 +287,7 @@ class FenceWatcher:
     def _wait_stream(self, stream: _Stream) -> None:
         lock = self._lock
         fences = stream.fences
+        device = -1  # none made current yet: a new thread is on device 0
         while True:
             with lock:
                 while not fences and not self._stopped:
@@ -300,6 +301,12 @@ class FenceWatcher:
                     return
                 fence = fences[0]
                 stream.busy = True
+            if fence.device_index != device:
+                # Once per thread (a stream's fences share its device):
+                # asked from device 0, the event would create a CUDA
+                # context on GPU 0 (fences.use_device).
+                device = fence.device_index
+                use_device(device)
             try:
                 fence.synchronize()
             except BaseException as exc:  # the pool's reclaim quarantines its rows
@@ -319,6 +326,7 @@ class FenceWatcher:
         polled = self._polled
         delay = _POLL_MIN_S
         sleep = 0.0
+        device = -1  # the CUDA device made current here (see _wait_stream)
         while True:
             with lock:
                 if sleep and not self._kicked and not self._stopped:
@@ -344,6 +352,10 @@ class FenceWatcher:
             for i, fence in enumerate(fences):
                 if i % _STOP_CHECK_EVERY == _STOP_CHECK_EVERY - 1 and self._stopped:
                     return
+                if isinstance(fence, CudaFence) and fence.device_index != device:
+                    # One handed over out of record order (see _watch_ordered).
+                    device = fence.device_index
+                    use_device(device)
                 try:
                     if is_done(fence.query()):
                         done.append(fence)

@@ -1,0 +1,82 @@
+"""CUDA-only code paths, driven on the CPU with stand-ins and spies.
+
+* The watcher's threads make a CUDA fence's device current before they ask
+  its event anything: a new thread is on device 0, where its first CUDA
+  call would create a context (hundreds of MiB of GPU 0 per process).
+* ``kv.alloc`` on a device pool makes its tensor before it keeps the pages
+  taken: a failed copy (a CUDA OOM) gives them back.
+* ``device="cuda"`` is the device current when the pool is built, not the
+  one current at each later call.
+* A CUDA pool refuses a ``stream=`` of another device (needs two GPUs).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from helpers import StandInEvent
+
+import asyncpool.fences as fences_mod
+from asyncpool.fences import CudaFence, new_stream_key
+from asyncpool.watcher import FenceWatcher
+
+WAIT_S = 10.0
+DEVICE = 3  # a device index no test uses for a real event
+
+
+def _until(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_watcher_threads_make_the_fences_device_current_before_asking_its_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both kinds of watcher thread (the stream's, and the poller for a
+    fence handed over out of record order) ask a fence of cuda:3 only once
+    cuda:3 is current on that thread."""
+    current: dict[int, int] = {}  # thread -> the device it made current
+    asked: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: current.__setitem__(threading.get_ident(), d)
+    )
+
+    class Event(StandInEvent):
+        def query(self) -> bool:
+            asked.append(("query", current.get(threading.get_ident())))
+            return super().query()
+
+        def synchronize(self) -> None:
+            asked.append(("synchronize", current.get(threading.get_ident())))
+            super().synchronize()
+
+    key = new_stream_key()
+    g_new, g_old = threading.Event(), threading.Event()
+    new = CudaFence(Event(g_new, WAIT_S), DEVICE, key, 2)  # type: ignore[arg-type]
+    old = CudaFence(Event(g_old, WAIT_S), DEVICE, key, 1)  # type: ignore[arg-type]
+    watcher = FenceWatcher(lambda: None, name="test-device-watcher")
+    try:
+        watcher.watch(new)
+        assert new.event.entered.wait(WAIT_S)  # type: ignore[attr-defined]
+        watcher.watch(old)  # older than the one waited on: polled
+        _until(lambda: any(kind == "query" for kind, _ in asked), "the poller's query")
+        g_old.set()
+        _until(lambda: watcher.polled == 0, "the poller to drop the old fence")
+        g_new.set()
+    finally:
+        g_new.set()
+        g_old.set()
+        watcher.stop()
+        watcher.join(WAIT_S)
+        del new, old
+        gc.collect()
+        fences_mod._event_pool._free.pop(DEVICE, None)  # the stand-ins given back
+    assert ("synchronize", DEVICE) in asked and ("query", DEVICE) in asked
+    assert all(device == DEVICE for _, device in asked), asked

@@ -989,7 +989,14 @@ class KVPagePool:
             return out
         if host:
             return torch.from_numpy(pages)
-        return host_to_device(torch.from_numpy(pages), self.device)
+        try:
+            return host_to_device(torch.from_numpy(pages), self.device)
+        except BaseException:
+            # The staging or the device allocation failed (a CUDA OOM): the
+            # pages were taken for a tensor nobody got, so nobody could ever
+            # free them. Back to the head of the free ring, as never taken.
+            led.put_back(pages)
+            raise
 
     def _hand_out(self, pages: PageArray) -> torch.Tensor:
         """The tensor over ``pages`` (distinct ids the pool owns, in a private

@@ -22,6 +22,8 @@ import torch
 from helpers import StandInEvent
 
 import asyncpool.fences as fences_mod
+import asyncpool.kv_pages as kv_pages_mod
+from asyncpool import KVPagePool
 from asyncpool.fences import CudaFence, new_stream_key
 from asyncpool.watcher import FenceWatcher
 
@@ -80,3 +82,32 @@ def test_watcher_threads_make_the_fences_device_current_before_asking_its_event(
         fences_mod._event_pool._free.pop(DEVICE, None)  # the stand-ins given back
     assert ("synchronize", DEVICE) in asked and ("query", DEVICE) in asked
     assert all(device == DEVICE for _, device in asked), asked
+
+
+def test_a_cuda_page_alloc_whose_tensor_raises_takes_no_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host-to-device copy of ``kv.alloc`` (on CUDA: pinned staging and
+    a device allocation) may raise; the pages it took then go back, first
+    in line, instead of staying allocated with no id handed to anyone."""
+    kv = KVPagePool(9, 4)
+    kv._on_host = False  # the CUDA path, its copy replaced below
+    calls: list[list[int]] = []
+
+    def copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        calls.append(host.tolist())
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no memory for the pages' tensor")
+        return host.clone()
+
+    monkeypatch.setattr(kv_pages_mod, "host_to_device", copy)
+    for n in (1, 3):
+        calls.clear()
+        with pytest.raises(torch.OutOfMemoryError):
+            kv.alloc(n)
+        assert kv.available_size() == 8 and kv.allocated_size() == 0
+        kv.check_invariants()
+        pages = kv.alloc(n)  # the very pages the failed call had taken
+        assert pages is not None and pages.tolist() == calls[0] and len(calls[0]) == n
+        assert kv.free(pages) == n
+    kv.check_invariants()

@@ -93,6 +93,14 @@ def check_device(device: object) -> torch.device:
             f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
             f"(torch {torch.__version__}); use device='cpu' on this machine"
         )
+    if dev.type == "cuda" and dev.index is None:
+        # Where torch puts a tensor made with device="cuda": the current
+        # device, now. Kept unresolved, every later copy (a reset's index,
+        # a grant's pages) and every current_stream(device) would follow
+        # the device current at *that* call, on whatever thread makes it:
+        # an index on cuda:0 for tables on cuda:1, or a reset-ordering
+        # wait made on the wrong device's stream.
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -299,6 +307,15 @@ class TokenTables:
             raise TypeError(
                 f"stream= must be the forward stream (a HostStream or a torch stream) or "
                 f"None, got {stream!r} of type {type(stream).__name__}"
+            )
+        if self._on_cuda and isinstance(stream, torch.cuda.Stream) and stream.device != self.device:
+            # Resets would run under that stream's context, but on the
+            # tables' device they go to its current stream instead (a
+            # kernel runs on its tensors' device), unordered with `stream`,
+            # and the wait set_req_pool_info makes is on the wrong device.
+            raise DeviceError(
+                f"stream= is on {stream.device}, but the tables are on {self.device}: "
+                "pass the forward stream of the pool's own device"
             )
         self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)

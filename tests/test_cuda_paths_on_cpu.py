@@ -23,8 +23,9 @@ from helpers import StandInEvent
 
 import asyncpool.fences as fences_mod
 import asyncpool.kv_pages as kv_pages_mod
-from asyncpool import KVPagePool
+from asyncpool import DeviceError, KVPagePool
 from asyncpool.fences import CudaFence, new_stream_key
+from asyncpool.tables import TokenTables, check_device
 from asyncpool.watcher import FenceWatcher
 
 WAIT_S = 10.0
@@ -111,3 +112,38 @@ def test_a_cuda_page_alloc_whose_tensor_raises_takes_no_page(
         assert pages is not None and pages.tolist() == calls[0] and len(calls[0]) == n
         assert kv.free(pages) == n
     kv.check_invariants()
+
+
+def test_device_cuda_is_the_device_current_when_the_pool_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert check_device("cuda") == torch.device("cuda", 2)
+    assert check_device(torch.device("cuda")) == torch.device("cuda", 2)
+    assert check_device("cuda:1") == torch.device("cuda", 1)
+    assert check_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_device_cuda_follows_the_current_device_at_construction() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    with torch.cuda.device(1):
+        t = TokenTables(4, 4, device="cuda")
+        kv = KVPagePool(5, 2, device="cuda")
+    assert t.device == t.req_to_token.device == torch.device("cuda", 1)
+    t.reset_rows([1, 2])  # its index on cuda:1 too, with cuda:0 current
+    pages = kv.alloc(2)
+    assert pages is not None and pages.device == torch.device("cuda", 1)
+    torch.cuda.synchronize(1)
+
+
+@pytest.mark.cuda
+def test_cuda_a_pool_refuses_a_stream_of_another_device() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    other = torch.cuda.Stream(device=0)  # type: ignore[no-untyped-call]
+    with pytest.raises(DeviceError, match="stream= is on cuda:0"):
+        TokenTables(4, 4, device="cuda:1", stream=other)
+    TokenTables(4, 4, device="cuda:0", stream=other)  # its own device's: fine

@@ -542,7 +542,15 @@ class TokenTables:
     # ------------------------------------------------------------------ memory
 
     def pause(self) -> None:
-        """Release the ``kv_cache`` region's memory (no-op without the saver)."""
+        """Release the ``kv_cache`` region's memory (no-op without the saver).
+
+        On CUDA the tables' device is synchronised first: a row reset the
+        pool launched (on its stream, or the current one) may still be
+        queued, and torch-memory-saver unmaps the region without waiting
+        for the kernels that write it.
+        """
+        if self._on_cuda and self.memory_saver.enabled:
+            torch.cuda.synchronize(self.device)
         self.memory_saver.pause(KV_CACHE_TAG)
 
     def resume(self) -> None:

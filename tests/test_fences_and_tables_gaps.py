@@ -378,6 +378,21 @@ def test_tables_pause_and_resume_use_the_kv_cache_region_and_zero_after_resume()
             assert not x.any()
 
 
+def test_tables_on_cuda_synchronise_their_device_before_the_saver_unmaps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row reset may still be queued on the device when memory is
+    released; the saver unmaps without waiting for it, so the tables wait
+    for their device first (CUDA only: on CPU a reset has run already)."""
+    with _tables_with_saver() as (t, saver):
+        monkeypatch.setattr(t, "_on_cuda", True)
+        monkeypatch.setattr(
+            torch.cuda, "synchronize", lambda device=None: saver.calls.append(("sync", device))
+        )
+        t.pause()
+        assert saver.calls == [("sync", t.device), ("pause", KV_CACHE_TAG)]
+
+
 # ---------------------------------------------------------------- tables
 
 

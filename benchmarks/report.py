@@ -459,11 +459,14 @@ def to_json(
     unavailable: dict[str, str],
     extra: dict[str, Any],
     elapsed_s: float,
+    benchmarks: list[str] | None = None,
 ) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {
         "command": command,
+        # which benchmarks ran: --from-json writes the default report only for all
+        **({} if benchmarks is None else {"benchmarks": benchmarks}),
         "argv": sys.argv,
         "config": asdict(cfg),
         "machine": machine,

@@ -5,7 +5,8 @@ benchmarks, ``pages`` and ``decode``, once), prints a markdown report to
 stdout, writes it to ``docs/benchmarks.md`` under the current directory
 (``--md PATH`` elsewhere, ``--no-md`` not at all; a run of a subset, ``--only``,
 writes it only to a ``--md PATH`` given, so reproducing one figure never
-overwrites the full report) and, with ``--json PATH``, every sample as JSON. It
+overwrites the full report; nor does ``--from-json`` of a subset's run) and,
+with ``--json PATH``, every sample as JSON. It
 never writes anywhere else. ``--quick`` is the short run. Progress goes to
 stderr. The package is not installed by ``pip install .``: run it from the
 root of a checkout.
@@ -84,7 +85,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--from-json",
         metavar="PATH",
         type=Path,
-        help="measure nothing: re-render the markdown of a saved --json run",
+        help="measure nothing: re-render the markdown of a saved --json run (to "
+        "docs/benchmarks.md by default only if that run was of every benchmark)",
     )
     p.add_argument(
         "--clock",
@@ -119,13 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
     command = "python -m benchmarks " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
-    if args.md is None and (args.from_json or set(only) == set(BENCHMARKS)):
+    if args.from_json:
+        return _render_saved(args)
+    if args.md is None and set(only) == set(BENCHMARKS):
         args.md = DEFAULT_MD
     if args.md is None and not args.no_md:
         _log("a subset (--only): the markdown is not written (--md PATH writes it)")
         args.no_md = True
-    if args.from_json:
-        return _render_saved(args)
 
     from benchmarks.bench_admit import bench_admit
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
@@ -245,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             unavailable=unavailable,
             extra=extra,
             elapsed_s=elapsed,
+            benchmarks=[b for b in BENCHMARKS if b in only],
         )
         args.json.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
         _log(f"JSON written to {args.json}")
@@ -258,12 +261,33 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
+def _saved_benchmarks(data: dict[str, Any]) -> set[str]:
+    """The benchmarks a saved run measured: its ``benchmarks`` list, or for a
+    file written before that key, the ``--only`` of its command (none that
+    parses: treated as a subset)."""
+    if "benchmarks" in data:
+        return set(data["benchmarks"])
+    try:
+        saved = _parse(shlex.split(str(data.get("command", "")))[3:])
+    except SystemExit:
+        return set()
+    return {b for b in saved.only.split(",") if b}
+
+
 def _render_saved(args: argparse.Namespace) -> int:
     import json
 
     from benchmarks.harness import Config
 
     data = json.loads(args.from_json.read_text(encoding="utf-8"))
+    if args.md is None and not args.no_md:
+        # As for a run: only a run of every benchmark goes to the default
+        # path, so re-rendering a subset's JSON never overwrites the full report.
+        if _saved_benchmarks(data) >= set(BENCHMARKS):
+            args.md = DEFAULT_MD
+        else:
+            _log("a saved run of a subset: the markdown is not written (--md PATH writes it)")
+            args.no_md = True
     md = render_markdown(
         [Row.from_json(r) for r in data["rows"]],
         command=data["command"],

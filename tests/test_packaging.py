@@ -93,3 +93,47 @@ def test_benchmarks_default_markdown_path_is_under_the_cwd(
     ]
     after = repo_md.stat().st_mtime_ns if repo_md.exists() else None
     assert after == before  # the checkout's own report is untouched
+
+
+def test_benchmarks_from_json_of_a_subset_never_overwrites_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--from-json`` writes docs/benchmarks.md by default only for a saved
+    run of every benchmark: re-rendering a subset's run (``--only``) must not
+    replace the full report with a partial one, as the run itself does not."""
+    import json
+
+    from benchmarks.run import BENCHMARKS, DEFAULT_MD, main
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    js = saved / "subset.json"
+    argv = ["--preset", "smoke", "--only", "uncontended", "--loops", "asyncio", "--clock", "cpu"]
+    assert main([*argv, "--json", str(js)]) == 0
+    data = json.loads(js.read_text(encoding="utf-8"))
+    assert data["benchmarks"] == ["uncontended"]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["--from-json", str(js)]) == 0
+    capsys.readouterr()
+    assert list(work.iterdir()) == []
+    # A file saved before the "benchmarks" key: its command says --only.
+    del data["benchmarks"]
+    old = saved / "old.json"
+    old.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["--from-json", str(old)]) == 0
+    capsys.readouterr()
+    assert list(work.iterdir()) == []
+    # Asked where, it writes there; a saved run of every benchmark goes to the default.
+    assert main(["--from-json", str(js), "--md", "subset.md"]) == 0
+    data["benchmarks"] = list(BENCHMARKS)
+    full = saved / "full.json"
+    full.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["--from-json", str(full)]) == 0
+    capsys.readouterr()
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == [
+        "docs",
+        DEFAULT_MD.as_posix(),
+        "subset.md",
+    ]

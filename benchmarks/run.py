@@ -49,6 +49,13 @@ BENCHMARKS = (
 )
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -80,7 +87,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(BENCHMARKS),
         help=f"comma-separated subset of: {','.join(BENCHMARKS)}",
     )
-    p.add_argument("--rounds", type=int, help="override the interleaved rounds per comparison")
+    p.add_argument(
+        "--rounds", type=_positive_int, help="override the interleaved rounds per comparison"
+    )
     p.add_argument(
         "--from-json",
         metavar="PATH",
@@ -109,14 +118,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = PRESETS[preset]
     from dataclasses import replace
 
-    if args.rounds:
+    if args.rounds is not None:
         cfg = replace(cfg, rounds=args.rounds)
     cfg = replace(cfg, clock=args.clock)
     loops = [lp for lp in args.loops.split(",") if lp]
+    if not loops:
+        raise SystemExit(f"--loops names no loop kind; have {list(loop_factories())}")
     unknown = [lp for lp in loops if lp not in loop_factories()]
     if unknown:
         raise SystemExit(f"unknown loop kind(s): {unknown}; have {list(loop_factories())}")
     only = [b for b in args.only.split(",") if b]
+    if not only:
+        raise SystemExit(f"--only names no benchmark; have {list(BENCHMARKS)}")
     bad = [b for b in only if b not in BENCHMARKS]
     if bad:
         raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")

@@ -472,7 +472,21 @@ def test_entry_point_writes_markdown_and_json(
     )
 
 
-@pytest.mark.parametrize("argv", [["--only", "nope"], ["--loops", "nope"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--only", "nope"],
+        ["--loops", "nope"],
+        # Nothing to run is an error, not an empty report (or a crash in the
+        # synchronous benchmarks, which run on the first loop named).
+        ["--only", ","],
+        ["--loops", ","],
+        ["--only", "pages", "--loops", ""],
+        # --rounds 0 was ignored (the preset's rounds ran); fewer gave n/a rows.
+        ["--rounds", "0"],
+        ["--rounds", "-3"],
+    ],
+)
 def test_entry_point_rejects_unknown_names(argv: list[str]) -> None:
     from benchmarks.run import main
 

@@ -373,7 +373,7 @@ def render_markdown(
             if cfg.clock == "wall"
             else "`time.thread_time_ns` (`--clock cpu`: the benchmarking thread's CPU time, "
             "so time the thread spent descheduled on a loaded machine is not counted; "
-            "wake-up latency, the head-reclaim sweep and the demo still use wall time)"
+            "wake-up latency, the head-reclaim sweep, the demo and agree still use wall time)"
         )
         + "; each sample batches enough operations to take "
         f"about {cfg.sample_s * 1e3:g} ms (calibrated, which also warms up), so timer and "
@@ -407,12 +407,16 @@ def render_markdown(
         f"{cfg.pages_num_pages:,}-page pool (page 0 reserved) of which half was allocated at "
         f"setup and stays held, {cfg.pages_page_size} token slots a page. Synchronous, so it "
         "runs once (loop column `sync`). Contenders, interleaved in one run: asyncpool's "
-        "`KVPagePool`; the seed-style allocator of `benchmarks/naive_pages.py` (a torch "
+        "`KVPagePool` (freeing the tensor `alloc` returned; for context also freeing a copy, "
+        "the fully checked path, the clone included); the seed-style allocator of "
+        "`benchmarks/naive_pages.py` (a torch "
         "free-list tensor sliced on alloc, `torch.cat` on free, as SGLang's allocator does; "
         "page ids in and out, so it skips SGLang's `torch.unique`); SGLang's "
         "`PagedTokenToKVPoolAllocator` on CPU (`alloc(n * page_size)` token slots, "
-        "`free(slots)`, `need_sort=False`); vLLM's `BlockPool` with prefix caching off "
-        "(`get_new_blocks(n)` + `free_blocks`).",
+        "`need_sort=False`), given back by `free_segment(slots, start_pos=0)`, its engine's "
+        "path for a finished request, where the targets are, and, for context, by "
+        "`free(slots)` (`torch.unique` of the pages inside); vLLM's `BlockPool` with prefix "
+        "caching off (`get_new_blocks(n)` + `free_blocks`).",
         f"- Decode step: {cfg.decode_requests} running requests whose stored lengths are drawn "
         f"(seeded) in [{cfg.decode_lens[0]}, {cfg.decode_lens[1]}), each growing a token a "
         f"step, on a {cfg.decode_num_pages:,}-page pool of {cfg.decode_page_size} slots a page; "

@@ -103,7 +103,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="wall",
         help="wall: perf_counter_ns (default); cpu: the benchmarking thread's CPU "
         "time, for single-threaded figures on a shared, loaded machine (wake-up "
-        "latency, the head-reclaim sweep and the demo always use wall time)",
+        "latency, the head-reclaim sweep, the demo and agree always use wall time)",
     )
     return p.parse_args(argv)
 

@@ -505,3 +505,20 @@ def test_agree_benchmark_runs_two_ranks() -> None:
         assert row.subject_value > 0 and math.isfinite(row.ratio), row
         json.dumps(row.to_json())
     assert info["world"] == 2
+
+
+def test_report_method_names_the_paths_the_page_rows_measure(tmp_path: Path) -> None:
+    """The Method section says which SGLang path the page targets are on
+    (free_segment, as the rows' labels say), not only free(slots)."""
+    from benchmarks.run import main
+
+    md = tmp_path / "r.md"
+    saved = REPO / "benchmarks" / "results" / "latest.json"
+    assert main(["--from-json", str(saved), "--md", str(md)]) == 0
+    method = md.read_text(encoding="utf-8").split("## Method", 1)[1]
+    pages = next(line for line in method.splitlines() if line.startswith("- KV pages:"))
+    assert "free_segment(slots, start_pos=0)" in pages and "free(slots)" in pages
+    assert "freeing a copy" in pages
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    labels = {r["reference"] for r in data["rows"] if r["bench"].startswith("KV pages alloc(")}
+    assert any("free_segment" in label for label in labels)

@@ -464,6 +464,7 @@ def to_json(
     extra: dict[str, Any],
     elapsed_s: float,
     benchmarks: list[str] | None = None,
+    argv: list[str] | None = None,
 ) -> dict[str, Any]:
     from dataclasses import asdict
 
@@ -471,7 +472,9 @@ def to_json(
         "command": command,
         # which benchmarks ran: --from-json writes the default report only for all
         **({} if benchmarks is None else {"benchmarks": benchmarks}),
-        "argv": sys.argv,
+        # the arguments the run was given (what ``command`` shows), not the
+        # process's: main(argv) may be called from another program
+        "argv": sys.argv if argv is None else [sys.argv[0], *argv],
         "config": asdict(cfg),
         "machine": machine,
         "elapsed_s": elapsed_s,

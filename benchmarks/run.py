@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [b for b in only if b not in BENCHMARKS]
     if bad:
         raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
-    command = "python -m benchmarks " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+    given = list(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks " + shlex.join(given)
     if args.from_json:
         return _render_saved(args)
     if args.md is None and set(only) == set(BENCHMARKS):
@@ -261,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra=extra,
             elapsed_s=elapsed,
             benchmarks=[b for b in BENCHMARKS if b in only],
+            argv=given,
         )
         args.json.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
         _log(f"JSON written to {args.json}")

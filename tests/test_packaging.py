@@ -112,6 +112,8 @@ def test_benchmarks_from_json_of_a_subset_never_overwrites_the_report(
     assert main([*argv, "--json", str(js)]) == 0
     data = json.loads(js.read_text(encoding="utf-8"))
     assert data["benchmarks"] == ["uncontended"]
+    # The JSON's argv is the run's, as its command and the markdown say.
+    assert data["argv"][1:] == [*argv, "--json", str(js)]
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)

@@ -26,8 +26,10 @@
   idles on an open fence for ``idle_wait_s``, beside the same window with
   nobody waiting; each window pays the loop's one wake-up, so the two agree
   when the waiter costs nothing (no polling).
-  :func:`bench_wake_latency` takes ``device`` so ``scripts/gpu_check.sh``
-  can run it on CUDA events.
+  :func:`bench_wake_latency` takes ``device`` so that it can run on CUDA
+  events (nothing in the suite does: on a GPU machine, call it with
+  ``device="cuda"``; ``scripts/gpu_check.sh`` measures the watcher's wake
+  latency in ``tests/test_cuda.py`` instead).
 * Wake-up latency with 100 slow fences of unknown origin watched (transfer
   handles that stay open): a fence of unknown origin, or a host fence,
   completes among them; against the single-fence figure above, and the CPU
@@ -494,8 +496,11 @@ async def bench_wake_latency(cfg: Config, device: str = "cpu") -> list[Row]:
         nonlocal held
         gate = threading.Event()
         if cuda:
+            # Busy for the whole window: at most ~2 GHz of SM clock, so twice
+            # the window's seconds in GHz cycles (the wake-up samples' 2e6
+            # cycles, ~1 ms, would leave the window's rest with no fence open).
             with torch.cuda.stream(stream):
-                torch.cuda._sleep(int(gate_cuda.sleep_cycles * 10))  # type: ignore[no-untyped-call]
+                torch.cuda._sleep(int(cfg.idle_wait_s * 4e9))  # type: ignore[no-untyped-call]
             fence = record_fence(stream)
         else:
             stream.launch(gate.wait)

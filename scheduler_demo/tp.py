@@ -315,9 +315,10 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
 
     ``reclaim="auto"`` is the control: the same replicas with pools that
     reclaim by local fence timing, which diverge. Raises
-    :class:`TPMismatchError` when the ranks diverged, ``TimeoutError`` (the
-    ranks killed) past ``cfg.timeout_s``, and whatever a rank raised
-    otherwise. The timeout is kept here, not in each rank: a rank blocked in
+    :class:`TPMismatchError` when the ranks diverged, ``TimeoutError`` past
+    ``cfg.timeout_s``, and whatever a rank raised otherwise; whatever it
+    raises (a ``KeyboardInterrupt`` too), the ranks still running are killed
+    first. The timeout is kept here, not in each rank: a rank blocked in
     a collective cannot time itself out.
     """
     from torch.multiprocessing.spawn import ProcessRaisedException, spawn
@@ -333,10 +334,6 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
         try:
             while not context.join(None if deadline is None else 0.05):
                 if deadline is not None and time.monotonic() >= deadline:
-                    for process in context.processes:
-                        process.kill()
-                    for process in context.processes:
-                        process.join()
                     raise TimeoutError(f"gave up after --timeout {cfg.timeout_s} s")
         except ProcessRaisedException as exc:
             text = str(exc)
@@ -344,6 +341,13 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
             if marker in text:
                 raise TPMismatchError(text[text.rindex(marker) + len(marker) :].strip()) from exc
             raise
+        finally:
+            # However this ends (--timeout, a rank's error, a KeyboardInterrupt
+            # or any other exception here), no rank outlives it: a rank left
+            # running would serve its whole workload (or wait in a collective
+            # for the group's timeout), and this process, at its exit, would
+            # wait for it (multiprocessing joins the children it started).
+            _kill_ranks(context.processes)
         ranks = [
             json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)
         ]
@@ -361,6 +365,15 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
         "step_ms": step_ms,
         "agree_fraction": agree_ms / step_ms if step_ms else 0.0,
     }
+
+
+def _kill_ranks(processes: list[Any]) -> None:
+    """Kill the rank processes still running, then reap every one."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
 
 
 def format_summary(res: dict[str, Any]) -> str:

@@ -125,6 +125,56 @@ def test_timeout_is_kept_over_all_ranks() -> None:
     assert time.monotonic() - t0 < 60
 
 
+def _rank_that_serves_for_a_minute(*args: object) -> None:
+    import time
+
+    time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_run_leaves_no_rank_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (or any error) in the waiting parent kills the
+    ranks: they used to keep serving, and the interrupted parent, at its
+    exit, waited for them (multiprocessing joins the children it started)."""
+    import sys
+
+    from scheduler_demo import tp as tpm
+
+    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    real_spawn = spawn_module.spawn
+    started: list[Any] = []
+
+    def spawn_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+        context = real_spawn(*args, **kwargs)
+        started.append(context)
+        join = context.join
+        calls = [0]
+
+        def interrupted_join(timeout: float | None = None) -> bool:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt  # Ctrl-C while the ranks run
+            return bool(join(timeout))
+
+        context.join = interrupted_join
+        return context
+
+    monkeypatch.setattr(tpm, "_rank_main", _rank_that_serves_for_a_minute)
+    monkeypatch.setattr(spawn_module, "spawn", spawn_then_interrupt)
+    cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_tp(cfg, 2)
+        (context,) = started
+        assert [p.is_alive() for p in context.processes] == [False, False]
+    finally:
+        for context in started:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+
+
 def _summary(corruptions: list[int]) -> dict[str, object]:
     return {
         "world": len(corruptions),

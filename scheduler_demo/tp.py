@@ -35,9 +35,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -331,6 +334,7 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
         args = (world, os.path.join(tmp, "init"), tmp, dataclasses.asdict(cfg), reclaim)
         context = spawn(_rank_main, args=args, nprocs=world, join=False)  # type: ignore[no-untyped-call]
         deadline = None if cfg.timeout_s is None else time.monotonic() + cfg.timeout_s
+        restore = _sigterm_raises_in_main_thread()
         try:
             while not context.join(None if deadline is None else 0.05):
                 if deadline is not None and time.monotonic() >= deadline:
@@ -348,6 +352,7 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
             # for the group's timeout), and this process, at its exit, would
             # wait for it (multiprocessing joins the children it started).
             _kill_ranks(context.processes)
+            restore()
         ranks = [
             json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)
         ]
@@ -365,6 +370,23 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
         "step_ms": step_ms,
         "agree_fraction": agree_ms / step_ms if step_ms else 0.0,
     }
+
+
+def _sigterm_raises_in_main_thread() -> Callable[[], object]:
+    """Make a SIGTERM to this process raise ``SystemExit(143)`` (the exit
+    status of a process killed by it) while the ranks run, so that
+    :func:`run_tp`'s cleanup kills them; by default SIGTERM ends the
+    process on the spot and leaves the ranks running. Returns the call that
+    puts the previous handler back. Off the main thread (where no handler
+    can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def exit_143(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _kill_ranks(processes: list[Any]) -> None:

@@ -175,6 +175,59 @@ def test_an_interrupted_run_leaves_no_rank_running(monkeypatch: pytest.MonkeyPat
                 process.join()
 
 
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_parent_leaves_no_rank_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM used to end the parent on the spot, the ranks orphaned and
+    serving on; while they run it raises SystemExit(143) in the parent, whose
+    cleanup kills them, and the previous handler is back afterwards."""
+    import os
+    import signal
+    import sys
+
+    from scheduler_demo import tp as tpm
+
+    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    real_spawn = spawn_module.spawn
+    started: list[Any] = []
+
+    def spawn_then_terminate(*args: Any, **kwargs: Any) -> Any:
+        context = real_spawn(*args, **kwargs)
+        started.append(context)
+        join = context.join
+        calls = [0]
+
+        def terminated_join(timeout: float | None = None) -> bool:
+            calls[0] += 1
+            if calls[0] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # `kill <parent pid>`
+            return bool(join(timeout))
+
+        context.join = terminated_join
+        return context
+
+    def before(signum: int, frame: object) -> None:
+        raise AssertionError("the run's own handler should have been in place")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    monkeypatch.setattr(tpm, "_rank_main", _rank_that_serves_for_a_minute)
+    monkeypatch.setattr(spawn_module, "spawn", spawn_then_terminate)
+    cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            run_tp(cfg, 2)
+        assert exc.value.code == 143
+        (context,) = started
+        assert [p.is_alive() for p in context.processes] == [False, False]
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for context in started:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+
+
 def _summary(corruptions: list[int]) -> dict[str, object]:
     return {
         "world": len(corruptions),

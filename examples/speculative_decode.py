@@ -143,16 +143,21 @@ class Engine:
         # rows, request ids, drafts, how many the verifier accepts, final lengths
         ins = [(r.row, r.id, d, rng.randint(0, d), r.final) for r, _, d in batch]
         tensors = [torch.tensor(x) for x in zip(*ins, strict=True)]
-        out = torch.zeros(len(batch), dtype=torch.int64, device=self.device)
-        state = (self.kv_cache, self.owner, pool.req_to_token, pool.verified_lens, self.bad, out)
+        state = (self.kv_cache, self.owner, pool.req_to_token, pool.verified_lens, self.bad)
         if self.cuda:
             with torch.cuda.stream(self.forward):
+                # Made on the forward stream, which writes it (every element):
+                # torch.zeros outside this block queues its fill on the
+                # default stream, unordered with the step, where it may land
+                # after the step's write and zero the verified lengths.
+                out = torch.empty(len(batch), dtype=torch.int64, device=self.device)
                 moved = [t.to(self.device) for t in tensors]
                 torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _step(k, self.ps, *state, *moved)
-        else:
-            self.forward.launch(time.sleep, self.forward_s)  # its compute, on the worker
-            self.host(lambda: _step(k, self.ps, *state, *tensors), ordered=True)
+                _step(k, self.ps, *state, out, *moved)
+            return out
+        out = torch.empty(len(batch), dtype=torch.int64)
+        self.forward.launch(time.sleep, self.forward_s)  # its compute, on the worker
+        self.host(lambda: _step(k, self.ps, *state, out, *tensors), ordered=True)
         return out
 
     def cap(self, pool: AsyncReqToTokenPool, reqs: list[Request]) -> None:

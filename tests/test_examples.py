@@ -12,6 +12,7 @@ corruption, and its cache's own eviction is pinned by a gated test."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WAIT_S, Streams, bounded, load_example
+from helpers import WAIT_S, Streams, bounded, gpu_busy, load_example
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence
 
@@ -193,3 +194,24 @@ async def test_paged_admission_cache_evicts_behind_the_newest_reader(
     async with bounded(WAIT_S):
         await pool.drain()
     await pool.close()
+
+
+@pytest.mark.cuda
+def test_speculative_decode_makes_a_steps_output_on_the_forward_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The verified lengths a step returns are written on the forward stream,
+    so the tensor is made there: made with ``torch.zeros`` on the default
+    stream (held busy here, as an engine's may be), its fill was unordered
+    with the step and landed after the step's write, and the loop read 0."""
+    mod = load_example("speculative_decode", monkeypatch)
+    device = torch.device("cuda")
+    engine = mod.Engine(device, 4, 4, 0.0)
+    pool = AsyncReqToTokenPool(2, mod.MAX_LEN, device=device, stream=engine.forward)
+    req = mod.Request(0, final=5, verified=0, row=1)
+    torch.cuda.synchronize()  # the tables' and the engine's zero fills are done
+    gpu_busy(300)  # the default stream, busy for longer than the step takes
+    out = engine.launch_step(pool, [(req, 1, 0)], random.Random(0))
+    torch.cuda.synchronize()
+    engine.close()
+    assert out.tolist() == [1]  # no draft: the step verifies one position

@@ -562,6 +562,17 @@ def main(argv: list[str] | None = None) -> int:
         "not their newest reader's (the bug): reused while still read",
     )
     args = p.parse_args(argv)
+    if args.page_size < 1:
+        p.error("--page-size must be at least 1")
+    # The longest request: a prompt of the prefix and 24 tokens, 24 output
+    # tokens, and the step in flight when it finishes writes one past them.
+    longest = args.prefix_pages * args.page_size + 24 + 24 + 1
+    if longest > MAX_LEN:  # a row holds MAX_LEN slots
+        p.error(f"--prefix-pages times --page-size must be at most {MAX_LEN - 49}")
+    if args.pages < -(-(longest - 1) // args.page_size):
+        # Its tokens would not fit even alone: it would be retracted and
+        # re-admitted for ever.
+        p.error(f"--pages must be at least {-(-(longest - 1) // args.page_size)} here")
     return asyncio.run(run(args))
 
 

@@ -379,8 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out record_use (the bug): trimmed pages are reused too soon",
     )
     args = p.parse_args(argv)
+    if args.page_size < 1 or args.draft < 0:
+        p.error("--page-size must be at least 1 and --draft at least 0")
     if args.draft + args.page_size > 48:  # a row holds MAX_LEN slots
         p.error("--draft plus --page-size must be at most 48")
+    # The longest request (80 positions) with the step in flight at its best
+    # and the next drafts must fit the pool alone.
+    if args.pages < -(-(81 + args.draft) // args.page_size):
+        p.error(f"--pages must be at least {-(-(81 + args.draft) // args.page_size)} here")
     return asyncio.run(run(args))
 
 

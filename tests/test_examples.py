@@ -215,3 +215,33 @@ def test_speculative_decode_makes_a_steps_output_on_the_forward_stream(
     torch.cuda.synchronize()
     engine.close()
     assert out.tolist() == [1]  # no draft: the step verifies one position
+
+
+@pytest.mark.parametrize(
+    "name,args,message",
+    [
+        # Livelocked before (a request longer than the pool retracted itself
+        # and was re-admitted for ever, the loop never awaiting long).
+        ("paged_admission", ["--pages", "7"], "--pages must be at least 8"),
+        # A step wrote past the row (IndexError on the host stream; on CUDA
+        # an out-of-bounds index).
+        ("paged_admission", ["--prefix-pages", "10"], "at most 79"),
+        # CapacityError from admit when seed 3 re-admitted a 21-page request.
+        ("speculative_decode", ["--pages", "20"], "--pages must be at least 21"),
+    ],
+)
+def test_paged_examples_refuse_a_request_longer_than_the_pool_or_the_row(
+    name: str,
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Arguments under which the longest request cannot fit the KV pool alone
+    or a row of ``req_to_token`` are a usage error (status 2), not a hang or a
+    crash mid-run."""
+    mod = load_example(name, monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        mod.main(["--device", "cpu", "--forward-ms", "0", "--seed", "3", *args])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -16,13 +16,15 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from helpers import WAIT_S, Streams, bounded, gpu_busy, load_example
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence
+from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, record_fence
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -245,3 +247,109 @@ def test_paged_examples_refuse_a_request_longer_than_the_pool_or_the_row(
         mod.main(["--device", "cpu", "--forward-ms", "0", "--seed", "3", *args])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_paged_admission_frees_what_a_copy_out_reads_behind_the_copy(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished request's KV and row are copied out on the copy stream,
+    after step t's fence: its row, the pages freed with it or by the cache's
+    detach, and its prefix pages once the cache evicts them must not go to
+    another request before the copy has read them (each of those frees
+    names ``after=copy``). On host streams the loop lands each pass's copies
+    before it admits, which hides a free without ``after=`` (every test
+    passed with any of the three dropped). Here the tenth copy-out is held,
+    the loop's wait for the copies passing over it, until 40 passes have run
+    or nothing runs; memory freed behind the step alone then goes to other
+    requests, which write into it before the copy reads it."""
+    mod = load_example("paged_admission", monkeypatch)
+    release = threading.Event()
+    held: dict[str, Any] = {}
+    reused: list[str] = []
+    pools: list[Any] = []
+    counts = {"copies": 0, "passes": 0}
+
+    class HeldCopy(HostStream):
+        def synchronize(self) -> None:
+            if release.is_set():
+                super().synchronize()
+
+    def host_stream(name: str) -> HostStream:
+        return HeldCopy(name) if name == "copy" else HostStream(name)
+
+    class NotingPool(AsyncReqToTokenPool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    copy_out, write_prompt, planned = (
+        mod.Engine.copy_out,
+        mod.Engine.write_prompt,
+        mod.Engine.planned,
+    )
+
+    def held_copy_out(self: Any, pool: Any, req: Any) -> None:
+        counts["copies"] += 1
+        if counts["copies"] == 10:
+            held["row"] = req.row
+            held["pages"] = set(pool.pages_of(req.row, host=True).tolist())
+            self.copy.launch(release.wait, 30)
+        copy_out(self, pool, req)
+
+    def noting_prompt(self: Any, pool: Any, req: Any, cached: int) -> None:
+        if held and not release.is_set():
+            if req.row == held["row"]:
+                reused.append(f"row {req.row}")
+            mine = set(pool.pages_of(req.row, host=True).tolist()) & held["pages"]
+            if mine:
+                reused.append(f"pages {sorted(mine)}")
+        write_prompt(self, pool, req, cached)
+
+    def counting_planned(self: Any) -> None:
+        if held and not release.is_set():
+            counts["passes"] += 1
+            stats = pools[0].stats()
+            if counts["passes"] >= 40 or not stats.allocated:  # (nothing runs: it awaits)
+                held["pending"] = stats.pending  # the row, behind the held copy
+                release.set()
+        planned(self)
+
+    monkeypatch.setattr(mod, "HostStream", host_stream)
+    monkeypatch.setattr(mod, "AsyncReqToTokenPool", NotingPool)
+    monkeypatch.setattr(mod.Engine, "copy_out", held_copy_out)
+    monkeypatch.setattr(mod.Engine, "write_prompt", noting_prompt)
+    monkeypatch.setattr(mod.Engine, "planned", counting_planned)
+    status = mod.main(["--device", "cpu", "--forward-ms", "0"])
+    out = capsys.readouterr().out
+    assert not reused, f"handed out while the copy still read them: {reused}"
+    assert status == 0 and "paged_admission: OK: 0 corrupted rows, 0 corrupted KV" in out, out
+    assert held.get("pending", 0) >= 1, held  # the hold was in force: the row waited for it
+
+
+async def test_paged_admission_cache_evicts_behind_the_copy_stream(
+    kit: Streams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's PrefixCache evicts behind the copy stream too: a copy-out
+    still reading cached pages (a finished borrower's) keeps them from the
+    next request, though every step that read them is done."""
+    mod = load_example("paged_admission", monkeypatch)
+    kv = KVPagePool(3, 4)  # two pages: a reuse must take the cached ones
+    pool = AsyncReqToTokenPool(4, 16, kv=kv)
+    forward, copy = kit.stream("forward"), kit.stream("copy")
+    cache = mod.PrefixCache(kv, copy, False)
+    a = await pool.admit(pages=2)
+    written = record_fence(forward)
+    pool.record_use([a.row], written)
+    written.synchronize()
+    cache.insert(0, pool.detach_pages(a.row, host=True), written, 0)
+    pool.free([a.row])
+    copying = kit.gate(copy)  # a copy-out still reading the cached pages
+    assert cache.evict(2) == 2 and not cache.entries
+    assert pool.try_admit(pages=2) is None  # pending behind the copy
+    copying.open()
+    async with bounded(WAIT_S):
+        grant = await pool.admit(pages=2)
+    pool.free([grant.row])
+    async with bounded(WAIT_S):
+        await pool.drain()
+    await pool.close()

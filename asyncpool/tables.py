@@ -340,6 +340,11 @@ class TokenTables:
             self.alloced_lens_cpu = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         else:
             self.alloced_lens_cpu = self._lens[2]
+        if self._cuda_stream is not None:
+            # The zero fills above were queued on the current stream; the
+            # pool's stream (the forward stream) runs resets and the first
+            # forward, and does not wait for another stream by itself.
+            self._cuda_stream.wait_stream(torch.cuda.current_stream(device))
 
     # ------------------------------------------------------------------ writes
 

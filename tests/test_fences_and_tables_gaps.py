@@ -393,6 +393,27 @@ def test_tables_on_cuda_synchronise_their_device_before_the_saver_unmaps(
         assert saver.calls == [("sync", t.device), ("pause", KV_CACHE_TAG)]
 
 
+def test_the_pools_cuda_stream_waits_for_the_tables_zero_fills(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tables are zeroed on the stream current at construction; the
+    pool's own stream (the forward stream: resets, the first forward) is
+    made to wait for it, or a forward's first writes could be zeroed late."""
+    waited: list[object] = []
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            waited.append(other)
+
+    current = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    t = TokenTables(4, 4)
+    assert waited == []  # no CUDA stream: nothing to order
+    t._cuda_stream = Stream()
+    t._allocate()
+    assert waited == [current]
+
+
 # ---------------------------------------------------------------- tables
 
 

@@ -207,6 +207,10 @@ class Engine:
         if self.cuda:
             self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self.copy = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # The zero fills above are queued on the current stream, which
+            # neither side stream waits for by itself.
+            self.forward.wait_stream(torch.cuda.current_stream(device))
+            self.copy.wait_stream(torch.cuda.current_stream(device))
         else:
             self.forward = HostStream("forward")
             self.copy = HostStream("copy")

@@ -97,6 +97,9 @@ class Engine:
         self.forward: Any
         if self.cuda:
             self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # The zero fills above are queued on the current stream, which
+            # the forward stream does not wait for by itself.
+            self.forward.wait_stream(torch.cuda.current_stream(device))
         else:
             self.forward = HostStream("forward")
             self.forward.launch(torch.set_num_threads, 1)

@@ -686,10 +686,15 @@ class Deferrals(Generic[T]):
     # ------------------------------------------------------------ views
 
     def pending_fences(self) -> list[Fence]:
-        """The fences that hold ids: each stream's head first, then the rest."""
-        fences = [q[0].fence for q in self._streams.values() if q]
-        fences.extend(b.fence for q in self._streams.values() for b in list(q)[1:])
-        fences.extend(b.fence for b in self._unordered)
+        """The fences that hold ids: each stream's head first, then the rest.
+
+        Reads copies (as :meth:`batch_groups`): ``KVPagePool.stats()`` counts
+        these from a scrape's thread while the owner adds and drops queues.
+        """
+        queues = [list(q) for q in list(self._streams.values())]
+        fences = [q[0].fence for q in queues if q]
+        fences.extend(b.fence for q in queues for b in q[1:])
+        fences.extend(b.fence for b in list(self._unordered))
         return fences
 
     def pending_batches(self) -> list[Deferred[T]]:

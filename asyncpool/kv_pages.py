@@ -1327,17 +1327,23 @@ class KVPagePool:
         """A snapshot of the page counts and totals; changes nothing, and may
         be read from another thread (a metrics scrape)."""
         led = self._ledger
+        # As PoolStats: the lifetime total first, then each count read once
+        # and allocated derived from them, so that the four add up to
+        # capacity (and frees never runs ahead) when read from another thread.
+        allocs = led.allocs
+        free, pending, quarantined = led.free_count, led.pending, led.quarantined
+        allocated = led.capacity - free - pending - quarantined
         return KVPageStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
             capacity=led.capacity,
-            free=led.free_count,
-            allocated=led.allocated,
-            pending=led.pending,
-            quarantined=led.quarantined,
+            free=free,
+            allocated=allocated,
+            pending=pending,
+            quarantined=quarantined,
             peak_allocated=led.peak_allocated,
-            allocs=led.allocs,
-            frees=led.frees,
+            allocs=allocs,
+            frees=allocs - allocated,
             deferred_frees=led.deferred_frees,
             reclaimed=led.reclaimed,
             fence_errors=led.fence_errors,

@@ -22,12 +22,13 @@ fails on the code before the fix.)
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
-from helpers import EventFence, bounded, spin
+from helpers import EventFence, FakeStream, bounded, spin
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, deferral
 
 
 async def test_timeout_and_cancel_in_one_turn_count_once() -> None:
@@ -162,3 +163,82 @@ async def test_overdue_fences_read_zero_when_all_they_held_completed() -> None:
         del overdue.counts
     assert (st.pending, st.overdue_rows, st.overdue_fences) == (0, 0, 0)
     await pool.close()
+
+
+def test_kv_stats_survive_a_queue_added_mid_read() -> None:
+    # KVPagePool.stats() may be read from another thread (a scrape): the
+    # owner's next free behind a new stream lands inside its walk of the
+    # pending queues, here from a trace hook at the walk's first line.
+    kv = KVPagePool(64, 4)
+    streams = [FakeStream(), FakeStream()]
+    for s in streams:
+        pages = kv.alloc(2)
+        assert pages is not None
+        kv.free(pages, fence=s.record())
+    led = kv._ledger
+    landed: list[int] = []
+
+    def owner_frees(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not landed:
+            landed.append(1)
+            pages = kv.alloc(2)
+            assert pages is not None
+            kv.free(pages, fence=FakeStream().record())  # a queue added
+        return owner_frees
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        back = frame.f_back
+        if (
+            frame.f_code.co_filename == deferral.__file__
+            and back is not None
+            and back.f_code.co_name == "pending_fences"
+        ):
+            return owner_frees  # inside the walk (a comprehension of it)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        st = kv.stats()
+    finally:
+        sys.settrace(None)
+    assert landed and st.pending_fences in (2, 3)
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
+    assert len(led.pending_fences()) == 3
+    kv.check_invariants()
+
+
+def test_kv_stats_add_up_in_a_torn_read() -> None:
+    # An alloc landing between the counts a scrape reads: the four still
+    # add up to capacity (allocated is derived, as in PoolStats).
+    kv = KVPagePool(64, 4)
+    s = FakeStream()
+    pages = kv.alloc(2)
+    assert pages is not None
+    kv.free(pages, fence=s.record())
+    led = kv._ledger
+
+    class Pending:
+        # led.pending, read twice by the old stats(): an alloc lands after
+        # the first read.
+        reads = 0
+
+        def __get__(self, obj: Any, owner: Any) -> int:
+            Pending.reads += 1
+            if Pending.reads == 1:
+                assert kv.alloc(3) is not None
+            return obj.__dict__["pending"]
+
+        def __set__(self, obj: Any, value: int) -> None:
+            obj.__dict__["pending"] = value
+
+    led.__dict__["pending"] = led.pending
+    cls = type(led)
+    sub = type("TornLedger", (cls,), {"pending": Pending()})
+    led.__class__ = sub
+    try:
+        st = kv.stats()
+    finally:
+        led.__class__ = cls
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
+    assert st.frees >= 0 and st.allocs - st.frees == st.allocated
+    kv.check_invariants()

@@ -1039,7 +1039,9 @@ def _describe(items: list[Any], n: int, limit: int = 16) -> str:
         if isinstance(part, int):
             flat.append(part)
         else:
-            flat.extend(part.tolist())
+            # Only what is shown: a faulted batch may hold a million pages,
+            # and this runs on the loop even with logging disabled.
+            flat.extend(part[: limit + 1 - len(flat)].tolist())
         if len(flat) > limit:
             return f"{str(flat[:limit])[:-1]}, ...] ({n} in all)"
     return str(flat)

@@ -1085,3 +1085,32 @@ def test_stats_counts_add_up_by_construction(monkeypatch: pytest.MonkeyPatch) ->
     st = pool.stats()
     assert st.allocated == 3
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
+
+
+def test_a_faulted_batchs_log_line_converts_only_the_ids_it_shows() -> None:
+    # The fault's log line names the first 16 ids; a batch of a million
+    # pages must not be turned into a Python list to show them (it is done
+    # on the loop, even with logging disabled).
+    import numpy as np
+
+    from asyncpool.deferral import _describe
+
+    converted: list[int] = []
+
+    class Part:
+        def __init__(self, ids: Any) -> None:
+            self.ids = ids
+
+        def __getitem__(self, key: slice) -> Part:
+            return Part(self.ids[key])
+
+        def tolist(self) -> list[int]:
+            converted.append(len(self.ids))
+            return list(self.ids.tolist())
+
+    big = np.arange(1, 1_000_001)
+    text = _describe([Part(big[:3]), Part(big)], 1_000_003)
+    assert text == ("[1, 2, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, ...] (1000003 in all)")
+    assert sum(converted) <= 17
+    assert _describe([np.array([5, 6])], 2) == "[5, 6]"
+    assert _describe([3, 4], 2) == "[3, 4]"

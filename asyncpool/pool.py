@@ -327,11 +327,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             # the pool's thread: the guard refuses any other.
             kv.set_on_free(self._on_pages_freed, self._guard_kv)
         self._overdue: OverdueFences | None = None
+        # Explicit mode without a timeout here: overdue is still what agree()
+        # agreed (another rank's timeout, MAX over ranks), logged by agree()
+        # and counted by stats() alike on every rank. Only counted: no timer.
+        self._agreed_overdue: OverdueFences | None = None
+        ledgers: list[Deferrals[Any]] = [led]
+        if kv is not None:
+            ledgers.append(kv.ledger)
         if timeout_s is not None:
-            ledgers: list[Deferrals[Any]] = [led]
-            if kv is not None:
-                ledgers.append(kv.ledger)
             self._overdue = OverdueFences(timeout_s, ledgers)
+        elif explicit:
+            self._agreed_overdue = OverdueFences(float("inf"), ledgers)
         if kv is not None and kv.ledger.pending and not explicit:
             # Pages the page pool deferred before it was handed over were
             # announced to no hook: watch their fences as if freed now, or a
@@ -1294,9 +1300,16 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admit_wait_histogram": admit_waits,
                 "growth_refusals": pages.growth_refusals,
             }
-        if self._overdue is not None:
+        overdue = self._overdue
+        if overdue is None and self._agreed_overdue is not None:
+            # Scanned only once agree() marked some batch overdue.
+            marked = self._ledger.agreed_overdue or (
+                pages is not None and pages.ledger.agreed_overdue
+            )
+            overdue = self._agreed_overdue if marked else None
+        if overdue is not None:
             # Explicit: overdue is what agree() agreed (not done on some rank).
-            fences, held = self._overdue.counts(agreed=self._ledger.explicit)
+            fences, held = overdue.counts(agreed=self._ledger.explicit)
             extra["overdue_fences"] = fences
             extra["overdue_rows"] = held.get("rows", 0)
             extra["overdue_pages"] = held.get("pages", 0)

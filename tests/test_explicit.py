@@ -869,3 +869,42 @@ def test_agree_over_nccl_uses_a_cuda_tensor(group: Any) -> None:
         kv.check_invariants()
     finally:  # a failure must not leave the subgroup to later tests
         dist.destroy_process_group(nccl)
+
+
+async def test_a_rank_without_fence_timeout_counts_what_another_ranks_made_overdue(
+    group: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Overdue is agreed (MAX over ranks): a rank built without
+    ``fence_timeout`` logs a fence that another rank's timeout made overdue,
+    and its stats() count it too, as every rank's do (README: counted on
+    every rank). The other rank's flag is faked into the single-rank
+    collective."""
+    import asyncpool.agreement as agreement
+
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4), reclaim="explicit")
+    g = pool.try_admit(pages=3)
+    assert g is not None
+    transfer = CountingFence()
+    pool.free([g.row], fence=transfer)
+    real = agreement._all_reduce_min
+    nh = len(agreement._HEADER) * agreement.SLOTS
+
+    def overdue_on_another_rank(values: list[int], g: Any, dev: torch.device, **kw: Any) -> Any:
+        out = real(values, g, dev, **kw)
+        for i in range(2 * nh + 1, len(out) - 1, 3):  # [done, -overdue, -faulted] each
+            out[i] = -1
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", overdue_on_another_rank)
+    with caplog.at_level(logging.WARNING, logger="asyncpool"):
+        assert pool.agree(group) == (0, 0)
+    assert "not done on at least one rank past another rank's fence timeout" in caplog.text
+    st = pool.stats()
+    assert (st.overdue_fences, st.overdue_rows, st.overdue_pages) == (1, 1, 3)
+    monkeypatch.setattr(agreement, "_all_reduce_min", real)
+    transfer.done = True
+    assert pool.agree(group) == (1, 3)
+    st = pool.stats()
+    assert (st.overdue_fences, st.overdue_rows, st.overdue_pages) == (0, 0, 0)
+    pool.check_invariants()
+    await pool.close()

@@ -183,6 +183,29 @@ def test_retire_of_a_fence_with_nothing_behind_it() -> None:
     assert f.queries == g.queries == 0
 
 
+def test_a_retire_of_an_older_fence_after_a_newer_one_keeps_the_newer_retired() -> None:
+    """Retiring (or a drain concluding) an older step's fence after a newer
+    one must not take the newer back: a later free behind the newer fence is
+    still free at once (it waited for a retire that had already come)."""
+    pool = rows_pool()
+    kv = kv_pool()
+    s = FakeStream()
+    f1, f2 = s.record(), s.record()
+    for target in (pool, kv):
+        assert target.retire(f2) == 0
+        assert target.retire(f1) == 0
+    rows = pool.alloc(2)
+    assert rows is not None
+    assert pool.free(rows, fence=f2) == 2
+    pages = kv.alloc(3)
+    assert pages is not None
+    assert kv.free(pages, fence=f2) == 3
+    assert pool.pending_size() == 0 and kv.pending_size() == 0
+    assert f1.queries == f2.queries == 0
+    pool.check_invariants()
+    kv.check_invariants()
+
+
 def test_retire_covers_only_its_own_stream() -> None:
     pool = rows_pool()
     a, b = FakeStream(), FakeStream()

@@ -393,6 +393,29 @@ def test_a_request_behind_only_dead_waiters_is_granted_what_is_free(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_pages_short_counts_no_waiter_abandoned_with_its_loop(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An admission abandoned with its closed loop will never be served:
+    ``pages_short()`` drops it before reading the head, or the engine would
+    evict its prefix cache for a request that is gone."""
+    caplog.set_level(logging.ERROR)
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))  # 3 rows, 8 pages
+    held: list[Any] = []
+
+    async def setup() -> None:
+        held.extend([await pool.admit(pages=4), await pool.admit(pages=4)])
+        await pool.admit(pages=3)  # no page free: queued; abandoned with its loop
+
+    _abandon_a_waiter(factory, setup)
+    assert pool.waiting() == 1 and pool.available_size() == 1
+    assert pool.pages_short() == 0
+    assert pool.waiting() == 0
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_completion_missed_while_the_loop_was_closed_is_seen_on_the_next(
     loop: str, caplog: pytest.LogCaptureFixture, kit: Streams
 ) -> None:

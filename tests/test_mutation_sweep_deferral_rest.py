@@ -58,6 +58,22 @@ ints, released and quarantined ids are recorded):
 * ``make_explicit`` refuses a ledger with ids pending *or* quarantined,
   either alone (the mutant refused only both at once).
 
+A later hand-made sweep added:
+
+* the side-list index, rebuilt, maps a fence to the *first* batch that
+  waits for it alone, as the kept index does (a batch moved there behind
+  it later is the second): a free joins the same batch whether or not a
+  call dropped the index (the mutant rebuilt it with the last one);
+* ``retire`` (and ``conclude``) of an older fence of a stream after a newer
+  one keeps the newer mark: a free behind the newer fence waits for it no
+  more (the mutant lowered the mark, and in explicit mode that free waited
+  for a retire that had already come);
+* the faults seen at agreements that settled nothing are kept up to
+  ``_FAULTS_REMEMBERED``, not one fewer (the mutant forgot the oldest one
+  early, and a fence that faulted then answered True would be released);
+* a quarantine's log line lists up to sixteen ids in full and cuts more
+  (the mutant cut exactly sixteen, with "(16 in all)").
+
 No test here awaits anything: the ledger is synchronous.
 """
 
@@ -70,7 +86,7 @@ from helpers import EventFence, FakeStream
 from test_mutation_sweep_deferral import Ledger  # the smallest ledger
 
 from asyncpool import FenceError
-from asyncpool.deferral import remember_fence, remembers_fence
+from asyncpool.deferral import _FAULTS_REMEMBERED, remember_fence, remembers_fence
 from asyncpool.fences import Fence
 
 
@@ -338,3 +354,74 @@ def test_remembers_fence_answers_for_that_very_fence_only() -> None:
     assert remembers_fence(memory, h)
     memory[id(k)] = memory.pop(id(h))
     assert not remembers_fence(memory, k)
+
+
+def test_a_rebuilt_side_list_index_joins_the_first_batch_behind_the_fence() -> None:
+    led = Ledger()
+    a = FakeStream()
+    head, x, other = a.record(), EventFence(), EventFence()
+    led.defer([1], x)  # did 0: waits for x alone
+    led.defer([2], head, x)  # did 1: moves behind x alone once head completes
+    led.defer([3], other)
+    a.complete()
+    assert led.reclaim() == 0  # moved: two batches wait for x alone now
+    led.defer([4], x)  # the kept index: joins the first of them
+    assert led.force_release(other) == 1  # drops the side-list index
+    led.defer([5], x)  # rebuilt: joins the same batch, as the kept index did
+    assert led.deferral_counter == 3
+    by_did = {batch.did: batch.items for batch in led.pending_batches()}
+    assert by_did == {0: [1, 4, 5], 1: [2]}
+    led.check()
+
+
+def test_a_retire_of_an_older_fence_keeps_the_newer_mark() -> None:
+    led = Ledger()
+    led.make_explicit()
+    a = FakeStream()
+    f1, f2, f3 = a.record(), a.record(), a.record()
+    led.defer([1], f2)
+    assert led.retire(f2) == 1
+    assert led.retire(f1) == 0  # older, after a newer one: nothing to settle
+    assert led.conclude(f1, None) == 0  # a drain concluding it: the same
+    assert led.is_retired(f1) and led.is_retired(f2) and not led.is_retired(f3)
+    waits, faulted, _ = led._open_fences([f2, f3])  # a free behind both
+    assert waits == [f3] and faulted is None  # waits for f3 alone
+    led.check()
+
+
+def test_faults_seen_at_agreements_that_settled_nothing_are_kept_to_the_bound() -> None:
+    led = Ledger()
+    led.make_explicit()
+    fences = [EventFence() for _ in range(_FAULTS_REMEMBERED + 1)]
+    for i, fence in enumerate(fences):
+        fence.error = FenceError(f"transfer {i} failed")
+        fence.set()
+        led.defer([i], fence)
+    batches = led.pending_batches()
+    flags = led.agreement_flags(batches[:_FAULTS_REMEMBERED], {}, None, 0.0)
+    assert flags == [0, 0, 1] * _FAULTS_REMEMBERED
+    # Nothing applied: every one of them is still a fault, the oldest too.
+    assert all(led.unagreed_fault(fence) is not None for fence in fences[:-1])
+    led.agreement_flags(batches[-1:], {}, None, 0.0)  # one more: the oldest goes
+    assert led.unagreed_fault(fences[0]) is None
+    assert all(led.unagreed_fault(fence) is not None for fence in fences[1:])
+
+
+@pytest.mark.parametrize("n", [16, 17])
+def test_a_quarantine_log_lists_up_to_sixteen_ids_in_full(
+    n: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="asyncpool")
+    led = Ledger()
+    fence = EventFence()
+    led.defer(list(range(n)), fence)
+    fence.error = FenceError("transfer failed")
+    fence.set()
+    assert led.reclaim() == 0 and led.quarantined == n
+    [record] = [r for r in caplog.records if r.name == "asyncpool.deferral"]
+    message = record.getMessage()
+    if n == 16:
+        assert f"quarantined rows {list(range(16))}:" in message
+        assert "in all" not in message
+    else:
+        assert f"quarantined rows {str(list(range(16)))[:-1]}, ...] (17 in all):" in message

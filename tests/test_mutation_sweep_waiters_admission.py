@@ -42,6 +42,10 @@ file that mentions the module's classes or calls still passed:
   takes only an allocated row there (one pending behind a fence raises
   InvalidSlotError, as on the checked path).
 
+A later hand-made sweep added: an ``admit`` queued behind a head that does
+not fit runs no grant pass at the loop's next turn (the mutant scheduled
+one for every admit, as for a request behind dead waiters just dropped).
+
 Async tests run on asyncio and uvloop (conftest); every wait that could hang
 is bounded.
 """
@@ -58,7 +62,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, EventFence, Streams, bounded, in_thread, pool_snapshot
+from helpers import WAIT_S, EventFence, Streams, bounded, in_thread, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -605,3 +609,30 @@ def test_an_admit_queued_on_a_new_loop_is_woken_there() -> None:
         assert asyncio.run(second()) == 4
     finally:
         fence.set()
+
+
+async def test_an_admit_queued_behind_a_blocked_head_runs_no_grant_pass() -> None:
+    """Only a new head (or a request behind dead waiters just dropped)
+    schedules a grant pass; an ``admit`` queued behind a head that does not
+    fit probes nothing: no take, no reclaim for a head nothing freed."""
+    async with bounded(), AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4)) as pool:
+        every_page = await pool.admit(pages=8)
+        head = asyncio.ensure_future(pool.admit(pages=2))
+        await spin()
+        assert not head.done()
+        probes: list[Any] = []
+        take = pool._waiters._take
+
+        def counting(need: Any) -> Any:
+            probes.append(need)
+            return take(need)
+
+        pool._waiters._take = counting
+        behind = asyncio.ensure_future(pool.admit(pages=1))
+        await spin()
+        assert probes == [] and not head.done() and not behind.done()
+        pool.free([every_page.row])  # a free runs the loop: both are served
+        assert probes == [(1, 2), (1, 1)]
+        first, second = await head, await behind
+        pool.free([first.row, second.row])
+        pool.check_invariants()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -131,11 +131,13 @@ def _rank_that_serves_for_a_minute(*args: object) -> None:
     time.sleep(60)
 
 
-@pytest.mark.timeout(120)
-def test_an_interrupted_run_leaves_no_rank_running(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A KeyboardInterrupt (or any error) in the waiting parent kills the
-    ranks: they used to keep serving, and the interrupted parent, at its
-    exit, waited for them (multiprocessing joins the children it started)."""
+@contextlib.contextmanager
+def _ranks_that_sleep(
+    monkeypatch: pytest.MonkeyPatch, on_third_join: Callable[[], None]
+) -> Iterator[list[Any]]:
+    """``run_tp`` spawns ranks that sleep for a minute, and ``on_third_join``
+    runs in the parent's third wait for them; yields the spawn contexts
+    started, whose ranks are killed afterwards whatever happened."""
     import sys
 
     from scheduler_demo import tp as tpm
@@ -144,35 +146,48 @@ def test_an_interrupted_run_leaves_no_rank_running(monkeypatch: pytest.MonkeyPat
     real_spawn = spawn_module.spawn
     started: list[Any] = []
 
-    def spawn_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+    def spawn_and_hook(*args: Any, **kwargs: Any) -> Any:
         context = real_spawn(*args, **kwargs)
         started.append(context)
         join = context.join
         calls = [0]
 
-        def interrupted_join(timeout: float | None = None) -> bool:
+        def hooked_join(timeout: float | None = None) -> bool:
             calls[0] += 1
             if calls[0] == 3:
-                raise KeyboardInterrupt  # Ctrl-C while the ranks run
+                on_third_join()
             return bool(join(timeout))
 
-        context.join = interrupted_join
+        context.join = hooked_join
         return context
 
     monkeypatch.setattr(tpm, "_rank_main", _rank_that_serves_for_a_minute)
-    monkeypatch.setattr(spawn_module, "spawn", spawn_then_interrupt)
-    cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
+    monkeypatch.setattr(spawn_module, "spawn", spawn_and_hook)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run_tp(cfg, 2)
-        (context,) = started
-        assert [p.is_alive() for p in context.processes] == [False, False]
+        yield started
     finally:
         for context in started:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
                 process.join()
+
+
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt  # Ctrl-C while the ranks run
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_run_leaves_no_rank_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (or any error) in the waiting parent kills the
+    ranks: they used to keep serving, and the interrupted parent, at its
+    exit, waited for them (multiprocessing joins the children it started)."""
+    cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
+    with _ranks_that_sleep(monkeypatch, _ctrl_c) as started:
+        with pytest.raises(KeyboardInterrupt):
+            run_tp(cfg, 2)
+        (context,) = started
+        assert [p.is_alive() for p in context.processes] == [False, False]
 
 
 @pytest.mark.timeout(120)
@@ -182,50 +197,25 @@ def test_a_sigterm_to_the_parent_leaves_no_rank_running(monkeypatch: pytest.Monk
     cleanup kills them, and the previous handler is back afterwards."""
     import os
     import signal
-    import sys
-
-    from scheduler_demo import tp as tpm
-
-    spawn_module = sys.modules["torch.multiprocessing.spawn"]
-    real_spawn = spawn_module.spawn
-    started: list[Any] = []
-
-    def spawn_then_terminate(*args: Any, **kwargs: Any) -> Any:
-        context = real_spawn(*args, **kwargs)
-        started.append(context)
-        join = context.join
-        calls = [0]
-
-        def terminated_join(timeout: float | None = None) -> bool:
-            calls[0] += 1
-            if calls[0] == 3:
-                os.kill(os.getpid(), signal.SIGTERM)  # `kill <parent pid>`
-            return bool(join(timeout))
-
-        context.join = terminated_join
-        return context
 
     def before(signum: int, frame: object) -> None:
         raise AssertionError("the run's own handler should have been in place")
 
+    def kill_parent() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # `kill <parent pid>`
+
     previous = signal.signal(signal.SIGTERM, before)
-    monkeypatch.setattr(tpm, "_rank_main", _rank_that_serves_for_a_minute)
-    monkeypatch.setattr(spawn_module, "spawn", spawn_then_terminate)
     cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
     try:
-        with pytest.raises(SystemExit) as exc:
-            run_tp(cfg, 2)
-        assert exc.value.code == 143
-        (context,) = started
-        assert [p.is_alive() for p in context.processes] == [False, False]
-        assert signal.getsignal(signal.SIGTERM) is before
+        with _ranks_that_sleep(monkeypatch, kill_parent) as started:
+            with pytest.raises(SystemExit) as exc:
+                run_tp(cfg, 2)
+            assert exc.value.code == 143
+            (context,) = started
+            assert [p.is_alive() for p in context.processes] == [False, False]
+            assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for context in started:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
 
 
 def _summary(corruptions: list[int]) -> dict[str, object]:

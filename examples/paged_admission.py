@@ -569,14 +569,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.page_size < 1:
         p.error("--page-size must be at least 1")
     # The longest request: a prompt of the prefix and 24 tokens, 24 output
-    # tokens, and the step in flight when it finishes writes one past them.
+    # tokens, and the step in flight when it finishes writes one past them:
+    # positions 0..longest - 1, each in its row and in a page of its own.
     longest = args.prefix_pages * args.page_size + 24 + 24 + 1
     if longest > MAX_LEN:  # a row holds MAX_LEN slots
         p.error(f"--prefix-pages times --page-size must be at most {MAX_LEN - 49}")
-    if args.pages < -(-(longest - 1) // args.page_size):
+    least = -(-longest // args.page_size)  # the page of position longest - 1 included
+    if args.pages < least:
         # Its tokens would not fit even alone: it would be retracted and
-        # re-admitted for ever.
-        p.error(f"--pages must be at least {-(-(longest - 1) // args.page_size)} here")
+        # re-admitted for ever (growing for that last step, it retracts itself).
+        p.error(f"--pages must be at least {least} here")
     return asyncio.run(run(args))
 
 

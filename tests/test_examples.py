@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     # The checkout's asyncpool, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -40,7 +40,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 
@@ -224,7 +224,9 @@ def test_speculative_decode_makes_a_steps_output_on_the_forward_stream(
     [
         # Livelocked before (a request longer than the pool retracted itself
         # and was re-admitted for ever, the loop never awaiting long).
-        ("paged_admission", ["--pages", "7"], "--pages must be at least 8"),
+        # (8 pages of 8 slots hold 64 positions; the longest request, with
+        # the step in flight when it finishes, writes 65.)
+        ("paged_admission", ["--pages", "8"], "--pages must be at least 9"),
         # A step wrote past the row (IndexError on the host stream; on CUDA
         # an out-of-bounds index).
         ("paged_admission", ["--prefix-pages", "10"], "at most 79"),
@@ -247,6 +249,31 @@ def test_paged_examples_refuse_a_request_longer_than_the_pool_or_the_row(
         mod.main(["--device", "cpu", "--forward-ms", "0", "--seed", "3", *args])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("page_size", ["8", "5"])
+def test_paged_admission_serves_the_longest_request_in_the_fewest_pages_it_accepts(
+    page_size: str,
+) -> None:
+    """The smallest ``--pages`` the example accepts serves its longest
+    request (seed 103's first: a prompt of the 2-page prefix and 24 tokens,
+    24 output tokens) alone. One page short, that request grows for the
+    step in flight when it finishes, retracts itself and is re-admitted for
+    ever (the bound once left out that step's page: 8 pages of 8 slots)."""
+    refused = _run("paged_admission.py", "--pages", "1", "--page-size", page_size)
+    found = re.search(r"--pages must be at least (\d+)", refused.stderr)
+    assert refused.returncode == 2 and found, refused.stderr
+    args = ["--device", "cpu", "--forward-ms", "0", "--abort", "0", "--seed", "103"]
+    try:
+        done = _run(
+            "paged_admission.py",
+            *args,
+            *("--requests", "1", "--page-size", page_size, "--pages", found[1]),
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"--pages {found[1]} --page-size {page_size}: livelocked")
+    assert done.returncode == 0 and "pool empty" in done.stdout, done.stdout + done.stderr
 
 
 def test_paged_admission_frees_what_a_copy_out_reads_behind_the_copy(

@@ -351,8 +351,12 @@ def run_tp(cfg: DemoConfig, world: int, reclaim: str = "explicit") -> dict[str, 
             # running would serve its whole workload (or wait in a collective
             # for the group's timeout), and this process, at its exit, would
             # wait for it (multiprocessing joins the children it started).
-            _kill_ranks(context.processes)
-            restore()
+            # The handler goes back even if a second signal (a SIGTERM, the
+            # next Ctrl-C) interrupts the reaping.
+            try:
+                _kill_ranks(context.processes)
+            finally:
+                restore()
         ranks = [
             json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)
         ]

@@ -218,6 +218,59 @@ def test_a_sigterm_to_the_parent_leaves_no_rank_running(monkeypatch: pytest.Monk
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.timeout(120)
+def test_a_second_signal_while_the_ranks_are_reaped_still_restores_sigterm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second Ctrl-C (or SIGTERM) while the cleanup reaps the ranks ends
+    it early, but the SIGTERM handler run_tp installed must not outlive the
+    call: it would turn any later SIGTERM to this process into a
+    SystemExit raised wherever the main thread happens to be."""
+    import signal
+    import sys
+
+    from scheduler_demo import tp as tpm
+
+    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    real_spawn = spawn_module.spawn
+    real_kill = tpm._kill_ranks
+    started: list[Any] = []
+
+    def spawn_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+        context = real_spawn(*args, **kwargs)
+        started.append(context)
+
+        def interrupted_join(timeout: float | None = None) -> bool:
+            raise KeyboardInterrupt  # the first Ctrl-C
+
+        context.join = interrupted_join
+        return context
+
+    def kill_then_interrupted(processes: list[Any]) -> None:
+        real_kill(processes)
+        raise KeyboardInterrupt  # the second, while reaping
+
+    def before(signum: int, frame: object) -> None:
+        raise AssertionError("not called")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    monkeypatch.setattr(tpm, "_rank_main", _rank_that_serves_for_a_minute)
+    monkeypatch.setattr(tpm, "_kill_ranks", kill_then_interrupted)
+    monkeypatch.setattr(spawn_module, "spawn", spawn_then_interrupt)
+    cfg = DemoConfig(num_requests=10, progress=False, timeout_s=100.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_tp(cfg, 2)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for context in started:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+
+
 def _summary(corruptions: list[int]) -> dict[str, object]:
     return {
         "world": len(corruptions),

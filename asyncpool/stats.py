@@ -249,8 +249,11 @@ class PoolStats:
             pages quarantined); a fence holding rows too counts in
             ``fence_errors`` as well.
         overdue_fences: pending fences older than ``fence_timeout`` right now
-            (0 without it). Their memory stays held (a late write may still
-            land) until they complete or ``force_release``.
+            (0 without it). With ``reclaim="explicit"``, those ``agree()``
+            agreed overdue (not done past some rank's ``fence_timeout``):
+            counted on every rank, one built without a timeout too. Their
+            memory stays held (a late write may still land) until they
+            complete or ``force_release``.
         overdue_rows: rows held by the overdue fences.
         overdue_pages: pages held by the overdue fences.
         admits: ``admit``/``try_admit`` calls granted a row and its pages,

@@ -19,7 +19,8 @@ file that exercises the ledger still passed:
   plain allocated again (free at once, invariants hold), a row that carried
   it with others waits for the others only, a row that never carried it is
   untouched (no error for a row holding one other fence); the count returned
-  is the rows it touched;
+  is the rows it touched; forgetting each of a row's two uses in turn
+  leaves it plain allocated;
 * a row used on several streams keeps the newest use of each stream only:
   a newer fence of a stream replaces the older one in its uses (so a free
   waits for the newer, not only for the older), an older fence recorded
@@ -52,7 +53,7 @@ from helpers import EventFence, FakeStream
 
 from asyncpool import CapacityError, FenceError
 from asyncpool.fences import Fence
-from asyncpool.ledger import MAX_ROWS_SIZE, SlotLedger, as_index, check_size
+from asyncpool.ledger import ALLOCATED, MAX_ROWS_SIZE, SlotLedger, as_index, check_size
 
 
 @pytest.fixture(autouse=True)
@@ -143,6 +144,28 @@ def test_forget_use_drops_the_fence_from_single_and_several_uses() -> None:
     c.set()
     assert led.reclaim() == 1
     assert led.state_of(3) == "free" and led.pending == 1
+    led.check_invariants()
+
+
+def test_forgetting_each_of_two_uses_in_turn_leaves_the_row_plain_allocated() -> None:
+    # Forgetting one of two uses leaves the other as a single use (not a
+    # one-fence tuple): forgetting that one as well then drops it, and the
+    # row is plain allocated, free at once.
+    led = SlotLedger(4)
+    rows = led.take(2)
+    assert rows == [1, 2]
+    a, b = EventFence(), EventFence()
+    led.record_use(rows, a)
+    led.record_use(rows, b)
+    assert led.forget_use(a) == 2
+    assert [led.state_of(r) for r in rows] == ["allocated"] * 2
+    led.check_invariants()
+    assert led.forget_use(b) == 2
+    for row in rows:  # no recorded use left, not an empty one
+        assert led._uses[row] is None and led.state_bytes()[row] == ALLOCATED
+    led.check_invariants()
+    assert led.free(rows) == 2  # neither fence completed: nothing holds them
+    assert [led.state_of(r) for r in rows] == ["free"] * 2
     led.check_invariants()
 
 

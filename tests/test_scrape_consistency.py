@@ -11,7 +11,10 @@
   few operations apart; the two were separate counters);
 * overdue memory is pending memory: a snapshot never reports more overdue
   rows or pages than pending ones, even when a fence completes between the
-  overdue scan and the pending counts.
+  overdue scan and the pending counts;
+* ``KVPagePool.stats()`` derives ``frees`` from the ``allocs`` it reports:
+  an alloc landing after that read leaves ``allocs - frees == allocated``
+  (``frees`` read afresh would run ahead of the snapshot's ``allocs``).
 
 The interleavings of a scrape from another thread are forced here by doing
 the racing operation inside the snapshot, at the point where the other
@@ -241,4 +244,45 @@ def test_kv_stats_add_up_in_a_torn_read() -> None:
         led.__class__ = cls
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
     assert st.frees >= 0 and st.allocs - st.frees == st.allocated
+    kv.check_invariants()
+
+
+def test_kv_stats_frees_follow_the_allocs_read_when_an_alloc_lands_after_it() -> None:
+    # An alloc landing between the lifetime total and the free count a
+    # scrape reads: frees is derived from the allocs this snapshot reports
+    # (allocs - frees == allocated), never read afresh, so it never runs
+    # ahead of the snapshot's allocs.
+    kv = KVPagePool(64, 4)
+    s = FakeStream()
+    pages = kv.alloc(2)
+    assert pages is not None
+    kv.free(pages, fence=s.record())
+    led = kv._ledger
+
+    class FreeCount:
+        # led.free_count, read by stats() after led.allocs: an alloc lands
+        # at its first read (alloc's own reads pass through).
+        landed = False
+
+        def __get__(self, obj: Any, owner: Any) -> int:
+            if not FreeCount.landed:
+                FreeCount.landed = True
+                assert kv.alloc(3) is not None
+            return obj.__dict__["free_count"]
+
+        def __set__(self, obj: Any, value: int) -> None:
+            obj.__dict__["free_count"] = value
+
+    led.__dict__["free_count"] = led.free_count
+    cls = type(led)
+    sub = type("TornLedger", (cls,), {"free_count": FreeCount()})
+    led.__class__ = sub
+    try:
+        st = kv.stats()
+    finally:
+        led.__class__ = cls
+    assert FreeCount.landed
+    assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
+    assert st.allocs - st.frees == st.allocated
+    assert st.frees <= st.allocs
     kv.check_invariants()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import weakref
 
 import pytest
 import torch
@@ -582,3 +583,57 @@ def test_a_made_up_small_stream_key_never_meets_a_builtin_stream(kit):
         assert pool.reclaim() == 0
         transfer.done = True
         assert pool.reclaim() == 1
+
+
+class _DoneAtSet(threading.Event):
+    """A fence's event that notes how many items its stream had finished
+    when the fence woke its waiters."""
+
+    def __init__(self, stream: HostStream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.done_at_set: int | None = None
+
+    def set(self) -> None:
+        self.done_at_set = self.stream._done
+        super().set()
+
+
+def test_a_fence_counts_its_stream_idle_before_its_waiters_wake(kit):
+    """Once ``synchronize()`` on a fence returns, the stream is idle, so the
+    next ``record()`` is complete at once: the fence counts itself done
+    before it wakes its waiters (the mutant woke them first, so a waiter
+    could record a fence left pending behind nothing)."""
+    s = kit.stream()
+    gate = kit.gate(s)  # item 1
+    fence = s.record()  # item 2, pending behind the gate
+    spy = _DoneAtSet(s)
+    fence._event = spy
+    gate.open()
+    assert fence.wait(WAIT_S)
+    assert spy.done_at_set == 2
+    assert s.record().query() is True
+
+
+def test_a_stream_held_by_the_frame_of_its_failing_work_is_collected_once_dropped():
+    """The stream's sticky fault keeps the work's traceback but not its
+    frames' locals: work that held the stream (here as an argument) and
+    raised must not keep it alive, or a stream dropped without ``close()``
+    is never collected and its worker never ends (the mutant kept the
+    locals)."""
+    stream = HostStream("held-by-its-fault")
+
+    def work(s: HostStream) -> None:
+        raise ValueError(f"{s.name} failed")
+
+    stream.launch(work, stream)
+    fence = stream.record()
+    with pytest.raises(FenceError):
+        fence.wait(WAIT_S)
+    thread = stream._thread
+    ref = weakref.ref(stream)
+    del stream, fence
+    gc.collect()
+    assert ref() is None, "the faulted stream was kept alive by its work's frame"
+    thread.join(WAIT_S)
+    assert not thread.is_alive()

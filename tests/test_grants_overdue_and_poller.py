@@ -33,6 +33,7 @@ from helpers import (
 )
 
 from asyncpool import AsyncReqToTokenPool, CapacityError
+from asyncpool import watcher as watcher_mod
 from asyncpool.ledger import SlotLedger
 from asyncpool.overdue import OverdueFences
 from asyncpool.watcher import FenceWatcher
@@ -455,3 +456,48 @@ async def test_a_glitch_is_rewatched_when_another_wake_up_runs_mid_poll(
     async with bounded():
         assert sorted(await waiter) == rows
     await pool.close()
+
+
+def test_a_poller_that_ended_idle_is_started_again_by_the_next_watch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poller with nothing to poll exits after its linger and forgets
+    itself, so the next ``watch()`` starts a new one: a mutant that left the
+    dead thread recorded only notified it, and the new fence was never
+    polled (its completion woke nobody)."""
+    monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", 0.01)
+    fired = threading.Semaphore(0)
+    watcher = FenceWatcher(fired.release)
+    try:
+        first = EventFence()
+        first.set()
+        watcher.watch(first)
+        assert fired.acquire(timeout=WAIT_S)
+        thread = watcher._thread
+        assert thread is not None
+        thread.join(WAIT_S)  # ends once it has idled past its linger
+        assert not thread.is_alive(), "the idle poller did not end"
+        second = EventFence()
+        second.set()
+        watcher.watch(second)
+        assert fired.acquire(timeout=WAIT_S), "a fence watched after the poller ended woke nobody"
+    finally:
+        watcher.stop()
+        assert watcher.join(WAIT_S)
+
+
+def test_rewatch_counts_only_the_fences_it_polls_again() -> None:
+    """``rewatch`` polls again only the fences the poller no longer polls and
+    returns how many: one still polled is neither counted nor watched twice
+    (the mutant re-added every fence it was given)."""
+    watcher = FenceWatcher(lambda: None)
+    try:
+        polled, dropped = EventFence(), EventFence()
+        watcher.watch(polled)
+        assert watcher.rewatch([polled]) == 0
+        assert watcher.watched == 1
+        assert watcher.rewatch([polled, dropped]) == 1
+        assert watcher.watched == 2 and watcher.polling(dropped)
+    finally:
+        watcher.stop()
+        assert watcher.join(WAIT_S)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from helpers import EventFence, bounded, pool_snapshot
+from helpers import EventFence, bounded, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -273,3 +273,56 @@ def _lens(pool: AsyncReqToTokenPool, row: int) -> tuple[int, int, int]:
         int(pool.alloced_lens[row]),
         int(pool.alloced_lens_cpu[row]),
     )
+
+
+async def test_one_row_fast_alloc_stamps_a_new_generation() -> None:
+    """Each grant of ``alloc(1)``'s inlined fast path gets the next
+    generation, as every other grant does (a lease tells a row it still owns
+    from one freed in its body and granted again by it; the mutant left the
+    row's old generation)."""
+    async with bounded(), make(6) as pool:
+        held = await _open_fast_path(pool)
+        last = max(pool.generation(r) for r in held)
+        for _ in range(3):
+            assert pool._fast
+            (row,) = await pool.alloc(1)
+            assert pool.generation(row) == last + 1
+            last += 1
+            held.append(row)
+        pool.free(held)
+
+
+async def test_a_one_row_free_under_a_grant_hold_keeps_the_fast_paths_shut() -> None:
+    """A checked ``free([row])`` reopens the unchecked fast paths only when
+    the grant loop is not gated: under a ``hold_grants()`` hold the next
+    ``alloc(1)`` queues, though a clean row is free (the mutant reopened
+    them, and that alloc jumped the hold)."""
+    async with bounded(), make(6) as pool:
+        held = await _open_fast_path(pool)
+        hold = pool.hold_grants()
+        pool.free([held[0]])
+        task = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        assert not task.done() and pool.waiting() == 1
+        hold.release()
+        rows = await task
+        pool.free(rows + held[1:])
+
+
+async def test_the_zero_wait_count_never_goes_down_between_scrapes() -> None:
+    """A scrape from another thread may read ``_popped`` bumped before
+    ``granted`` (a hand-out half done): its figure undercounts by one, and
+    the count reported keeps the largest seen, so a counter built on it
+    never goes down (the mutant reported the undercount). The interleaving
+    is replayed here on one thread."""
+    async with bounded(), make(6) as pool:
+        held = await _open_fast_path(pool)
+        held += await pool.alloc(1)  # inlined: a zero wait counted at stats time
+        seen = pool.stats().alloc_calls
+        assert seen == 2
+        pool._ledger._popped += 1  # a grant loop's hand-out, half done
+        try:
+            assert pool.stats().alloc_calls == seen
+        finally:
+            pool._ledger._popped -= 1
+        pool.free(held)

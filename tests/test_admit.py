@@ -332,6 +332,28 @@ async def test_page_fence_completion_wakes_an_admit_waiter(kit):
         conserved(pool)
 
 
+async def test_a_reclaim_that_frees_only_pages_grants_the_admit_waiter(kit):
+    """``pool.reclaim()`` grants the waiters when it made only pages free (no
+    row): the queued admission is served by that call, before the fence's
+    own wake-up can run (the mutant granted only when rows came back)."""
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with make(rows=4, pages=4) as pool:
+        g = await pool.admit(pages=4)
+        pages = pool.detach_pages(g.row)
+        pool.free(g.row)
+        kv_of(pool).free(pages, after=stream)  # pending behind the gated stream
+        [w] = await queued(pool, pool.admit(pages=4))
+        gate.open()
+        settled(stream)  # the fence completed; its wake-up is not run yet
+        assert pool.reclaim() == 0  # no row came back, only pages
+        assert pool.waiting() == 0, "the waiter was not granted by reclaim()"
+        got = await outcome(w)
+        assert sorted(ids(got.pages)) == sorted(ids(pages))
+        pool.free(got.row)
+        conserved(pool)
+
+
 async def test_a_transfer_handle_fence_defers_a_freed_rows_pages(kit):
     handle = kit.event_fence()  # query()/synchronize(), no stream: unknown origin
     async with make(rows=2, pages=4) as pool:

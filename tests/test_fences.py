@@ -637,3 +637,31 @@ def test_a_stream_held_by_the_frame_of_its_failing_work_is_collected_once_droppe
     assert ref() is None, "the faulted stream was kept alive by its work's frame"
     thread.join(WAIT_S)
     assert not thread.is_alive()
+
+
+def test_a_fault_leaves_a_paused_generator_in_its_chain_running(kit):
+    """Clearing the locals of a fault's frames skips the frames of
+    generators: one that caught the chained exception and is paused at a
+    yield is its owner's, and clearing its frame would close it (the mutant
+    cleared every frame, and the generator ended under its owner)."""
+    saved: list[BaseException] = []
+
+    def gen():
+        try:
+            raise KeyError("inner")
+        except KeyError as exc:
+            saved.append(exc)
+            yield 1
+        yield 2
+
+    paused = gen()
+    assert next(paused) == 1
+
+    def work() -> None:
+        raise ValueError("outer") from saved[0]
+
+    s = kit.stream()
+    s.launch(work)
+    with pytest.raises(FenceError):
+        s.record().wait(WAIT_S)
+    assert next(paused) == 2

@@ -173,7 +173,7 @@ class Admission:
 
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
-        def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop: ...
+        def _prepare_to_queue(self, loop: asyncio.AbstractEventLoop) -> bool: ...
 
     def _take_admission(self, k: int) -> Grant | None:
         """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
@@ -259,15 +259,12 @@ class Admission:
         loop = _get_running_loop()
         dropped = False
         if loop is not self._loop or self._unwatched:
-            queued = waiters.count
-            self._prepare_wait(loop)
-            dropped = queued > 0 and not waiters.count
+            dropped = self._prepare_to_queue(loop)
         # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
         waiter, handle = waiters.enqueue(
             need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
         )
         if dropped:
-            # Those ahead were of a loop closed under them (see alloc()).
             waiters.serve_soon(waiter, loop)
         try:
             granted: Grant = await waiter[1]

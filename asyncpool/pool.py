@@ -583,9 +583,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         loop = _get_running_loop()
         dropped = False
         if loop is not self._loop or self._unwatched:
-            queued = waiters.count
-            self._prepare_wait(loop)
-            dropped = queued > 0 and not waiters.count
+            dropped = self._prepare_to_queue(loop)
         # _fast stays False from the check above: no unchecked free can land
         # between the take that came up short and this enqueue (it would
         # grant nobody), so nothing needs re-checking.
@@ -593,9 +591,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             n, priority, timeout, loop, self._wait_times, self._wait_histogram
         )
         if dropped:
-            # The waiters that kept this call from taking were of a loop
-            # closed under them, dropped by the move to this one: nobody is
-            # ahead now, and what is free may fit (a free may never come).
             waiters.serve_soon(waiter, loop)
         try:
             granted: list[int] = await waiter[1]
@@ -623,6 +618,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             for pending_fence in unwatched:
                 self._on_pending(pending_fence)
         return loop
+
+    def _prepare_to_queue(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """:meth:`_prepare_wait` for a call about to queue (``alloc``,
+        ``admit``). True if the waiters that kept it from taking were all of a
+        loop closed under them, dropped by the move to ``loop``: nobody is
+        ahead now and what is free may fit, so the caller has its waiter
+        served at the loop's next turn (``WaiterQueues.serve_soon``; a free
+        may never come)."""
+        queued = self._waiters.count
+        self._prepare_wait(loop)
+        return queued > 0 and not self._waiters.count
 
     def _rebind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         # Move to ``loop``. Refused while the old loop is open and still runs

@@ -388,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--draft plus --page-size must be at most 48")
     # The longest request (80 positions) with the step in flight at its best
     # and the next drafts must fit the pool alone.
-    if args.pages < -(-(81 + args.draft) // args.page_size):
-        p.error(f"--pages must be at least {-(-(81 + args.draft) // args.page_size)} here")
+    least = -(-(81 + args.draft) // args.page_size)
+    if args.pages < least:
+        p.error(f"--pages must be at least {least} here")
     return asyncio.run(run(args))
 
 

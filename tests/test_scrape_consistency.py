@@ -210,38 +210,44 @@ def test_kv_stats_survive_a_queue_added_mid_read() -> None:
     kv.check_invariants()
 
 
-def test_kv_stats_add_up_in_a_torn_read() -> None:
-    # An alloc landing between the counts a scrape reads: the four still
-    # add up to capacity (allocated is derived, as in PoolStats).
+def _kv_stats_with_an_alloc_landing_at(attr: str) -> tuple[KVPagePool, Any]:
+    """``kv.stats()`` of a pool with 2 pages pending, where ``kv.alloc(3)``
+    (the owner's, as from another thread) lands at the scrape's first read
+    of the ledger's ``attr``; the alloc's own reads pass through."""
     kv = KVPagePool(64, 4)
     s = FakeStream()
     pages = kv.alloc(2)
     assert pages is not None
     kv.free(pages, fence=s.record())
     led = kv._ledger
+    landed: list[int] = []
 
-    class Pending:
-        # led.pending, read twice by the old stats(): an alloc lands after
-        # the first read.
-        reads = 0
-
+    class LandsAtFirstRead:
         def __get__(self, obj: Any, owner: Any) -> int:
-            Pending.reads += 1
-            if Pending.reads == 1:
+            if not landed:
+                landed.append(1)
                 assert kv.alloc(3) is not None
-            return obj.__dict__["pending"]
+            return obj.__dict__[attr]  # type: ignore[no-any-return]
 
         def __set__(self, obj: Any, value: int) -> None:
-            obj.__dict__["pending"] = value
+            obj.__dict__[attr] = value
 
-    led.__dict__["pending"] = led.pending
+    led.__dict__[attr] = getattr(led, attr)
     cls = type(led)
-    sub = type("TornLedger", (cls,), {"pending": Pending()})
-    led.__class__ = sub
+    led.__class__ = type("TornLedger", (cls,), {attr: LandsAtFirstRead()})
     try:
         st = kv.stats()
     finally:
         led.__class__ = cls
+    assert landed
+    return kv, st
+
+
+def test_kv_stats_add_up_in_a_torn_read() -> None:
+    # An alloc landing between the counts a scrape reads (led.pending, read
+    # twice by the old stats()): the four still add up to capacity
+    # (allocated is derived, as in PoolStats).
+    kv, st = _kv_stats_with_an_alloc_landing_at("pending")
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
     assert st.frees >= 0 and st.allocs - st.frees == st.allocated
     kv.check_invariants()
@@ -249,39 +255,10 @@ def test_kv_stats_add_up_in_a_torn_read() -> None:
 
 def test_kv_stats_frees_follow_the_allocs_read_when_an_alloc_lands_after_it() -> None:
     # An alloc landing between the lifetime total and the free count a
-    # scrape reads: frees is derived from the allocs this snapshot reports
-    # (allocs - frees == allocated), never read afresh, so it never runs
-    # ahead of the snapshot's allocs.
-    kv = KVPagePool(64, 4)
-    s = FakeStream()
-    pages = kv.alloc(2)
-    assert pages is not None
-    kv.free(pages, fence=s.record())
-    led = kv._ledger
-
-    class FreeCount:
-        # led.free_count, read by stats() after led.allocs: an alloc lands
-        # at its first read (alloc's own reads pass through).
-        landed = False
-
-        def __get__(self, obj: Any, owner: Any) -> int:
-            if not FreeCount.landed:
-                FreeCount.landed = True
-                assert kv.alloc(3) is not None
-            return obj.__dict__["free_count"]
-
-        def __set__(self, obj: Any, value: int) -> None:
-            obj.__dict__["free_count"] = value
-
-    led.__dict__["free_count"] = led.free_count
-    cls = type(led)
-    sub = type("TornLedger", (cls,), {"free_count": FreeCount()})
-    led.__class__ = sub
-    try:
-        st = kv.stats()
-    finally:
-        led.__class__ = cls
-    assert FreeCount.landed
+    # scrape reads (led.free_count, read after led.allocs): frees is derived
+    # from the allocs this snapshot reports (allocs - frees == allocated),
+    # never read afresh, so it never runs ahead of the snapshot's allocs.
+    kv, st = _kv_stats_with_an_alloc_landing_at("free_count")
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
     assert st.allocs - st.frees == st.allocated
     assert st.frees <= st.allocs

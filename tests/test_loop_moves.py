@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -358,6 +358,25 @@ def _abandon_a_waiter(factory: Callable[[], asyncio.AbstractEventLoop], setup: A
     loop.close()
 
 
+def _pool_with_a_waiter_abandoned(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+    pages_held: int,
+    queue: Callable[[AsyncReqToTokenPool], Awaitable[Any]],
+) -> AsyncReqToTokenPool:
+    """A pool of 3 rows and 8 pages, two admissions of ``pages_held`` pages
+    each granted, then ``queue(pool)`` (which must wait) abandoned with its
+    closed loop."""
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))
+
+    async def setup() -> None:
+        await pool.admit(pages=pages_held)
+        await pool.admit(pages=pages_held)
+        await queue(pool)
+
+    _abandon_a_waiter(factory, setup)
+    return pool
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("kind", ["alloc", "admit"])
 def test_a_request_behind_only_dead_waiters_is_granted_what_is_free(
@@ -370,14 +389,8 @@ def test_a_request_behind_only_dead_waiters_is_granted_what_is_free(
     loop's next turn now."""
     caplog.set_level(logging.ERROR)
     factory = LOOPS[loop]
-    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))  # 3 rows, 8 pages
-    held: list[Any] = []
-
-    async def setup() -> None:
-        held.extend([await pool.admit(pages=2), await pool.admit(pages=2)])
-        await pool.alloc(2)  # 1 row free: queued; abandoned with its loop
-
-    _abandon_a_waiter(factory, setup)
+    # 1 row free: alloc(2) queued, then abandoned with its loop
+    pool = _pool_with_a_waiter_abandoned(factory, 2, lambda p: p.alloc(2))
     assert pool.available_size() == 1 and pool.waiting() == 1
 
     async def second() -> Any:
@@ -401,14 +414,8 @@ def test_pages_short_counts_no_waiter_abandoned_with_its_loop(
     evict its prefix cache for a request that is gone."""
     caplog.set_level(logging.ERROR)
     factory = LOOPS[loop]
-    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))  # 3 rows, 8 pages
-    held: list[Any] = []
-
-    async def setup() -> None:
-        held.extend([await pool.admit(pages=4), await pool.admit(pages=4)])
-        await pool.admit(pages=3)  # no page free: queued; abandoned with its loop
-
-    _abandon_a_waiter(factory, setup)
+    # no page free: admit(pages=3) queued, then abandoned with its loop
+    pool = _pool_with_a_waiter_abandoned(factory, 4, lambda p: p.admit(pages=3))
     assert pool.waiting() == 1 and pool.available_size() == 1
     assert pool.pages_short() == 0
     assert pool.waiting() == 0

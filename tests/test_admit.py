@@ -66,6 +66,17 @@ async def queued(pool: AsyncReqToTokenPool, *coros) -> list[asyncio.Task]:
     return tasks
 
 
+async def pages_pending(pool: AsyncReqToTokenPool, n: int, **fence: Any) -> torch.Tensor:
+    """Admit a request of ``n`` pages, detach them, free its row (free at
+    once) and free the pages to the page pool behind ``fence``/``after``:
+    only pages pending. Returns them."""
+    g = await pool.admit(pages=n)
+    pages = pool.detach_pages(g.row)
+    pool.free(g.row)
+    kv_of(pool).free(pages, **fence)
+    return pages
+
+
 # ---------------------------------------------------------------- the grant
 
 
@@ -319,10 +330,7 @@ async def test_page_fence_completion_wakes_an_admit_waiter(kit):
     stream = kit.stream()
     gate = kit.gate(stream)
     async with make(rows=4, pages=4) as pool:
-        g = await pool.admit(pages=4)
-        pages = pool.detach_pages(g.row)
-        pool.free(g.row)  # the row is free at once; its pages went to the caller
-        kv_of(pool).free(pages, after=stream)  # pending behind the gated stream
+        pages = await pages_pending(pool, 4, after=stream)  # behind the gated stream
         [w] = await queued(pool, pool.admit(pages=4))
         assert pool.stats().pages_pending == 4
         gate.open()  # nobody calls the pool after this
@@ -339,10 +347,7 @@ async def test_a_reclaim_that_frees_only_pages_grants_the_admit_waiter(kit):
     stream = kit.stream()
     gate = kit.gate(stream)
     async with make(rows=4, pages=4) as pool:
-        g = await pool.admit(pages=4)
-        pages = pool.detach_pages(g.row)
-        pool.free(g.row)
-        kv_of(pool).free(pages, after=stream)  # pending behind the gated stream
+        pages = await pages_pending(pool, 4, after=stream)  # behind the gated stream
         [w] = await queued(pool, pool.admit(pages=4))
         gate.open()
         settled(stream)  # the fence completed; its wake-up is not run yet
@@ -786,10 +791,7 @@ async def test_force_release_without_fence_timeout_and_of_a_fence_holding_nothin
 async def test_force_release_of_pages_freed_by_the_caller(kit):
     stuck = kit.event_fence()
     async with make(rows=2, pages=4) as pool:
-        g = await pool.admit(pages=2)
-        pages = pool.detach_pages(g.row)
-        pool.free(g.row)
-        kv_of(pool).free(pages, fence=stuck)
+        await pages_pending(pool, 2, fence=stuck)
         [w] = await queued(pool, pool.admit(pages=4))
         assert pool.force_release(stuck) == (0, 2)
         got = await outcome(w)
@@ -909,10 +911,7 @@ async def test_bind_refuses_while_pages_are_pending(kit):
     stream = kit.stream()
     gate = kit.gate(stream)
     async with make(rows=2, pages=4) as pool:
-        g = await pool.admit(pages=2)
-        pages = pool.detach_pages(g.row)
-        pool.free(g.row)
-        kv_of(pool).free(pages, after=stream)  # only pages pending
+        await pages_pending(pool, 2, after=stream)
         with pytest.raises(PoolBusyError, match="2 pages"):
             pool.bind()
         gate.open()
@@ -924,10 +923,7 @@ async def test_drain_waits_for_page_fences(kit):
     stream = kit.stream()
     gate = kit.gate(stream)
     async with make(rows=2, pages=4) as pool:
-        g = await pool.admit(pages=2)
-        pages = pool.detach_pages(g.row)
-        pool.free(g.row)
-        kv_of(pool).free(pages, after=stream)
+        await pages_pending(pool, 2, after=stream)
         drain = asyncio.create_task(pool.drain())
         await spin()
         assert not drain.done()

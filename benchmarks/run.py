@@ -56,6 +56,11 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _names(text: str) -> list[str]:
+    """The names of a comma-separated option (``--only``, ``--loops``)."""
+    return [name for name in text.split(",") if name]
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -121,13 +126,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds is not None:
         cfg = replace(cfg, rounds=args.rounds)
     cfg = replace(cfg, clock=args.clock)
-    loops = [lp for lp in args.loops.split(",") if lp]
+    loops = _names(args.loops)
     if not loops:
         raise SystemExit(f"--loops names no loop kind; have {list(loop_factories())}")
     unknown = [lp for lp in loops if lp not in loop_factories()]
     if unknown:
         raise SystemExit(f"unknown loop kind(s): {unknown}; have {list(loop_factories())}")
-    only = [b for b in args.only.split(",") if b]
+    only = _names(args.only)
     if not only:
         raise SystemExit(f"--only names no benchmark; have {list(BENCHMARKS)}")
     bad = [b for b in only if b not in BENCHMARKS]
@@ -286,7 +291,7 @@ def _saved_benchmarks(data: dict[str, Any]) -> set[str]:
         saved = _parse(shlex.split(str(data.get("command", "")))[3:])
     except SystemExit:
         return set()
-    return {b for b in saved.only.split(",") if b}
+    return set(_names(saved.only))
 
 
 def _render_saved(args: argparse.Namespace) -> int:

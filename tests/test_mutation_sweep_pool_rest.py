@@ -61,6 +61,7 @@ from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolBusyError, WrongThrea
 def test_bind_in_a_debug_loop_closes_the_fast_paths_at_once() -> None:
     pool = AsyncReqToTokenPool(4, 4)
     owner = asyncio.new_event_loop()
+    owner.set_debug(False)  # the owner's loop is not in debug mode, even under PYTHONASYNCIODEBUG
     try:
 
         async def warm() -> list[int]:

@@ -1,0 +1,248 @@
+"""The API the README and the CUDA guide show exists as they show it.
+
+The README's API blocks are signatures written as calls (``pool.free(rows,
+fence=None, *, after=None)``), not programs, and the guide's blocks are
+fragments of an engine; neither runs. What can drift is checked here
+instead: every name imported from ``asyncpool`` is exported (and the
+README's import list names every public error), every call on a pool, a
+page pool, a stream, a fence, a grant, a hold or a collector names a method
+that exists and only keywords it takes (a ``*`` shown splits what may be
+passed by position from what may not, as the signature does), every
+attribute read on them exists, and every ``stats()`` field shown is a field.
+Nine hand-made edits of the documents (a keyword, a method, a field, an
+attribute renamed, the ``*`` moved, an error dropped from the import list
+or a name added to it) each fail a test here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncpool
+from asyncpool import (
+    AsyncReqToTokenPool,
+    Grant,
+    GrantHold,
+    HostFence,
+    HostStream,
+    KVPagePool,
+    KVPageStats,
+    PoolError,
+    PoolStats,
+    ReqToTokenPool,
+    ReqToTokenPoolInfo,
+    record_fence,
+    wait_fence,
+)
+from asyncpool.metrics import PoolCollector
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", "docs/cuda.md")
+
+#: What each name stands for in the documents' blocks (the names they use).
+RECEIVERS: dict[str, tuple[type, ...]] = {
+    "pool": (AsyncReqToTokenPool, ReqToTokenPool),
+    "kv": (KVPagePool,),
+    "pool.kv": (KVPagePool,),
+    "stream": (HostStream,),
+    "f": (HostFence,),
+    "g": (Grant,),
+    "hold": (GrantHold,),
+    "collector": (PoolCollector,),
+}
+#: Callables named bare in the blocks.
+FUNCTIONS: dict[str, Any] = {
+    "AsyncReqToTokenPool": AsyncReqToTokenPool,
+    "ReqToTokenPool": ReqToTokenPool,
+    "KVPagePool": KVPagePool,
+    "HostStream": HostStream,
+    "PoolCollector": PoolCollector,
+    "ReqToTokenPoolInfo": ReqToTokenPoolInfo,
+    "record_fence": record_fence,
+    "wait_fence": wait_fence,
+}
+_CALL = re.compile(r"(?<![\w.])((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\(")
+_ATTR = re.compile(r"(?<![\w.])(pool\.kv|pool|kv|stream|f|g|hold|collector)\.([A-Za-z_]\w*)\b")
+_KEYWORD = re.compile(r"^\s*\*{0,2}([A-Za-z_]\w*)\s*=(?!=)")
+
+
+def _blocks(doc: str) -> list[str]:
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def _code(block: str) -> str:
+    """The block without its comments (no ``#`` appears inside its strings)."""
+    return "\n".join(line.split("#", 1)[0] for line in block.splitlines())
+
+
+def _calls(code: str) -> Iterator[tuple[str, list[str]]]:
+    """Each ``name(...)`` with its top-level arguments, nested calls included."""
+    for m in _CALL.finditer(code):
+        depth, i, start, args = 1, m.end(), m.end(), []
+        while i < len(code) and depth:
+            c = code[i]
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            elif c == "," and depth == 1:
+                args.append(code[start:i])
+                start = i + 1
+            i += 1
+        args.append(code[start : i - 1])
+        yield m.group(1), [a for a in args if a.strip()]
+
+
+def _keywords(args: list[str]) -> list[str]:
+    return [m.group(1) for a in args if (m := _KEYWORD.match(a))]
+
+
+def _targets(callee: str) -> list[Any] | None:
+    """The callables ``callee`` may name, or None when it is not ours."""
+    if callee in FUNCTIONS:
+        return [FUNCTIONS[callee]]
+    receiver, _, method = callee.rpartition(".")
+    if receiver not in RECEIVERS:
+        return None
+    return [getattr(cls, method) for cls in RECEIVERS[receiver] if hasattr(cls, method)]
+
+
+@pytest.fixture(scope="module")
+def instances() -> Iterator[dict[str, list[Any]]]:
+    """One live object per receiver: attributes set in ``__init__`` or by a
+    delegate exist only on instances."""
+    rows_pool = AsyncReqToTokenPool(4, 4)
+    kv_pool = AsyncReqToTokenPool(4, 4, kv=KVPagePool(8, 2))
+    sync_pool = ReqToTokenPool(4, 4)
+    stream = HostStream()
+    try:
+        grant = kv_pool.try_admit(pages=1)
+        hold = kv_pool.hold_grants()
+        assert grant is not None
+        yield {
+            "pool": [rows_pool, kv_pool, sync_pool],
+            "kv": [kv_pool.kv],
+            "pool.kv": [kv_pool.kv],
+            "stream": [stream],
+            "f": [stream.record()],
+            "g": [grant],
+            "hold": [hold],
+            "collector": [PoolCollector(rows_pool)],
+        }
+        hold.release()
+    finally:
+        stream.close()
+
+
+def _documented() -> list[tuple[str, int, str]]:
+    return [(doc, i, block) for doc in DOCS for i, block in enumerate(_blocks(doc))]
+
+
+def _params() -> list[Any]:
+    return [pytest.param(doc, i, block, id=f"{doc}:{i}") for doc, i, block in _documented()]
+
+
+def test_the_documents_have_the_blocks_this_test_reads() -> None:
+    """The checks below read something: the README's API blocks are found."""
+    blocks = [b for _, _, b in _documented()]
+    assert len(_blocks("README.md")) >= 8 and len(_blocks("docs/cuda.md")) >= 4
+    calls = [c for b in blocks for c, _ in _calls(_code(b)) if _targets(c) is not None]
+    assert len(calls) > 100
+
+
+def test_imports_from_asyncpool_are_exported_and_every_error_is_listed() -> None:
+    imported: set[str] = set()
+    for _, _, block in _documented():
+        code = _code(block)
+        groups = re.findall(r"from asyncpool import \(([^)]*)\)", code)
+        groups += re.findall(r"from asyncpool import ([^(\n]+)$", code, re.M)
+        for group in groups:
+            imported |= {n.strip() for n in group.replace("\n", ",").split(",") if n.strip()}
+    assert imported, "no import from asyncpool found"
+    assert imported <= set(asyncpool.__all__), imported - set(asyncpool.__all__)
+    errors = {
+        name
+        for name in asyncpool.__all__
+        if isinstance(getattr(asyncpool, name), type)
+        and issubclass(getattr(asyncpool, name), Exception)
+    }
+    assert PoolError.__name__ in errors and len(errors) >= 10
+    readme_import = next(b for b in _blocks("README.md") if "from asyncpool import (" in b)
+    assert errors <= set(re.findall(r"\w+", _code(readme_import))), errors
+
+
+@pytest.mark.parametrize(("doc", "index", "block"), _params())
+def test_every_call_names_a_method_and_keywords_it_takes(doc: str, index: int, block: str) -> None:
+    bad: list[str] = []
+    for callee, args in _calls(_code(block)):
+        targets = _targets(callee)
+        if targets is None:
+            continue
+        if not targets:
+            bad.append(f"{callee}: no such method")
+            continue
+        for kw in _keywords(args):
+            if not any(_takes(t, kw) for t in targets):
+                bad.append(f"{callee}: no keyword {kw!r}")
+        bad += _star_misplaced(callee, targets, args)
+    assert not bad, f"{doc} block {index}: {bad}"
+
+
+def _star_misplaced(callee: str, targets: list[Any], args: list[str]) -> list[str]:
+    """A shown ``*`` splits what may be passed by position from what may not."""
+    stripped = [a.strip() for a in args]
+    if "*" not in stripped:
+        return []
+    star = stripped.index("*")
+    before, after = _keywords(args[:star]), _keywords(args[star + 1 :])
+
+    def kinds(fn: Any) -> dict[str, inspect._ParameterKind]:
+        return {n: p.kind for n, p in inspect.signature(fn).parameters.items()}
+
+    if any(
+        all(kinds(t).get(k) is inspect.Parameter.POSITIONAL_OR_KEYWORD for k in before)
+        and all(kinds(t).get(k) is inspect.Parameter.KEYWORD_ONLY for k in after)
+        for t in targets
+    ):
+        return []
+    return [f"{callee}: the '*' shown does not match the signature"]
+
+
+def _takes(fn: Any, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - every target has one
+        return True
+    if keyword in params:
+        return params[keyword].kind is not inspect.Parameter.POSITIONAL_ONLY
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@pytest.mark.parametrize(("doc", "index", "block"), _params())
+def test_every_attribute_read_exists(
+    doc: str, index: int, block: str, instances: dict[str, list[Any]]
+) -> None:
+    code = _code(block)
+    bad = [
+        f"{receiver}.{name}"
+        for receiver, name in _ATTR.findall(code)
+        if not any(hasattr(obj, name) for obj in instances[receiver])
+    ]
+    assert not bad, f"{doc} block {index}: {bad}"
+
+
+def test_the_stats_fields_shown_are_fields() -> None:
+    shown: set[str] = set()
+    for _, _, block in _documented():
+        for m in re.finditer(r"stats\(\)((?:\s*,?\s*\.\w+)+)", _code(block)):
+            shown |= set(re.findall(r"\.(\w+)", m.group(1)))
+    assert {"pages_free", "overdue_fences", "growth_refusals"} <= shown
+    fields = set(PoolStats.__dataclass_fields__) | set(KVPageStats.__dataclass_fields__)
+    assert shown <= fields, shown - fields

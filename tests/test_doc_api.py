@@ -8,7 +8,8 @@ README's import list names every public error), every call on a pool, a
 page pool, a stream, a fence, a grant, a hold or a collector names a method
 that exists and only keywords it takes (a ``*`` shown splits what may be
 passed by position from what may not, as the signature does), every
-attribute read on them exists, and every ``stats()`` field shown is a field.
+attribute read on them exists, every ``stats()`` field shown is a field,
+and every file they point to is there.
 Nine hand-made edits of the documents (a keyword, a method, a field, an
 attribute renamed, the ``*`` moved, an error dropped from the import list
 or a name added to it) each fail a test here.
@@ -246,3 +247,24 @@ def test_the_stats_fields_shown_are_fields() -> None:
     assert {"pages_free", "overdue_fences", "growth_refusals"} <= shown
     fields = set(PoolStats.__dataclass_fields__) | set(KVPageStats.__dataclass_fields__)
     assert shown <= fields, shown - fields
+
+
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:tests|examples|benchmarks|asyncpool|scheduler_demo|scripts|docs)"
+    r"/[\w./-]*\w)(\*?)"
+)
+
+
+def test_every_path_the_documents_name_exists() -> None:
+    """A file the README or a document under docs/ points to is there (a
+    glob, ``tests/test_*``, is not a path)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {
+        (doc.name, m.group(1))
+        for doc in docs
+        for m in _PATH.finditer(doc.read_text(encoding="utf-8"))
+        if not m.group(2)
+    }
+    assert len(named) > 50
+    missing = sorted((doc, path) for doc, path in named if not (ROOT / path).exists())
+    assert not missing, missing

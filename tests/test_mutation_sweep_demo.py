@@ -16,14 +16,25 @@ exercises the demo still passed:
   every row corruption as a KV corruption too);
 * the forward clamps a stale ``verified_lens`` past the row's end instead
   of faulting the stream (the mutant dropped the clamp);
+* a client-abort timer acts only on the transfer it was set for (the mutant
+  aborted a request's later life, its prompt re-transferred after a
+  retraction, on the first transfer's timer), and an abort mid-transfer is
+  counted as one, with the request's row held behind its transfer;
+* gate mode: an idle scheduler lets held transfers go only when fenced
+  (unsafe, they wait for a new owner of their pages to be verified; the
+  mutant released them too), and ``_land_held`` returns only once the
+  released transfer has landed (the mutant returned at the release);
+* the scheduler's shutdown cancels the abort timers still pending (the
+  mutants kept no record of them, or did not cancel them);
 * ``wait_fence`` re-raises a fault of the stream that lands while it waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -31,10 +42,11 @@ import pytest
 import torch
 from helpers import bounded
 
-from asyncpool import FenceError, HostStream, KVPagePool
+from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
 from scheduler_demo import DemoConfig
 from scheduler_demo.forward import Forward, Step, wait_fence
-from scheduler_demo.scheduler import FINISHED, RUNNING, Scheduler, kv_value
+from scheduler_demo.scheduler import ABORTED, FINISHED, RUNNING, TRANSFER, Scheduler, kv_value
+from scheduler_demo.transfer import TransferEngine
 from scheduler_demo.workload import RequestSpec
 
 # ---------------------------------------------------------------- the checker
@@ -183,6 +195,141 @@ def test_a_stale_verified_len_past_the_row_does_not_fault_the_forward() -> None:
         lens[sched.reqs[0].row] = sched.cfg.max_context_len
         _run_step(sched, forward)
         assert sched.corruptions == 1 and sched.reqs[0].corrupted
+
+
+# ---------------------------------------------------------------- client aborts
+
+
+@contextlib.asynccontextmanager
+async def _in_transfer(
+    unsafe: bool = False, gate: bool = False
+) -> AsyncIterator[tuple[Scheduler, Any]]:
+    """A demo scheduler (fenced unless ``unsafe``) whose only request holds a
+    row and pages and waits for a transfer that is not due during the test;
+    on the way out every transfer lands (so the pool's fence watcher is not
+    left waiting on one) and the streams close."""
+    cfg = DemoConfig(
+        unsafe=unsafe,
+        gate=gate,
+        num_requests=1,
+        rows=4,
+        max_context_len=64,
+        kv_pages=16,
+        page_size=4,
+        transfer_ms=600_000.0,
+        progress=False,
+    )
+    kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
+    kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64)
+    forward = Forward("cpu", 0.0, 0.0)
+    transfers = TransferEngine("cpu", cfg.transfer_ms, 8.0)
+    specs = [RequestSpec(0, 0.0, 8, 4, "transfer", 0.5)]
+    try:
+        async with AsyncReqToTokenPool(cfg.rows + 1, cfg.max_context_len, kv=kv_pages) as pool:
+            forward.attach(pool.req_to_token, pool.verified_lens, kv)
+            transfers.attach(kv)
+            sched = Scheduler(cfg, pool, kv_pages, forward, transfers, specs)
+            req = sched.reqs[0]
+            n = sched._need_pages(req)
+            grant = pool.try_admit(pages=n)
+            assert grant is not None
+            req.row = grant.row
+            sched.pages_held += n
+            sched._granted(req, grant.pages)
+            assert req.state == TRANSFER and req.transfer is not None
+            try:
+                yield sched, req
+            finally:
+                await sched._stop_tasks()
+                transfers.flush()
+                transfers.synchronize()
+                async with bounded():
+                    await pool.drain()
+    finally:
+        forward.close()
+        transfers.close()
+
+
+async def test_an_abort_timer_acts_only_on_the_transfer_it_was_set_for() -> None:
+    """A request retracted before its first token fetches its prompt's KV
+    again, with a timer of its own; the first transfer's timer, firing
+    later, must leave it alone (mutant: no ``req.transfer is t`` test, which
+    aborted the request's second life). Its own transfer's timer aborts it
+    mid-transfer: counted as such, its row freed behind the transfer."""
+    async with bounded(), _in_transfer() as (sched, req):
+        row = req.row
+        sched._client_abort(req, object())  # an earlier transfer's handle
+        assert req.state == TRANSFER and req.row == row
+        assert sched.aborted == 0 and sched.pool.pending_size() == 0
+        sched._client_abort(req, req.transfer)
+        assert req.state == ABORTED and req.row == -1
+        assert (sched.aborted, sched.aborts_in_transfer, sched.aborts_in_decode) == (1, 1, 0)
+        assert sched.pool.pending_size() == 1  # behind the transfer still on its way
+
+
+async def test_shutdown_cancels_the_abort_timers_still_pending() -> None:
+    """A run that ends (or is given up) with an abort timer pending cancels
+    it: it would otherwise fire into a scheduler whose pool is closed
+    (mutants: the timer not kept in ``_timers``; kept but not cancelled)."""
+    sched = _checker_scheduler()
+    fired: list[int] = []
+    sched._call_later(3600.0, fired.append, 1)
+    assert len(sched._timers) == 1
+    (timer,) = sched._timers
+    async with bounded():
+        await sched._stop_tasks()
+    assert timer.cancelled() and not sched._timers and not fired
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["fenced", "unsafe"])
+async def test_idling_lets_held_transfers_go_only_when_fenced(unsafe: bool) -> None:
+    """Gate mode holds an aborted request's transfer back. Fenced, its pages
+    wait behind it, so an idle scheduler lets it go; unsafe, its pages were
+    freed at once and it stays held until a new owner of them has been
+    verified, so that its late write is seen (mutant: released when idling
+    in unsafe runs too)."""
+    async with bounded(), _in_transfer(unsafe=unsafe, gate=True) as (sched, req):
+        t = req.transfer
+        sched._client_abort(req, t)
+        assert [held for held, _ in sched._held] == [t] and t.held
+        sched._wake.set()  # the idle wait returns at once
+        await sched._idle()
+        assert bool(sched._held) == unsafe and t.held == unsafe
+
+
+async def test_a_released_held_transfer_has_landed_before_the_next_verification() -> None:
+    """Gate mode: once a new owner has written and verified one of the slots
+    a held transfer writes, ``_land_held`` releases the transfer and returns
+    only once it has landed, so the owner's next verification reads the late
+    write (mutant: it returned at the release, the write still queued)."""
+    sched = _checker_scheduler()
+    engine = TransferEngine("cpu", transfer_ms=600_000.0, mean_tokens=1.0)
+    kv = torch.zeros(32, dtype=torch.int64)
+    engine.attach(kv)
+    sched.transfers = engine
+    gate = threading.Event()
+    try:
+        a = sched.reqs[0]
+        sched._mirror[a.row, :3] = [10, 11, 12]  # what the step verified for request 0
+        t = engine.start(9, torch.tensor([11]), torch.tensor([kv_value(9, 0)]))
+        assert engine.hold(t)
+        assert t.timer is not None
+        t.timer.cancel()
+        t.is_due = True  # due while held
+        sched._held.append((t, {11}))
+        engine.stream.launch(gate.wait, 5.0)  # the transfer stream is busy
+        task = asyncio.get_running_loop().create_task(sched._land_held(_clean_step(sched)))
+        await asyncio.sleep(0)  # one loop pass: the task runs to its first wait
+        assert t.launched and not sched._held
+        assert not task.done()  # waiting for the late write to land
+        gate.set()
+        async with bounded():
+            await task
+        assert t.query() and int(kv[11]) == kv_value(9, 0)
+    finally:
+        gate.set()
+        engine.flush()
+        engine.close()
 
 
 # ---------------------------------------------------------------- fences

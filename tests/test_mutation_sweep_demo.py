@@ -26,28 +26,93 @@ exercises the demo still passed:
   released transfer has landed (the mutant returned at the release);
 * the scheduler's shutdown cancels the abort timers still pending (the
   mutants kept no record of them, or did not cancel them);
-* ``wait_fence`` re-raises a fault of the stream that lands while it waits.
+* the report's ``tokens_per_s`` is output tokens over the elapsed time and
+  its ``computed_tokens`` the tokens whose KV the steps computed (the
+  mutants divided the computed tokens, or counted every table entry), and
+  its ``row_utilization`` is requests running over rows allocated, read
+  from the same samples (the mutant divided the mean batch per step);
+* the report's ``aborts_in_transfer`` / ``aborts_in_decode``,
+  ``deferred_frees`` / ``deferred_page_frees`` and ``transfers`` are the
+  scheduler's, the row pool's, the page pool's and the transfer engine's
+  figures, each in its own field (the mutants swapped them, or never
+  counted a transfer);
+* ``--tp``'s exit status counts every rank's KV corruptions, not only its
+  row corruptions, and the ranks' batch-hash mismatches;
+* ``compare`` exits 1 when an unsafe run of *any* round found no KV
+  corruption, or when the fenced row-first run (alone) was corrupted;
+* a run given up at ``--timeout`` exits 1, alone and under ``compare``;
+* ``wait_fence`` re-raises a fault of the stream that lands while it waits;
+* a cache of exactly ``max_context_len`` token slots is accepted;
+* ``percentile`` is nearest-rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
-from helpers import bounded
+from helpers import LONG_S, bounded
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
-from scheduler_demo import DemoConfig
+from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.forward import Forward, Step, wait_fence
 from scheduler_demo.scheduler import ABORTED, FINISHED, RUNNING, TRANSFER, Scheduler, kv_value
 from scheduler_demo.transfer import TransferEngine
 from scheduler_demo.workload import RequestSpec
+
+#: A short clean run: 6 requests at once on plenty of rows and pages (no
+#: retraction), none aborted.
+TINY = DemoConfig(
+    num_requests=6,
+    rate=0.0,
+    prompt_len="const:5",
+    output_len="const:4",
+    abort_rate=0.0,
+    seed=1,
+    rows=8,
+    max_context_len=32,
+    kv_pages=32,
+    page_size=4,
+    transfer_ms=0.5,
+    forward_ms=0.1,
+    forward_us_per_token=0.0,
+    sched_ms=0.0,
+    progress=False,
+    timeout_s=60.0,
+)
+
+#: The demo tests' hazard workload, gated: admission waits, requests are
+#: retracted and aborted mid-transfer and mid-decode.
+SMALL = DemoConfig(
+    num_requests=48,
+    rate=0.0,
+    prompt_len="uniform:4:48",
+    output_len="exp:12",
+    abort_rate=0.25,
+    seed=1,
+    rows=8,
+    max_context_len=128,
+    kv_pages=32,
+    page_size=8,
+    admit_watermark=1.0,
+    max_prefill_tokens=256,
+    transfer_ms=2.0,
+    forward_ms=0.2,
+    forward_us_per_token=1.0,
+    sched_ms=0.0,
+    gate=True,
+    progress=False,
+    timeout_s=60.0,
+)
+
 
 # ---------------------------------------------------------------- the checker
 
@@ -332,6 +397,202 @@ async def test_a_released_held_transfer_has_landed_before_the_next_verification(
         engine.close()
 
 
+# ---------------------------------------------------------------- the report's figures
+
+
+async def test_computed_tokens_counts_the_tokens_whose_kv_a_step_computed() -> None:
+    """``computed_tokens`` is the tokens whose KV the steps computed: in a
+    sync run with no retraction nor abort, one per output token (a joining
+    request's prompt KV arrived by transfer; mutant: every new table entry
+    counted, the prompt's included)."""
+    async with bounded(LONG_S):
+        report = await run_demo(replace(TINY, mode="sync"))
+    assert report.completed == TINY.num_requests and report.retractions == 0
+    assert report.output_tokens == TINY.num_requests * 4
+    assert report.computed_tokens == report.output_tokens
+
+
+async def test_tokens_per_s_counts_output_tokens() -> None:
+    """``tokens_per_s`` is output tokens over the elapsed time (mutant: the
+    computed tokens, which retracted requests' prefills make more)."""
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL)
+    assert report.retractions > 0 and report.computed_tokens > report.output_tokens
+    assert report.tokens_per_s == pytest.approx(report.output_tokens / report.elapsed_s)
+
+
+async def test_row_utilization_is_running_over_allocated_from_the_same_samples() -> None:
+    """``row_utilization`` is the mean of requests running over the mean of
+    rows allocated, both read from the timeline's samples (mutant: the mean
+    batch per step over the rows per sample, which reads above 1 in sync
+    runs and only then fails the older bound)."""
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL)
+    tl = report.trace.timeline
+    running = sum(s.running for s in tl) / len(tl)
+    allocated = sum(s.allocated for s in tl) / len(tl)
+    assert report.mean_batch_size != pytest.approx(running)  # the run tells them apart
+    assert report.row_utilization == pytest.approx(running / allocated)
+
+
+async def test_the_report_gives_each_abort_phase_in_its_own_field() -> None:
+    """``aborts_in_transfer`` and ``aborts_in_decode`` are the scheduler's
+    two counts, not swapped (mutant). The counts are set by hand at the end
+    of a short run, two different numbers."""
+
+    class Counted(Scheduler):
+        def _final_check(self) -> None:
+            super()._final_check()
+            self.aborts_in_transfer, self.aborts_in_decode = 2, 5
+
+    async with bounded(LONG_S):
+        report = await run_demo(TINY, scheduler_factory=Counted)
+    assert (report.aborts_in_transfer, report.aborts_in_decode) == (2, 5)
+
+
+async def test_the_report_takes_deferred_frees_from_each_pool() -> None:
+    """``deferred_frees`` is the row pool's count and ``deferred_page_frees``
+    the page pool's (mutant: both from the row pool; in a gated fenced run
+    both are positive, so only their values tell them apart)."""
+    pools: list[Any] = []
+
+    def factory(*args: Any, **kwargs: Any) -> Scheduler:
+        pools.extend(args[1:3])  # the row pool and the page pool
+        return Scheduler(*args, **kwargs)
+
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL, scheduler_factory=factory)
+    pool, kv_pages = pools
+    rows, pages = pool.stats().deferred_frees, kv_pages.stats().deferred_frees
+    assert rows != pages  # the run tells the two apart
+    assert (report.deferred_frees, report.deferred_page_frees) == (rows, pages)
+
+
+async def test_the_report_counts_every_transfer_started() -> None:
+    """``transfers`` is the number of prompt-KV transfers started, one per
+    admission of a request with no token yet (mutant: the engine never
+    counted one, so the report said 0)."""
+    started: list[int] = []
+
+    class Counting(Scheduler):
+        def _start_transfer(self, req: Any) -> None:
+            started.append(req.spec.rid)
+            super()._start_transfer(req)
+
+    async with bounded(LONG_S):
+        report = await run_demo(SMALL, scheduler_factory=Counting)
+    assert len(started) >= SMALL.num_requests - report.aborts_in_transfer
+    assert report.transfers == len(started)
+
+
+# ---------------------------------------------------------------- exit statuses
+
+
+def _tp_summary(kv_corruptions: list[int], mismatches: int) -> dict[str, object]:
+    return {
+        "world": len(kv_corruptions),
+        "steps": 10,
+        "checks": 20,
+        "mismatches": mismatches,
+        "agree_ms_per_step": 0.1,
+        "agree_fraction": 0.01,
+        "step_ms": 10.0,
+        "exchange_ms_per_step": 0.2,
+        "ranks": [{"report": {"corruptions": 0, "kv_corruptions": c}} for c in kv_corruptions],
+    }
+
+
+@pytest.mark.parametrize(
+    ("kv_corruptions", "mismatches", "status"),
+    [([0, 0], 0, 0), ([0, 2], 0, 1), ([3, 0], 0, 1), ([0, 0], 1, 1)],
+)
+def test_the_tp_exit_status_counts_kv_corruptions_and_batch_mismatches(
+    monkeypatch: pytest.MonkeyPatch, kv_corruptions: list[int], mismatches: int, status: int
+) -> None:
+    """A fenced ``--tp`` run exits 1 when a rank found KV corruption (and no
+    row corruption), or when the ranks' final batch hashes differ (mutants:
+    only the row corruptions counted; the mismatches ignored)."""
+    from scheduler_demo import cli
+    from scheduler_demo import tp as tpm
+
+    summary = _tp_summary(kv_corruptions, mismatches)
+    monkeypatch.setattr(tpm, "run_tp", lambda cfg, world, reclaim: summary)
+    assert cli.main(["--tp", "2", "--no-progress"]) == status
+
+
+def _report(unsafe: bool, kv_corruptions: int) -> Report:
+    """A report of a run that served its 4 requests, every other figure 1."""
+    given: dict[str, Any] = {
+        "mode": "overlap",
+        "unsafe": unsafe,
+        "device": "cpu",
+        "admission": "atomic",
+        "requests": 4,
+        "completed": 4,
+        "aborts": 0,
+        "corruptions": 0,
+        "kv_corruptions": kv_corruptions,
+    }
+    rest = {f.name: 1 for f in dataclasses.fields(Report) if f.name not in given}
+    del rest["config"], rest["trace"]
+    return Report(**given, **rest)
+
+
+@pytest.mark.parametrize(
+    ("unsafe_kv", "row_first_kv", "status"),
+    [([3, 3], [0, 0], 0), ([3, 0], [0, 0], 1), ([3, 3], [0, 2], 1)],
+    ids=["clean-and-caught", "second-unsafe-round-missed", "row-first-corrupted"],
+)
+def test_compare_exit_status_looks_at_every_round_and_every_fenced_variant(
+    monkeypatch: pytest.MonkeyPatch, unsafe_kv: list[int], row_first_kv: list[int], status: int
+) -> None:
+    """Over two rounds, ``compare`` exits 0 only if *every* unsafe run found
+    KV corruption and *every* fenced run, row-first included, is clean
+    (mutants: any unsafe run enough; the row-first runs left out)."""
+    from scheduler_demo import compare
+
+    unsafe_left, row_first_left = list(unsafe_kv), list(row_first_kv)
+
+    async def fake_run_demo(cfg: DemoConfig) -> Report:
+        if cfg.unsafe:
+            return _report(True, unsafe_left.pop(0))
+        if cfg.admission == "row-first":
+            return _report(False, row_first_left.pop(0))
+        return _report(False, 0)
+
+    monkeypatch.setattr(compare, "run_demo", fake_run_demo)
+    assert compare.main(["--rounds=2", "--no-progress"]) == status
+    assert unsafe_left == row_first_left == []
+
+
+async def _gives_up(cfg: DemoConfig) -> Report:
+    raise TimeoutError
+
+
+def test_a_run_given_up_at_timeout_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run cut short by ``--timeout`` proved nothing: exit 1 with the
+    message (mutant: exit 0)."""
+    from scheduler_demo import cli
+
+    monkeypatch.setattr(cli, "run_demo", _gives_up)
+    assert cli.main(["--timeout", "5", "--no-progress"]) == 1
+    assert "gave up after --timeout 5.0 s" in capsys.readouterr().err
+
+
+def test_compare_exits_1_when_a_run_is_given_up_at_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``compare`` stops at a run given up at ``--timeout`` and exits 1
+    (mutant: exit 0)."""
+    from scheduler_demo import compare
+
+    monkeypatch.setattr(compare, "run_demo", _gives_up)
+    assert compare.main(["--rounds=1", "--timeout", "5", "--no-progress"]) == 1
+    assert "gave up after --timeout 5.0 s" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- fences
 
 
@@ -357,3 +618,27 @@ async def test_wait_fence_reraises_a_fault_that_lands_while_it_waits() -> None:
     finally:
         gate.set()
         stream.close()
+
+
+# ---------------------------------------------------------------- config and report
+
+
+def test_a_cache_of_exactly_max_context_len_slots_is_accepted() -> None:
+    """One request may use the whole cache: ``kv_pages * page_size ==
+    max_context_len`` is valid, one slot fewer is not (mutant: ``<=``)."""
+    DemoConfig(kv_pages=64, page_size=16, max_context_len=1024).validate()
+    with pytest.raises(ValueError, match="kv_pages \\* page_size"):
+        DemoConfig(kv_pages=64, page_size=16, max_context_len=1025).validate()
+
+
+def test_percentile_is_nearest_rank() -> None:
+    """``percentile`` picks the ``ceil(q/100 * n)``-th smallest sample
+    (mutant: one rank too high)."""
+    from scheduler_demo.report import percentile
+
+    data = [float(i) for i in range(100, 0, -1)]
+    assert percentile(data, 50) == 50.0
+    assert percentile(data, 99) == 99.0
+    assert percentile(data, 100) == 100.0
+    assert percentile([7.0, 3.0], 50) == 3.0
+    assert percentile([], 50) == 0.0

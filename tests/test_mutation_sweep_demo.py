@@ -60,6 +60,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import LONG_S, bounded
+from test_demo import SMALL as DEMO_SMALL
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
 from scheduler_demo import DemoConfig, Report, run_demo
@@ -89,29 +90,9 @@ TINY = DemoConfig(
     timeout_s=60.0,
 )
 
-#: The demo tests' hazard workload, gated: admission waits, requests are
-#: retracted and aborted mid-transfer and mid-decode.
-SMALL = DemoConfig(
-    num_requests=48,
-    rate=0.0,
-    prompt_len="uniform:4:48",
-    output_len="exp:12",
-    abort_rate=0.25,
-    seed=1,
-    rows=8,
-    max_context_len=128,
-    kv_pages=32,
-    page_size=8,
-    admit_watermark=1.0,
-    max_prefill_tokens=256,
-    transfer_ms=2.0,
-    forward_ms=0.2,
-    forward_us_per_token=1.0,
-    sched_ms=0.0,
-    gate=True,
-    progress=False,
-    timeout_s=60.0,
-)
+#: The demo tests' hazard workload (admission waits, requests are retracted
+#: and aborted mid-transfer and mid-decode), gated.
+SMALL = replace(DEMO_SMALL, gate=True)
 
 
 # ---------------------------------------------------------------- the checker

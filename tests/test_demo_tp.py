@@ -308,13 +308,29 @@ def test_the_tp_exit_status_counts_every_rank(
 # called by hand, the per-iteration exchange run by hand.
 
 
+def grant_first_request(sched: Any, pool: Any) -> Any:
+    """Admit ``sched``'s first request now, as the scheduler's
+    ``_admit_more`` does when ``try_admit`` answers: it holds its row and its
+    first pages, and its prompt's KV transfer has started."""
+    from scheduler_demo.scheduler import TRANSFER
+
+    req = sched.reqs[0]
+    n = sched._need_pages(req)
+    grant = pool.try_admit(pages=n)
+    assert grant is not None
+    req.row = grant.row
+    sched.pages_held += n
+    sched._granted(req, grant.pages)
+    assert req.state == TRANSFER and req.transfer is not None
+    return req
+
+
 @contextlib.asynccontextmanager
 async def _one_rank_in_transfer(group: Any) -> AsyncIterator[tuple[Any, Any]]:
     """A one-rank TPScheduler whose only request holds a row and pages and
     waits for a transfer that does not land during the test."""
     from asyncpool import AsyncReqToTokenPool, KVPagePool
     from scheduler_demo.forward import Forward
-    from scheduler_demo.scheduler import TRANSFER
     from scheduler_demo.tp import TPScheduler
     from scheduler_demo.transfer import TransferEngine
     from scheduler_demo.workload import RequestSpec
@@ -342,14 +358,7 @@ async def _one_rank_in_transfer(group: Any) -> AsyncIterator[tuple[Any, Any]]:
             sched = TPScheduler(
                 cfg, pool, kv_pages, forward, transfers, specs, group=group, rank=0, world=1
             )
-            req = sched.reqs[0]
-            n = sched._need_pages(req)
-            grant = pool.try_admit(pages=n)
-            assert grant is not None
-            req.row = grant.row
-            sched.pages_held += n
-            sched._granted(req, grant.pages)
-            assert req.state == TRANSFER and req.transfer is not None
+            req = grant_first_request(sched, pool)
             try:
                 yield sched, req
             finally:

@@ -61,6 +61,7 @@ import pytest
 import torch
 from helpers import LONG_S, bounded
 from test_demo import SMALL as DEMO_SMALL
+from test_demo_tp import grant_first_request
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
 from scheduler_demo import DemoConfig, Report, run_demo
@@ -275,14 +276,7 @@ async def _in_transfer(
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
             transfers.attach(kv)
             sched = Scheduler(cfg, pool, kv_pages, forward, transfers, specs)
-            req = sched.reqs[0]
-            n = sched._need_pages(req)
-            grant = pool.try_admit(pages=n)
-            assert grant is not None
-            req.row = grant.row
-            sched.pages_held += n
-            sched._granted(req, grant.pages)
-            assert req.state == TRANSFER and req.transfer is not None
+            req = grant_first_request(sched, pool)
             try:
                 yield sched, req
             finally:

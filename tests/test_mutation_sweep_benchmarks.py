@@ -442,12 +442,9 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
     async def decode(cfg: Config) -> tuple[list[Row], dict[str, str]]:
         return [row(cfg, "decode")], {}
 
-    def sync_pair(bench: str) -> Callable[..., Any]:
-        def fake(cfg: Config, *args: Any) -> tuple[list[Row], dict[str, Any]]:
-            got.append(cfg)
-            return [], {}
-
-        return fake
+    def no_rows(cfg: Config, *args: Any) -> tuple[list[Row], dict[str, Any]]:
+        got.append(cfg)
+        return [], {}
 
     for mod, names in (
         (bench_alloc, ("bench_uncontended", "bench_batched", "bench_contended")),
@@ -470,8 +467,8 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
     monkeypatch.setattr(bench_scaling, "bench_scaling", scaling)
     monkeypatch.setattr(pages_mod, "bench_pages", pages)
     monkeypatch.setattr(decode_mod, "bench_decode", decode)
-    monkeypatch.setattr(bench_demo, "bench_demo", sync_pair("demo"))
-    monkeypatch.setattr(bench_agree, "bench_agree", sync_pair("agree"))
+    monkeypatch.setattr(bench_demo, "bench_demo", no_rows)
+    monkeypatch.setattr(bench_agree, "bench_agree", no_rows)
     monkeypatch.setattr(run, "machine_info", lambda: dict(MACHINE))
     monkeypatch.chdir(tmp_path)
     yield got

@@ -30,7 +30,12 @@ warming a pool in a set-up thread) do not bind, so an engine may build the
 pool in one thread and run its scheduler in another.
 :meth:`AsyncReqToTokenPool.bind` hands a bound pool over explicitly. Fence
 completions on other threads reach the loop only through
-``loop.call_soon_threadsafe``.
+``loop.call_soon_threadsafe``. A pool outlives its loop: a call from a new
+running loop moves it there when its own loop is closed, or stopped with
+nobody waiting on it, and so does a count read (``available_size``,
+``pending_size``, ``quarantined_size``, ``stats``) on the owner's thread,
+the only call a scheduler that sizes its batches by the counts may make
+there; reads from other threads only read.
 
 Like asyncio (whose ``call_soon`` checks the thread only in debug mode), the
 two hottest paths do not ask which thread calls them: ``alloc(1)`` of a
@@ -1272,15 +1277,73 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._zero_waits_seen = count
         return self._zero_waits_seen
 
+    # ------------------------------------------------------------ counts
+    # Reads, from any thread (a metrics scrape). One made on the owner's
+    # thread from a running loop the pool has left moves the pool there
+    # first (_follow_running_loop): it is the only call a scheduler that
+    # sizes its batches by the counts may make on a new loop.
+
+    def available_size(self) -> int:
+        """Rows free right now (not counting rows pending behind fences).
+
+        A read: rows whose fences completed come back when the event loop
+        runs the pool's wake-up, or at ``reclaim()`` (README: *Counts are
+        reads; wake-ups need the loop*). On the owner's thread, from a
+        running loop the pool has left (its own closed, or stopped with
+        nobody waiting on it), it first moves the pool there and looks at
+        its fences, as any call does; from another thread it only reads.
+        """
+        if self._loop is not _peek_running_loop():
+            self._follow_running_loop()
+        return self._ledger.free_count
+
+    def pending_size(self) -> int:
+        """Rows freed but waiting for their fences to complete (a read; see
+        :meth:`available_size` for the one move it makes)."""
+        if self._loop is not _peek_running_loop():
+            self._follow_running_loop()
+        return self._ledger.pending
+
+    def quarantined_size(self) -> int:
+        """Rows kept out of circulation because their fence faulted (a read;
+        see :meth:`available_size` for the one move it makes)."""
+        if self._loop is not _peek_running_loop():
+            self._follow_running_loop()
+        return self._ledger.quarantined
+
+    def _follow_running_loop(self) -> None:
+        # A read from a running loop that is not the pool's. Fences that
+        # completed since the pool's loop stopped sent their wake-ups there
+        # (closed: dropped; stopped: queued where nothing runs them), so
+        # awaiting on this loop would never bring their memory back, and a
+        # scheduler that only reads the counts here makes no call that
+        # moves the pool. On the owner's thread, where any call would move
+        # the pool (its loop is gone, or stopped with nobody waiting on it),
+        # move here and look at the fences at once, as a call does; from
+        # then on wake-ups come here. Elsewhere (another thread's scrape,
+        # the pool's loop still live, a pool no call has bound) only read.
+        running = _peek_running_loop()
+        if running is None or self._owner != _get_ident():
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and (loop.is_running() or self._waiters.count):
+            return
+        self._fast = False  # no unchecked call may interleave with this one
+        self._prepare_wait(running)
+        self._on_fences_done(running)
+
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.
 
-        Changes nothing a caller can see (it only caches a count it derives).
-        ``summaries=False`` leaves ``wait_time``, ``admit_wait`` and
+        Changes nothing a caller can see (it only caches a count it derives),
+        but for the move :meth:`available_size` makes from a loop the pool
+        has left. ``summaries=False`` leaves ``wait_time``, ``admit_wait`` and
         ``fence_latency`` empty (sorting their sample windows is the costly
         part); metrics scrapes use it. May be called from another thread (a
         scrape): the figures are then read a few operations apart.
         """
+        if self._loop is not _peek_running_loop():
+            self._follow_running_loop()
         waiters = self._waiters
         holds = self._holds  # read once: grants_held and grant_holds agree
         waits = self._wait_histogram.snapshot(zeros=self._zero_wait_allocs())

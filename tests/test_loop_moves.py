@@ -24,9 +24,15 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from helpers import WAIT_S, Streams, bounded, overdue_warnings
+from helpers import WAIT_S, Streams, bounded, overdue_warnings, until
 
-from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, ReqToTokenPoolInfo
+from asyncpool import (
+    AsyncReqToTokenPool,
+    HostStream,
+    KVPagePool,
+    ReqToTokenPoolInfo,
+    WrongThreadError,
+)
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -679,4 +685,176 @@ def test_a_row_granted_after_a_move_reads_zero_lengths(loop: str) -> None:
         for task in asyncio.all_tasks(old):
             task.cancel()
         old.run_until_complete(asyncio.sleep(0))
+        old.close()
+
+
+def _rows_pending_behind_a_done_fence(
+    factory: Callable[[], asyncio.AbstractEventLoop], kit: Streams, *, close: bool
+) -> tuple[AsyncReqToTokenPool, asyncio.AbstractEventLoop]:
+    """A pool whose two rows were freed on loop A behind a fence that
+    completed after A ended (its wake-up went to A: closed, or stopped and
+    never run again). Returns the pool and A (closed or left open)."""
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = kit.stream()
+    gate = kit.event()
+
+    async def warm_up() -> None:
+        rows = await pool.alloc(2)
+        stream.launch(gate.wait)  # the step still runs when the loop ends
+        pool.record_use(rows, stream.record())
+        pool.free(rows)
+
+    old = factory()
+    old.run_until_complete(warm_up())
+    if close:
+        old.close()
+    gate.set()
+    stream.synchronize()
+    assert pool.pending_size() == 2
+    return pool, old
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("old_loop", ["closed", "left open"])
+def test_a_read_on_the_next_loop_sees_memory_whose_fence_completed_between(
+    loop: str, old_loop: str, kit: Streams
+) -> None:
+    """A trial found a scheduler that sizes its batches by the counts and
+    awaits once per step never got back rows freed behind a fence that
+    completed after the warm-up loop ended: the wake-up went to that loop
+    (dropped when closed, stuck when left open), and reads never moved the
+    pool, so `available_size()` read 0 for good. A read on the owner's
+    thread from the next loop moves the pool there and looks at its fences
+    at once, as any call does."""
+    factory = LOOPS[loop]
+    pool, old = _rows_pending_behind_a_done_fence(factory, kit, close=old_loop == "closed")
+    try:
+
+        async def serve() -> None:
+            await asyncio.sleep(0)  # a step awaited: nothing reads yet
+            assert pool.available_size() == 2
+            assert pool.pending_size() == 0
+            pool.check_invariants()
+
+        run(factory, serve())
+    finally:
+        old.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("read", ["available_size", "pending_size", "quarantined_size", "stats"])
+def test_every_count_moves_the_pool_to_the_next_loop(loop: str, read: str, kit: Streams) -> None:
+    """Each read a scheduler may size its batches by moves the pool when
+    the pool's own loop is gone, and a fence that completes afterwards wakes
+    the pool on the new loop with nobody calling it (awaiting is enough)."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8)
+    stream = kit.stream()
+    gate = kit.event()
+
+    async def warm_up() -> None:
+        rows = await pool.alloc(2)
+        stream.launch(gate.wait)
+        pool.record_use(rows, stream.record())
+        pool.free(rows)
+
+    run(factory, warm_up())
+
+    async def serve() -> None:
+        getattr(pool, read)()
+        gate.set()  # completes after the move: its wake-up comes here
+        # Steps, and nothing calls the pool: the ledger's own count is
+        # watched, since every public count would move the pool itself.
+        await until(lambda: pool._ledger.free_count == 2)
+
+    run(factory, serve())
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_read_from_another_thread_does_not_move_the_pool(loop: str, kit: Streams) -> None:
+    """A metrics scrape from another thread, inside that thread's own loop,
+    only reads: the pool stays on its loop and its wake-ups still come
+    there."""
+    factory = LOOPS[loop]
+    pool, old = _rows_pending_behind_a_done_fence(factory, kit, close=True)
+    seen: list[int] = []
+
+    async def scrape() -> None:
+        seen.append(pool.available_size())
+        seen.append(pool.stats().free)
+
+    reader = threading.Thread(target=run, args=(factory, scrape()))
+    reader.start()
+    reader.join(WAIT_S)
+    assert not reader.is_alive()
+    assert seen == [0, 0]  # the rows stay pending: only the owner's loop may look
+    assert pool._loop is old  # not moved to the reader's loop
+
+    async def serve() -> None:
+        assert pool.available_size() == 2  # the owner's next loop looks
+
+    run(factory, serve())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_read_on_the_next_loop_logs_what_is_overdue(loop: str, kit: Streams) -> None:
+    """A transfer that never completes, freed behind on a loop that ended:
+    the overdue check armed there never fires. The next loop's first read
+    moves the pool and the check runs there (logged once)."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(3, 8, fence_timeout=0.05)
+    transfer = _Transfer()
+
+    async def warm_up() -> None:
+        pool.free(await pool.alloc(1), fence=transfer)  # arms the check on this loop
+
+    run(factory, warm_up())
+
+    async def serve() -> None:
+        with overdue_warnings() as logged:
+            pool.available_size()
+            async with bounded():
+                await logged.wait()
+
+    run(factory, serve())
+    assert pool.stats().overdue_fences == 1
+    transfer.done = True
+    assert pool.reclaim() == 1
+    run(factory, pool.close())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_read_never_raises_where_a_call_would(loop: str, kit: Streams) -> None:
+    """The pool's loop was left open with a waiter queued on it (its task
+    may still resume there): an alloc that must wait on another loop raises
+    WrongThreadError; a read there only reads, and the pool stays."""
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(2, 8)  # one row
+    old = factory()
+    queued: list[asyncio.Future[list[int]]] = []
+
+    async def queue_a_waiter() -> None:
+        await pool.alloc(1)
+        queued.append(asyncio.ensure_future(pool.alloc(1)))  # waits for the row
+        await asyncio.sleep(0)
+
+    try:
+        old.run_until_complete(queue_a_waiter())
+        assert pool.waiting() == 1
+
+        async def read() -> None:
+            assert pool.available_size() == 0
+            assert pool.pending_size() == 0
+            assert pool.quarantined_size() == 0
+            assert pool.stats().waiters == 1
+            with pytest.raises(WrongThreadError):
+                await pool.alloc(1)
+
+        run(factory, read())
+        assert pool._loop is old
+    finally:
+        for task in queued:
+            task.cancel()
+        old.run_until_complete(asyncio.gather(*queued, return_exceptions=True))
         old.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,17 +61,28 @@ def check_wait_args(priority: object, timeout: object) -> tuple[int, float | Non
 def check_timeout(timeout: object, name: str = "timeout") -> float | None:
     """``timeout`` (None or a real number >= 0: an int, a float, a numpy
     integer or float; not a bool) as it is when an int or float, as a Python
-    float otherwise; ``ValueError``, naming the parameter ``name``, for
-    anything else."""
+    float otherwise, and one past the float range (``10**400``) as ``inf``:
+    for ever (the loop's timer arithmetic would raise ``OverflowError``);
+    ``ValueError``, naming the parameter ``name``, for anything else."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         pass
-    elif isinstance(timeout, (int, float)):
+    elif isinstance(timeout, float):
         if timeout >= 0:  # False for NaN
             return timeout
-    elif float(timeout) >= 0:  # a numpy number
-        return float(timeout)
+    elif isinstance(timeout, int):
+        if timeout >= 0:
+            # Past the float range (10**400) no clock gets there, and the
+            # loop's timer arithmetic would raise OverflowError: for ever.
+            return timeout if timeout <= sys.float_info.max else math.inf
+    else:  # a numpy number, a Fraction
+        try:
+            value = float(timeout)
+        except OverflowError:  # a Fraction past the float range: for ever, if >= 0
+            value = math.inf if timeout > 0 else -math.inf  # type: ignore[operator]
+        if value >= 0:  # False for NaN
+            return value
     raise ValueError(f"{name} must be None or a number >= 0, got {describe(timeout, 80)}")
 
 

@@ -41,7 +41,10 @@ def check_fence_timeout(timeout: object, name: str = "fence_timeout") -> float |
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):  # numpy's are
         value = 0.0
     else:
-        value = float(timeout)
+        try:
+            value = float(timeout)
+        except OverflowError:  # an int or Fraction past the float range: not finite
+            value = float("inf")
     if not 0 < value < float("inf"):  # False for NaN
         raise ValueError(f"{name} must be None or a finite number > 0, got {timeout!r}")
     return value

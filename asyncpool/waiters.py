@@ -145,6 +145,13 @@ class WaiterQueues:
             )
         fut: asyncio.Future[Any] = loop.create_future()
         waiter: Waiter = (need, fut, _perf_counter(), priority, window, histogram)
+        # The timer first: if the loop refuses it (asyncio's call_later
+        # raises OverflowError for a delay past the float range), nothing is
+        # queued, where a waiter queued before would stay with nobody
+        # awaiting it and be granted memory that is never given back.
+        handle = (
+            None if timeout is None else loop.call_later(timeout, self._expire, waiter, timeout)
+        )
         queue = self._queues.get(priority)
         if queue is None:
             queue = self._queues[priority] = collections.deque()
@@ -157,9 +164,6 @@ class WaiterQueues:
                 loop.call_soon(self._new_head, waiter)
         queue.append(waiter)
         self.count += 1
-        handle = (
-            None if timeout is None else loop.call_later(timeout, self._expire, waiter, timeout)
-        )
         return waiter, handle
 
     def serve_soon(self, waiter: Waiter, loop: asyncio.AbstractEventLoop) -> None:

@@ -81,29 +81,34 @@ def test_a_fence_timeout_past_the_float_range_is_a_value_error(value: object) ->
         AsyncReqToTokenPool(4, 8, fence_timeout=value)  # type: ignore[arg-type]
 
 
-async def test_a_timer_the_loop_refuses_queues_no_waiter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_timer_the_loop_refuses_queues_no_waiter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The timer is scheduled before the waiter is queued: a loop that
-    refuses it (any error from ``call_later``) leaves no waiter behind."""
-    loop = asyncio.get_running_loop()
-    if not isinstance(loop, asyncio.BaseEventLoop):
-        pytest.skip("uvloop's call_later cannot be replaced on the instance")
-    pool = AsyncReqToTokenPool(3, 64, kv=KVPagePool(9, 4))
-    held = await pool.admit(pages=8)
+    refuses it (any error from ``call_later``) leaves no waiter behind. On a
+    loop of its own, stock asyncio's: uvloop's ``call_later`` cannot be
+    replaced on the instance."""
+    loop = asyncio.new_event_loop()
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise OverflowError("refused by the loop")
 
-    monkeypatch.setattr(loop, "call_later", refuse)
-    with pytest.raises(OverflowError, match="refused"):
-        await pool.admit(pages=4, timeout=1.0)
-    with pytest.raises(OverflowError, match="refused"):
-        await pool.alloc(2, timeout=1.0)  # one row is free: it queues
-    monkeypatch.undo()
-    assert pool.waiting() == 0
-    pool.free([held.row])
-    await asyncio.sleep(0)
-    st = pool.stats()
-    assert (st.allocated, st.pages_allocated) == (0, 0)
-    pool.check_invariants()
-    async with bounded():
-        await pool.close()
+    async def body() -> None:
+        pool = AsyncReqToTokenPool(3, 64, kv=KVPagePool(9, 4))
+        held = await pool.admit(pages=8)
+        with monkeypatch.context() as mp:
+            mp.setattr(loop, "call_later", refuse)
+            with pytest.raises(OverflowError, match="refused"):
+                await pool.admit(pages=4, timeout=1.0)
+            with pytest.raises(OverflowError, match="refused"):
+                await pool.alloc(2, timeout=1.0)  # one row is free: it queues
+        assert pool.waiting() == 0
+        pool.free([held.row])
+        st = pool.stats()
+        assert (st.allocated, st.pages_allocated) == (0, 0)
+        pool.check_invariants()
+        async with bounded():
+            await pool.close()
+
+    try:
+        loop.run_until_complete(body())
+    finally:
+        loop.close()

@@ -135,9 +135,10 @@ class WaiterQueues:
         next turn, since it may fit in what is free now. :meth:`wait` does exactly this; a hot
         caller may inline it to save a coroutine frame per wait. The wait,
         from now to the grant, goes to ``window`` and ``histogram``. Raises
-        :class:`PoolBusyError` (queueing nothing) past ``max_waiters``.
+        :class:`PoolBusyError` (queueing nothing) past ``max_waiters``, where a
+        waiter cancelled but not yet unwound does not count.
         """
-        if self._max is not None and self.count >= self._max:
+        if self._max is not None and self.count >= self._max and self._drop_cancelled():
             self.rejections += 1
             raise PoolBusyError(
                 f"{_waiters(self.count)} already queued, the limit set by "
@@ -165,6 +166,16 @@ class WaiterQueues:
         queue.append(waiter)
         self.count += 1
         return waiter, handle
+
+    def _drop_cancelled(self) -> bool:
+        """Take off the queues the waiters cancelled whose tasks have not run
+        yet (they no longer queue; :meth:`cancelled` finds them gone when
+        their tasks unwind), then answer whether ``max_waiters`` still queue.
+        The refusal path only: O(waiters queued)."""
+        for queue in list(self._queues.values()):
+            for waiter in [w for w in queue if w[1].cancelled()]:
+                self._dequeue(waiter)
+        return self._max is not None and self.count >= self._max
 
     def serve_soon(self, waiter: Waiter, loop: asyncio.AbstractEventLoop) -> None:
         """Run the grant loop for ``waiter`` at the loop's next turn, if it

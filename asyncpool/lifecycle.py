@@ -458,6 +458,8 @@ class GrantHold:
 
     :meth:`release` (or leaving a ``with`` block) ends it; once every hold of
     the pool has ended, the queued waiters are granted at once. Idempotent.
+    Held from ``hold_grants()`` on; a ``with`` block on a released hold
+    raises ``RuntimeError`` (it would hold nothing).
     The pool's event-loop thread only: from another thread,
     :class:`~asyncpool.WrongThreadError`, and the hold stays held.
     """
@@ -503,6 +505,13 @@ class GrantHold:
         pool._end_hold()
 
     def __enter__(self) -> GrantHold:
+        if self._pool is None:
+            # Entering it again would read as a hold and hold nothing: the
+            # grants the block means to keep back would go out.
+            raise RuntimeError(
+                "this GrantHold was released, so a with block on it would hold "
+                "nothing; take a new hold with pool.hold_grants()"
+            )
         return self
 
     def __exit__(self, *exc_info: object) -> None:

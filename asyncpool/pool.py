@@ -1234,7 +1234,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         again since, exit frees the rows the lease still owns and then raises
         :class:`DoubleFreeError` naming the others: it never frees a row
         twice, nor another owner's row. If the body raised, that exception
-        is the new error's ``__context__``. An ``after`` that no fence can be
+        is the new error's ``__context__``; if it was cancelled (or
+        interrupted: a ``BaseException`` that is not an ``Exception``), its
+        ``CancelledError`` goes on unreplaced, carrying the exit's error as a
+        note (and logged at WARNING), so that ``asyncio.timeout`` and
+        ``TaskGroup`` still see the cancellation. An ``after`` that no fence can be
         recorded on raises ``TypeError`` here, before anything is allocated
         (found at exit, it would leave the rows only their recorded uses);
         one that fails at exit (a ``HostStream`` closed in the body) raises
@@ -1499,6 +1503,7 @@ class Lease:
             if stale
             else None
         )
+        problem: BaseException | None = stale_error
         if rows:
             try:
                 pool.free(rows, after=self._after)
@@ -1511,9 +1516,19 @@ class Lease:
                 if not all(led.state_of(r) == "allocated" for r in rows):
                     raise
                 pool.free(rows)
-                raise RuntimeError(
+                problem = RuntimeError(
                     f"lease exit: {error}; the lease freed its rows {rows} behind their "
                     "recorded uses alone" + ("" if stale_error is None else f" ({stale_error})")
-                ) from error
-        if stale_error is not None:
-            raise stale_error
+                )
+                problem.__cause__ = error
+        if problem is None:
+            return
+        if exc is not None and not isinstance(exc, Exception):
+            # A cancellation (or KeyboardInterrupt, SystemExit) goes on as it
+            # came: replaced, it would break the caller's cancel scopes
+            # (asyncio.timeout and TaskGroup read the CancelledError). The
+            # problem rides along as a note, and in the log.
+            exc.add_note(f"lease exit: {problem}")
+            logger.warning("lease exit while %s propagates: %s", type(exc).__name__, problem)
+            return
+        raise problem

@@ -88,6 +88,21 @@ def check_device(device: object) -> torch.device:
             f"device={device!r} holds no data: ids handed out on the meta device "
             "could never be read back or freed; use device='cpu' or 'cuda'"
         )
+    if dev.type not in ("cpu", "cuda"):
+        # torch parses every device type it knows of ("mps", "xla", "xpu",
+        # "hpu", ...), built in or not: one this build or machine lacks
+        # fails only at the first tensor made there, with whatever its
+        # backend raises (NotImplementedError, AssertionError,
+        # ModuleNotFoundError), an alloc at a time for a page pool. Make
+        # the two tensors a pool makes there (an empty one, a copy) now.
+        try:
+            torch.empty(0, dtype=torch.int64, device=dev)
+            torch.empty(0, dtype=torch.int64).to(dev)
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DeviceError(
+                f"device={device!r:.80} is not a device torch can use here: {reason}"
+            ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
             f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "

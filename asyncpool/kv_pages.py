@@ -56,6 +56,7 @@ bulk once they outnumber the allocated pages (:meth:`KVPagePool._trim_handed`).
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import sys
 import time
@@ -397,6 +398,8 @@ class PageLedger(Deferrals[PageArray]):
                     f"pages {what} must be a 1-D sequence of page ids, got a nested "
                     f"{_attributes(pages)}"
                 ) from None
+            if len(shape) == 1 and shape[0] > self.capacity:
+                return self._too_many(pages, what, expect)
             if len(shape) == 1 and shape[0] <= _TINY and pages.layout is torch.strided:
                 try:
                     small = pages.tolist()
@@ -421,6 +424,8 @@ class PageLedger(Deferrals[PageArray]):
                 small = pages.tolist()
                 if self._small_ok(small, expect):
                     return small, True
+            if pages.ndim == 1 and pages.shape[0] > self.capacity:
+                return self._too_many(pages, what, expect)
             return self._checked(*self._numpy_array(pages, owned=False), what, expect)
         if cls is list or cls is tuple:
             assert isinstance(pages, (list, tuple))
@@ -437,11 +442,30 @@ class PageLedger(Deferrals[PageArray]):
         if isinstance(pages, (np.integer, int)) and not isinstance(pages, bool):
             return self._checked(self._list_array([pages], what), True, what, expect)
         if isinstance(pages, Iterable) and not isinstance(pages, _NOT_IDS):
-            return self._checked(self._list_array(list(pages), what), True, what, expect)
+            # At most capacity + 1 ids read: more cannot be distinct pages
+            # (range(1, 2**40) is refused, not listed until memory runs out).
+            seq = list(itertools.islice(pages, self.capacity + 1))
+            return self._checked(self._list_array(seq, what), True, what, expect)
         raise InvalidSlotError(
             "pages must be a 1-D integer tensor or numpy array, or a sequence of ints, "
             f"got {type(pages).__name__}"
         )
+
+    def _too_many(self, pages: Any, what: str, expect: int) -> tuple[PageIds, bool]:
+        """Raise the error for a 1-D tensor or array of more than ``capacity`` ids.
+
+        They cannot all be distinct pages in range, and neither can their
+        first ``capacity + 1``: checking those (a slice: a view, no copy)
+        raises the error the whole call would, for its first bad id, without
+        converting the rest (a zero-stride ``expand`` of 2**40 ids made an
+        8 TiB copy and raised ``MemoryError``).
+        """
+        head = self.capacity + 1
+        if isinstance(pages, torch.Tensor):
+            if pages.layout is not torch.strided:  # sparse: refused whole, uncopied
+                return self._checked(*self._tensor_array(pages), what, expect)
+            return self._checked(*self._tensor_array(pages[:head]), what, expect)
+        return self._checked(*self._numpy_array(pages[:head], owned=False), what, expect)
 
     def free_prepared(self, ids: PageIds, owned: bool, fences: Sequence[Fence] = ()) -> int:
         """:meth:`free` for ids that :meth:`prepare` returned, fences checked."""

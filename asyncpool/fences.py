@@ -145,7 +145,17 @@ class HostFence:
             raise self._fault()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Like :meth:`synchronize` with a timeout; False if it ran out."""
+        """Like :meth:`synchronize` with a timeout; False if it ran out.
+
+        A timeout past what a thread can wait (``threading.TIMEOUT_MAX``:
+        ``inf``, ``1e300``, ``10**30``) waits for ever, as ``None`` does.
+        """
+        try:
+            forever = timeout is not None and timeout > threading.TIMEOUT_MAX
+        except TypeError:  # not a number: threading says so, as before
+            forever = False
+        if forever:
+            timeout = None
         if not self._event.wait(timeout):
             return False
         if self._state == _FAULTED:

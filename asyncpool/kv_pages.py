@@ -1236,6 +1236,56 @@ class KVPagePool:
             self._on_free()  # an owning pool's grant loop
         return n
 
+    def force_release(self, fence: Fence) -> int:
+        """Return the pages held behind ``fence``, done or not (logged).
+
+        The escape hatch ``ReqToTokenPool.force_release`` is for rows, for a
+        page pool used beside it: an operator who knows the writer behind a
+        stuck fence (a transfer whose peer died) will never write again has
+        the pages waiting on ``fence`` treated as if it had completed (free,
+        or still waiting for their other fences). Never asks ``fence``
+        anything, in either reclaim mode (with ``"explicit"``, call it at the
+        same point on every rank, as every call that changes what is free).
+        Pages quarantined behind a fence that *faulted* stay quarantined (a
+        faulted writer may still write). Returns the pages made free: 0 when
+        none is, which includes pages that still wait for other fences (they
+        no longer wait for this one). Raises ``TypeError`` for a non-fence,
+        and ``RuntimeError`` on the page pool of an ``AsyncReqToTokenPool``
+        (``kv=``: its ``force_release`` returns the rows and pages behind the
+        fence together, and keeps its overdue counts); either way nothing
+        changes.
+        """
+        if self._on_free is not None:
+            raise RuntimeError(
+                "this KVPagePool serves an AsyncReqToTokenPool: call that pool's "
+                "force_release(fence), which returns the rows and pages behind it together"
+            )
+        led = self._ledger
+        led.check_fence(fence)
+        held = led.holds(fence)
+        pages = led.force_release(fence)
+        if pages:
+            logger.warning(
+                "force_release(%r): %d page%s returned to circulation without the fence "
+                "completing",
+                fence,
+                pages,
+                "" if pages == 1 else "s",
+            )
+        elif held:
+            logger.warning(
+                "force_release(%r): the pages behind this fence still wait for other "
+                "fences; they no longer wait for this one",
+                fence,
+            )
+        else:
+            logger.warning(
+                "force_release(%r): no page was pending behind this fence (never given to "
+                "this pool, already completed and reclaimed, or released before)",
+                fence,
+            )
+        return pages
+
     def agree(self, group: Any = None) -> int:
         """Settle pending fences identically on every rank of ``group``
         (``reclaim="explicit"``; see :mod:`asyncpool.agreement`). A

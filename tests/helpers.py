@@ -390,6 +390,23 @@ def page_ids(t: Any) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
 
 
+def kv_snapshot(kv: Any) -> tuple[Any, ...]:
+    """A page pool's states, free ring and totals (for "changed nothing")."""
+    led = kv.ledger
+    kv.check_invariants()
+    return (
+        led.states().tolist(),
+        led._ring.tolist(),
+        led._head,
+        led.free_count,
+        led._taken,
+        led._returned,
+        led.pending,
+        led.quarantined,
+        kv.stats(),
+    )
+
+
 def kv_pool_state(pool: Any) -> tuple[Any, ...]:
     """Everything a refused call on a pool with ``kv`` must leave as it was:
     stats (minus timing summaries), page counts and each row's pages; the

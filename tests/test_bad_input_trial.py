@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import WAIT_S, EventFence, bounded, pool_snapshot, spin
+from helpers import WAIT_S, EventFence, bounded, kv_snapshot, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -43,23 +43,6 @@ from asyncpool import (
     ReqToTokenPoolInfo,
 )
 from asyncpool.fences import is_done
-
-
-def kv_snapshot(kv: KVPagePool) -> tuple[Any, ...]:
-    """A page pool's states, free ring and totals (for "changed nothing")."""
-    led = kv.ledger
-    kv.check_invariants()
-    return (
-        led.states().tolist(),
-        led._ring.tolist(),
-        led._head,
-        led.free_count,
-        led._taken,
-        led._returned,
-        led.pending,
-        led.quarantined,
-        kv.stats(),
-    )
 
 
 def snapshot(pool: Any) -> tuple[Any, ...]:

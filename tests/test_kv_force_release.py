@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import EventFence, Streams
-from test_bad_input_trial import kv_snapshot
+from helpers import EventFence, Streams, kv_snapshot
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool
 

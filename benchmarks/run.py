@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shlex
 import sys
 import time
@@ -62,6 +63,10 @@ def _names(text: str) -> list[str]:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=__doc__,
@@ -110,7 +115,24 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "time, for single-threaded figures on a shared, loaded machine (wake-up "
         "latency, the head-reclaim sweep, the demo and agree always use wall time)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def _check_output(p: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    """Refuse (exit 2), before anything is measured, an output path that
+    cannot be written: a directory, or one under a folder that cannot be
+    made or written (the missing folders are made)."""
+    if path is None:
+        return
+    if path.is_dir():
+        p.error(f"{flag} {path}: is a directory, not a file")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        p.error(f"{flag} {path}: {str(folder)!r} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        p.error(f"{flag} {path}: not writable")
 
 
 def _log(msg: str) -> None:
@@ -118,7 +140,8 @@ def _log(msg: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     preset = args.preset or ("quick" if args.quick else "default")
     cfg = PRESETS[preset]
     from dataclasses import replace
@@ -128,25 +151,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = replace(cfg, clock=args.clock)
     loops = _names(args.loops)
     if not loops:
-        raise SystemExit(f"--loops names no loop kind; have {list(loop_factories())}")
+        parser.error(f"--loops names no loop kind; have {list(loop_factories())}")
     unknown = [lp for lp in loops if lp not in loop_factories()]
     if unknown:
-        raise SystemExit(f"unknown loop kind(s): {unknown}; have {list(loop_factories())}")
+        parser.error(f"unknown loop kind(s): {unknown}; have {list(loop_factories())}")
     only = _names(args.only)
     if not only:
-        raise SystemExit(f"--only names no benchmark; have {list(BENCHMARKS)}")
+        parser.error(f"--only names no benchmark; have {list(BENCHMARKS)}")
     bad = [b for b in only if b not in BENCHMARKS]
     if bad:
-        raise SystemExit(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
+        parser.error(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
     given = list(argv if argv is not None else sys.argv[1:])
     command = "python -m benchmarks " + shlex.join(given)
     if args.from_json:
-        return _render_saved(args)
+        return _render_saved(parser, args)
     if args.md is None and set(only) == set(BENCHMARKS):
         args.md = DEFAULT_MD
     if args.md is None and not args.no_md:
         _log("a subset (--only): the markdown is not written (--md PATH writes it)")
         args.no_md = True
+    # Before the run, not after it: a full run takes minutes, and the JSON is
+    # written after the markdown.
+    _check_output(parser, "--md", None if args.no_md else args.md)
+    _check_output(parser, "--json", args.json)
 
     from benchmarks.bench_admit import bench_admit
     from benchmarks.bench_alloc import bench_batched, bench_contended, bench_uncontended
@@ -294,12 +321,17 @@ def _saved_benchmarks(data: dict[str, Any]) -> set[str]:
     return set(_names(saved.only))
 
 
-def _render_saved(args: argparse.Namespace) -> int:
+def _render_saved(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import json
 
     from benchmarks.harness import Config
 
-    data = json.loads(args.from_json.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(args.from_json.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not {"rows", "command", "config"} <= data.keys():
+            raise ValueError("not the JSON of a benchmark run (python -m benchmarks --json)")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError, JSONDecodeError too
+        parser.error(f"--from-json {args.from_json}: {exc}")
     if args.md is None and not args.no_md:
         # As for a run: only a run of every benchmark goes to the default
         # path, so re-rendering a subset's JSON never overwrites the full report.
@@ -308,6 +340,7 @@ def _render_saved(args: argparse.Namespace) -> int:
         else:
             _log("a saved run of a subset: the markdown is not written (--md PATH writes it)")
             args.no_md = True
+    _check_output(parser, "--md", None if args.no_md else args.md)
     md = render_markdown(
         [Row.from_json(r) for r in data["rows"]],
         command=data["command"],

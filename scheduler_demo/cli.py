@@ -354,6 +354,14 @@ def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> 
         parser.error(f"{flag} {path}: not writable")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file (``x.png``, ``./x.png``, a link)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve() or os.path.samefile(a, b)
+    except OSError:  # neither exists yet, and they resolve apart
+        return False
+
+
 TP_NEEDS = "--tp needs --admission atomic and no --gate"
 
 
@@ -392,6 +400,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dem
                 f"(got {Path(args.plot).suffix or 'no extension'!r})"
             )
         check_output_path(parser, "--plot", args.plot)
+        if args.json and _same_file(args.json, args.plot):
+            # Written one after the other, the plot would replace the JSON.
+            parser.error(f"--json {args.json} and --plot {args.plot}: the same file")
         try:  # before the run, not after it
             import matplotlib  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
         except ImportError:

@@ -130,18 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{name:<9} tokens/s best {s['best']:8,.0f}  median {s['median']:8,.0f}  "
             f"row utilization median {s['row_utilization']:.2f}"
         )
-    print(
-        f"overlap / sync   tokens/s: best {summary['ratios']['overlap_vs_sync_best']:.2f}x, "
-        f"median {summary['ratios']['overlap_vs_sync_median']:.2f}x"
-    )
-    print(
-        f"fenced / unsafe  tokens/s: best {summary['ratios']['fenced_vs_unsafe_best']:.3f}x, "
-        f"median {summary['ratios']['fenced_vs_unsafe_median']:.3f}x"
-    )
     r = summary["ratios"]
     print(
-        f"atomic / row-first tokens/s: best {r['atomic_vs_row_first_best']:.3f}x, "
-        f"median {r['atomic_vs_row_first_median']:.3f}x; row utilization "
+        f"overlap / sync   tokens/s: best {_times(r['overlap_vs_sync_best'], 2)}, "
+        f"median {_times(r['overlap_vs_sync_median'], 2)}"
+    )
+    print(
+        f"fenced / unsafe  tokens/s: best {_times(r['fenced_vs_unsafe_best'], 3)}, "
+        f"median {_times(r['fenced_vs_unsafe_median'], 3)}"
+    )
+    print(
+        f"atomic / row-first tokens/s: best {_times(r['atomic_vs_row_first_best'], 3)}, "
+        f"median {_times(r['atomic_vs_row_first_median'], 3)}; row utilization "
         f"{summary['overlap']['row_utilization']:.2f} vs "
         f"{summary['row-first']['row_utilization']:.2f}"
     )
@@ -169,6 +169,15 @@ def _loadavg() -> str:
         return "?"
 
 
+def _ratio(num: float, den: float) -> float | None:
+    """``num / den``, or None where ``den`` is 0 (no output token was made)."""
+    return num / den if den else None
+
+
+def _times(ratio: float | None, digits: int) -> str:
+    return "n/a" if ratio is None else f"{ratio:.{digits}f}x"
+
+
 def _summary(runs: dict[str, list[Report]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, reports in runs.items():
@@ -180,13 +189,16 @@ def _summary(runs: dict[str, list[Report]]) -> dict[str, Any]:
             "all": tps,
             "row_utilization": statistics.median(util),
         }
+    # A run with no output token (every request aborted before its first)
+    # reads 0 tokens/s: its ratios are None ("n/a"), not a ZeroDivisionError
+    # that loses every run's figures.
     out["ratios"] = {
-        "overlap_vs_sync_best": out["overlap"]["best"] / out["sync"]["best"],
-        "overlap_vs_sync_median": out["overlap"]["median"] / out["sync"]["median"],
-        "fenced_vs_unsafe_best": out["overlap"]["best"] / out["unsafe"]["best"],
-        "fenced_vs_unsafe_median": out["overlap"]["median"] / out["unsafe"]["median"],
-        "atomic_vs_row_first_best": out["overlap"]["best"] / out["row-first"]["best"],
-        "atomic_vs_row_first_median": out["overlap"]["median"] / out["row-first"]["median"],
+        "overlap_vs_sync_best": _ratio(out["overlap"]["best"], out["sync"]["best"]),
+        "overlap_vs_sync_median": _ratio(out["overlap"]["median"], out["sync"]["median"]),
+        "fenced_vs_unsafe_best": _ratio(out["overlap"]["best"], out["unsafe"]["best"]),
+        "fenced_vs_unsafe_median": _ratio(out["overlap"]["median"], out["unsafe"]["median"]),
+        "atomic_vs_row_first_best": _ratio(out["overlap"]["best"], out["row-first"]["best"]),
+        "atomic_vs_row_first_median": _ratio(out["overlap"]["median"], out["row-first"]["median"]),
         "row_utilization_atomic_vs_row_first": (
             out["overlap"]["row_utilization"] / max(out["row-first"]["row_utilization"], 1e-9)
         ),

@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [b for b in only if b not in BENCHMARKS]
     if bad:
         parser.error(f"unknown benchmark(s): {bad}; have {list(BENCHMARKS)}")
+    if args.md is not None and args.no_md:
+        parser.error("--md PATH and --no-md: one writes the markdown, the other does not")
     given = list(argv if argv is not None else sys.argv[1:])
     command = "python -m benchmarks " + shlex.join(given)
     if args.from_json:

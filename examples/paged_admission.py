@@ -533,7 +533,9 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=24, help="KV pages (page 0 excluded)")
@@ -566,8 +568,16 @@ def main(argv: list[str] | None = None) -> int:
         "not their newest reader's (the bug): reused while still read",
     )
     args = p.parse_args(argv)
-    if args.page_size < 1:
-        p.error("--page-size must be at least 1")
+    # Refused with exit 2, not a traceback and exit 1 (the status of
+    # corruption found).
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if min(args.rows, args.page_size) < 1 or min(args.requests, args.prefixes) < 0:
+        p.error("--rows and --page-size must be at least 1, --requests and --prefixes at least 0")
+    if min(args.prefix_pages, args.headroom) < 0:
+        p.error("--prefix-pages and --headroom must be at least 0")
+    if not (0 <= args.forward_ms < float("inf") and 0 <= args.abort <= 1):
+        p.error("--forward-ms must be a finite number >= 0 and --abort a probability")
     # The longest request: a prompt of the prefix and 24 tokens, 24 output
     # tokens, and the step in flight when it finishes writes one past them:
     # positions 0..longest - 1, each in its row and in a page of its own.

@@ -364,7 +364,9 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=64, help="KV pages (page 0 excluded)")
@@ -382,6 +384,17 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out record_use (the bug): trimmed pages are reused too soon",
     )
     args = p.parse_args(argv)
+    # Refused with exit 2, not a traceback and exit 1 (the status of
+    # corruption found).
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if args.rows < 1 or min(args.requests, args.headroom, args.low_water, args.high_water) < 0:
+        p.error(
+            "--rows must be at least 1; --requests, --headroom, --low-water and "
+            "--high-water at least 0"
+        )
+    if not 0 <= args.forward_ms < float("inf"):
+        p.error("--forward-ms must be a finite number >= 0")
     if args.page_size < 1 or args.draft < 0:
         p.error("--page-size must be at least 1 and --draft at least 0")
     if args.draft + args.page_size > 48:  # a row holds MAX_LEN slots

@@ -73,7 +73,9 @@ def _step(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--forward-ms", type=float, default=1.0)
@@ -81,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-record-use", dest="record_use", action="store_false")
     args = p.parse_args(argv)
+    # Refused with exit 2, not a traceback and exit 1 (the status of
+    # corruption found).
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if args.rows < 1 or args.requests < 0:
+        p.error("--rows must be at least 1 and --requests at least 0")
+    if not (0 <= args.forward_ms < float("inf") and 0 <= args.abort <= 1):
+        p.error("--forward-ms must be a finite number >= 0 and --abort a probability")
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"

@@ -342,6 +342,8 @@ def flag_message(message: str) -> str:
 def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
     """Refuse (exit 2) an output path that cannot be written, before the run
     rather than after it: its folder must exist, and it must not be a folder."""
+    if not path:
+        parser.error(f"{flag} '': an empty path (leave {flag} out to write nothing)")
     target = Path(path)
     if target.is_dir() or path.endswith(("/", os.sep)):
         parser.error(f"{flag} {path}: is a directory, not a file")
@@ -391,9 +393,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dem
             parser.error("--plot is not drawn with --tp (use --json)")
     elif args.tp_reclaim is not None:
         parser.error("--tp-reclaim is for --tp N runs (the plain demo has one scheduler)")
-    if args.json:
+    if args.json is not None:
         check_output_path(parser, "--json", args.json)
-    if args.plot:
+    if args.plot is not None:
         if Path(args.plot).suffix.lower() != ".png":
             parser.error(
                 f"--plot {args.plot}: the plot is a PNG; name it PATH.png "

@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setattr(args, dest, value)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.out:
+    if args.out is not None:
         check_output_path(parser, "--out", args.out)
     base = replace(check_args(parser, args), progress=False)
     runs: dict[str, list[Report]] = {v[0]: [] for v in VARIANTS}

@@ -1266,8 +1266,7 @@ class KVPagePool:
         pages = led.force_release(fence)
         if pages:
             logger.warning(
-                "force_release(%r): %d page%s returned to circulation without the fence "
-                "completing",
+                "force_release(%r): %d page%s returned to circulation without the fence completing",
                 fence,
                 pages,
                 "" if pages == 1 else "s",

@@ -220,7 +220,8 @@ class Admission:
         the same queue as :meth:`alloc`, FIFO within ``priority``; the head
         blocks those behind it whatever they need. Returns at once, without
         suspending, when nobody is queued, both fit (reclaiming completed
-        fences when short) and the memory is not released. The row owns its
+        fences when short), the memory is not released and no
+        :meth:`hold_grants` hold is held. The row owns its
         pages until it is freed (with them) or they are detached; do not
         modify ``grant.pages`` in place.
 

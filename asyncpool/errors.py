@@ -7,7 +7,9 @@ A call that raises any of these has changed nothing in the pool, with
 these exceptions, each documented where it happens: ``lease``'s exit frees
 the rows its body did not free before raising :class:`DoubleFreeError` for
 those it did; ``bind()`` and ``release_memory()`` return memory behind
-completed fences to circulation before they refuse; and a queued waiter
+completed fences to circulation before they refuse, and so may ``alloc``,
+``admit`` and the calls that reclaim when short (a :class:`PoolBusyError` or
+:class:`CapacityError` that follows a reclaim keeps it); and a queued waiter
 failed by :class:`CapacityError` or :class:`PoolClosedError` holds
 nothing.
 """

@@ -327,7 +327,10 @@ class PoolCollector:
     """A ``prometheus_client`` custom collector for one or more pools.
 
     ``PoolCollector(pool, name="decode")`` exports ``pool`` with the label
-    ``pool="decode"``; :meth:`add` adds more pools. Register it once per
+    ``pool="decode"`` (``pool`` may be None: an empty collector; ``name``
+    defaults to ``"default"``); :meth:`add` adds more pools. ``prefix``
+    (default ``"asyncpool"``) starts every family's name:
+    ``<prefix>_free_rows`` and so on. Register it once per
     registry: its :meth:`describe` names every family, so a second
     collector in the same registry raises ``ValueError`` at ``register``.
 

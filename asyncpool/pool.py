@@ -519,8 +519,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """Allocate ``n`` rows, waiting until they can all be granted at once.
 
         Returns at once, without suspending, when nobody is queued, ``n``
-        rows are free and the memory is not released (see
-        :meth:`release_memory`). Otherwise waits FIFO within ``priority`` (lower number
+        rows are free (reclaiming completed fences when short), the memory
+        is not released (see :meth:`release_memory`) and no
+        :meth:`hold_grants` hold is held. Otherwise waits FIFO within ``priority`` (lower number
         first; the head of the most urgent queue blocks everyone behind it,
         so large requests do not starve). Rows that are only pending behind a
         fence are waited for, not treated as exhaustion.
@@ -1239,8 +1240,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         ``CancelledError`` goes on unreplaced, carrying the exit's error as a
         note (and logged at WARNING), so that ``asyncio.timeout`` and
         ``TaskGroup`` still see the cancellation. An ``after`` that no fence can be
-        recorded on raises ``TypeError`` here, before anything is allocated
-        (found at exit, it would leave the rows only their recorded uses);
+        recorded on raises here, before anything is allocated (found at
+        exit, it would leave the rows only their recorded uses):
+        ``TypeError`` for one that is not a stream, ``RuntimeError`` for a
+        ``HostStream`` closed already;
         one that fails at exit (a ``HostStream`` closed in the body) raises
         ``RuntimeError`` there, its rows freed behind their recorded uses
         alone (the message names them, and any the body freed itself). A

@@ -391,19 +391,26 @@ def page_ids(t: Any) -> list[int]:
 
 
 def kv_snapshot(kv: Any) -> tuple[Any, ...]:
-    """A page pool's states, free ring and totals (for "changed nothing")."""
+    """Everything observable about a page pool (for "a raising call changed nothing")."""
     led = kv.ledger
     kv.check_invariants()
+    stats = dataclasses.asdict(kv.stats())
+    stats.pop("fence_latency")
     return (
-        led.states().tolist(),
-        led._ring.tolist(),
+        led.free_count,  # not available_size(): it reclaims completed fences
+        kv.pending_size(),
+        stats,
+        led.states().tobytes(),
+        led._ring.tobytes(),
         led._head,
-        led.free_count,
         led._taken,
         led._returned,
-        led.pending,
-        led.quarantined,
-        kv.stats(),
+        led._next_did,
+        {
+            k: [(b.fence, b.rest, b.did, b.n, [p.tobytes() for p in b.items]) for b in q]
+            for k, q in led._streams.items()
+        },
+        [(b.fence, b.rest, b.did, b.n, [p.tobytes() for p in b.items]) for b in led._unordered],
     )
 
 

@@ -490,8 +490,9 @@ def test_entry_point_writes_markdown_and_json(
 def test_entry_point_rejects_unknown_names(argv: list[str]) -> None:
     from benchmarks.run import main
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         main(["--preset", "smoke", "--no-md", *argv])
+    assert exc.value.code == 2  # a usage error (names were exit 1, a failed run's)
 
 
 @pytest.mark.timeout(180)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import WAIT_S, FakeStream, gpu_busy
+from helpers import kv_snapshot as snapshot
 
 from asyncpool import (
     CapacityError,
@@ -28,30 +29,6 @@ from asyncpool.kv_pages import _DEVICE_OFFSETS, PageLedger
 @pytest.fixture(autouse=True)
 def _quiet_fault_logs(caplog):
     caplog.set_level(logging.CRITICAL, logger="asyncpool")
-
-
-def snapshot(kv: KVPagePool) -> tuple[Any, ...]:
-    """Everything observable about a page pool (for "a raising call changed nothing")."""
-    led = kv.ledger
-    kv.check_invariants()
-    stats = dataclasses.asdict(kv.stats())
-    stats.pop("fence_latency")
-    return (
-        led.free_count,  # not available_size(): it reclaims completed fences
-        kv.pending_size(),
-        stats,
-        led.states().tobytes(),
-        led._ring.tobytes(),
-        led._head,
-        led._taken,
-        led._returned,
-        led._next_did,
-        {
-            k: [(b.fence, b.rest, b.did, b.n, [p.tobytes() for p in b.items]) for b in q]
-            for k, q in led._streams.items()
-        },
-        [(b.fence, b.rest, b.did, b.n, [p.tobytes() for p in b.items]) for b in led._unordered],
-    )
 
 
 def ids(t: torch.Tensor) -> list[int]:

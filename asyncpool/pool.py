@@ -71,7 +71,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -115,15 +114,6 @@ _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never rai
 # The unchecked fast paths rely on the GIL's switch points (see the module
 # docstring): closed on a free-threaded build, where every call is checked.
 _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-
-
-def _asyncio_debug(loop: asyncio.AbstractEventLoop | None) -> bool:
-    """asyncio's debug mode: the loop's flag, else the environment's."""
-    if loop is not None:
-        return loop.get_debug()
-    return sys.flags.dev_mode or (
-        not sys.flags.ignore_environment and bool(os.environ.get("PYTHONASYNCIODEBUG"))
-    )
 
 
 def _describe(need: Need) -> tuple[str, str]:
@@ -435,7 +425,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         The explicit hand-off: build and warm a pool in one thread, then call
         ``bind()`` in the scheduler's thread (or in its event loop) before
         using it there. Without a running loop only the thread is bound; the
-        first ``alloc`` that has to wait binds the loop. From then on, calls
+        first ``alloc`` that has to wait, fenced free or count read binds the
+        loop, and until then every call is checked (the unchecked fast paths
+        open only once the loop's debug flag is known). From then on, calls
         from any other thread raise :class:`WrongThreadError`, except on the
         two unchecked fast paths (``alloc(1)`` of a clean row, ``free([row])``
         of one unfenced row while nobody waits; the module docstring says
@@ -486,9 +478,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def _choose_fast_paths(self, loop: asyncio.AbstractEventLoop | None) -> None:
         # Open the unchecked fast paths only where they are safe and wanted:
-        # a rows-only pool, a GIL build, asyncio not in debug mode.
+        # a rows-only pool, a GIL build, asyncio not in debug mode. Bound
+        # with no loop (bind() in set-up code), the pool stays checked until
+        # a loop is attached (a wait, a fenced free, a count read): only
+        # that loop's own flag says whether it runs in debug mode.
         self._fast = False
-        self._unchecked = self._pages is None and _GIL and not _asyncio_debug(loop)
+        self._unchecked = loop is not None and self._pages is None and _GIL and not loop.get_debug()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -1080,7 +1075,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                     return
                 # Set-up code between runs of the pool's (open) loop.
             elif loop is None:
-                self._loop = running
+                # Bound by bind() outside any loop: attach this one (its
+                # debug flag decides the fast paths).
+                self._rebind_loop(running)
             elif loop.is_closed() or not (loop.is_running() or self._waiters.count):
                 # The pool's loop is gone, or stopped with nobody waiting on
                 # it (asyncio.run twice; a warm-up loop left open): move here.
@@ -1411,6 +1408,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         From the pool's thread only (:class:`WrongThreadError` otherwise): it
         walks every record, which a call in the owner's thread may have half
         updated, so from another thread it could report a fault that is not.
+        For the same reason it may report one while another thread's call
+        on an unchecked fast path is half-way (its row out of the free
+        queue, not yet marked allocated): those paths are safe for the
+        pool's state, not for an audit running beside them.
         """
         self._check_thread()
         super().check_invariants()

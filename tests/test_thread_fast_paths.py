@@ -19,11 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvloop
 from helpers import WAIT_S, bounded, in_thread, pool_snapshot
 
 from asyncpool import (
     AsyncReqToTokenPool,
     DoubleFreeError,
+    HostStream,
     KVPagePool,
     WrongThreadError,
 )
@@ -134,6 +136,74 @@ async def test_debug_mode_closes_the_fast_paths() -> None:
             in_thread(lambda: asyncio.run(pool.alloc(1)))
         assert pool_snapshot(pool) == before
         pool.free(rows)
+
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_debug_loop_closes_the_fast_paths_of_a_pool_bound_outside_any_loop(
+    loop: str,
+) -> None:
+    """bind() in set-up code, then a loop in debug mode that never waits,
+    pends or reads a count: the fast paths were decided without a loop (the
+    environment says no debug mode) and stayed open, so a foreign alloc(1)
+    went through where debug mode promises every call is checked (found by
+    a trial of the thread rules). They now open only once a loop is
+    attached, by its own flag."""
+    pool = AsyncReqToTokenPool(5, 4)
+    pool.bind()
+
+    async def serve() -> None:
+        rows = await pool.alloc(2)
+        pool.free(await pool.alloc(1))  # nothing waits, pends or reads a count
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: asyncio.run(pool.alloc(1)))
+        with pytest.raises(WrongThreadError):
+            in_thread(lambda: pool.free(rows[:1]))
+        assert pool.allocated_size() == 2
+        pool.free(rows)
+
+    debug = LOOPS[loop]()
+    debug.set_debug(True)
+    try:
+        debug.run_until_complete(serve())
+    finally:
+        debug.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_pool_bound_outside_any_loop_opens_its_fast_paths_once_a_loop_is_attached(
+    loop: str,
+) -> None:
+    """The same pool on a loop out of debug mode: checked until a loop is
+    attached, here by a fenced free (an engine's every step), then the fast
+    paths open (a foreign alloc(1) completes as the owner's would)."""
+    pool = AsyncReqToTokenPool(5, 4)
+    pool.bind()
+
+    async def serve() -> None:
+        rows = await pool.alloc(2)
+        with pytest.raises(WrongThreadError):  # no loop attached yet: checked
+            in_thread(lambda: asyncio.run(pool.alloc(1)))
+        gate = threading.Event()
+        with HostStream() as stream:
+            stream.launch(gate.wait, WAIT_S)
+            pool.free(rows, after=stream)  # pending: attaches this loop
+            gate.set()
+            stream.synchronize()
+        assert pool.reclaim() == 2  # no wait and no count read attach it here
+        pool.free(await pool.alloc(1))  # a checked call reopens the fast paths
+        theirs = in_thread(lambda: asyncio.run(pool.alloc(1)))
+        assert len(theirs) == 1 and pool.allocated_size() == 1
+        pool.free(theirs)
+
+    plain = LOOPS[loop]()
+    plain.set_debug(False)  # out of debug mode even in CI's debug-mode run
+    try:
+        plain.run_until_complete(serve())
+    finally:
+        plain.close()
 
 
 async def test_a_kv_pool_checks_every_call() -> None:

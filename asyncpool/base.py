@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import sys
@@ -15,7 +16,14 @@ from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
 from .tables import ReqToTokenPoolInfo, TokenTables
 
-__all__ = ["PoolCore", "check_timeout", "check_wait_args", "count_of", "int_arg"]
+__all__ = [
+    "PoolCore",
+    "check_timeout",
+    "check_wait_args",
+    "count_of",
+    "int_arg",
+    "log_force_release",
+]
 
 # From this many dirty rows on, a bulk reset uses a mask of the FREE rows
 # instead of an index list (measured: about 3x cheaper at 1,024 rows).
@@ -25,6 +33,36 @@ _MASK_RESET_ROWS = 128
 def count_of(n: int, noun: str) -> str:
     """``"1 row"``, ``"2 rows"``: messages read as sentences."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def log_force_release(
+    log: logging.Logger, fence: Fence, noun: str, released: int, held: bool, aside: str = ""
+) -> None:
+    """The warning ``force_release(fence)`` logs on a pool of one kind of
+    ``noun`` (the synchronous pool's rows, a bare page pool's pages): what
+    came back, or why nothing did (what it held still waits for other
+    fences, or nothing was pending behind it; ``aside`` adds to that one)."""
+    if released:
+        log.warning(
+            "force_release(%r): %s returned to circulation without the fence completing",
+            fence,
+            count_of(released, noun),
+        )
+    elif held:
+        log.warning(
+            "force_release(%r): the %ss behind this fence still wait for other "
+            "fences; they no longer wait for this one",
+            fence,
+            noun,
+        )
+    else:
+        log.warning(
+            "force_release(%r): no %s was pending behind this fence (never given to "
+            "this pool, already completed and reclaimed, or released before)%s",
+            fence,
+            noun,
+            aside,
+        )
 
 
 def int_arg(value: object) -> int | None:

@@ -69,6 +69,7 @@ import numpy.typing as npt
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
+from .base import log_force_release
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, HostStream, check_after, record_fence
@@ -1264,25 +1265,7 @@ class KVPagePool:
         led.check_fence(fence)
         held = led.holds(fence)
         pages = led.force_release(fence)
-        if pages:
-            logger.warning(
-                "force_release(%r): %d page%s returned to circulation without the fence completing",
-                fence,
-                pages,
-                "" if pages == 1 else "s",
-            )
-        elif held:
-            logger.warning(
-                "force_release(%r): the pages behind this fence still wait for other "
-                "fences; they no longer wait for this one",
-                fence,
-            )
-        else:
-            logger.warning(
-                "force_release(%r): no page was pending behind this fence (never given to "
-                "this pool, already completed and reclaimed, or released before)",
-                fence,
-            )
+        log_force_release(logger, fence, "page", pages, held)
         return pages
 
     def agree(self, group: Any = None) -> int:

@@ -25,7 +25,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore
+from .base import PoolCore, log_force_release
 from .deferral import check_ordered
 from .fences import Fence, HostStream
 from .ledger import Rows
@@ -205,30 +205,18 @@ class ReqToTokenPool(PoolCore):
         held = led.holds(fence)
         rows = led.force_release(fence)
         forgot = led.forget_use(fence)
-        if rows:
-            logger.warning(
-                "force_release(%r): %d row%s returned to circulation without the fence completing",
-                fence,
-                rows,
-                "" if rows == 1 else "s",
-            )
-        elif held:
-            logger.warning(
-                "force_release(%r): the rows behind this fence still wait for other "
-                "fences; they no longer wait for this one",
-                fence,
-            )
-        else:
-            logger.warning(
-                "force_release(%r): no row was pending behind this fence (never given to "
-                "this pool, already completed and reclaimed, or released before)%s",
-                fence,
-                ""
-                if not forgot
-                else "; 1 allocated row forgets its use of it"
-                if forgot == 1
-                else f"; {forgot} allocated rows forget their use of it",
-            )
+        log_force_release(
+            logger,
+            fence,
+            "row",
+            rows,
+            held,
+            ""
+            if not forgot
+            else "; 1 allocated row forgets its use of it"
+            if forgot == 1
+            else f"; {forgot} allocated rows forget their use of it",
+        )
         return rows
 
     def clear(self) -> None:

@@ -148,19 +148,16 @@ SUBJ = [1.0, 2.0, 10.0]
 REF = [4.0, 3.0, 11.0]
 
 
+def compare_a_to_b(samples: dict[str, list[float]], **kw: Any) -> Row:
+    """``compare`` of subject ``a`` against reference ``b``, in ns."""
+    return compare(samples, bench="x", loop="asyncio", subject="a", reference="b", unit="ns", **kw)
+
+
 def test_compare_reports_the_median_of_per_round_ratios_and_its_quartiles() -> None:
     """Speed-up is ref/subject per round, the median of those, with the
     inclusive quartiles as spread; the medians of each side are context."""
-    row = compare(
-        {"a": SUBJ, "b": REF},
-        bench="x",
-        loop="asyncio",
-        subject="a",
-        reference="b",
-        unit="ns",
-        speedup=True,
-        subject_label="A",
-        reference_label="B",
+    row = compare_a_to_b(
+        {"a": SUBJ, "b": REF}, speedup=True, subject_label="A", reference_label="B"
     )
     # per-round speed-ups 4, 1.5, 1.1: median 1.5 (mean 2.2, ratio of medians 2)
     assert row.ratio == pytest.approx(1.5)
@@ -173,15 +170,7 @@ def test_compare_reports_the_median_of_per_round_ratios_and_its_quartiles() -> N
 
 def test_compare_cost_ratio_is_subject_over_reference() -> None:
     """``speedup=False`` reports subject/ref per round, labelled as a cost."""
-    row = compare(
-        {"a": SUBJ, "b": REF},
-        bench="x",
-        loop="asyncio",
-        subject="a",
-        reference="b",
-        unit="ns",
-        speedup=False,
-    )
+    row = compare_a_to_b({"a": SUBJ, "b": REF}, speedup=False)
     assert row.ratio == pytest.approx(2.0 / 3.0)
     assert row.ratio_label == "cost (subject/ref)"
     assert row.ratio_p25 < row.ratio < row.ratio_p75
@@ -190,15 +179,7 @@ def test_compare_cost_ratio_is_subject_over_reference() -> None:
 def test_compare_refuses_samples_of_unequal_rounds() -> None:
     """Per-round ratios need one sample of each side per round."""
     with pytest.raises(ValueError):
-        compare(
-            {"a": [1.0, 2.0], "b": [1.0]},
-            bench="x",
-            loop="asyncio",
-            subject="a",
-            reference="b",
-            unit="ns",
-            speedup=True,
-        )
+        compare_a_to_b({"a": [1.0, 2.0], "b": [1.0]}, speedup=True)
 
 
 def _linear(ns_per_op: int, calls: list[int] | None = None) -> harness.Sampler:

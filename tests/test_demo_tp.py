@@ -308,6 +308,19 @@ def test_the_tp_exit_status_counts_every_rank(
 # called by hand, the per-iteration exchange run by hand.
 
 
+#: One request on a small pool, whose transfer is not due while a test runs:
+#: it holds its row and pages in transfer until the test lands it.
+ONE_REQUEST_IN_TRANSFER = DemoConfig(
+    num_requests=1,
+    rows=4,
+    max_context_len=64,
+    kv_pages=16,
+    page_size=4,
+    transfer_ms=600_000.0,
+    progress=False,
+)
+
+
 def grant_first_request(sched: Any, pool: Any) -> Any:
     """Admit ``sched``'s first request now, as the scheduler's
     ``_admit_more`` does when ``try_admit`` answers: it holds its row and its
@@ -335,15 +348,7 @@ async def _one_rank_in_transfer(group: Any) -> AsyncIterator[tuple[Any, Any]]:
     from scheduler_demo.transfer import TransferEngine
     from scheduler_demo.workload import RequestSpec
 
-    cfg = DemoConfig(
-        num_requests=1,
-        rows=4,
-        max_context_len=64,
-        kv_pages=16,
-        page_size=4,
-        transfer_ms=600_000.0,
-        progress=False,
-    )
+    cfg = ONE_REQUEST_IN_TRANSFER
     specs = [RequestSpec(0, 0.0, 8, 4)]
     forward = Forward("cpu")
     transfers = TransferEngine("cpu", cfg.transfer_ms, 8.0)

@@ -61,7 +61,7 @@ import pytest
 import torch
 from helpers import LONG_S, bounded
 from test_demo import SMALL as DEMO_SMALL
-from test_demo_tp import grant_first_request
+from test_demo_tp import ONE_REQUEST_IN_TRANSFER, grant_first_request
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
 from scheduler_demo import DemoConfig, Report, run_demo
@@ -255,17 +255,7 @@ async def _in_transfer(
     row and pages and waits for a transfer that is not due during the test;
     on the way out every transfer lands (so the pool's fence watcher is not
     left waiting on one) and the streams close."""
-    cfg = DemoConfig(
-        unsafe=unsafe,
-        gate=gate,
-        num_requests=1,
-        rows=4,
-        max_context_len=64,
-        kv_pages=16,
-        page_size=4,
-        transfer_ms=600_000.0,
-        progress=False,
-    )
+    cfg = replace(ONE_REQUEST_IN_TRANSFER, unsafe=unsafe, gate=gate)
     kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size)
     kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64)
     forward = Forward("cpu", 0.0, 0.0)

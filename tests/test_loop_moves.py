@@ -66,6 +66,19 @@ async def _waiter_is_woken_by(
         assert len(await waiter) == 1
 
 
+async def _free_two_rows_behind_a_gated_step(
+    pool: AsyncReqToTokenPool, stream: HostStream, gate: threading.Event
+) -> Any:
+    """Two rows allocated, used by a step on ``stream`` that waits for
+    ``gate``, and freed: pending behind that step's fence (returned)."""
+    rows = await pool.alloc(2)
+    stream.launch(gate.wait)
+    fence = stream.record()
+    pool.record_use(rows, fence)
+    pool.free(rows)
+    return fence
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_wake_up_lost_with_a_stopped_loop_does_not_silence_the_next(
     loop: str, kit: Streams
@@ -75,16 +88,8 @@ def test_a_wake_up_lost_with_a_stopped_loop_does_not_silence_the_next(
     stream = kit.stream()
     gate = kit.event()
 
-    async def first() -> Any:
-        rows = await pool.alloc(2)
-        stream.launch(gate.wait)
-        fence = stream.record()
-        pool.record_use(rows, fence)
-        pool.free(rows)
-        return fence
-
     stopped = factory()
-    fence = stopped.run_until_complete(first())
+    fence = stopped.run_until_complete(_free_two_rows_behind_a_gated_step(pool, stream, gate))
     gate.set()
     fence.synchronize()  # its wake-up is queued on a loop that no longer runs
     stopped.close()
@@ -698,14 +703,9 @@ def _rows_pending_behind_a_done_fence(
     stream = kit.stream()
     gate = kit.event()
 
-    async def warm_up() -> None:
-        rows = await pool.alloc(2)
-        stream.launch(gate.wait)  # the step still runs when the loop ends
-        pool.record_use(rows, stream.record())
-        pool.free(rows)
-
     old = factory()
-    old.run_until_complete(warm_up())
+    # The step still runs when the loop ends.
+    old.run_until_complete(_free_two_rows_behind_a_gated_step(pool, stream, gate))
     if close:
         old.close()
     gate.set()
@@ -752,13 +752,7 @@ def test_every_count_moves_the_pool_to_the_next_loop(loop: str, read: str, kit: 
     stream = kit.stream()
     gate = kit.event()
 
-    async def warm_up() -> None:
-        rows = await pool.alloc(2)
-        stream.launch(gate.wait)
-        pool.record_use(rows, stream.record())
-        pool.free(rows)
-
-    run(factory, warm_up())
+    run(factory, _free_two_rows_behind_a_gated_step(pool, stream, gate))
 
     async def serve() -> None:
         getattr(pool, read)()

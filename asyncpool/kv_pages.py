@@ -27,8 +27,12 @@ Page 0 is reserved padding: never handed out, never accepted. Token slot
 ``o`` of page ``p`` is ``p * page_size + o`` (what ``req_to_token`` rows
 hold). Free pages are reused oldest-freed first.
 
-Every public method is atomic: one that raises has changed nothing. Not
-thread-safe: call a pool from one thread (the scheduler's).
+Every public method is atomic: one that raises an ``Exception`` has changed
+nothing. A fence's ``query()`` raising what is not an ``Exception``
+(``KeyboardInterrupt``, ``CancelledError``) propagates and leaves every page
+decided or as it was (the README's rule): :meth:`clear` interrupted in its
+reclaim has already freed the allocated pages. Not thread-safe: call a pool
+from one thread (the scheduler's).
 
 Cost (issue 9): an ``alloc(n)`` + ``free`` cycle is mostly fixed per-call
 overhead (making and dropping one tensor is about 1 us), so the hot paths

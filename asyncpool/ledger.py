@@ -26,7 +26,9 @@ Invariants (proved by :meth:`SlotLedger.check_invariants`):
   shared with the KV page ledger; this class is a :class:`Deferrals` whose
   batches hold row ids.
 
-Every public method is atomic: one that raises has changed nothing.
+Every public method is atomic: one that raises an ``Exception`` has changed
+nothing; a fence's ``query()`` raising what is not one (``KeyboardInterrupt``,
+``CancelledError``) propagates and leaves every row decided or as it was.
 Not thread-safe: the owning pool serialises calls.
 """
 

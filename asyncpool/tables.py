@@ -385,7 +385,9 @@ class TokenTables:
         ``alloced_len`` entries on a real device (any integer dtype, unsigned
         ones included, not quantized or sub-byte ones; on the host: of slot
         ids ``>= 0`` that fit ``req_to_token``'s dtype) raise
-        :class:`InvalidSlotError` (a ``ValueError``), writing nothing.
+        :class:`InvalidSlotError` (a ``ValueError``), writing nothing. An
+        empty 1-D tensor of any dtype (``torch.tensor([])`` is float32) is
+        no slots.
         """
         if not isinstance(info, ReqToTokenPoolInfo) and not all(
             hasattr(info, field) for field in _INFO_FIELDS
@@ -414,7 +416,13 @@ class TokenTables:
                 f"alloced_slots for row {row} must be a 1-D integer tensor, "
                 f"got {type(slots).__name__}"
             )
-        if (
+        if slots.dim() == 1 and not slots.numel() and slots.layout is torch.strided:
+            # No slots, of any dtype: torch.tensor([]) is float32 (what an
+            # engine makes of an empty slot list), and free() and the page
+            # pool read an empty tensor of any dtype as no ids; the seed
+            # writes it. Nothing is copied from it below.
+            pass
+        elif (
             slots.dim() > 1
             or slots.dtype not in ID_DTYPES
             or slots.is_meta
@@ -456,7 +464,8 @@ class TokenTables:
         ):
             slots = slots.clone()
         if not self._on_cuda:
-            self.req_to_token[row, :alloced] = slots
+            if alloced:
+                self.req_to_token[row, :alloced] = slots
             self.verified_lens[row] = verified
             self.alloced_lens[row] = alloced
             self.alloced_lens_cpu[row] = alloced

@@ -211,7 +211,7 @@ class Admission:
     # ------------------------------------------------------------ admitting
 
     async def admit(
-        self, pages: SupportsIndex, *, priority: int = 0, timeout: float | None = None
+        self, pages: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
     ) -> Grant:
         """Admit a request: one row and ``pages`` KV pages, granted together.
 
@@ -391,7 +391,7 @@ class Admission:
         pled = pages.ledger
         return max(0, need[1] - pled.free_count - pled.pending)
 
-    def pages_of(self, row: int, *, host: bool = False) -> torch.Tensor:
+    def pages_of(self, row: SupportsIndex, *, host: bool = False) -> torch.Tensor:
         """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
 
         On the ``KVPagePool``'s device; with ``host=True`` on the CPU, from
@@ -576,7 +576,7 @@ class Admission:
             self._waiters.grant()
         return got
 
-    def detach_pages(self, row: int, *, host: bool = False) -> torch.Tensor:
+    def detach_pages(self, row: SupportsIndex, *, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller, who owns them from now on.
 
         For prefix caching: the caller keeps them (in a radix tree, say) and

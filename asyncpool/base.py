@@ -7,14 +7,14 @@ import math
 import numbers
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
 from .fences import Fence, check_after, record_fence
 from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
-from .tables import ReqToTokenPoolInfo, TokenTables
+from .tables import PoolInfo, TokenTables
 
 __all__ = [
     "PoolCore",
@@ -139,8 +139,8 @@ class PoolCore:
 
     def __init__(
         self,
-        size: int,
-        max_context_len: int,
+        size: SupportsIndex,
+        max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: Any | None = None,
@@ -229,7 +229,7 @@ class PoolCore:
         """Rows handed out and not yet freed."""
         return self._ledger.allocated
 
-    def set_req_pool_info(self, req_pool_idx: int, metadata: ReqToTokenPoolInfo) -> None:
+    def set_req_pool_info(self, req_pool_idx: SupportsIndex, metadata: PoolInfo) -> None:
         """Write a row's lengths and token slots (for chunked prefill).
 
         Raises :class:`InvalidSlotError`, changing nothing, for row 0, a row

@@ -31,7 +31,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from .errors import FenceError
 
@@ -94,11 +94,15 @@ class OrderedFence(Fence, Protocol):
     has completed, so has every fence of that stream with a smaller ``seq``.
     Both must be ints. Take ``stream_key`` from :func:`new_stream_key`, one
     per stream: a key shared with another stream by accident lets the pool
-    skip a fence that has not completed.
+    skip a fence that has not completed. Read-only members: a frozen
+    dataclass or properties fit as well as plain attributes.
     """
 
-    stream_key: int
-    seq: int
+    @property
+    def stream_key(self) -> int: ...
+
+    @property
+    def seq(self) -> int: ...
 
 
 _PENDING, _DONE, _FAULTED = 0, 1, 2
@@ -395,7 +399,7 @@ class HostStream:
         state = "closed" if self._closed else ("faulted" if self._worker.error else "open")
         return f"<HostStream {self.name} {state} fences={self._seq}>"
 
-    def __enter__(self) -> HostStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -613,7 +617,7 @@ def _record_cuda(stream: torch.cuda.Stream) -> CudaFence:
     return CudaFence(event, device_index, key, seq)
 
 
-def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
+def record_fence(stream: HostStream | torch.cuda.Stream | torch.Stream) -> OrderedFence:
     """Record a fence on ``stream`` after all work queued on it so far.
 
     A :class:`HostStream` gives a :class:`HostFence`; a ``torch.cuda.Stream``
@@ -630,7 +634,7 @@ def record_fence(stream: HostStream | torch.cuda.Stream) -> OrderedFence:
         import torch
 
         if not isinstance(stream, torch.cuda.Stream):
-            stream = torch.cuda.Stream(
+            stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
                 stream_id=stream.stream_id,
                 device_index=stream.device_index,
                 device_type=stream.device_type,

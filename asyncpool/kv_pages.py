@@ -885,8 +885,8 @@ class KVPagePool:
 
     def __init__(
         self,
-        num_pages: int,
-        page_size: int,
+        num_pages: SupportsIndex,
+        page_size: SupportsIndex,
         device: str | torch.device = "cpu",
         *,
         reclaim: str = "auto",

@@ -38,10 +38,13 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .kv_pages import KVPagePool
 from .stats import HistogramSnapshot, PoolStats
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -418,11 +421,11 @@ class PoolCollector:
             for f in FAMILIES
         ]
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         """Every family this collector exports, without samples."""
         return self._families()
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         """One snapshot per pool (``stats(summaries=False)``), as families.
 
         A pool whose ``stats()`` raises or gives no ``PoolStats`` is left

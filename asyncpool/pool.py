@@ -75,7 +75,7 @@ import sys
 import threading
 import weakref
 from types import TracebackType
-from typing import Any, SupportsIndex
+from typing import Any, Self, SupportsIndex
 
 import torch
 
@@ -99,7 +99,7 @@ from .lifecycle import Lifecycle
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages
 from .stats import Histogram, LatencySummary, PoolStats
-from .tables import ReqToTokenPoolInfo
+from .tables import PoolInfo
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
 
@@ -214,12 +214,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def __init__(
         self,
-        size: int,
-        max_context_len: int,
+        size: SupportsIndex,
+        max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: Any | None = None,
-        max_waiters: int | None = None,
+        max_waiters: SupportsIndex | None = None,
         kv: KVPagePool | None = None,
         fence_timeout: float | None = None,
         *,
@@ -316,7 +316,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # whose pending fences and frees wake waiters as the row ledger's do.
         self._pages: RowPages | None = None
         if kv is not None:
-            self._pages = RowPages(kv, size)
+            self._pages = RowPages(kv, self.size)
             kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
             # The caller freed detached pages: run the grant loop. Only from
             # the pool's thread: the guard refuses any other.
@@ -363,7 +363,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """The :class:`KVPagePool` whose pages :meth:`admit` hands out, or None."""
         return self._pages.kv if self._pages is not None else None
 
-    async def __aenter__(self) -> AsyncReqToTokenPool:
+    async def __aenter__(self) -> Self:
         self._check_thread()
         return self
 
@@ -491,7 +491,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             loop = self._loop = asyncio.get_running_loop()
         return loop
 
-    def set_req_pool_info(self, req_pool_idx: int, metadata: ReqToTokenPoolInfo) -> None:
+    def set_req_pool_info(self, req_pool_idx: SupportsIndex, metadata: PoolInfo) -> None:
         """Write a row's lengths and token slots (for chunked prefill).
 
         From the pool's thread only (:class:`WrongThreadError` otherwise): it
@@ -509,7 +509,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # ------------------------------------------------------------ allocation
 
     async def alloc(
-        self, n: SupportsIndex, *, priority: int = 0, timeout: float | None = None
+        self, n: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
     ) -> list[int]:
         """Allocate ``n`` rows, waiting until they can all be granted at once.
 
@@ -1217,9 +1217,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def lease(
         self,
-        n: int,
+        n: SupportsIndex,
         *,
-        priority: int = 0,
+        priority: SupportsIndex = 0,
         timeout: float | None = None,
         after: HostStream | Any | None = None,
     ) -> Lease:
@@ -1447,8 +1447,8 @@ class Lease:
     def __init__(
         self,
         pool: AsyncReqToTokenPool,
-        n: int,
-        priority: int,
+        n: SupportsIndex,
+        priority: SupportsIndex,
         timeout: float | None,
         after: Any | None,
     ) -> None:

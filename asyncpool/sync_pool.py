@@ -55,8 +55,8 @@ class ReqToTokenPool(PoolCore):
 
     def __init__(
         self,
-        size: int,
-        max_context_len: int,
+        size: SupportsIndex,
+        max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: Any | None = None,

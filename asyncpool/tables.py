@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, SupportsIndex
 
 import torch
 
@@ -34,6 +34,7 @@ _STREAMS: tuple[type, ...] = (
 
 __all__ = [
     "MemorySaverAdapter",
+    "PoolInfo",
     "ReqToTokenPoolInfo",
     "TokenTables",
     "check_device",
@@ -52,6 +53,23 @@ class ReqToTokenPoolInfo:
     verified_len: int
     alloced_len: int
     alloced_slots: torch.Tensor
+
+
+class PoolInfo(Protocol):
+    """What ``set_req_pool_info`` reads: a :class:`ReqToTokenPoolInfo` or an
+    engine's own object with the same three fields (the seed's dataclass).
+    Read-only members, so a frozen dataclass or a ``NamedTuple`` fits, and
+    lengths may be any integer type (numpy and torch integers are read as
+    ints)."""
+
+    @property
+    def verified_len(self) -> SupportsIndex: ...
+
+    @property
+    def alloced_len(self) -> SupportsIndex: ...
+
+    @property
+    def alloced_slots(self) -> torch.Tensor: ...
 
 
 _INFO_FIELDS = ("verified_len", "alloced_len", "alloced_slots")
@@ -279,7 +297,7 @@ class TokenTables:
     def __init__(
         self,
         size: int,
-        max_context_len: int,
+        max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: Any | None = None,
@@ -375,7 +393,7 @@ class TokenTables:
             raise InvalidSlotError(f"row {index} is out of range 0..{self.size - 1}")
         return index
 
-    def set_req_pool_info(self, row: int, info: ReqToTokenPoolInfo) -> None:
+    def set_req_pool_info(self, row: int, info: PoolInfo) -> None:
         """Write a row's lengths and its first ``alloced_len`` token slots.
 
         ``info`` is a :class:`ReqToTokenPoolInfo` or any object with its

@@ -242,6 +242,10 @@ class Deferrals(Generic[T]):
         # handle may own a large buffer), else the fence itself (so that its
         # id is not reused while it is remembered).
         self._faulted: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        # Ids quarantined behind each remembered fence after its error, by
+        # fence id (kept with _faulted): the first such quarantine is
+        # logged as a warning, the rest at DEBUG with this running count.
+        self._faulted_more: dict[int, int] = {}
         # Explicit mode: faults agree() saw here that no agreement has acted
         # on yet (one that raised or was interrupted settles nothing), by
         # fence id: (the fence or a weak reference to it, its error). Kept
@@ -642,8 +646,10 @@ class Deferrals(Generic[T]):
 
         A fence is counted in ``fence_errors`` and logged as an error once,
         however many calls meet it (one faulted step fence holds a whole
-        batch, freed request by request); ids quarantined behind a fence
-        already reported are logged as a warning. The last
+        batch, freed request by request); the first call that quarantines
+        more ids behind a fence already reported logs a warning, the later
+        ones log at DEBUG with a running count (a batch of hundreds freed
+        one by one must not log a line each). The last
         ``_FAULTS_REMEMBERED`` faulted fences are remembered, weakly where
         the fence allows it: a transfer handle may own a large buffer, which
         the pool must not keep alive. For the same reason the error kept
@@ -656,20 +662,34 @@ class Deferrals(Generic[T]):
         if remembers_fence(faulted, fence):
             faulted.move_to_end(id(fence))
             err: BaseException = FenceError(f"fence {fence!r} faulted before: {exc!r}")
-            logger.warning(
-                "fence %r, which faulted before, quarantined %s %s more",
-                fence,
-                self.unit,
-                _describe(items, n),
-            )
+            before = self._faulted_more.get(id(fence), 0)
+            self._faulted_more[id(fence)] = before + n
+            if not before:
+                logger.warning(
+                    "fence %r, which faulted before, quarantined %s %s more; more %s "
+                    "quarantined behind it are logged at DEBUG (stats() counts them all)",
+                    fence,
+                    self.unit,
+                    _describe(items, n),
+                    self.unit,
+                )
+            elif logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "fence %r, which faulted before, quarantined %s %s more (%d since its error)",
+                    fence,
+                    self.unit,
+                    _describe(items, n),
+                    before + n,
+                )
         else:
             err = exc
             if not isinstance(exc, FenceError):
                 err = FenceError(f"fence {fence!r} raised {exc!r}")
                 err.__cause__ = exc
             remember_fence(faulted, fence)
+            self._faulted_more.pop(id(fence), None)  # a collected fence's id, reused
             if len(faulted) > _FAULTS_REMEMBERED:
-                faulted.popitem(last=False)
+                self._faulted_more.pop(faulted.popitem(last=False)[0], None)
             self.fence_errors += 1
             _drop_pinning_tracebacks(err)
             self.last_fence_error = err

@@ -4,8 +4,9 @@ An engine records one step fence on its whole batch and frees the batch
 request by request over later steps. If that fence faults, every free meets
 it again. ``fence_errors`` / ``page_fence_errors`` count *fences that
 faulted* (README, Metrics), so the count stays 1 however many frees, rows or
-batches meet the fence; the later quarantines are logged as warnings that
-name their rows, and the first error names every row of its call. Each
+batches meet the fence; the first later quarantine is logged as a warning
+that names its rows, the rest at DEBUG with a running count (one line per
+free would flood the log), and the first error names every row of its call. Each
 quarantine still runs the owner's fault hook: a waiter that more quarantine
 makes unfittable is failed with ``CapacityError``. (A trial found the count
 going up once per ``free`` call and the error line naming only a call's
@@ -131,6 +132,32 @@ def test_sync_pool_frees_request_by_request_count_once(caplog: pytest.LogCapture
         pool.free(row)
     st = pool.stats()
     assert (st.fence_errors, st.quarantined) == (1, 8)
+
+
+async def test_a_batch_freed_request_by_request_behind_one_fault_logs_a_few_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # One faulted step fence over a batch of 64 admitted requests, freed one
+    # by one as the scheduler processes them: an error and one warning per
+    # ledger, the rest at DEBUG with a running count (a trial found 126
+    # warnings, one per free and ledger: O(requests) lines for one event).
+    caplog.set_level(logging.DEBUG, logger="asyncpool")
+    pool = AsyncReqToTokenPool(65, 8, kv=KVPagePool(129, 4))
+    grants = [await pool.admit(pages=1) for _ in range(64)]
+    bad = faulted()
+    pool.record_use([g.row for g in grants], bad)
+    for g in grants:
+        pool.free(g.row)
+    st = pool.stats()
+    assert (st.fence_errors, st.page_fence_errors) == (1, 1)
+    assert (st.quarantined, st.pages_quarantined) == (64, 64)
+    errors, warnings = records(caplog, logging.ERROR), records(caplog, logging.WARNING)
+    assert len(errors) == 2, errors  # rows and pages, one each
+    assert len(warnings) == 2, warnings
+    assert all("faulted before" in w and "logged at DEBUG" in w for w in warnings)
+    debug = records(caplog, logging.DEBUG)
+    assert any("(63 since its error)" in d and "rows" in d for d in debug)
+    assert any("(63 since its error)" in d and "pages" in d for d in debug)
 
 
 async def test_quarantine_from_a_repeat_meeting_still_sheds_waiters(

@@ -68,6 +68,42 @@ def test_wheel_holds_only_asyncpool_and_scheduler_demo(tmp_path: Path) -> None:
         assert not any(f"/{bad}/" in f"/{name}" for name in names), bad
 
 
+def test_sdist_carries_the_whole_test_suite(tmp_path: Path) -> None:
+    """The sdist's tests run from it: setuptools' default took
+    tests/test_*.py alone, without conftest.py and helpers.py, so not one
+    of them could be collected from an unpacked sdist. MANIFEST.in grafts
+    the suite and what it reads (docs, examples, benchmarks, scripts)."""
+    import tarfile
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=_IGNORE)
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    code = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(dist)],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sdist,) = dist.glob("*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
+    wanted = {
+        p.relative_to(src).as_posix()
+        for top in ("tests", "benchmarks", "examples", "docs", "scripts")
+        for p in (src / top).rglob("*")
+        if p.is_file()
+    }
+    assert {"tests/conftest.py", "tests/helpers.py", "LICENSE", ".ci/run"} <= names
+    assert sorted(wanted - names) == []
+
+
 def test_benchmarks_default_markdown_path_is_under_the_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ the forward stream has run past every write to it.
 
 from __future__ import annotations
 
+from .admission import Counts
 from .errors import (
     AgreementError,
     CapacityError,
@@ -38,12 +39,13 @@ from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
-from .tables import ReqToTokenPoolInfo
+from .tables import PoolInfo, ReqToTokenPoolInfo
 
 __all__ = [
     "AgreementError",
     "AsyncReqToTokenPool",
     "CapacityError",
+    "Counts",
     "CudaFence",
     "DeviceError",
     "DoubleFreeError",
@@ -65,6 +67,7 @@ __all__ = [
     "PoolBusyError",
     "PoolClosedError",
     "PoolError",
+    "PoolInfo",
     "PoolStats",
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",

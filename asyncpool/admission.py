@@ -35,7 +35,7 @@ from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fa
 from .row_pages import Grant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
-__all__ = ["Admission", "Need"]
+__all__ = ["Admission", "Counts", "Need"]
 
 #: Page counts: one for every row, or one per row.
 Counts = SupportsIndex | Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]] | torch.Tensor

@@ -22,6 +22,7 @@ from asyncpool import (
     AgreementError,
     AsyncReqToTokenPool,
     CapacityError,
+    Counts,
     DeviceError,
     DoubleFreeError,
     Fence,
@@ -38,8 +39,10 @@ from asyncpool import (
     PoolBusyError,
     PoolClosedError,
     PoolError,
+    PoolInfo,
     PoolStats,
     ReqToTokenPool,
+    Rows,
     WrongThreadError,
     new_stream_key,
     record_fence,
@@ -172,6 +175,15 @@ async def step(pool: AsyncReqToTokenPool, kv: KVPagePool, stream: HostStream) ->
         assert_type(same, AsyncReqToTokenPool)
     async with EnginePool(8, 16) as mine:
         assert_type(mine, EnginePool)
+
+
+def grow(pool: AsyncReqToTokenPool, rows: Rows, k: Counts) -> torch.Tensor | None:
+    """An engine's wrapper names the argument types the pool exports."""
+    return pool.extend_rows(rows, k)
+
+
+def set_info(pool: AsyncReqToTokenPool, row: int, info: PoolInfo) -> None:
+    pool.set_req_pool_info(row, info)
 
 
 def observe(pool: AsyncReqToTokenPool, kv: KVPagePool, sync: ReqToTokenPool) -> None:

@@ -120,8 +120,8 @@ class HostFence:
     __slots__ = ("_callbacks", "_error", "_event", "_lock", "_state", "seq", "stream_key")
 
     def __init__(self, stream_key: int, seq: int) -> None:
-        self.stream_key = stream_key
-        self.seq = seq
+        self.stream_key: int = stream_key
+        self.seq: int = seq
         self._state = _PENDING
         self._error: BaseException | None = None
         self._event = threading.Event()
@@ -378,8 +378,8 @@ class HostStream:
     """
 
     def __init__(self, name: str | None = None) -> None:
-        self.key = next(_stream_keys)
-        self.name = name or f"host-stream-{self.key}"
+        self.key: int = next(_stream_keys)
+        self.name: str = name or f"host-stream-{self.key}"
         self._worker = worker = _Worker(self.name)
         self._queue = worker.queue
         self._seq = 0
@@ -557,10 +557,10 @@ class CudaFence:
     __slots__ = ("_device_index", "event", "seq", "stream_key")
 
     def __init__(self, event: torch.cuda.Event, device_index: int, stream_key: int, seq: int):
-        self.event = event
+        self.event: torch.cuda.Event = event
         self._device_index = device_index
-        self.stream_key = stream_key
-        self.seq = seq
+        self.stream_key: int = stream_key
+        self.seq: int = seq
 
     def __repr__(self) -> str:
         return f"<CudaFence stream={self.stream_key} seq={self.seq}>"

@@ -902,7 +902,7 @@ class KVPagePool:
                 "num_pages * page_size must be at most 2**31"
             )
         explicit = check_reclaim_mode(reclaim)
-        self.device = check_device(device)
+        self.device: torch.device = check_device(device)
         self._ledger = PageLedger(num_pages)
         if explicit:
             self._ledger.make_explicit()

@@ -106,7 +106,7 @@ class Histogram:
                 f"histogram bounds must be finite, increasing and not empty (+Inf is "
                 f"implicit), got {bounds!r}"
             )
-        self.bounds = b
+        self.bounds: tuple[float, ...] = b
         self._counts = [0] * (len(b) + 1)
         self._sum = 0.0
 

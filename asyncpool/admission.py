@@ -606,7 +606,7 @@ class Admission:
         keep: Counts,
         fence: Fence | None = None,
         *,
-        after: HostStream | Any | None = None,
+        after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Give back each row's pages past its first ``keep``; the rows keep those.
 

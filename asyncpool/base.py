@@ -11,7 +11,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from .fences import Fence, check_after, record_fence
+from .fences import Fence, HostStream, check_after, record_fence
 from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
 from .tables import PoolInfo, TokenTables
@@ -143,7 +143,7 @@ class PoolCore:
         max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
-        stream: Any | None = None,
+        stream: HostStream | torch.Stream | None = None,
     ) -> None:
         """Bounds, checked before anything is built: ``size`` an int (any
         integer type but bool: numpy and torch integers are read as ints) in

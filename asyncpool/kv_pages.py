@@ -1073,7 +1073,7 @@ class KVPagePool:
         pages: object,
         *,
         fence: Fence | None = None,
-        after: HostStream | Any | None = None,
+        after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Return allocated pages; return how many are free at once.
 

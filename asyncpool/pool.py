@@ -218,7 +218,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
-        stream: Any | None = None,
+        stream: HostStream | torch.Stream | None = None,
         max_waiters: SupportsIndex | None = None,
         kv: KVPagePool | None = None,
         fence_timeout: float | None = None,
@@ -850,7 +850,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         rows: Rows,
         fence: Fence | None = None,
         *,
-        after: HostStream | Any | None = None,
+        after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Return rows to the pool; never awaits.
 
@@ -1221,7 +1221,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         *,
         priority: SupportsIndex = 0,
         timeout: float | None = None,
-        after: HostStream | Any | None = None,
+        after: HostStream | torch.Stream | None = None,
     ) -> Lease:
         """``async with pool.lease(n) as rows:`` allocate, then always free.
 

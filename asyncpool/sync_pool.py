@@ -59,7 +59,7 @@ class ReqToTokenPool(PoolCore):
         max_context_len: SupportsIndex,
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
-        stream: Any | None = None,
+        stream: HostStream | torch.Stream | None = None,
         *,
         reclaim: str = "auto",
     ) -> None:
@@ -122,7 +122,7 @@ class ReqToTokenPool(PoolCore):
         free_index: Rows,
         fence: Fence | None = None,
         *,
-        after: HostStream | Any | None = None,
+        after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Free rows; each waits for its newest recorded use and for ``fence``.
 

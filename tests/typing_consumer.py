@@ -123,8 +123,14 @@ class Priority(enum.IntEnum):
 def build() -> tuple[AsyncReqToTokenPool, KVPagePool, ReqToTokenPool]:
     # Sizes from a config read with numpy or torch: integers of any type.
     kv = KVPagePool(np.int64(513), np.int32(16))
+    forward = HostStream()  # or the engine's torch.cuda.Stream
     pool = AsyncReqToTokenPool(
-        np.int64(65), torch.tensor(4096), kv=kv, max_waiters=np.int64(256), fence_timeout=30.0
+        np.int64(65),
+        torch.tensor(4096),
+        stream=forward,
+        kv=kv,
+        max_waiters=np.int64(256),
+        fence_timeout=30.0,
     )
     sync = ReqToTokenPool(np.int64(65), np.int64(4096))
     return pool, kv, sync
@@ -164,6 +170,9 @@ async def step(pool: AsyncReqToTokenPool, kv: KVPagePool, stream: HostStream) ->
     assert_type(kv.free(pool.pages_of(row), fence=Transfer(), after=stream), int)
     assert_type(pool.free(req_pool_indices, fence=ordered[1]), int)
     assert_type(pool.force_release(ordered[2]), tuple[int, int])
+    if torch.cuda.is_available():
+        pool.free(req_pool_indices, after=torch.cuda.current_stream())
+        kv.free(pool.pages_of(row), after=torch.Stream(device="cuda"))
     hold = pool.hold_grants(warn_after=5.0)
     assert_type(hold, GrantHold)
     hold.release()
@@ -175,6 +184,13 @@ async def step(pool: AsyncReqToTokenPool, kv: KVPagePool, stream: HostStream) ->
         assert_type(same, AsyncReqToTokenPool)
     async with EnginePool(8, 16) as mine:
         assert_type(mine, EnginePool)
+
+
+def mistakes(pool: AsyncReqToTokenPool, rows: list[int]) -> None:
+    """Refused by the annotations as at run time (``TypeError``): the
+    ``type: ignore`` fails mypy (``warn_unused_ignores``) should one pass."""
+    pool.free(rows, after=Transfer())  # type: ignore[arg-type]  # a fence, not a stream
+    pool.free(rows, fence=HostStream())  # type: ignore[arg-type]  # a stream, not a fence
 
 
 def grow(pool: AsyncReqToTokenPool, rows: Rows, k: Counts) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from .fence_wait import wait_fence
 from .fences import (
     CudaFence,
     Fence,
+    Fences,
     HostFence,
     HostStream,
     OrderedFence,
@@ -51,6 +52,7 @@ __all__ = [
     "DoubleFreeError",
     "Fence",
     "FenceError",
+    "Fences",
     "Grant",
     "GrantHold",
     "Histogram",

@@ -29,7 +29,7 @@ import torch
 
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, InvalidSlotError, PoolClosedError
-from .fences import Fence, HostStream, check_after, record_fence
+from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
 from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fault
 from .row_pages import Grant, RowPages, check_page_count
@@ -604,7 +604,7 @@ class Admission:
         self,
         rows: Rows,
         keep: Counts,
-        fence: Fence | None = None,
+        fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
     ) -> int:
@@ -613,7 +613,8 @@ class Admission:
         For speculative decoding's rollback (pages that held only rejected
         draft tokens) and for shrinking requests instead of retracting them.
         The pages given back wait, as at :meth:`free`, for their row's
-        newest recorded use per stream plus ``fence`` and ``after`` (a fence
+        newest recorded use per stream plus ``fence`` (one fence, or a list
+        or tuple of fences, every one waited for) and ``after`` (a fence
         recorded on it now, once the call is checked): the step in flight
         may still write them. Each row keeps its recorded uses, its first
         pages (in order) and its row of the tables, whose slots past those
@@ -626,7 +627,8 @@ class Admission:
         for a ``keep`` that is not an int >= 0 (or one per row),
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows or for a record written into (as :meth:`free`), ``TypeError``
-        for a non-fence; :class:`CapacityError` on a pool without ``kv``.
+        for a non-fence (as :meth:`free`); :class:`CapacityError` on a pool
+        without ``kv``.
         Allowed after :meth:`close`, as :meth:`free`.
         """
         self._check_thread()
@@ -652,14 +654,12 @@ class Admission:
             keeps = _page_counts(keep, len(seq), "keep")
         led = self._ledger
         led.check_allocated(seq, "trimmed")
-        if fence is not None:
-            led.check_fence(fence)
+        extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
         if after is not None:
             check_after(after)
         prepared = pages.prepare_free(seq, self._uses, keeps)
         if not prepared:
             return 0
-        extra: tuple[Fence, ...] = () if fence is None else (fence,)
         if after is not None:
             extra = (*extra, record_fence(after))
         pled = pages.ledger
@@ -672,13 +672,14 @@ class Admission:
             self._waiters.grant()
         return immediate
 
-    def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fence | None) -> int:
+    def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fences | None) -> int:
         """:meth:`free` on a pool with ``kv``: rows and the pages they own.
 
-        Checks everything (rows, fence, ``after``, the pages in the page
-        ledger) before changing anything, and records no fence on ``after``
-        for a refused free. Each row's pages wait for the row's recorded use
-        plus ``fence`` and ``after``: exactly the row's own fences.
+        Checks everything (rows, fence or fences, ``after``, the pages in
+        the page ledger) before changing anything, and records no fence on
+        ``after`` for a refused free. Each row's pages wait for the row's
+        recorded use plus ``fence`` and ``after``: exactly the row's own
+        fences.
         """
         pages = self._pages
         assert pages is not None
@@ -720,12 +721,10 @@ class Admission:
         led = self._ledger
         if after is not None:
             check_after(after)
-        if fence is not None:
-            led.check_fence(fence)
+        extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
         seq = led.as_rows(rows)
         led.check_allocated(seq, "freed")
         prepared = pages.prepare_free(seq, self._uses)
-        extra: tuple[Fence, ...] = () if fence is None else (fence,)
         if after is not None:
             step = record_fence(after)
             led.record_use(seq, step, "freed")

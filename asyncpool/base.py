@@ -11,7 +11,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from .fences import Fence, HostStream, check_after, record_fence
+from .fences import Fence, Fences, HostStream, check_after, fence_list, is_fence, record_fence
 from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .stats import LatencySummary, PoolStats
 from .tables import PoolInfo, TokenTables
@@ -260,17 +260,18 @@ class PoolCore:
             row = self._tables.check_row(row)
         return self._ledger.generation(row)
 
-    def _use_until_now(self, rows: Rows, after: Any, fence: Fence | None) -> Sequence[int]:
+    def _use_until_now(self, rows: Rows, after: Any, fence: Fences | None) -> Sequence[int]:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
 
-        Checks everything first, so a refused free records no fence on the
+        Checks everything first (``fence``: one fence, or every element of
+        a list or tuple), so a refused free records no fence on the
         caller's stream. Returns the rows as a sequence (a one-shot iterator
         must survive both passes).
         """
         led = self._ledger
         check_after(after)
-        if fence is not None:
-            led.check_fence(fence)
+        if fence is not None and not is_fence(fence):
+            fence_list(fence)  # TypeError for a non-fence, naming a bad element
         seq = led.as_rows(rows)
         led.check_allocated(seq, "freed")
         led.record_use(seq, record_fence(after), "freed")

@@ -31,7 +31,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeGuard, runtime_checkable
 
 from .errors import FenceError
 
@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CudaFence",
     "Fence",
+    "Fences",
     "HostFence",
     "HostStream",
     "OrderedFence",
+    "fence_list",
     "is_done",
     "new_stream_key",
     "record_fence",
@@ -682,7 +684,7 @@ def check_after(after: object) -> None:
         )
 
 
-def is_fence(obj: object) -> bool:
+def is_fence(obj: object) -> TypeGuard[Fence]:
     """True if ``obj`` has callable ``query`` and ``synchronize`` and is not a
     class (``fence=HostFence`` instead of a fence would fault when asked)."""
     return (
@@ -690,6 +692,62 @@ def is_fence(obj: object) -> bool:
         and callable(getattr(obj, "synchronize", None))
         and not isinstance(obj, type)
     )
+
+
+#: What a call that holds memory behind fences takes as ``fence=``: one
+#: fence, or a list or tuple of fences (the memory waits for every one of
+#: them; an empty one is no fence, as ``None``). Other iterables are refused
+#: (``TypeError``): a set's order follows the fences' ids, so replicas that
+#: make the same calls would pick different fences to wait on first, and an
+#: iterator would be spent by the checks before the pool read it.
+Fences = Fence | list[Fence] | tuple[Fence, ...]
+
+
+def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
+    """The fences a ``fence=`` argument names, checked: ``()`` for None or
+    an empty list or tuple, ``(value,)`` for one fence, else the elements of
+    a list or tuple of fences, in order.
+
+    An object with ``query()`` and ``synchronize()`` is one fence, whatever
+    else it is. ``TypeError`` for anything else: an element that is not a
+    fence is named by its position and value (``fence=[1]``), and a value
+    that is neither a fence nor a list or tuple by its value and type.
+    Changes nothing, so a caller checks before it records or defers.
+    """
+    if value is None:
+        return ()
+    if is_fence(value):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        hint = ""
+        if hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+            hint = (
+                " (other iterables are refused: a set's order follows the fences' ids, "
+                "an iterator is spent by the checks)"
+            )
+        raise TypeError(
+            f"{name}= must be a fence (an object with query() and synchronize()) or a list "
+            f"or tuple of fences, got {value!r} of type {type(value).__name__}{hint}"
+        )
+    for i, f in enumerate(value):
+        if not is_fence(f):
+            raise TypeError(
+                f"{name}=[{i}] must be a fence (an object with query() and synchronize()), "
+                f"got {f!r} of type {type(f).__name__}"
+            )
+    return tuple(value)
+
+
+def fence_arg(value: object, name: str = "fence") -> Fence | tuple[Fence, ...] | None:
+    """A ``fence=`` argument that is not one fence (the caller asked
+    :func:`is_fence` first, the one-fence path's only check), as the
+    ledgers take it: None for an empty list or tuple, its fence for one of
+    one, else a tuple of two or more fences (the only tuple a ledger reads
+    as several fences). ``TypeError`` as :func:`fence_list`."""
+    fences = fence_list(value, name)
+    if not fences:
+        return None
+    return fences[0] if len(fences) == 1 else fences
 
 
 def is_done(answer: object) -> bool:

@@ -76,7 +76,7 @@ from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import log_force_release
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
-from .fences import Fence, HostStream, check_after, record_fence
+from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
 from .ledger import (
     _CHECKING,
     _NOT_IDS,
@@ -1072,7 +1072,7 @@ class KVPagePool:
         self,
         pages: object,
         *,
-        fence: Fence | None = None,
+        fence: Fences | None = None,
         after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Return allocated pages; return how many are free at once.
@@ -1080,12 +1080,15 @@ class KVPagePool:
         ``pages``: a 1-D integer tensor or numpy array, a list of ints (numpy
         or 0-d torch integers accepted per element), or one int. With
         ``fence`` (any object with ``query()``/``synchronize()``: a
-        :class:`HostFence`, a ``CudaFence``, a transfer handle) and/or
+        :class:`HostFence`, a ``CudaFence``, a transfer handle; or a list
+        or tuple of such fences, as for cached pages that both the newest
+        step and a transfer read: an empty one is no fence) and/or
         ``after`` (a stream: a fence is recorded on it now, after the pages
-        are checked), the pages wait for every such fence; a fence already
-        faulted quarantines them.
+        are checked), the pages wait for every such fence (the newest per
+        stream); any one faulting quarantines them.
 
-        Raises, changing nothing: ``TypeError`` for a non-fence or an
+        Raises, changing nothing: ``TypeError`` for a non-fence (naming a
+        bad element of a list or tuple by its position) or an
         ``after`` that is not a stream, ``RuntimeError`` for a closed
         ``HostStream`` as ``after``, :class:`InvalidSlotError` for page 0, ids
         out of range, non-integer ids or dtypes, duplicates, pages not
@@ -1185,12 +1188,9 @@ class KVPagePool:
                 if self._on_free is not None:
                     self._on_free()
             return n
-        fences: list[Fence] = []
         if after is not None:
             check_after(after)  # before anything changes, with the pool's message
-        if fence is not None:
-            led.check_fence(fence)
-            fences.append(fence)
+        fences = [] if fence is None else [*fence_list(fence)]
         ids, owned = led.prepare(pages)
         if self._handed and (entry := self._handed.pop(id(pages), None)) is not None:
             self._handed_pages -= entry[4]  # checked above, not trusted

@@ -44,7 +44,7 @@ from typing import Any, SupportsIndex
 
 from .deferral import Deferrals, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
-from .fences import Fence, is_done, is_fence
+from .fences import Fence, Fences, fence_arg, fence_list, is_done, is_fence
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "USED", "SlotLedger"]
 
@@ -370,16 +370,26 @@ class SlotLedger(Deferrals[int]):
 
     # ------------------------------------------------------------------ use
 
-    def record_use(self, rows: Rows, fence: Fence, what: str = "used") -> None:
+    def record_use(self, rows: Rows, fence: Fences, what: str = "used") -> None:
         """Note that ``rows`` are touched by work that completes with ``fence``.
 
-        A later :meth:`free` of a row waits for the newest use recorded on
-        each stream. All rows must be allocated. ``what="freed"`` (a
+        ``fence``: one fence, or a list or tuple of fences (a step that
+        ends with several: each is recorded, as by one call per fence; an
+        empty one records nothing but still checks the rows). A later
+        :meth:`free` of a row waits for the newest use recorded on each
+        stream. All rows must be allocated. ``what="freed"`` (a
         ``free(after=...)`` recording its fence) reports a row already free
         or pending as a :class:`DoubleFreeError`, as :meth:`free` does.
+        Raises, changing nothing: ``TypeError`` for a non-fence (naming
+        the element of a list or tuple by its position).
         """
         seq = self.as_rows(rows)
-        self.check_fence(fence)
+        if not is_fence(fence):  # the one-fence path's only check, as before
+            fences = fence_list(fence)  # all checked before anything is recorded
+            self.check_allocated(seq, what)
+            for f in fences:
+                self.record_use(seq, f, what)
+            return
         self.check_allocated(seq, what)
         state = self._state
         uses = self._uses
@@ -428,13 +438,15 @@ class SlotLedger(Deferrals[int]):
 
     # ------------------------------------------------------------------ free
 
-    def free(self, rows: Rows, fence: Fence | None = None) -> int:
+    def free(self, rows: Rows, fence: Fences | None = None) -> int:
         """Return allocated rows; return how many are free at once.
 
-        Each row waits for its newest recorded use and for ``fence``; a row
-        with nothing incomplete to wait for is free at once, the rest become
-        PENDING. Raises (changing nothing) for row 0, out-of-range or
-        non-int ids, rows not allocated, duplicates, and a non-fence.
+        Each row waits for its newest recorded use and for ``fence`` (one
+        fence, or a list or tuple of fences: every one of them; an empty
+        one is None); a row with nothing incomplete to wait for is free at
+        once, the rest become PENDING. Raises (changing nothing) for row 0,
+        out-of-range or non-int ids, rows not allocated, duplicates, and a
+        non-fence (``TypeError``, naming a list's bad element by position).
         """
         if fence is None and rows.__class__ is list:
             # Fast path: distinct allocated rows, no fence, no recorded use
@@ -464,7 +476,22 @@ class SlotLedger(Deferrals[int]):
                 state[row] = ALLOCATED
         seq = self.as_rows(rows)
         if fence is not None:
-            self.check_fence(fence)
+            if not is_fence(fence):  # the one-fence path's only check, as before
+                # A list or tuple: None (empty), its one fence, or a tuple
+                # of several (the only tuple read as several fences below).
+                fence = fence_arg(fence)
+            # `one` and `more` are read only where a fence was given (not
+            # after an empty list made it None): the fence when it is one
+            # (else None), and the fences to add to a row's uses on the
+            # general path.
+            one: Fence | None
+            more: Any
+            if fence.__class__ is tuple:
+                one = None
+                more = fence
+            else:
+                one = fence  # type: ignore[assignment]  # not a tuple: one fence
+                more = (fence,)
         self._mark_allocated(seq, "freed")
         state = self._state
         uses = self._uses
@@ -493,7 +520,10 @@ class SlotLedger(Deferrals[int]):
                     continue
                 uses[row] = None
                 if use is None:
-                    single = fence  # only the explicit fence to wait for
+                    # Only the given fence to wait for (None: several, the
+                    # general path). `one` is set: a fence was given, or
+                    # the row would have been freed above.
+                    single = one
                 elif fence is None and use.__class__ is not tuple:
                     single = use  # only the recorded use
                 else:
@@ -535,7 +565,7 @@ class SlotLedger(Deferrals[int]):
                     if use is not None:
                         candidates.extend(use if use.__class__ is tuple else (use,))
                     if fence is not None:
-                        candidates.append(fence)
+                        candidates.extend(more)
                     waits, faulted, error = self._open_fences(candidates)
                     if faulted is not None:
                         faults = self._fault_row(faults, row, faulted, error)

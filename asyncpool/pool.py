@@ -92,7 +92,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import CudaFence, Fence, HostFence, HostStream, check_after
+from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
@@ -833,14 +833,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     # ------------------------------------------------------------ free
 
-    def record_use(self, rows: Rows, fence: Fence) -> None:
+    def record_use(self, rows: Rows, fence: Fences) -> None:
         """Note that ``rows`` are touched by work that completes with ``fence``.
 
         Call it once per scheduler step, right after launching the step, with
-        the one fence recorded after that launch. A later :meth:`free` of a
-        row then waits for the newest use recorded for it (per stream).
-        Raises, changing nothing: :class:`InvalidSlotError` unless every row
-        is allocated, ``TypeError`` for a ``fence`` that is not a fence.
+        the one fence recorded after that launch (a step that ends with
+        several, on several streams: a list or tuple of them, as one call
+        per fence would record). A later :meth:`free` of a row then waits
+        for the newest use recorded for it (per stream). Raises, changing
+        nothing: :class:`InvalidSlotError` unless every row is allocated,
+        ``TypeError`` for a ``fence`` that is not a fence or a list or tuple
+        of fences (naming a bad element by its position).
         """
         self._check_thread()
         self._ledger.record_use(rows, fence)
@@ -848,7 +851,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def free(
         self,
         rows: Rows,
-        fence: Fence | None = None,
+        fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
     ) -> int:
@@ -857,14 +860,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Each row goes back to circulation once its newest recorded use and
         ``fence`` (and a fence recorded now on ``after``, when given) have
         completed; a row with nothing incomplete is free at once and goes to
-        the waiters. Returns the number of rows free at once. The signature
+        the waiters. ``fence``: one fence, or a list or tuple of fences
+        (memory also read by a transfer: the row waits for every one of
+        them, each faulting quarantines it, the newest per stream counts;
+        an empty one is no fence). Returns the number of rows free at once.
+        The signature
         is :meth:`ReqToTokenPool.free`'s: ``free(rows)``, ``free(rows, fence)``
         or ``free(rows, fence=fence)``, and ``after=`` by keyword. ``rows``: an
         int, a list of ints, integer scalars or a 1-D integer tensor or array.
         Raises,
         changing nothing, for row 0, out-of-range or non-int ids, rows not
         allocated (:class:`DoubleFreeError` for one already freed),
-        duplicates, a ``fence`` that is not a fence (``TypeError``), an
+        duplicates, a ``fence`` that is not a fence or a list or tuple of
+        fences (``TypeError``, naming a bad element by its position), an
         ``after`` that is not a stream (``TypeError``) or a closed
         ``HostStream`` (``RuntimeError``), and, with ``kv``, a row whose page
         record was written into (:class:`InvalidSlotError`). Allowed after

@@ -27,7 +27,7 @@ import torch
 from .agreement import agree, check_explicit, check_reclaim_mode
 from .base import PoolCore, log_force_release
 from .deferral import check_ordered
-from .fences import Fence, HostStream
+from .fences import Fence, Fences, HostStream
 from .ledger import Rows
 from .stats import Histogram, PoolStats
 
@@ -109,28 +109,32 @@ class ReqToTokenPool(PoolCore):
             led.reclaim()
         return led.free_count
 
-    def record_use(self, rows: Rows, fence: Fence) -> None:
-        """Tie ``rows`` to work that completes with ``fence``: a later
-        :meth:`free` of a row waits for the newest use recorded for it (per
-        stream). Raises, changing nothing: :class:`InvalidSlotError` unless
-        every row is allocated, ``TypeError`` for a ``fence`` that is not a
-        fence."""
+    def record_use(self, rows: Rows, fence: Fences) -> None:
+        """Tie ``rows`` to work that completes with ``fence`` (or with every
+        fence of a list or tuple of them): a later :meth:`free` of a row
+        waits for the newest use recorded for it (per stream). Raises,
+        changing nothing: :class:`InvalidSlotError` unless every row is
+        allocated, ``TypeError`` for a ``fence`` that is not a fence or a
+        list or tuple of fences."""
         self._ledger.record_use(rows, fence)
 
     def free(
         self,
         free_index: Rows,
-        fence: Fence | None = None,
+        fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Free rows; each waits for its newest recorded use and for ``fence``.
 
         Same signature as :meth:`AsyncReqToTokenPool.free`: ``fence`` by
-        position or keyword, ``after`` by keyword only. ``after=stream``
+        position or keyword (one fence, or a list or tuple of fences: the
+        rows wait for every one; an empty one is no fence), ``after`` by
+        keyword only. ``after=stream``
         records a fence on ``stream`` now and waits for it too. Returns how
         many rows were free at once. Raises, changing nothing, for bad rows
         (:class:`InvalidSlotError`, :class:`DoubleFreeError`), a non-fence
+        (naming a bad element of a list or tuple by its position)
         or an ``after`` that is not a stream (``TypeError``) and a closed
         ``HostStream`` as ``after`` (``RuntimeError``). ``free_index``: an
         int, a list of ints, integer scalars or a 1-D integer tensor or

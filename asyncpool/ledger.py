@@ -56,6 +56,7 @@ _CHECKING = 5  # transient mark while one call validates its rows
 # fast paths of free() that a row can go back at once, with no second look.
 USED = 6
 STATE_NAMES = ("free", "allocated", "pending", "quarantined", "reserved", "checking", "allocated")
+_NO_USE = object()  # no recorded use met yet (None is one: no use)
 
 #: What a call that takes rows accepts: one row id (an int or an integer
 #: scalar) or an iterable of them (a list, a 1-D integer tensor or array),
@@ -509,6 +510,12 @@ class SlotLedger(Deferrals[int]):
         # logged) together once the call has decided every row.
         faults: dict[int, tuple[Fence, BaseException, list[int]]] | None = None
         answers = self.answers  # set: ask each fence once (Deferrals.answer)
+        # The general path's verdict for the last recorded use it met: the
+        # rows of one step share their use (record_use), and the call's own
+        # fences are the same for every row, so those rows wait for the same
+        # fences, asked once per call as the one-fence path asks them.
+        several_use: Any = _NO_USE
+        several: Any = None
         try:
             for row in seq:
                 use = uses[row]
@@ -561,12 +568,15 @@ class SlotLedger(Deferrals[int]):
                     rest: tuple[Fence, ...] = ()
                     key: Any = id(use)
                 else:
-                    candidates: list[Fence] = []
-                    if use is not None:
-                        candidates.extend(use if use.__class__ is tuple else (use,))
-                    if fence is not None:
-                        candidates.extend(more)
-                    waits, faulted, error = self._open_fences(candidates)
+                    if use is not several_use:
+                        candidates: list[Fence] = []
+                        if use is not None:
+                            candidates.extend(use if use.__class__ is tuple else (use,))
+                        if fence is not None:
+                            candidates.extend(more)
+                        several = self._open_fences(candidates)
+                        several_use = use
+                    waits, faulted, error = several
                     if faulted is not None:
                         faults = self._fault_row(faults, row, faulted, error)
                         continue

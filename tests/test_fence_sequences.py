@@ -154,6 +154,36 @@ def test_ordered_fences_of_one_stream_collapse_to_the_newest() -> None:
     assert older.queries == 0  # never asked: the newer one covers it
 
 
+def test_a_steps_rows_freed_behind_a_list_ask_each_fence_once() -> None:
+    """The rows of a step share their recorded use, so behind the same list
+    they wait for the same fences: worked out once per call (as one fence
+    is), not once per row, and every row gets the same verdict."""
+    pool = ReqToTokenPool(40, 4)
+    forward, side = FakeStream(), FakeStream()
+    step, copied = forward.record(), side.record()
+    rows = pool.alloc(32)
+    assert rows is not None
+    pool.record_use(rows, step)
+    transfer = Transfer()
+    asked = 0
+    query = transfer.query
+
+    def counted() -> bool:
+        nonlocal asked
+        asked += 1
+        return query()
+
+    transfer.query = counted  # type: ignore[method-assign]
+    assert pool.free(rows, [copied, transfer]) == 0
+    assert (step.queries, copied.queries, asked) == (1, 1, 1)
+    assert len(pool._ledger.pending_batches()) == 1  # one batch for the step's rows
+    forward.complete()
+    side.complete()
+    transfer.landed = True
+    assert pool.reclaim() == 32
+    pool.check_invariants()
+
+
 def test_a_faulted_element_quarantines_as_one_fence_does(kit: Streams) -> None:
     pool = ReqToTokenPool(4, 4)
     step, gate = _gated(kit)

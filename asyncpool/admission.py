@@ -613,8 +613,8 @@ class Admission:
         For speculative decoding's rollback (pages that held only rejected
         draft tokens) and for shrinking requests instead of retracting them.
         The pages given back wait, as at :meth:`free`, for their row's
-        newest recorded use per stream plus ``fence`` (one fence, or a list
-        or tuple of fences, every one waited for) and ``after`` (a fence
+        newest recorded use per stream plus ``fence`` (one fence, or a sequence
+        of fences, every one waited for) and ``after`` (a fence
         recorded on it now, once the call is checked): the step in flight
         may still write them. Each row keeps its recorded uses, its first
         pages (in order) and its row of the tables, whose slots past those

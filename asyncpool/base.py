@@ -264,7 +264,7 @@ class PoolCore:
         """For ``free(rows, after=stream)``: tie ``rows`` to a fence recorded now.
 
         Checks everything first (``fence``: one fence, or every element of
-        a list or tuple), so a refused free records no fence on the
+        a sequence), so a refused free records no fence on the
         caller's stream. Returns the rows as a sequence (a one-shot iterator
         must survive both passes).
         """

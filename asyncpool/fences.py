@@ -30,7 +30,7 @@ import operator
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeGuard, runtime_checkable
 
 from .errors import FenceError
@@ -695,39 +695,47 @@ def is_fence(obj: object) -> TypeGuard[Fence]:
 
 
 #: What a call that holds memory behind fences takes as ``fence=``: one
-#: fence, or a list or tuple of fences (the memory waits for every one of
-#: them; an empty one is no fence, as ``None``). Other iterables are refused
-#: (``TypeError``): a set's order follows the fences' ids, so replicas that
-#: make the same calls would pick different fences to wait on first, and an
-#: iterator would be spent by the checks before the pool read it.
-Fences = Fence | list[Fence] | tuple[Fence, ...]
+#: fence, or a sequence of fences (a list, a tuple, any other
+#: ``collections.abc.Sequence`` but text and bytes): the memory waits for
+#: every one of them; an empty one is no fence, as ``None``. Other
+#: iterables are refused (``TypeError``): a set's order follows the fences'
+#: ids, so replicas that make the same calls would pick different fences
+#: to wait on first, and an iterator would be spent by the checks before
+#: the pool read it.
+Fences = Fence | Sequence[Fence]
+
+#: Sequences that are not sequences of fences, refused whole (their
+#: elements are characters or ints).
+_NOT_FENCES = (str, bytes, bytearray, memoryview)
 
 
 def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
     """The fences a ``fence=`` argument names, checked: ``()`` for None or
-    an empty list or tuple, ``(value,)`` for one fence, else the elements of
-    a list or tuple of fences, in order.
+    an empty sequence, ``(value,)`` for one fence, else the elements of a
+    sequence of fences (:data:`Fences`), in order.
 
     An object with ``query()`` and ``synchronize()`` is one fence, whatever
     else it is. ``TypeError`` for anything else: an element that is not a
     fence is named by its position and value (``fence=[1]``), and a value
-    that is neither a fence nor a list or tuple by its value and type.
-    Changes nothing, so a caller checks before it records or defers.
+    that is neither a fence nor a sequence (a set, an iterator, text) by
+    its value and type. Changes nothing, so a caller checks before it
+    records or defers.
     """
     if value is None:
         return ()
     if is_fence(value):
         return (value,)
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, Sequence) or isinstance(value, _NOT_FENCES):
         hint = ""
-        if hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+        if hasattr(value, "__iter__") and not isinstance(value, _NOT_FENCES):
             hint = (
                 " (other iterables are refused: a set's order follows the fences' ids, "
                 "an iterator is spent by the checks)"
             )
         raise TypeError(
-            f"{name}= must be a fence (an object with query() and synchronize()) or a list "
-            f"or tuple of fences, got {value!r} of type {type(value).__name__}{hint}"
+            f"{name}= must be a fence (an object with query() and synchronize()) or a "
+            f"sequence of fences (a list or tuple), got {value!r} of type "
+            f"{type(value).__name__}{hint}"
         )
     for i, f in enumerate(value):
         if not is_fence(f):
@@ -741,9 +749,9 @@ def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
 def fence_arg(value: object, name: str = "fence") -> Fence | tuple[Fence, ...] | None:
     """A ``fence=`` argument that is not one fence (the caller asked
     :func:`is_fence` first, the one-fence path's only check), as the
-    ledgers take it: None for an empty list or tuple, its fence for one of
-    one, else a tuple of two or more fences (the only tuple a ledger reads
-    as several fences). ``TypeError`` as :func:`fence_list`."""
+    ledgers take it: None for an empty sequence, its fence for one of one,
+    else a tuple of two or more fences (the only tuple a ledger reads as
+    several fences). ``TypeError`` as :func:`fence_list`."""
     fences = fence_list(value, name)
     if not fences:
         return None

@@ -1080,15 +1080,16 @@ class KVPagePool:
         ``pages``: a 1-D integer tensor or numpy array, a list of ints (numpy
         or 0-d torch integers accepted per element), or one int. With
         ``fence`` (any object with ``query()``/``synchronize()``: a
-        :class:`HostFence`, a ``CudaFence``, a transfer handle; or a list
-        or tuple of such fences, as for cached pages that both the newest
-        step and a transfer read: an empty one is no fence) and/or
+        :class:`HostFence`, a ``CudaFence``, a transfer handle; or a
+        sequence of such fences, a list or tuple, as for cached pages that
+        both the newest step and a transfer read: an empty one is no fence,
+        a set or an iterator a ``TypeError``) and/or
         ``after`` (a stream: a fence is recorded on it now, after the pages
         are checked), the pages wait for every such fence (the newest per
         stream); any one faulting quarantines them.
 
         Raises, changing nothing: ``TypeError`` for a non-fence (naming a
-        bad element of a list or tuple by its position) or an
+        bad element of a sequence by its position) or an
         ``after`` that is not a stream, ``RuntimeError`` for a closed
         ``HostStream`` as ``after``, :class:`InvalidSlotError` for page 0, ids
         out of range, non-integer ids or dtypes, duplicates, pages not

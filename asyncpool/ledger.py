@@ -374,7 +374,7 @@ class SlotLedger(Deferrals[int]):
     def record_use(self, rows: Rows, fence: Fences, what: str = "used") -> None:
         """Note that ``rows`` are touched by work that completes with ``fence``.
 
-        ``fence``: one fence, or a list or tuple of fences (a step that
+        ``fence``: one fence, or a sequence of fences (a step that
         ends with several: each is recorded, as by one call per fence; an
         empty one records nothing but still checks the rows). A later
         :meth:`free` of a row waits for the newest use recorded on each
@@ -382,7 +382,7 @@ class SlotLedger(Deferrals[int]):
         ``free(after=...)`` recording its fence) reports a row already free
         or pending as a :class:`DoubleFreeError`, as :meth:`free` does.
         Raises, changing nothing: ``TypeError`` for a non-fence (naming
-        the element of a list or tuple by its position).
+        the element of a sequence by its position).
         """
         seq = self.as_rows(rows)
         if not is_fence(fence):  # the one-fence path's only check, as before
@@ -443,7 +443,7 @@ class SlotLedger(Deferrals[int]):
         """Return allocated rows; return how many are free at once.
 
         Each row waits for its newest recorded use and for ``fence`` (one
-        fence, or a list or tuple of fences: every one of them; an empty
+        fence, or a sequence of fences: every one of them; an empty
         one is None); a row with nothing incomplete to wait for is free at
         once, the rest become PENDING. Raises (changing nothing) for row 0,
         out-of-range or non-int ids, rows not allocated, duplicates, and a
@@ -478,7 +478,7 @@ class SlotLedger(Deferrals[int]):
         seq = self.as_rows(rows)
         if fence is not None:
             if not is_fence(fence):  # the one-fence path's only check, as before
-                # A list or tuple: None (empty), its one fence, or a tuple
+                # A sequence: None (empty), its one fence, or a tuple
                 # of several (the only tuple read as several fences below).
                 fence = fence_arg(fence)
             # `one` and `more` are read only where a fence was given (not

@@ -838,12 +838,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
         Call it once per scheduler step, right after launching the step, with
         the one fence recorded after that launch (a step that ends with
-        several, on several streams: a list or tuple of them, as one call
+        several, on several streams: a sequence of them, as one call
         per fence would record). A later :meth:`free` of a row then waits
         for the newest use recorded for it (per stream). Raises, changing
         nothing: :class:`InvalidSlotError` unless every row is allocated,
-        ``TypeError`` for a ``fence`` that is not a fence or a list or tuple
-        of fences (naming a bad element by its position).
+        ``TypeError`` for a ``fence`` that is not a fence or a sequence of
+        fences (naming a bad element by its position).
         """
         self._check_thread()
         self._ledger.record_use(rows, fence)
@@ -860,18 +860,18 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         Each row goes back to circulation once its newest recorded use and
         ``fence`` (and a fence recorded now on ``after``, when given) have
         completed; a row with nothing incomplete is free at once and goes to
-        the waiters. ``fence``: one fence, or a list or tuple of fences
-        (memory also read by a transfer: the row waits for every one of
-        them, each faulting quarantines it, the newest per stream counts;
-        an empty one is no fence). Returns the number of rows free at once.
-        The signature
+        the waiters. ``fence``: one fence, or a sequence of fences, a list
+        or tuple (memory also read by a transfer: the row waits for every
+        one of them, any one faulting quarantines it, the newest per stream
+        counts; an empty one is no fence; a set or an iterator is refused).
+        Returns the number of rows free at once. The signature
         is :meth:`ReqToTokenPool.free`'s: ``free(rows)``, ``free(rows, fence)``
         or ``free(rows, fence=fence)``, and ``after=`` by keyword. ``rows``: an
         int, a list of ints, integer scalars or a 1-D integer tensor or array.
         Raises,
         changing nothing, for row 0, out-of-range or non-int ids, rows not
         allocated (:class:`DoubleFreeError` for one already freed),
-        duplicates, a ``fence`` that is not a fence or a list or tuple of
+        duplicates, a ``fence`` that is not a fence or a sequence of
         fences (``TypeError``, naming a bad element by its position), an
         ``after`` that is not a stream (``TypeError``) or a closed
         ``HostStream`` (``RuntimeError``), and, with ``kv``, a row whose page

@@ -111,11 +111,11 @@ class ReqToTokenPool(PoolCore):
 
     def record_use(self, rows: Rows, fence: Fences) -> None:
         """Tie ``rows`` to work that completes with ``fence`` (or with every
-        fence of a list or tuple of them): a later :meth:`free` of a row
+        fence of a sequence of them): a later :meth:`free` of a row
         waits for the newest use recorded for it (per stream). Raises,
         changing nothing: :class:`InvalidSlotError` unless every row is
         allocated, ``TypeError`` for a ``fence`` that is not a fence or a
-        list or tuple of fences."""
+        sequence of fences."""
         self._ledger.record_use(rows, fence)
 
     def free(
@@ -128,13 +128,13 @@ class ReqToTokenPool(PoolCore):
         """Free rows; each waits for its newest recorded use and for ``fence``.
 
         Same signature as :meth:`AsyncReqToTokenPool.free`: ``fence`` by
-        position or keyword (one fence, or a list or tuple of fences: the
+        position or keyword (one fence, or a sequence of fences: the
         rows wait for every one; an empty one is no fence), ``after`` by
         keyword only. ``after=stream``
         records a fence on ``stream`` now and waits for it too. Returns how
         many rows were free at once. Raises, changing nothing, for bad rows
         (:class:`InvalidSlotError`, :class:`DoubleFreeError`), a non-fence
-        (naming a bad element of a list or tuple by its position)
+        (naming a bad element of a sequence by its position)
         or an ``after`` that is not a stream (``TypeError``) and a closed
         ``HostStream`` as ``after`` (``RuntimeError``). ``free_index``: an
         int, a list of ints, integer scalars or a 1-D integer tensor or

@@ -17,6 +17,7 @@ mode treat the batch as they treat a row used on two streams.
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 import pytest
@@ -103,20 +104,20 @@ def test_rows_come_back_once_the_last_fence_completes(kit: Streams, first: str) 
     pool.check_invariants()
 
 
-def test_a_tuple_is_taken_as_a_list_is_and_by_position_too(kit: Streams) -> None:
-    pool = ReqToTokenPool(4, 4)
+def test_a_tuple_or_another_sequence_is_taken_as_a_list_is(kit: Streams) -> None:
+    pool = ReqToTokenPool(5, 4)
     step, gate = _gated(kit)
     transfer = Transfer()
-    a = pool.alloc(1)
-    b = pool.alloc(1)
-    assert a is not None and b is not None
+    a, b, c = (pool.alloc(1) for _ in range(3))
+    assert a is not None and b is not None and c is not None
     assert pool.free(a, (step, transfer)) == 0
     assert pool.free(b, fence=[transfer, step]) == 0
+    assert pool.free(c, collections.deque([step, transfer])) == 0
     gate.open()
     step.synchronize()
     assert pool.reclaim() == 0
     transfer.landed = True
-    assert pool.reclaim() == 2
+    assert pool.reclaim() == 3
     pool.check_invariants()
 
 
@@ -254,6 +255,7 @@ def test_record_use_of_a_list_records_every_fence(kit: Streams) -> None:
         "record_use",
         "free(set)",
         "free(generator)",
+        "free(text)",
     ],
 )
 def test_a_bad_element_is_a_type_error_that_changes_nothing(kit: Streams, call: str) -> None:
@@ -275,11 +277,14 @@ def test_a_bad_element_is_a_type_error_that_changes_nothing(kit: Streams, call: 
         with pytest.raises(TypeError, match=r"fence=\[2\] .*'x'"):
             pool.record_use(rows, (step, Transfer(), "x"))
     elif call == "free(set)":
-        with pytest.raises(TypeError, match=r"list or tuple of fences.*set"):
+        with pytest.raises(TypeError, match=r"sequence of fences.*set"):
             pool.free(rows, {step})
-    else:
-        with pytest.raises(TypeError, match=r"list or tuple of fences.*generator"):
+    elif call == "free(generator)":
+        with pytest.raises(TypeError, match=r"sequence of fences.*generator"):
             pool.free(rows, (f for f in [step]))
+    else:  # a sequence, but of characters: refused whole, not by its first one
+        with pytest.raises(TypeError, match=r"fence= must be .* got 'done' of type str$"):
+            pool.free(rows, "done")
     assert pool_snapshot(pool) == before  # rows still allocated, nothing deferred
     assert stream.record().seq == seq_before + 1  # only this probe: nothing recorded
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, HostFence, HostStream, KVPagePool, ReqToTokenPool
 
 
 def rows_as_engines_hold_them(
@@ -45,3 +45,20 @@ async def counts_as_engines_hold_them(
     kv.alloc(np.int32(2))
     sync.alloc(np.int64(1))
     await pool.admit(2.0)  # type: ignore[arg-type]
+
+
+def fences_as_engines_pass_them(
+    pool: AsyncReqToTokenPool, sync: ReqToTokenPool, kv: KVPagePool, stream: HostStream
+) -> None:
+    """Several fences as a list or tuple (``asyncpool.Fences``), including a
+    list typed by its fences' own class (a sequence, so covariant); a set is
+    refused by the annotation as at run time."""
+    fences: list[HostFence] = [stream.record(), stream.record()]
+    pool.free([1], fences)
+    pool.free([1], fence=(stream.record(), stream.record()))
+    pool.record_use([1], fences)
+    pool.trim_pages([1], 1, fences)
+    sync.free([1], fences)
+    sync.record_use([1], [])
+    kv.free(torch.tensor([1]), fence=fences)
+    pool.free([1], set(fences))  # type: ignore[arg-type]

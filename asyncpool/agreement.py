@@ -77,6 +77,7 @@ import torch
 from .deferral import Deferrals, Deferred, held_words
 from .errors import AgreementError
 from .fences import Fence
+from .naming import pool_log
 
 __all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
 
@@ -226,6 +227,7 @@ def agree(
     ledgers: Sequence[Deferrals[Any]],
     *,
     overdue_after: float | None = None,
+    pool_name: str | None = None,
 ) -> Agreement:
     """Settle the pending fences of ``ledgers`` identically on every rank of ``group``.
 
@@ -259,6 +261,8 @@ def agree(
     answers then. Errors of the collective itself (a rank gone, a timeout
     of the group) propagate as torch raises them, but on an interrupted
     rank the interrupt is raised instead (the error as its context).
+    ``pool_name``: the calling pool's name, which starts every overdue
+    warning logged (None: the lines as they always were).
     """
     if len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
@@ -344,8 +348,9 @@ def agree(
         if overdue_after is None
         else f"{overdue_after:.3g} s after the free"
     )
+    log = pool_log(logger, pool_name)
     for fence, held in overdue.values():
-        logger.warning(
+        log.warning(
             "fence %r is overdue: not done on at least one rank %s; "
             "held on every rank: %s (a late write may still land); "
             "force_release(fence) on every rank only if its writer is known to be dead",

@@ -53,6 +53,7 @@ from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
 from .fences import Fence, chained, is_done
+from .naming import Log, pool_log
 from .stats import Histogram
 
 __all__ = [
@@ -206,6 +207,11 @@ class Deferrals(Generic[T]):
     #: What the ids are, for messages ("rows", "pages").
     unit = "ids"
 
+    #: Where the fault and quarantine lines go: this module's logger, or,
+    #: once the owner named its pool (:meth:`set_log_name`), one that starts
+    #: them with the pool's name. Read on the fault path only.
+    log: Log = logger
+
     def __init__(
         self,
         *,
@@ -283,6 +289,13 @@ class Deferrals(Generic[T]):
         """
         self._on_pending = on_pending
         self._on_fault = on_fault
+
+    def set_log_name(self, name: str | None) -> None:
+        """Label this ledger's log lines with its owner's pool name (None:
+        none, the lines as they always were); the owner calls it once, at
+        construction. A page ledger keeps its own page pool's name when a
+        row pool adopts it (``kv=``)."""
+        self.log = pool_log(logger, name)
 
     # ------------------------------------------------------------ subclass hooks
 
@@ -665,7 +678,7 @@ class Deferrals(Generic[T]):
             before = self._faulted_more.get(id(fence), 0)
             self._faulted_more[id(fence)] = before + n
             if not before:
-                logger.warning(
+                self.log.warning(
                     "fence %r, which faulted before, quarantined %s %s more; more %s "
                     "quarantined behind it are logged at DEBUG (stats() counts them all)",
                     fence,
@@ -673,8 +686,8 @@ class Deferrals(Generic[T]):
                     _describe(items, n),
                     self.unit,
                 )
-            elif logger.isEnabledFor(logging.DEBUG):
-                logger.debug(
+            elif self.log.isEnabledFor(logging.DEBUG):
+                self.log.debug(
                     "fence %r, which faulted before, quarantined %s %s more (%d since its error)",
                     fence,
                     self.unit,
@@ -693,7 +706,7 @@ class Deferrals(Generic[T]):
             self.fence_errors += 1
             _drop_pinning_tracebacks(err)
             self.last_fence_error = err
-            logger.error(
+            self.log.error(
                 "fence %r faulted; quarantined %s %s: %s",
                 fence,
                 self.unit,

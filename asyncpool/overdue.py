@@ -24,6 +24,7 @@ from typing import Any
 
 from .deferral import Deferrals, held_words, remember_fence, remembers_fence
 from .fences import Fence
+from .naming import pool_log
 
 __all__ = ["OverdueFences", "check_fence_timeout"]
 
@@ -58,7 +59,9 @@ class OverdueFences:
     everything it holds in every ledger.
 
     ``ledgers`` are the ledgers to watch (each with a ``unit``: "rows",
-    "pages"); their clock must be ``clock``.
+    "pages"); their clock must be ``clock``. ``pool_name``: the owning
+    pool's name, which starts every warning logged (None: the lines as
+    they always were).
     """
 
     def __init__(
@@ -66,8 +69,11 @@ class OverdueFences:
         timeout: float,
         ledgers: Sequence[Deferrals[Any]],
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        pool_name: str | None = None,
     ) -> None:
         self.timeout = timeout
+        self._log = pool_log(logger, pool_name)
         self._ledgers = list(ledgers)
         self._clock = clock
         # Fences already reported, by id: a weak reference where the fence
@@ -142,7 +148,7 @@ class OverdueFences:
                 continue
             remember_fence(self._logged, fence)
             what = held_words(held)
-            logger.warning(
+            self._log.warning(
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "
                 "%s; the memory stays held (a late write may still land); call "
                 "force_release(fence) only if its writer is known to be dead",

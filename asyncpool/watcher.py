@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 
 from .fences import CudaFence, Fence, is_done, use_device
+from .naming import pool_log
 
 __all__ = ["FenceWatcher"]
 
@@ -99,7 +100,9 @@ class FenceWatcher:
     is asked (outside the lock) before each poller pass and after each
     stream fence; once it answers False the watcher stops itself.
     ``watched`` counts the fences handed over; ``polls`` the poller's
-    passes (for tests and the CPU figure).
+    passes (for tests and the CPU figure). ``pool_name``: the owning
+    pool's name, which starts every line logged (None: the lines as they
+    always were).
     """
 
     def __init__(
@@ -108,8 +111,10 @@ class FenceWatcher:
         name: str = "asyncpool-fence-watcher",
         *,
         alive: Callable[[], bool] | None = None,
+        pool_name: str | None = None,
     ) -> None:
         self._notify = notify
+        self._log = pool_log(logger, pool_name)
         # False once nobody is left to notify (the owning pool was collected):
         # the threads then end at their next look instead of asking fences
         # that may never complete for ever. Called outside the lock.
@@ -242,7 +247,7 @@ class FenceWatcher:
         try:
             self._notify()
         except Exception:
-            logger.exception("fence watcher notify failed")
+            self._log.exception("fence watcher notify failed")
 
     def _watch_polled(self, fence: Fence) -> None:
         # Under _lock.
@@ -312,7 +317,7 @@ class FenceWatcher:
             except BaseException as exc:  # the pool's reclaim quarantines its rows
                 # BaseException too: a CancelledError or SystemExit from a
                 # fence must not end the thread that watches every other.
-                logger.debug("watched fence %r faulted: %r", fence, exc)
+                self._log.debug("watched fence %r faulted: %r", fence, exc)
             with lock:
                 stream.busy = False
                 fences.popleft()
@@ -362,7 +367,7 @@ class FenceWatcher:
                 except BaseException as exc:  # faulted: the pool's reclaim quarantines
                     # BaseException too (see _wait_stream): the poller serves
                     # every fence of unknown origin and must not end.
-                    logger.debug("watched fence %r faulted: %r", fence, exc)
+                    self._log.debug("watched fence %r faulted: %r", fence, exc)
                     done.append(fence)
                     faulted += 1
             cost = _perf_counter() - t0

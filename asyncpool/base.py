@@ -13,6 +13,7 @@ import torch
 
 from .fences import Fence, Fences, HostStream, check_after, fence_list, is_fence, record_fence
 from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
+from .naming import Log, check_name, pool_log
 from .stats import LatencySummary, PoolStats
 from .tables import PoolInfo, TokenTables
 
@@ -36,12 +37,14 @@ def count_of(n: int, noun: str) -> str:
 
 
 def log_force_release(
-    log: logging.Logger, fence: Fence, noun: str, released: int, held: bool, aside: str = ""
+    log: Log, fence: Fence, noun: str, released: int, held: bool, aside: str = ""
 ) -> None:
     """The warning ``force_release(fence)`` logs on a pool of one kind of
     ``noun`` (the synchronous pool's rows, a bare page pool's pages): what
     came back, or why nothing did (what it held still waits for other
-    fences, or nothing was pending behind it; ``aside`` adds to that one)."""
+    fences, or nothing was pending behind it; ``aside`` adds to that one).
+    ``log``: the pool's module logger, through :func:`~asyncpool.naming.pool_log`
+    (a named pool's lines start with its name)."""
     if released:
         log.warning(
             "force_release(%r): %s returned to circulation without the fence completing",
@@ -144,6 +147,8 @@ class PoolCore:
         device: str | torch.device = "cpu",
         enable_memory_saver: bool = False,
         stream: HostStream | torch.Stream | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         """Bounds, checked before anything is built: ``size`` an int (any
         integer type but bool: numpy and torch integers are read as ints) in
@@ -155,7 +160,11 @@ class PoolCore:
         CUDA (:class:`DeviceError`). The tables (``size * max_context_len``
         int32 slots) are allocated before the ledger's per-row lists, so a
         pool too large for memory fails at once, in torch's allocator.
+        ``name``: None or a non-empty printable ``str`` of at most 64
+        characters (:func:`~asyncpool.naming.check_name`: ``TypeError``,
+        ``ValueError``), checked first.
         """
+        name = check_name(name)
         size = check_size(size)
         self._tables = TokenTables(size, max_context_len, device, enable_memory_saver, stream)
         max_context_len = self._tables.max_context_len
@@ -169,7 +178,22 @@ class PoolCore:
         self.max_context_len = max_context_len
         self.device = device
         self.stream = stream
+        self._name = name
+        # The ledger's fault and quarantine lines name the pool too.
+        self._ledger.set_log_name(name)
         self._bind_tensors()
+
+    @property
+    def name(self) -> str | None:
+        """The pool's name (the constructor's ``name=``), or None: shown in
+        ``repr()`` and at the start of every line the pool logs
+        (``pool 'decode': ...``). Read-only."""
+        return self._name
+
+    def _log_to(self, logger: logging.Logger) -> Log:
+        """``logger`` for one of this pool's log lines: as it is without a
+        name, else one that starts the line with the name. Log paths only."""
+        return pool_log(logger, self._name)
 
     def _bind_tensors(self) -> None:
         tables = self._tables

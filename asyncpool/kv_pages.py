@@ -94,6 +94,7 @@ from .ledger import (
     index_or_error,
     integral,
 )
+from .naming import check_name, pool_log, repr_head
 from .stats import LatencySummary
 from .tables import ID_DTYPES, check_device, host_to_device
 
@@ -881,6 +882,20 @@ class KVPagePool:
     ids must fit ``req_to_token``'s int32). ``device`` must be one torch parses, not ``meta`` (ids
     handed out there could never be read back, so never freed) and not CUDA
     without CUDA (:class:`~asyncpool.DeviceError`).
+
+    ``name`` (keyword only; None, the default, for none): a label for an
+    engine that runs several page pools (a hybrid-attention model's
+    sliding-window and full layers), shown in ``repr()`` (``<KVPagePool
+    'swa' num_pages=...>``) and at the start of every line the pool and its
+    ledger log (``pool 'swa': fence ... faulted; quarantined pages ...``),
+    also while it serves an ``AsyncReqToTokenPool`` (``kv=``): its page
+    faults are logged under its own name, and the row pool's own lines
+    (overdue fences, ``force_release``) under the row pool's. Without one
+    the lines are as they always were. A non-empty ``str`` of at most 64
+    printable characters (no control characters or newlines, which could
+    forge log lines): ``TypeError`` for a non-str, ``ValueError``
+    otherwise, checked first, nothing built. Read back as :attr:`name`;
+    ``alloc`` and ``free`` never read it.
     """
 
     def __init__(
@@ -890,7 +905,9 @@ class KVPagePool:
         device: str | torch.device = "cpu",
         *,
         reclaim: str = "auto",
+        name: str | None = None,
     ) -> None:
+        name = check_name(name)
         num_pages = check_num_pages(num_pages)
         page_size = integral(page_size)  # type: ignore[assignment]
         if page_size.__class__ is not int or page_size < 1:
@@ -904,6 +921,8 @@ class KVPagePool:
         explicit = check_reclaim_mode(reclaim)
         self.device: torch.device = check_device(device)
         self._ledger = PageLedger(num_pages)
+        self._ledger.set_log_name(name)
+        self._name = name
         if explicit:
             self._ledger.make_explicit()
         self.num_pages = num_pages
@@ -928,10 +947,17 @@ class KVPagePool:
     def __repr__(self) -> str:
         led = self._ledger
         return (
-            f"<KVPagePool num_pages={self.num_pages} page_size={self.page_size} "
+            f"{repr_head('KVPagePool', self._name)}num_pages={self.num_pages} "
+            f"page_size={self.page_size} "
             f"free={led.free_count} allocated={led.allocated} pending={led.pending} "
             f"quarantined={led.quarantined}>"
         )
+
+    @property
+    def name(self) -> str | None:
+        """The pool's name (the constructor's ``name=``), or None: shown in
+        ``repr()`` and at the start of every line the pool logs. Read-only."""
+        return self._name
 
     @property
     def ledger(self) -> PageLedger:
@@ -1270,7 +1296,7 @@ class KVPagePool:
         led.check_fence(fence)
         held = led.holds(fence)
         pages = led.force_release(fence)
-        log_force_release(logger, fence, "page", pages, held)
+        log_force_release(pool_log(logger, self._name), fence, "page", pages, held)
         return pages
 
     def agree(self, group: Any = None) -> int:
@@ -1288,7 +1314,7 @@ class KVPagePool:
         if self._guard is not None:
             self._guard()
         check_explicit(self._ledger, "agree")
-        n = agree(group, [self._ledger]).released[0]
+        n = agree(group, [self._ledger], pool_name=self._name).released[0]
         if n and self._on_free is not None:
             self._on_free()  # an owning pool's grant loop
         return n

@@ -10,6 +10,8 @@ loop stays gated while any of them does. It knows nothing of how rows or
 pages are granted.
 
 Thread rules: the pool's (:mod:`asyncpool.pool`); every call here is checked.
+A named pool's lines here start with its name, as all its lines do
+(:mod:`asyncpool.naming`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .deferral import Deferrals
 from .errors import PoolBusyError, PoolClosedError
 from .fences import Fence, HostFence, is_done
 from .ledger import SlotLedger
+from .naming import pool_log
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import RowPages
 from .tables import TokenTables
@@ -93,6 +96,7 @@ class Lifecycle:
     :class:`~asyncpool.AsyncReqToTokenPool` for the contract of each call.
     """
 
+    _name: str | None
     _ledger: SlotLedger
     _pages: RowPages | None
     _waiters: WaiterQueues
@@ -272,7 +276,7 @@ class Lifecycle:
         if watcher is not None:
             watcher.stop()
             watcher.join(_CLOSE_JOIN_S)
-        logger.debug("closed %r", self)
+        pool_log(logger, self._name).debug("closed %r", self)
 
     @property
     def closed(self) -> bool:
@@ -327,7 +331,7 @@ class Lifecycle:
         finally:
             self._releasing = None
             done.set_result(None)
-        logger.info("released the kv_cache region of %r", self)
+        pool_log(logger, self._name).info("released the kv_cache region of %r", self)
 
     def _refuse_release_if_allocated(self) -> None:
         allocated = self._ledger.allocated
@@ -368,7 +372,7 @@ class Lifecycle:
         self._released = False
         self._waiters.gated = self._gate_wanted()
         self._waiters.grant()
-        logger.info("resumed the kv_cache region of %r", self)
+        pool_log(logger, self._name).info("resumed the kv_cache region of %r", self)
 
     def hold_grants(self, *, warn_after: float | None = 10.0) -> GrantHold:
         """Hold the grant loop: queued ``alloc``/``admit`` waiters get nothing
@@ -523,7 +527,7 @@ class GrantHold:
         # collection may run inside one of the pool's own calls, or on
         # another thread).
         if self._pool is not None:
-            logger.error(
+            pool_log(logger, self._pool._name).error(
                 "a GrantHold of %r was collected while held: the pool grants its "
                 "queued waiters nothing for good; keep each hold and release() it",
                 self._pool,
@@ -536,7 +540,7 @@ def _warn_if_held(ref: weakref.ReferenceType[GrantHold], held_s: float) -> None:
     if hold is None or hold._pool is None or hold._pool._closed:
         return  # collected (reported as such), released, or closed: holds nothing
     pool = hold._pool
-    logger.warning(
+    pool_log(logger, pool._name).warning(
         "a hold_grants() hold on %r has been held for %.3g s, %d waiters queued behind "
         "it: release it at the first scheduling pass that finds nobody stalled (a loop "
         "that idles with it held waits for ever)",

@@ -96,6 +96,7 @@ from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
+from .naming import repr_head
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, RowPages
 from .stats import Histogram, LatencySummary, PoolStats
@@ -208,6 +209,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         same calls make the same grants. ``kv`` follows the pool's mode (a
         fresh ``"auto"`` page pool is switched to explicit). See the
         README's tensor-parallel section. Anything else: ``ValueError``.
+    name
+        Keyword only; None (the default) for none. A label for an engine
+        that runs several pools (prefill and decode), shown in ``repr()``
+        (``<AsyncReqToTokenPool 'decode' open size=...>``) and at the start
+        of every line the pool logs, its ledger, overdue check, fence
+        watcher and lifecycle included (``pool 'decode': fence ... is
+        overdue ...``); without one the lines are as they always were. The
+        ``kv=`` page pool's own fault lines carry that pool's name (give it
+        one too). A non-empty ``str`` of at most 64 printable characters
+        (no control characters or newlines, which could forge log lines):
+        ``TypeError`` for a non-str, ``ValueError`` otherwise, nothing
+        built. Read back as :attr:`name`; ``alloc``, ``free`` and ``admit``
+        never read it. ``PoolCollector(pool)`` labels the pool with it.
 
     ``async with pool:`` returns the pool and calls :meth:`close` on exit.
     """
@@ -224,6 +238,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         fence_timeout: float | None = None,
         *,
         reclaim: str = "auto",
+        name: str | None = None,
     ) -> None:
         if max_waiters is not None and (max_waiters.__class__ is not int or max_waiters < 0):
             converted = int_arg(max_waiters)  # an IntEnum, a numpy int: as an int
@@ -253,7 +268,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                     f'{kv!r} has pages behind fences; a reclaim="explicit" pool needs a '
                     'fresh page pool (or one built with reclaim="explicit")'
                 )
-        super().__init__(size, max_context_len, device, enable_memory_saver, stream)
+        super().__init__(size, max_context_len, device, enable_memory_saver, stream, name=name)
         led = self._ledger
         if explicit:
             led.make_explicit()
@@ -330,9 +345,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if kv is not None:
             ledgers.append(kv.ledger)
         if timeout_s is not None:
-            self._overdue = OverdueFences(timeout_s, ledgers)
+            self._overdue = OverdueFences(timeout_s, ledgers, pool_name=self._name)
         elif explicit:
-            self._agreed_overdue = OverdueFences(float("inf"), ledgers)
+            self._agreed_overdue = OverdueFences(float("inf"), ledgers, pool_name=self._name)
         if kv is not None and kv.ledger.pending and not explicit:
             # Pages the page pool deferred before it was handed over were
             # announced to no hook: watch their fences as if freed now, or a
@@ -353,7 +368,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         else:
             state = "released" if self._released else "held" if self._holds else "open"
         return (
-            f"<AsyncReqToTokenPool {state} size={self.size} free={led.free_count} "
+            f"{repr_head('AsyncReqToTokenPool', self._name)}{state} size={self.size} "
+            f"free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} "
             f"quarantined={led.quarantined} waiters={self._waiters.count}>"
         )
@@ -679,7 +695,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
 
     def _drop_stale_waiters(self) -> None:
         dropped = self._waiters.drop_all()
-        logger.warning(
+        self._log_to(logger).warning(
             "the event loop of %r was closed with %s queued; they are dropped (their "
             "tasks can never resume) and nothing was granted to them",
             self,
@@ -790,7 +806,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             try:
                 self._tables.reset_rows(rows)
             except Exception:
-                logger.warning(
+                self._log_to(logger).warning(
                     "the batched reset of %d granted rows raised; zeroing them one by one",
                     len(rows),
                     exc_info=True,
@@ -993,7 +1009,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._pages is not None:
             ledgers.append(self._pages.ledger)
         timeout = self._overdue.timeout if self._overdue is not None else None
-        res = agree(group, ledgers, overdue_after=timeout)
+        res = agree(group, ledgers, overdue_after=timeout, pool_name=self._name)
         rows = res.released[0]
         pages = res.released[1] if len(res.released) > 1 else 0
         if (rows or pages or res.quarantined) and self._waiters.count:
@@ -1036,8 +1052,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             # Deferred while the pool's loop was closed, so not watched yet:
             # the next loop must not start asking it either.
             self._unwatched = [f for f in self._unwatched if f is not fence]
+        log = self._log_to(logger)
         if rows or pages:
-            logger.warning(
+            log.warning(
                 "force_release(%r): %s and %s returned to circulation without the fence completing",
                 fence,
                 _count(rows, "row"),
@@ -1045,13 +1062,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             )
             self._waiters.grant()
         elif held:
-            logger.warning(
+            log.warning(
                 "force_release(%r): the rows and pages behind this fence still wait for "
                 "other fences; they no longer wait for this one",
                 fence,
             )
         elif uses:
-            logger.warning(
+            log.warning(
                 "force_release(%r): this fence holds no row and no page of this pool; "
                 "dropped it from the recorded uses of %s (freed later, they do not "
                 "wait for it)",
@@ -1060,7 +1077,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             )
         else:
             # Say so plainly: the operator may have passed the wrong object.
-            logger.warning(
+            log.warning(
                 "force_release(%r): this fence holds no row and no page of this pool "
                 "(never given to it, already completed and reclaimed, or released "
                 "before); nothing changed",
@@ -1100,7 +1117,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if watcher is None:
             if self._closed:
                 return  # no thread close() would never stop; drain() still reclaims
-            watcher = self._watcher = FenceWatcher(self._wake, alive=self._wake.alive)
+            watcher = self._watcher = FenceWatcher(
+                self._wake, alive=self._wake.alive, pool_name=self._name
+            )
         try:
             watcher.watch(fence)
         except RuntimeError:
@@ -1541,6 +1560,8 @@ class Lease:
             # (asyncio.timeout and TaskGroup read the CancelledError). The
             # problem rides along as a note, and in the log.
             exc.add_note(f"lease exit: {problem}")
-            logger.warning("lease exit while %s propagates: %s", type(exc).__name__, problem)
+            pool._log_to(logger).warning(
+                "lease exit while %s propagates: %s", type(exc).__name__, problem
+            )
             return
         raise problem

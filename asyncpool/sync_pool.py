@@ -29,6 +29,7 @@ from .base import PoolCore, log_force_release
 from .deferral import check_ordered
 from .fences import Fence, Fences, HostStream
 from .ledger import Rows
+from .naming import repr_head
 from .stats import Histogram, PoolStats
 
 __all__ = ["ReqToTokenPool"]
@@ -51,6 +52,15 @@ class ReqToTokenPool(PoolCore):
     come back through :meth:`retire` (the scheduler processed that step) and
     :meth:`agree` (a collective over the ranks), so every rank that makes the
     same calls makes the same decisions.
+
+    ``name`` (keyword only; None, the default, for none): a label for an
+    engine that runs several pools, shown in ``repr()`` and at the start of
+    every line the pool logs (``pool 'decode': force_release(...)``);
+    without one the lines are as they always were. A non-empty ``str`` of
+    at most 64 printable characters (no control characters or newlines,
+    which could forge log lines): ``TypeError`` for a non-str,
+    ``ValueError`` otherwise, nothing built. Read back as :attr:`name`; the
+    hot paths never read it.
     """
 
     def __init__(
@@ -62,9 +72,10 @@ class ReqToTokenPool(PoolCore):
         stream: HostStream | torch.Stream | None = None,
         *,
         reclaim: str = "auto",
+        name: str | None = None,
     ) -> None:
         explicit = check_reclaim_mode(reclaim)
-        super().__init__(size, max_context_len, device, enable_memory_saver, stream)
+        super().__init__(size, max_context_len, device, enable_memory_saver, stream, name=name)
         if explicit:
             self._ledger.make_explicit()
         self._alloc_calls = 0  # successful alloc() calls (each a zero wait)
@@ -72,7 +83,7 @@ class ReqToTokenPool(PoolCore):
     def __repr__(self) -> str:
         led = self._ledger
         return (
-            f"<ReqToTokenPool size={self.size} free={led.free_count} "
+            f"{repr_head('ReqToTokenPool', self._name)}size={self.size} free={led.free_count} "
             f"allocated={led.allocated} pending={led.pending} quarantined={led.quarantined}>"
         )
 
@@ -187,7 +198,7 @@ class ReqToTokenPool(PoolCore):
         rank alone, before the collective (the other ranks then wait in it).
         """
         check_explicit(self._ledger, "agree")
-        return agree(group, [self._ledger]).released[0]
+        return agree(group, [self._ledger], pool_name=self._name).released[0]
 
     def force_release(self, fence: Fence) -> int:
         """Release the rows held behind ``fence``, done or not (logged).
@@ -210,7 +221,7 @@ class ReqToTokenPool(PoolCore):
         rows = led.force_release(fence)
         forgot = led.forget_use(fence)
         log_force_release(
-            logger,
+            self._log_to(logger),
             fence,
             "row",
             rows,

@@ -330,8 +330,10 @@ class PoolCollector:
     """A ``prometheus_client`` custom collector for one or more pools.
 
     ``PoolCollector(pool, name="decode")`` exports ``pool`` with the label
-    ``pool="decode"`` (``pool`` may be None: an empty collector; ``name``
-    defaults to ``"default"``); :meth:`add` adds more pools. ``prefix``
+    ``pool="decode"`` (``pool`` may be None: an empty collector); :meth:`add`
+    adds more pools. Without ``name`` (or with None) the label is the pool's
+    own name (``AsyncReqToTokenPool(..., name="decode")``), and
+    ``"default"`` for a pool without one, as before pools had names. ``prefix``
     (default ``"asyncpool"``) starts every family's name:
     ``<prefix>_free_rows`` and so on. Register it once per
     registry: its :meth:`describe` names every family, so a second
@@ -342,7 +344,10 @@ class PoolCollector:
     """
 
     def __init__(
-        self, pool: _HasStats | None = None, name: str = "default", prefix: str = "asyncpool"
+        self,
+        pool: _HasStats | None = None,
+        name: str | None = None,
+        prefix: str = "asyncpool",
     ) -> None:
         self._prefix = prefix
         # name -> (pool, token): the token is fresh at each add(), so a pool
@@ -357,22 +362,31 @@ class PoolCollector:
         if pool is not None:
             self.add(pool, name)
 
-    def add(self, pool: _HasStats, name: str) -> None:
+    def add(self, pool: _HasStats, name: str | None = None) -> None:
         """Export ``pool`` too, labelled ``pool=name``.
 
-        Raises ``ValueError`` if ``name`` is taken (two pools with one label
-        would make an invalid scrape) or ``pool`` is exported already, under
-        any name (its figures would count twice in every sum over pools),
-        ``TypeError`` for a non-str name and
-        for a ``pool`` with no ``stats()`` or a ``KVPagePool`` (its stats are
-        another kind; one bad pool would fail every later scrape, for every
-        pool): export a ``ReqToTokenPool`` or an ``AsyncReqToTokenPool``,
-        whose stats carry the pages of its ``kv=``. Adds nothing on error.
+        ``name`` None (or left out): the pool's own name (its ``name``
+        attribute, when that is a ``str``), else ``"default"``. Raises
+        ``ValueError`` if ``name`` is taken (two pools with one label would
+        make an invalid scrape) or ``pool`` is exported already, under any
+        name (its figures would count twice in every sum over pools),
+        ``TypeError`` for a non-str name and for a ``pool`` with no
+        ``stats()`` or a ``KVPagePool`` (its stats are another kind; one bad
+        pool would fail every later scrape, for every pool): export a
+        ``ReqToTokenPool`` or an ``AsyncReqToTokenPool``, whose stats carry
+        the pages of its ``kv=``. Adds nothing on error.
         """
+        given = name is not None
+        if name is None:
+            own = getattr(pool, "name", None)
+            name = own if isinstance(own, str) else "default"
         if not isinstance(name, str):
             raise TypeError(f"a pool name must be a str, got {name!r}")
         if name in self._pools:
-            raise ValueError(f"this collector already exports a pool named {name!r}")
+            raise ValueError(
+                f"this collector already exports a pool named {name!r}"
+                + ("" if given else "; name this pool (name=, here or when building it)")
+            )
         if isinstance(pool, KVPagePool) or not callable(getattr(pool, "stats", None)):
             raise TypeError(
                 f"cannot export {pool!r}: export a ReqToTokenPool or an AsyncReqToTokenPool "

@@ -706,3 +706,35 @@ async def test_the_hot_paths_never_read_the_name() -> None:
         led.set_log_name("back")
     pool.check_invariants()
     paged.check_invariants()
+
+
+# ------------------------------------------------------------ metrics
+
+
+def test_the_collector_labels_a_named_pool_with_its_name(lines: Lines) -> None:
+    pytest.importorskip("prometheus_client")
+    from asyncpool.metrics import PoolCollector
+
+    decode = AsyncReqToTokenPool(4, 8, name="decode")
+    prefill = ReqToTokenPool(4, 8, name="prefill")
+    plain = ReqToTokenPool(4, 8)
+    collector = PoolCollector(decode)
+    collector.add(prefill)
+    collector.add(plain)  # no name: "default", as before
+    assert collector.names == ("decode", "prefill", "default")
+    with pytest.raises(ValueError, match="named 'default'; name this pool"):
+        collector.add(ReqToTokenPool(4, 8))
+    other = PoolCollector(decode, name="d")  # a name given wins
+    other.add(prefill, "p")
+    assert other.names == ("d", "p")
+    assert PoolCollector(plain).names == ("default",)
+    assert PoolCollector(plain, name="default").names == ("default",)  # the old signature
+
+    def broken(*, summaries: bool = True) -> Any:
+        raise RuntimeError("stats broke")
+
+    prefill.stats = broken  # type: ignore[method-assign]
+    families = list(collector.collect())
+    assert families
+    [warning] = lines.having("left out of this scrape")
+    assert warning.getMessage().startswith("pool 'prefill' left out of this scrape")

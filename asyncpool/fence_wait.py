@@ -1,4 +1,4 @@
-"""``await wait_fence(fence)``: a coroutine waits for a fence, the loop runs on.
+"""``await wait_fence(fence)``: a coroutine waits for fences, the loop runs on.
 
 The pools wait for their own fences. A scheduler also waits for some itself:
 the step whose outputs it must read before it builds the next batch, a
@@ -26,17 +26,27 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import FenceError
-from .fences import CudaFence, Fence, HostFence, is_done, is_fence
+from .fences import CudaFence, Fence, Fences, HostFence, fence_list, is_done, is_fence
 from .watcher import FenceWatcher
 
 __all__ = ["wait_fence"]
 
 
-async def wait_fence(fence: Fence) -> None:
+async def wait_fence(fence: Fences) -> None:
     """Wait until ``fence`` completes, without blocking the event loop.
+
+    ``fence`` may also be a sequence of fences (:data:`~asyncpool.Fences`,
+    as ``fence=`` takes them: a step's fence and a transfer that reads the
+    same memory): the wait ends when every one has completed, and raises
+    what the first one in order that faults raises (the fences before it
+    have completed; those after it are not asked). The sequence is checked
+    before anything is waited for: an element that is not a fence is a
+    ``TypeError`` naming its position, a set, an iterator or text a
+    ``TypeError``; an empty sequence returns at once.
 
     Returns at once when it has completed. Raises what its ``query()``
     raises (:class:`~asyncpool.FenceError` for a faulted stream, a transfer
@@ -60,9 +70,13 @@ async def wait_fence(fence: Fence) -> None:
     tasks may wait for the same fence.
     """
     if not is_fence(fence):
+        if isinstance(fence, Sequence) and not isinstance(fence, (str, bytes, bytearray)):
+            for one in fence_list(fence, "wait_fence() fence"):
+                await wait_fence(one)
+            return
         raise TypeError(
-            f"wait_fence() needs a fence (an object with query() and synchronize()), "
-            f"got {type(fence).__name__}"
+            f"wait_fence() needs a fence (an object with query() and synchronize()) or "
+            f"a sequence of fences, got {type(fence).__name__}"
         )
     done, error = _ask(fence)
     if error is not None:

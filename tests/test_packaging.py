@@ -29,16 +29,16 @@ _IGNORE = shutil.ignore_patterns(
 )
 
 
-def _build_wheel(tmp_path: Path) -> Path:
+def _build(tmp_path: Path, hook: str) -> Path:
+    """Run setuptools' PEP 517 ``hook`` (``build_wheel``, ``build_sdist``)
+    on a copy of the checkout, offline, in a child process so its state
+    stays out of this one (what `pip wheel . --no-build-isolation` calls);
+    the folder it wrote into."""
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=_IGNORE)
     dist = tmp_path / "dist"
     dist.mkdir()
-    # setuptools' PEP 517 backend, offline, in a child process so its state
-    # stays out of this one (what `pip wheel . --no-build-isolation` calls).
-    code = (
-        "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
-    )
+    code = f"import sys; from setuptools import build_meta; print(build_meta.{hook}(sys.argv[1]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, str(dist)],
         cwd=src,
@@ -48,8 +48,13 @@ def _build_wheel(tmp_path: Path) -> Path:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return dist
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    dist = _build(tmp_path, "build_wheel")
     wheels = list(dist.glob("*.whl"))
-    assert len(wheels) == 1, (wheels, proc.stdout[-2000:])
+    assert len(wheels) == 1, wheels
     return wheels[0]
 
 
@@ -75,22 +80,8 @@ def test_sdist_carries_the_whole_test_suite(tmp_path: Path) -> None:
     the suite and what it reads (docs, examples, benchmarks, scripts)."""
     import tarfile
 
+    dist = _build(tmp_path, "build_sdist")
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=_IGNORE)
-    dist = tmp_path / "dist"
-    dist.mkdir()
-    code = (
-        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(dist)],
-        cwd=src,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}

@@ -143,19 +143,23 @@ def check_ordered(fence: object, what: str = "retire()") -> None:
 
 def newest_per_stream(fences: Sequence[Fence]) -> list[Fence]:
     """The fences worth waiting for: the newest of each stream, then each
-    fence of unknown origin once (first-seen order for both)."""
+    fence of unknown origin once (first-seen order for both).
+
+    O(len(fences)): a ``fence=`` sequence may name thousands of transfer
+    handles, so the ones of unknown origin are told apart by id (every one
+    is alive in ``fences`` while this runs), not by a scan of those seen.
+    """
     newest: dict[int, Fence] = {}
-    unordered: list[Fence] = []
+    unordered: dict[int, Fence] = {}
     for f in fences:
         key = stream_key(f)
         if key is None:
-            if not any(g is f for g in unordered):
-                unordered.append(f)
+            unordered.setdefault(id(f), f)
         else:
             cur = newest.get(key)
             if cur is None or getattr(cur, "seq", 0) < getattr(f, "seq", 0):
                 newest[key] = f
-    return [*newest.values(), *unordered]
+    return [*newest.values(), *unordered.values()]
 
 
 class Deferred(Generic[T]):

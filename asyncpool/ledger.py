@@ -388,8 +388,8 @@ class SlotLedger(Deferrals[int]):
         if not is_fence(fence):  # the one-fence path's only check, as before
             fences = fence_list(fence)  # all checked before anything is recorded
             self.check_allocated(seq, what)
-            for f in fences:
-                self.record_use(seq, f, what)
+            if fences:
+                self._record_uses(seq, fences)
             return
         self.check_allocated(seq, what)
         state = self._state
@@ -416,6 +416,24 @@ class SlotLedger(Deferrals[int]):
                     new = _merge_uses(prev, fence)
                 uses[row] = last_new = new
                 last_prev = prev
+
+    def _record_uses(self, seq: Sequence[int], fences: tuple[Fence, ...]) -> None:
+        """:meth:`record_use` of several fences (checked, rows allocated):
+        each row's uses become what one call per fence would leave, folded
+        once per previous use (:func:`_fold_uses`): a long sequence in one
+        pass over it, not one pass over the row's growing uses per fence
+        (O(len(fences)^2) for a sequence of transfer handles)."""
+        state = self._state
+        uses = self._uses
+        last_prev: Any = _NO_USE
+        last_new: Any = None
+        for row in seq:
+            state[row] = USED
+            prev = uses[row]
+            if prev is not last_prev:
+                last_new = _fold_uses(prev, fences)
+                last_prev = prev
+            uses[row] = last_new
 
     def forget_use(self, fence: Fence) -> int:
         """Drop ``fence`` from the uses recorded on allocated rows; return how
@@ -957,6 +975,63 @@ def index_or_error(value: object, rule: str) -> int:
 
 def _row_id(row: object) -> int:
     return index_or_error(row, "row ids must be integers")
+
+
+#: Past this many fences, :func:`_fold_uses` folds them in one pass
+#: (:func:`_merge_many`) instead of one :func:`_merge_uses` per fence.
+_FOLD_AT = 8
+
+
+def _fold_uses(prev: Any, fences: Sequence[Fence]) -> Any:
+    """``prev`` (a row's uses) with ``fences`` recorded in turn, as one
+    :meth:`SlotLedger.record_use` per fence leaves it: a few fences one by
+    one (each a short scan of the row's uses), more in one pass
+    (O(len(prev) + len(fences)), not O(len(prev) * len(fences)))."""
+    if len(fences) > _FOLD_AT:
+        return _merge_many(prev, fences)
+    new = prev
+    for f in fences:
+        if new is None or new is f:
+            new = f
+        else:
+            key = stream_key(f)
+            if key is not None and stream_key(new) == key:
+                new = f if getattr(new, "seq", 0) <= getattr(f, "seq", 0) else new
+            else:
+                new = _merge_uses(new, f)
+    return new
+
+
+def _merge_many(prev: Any, fences: Sequence[Fence]) -> Any:
+    """``prev`` (a row's uses: None, a fence or a tuple of them) with every
+    fence of ``fences`` recorded in turn, as :meth:`SlotLedger.record_use`
+    records one: a fence replaces the one of its stream whose ``seq`` is
+    not newer, one of unknown origin is added once (by identity); the
+    others keep their places, new ones are appended. One fence alone is
+    returned as itself, several as a tuple. O(len(prev) + len(fences))."""
+    out: list[Fence] = [] if prev is None else [*prev] if prev.__class__ is tuple else [prev]
+    at: dict[int, int] = {}  # stream key -> index in out
+    seen: set[int] = set()  # ids of the fences of unknown origin in out
+    for i, f in enumerate(out):
+        key = stream_key(f)
+        if key is None:
+            seen.add(id(f))
+        else:
+            at[key] = i
+    for f in fences:
+        key = stream_key(f)
+        if key is None:
+            if id(f) not in seen:
+                seen.add(id(f))
+                out.append(f)
+        else:
+            at_key = at.get(key)
+            if at_key is None:
+                at[key] = len(out)
+                out.append(f)
+            elif getattr(out[at_key], "seq", 0) <= getattr(f, "seq", 0):
+                out[at_key] = f
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _merge_uses(prev: Any, fence: Fence) -> tuple[Fence, ...]:

@@ -399,9 +399,14 @@ class SlotLedger(Deferrals[int]):
         # The rows of one step mostly hold the same previous use (the step
         # before's fence, or one shared tuple): what replaces a use depends
         # only on that use and ``fence``, so it is worked out once per
-        # distinct previous use, not per row.
+        # distinct previous use, not per row, and rows that shared one use
+        # share the new one (a free decides them once: see free()). Rows of
+        # several histories in turn (A, B, A, ...) find theirs in `seen`,
+        # made at the second distinct use met, so a step of one history
+        # pays for no dict.
         last_prev: Any = None
         last_new: Any = None
+        seen: dict[int, tuple[Any, Any]] | None = None
         for row in seq:
             state[row] = USED
             prev = uses[row]
@@ -410,10 +415,19 @@ class SlotLedger(Deferrals[int]):
             elif prev is last_prev:
                 uses[row] = last_new
             else:
-                if key is not None and stream_key(prev) == key:
-                    new = fence if prev.seq <= fseq else prev
+                hit = None if seen is None else seen.get(id(prev))
+                if hit is not None:
+                    new = hit[1]
                 else:
-                    new = _merge_uses(prev, fence)
+                    if key is not None and stream_key(prev) == key:
+                        new = fence if prev.seq <= fseq else prev
+                    else:
+                        new = _merge_uses(prev, fence)
+                    if last_prev is not None:
+                        # Each entry keeps its use alive: no id is reused.
+                        if seen is None:
+                            seen = {id(last_prev): (last_prev, last_new)}
+                        seen[id(prev)] = (prev, new)
                 uses[row] = last_new = new
                 last_prev = prev
 
@@ -427,11 +441,21 @@ class SlotLedger(Deferrals[int]):
         uses = self._uses
         last_prev: Any = _NO_USE
         last_new: Any = None
+        seen: dict[int, tuple[Any, Any]] | None = None  # as in record_use
         for row in seq:
             state[row] = USED
             prev = uses[row]
             if prev is not last_prev:
-                last_new = _fold_uses(prev, fences)
+                hit = None if seen is None else seen.get(id(prev))
+                if hit is not None:
+                    new = hit[1]
+                else:
+                    new = _fold_uses(prev, fences)
+                    if last_prev is not _NO_USE:
+                        if seen is None:
+                            seen = {id(last_prev): (last_prev, last_new)}
+                        seen[id(prev)] = (prev, new)
+                last_new = new
                 last_prev = prev
             uses[row] = last_new
 
@@ -442,6 +466,10 @@ class SlotLedger(Deferrals[int]):
         uses = self._uses
         state = self._state
         touched = 0
+        # What each distinct tuple of uses becomes (None: it does not hold
+        # the fence), kept with the tuple so that no id is reused: the rows
+        # that shared one tuple share its rest, as record_use left them.
+        rests: dict[int, tuple[Any, Any]] = {}
         for row, use in enumerate(uses):
             if use is None:
                 continue
@@ -449,10 +477,17 @@ class SlotLedger(Deferrals[int]):
                 uses[row] = None
                 state[row] = ALLOCATED
                 touched += 1
-            elif use.__class__ is tuple and any(f is fence for f in use):
-                rest = tuple(f for f in use if f is not fence)
-                uses[row] = rest if len(rest) > 1 else rest[0]
-                touched += 1
+            elif use.__class__ is tuple:
+                hit = rests.get(id(use))
+                if hit is None:
+                    new = None
+                    if any(f is fence for f in use):
+                        rest = tuple(f for f in use if f is not fence)
+                        new = rest if len(rest) > 1 else rest[0]
+                    rests[id(use)] = hit = (use, new)
+                if hit[1] is not None:
+                    uses[row] = hit[1]
+                    touched += 1
         return touched
 
     # ------------------------------------------------------------------ free
@@ -531,9 +566,13 @@ class SlotLedger(Deferrals[int]):
         # The general path's verdict for the last recorded use it met: the
         # rows of one step share their use (record_use), and the call's own
         # fences are the same for every row, so those rows wait for the same
-        # fences, asked once per call as the one-fence path asks them.
+        # fences, asked once per call as the one-fence path asks them. Rows
+        # of several uses in turn (A, B, A, ...) find theirs in `verdicts`,
+        # made at the second distinct use met: a row of A never gets a
+        # verdict other than the first row of A got.
         several_use: Any = _NO_USE
         several: Any = None
+        verdicts: dict[int, tuple[Any, Any]] | None = None
         try:
             for row in seq:
                 use = uses[row]
@@ -587,12 +626,22 @@ class SlotLedger(Deferrals[int]):
                     key: Any = id(use)
                 else:
                     if use is not several_use:
-                        candidates: list[Fence] = []
-                        if use is not None:
-                            candidates.extend(use if use.__class__ is tuple else (use,))
-                        if fence is not None:
-                            candidates.extend(more)
-                        several = self._open_fences(candidates)
+                        hit = None if verdicts is None else verdicts.get(id(use))
+                        if hit is not None:
+                            verdict = hit[1]
+                        else:
+                            candidates: list[Fence] = []
+                            if use is not None:
+                                candidates.extend(use if use.__class__ is tuple else (use,))
+                            if fence is not None:
+                                candidates.extend(more)
+                            verdict = self._open_fences(candidates)
+                            if several_use is not _NO_USE:
+                                # Each entry keeps its use alive: no id is reused.
+                                if verdicts is None:
+                                    verdicts = {id(several_use): (several_use, several)}
+                                verdicts[id(use)] = (use, verdict)
+                        several = verdict
                         several_use = use
                     waits, faulted, error = several
                     if faulted is not None:

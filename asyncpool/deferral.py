@@ -59,6 +59,7 @@ from .stats import Histogram
 __all__ = [
     "Deferrals",
     "Deferred",
+    "answer_once",
     "check_ordered",
     "held_words",
     "newest_per_stream",
@@ -160,6 +161,28 @@ def newest_per_stream(fences: Sequence[Fence]) -> list[Fence]:
             if cur is None or getattr(cur, "seq", 0) < getattr(f, "seq", 0):
                 newest[key] = f
     return [*newest.values(), *unordered.values()]
+
+
+def answer_once(answers: dict[int, tuple[Fence, Any]], fence: Fence) -> bool:
+    """``fence.query()`` as a bool, asked once while ``answers`` (one call's
+    answers, by fence id, each kept with its fence so no id is reused)
+    lives: the first answer, or the ``Exception`` it raised, is given
+    again. An answer that is not a yes or no raises, as a fault; what is
+    not an ``Exception`` propagates and is not remembered."""
+    known = answers.get(id(fence))
+    if known is not None:
+        if known[1].__class__ is bool:
+            return bool(known[1])
+        raise known[1]
+    try:
+        done = fence.query()
+        if done is not True and done is not False:
+            done = is_done(done)  # not a yes or no: a fault
+    except Exception as exc:
+        answers[id(fence)] = (fence, exc)
+        raise
+    answers[id(fence)] = (fence, done)
+    return bool(done)
 
 
 class Deferred(Generic[T]):
@@ -350,20 +373,7 @@ class Deferrals(Generic[T]):
         as a fault. Auto mode only."""
         answers = self.answers
         assert answers is not None
-        known = answers.get(id(fence))
-        if known is not None:
-            if known[1].__class__ is bool:
-                return bool(known[1])
-            raise known[1]
-        try:
-            done = fence.query()
-            if done is not True and done is not False:
-                done = is_done(done)  # not a yes or no: a fault
-        except Exception as exc:
-            answers[id(fence)] = (fence, exc)
-            raise
-        answers[id(fence)] = (fence, done)
-        return bool(done)
+        return answer_once(answers, fence)
 
     def _defer(
         self,

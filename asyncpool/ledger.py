@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex
 
-from .deferral import Deferrals, stream_key
+from .deferral import Deferrals, answer_once, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
 from .fences import Fence, Fences, fence_arg, fence_list, is_done, is_fence
 
@@ -383,13 +383,25 @@ class SlotLedger(Deferrals[int]):
         or pending as a :class:`DoubleFreeError`, as :meth:`free` does.
         Raises, changing nothing: ``TypeError`` for a non-fence (naming
         the element of a sequence by its position).
+
+        A row's uses keep each fence of unknown origin until it is found
+        complete: a record that makes them longer than ``_PRUNE_AT`` asks
+        some of them, in turn (two per fence it adds, each fence once per
+        call), and drops those that answered True (:func:`_pruned`); one
+        still open, or whose ``query()`` raises or answers neither yes nor
+        no, stays (a fault is counted, and quarantines, at the free). Not
+        with ``what="freed"`` (the free asks them all next) nor on an
+        explicit ledger (no fence is asked there: a row keeps every such
+        fence until its free). A ``query()`` raising what is not an
+        ``Exception`` propagates: the rows recorded before it keep their
+        record, that row and the rest their uses as they were.
         """
         seq = self.as_rows(rows)
         if not is_fence(fence):  # the one-fence path's only check, as before
             fences = fence_list(fence)  # all checked before anything is recorded
             self.check_allocated(seq, what)
             if fences:
-                self._record_uses(seq, fences)
+                self._record_uses(seq, fences, what != "freed")
             return
         self.check_allocated(seq, what)
         state = self._state
@@ -407,6 +419,12 @@ class SlotLedger(Deferrals[int]):
         last_prev: Any = None
         last_new: Any = None
         seen: dict[int, tuple[Any, Any]] | None = None
+        # A row's uses grown past _PRUNE_AT drop the fences of unknown
+        # origin found complete (_pruned), except on a free's own record
+        # (the free asks them all next) and on an explicit pool (no fence
+        # is asked there). `asked`: this call's answers, one per fence.
+        prune = what != "freed"
+        asked: dict[int, tuple[Fence, Any]] | None = None
         for row in seq:
             state[row] = USED
             prev = uses[row]
@@ -423,6 +441,10 @@ class SlotLedger(Deferrals[int]):
                         new = fence if prev.seq <= fseq else prev
                     else:
                         new = _merge_uses(prev, fence)
+                        if len(new) > _PRUNE_AT and prune and not self.explicit:
+                            if asked is None:
+                                asked = {} if self.answers is None else self.answers
+                            new = _pruned(prev, new, asked)
                     if last_prev is not None:
                         # Each entry keeps its use alive: no id is reused.
                         if seen is None:
@@ -431,17 +453,20 @@ class SlotLedger(Deferrals[int]):
                 uses[row] = last_new = new
                 last_prev = prev
 
-    def _record_uses(self, seq: Sequence[int], fences: tuple[Fence, ...]) -> None:
+    def _record_uses(self, seq: Sequence[int], fences: tuple[Fence, ...], prune: bool) -> None:
         """:meth:`record_use` of several fences (checked, rows allocated):
         each row's uses become what one call per fence would leave, folded
         once per previous use (:func:`_fold_uses`): a long sequence in one
         pass over it, not one pass over the row's growing uses per fence
-        (O(len(fences)^2) for a sequence of transfer handles)."""
+        (O(len(fences)^2) for a sequence of transfer handles). Uses grown
+        past ``_PRUNE_AT`` are pruned (:func:`_pruned`) when ``prune``."""
         state = self._state
         uses = self._uses
         last_prev: Any = _NO_USE
         last_new: Any = None
         seen: dict[int, tuple[Any, Any]] | None = None  # as in record_use
+        prune = prune and not self.explicit
+        asked: dict[int, tuple[Fence, Any]] | None = None  # as in record_use
         for row in seq:
             state[row] = USED
             prev = uses[row]
@@ -451,6 +476,10 @@ class SlotLedger(Deferrals[int]):
                     new = hit[1]
                 else:
                     new = _fold_uses(prev, fences)
+                    if prune and new.__class__ is tuple and len(new) > _PRUNE_AT:
+                        if asked is None:
+                            asked = {} if self.answers is None else self.answers
+                        new = _pruned(prev, new, asked)
                     if last_prev is not _NO_USE:
                         if seen is None:
                             seen = {id(last_prev): (last_prev, last_new)}
@@ -1024,6 +1053,58 @@ def index_or_error(value: object, rule: str) -> int:
 
 def _row_id(row: object) -> int:
     return index_or_error(row, "row ids must be integers")
+
+
+#: A record that makes a row's uses longer than this asks some of their
+#: fences of unknown origin whether they completed (:func:`_pruned`).
+_PRUNE_AT = 8
+
+
+def _pruned(prev: Any, new: tuple[Fence, ...], asked: dict[int, tuple[Fence, Any]]) -> Any:
+    """``new`` (``prev``, a row's uses, with a record merged in: ``prev``'s
+    fences in their places, ordered ones maybe replaced, then the fences
+    the record added) less the fences of unknown origin found complete.
+
+    A transfer handle recorded on a row every step would otherwise stay in
+    its uses, landed or not, until the row is freed: O(steps) memory and
+    merge and free cost per row, and every landed handle (which may own
+    buffers) kept alive. Asked, through ``asked`` (this call's answers, so
+    each fence is asked once per call: :func:`answer_once`): the first
+    fences of unknown origin of ``prev``'s part, two for each fence the
+    record added (the added ones, just launched, are not asked). Those
+    that answered True go; those still open, and those whose ``query()``
+    raised or answered neither yes nor no (faults: the free quarantines
+    behind them), stay and move behind the others of ``prev``'s part, so
+    the next records ask the ones after them: every fence is asked in
+    turn, a handle stuck open costs a query per pass, not per record. Each
+    added fence thus costs at most two queries, and a row recorded with
+    one new handle a step keeps about twice its handles still open, plus
+    ``_PRUNE_AT``. What a ``query()`` raises that is not an ``Exception``
+    propagates, before anything is changed for the rows that hold
+    ``prev``."""
+    n_old = 0 if prev is None else len(prev) if prev.__class__ is tuple else 1
+    budget = 2 * (len(new) - n_old)
+    if budget <= 0:
+        return new
+    kept: list[Fence] = []
+    stay: list[Fence] = []  # asked, not complete: behind the others
+    for i in range(n_old):
+        f = new[i]
+        if budget and stream_key(f) is None:
+            budget -= 1
+            try:
+                done = answer_once(asked, f)
+            except Exception:  # a fault: kept, for the free to quarantine
+                done = False
+            if not done:
+                stay.append(f)
+        else:
+            kept.append(f)
+    if not stay and len(kept) == n_old:
+        return new  # nothing of unknown origin in prev's part
+    kept += stay
+    kept += new[n_old:]
+    return kept[0] if len(kept) == 1 else tuple(kept)
 
 
 #: Past this many fences, :func:`_fold_uses` folds them in one pass

@@ -856,10 +856,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         the one fence recorded after that launch (a step that ends with
         several, on several streams: a sequence of them, as one call
         per fence would record). A later :meth:`free` of a row then waits
-        for the newest use recorded for it (per stream). Raises, changing
-        nothing: :class:`InvalidSlotError` unless every row is allocated,
-        ``TypeError`` for a ``fence`` that is not a fence or a sequence of
-        fences (naming a bad element by its position).
+        for the newest use recorded for it (per stream) and for each fence
+        of unknown origin (a transfer handle) recorded for it that has not
+        completed: once a row's uses grow past a few, a record asks some of
+        its handles in turn (two per handle it adds) and drops those that
+        landed, so a row recorded with ``[step, transfer]`` every step does
+        not keep every transfer (with ``reclaim="explicit"`` no fence is
+        asked, and a row keeps every handle until its free). A handle
+        whose ``query()`` raises stays, for the free to quarantine behind
+        it. Raises, changing nothing: :class:`InvalidSlotError` unless
+        every row is allocated, ``TypeError`` for a ``fence`` that is not a
+        fence or a sequence of fences (naming a bad element by its
+        position); a ``query()`` raising what is not an ``Exception``
+        propagates, every row recorded or as it was.
         """
         self._check_thread()
         self._ledger.record_use(rows, fence)

@@ -123,10 +123,14 @@ class ReqToTokenPool(PoolCore):
     def record_use(self, rows: Rows, fence: Fences) -> None:
         """Tie ``rows`` to work that completes with ``fence`` (or with every
         fence of a sequence of them): a later :meth:`free` of a row
-        waits for the newest use recorded for it (per stream). Raises,
-        changing nothing: :class:`InvalidSlotError` unless every row is
-        allocated, ``TypeError`` for a ``fence`` that is not a fence or a
-        sequence of fences."""
+        waits for the newest use recorded for it (per stream) and for the
+        fences of unknown origin recorded for it that have not completed
+        (a record asks some of a long row's handles in turn and drops
+        those that landed; not with ``reclaim="explicit"``: see
+        :meth:`AsyncReqToTokenPool.record_use`). Raises, changing nothing:
+        :class:`InvalidSlotError` unless every row is allocated,
+        ``TypeError`` for a ``fence`` that is not a fence or a sequence of
+        fences."""
         self._ledger.record_use(rows, fence)
 
     def free(

@@ -22,6 +22,15 @@ A waiter cancelled after its grant gives the rows back (to the head of the
 free queue, clean) and re-runs the grant loop; a cancelled head that was not
 granted re-runs it too, since smaller waiters behind it may now fit.
 
+Wake-ups: a completed fence reaches the loop as ``_on_fences_done`` (a host
+fence's callback, the watcher's threads), which reclaims both ledgers,
+watches again the fences of unknown origin the poller let go of while they
+still hold memory, and runs the grant loop. A ``query()`` that raises what is
+not an ``Exception`` there leaves its batch as it was (the ledgers' rule);
+the wake-up still grants what it reclaimed, logs the error (``KeyboardInterrupt``
+and ``SystemExit`` propagate, stopping the loop) and retries itself with a
+backoff until a reclaim is not interrupted (see ``_on_fences_done``).
+
 Thread rules: the pool is loop-affine like every asyncio object. It binds to
 the thread of the first call made *inside a running event loop* (and to that
 loop); calls from another thread then raise :class:`WrongThreadError`,
@@ -116,6 +125,14 @@ _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never rai
 # docstring): closed on a free-threaded build, where every call is checked.
 _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 
+#: A fence wake-up whose reclaim a ``query()`` interrupted (it raised what is
+#: not an ``Exception``) is retried after this, doubling while each retry is
+#: interrupted again, up to the cap (see ``_on_fences_done``).
+_WAKE_RETRY_MIN_S = 1e-3
+_WAKE_RETRY_MAX_S = 0.1
+#: What a fence wake-up lets out: the loop must stop for these.
+_STOPS = (KeyboardInterrupt, SystemExit)
+
 
 def _describe(need: Need) -> tuple[str, str]:
     """A need as (the call, what it asks for), for the waiter module's messages."""
@@ -155,6 +172,14 @@ class _Wake:
     def alive(self) -> bool:
         """Whether the pool still exists (the watcher's threads end once not)."""
         return self._pool() is not None
+
+
+def _retry_wake_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
+    """A retried fence wake-up's timer callback, holding its pool weakly."""
+    pool = pool_ref()
+    if pool is not None and pool._wake_retry is loop:
+        pool._wake_retry = None
+        pool._on_fences_done(loop)
 
 
 def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
@@ -317,6 +342,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._wake_scheduled: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
         self._watcher_faults = 0  # the watcher's faults count last seen
+        # Fence wake-ups in a row whose reclaim a query() interrupted, and the
+        # loop a retry of them is queued on (keyed as _wake_scheduled is).
+        self._wake_raises = 0
+        self._wake_retry: asyncio.AbstractEventLoop | None = None
         self._wake = _Wake(self)  # what fences and the watcher call back (weakly)
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
@@ -1151,25 +1180,98 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._wake_scheduled = None
 
     def _on_fences_done(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        # ``loop``: the loop this wake-up was queued on. One the pool has
-        # left (stopped, then run again after a hand-over) does nothing: the
-        # pool may belong to another thread now, and its own loop is told.
+        """The fence wake-up: reclaim both ledgers, watch again what the
+        poller let go of while the pool still waits for it, serve the waiters.
+
+        ``loop``: the loop this wake-up was queued on. One the pool has left
+        (stopped, then run again after a hand-over) does nothing: the pool
+        may belong to another thread now, and its own loop is told.
+
+        A ``query()`` that raises what is not an ``Exception`` (a transfer
+        handle's ``CancelledError``, a ``KeyboardInterrupt``) interrupts the
+        reclaim, leaving its batch as it was (the ledgers' rule), and the
+        poller may already have let go of that fence (it answered True there,
+        or raised). Nobody called the pool, so nobody would look again:
+        :meth:`_wake_interrupted` serves the waiters with what the reclaim
+        released before the raise and queues a retry of this wake-up (1 ms,
+        doubling to 0.1 s while retries are interrupted too), which once a
+        reclaim is no longer interrupted watches again every pending fence of
+        unknown origin the poller let go of. The error is logged, not raised
+        (no caller to raise it to), except ``KeyboardInterrupt`` and
+        ``SystemExit``, which still leave the callback and stop the loop.
+        So a handle that raises on every call costs a few reclaims a second
+        (it is not polled meanwhile), never a loop of poller, wake-up and
+        reclaim as fast as the threads can hand over.
+        """
         if loop is not None and loop is not self._loop:
             return
         self._wake_scheduled = None
         self._fast = False  # no unchecked call may interleave with this one
-        self._reclaim_both()
-        watcher = self._watcher
-        if watcher is not None and watcher.faults != self._watcher_faults:
-            self._rewatch_faulted(watcher)
-        self._waiters.grant()
+        try:
+            self._reclaim_both()
+            watcher = self._watcher
+            if watcher is not None and (
+                self._wake_raises or watcher.faults != self._watcher_faults
+            ):
+                self._rewatch_faulted(watcher)
+            self._wake_raises = 0
+            self._waiters.grant()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise  # as before: the loop's exception handler reports it
+            self._wake_interrupted(exc)
+            if isinstance(exc, _STOPS):
+                raise
+
+    def _wake_interrupted(self, exc: BaseException) -> None:
+        # A query() raised ``exc`` (not an Exception) inside a fence wake-up:
+        # see _on_fences_done. The fences the poller let go of stay unwatched
+        # until a retry's reclaim is no longer interrupted, so a handle that
+        # raises on every call is not polled, dropped and reclaimed in a loop.
+        self._wake_raises += 1
+        raises = self._wake_raises
+        try:
+            # Rows or pages released before the raise. Its own reclaim (a
+            # head that does not fit) may meet the same fence: the retry
+            # covers that too.
+            self._waiters.grant()
+        except BaseException as again:
+            if isinstance(again, (Exception, *_STOPS)):
+                self._retry_wake_later(raises)
+                raise
+        self._retry_wake_later(raises)
+        if isinstance(exc, _STOPS):
+            return  # it propagates: no need to log it
+        log = self._log_to(logger)
+        if raises == 1:
+            log.warning(
+                "a fence's query() raised %r in the pool's background reclaim (a fence "
+                "wake-up): the memory behind it stays pending, the waiters were served "
+                "with what was reclaimed, and the wake-up is retried (at most every %g s) "
+                "until a reclaim no longer raises",
+                exc,
+                _WAKE_RETRY_MAX_S,
+                exc_info=exc,
+            )
+        elif not raises & (raises - 1):  # the 2nd, 4th, 8th ... in a row
+            log.debug("the pool's background reclaim raised %r again (%d in a row)", exc, raises)
+
+    def _retry_wake_later(self, raises: int) -> None:
+        loop = self._loop
+        if self._closed or loop is None or loop.is_closed() or self._wake_retry is loop:
+            return  # closed: drain() and calls into the pool still reclaim
+        delay = min(_WAKE_RETRY_MAX_S, _WAKE_RETRY_MIN_S * 2.0 ** min(raises - 1, 16))
+        self._wake_retry = loop
+        loop.call_later(delay, _retry_wake_of, weakref.ref(self), loop)
 
     def _rewatch_faulted(self, watcher: FenceWatcher) -> None:
         # The poller dropped a fence whose query() raised there (or answered
         # neither yes nor no); the reclaim just now asked it again and, if it
         # raised here too, quarantined its memory. One that answered "not
         # done" here (a transfer whose status poll failed once) still holds
-        # memory: watch it again, or its completion would wake nobody.
+        # memory: watch it again, or its completion would wake nobody. Also
+        # after wake-ups whose reclaim a query() interrupted (_on_fences_done):
+        # the fences the poller let go of then, done there or not.
         self._watcher_faults = watcher.faults
         pending = [
             fence

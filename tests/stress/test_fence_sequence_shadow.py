@@ -37,10 +37,10 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from chaos_model import Req
 from harness import loop_id, show
 from helpers import bounded, spin, until
 
@@ -118,14 +118,6 @@ class Transfer:
 
     def synchronize(self) -> None:
         raise AssertionError("the pool never blocks in a transfer's synchronize()")
-
-
-@dataclass
-class Req:
-    tok: int
-    row: int
-    pages: list[int]
-    uses: list[Any] = field(default_factory=list)
 
 
 class Gated:

@@ -175,9 +175,12 @@ class _Wake:
 
 
 def _retry_wake_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
-    """A retried fence wake-up's timer callback, holding its pool weakly."""
+    """A retried fence wake-up's timer callback, holding its pool weakly.
+    One on a loop the pool has left (bind() to another thread) does nothing:
+    it must not touch the pool from that thread (a retry queued on the new
+    loop would be lost)."""
     pool = pool_ref()
-    if pool is not None and pool._wake_retry is loop:
+    if pool is not None and pool._loop is loop and pool._wake_retry is loop:
         pool._wake_retry = None
         pool._on_fences_done(loop)
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -40,9 +42,10 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import EventFence, bounded, spin, until
+from helpers import WAIT_S, EventFence, bounded, spin, until
 
 from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, PoolClosedError
+from asyncpool import pool as pool_mod
 
 LOGGER = "asyncpool"
 
@@ -422,3 +425,108 @@ def test_an_interrupt_in_the_wake_up_still_stops_the_loop(
     finally:
         handle.landed.set()
         loop.close()
+
+
+# ---------------------------------------------------------------- a pool handed to another thread
+
+
+def _line_of(fn: Callable[..., Any], text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize(
+    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
+    factory: Callable[[], asyncio.AbstractEventLoop], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retry queued on loop A, then the pool handed to thread B with
+    ``bind()`` (nothing pending: a call reclaimed it). A's timer still fires
+    on A's thread; it must do nothing there. Before, it passed its check
+    (``_wake_retry`` still named A) and cleared ``_wake_retry`` from A's
+    thread: landing after B queued its own retry (a tracer holds A's thread
+    just before the store until then), it lost B's retry, so nothing
+    watched B's handle again and B's waiter hung."""
+    caplog.set_level(logging.CRITICAL, logger=LOGGER)
+    bad, bad_b = _AlwaysRaises(), _AlwaysRaises()
+    state: dict[str, Any] = {}
+    handed, bound, checked, queued_b, done_b = (threading.Event() for _ in range(5))
+    store = _line_of(pool_mod._retry_wake_of, "pool._wake_retry = None")
+    code = pool_mod._retry_wake_of.__code__
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if not bound.is_set():
+            return tracer
+        if event == "line" and frame.f_lineno == store:
+            checked.set()  # A's stale timer passed its check
+            queued_b.wait(WAIT_S)  # B's retry is queued: store now
+        elif event == "return":
+            checked.set()  # it did nothing
+        return tracer
+
+    async def on_a() -> None:
+        loop = asyncio.get_running_loop()
+        pool = state["pool"] = AsyncReqToTokenPool(2, 8)
+        pool.free(await pool.alloc(1), fence=bad)
+        bad.raising = True
+        await until(lambda: pool._wake_raises >= 8)  # the next retry is 0.1 s away
+        bad.raising, bad.done = False, True
+        pool.reclaim()  # a call reclaims it: nothing pending, the retry still queued
+        assert pool.pending_size() == 0 and pool._wake_retry is loop
+        handed.set()
+        assert bound.wait(WAIT_S)  # blocks A: its timer fires after the bind
+        # Keep A running (its timer fires) until B is done; B's waits are bounded.
+        assert await loop.run_in_executor(None, done_b.wait, 3 * WAIT_S)
+
+    async def on_b() -> None:
+        pool: AsyncReqToTokenPool = state["pool"]
+        pool.bind()
+        bound.set()
+        assert checked.wait(WAIT_S)  # A's stale timer fired (within 0.1 s)
+        real = pool._retry_wake_later
+
+        def queue_retry(raises: int) -> None:
+            real(raises)
+            queued_b.set()
+
+        pool._retry_wake_later = queue_retry  # type: ignore[method-assign]
+        pool.free(await pool.alloc(1), fence=bad_b)
+        bad_b.raising = True
+        await until(queued_b.is_set)
+        bad_b.raising = False  # not done yet: only a re-watch would see it land
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await spin()
+        bad_b.done = True
+        async with bounded():
+            assert await waiter == [1]
+        pool.check_invariants()
+        await pool.close()
+
+    def thread_b() -> None:
+        try:
+            assert handed.wait(WAIT_S)
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(on_b())
+        except BaseException as exc:
+            state["error_b"] = exc
+        finally:
+            bound.set()
+            checked.set()
+            queued_b.set()
+            done_b.set()
+
+    tb = threading.Thread(target=thread_b, name="B")
+    tb.start()
+    sys.settrace(tracer)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(on_a())
+    finally:
+        sys.settrace(None)
+        tb.join(WAIT_S)
+    assert not tb.is_alive()
+    if "error_b" in state:
+        raise state["error_b"]

@@ -1219,9 +1219,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 self._rewatch_faulted(watcher)
             self._wake_raises = 0
             self._waiters.grant()
+        except Exception:
+            raise  # as before: the loop's exception handler reports it
         except BaseException as exc:
-            if isinstance(exc, Exception):
-                raise  # as before: the loop's exception handler reports it
             self._wake_interrupted(exc)
             if isinstance(exc, _STOPS):
                 raise
@@ -1238,10 +1238,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             # head that does not fit) may meet the same fence: the retry
             # covers that too.
             self._waiters.grant()
-        except BaseException as again:
-            if isinstance(again, (Exception, *_STOPS)):
-                self._retry_wake_later(raises)
-                raise
+        except (Exception, *_STOPS):
+            self._retry_wake_later(raises)
+            raise
+        except BaseException:
+            pass  # the same kind of raise again: the retry below covers it
         self._retry_wake_later(raises)
         if isinstance(exc, _STOPS):
             return  # it propagates: no need to log it

@@ -26,6 +26,7 @@ from .fence_wait import wait_fence
 from .fences import (
     CudaFence,
     Fence,
+    FenceAnswer,
     Fences,
     HostFence,
     HostStream,
@@ -51,6 +52,7 @@ __all__ = [
     "DeviceError",
     "DoubleFreeError",
     "Fence",
+    "FenceAnswer",
     "FenceError",
     "Fences",
     "Grant",

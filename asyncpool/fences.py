@@ -1,7 +1,8 @@
 """Fences: "has the stream run past this point yet?"
 
-A fence is any object with ``query() -> bool`` (non-blocking: has it
-completed?) and ``synchronize() -> None`` (block until it has). Two kinds are
+A fence is any object with ``query()`` (non-blocking: has it completed?
+``True``/``False``, or an int 0/1 as C-extension transfer engines answer:
+:data:`FenceAnswer`) and ``synchronize() -> None`` (block until it has). Two kinds are
 built in, and both *know their stream and their place on it*, which is what
 lets the ledger reclaim in O(completed) rather than O(pending):
 
@@ -31,7 +32,18 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeGuard, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    Self,
+    SupportsIndex,
+    TypeAlias,
+    TypeGuard,
+    runtime_checkable,
+)
+
+import numpy as np
 
 from .errors import FenceError
 
@@ -41,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CudaFence",
     "Fence",
+    "FenceAnswer",
     "Fences",
     "HostFence",
     "HostStream",
@@ -72,14 +85,27 @@ def new_stream_key() -> int:
     return next(_stream_keys)
 
 
+#: What a fence's ``query()`` may be typed to return: the types whose
+#: values :func:`is_done` can read as a yes or no. ``bool``; an int
+#: (``SupportsIndex``: a plain ``int``, a numpy integer, an ``IntEnum``, a
+#: tensor), as transfer engines written in C answer 0 or 1; a numpy bool;
+#: an array or tensor of one element. The pool reads the *value*, never its
+#: truthiness: only ``True``/``False``, 0 and 1 (or one such element) are
+#: answers; any other int (a status code), like any other value, is a fault
+#: of the fence at run time, whatever its static type.
+FenceAnswer: TypeAlias = bool | SupportsIndex | np.bool_
+
+
 @runtime_checkable
 class Fence(Protocol):
     """The fence protocol: a point on some stream that completes once."""
 
-    def query(self) -> bool:
-        """Return True once the fence has completed; never blocks.
+    def query(self) -> FenceAnswer:
+        """Answer at once whether the fence has completed; never blocks.
 
-        Raises (for a faulted stream) instead of returning True.
+        ``True`` (or 1) once it has, ``False`` (or 0) while not: see
+        :data:`FenceAnswer` (a handle typed ``-> int`` fits). Raises (for a
+        faulted stream) instead of answering True.
         """
         ...
 

@@ -44,7 +44,7 @@ from typing import Any, SupportsIndex
 
 from .deferral import Deferrals, answer_once, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
-from .fences import Fence, Fences, fence_arg, fence_list, is_done, is_fence
+from .fences import Fence, FenceAnswer, Fences, fence_arg, fence_list, is_done, is_fence
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "USED", "SlotLedger"]
 
@@ -584,7 +584,9 @@ class SlotLedger(Deferrals[int]):
         # id when that is all, else by the ids of all of them.
         deferred: dict[Any, tuple[Fence, tuple[Fence, ...], list[int]]] | None = None
         last: Any = None
-        last_done = False
+        # A bool, except for the moment a query() answered another yes or no
+        # (an int 0/1) before is_done reads it.
+        last_done: FenceAnswer = False
         last_error: BaseException | None = None
         row = 0
         orig: Any = None

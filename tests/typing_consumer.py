@@ -26,6 +26,7 @@ from asyncpool import (
     DeviceError,
     DoubleFreeError,
     Fence,
+    FenceAnswer,
     FenceError,
     Grant,
     GrantHold,
@@ -48,6 +49,7 @@ from asyncpool import (
     record_fence,
     wait_fence,
 )
+from asyncpool.fences import is_done
 from asyncpool.metrics import PoolCollector
 
 
@@ -56,6 +58,43 @@ class Transfer:
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CTransfer:
+    """A transfer handle of a C extension, typed as its stub says: ``query()``
+    answers 0 or 1 as an ``int`` (the pool reads the value: 1 is done, 0 is
+    not, any other int a fault). A fence as it is (``FenceAnswer``)."""
+
+    def query(self) -> int:
+        return 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StampedCTransfer:
+    """An ordered fence whose ``query()`` answers a numpy bool."""
+
+    stream_key: int
+    seq: int
+
+    def query(self) -> np.bool_:
+        return np.True_
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StatusTransfer:
+    """A handle whose ``query()`` answers a status word: no fence, by the
+    annotation as at run time (a fault of the fence there)."""
+
+    def query(self) -> str:
+        return "DONE"
 
     def synchronize(self) -> None:
         pass
@@ -163,11 +202,17 @@ async def step(pool: AsyncReqToTokenPool, kv: KVPagePool, stream: HostStream) ->
         stream.record(),
         StampedTransfer(new_stream_key(), 1),
         StreamPoint(new_stream_key(), 1),
+        StampedCTransfer(new_stream_key(), 1),
     ]
-    fences: list[Fence] = [Transfer(), *ordered]
+    fences: list[Fence] = [Transfer(), CTransfer(), *ordered]
+    answer: FenceAnswer = fences[1].query()
+    assert is_done(answer)
+    pool.record_use(req_pool_indices, [CTransfer(), StampedCTransfer(new_stream_key(), 2)])
+    await wait_fence(CTransfer())
     await wait_fence(fences[0])
     assert_type(pool.detach_pages(row, host=True), torch.Tensor)
     assert_type(kv.free(pool.pages_of(row), fence=Transfer(), after=stream), int)
+    assert_type(kv.free(pool.pages_of(row), fence=CTransfer()), int)
     assert_type(pool.free(req_pool_indices, fence=ordered[1]), int)
     assert_type(pool.force_release(ordered[2]), tuple[int, int])
     if torch.cuda.is_available():
@@ -191,6 +236,7 @@ def mistakes(pool: AsyncReqToTokenPool, rows: list[int]) -> None:
     ``type: ignore`` fails mypy (``warn_unused_ignores``) should one pass."""
     pool.free(rows, after=Transfer())  # type: ignore[arg-type]  # a fence, not a stream
     pool.free(rows, fence=HostStream())  # type: ignore[arg-type]  # a stream, not a fence
+    pool.free(rows, fence=StatusTransfer())  # type: ignore[arg-type]  # answers a str
 
 
 def grow(pool: AsyncReqToTokenPool, rows: Rows, k: Counts) -> torch.Tensor | None:

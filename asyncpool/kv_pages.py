@@ -86,6 +86,7 @@ from .ledger import (
     QUARANTINED,
     RESERVED,
     STATE_NAMES,
+    Rows,
     SlotLedger,
     _attributes,
     as_index,
@@ -1096,15 +1097,17 @@ class KVPagePool:
 
     def free(
         self,
-        pages: object,
+        pages: Rows,
         *,
         fence: Fences | None = None,
         after: HostStream | torch.Stream | None = None,
     ) -> int:
         """Return allocated pages; return how many are free at once.
 
-        ``pages``: a 1-D integer tensor or numpy array, a list of ints (numpy
-        or 0-d torch integers accepted per element), or one int. With
+        ``pages`` (typed :data:`~asyncpool.Rows`, as the row calls): a 1-D
+        integer tensor or numpy array, a list, tuple or other iterable of
+        ints (numpy or 0-d torch integers accepted per element), or one int.
+        With
         ``fence`` (any object with ``query()``/``synchronize()``: a
         :class:`HostFence`, a ``CudaFence``, a transfer handle; or a
         sequence of such fences, a list or tuple, as for cached pages that

@@ -62,3 +62,19 @@ def fences_as_engines_pass_them(
     sync.record_use([1], [])
     kv.free(torch.tensor([1]), fence=fences)
     pool.free([1], set(fences))  # type: ignore[arg-type]
+
+
+def pages_as_engines_hold_them(kv: KVPagePool, pages: torch.Tensor) -> None:
+    """``kv.free`` takes what the row calls take (``asyncpool.Rows``): the
+    tensor ``alloc`` gave, a list, a numpy array, one id, an iterable of
+    ids; accepted at run time (``tests/test_kv_pages.py``). A float and a
+    string are refused by both (the annotation was ``object``)."""
+    kv.free(pages)
+    kv.free([1, 2])
+    kv.free((1, np.int64(2)))
+    kv.free(np.array([1, 2]))
+    kv.free(np.int64(3))
+    kv.free(3)
+    kv.free(range(1, 3))
+    kv.free(1.5)  # type: ignore[arg-type]
+    kv.free("1")  # type: ignore[arg-type]

@@ -5,9 +5,12 @@ pool; two page pools of a hybrid-attention model, sliding-window and full;
 prefill and decode pools). A pool built with ``name="swa"`` shows it in its
 ``repr()`` and starts every line it logs (it, its ledgers, its overdue
 checker, its fence watcher, its lifecycle) with ``pool 'swa': ``, so an
-operator can tell which pool a warning is about. A pool without a name logs
-exactly what it logged before names existed: the plain module logger, the
-same records.
+operator can tell which pool a warning is about. Each such record also
+carries the name as an attribute, :data:`LOG_FIELD` (``asyncpool_pool``),
+for handlers that write fields (JSON) rather than parse the message. A pool
+without a name logs exactly what it logged before names existed: the plain
+module logger, the same records, without that attribute (read it as
+``getattr(record, "asyncpool_pool", None)``).
 
 Only construction, ``repr()`` and the log paths read the name; the hot paths
 (``alloc``, ``free``, ``admit``, ``kv.alloc``, ``kv.free``) never do.
@@ -18,10 +21,24 @@ from __future__ import annotations
 import logging
 from typing import Any, TypeAlias
 
-__all__ = ["MAX_NAME_LEN", "Log", "NamedLog", "check_name", "pool_log", "repr_head"]
+__all__ = [
+    "LOG_FIELD",
+    "MAX_NAME_LEN",
+    "Log",
+    "NamedLog",
+    "check_name",
+    "pool_log",
+    "repr_head",
+]
 
 #: The longest name a pool takes (it starts every line the pool logs).
 MAX_NAME_LEN = 64
+
+#: The ``LogRecord`` attribute that holds a named pool's name on every line
+#: it logs (``logging``'s ``extra``). Prefixed with the package's name, so it
+#: clashes with no ``LogRecord`` attribute nor a field another library adds;
+#: absent from the records of a pool without a name.
+LOG_FIELD = "asyncpool_pool"
 
 
 def check_name(name: object) -> str | None:
@@ -65,7 +82,9 @@ class NamedLog:
     level check first: nothing is formatted, and no message string built,
     for a level that is off. The name goes in as an argument (``%r``), so a
     ``%`` in it is never read as a format. Records keep the logger's name
-    (``asyncpool.deferral`` and so on) and the caller's function and line.
+    (``asyncpool.deferral`` and so on) and the caller's function and line,
+    and carry the name as the attribute :data:`LOG_FIELD` too (added to a
+    caller's own ``extra``, if any; built only for a line that is logged).
     """
 
     __slots__ = ("logger", "name")
@@ -86,6 +105,10 @@ class NamedLog:
             # Two frames of ours (this and the level's method) between the
             # caller and logging: the record names the caller.
             kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 2
+            extra = kwargs.get("extra")
+            kwargs["extra"] = (
+                {LOG_FIELD: self.name} if extra is None else {**extra, LOG_FIELD: self.name}
+            )
             logger.log(level, "pool %r: " + msg, self.name, *args, **kwargs)
 
     def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:

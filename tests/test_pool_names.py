@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from helpers import WAIT_S, EventFence, FakeFence, FakeStream, Streams, bounded,
 
 import asyncpool.agreement as agreement
 from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
-from asyncpool.naming import MAX_NAME_LEN, NamedLog, check_name
+from asyncpool.naming import LOG_FIELD, MAX_NAME_LEN, NamedLog, check_name
 from asyncpool.watcher import FenceWatcher
 
 NAMES = ("alpha", "beta")
@@ -99,11 +100,14 @@ def lines() -> Iterator[Lines]:
 
 
 def assert_named(records: list[logging.LogRecord], name: str, func: str | None = None) -> None:
-    """Every record starts with ``name``'s prefix (and, given ``func``, was
-    logged by that function: the record names the caller, not the log)."""
+    """Every record starts with ``name``'s prefix and carries the name as
+    its ``asyncpool_pool`` attribute, for handlers that write fields (and,
+    given ``func``, was logged by that function: the record names the
+    caller, not the log)."""
     assert records, "no line was logged"
     for r in records:
         assert r.getMessage().startswith(prefix(name)), r.getMessage()
+        assert getattr(r, LOG_FIELD, None) == name, (r.__dict__.get(LOG_FIELD), r.getMessage())
         if func is not None:
             assert r.funcName == func, (r.funcName, r.getMessage())
 
@@ -514,6 +518,7 @@ async def test_close_release_and_resume_lines_of_two_pools(lines: Lines) -> None
         assert messages[2].startswith(f"{prefix(name)}closed ")
         assert [r.funcName for r in lines.records] == ["release_memory", "resume_memory", "close"]
         assert [r.levelno for r in lines.records] == [logging.INFO, logging.INFO, logging.DEBUG]
+        assert_named(lines.records, name)
         lines.clear()
 
 
@@ -632,6 +637,33 @@ async def test_without_a_name_the_lines_are_as_before(lines: Lines, kit: Streams
     ]
     assert [r.args[0] for r in lines.records[:2]] == [stuck, bad]  # no name argument first
     assert not any(r.msg.startswith("pool %r: ") for r in lines.records)
+    assert not any(hasattr(r, LOG_FIELD) for r in lines.records)  # no name field either
+
+
+def test_the_name_field_is_what_a_json_handler_reads(lines: Lines) -> None:
+    """The field is named so that it clashes with no ``LogRecord``
+    attribute, a JSON formatter writes it as it is, and a caller's own
+    ``extra`` keeps its fields beside it."""
+    assert LOG_FIELD == "asyncpool_pool"
+    assert LOG_FIELD not in logging.makeLogRecord({}).__dict__
+    kv = KVPagePool(9, 4, name="swa")
+    kv.force_release(EventFence())
+    [record] = lines.records
+    assert_named([record], "swa", "log_force_release")
+
+    class Json(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return json.dumps(
+                {"msg": record.getMessage(), "pool": getattr(record, LOG_FIELD, None)}
+            )
+
+    assert json.loads(Json().format(record))["pool"] == "swa"
+    lines.clear()
+    log = NamedLog(logging.getLogger("asyncpool.deferral"), "full")
+    log.warning("with %s", "extra", extra={"request_id": 7})
+    [record] = lines.records
+    assert_named([record], "full")
+    assert record.__dict__["request_id"] == 7
 
 
 # ------------------------------------------------------------ cost

@@ -512,6 +512,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._loop = None
         self._set_owner(self._loop)
         self._wake_scheduled = None  # nothing is pending, so nothing to wake
+        # Nor to retry: a retry timer left on the old loop finds the pool
+        # moved and does nothing. Forget that loop (the note would keep it,
+        # closed or not, alive) and the interrupted wake-ups it counted.
+        self._wake_retry = None
+        self._wake_raises = 0
         if self._overdue is not None:
             # A check armed on the old loop stays that loop's (not cancelled
             # from this thread): it finds the pool moved and does nothing.
@@ -695,9 +700,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._flush_resets()
         self._loop = loop
         self._choose_fast_paths(loop)
-        # State tied to the old loop: a wake-up queued there that may never
-        # run, and an overdue-fence timer that may never fire.
+        # State tied to the old loop: a wake-up or a wake-up's retry queued
+        # there that may never run (nor could: a timer there finds the pool
+        # moved), and an overdue-fence timer that may never fire. Dropped,
+        # not kept until a retry is queued here: the note would keep the old
+        # loop alive. _wake_raises stays: a wake-up below re-watches what the
+        # poller let go of.
         self._wake_scheduled = None
+        self._wake_retry = None
         pending = self._pending_any()
         overdue = self._overdue
         if overdue is not None and overdue.timer is not None:

@@ -530,3 +530,73 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
     assert not tb.is_alive()
     if "error_b" in state:
         raise state["error_b"]
+
+
+@pytest.mark.parametrize("move", ["bind", "drain"])
+@pytest.mark.parametrize(
+    "factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_pool_that_left_its_loop_does_not_keep_it_alive(
+    factory: Callable[[], asyncio.AbstractEventLoop], move: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retry queued on loop A, A stopped and closed before it fired, then
+    the pool moved to loop B: by ``bind()`` there, or by its first wait there
+    (``drain()``, which rebinds a pool whose loop is closed). The pool lets
+    go of A: once nothing else holds A it is collected. Before, the pool's
+    note of the loop its retry was queued on (``_wake_retry``) kept A, with
+    everything A held, until a retry was queued on B, which may never be.
+    And the count of interrupted wake-ups starts afresh on B."""
+    caplog.set_level(logging.CRITICAL, logger=LOGGER)
+    bad = _AlwaysRaises()
+    state: dict[str, Any] = {}
+
+    async def on_a() -> None:
+        pool = state["pool"] = AsyncReqToTokenPool(2, 8)
+        pool.free(await pool.alloc(1), fence=bad)
+        bad.raising = True  # every retry's reclaim raises, and queues the next
+        await until(lambda: pool._wake_retry is not None)
+
+    loop_a = factory()
+    try:
+        loop_a.run_until_complete(on_a())
+        pool: AsyncReqToTokenPool = state["pool"]
+        assert pool._wake_retry is loop_a and pool._loop is loop_a  # a retry still queued
+    finally:
+        loop_a.close()
+    old = weakref.ref(loop_a)
+    del loop_a
+    bad.raising, bad.done = False, True  # reclaimed on B: no retry queued there
+
+    async def on_b() -> None:
+        if move == "bind":
+            pool.bind()
+        else:
+            async with bounded():
+                await pool.drain()
+        assert pool._loop is asyncio.get_running_loop()
+        assert pool.pending_size() == 0
+
+    async def interrupted_on_b() -> None:
+        # B's first interrupted wake-up is the first in a row: it warns, as
+        # on a fresh pool. Before, bind() kept A's count, so it was the
+        # n-th in a row there and logged nothing (DEBUG at most).
+        caplog.set_level(logging.WARNING, logger=LOGGER)
+        again = _AlwaysRaises()
+        pool.free(await pool.alloc(1), fence=again)
+        again.raising = True
+        await until(lambda: any("background reclaim" in r.getMessage() for r in caplog.records))
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        again.raising, again.done = False, True
+        async with bounded():
+            await pool.drain()
+
+    loop_b = factory()
+    try:
+        loop_b.run_until_complete(on_b())
+        gc.collect()
+        assert old() is None, [type(r).__name__ for r in gc.get_referrers(old())]
+        pool.check_invariants()
+        loop_b.run_until_complete(interrupted_on_b())
+        loop_b.run_until_complete(pool.close())
+    finally:
+        loop_b.close()

@@ -74,10 +74,11 @@ from typing import Any
 
 import torch
 
-from .deferral import Deferrals, Deferred, held_words
+from .deferral import Deferrals, Deferred
 from .errors import AgreementError
 from .fences import Fence
 from .naming import pool_log
+from .overdue import log_overdue
 
 __all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
 
@@ -328,8 +329,10 @@ def agree(
     quarantined = 0
     newly = 0
     offset = 0
-    # One warning per fence, naming what it holds in every ledger.
+    # One warning per fence (past OVERDUE_NAMED of them, one for the rest),
+    # naming what it holds in every ledger; oldest first.
     overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
+    since: dict[int, float] = {}
     for led, batches in zip(ledgers, views, strict=True):
         k = len(batches)
         before = led.quarantined
@@ -339,8 +342,10 @@ def agree(
         quarantined += led.quarantined - before
         newly += len(new)
         for batch in new:
-            held = overdue.setdefault(id(batch.fence), (batch.fence, {}))[1]
+            key = id(batch.fence)
+            held = overdue.setdefault(key, (batch.fence, {}))[1]
             held[led.unit] = held.get(led.unit, 0) + batch.n
+            since[key] = min(since.get(key, batch.t0), batch.t0)
     # Overdue is agreed (MAX over ranks): a rank without a timeout logs a
     # fence that another rank's timeout made overdue.
     when = (
@@ -348,15 +353,14 @@ def agree(
         if overdue_after is None
         else f"{overdue_after:.3g} s after the free"
     )
-    log = pool_log(logger, pool_name)
-    for fence, held in overdue.values():
-        log.warning(
+    if overdue:
+        log_overdue(
+            pool_log(logger, pool_name),
+            [entry for _, entry in sorted(overdue.items(), key=lambda item: since[item[0]])],
             "fence %r is overdue: not done on at least one rank %s; "
             "held on every rank: %s (a late write may still land); "
             "force_release(fence) on every rank only if its writer is known to be dead",
-            fence,
             when,
-            held_words(held),
         )
     return Agreement(
         released=tuple(released),

@@ -6,7 +6,16 @@ silently. Past ``fence_timeout`` seconds since it started holding ids, a
 pending fence is *overdue*: :class:`OverdueFences` logs it once, at WARNING,
 naming the fence and what it holds in each ledger, and counts it for
 ``stats()``. The memory stays held; releasing it is an operator's explicit
-call (``force_release``).
+call (``force_release``, which takes one fence or a list of them), and
+:meth:`OverdueFences.fences` lists the overdue fences to act on.
+
+A check that finds many newly overdue fences at once (hundreds of transfers
+whose peer died) does not log a line each: the first
+:data:`OVERDUE_NAMED` are named at WARNING, one more WARNING sums the rest
+(how many, what they hold) and points to the list, and the rest are named
+at DEBUG with a running count (:func:`log_overdue`; ``agree()`` logs what
+the ranks agreed overdue the same way). One overdue fence logs one line,
+as it always did.
 
 Knows the ledgers' pending batches (:class:`~asyncpool.deferral.Deferrals`)
 and a clock; knows nothing of asyncio (the owning pool arms the timer that
@@ -24,13 +33,69 @@ from typing import Any
 
 from .deferral import Deferrals, held_words, remember_fence, remembers_fence
 from .fences import Fence
-from .naming import pool_log
+from .naming import Log, pool_log
 
-__all__ = ["OverdueFences", "check_fence_timeout"]
+__all__ = ["OVERDUE_NAMED", "OverdueFences", "check_fence_timeout", "log_overdue"]
 
 logger = logging.getLogger(__name__)
 
 _t0_of = operator.attrgetter("t0")
+
+
+def _since_of(since: dict[int, float]) -> Callable[[tuple[int, Any]], float]:
+    """A sort key for ``(id(fence), entry)`` items: when the fence turned late."""
+    return lambda item: since[item[0]]
+
+
+#: How many newly overdue fences one check names at WARNING; past that, one
+#: more WARNING sums the rest and they are named at DEBUG.
+OVERDUE_NAMED = 3
+
+
+def log_overdue(
+    log: Log,
+    found: Sequence[tuple[Fence, dict[str, int]]],
+    fmt: str,
+    arg: object,
+    *,
+    where: str = "overdue_fences()",
+) -> None:
+    """Log the fences one check found newly overdue (oldest first), with
+    what each holds per unit: the first :data:`OVERDUE_NAMED` at WARNING as
+    ``fmt % (fence, arg, what it holds)``; if there are more, one WARNING
+    that sums them (how many, what they hold together, that ``where``
+    lists them all), then each of them at DEBUG with a running count (not
+    formatted at all while DEBUG is off). ``log``: the pool's logger, through
+    :func:`~asyncpool.naming.pool_log`; the records name the caller's
+    function, as if it had logged them itself."""
+    for fence, held in found[:OVERDUE_NAMED]:
+        log.warning(fmt, fence, arg, held_words(held), stacklevel=2)
+    rest = found[OVERDUE_NAMED:]
+    if not rest:
+        return
+    total: dict[str, int] = {}
+    for _, held in rest:
+        for unit, n in held.items():
+            total[unit] = total.get(unit, 0) + n
+    log.warning(
+        "and %d more fences are overdue in this check, holding %s (the memory stays "
+        "held); they are logged at DEBUG; %s lists every overdue fence, and "
+        "force_release takes a list of fences",
+        len(rest),
+        held_words(total),
+        where,
+        stacklevel=2,
+    )
+    if log.isEnabledFor(logging.DEBUG):
+        for i, (fence, held) in enumerate(rest, OVERDUE_NAMED + 1):
+            log.debug(
+                "fence %r is overdue (%d of %d in this check), holding %s",
+                fence,
+                i,
+                len(found),
+                held_words(held),
+                stacklevel=2,
+            )
 
 
 def check_fence_timeout(timeout: object, name: str = "fence_timeout") -> float | None:
@@ -85,6 +150,11 @@ class OverdueFences:
         self._logged: dict[int, Any] = {}
         #: The owner's pending check (an ``asyncio.TimerHandle``), if armed.
         self.timer: Any = None
+        #: How many newly overdue fences the last :meth:`check` logged (the
+        #: owner checks again no sooner than a pause later when it logged
+        #: any: fences turning overdue one after another are then logged
+        #: together, :data:`OVERDUE_NAMED` of them by name, not a few a check).
+        self.logged = 0
 
     def scan(
         self, *, agreed: bool = False
@@ -98,12 +168,21 @@ class OverdueFences:
         so, every rank alike (not done on some rank past the timeout: the
         ledgers' ``agreed_overdue``), not this process's clock.
         """
+        overdue, due, _ = self._scan(agreed)
+        return overdue, due
+
+    def _scan(
+        self, agreed: bool
+    ) -> tuple[dict[int, tuple[Fence, dict[str, int]]], float | None, dict[int, float]]:
+        # scan(), and when each overdue fence's oldest late batch was
+        # deferred (by id(fence)): the order fences() and check() report in.
         now = self._clock()
         cutoff = now - self.timeout
         groups = [(led, g) for led in self._ledgers if led.pending for g in led.batch_groups()]
         # First the late batches, with one C-speed pass per queue for its
         # oldest batch: usually none is late, and nothing more is read.
         overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
+        since: dict[int, float] = {}
         oldest: list[float] = []
         for led, group in groups:
             first = min(map(_t0_of, group))
@@ -114,7 +193,11 @@ class OverdueFences:
             else:
                 late = [b for b in group if b.t0 <= cutoff] if first <= cutoff else []
             for batch in late:  # the fence it waits for now is overdue
-                overdue.setdefault(id(batch.fence), (batch.fence, {}))
+                key = id(batch.fence)
+                overdue.setdefault(key, (batch.fence, {}))
+                t0 = since.get(key)
+                if t0 is None or batch.t0 < t0:
+                    since[key] = batch.t0
         if not overdue:
             next_t0 = min(oldest) if oldest else None
         else:
@@ -127,7 +210,7 @@ class OverdueFences:
                     elif next_t0 is None or batch.t0 < next_t0:
                         next_t0 = batch.t0
         due = None if next_t0 is None else max(0.0, next_t0 + self.timeout - now)
-        return overdue, due
+        return overdue, due, since
 
     def counts(self, *, agreed: bool = False) -> tuple[int, dict[str, int]]:
         """(overdue fences, the ids they hold per unit); ``agreed`` as in :meth:`scan`."""
@@ -138,25 +221,39 @@ class OverdueFences:
                 held[unit] = held.get(unit, 0) + n
         return len(overdue), held
 
+    def fences(self, *, agreed: bool = False) -> list[Fence]:
+        """The overdue fences now, oldest first (by when the oldest batch
+        late behind each was deferred; ties in scan order); ``agreed`` as in
+        :meth:`scan`. A new list; O(pending batches), as :meth:`scan`."""
+        overdue, _, since = self._scan(agreed)
+        return [fence for key, (fence, _) in sorted(overdue.items(), key=_since_of(since))]
+
     def check(self) -> float | None:
-        """Log each newly overdue fence once; return when to check again."""
-        overdue, due = self.scan()
+        """Log each newly overdue fence once (oldest first; past
+        :data:`OVERDUE_NAMED` of them, as :func:`log_overdue` says); return
+        when to check again."""
+        overdue, due, since = self._scan(False)
         for key in [k for k in self._logged if k not in overdue]:
             del self._logged[key]  # no longer pending: forget it
-        for fence, held in overdue.values():
+        found: list[tuple[Fence, dict[str, int]]] = []
+        for _, (fence, held) in sorted(overdue.items(), key=_since_of(since)):
             if remembers_fence(self._logged, fence):
                 continue
             remember_fence(self._logged, fence)
-            what = held_words(held)
-            self._log.warning(
+            found.append((fence, held))
+        self.logged = len(found)
+        if found:
+            log_overdue(
+                self._log,
+                found,
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "
                 "%s; the memory stays held (a late write may still land); call "
                 "force_release(fence) only if its writer is known to be dead",
-                fence,
                 self.timeout,
-                what,
             )
         return due
 
     def forget(self, fence: Fence) -> None:
+        """Forget that ``fence`` was logged (``force_release``: should it
+        hold memory again later and turn overdue, it is logged again)."""
         self._logged.pop(id(fence), None)

@@ -130,6 +130,10 @@ _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 #: interrupted again, up to the cap (see ``_on_fences_done``).
 _WAKE_RETRY_MIN_S = 1e-3
 _WAKE_RETRY_MAX_S = 0.1
+#: After an overdue check that logged newly overdue fences, the next check
+#: comes no sooner than this: at most a few WARNING lines a second, however
+#: many fences turn overdue one after another (see ``_check_overdue``).
+_RECHECK_AFTER_LOGGING_S = 1.0
 #: What a fence wake-up lets out: the loop must stop for these.
 _STOPS = (KeyboardInterrupt, SystemExit)
 
@@ -1319,11 +1323,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # (bind() to another thread's loop) does nothing, as a stale wake-up.
         if loop is not None and loop is not self._loop:
             return
-        assert self._overdue is not None
-        self._overdue.timer = None
-        due = self._overdue.check()
+        overdue = self._overdue
+        assert overdue is not None
+        overdue.timer = None
+        due = overdue.check()
         if due is not None:
-            self._arm_overdue(due + 0.001)
+            # After a check that logged, pause: fences turning overdue one
+            # after another (a burst of transfers freed behind a dead peer)
+            # are then logged by one check, not a few lines each.
+            self._arm_overdue(max(due + 0.001, _RECHECK_AFTER_LOGGING_S if overdue.logged else 0.0))
 
     def _on_fault(self, fence: Fence, error: BaseException) -> None:
         # A ledger quarantined rows or pages (loop thread, maybe inside the

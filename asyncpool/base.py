@@ -22,8 +22,10 @@ __all__ = [
     "check_timeout",
     "check_wait_args",
     "count_of",
+    "fences_words",
     "int_arg",
     "log_force_release",
+    "log_force_release_many",
 ]
 
 # From this many dirty rows on, a bulk reset uses a mask of the FREE rows
@@ -65,6 +67,61 @@ def log_force_release(
             fence,
             noun,
             aside,
+        )
+
+
+#: How many fences a line about a sequence of them names (the rest counted).
+_FENCES_NAMED = 3
+
+
+def fences_words(fences: Sequence[Fence]) -> str:
+    """Several fences in a log line: ``"5 fences: <a>, <b>, <c> and 2
+    more"`` (the first :data:`_FENCES_NAMED` by ``repr``)."""
+    named = ", ".join(map(repr, fences[:_FENCES_NAMED]))
+    more = len(fences) - _FENCES_NAMED
+    return f"{len(fences)} fences: {named}" + (f" and {more} more" if more > 0 else "")
+
+
+def log_force_release_many(
+    log: Log,
+    fences: Sequence[Fence],
+    rows: int | None,
+    pages: int | None,
+    held: bool,
+    uses: int = 0,
+) -> None:
+    """The one warning ``force_release(fences)`` logs for a sequence of two
+    or more fences, on any pool: what came back (``rows``/``pages``: None
+    for a kind the pool has not), or why nothing did (what they held still
+    waits for other fences; they held nothing, but were dropped from the
+    recorded uses of ``uses`` allocated rows; or nothing at all)."""
+    what = fences_words(fences)
+    back = [count_of(n, noun) for n, noun in ((rows, "row"), (pages, "page")) if n is not None]
+    if rows or pages:
+        log.warning(
+            "force_release(%s): %s returned to circulation without the fences completing",
+            what,
+            " and ".join(back),
+        )
+    elif held:
+        log.warning(
+            "force_release(%s): what these fences held still waits for other fences; "
+            "it no longer waits for these",
+            what,
+        )
+    elif uses:
+        log.warning(
+            "force_release(%s): these fences hold nothing pending in this pool; dropped "
+            "them from the recorded uses of %s (freed later, they do not wait for them)",
+            what,
+            count_of(uses, "allocated row"),
+        )
+    else:
+        log.warning(
+            "force_release(%s): these fences hold nothing pending in this pool (never "
+            "given to it, already completed and reclaimed, or released before); nothing "
+            "changed",
+            what,
         )
 
 

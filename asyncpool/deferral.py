@@ -599,18 +599,29 @@ class Deferrals(Generic[T]):
         ``fence`` anything. Returns the ids released; 0 if it held nothing.
         O(pending batches).
         """
-        self._unagreed_faults.pop(id(fence), None)  # the operator's verdict now
+        return self.force_release_all((fence,))
+
+    def force_release_all(self, fences: Sequence[Fence]) -> int:
+        """:meth:`force_release` of every fence in ``fences`` at once: each
+        is dropped from every batch's remaining fences before any batch
+        settles, so none of them is asked anything (a batch behind two of
+        them is released, not asked about the second). Returns the ids
+        released. O(pending batches), however many fences.
+        """
+        ids = {id(f) for f in fences}
+        for f in fences:
+            self._unagreed_faults.pop(id(f), None)  # the operator's verdict now
         hits: list[Deferred[T]] = []
         for key, queue in list(self._streams.items()):
-            if not any(b.fence is fence or b.rest for b in queue):
+            if not any(id(b.fence) in ids or b.rest for b in queue):
                 continue
             keep: collections.deque[Deferred[T]] = collections.deque()
             for batch in queue:
-                if batch.fence is fence:
+                if batch.rest and any(id(f) in ids for f in batch.rest):
+                    batch.rest = tuple(f for f in batch.rest if id(f) not in ids)
+                if id(batch.fence) in ids:
                     hits.append(batch)
                     continue
-                if any(f is fence for f in batch.rest):
-                    batch.rest = tuple(f for f in batch.rest if f is not fence)
                 keep.append(batch)
             if keep:
                 self._streams[key] = keep
@@ -619,11 +630,11 @@ class Deferrals(Generic[T]):
         if self._unordered:
             keep_list: list[Deferred[T]] = []
             for batch in self._unordered:
-                if batch.fence is fence:
+                if batch.rest and any(id(f) in ids for f in batch.rest):
+                    batch.rest = tuple(f for f in batch.rest if id(f) not in ids)
+                if id(batch.fence) in ids:
                     hits.append(batch)
                     continue
-                if any(f is fence for f in batch.rest):
-                    batch.rest = tuple(f for f in batch.rest if f is not fence)
                 keep_list.append(batch)
             self._unordered = keep_list
             self._drop_solo()
@@ -760,6 +771,12 @@ class Deferrals(Generic[T]):
         """Whether any pending batch waits for ``fence`` (at its head or
         behind another fence); O(pending batches), for ``force_release``."""
         return any(b.fence is fence or any(f is fence for f in b.rest) for b in self._batches())
+
+    def holds_any(self, fences: Sequence[Fence]) -> bool:
+        """Whether any pending batch waits for one of ``fences`` (as
+        :meth:`holds`); O(pending batches), however many fences."""
+        ids = {id(f) for f in fences}
+        return any(id(b.fence) in ids or any(id(f) in ids for f in b.rest) for b in self._batches())
 
     def _batches(self) -> Iterator[Deferred[T]]:
         # Copies (each one C call, so atomic under the GIL): stats() may scan

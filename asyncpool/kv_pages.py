@@ -73,7 +73,7 @@ import numpy.typing as npt
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import log_force_release
+from .base import log_force_release, log_force_release_many
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
@@ -1271,7 +1271,7 @@ class KVPagePool:
             self._on_free()  # an owning pool's grant loop
         return n
 
-    def force_release(self, fence: Fence) -> int:
+    def force_release(self, fence: Fences) -> int:
         """Return the pages held behind ``fence``, done or not (logged).
 
         The escape hatch ``ReqToTokenPool.force_release`` is for rows, for a
@@ -1284,7 +1284,10 @@ class KVPagePool:
         Pages quarantined behind a fence that *faulted* stay quarantined (a
         faulted writer may still write). Returns the pages made free: 0 when
         none is, which includes pages that still wait for other fences (they
-        no longer wait for this one). Raises ``TypeError`` for a non-fence,
+        no longer wait for this one). ``fence`` may also be a sequence of
+        fences: all of them at once, one log line, the pages summed (an
+        empty one: 0, nothing logged). Raises ``TypeError`` for a non-fence,
+        or a sequence with one (named by its position) or another iterable,
         and ``RuntimeError`` on the page pool of an ``AsyncReqToTokenPool``
         (``kv=``: its ``force_release`` returns the rows and pages behind the
         fence together, and keeps its overdue counts); either way nothing
@@ -1295,11 +1298,17 @@ class KVPagePool:
                 "this KVPagePool serves an AsyncReqToTokenPool: call that pool's "
                 "force_release(fence), which returns the rows and pages behind it together"
             )
+        fences = fence_list(fence)
+        if not fences:
+            return 0
         led = self._ledger
-        led.check_fence(fence)
-        held = led.holds(fence)
-        pages = led.force_release(fence)
-        log_force_release(pool_log(logger, self._name), fence, "page", pages, held)
+        held = led.holds_any(fences)
+        pages = led.force_release_all(fences)
+        log = pool_log(logger, self._name)
+        if len(fences) > 1:
+            log_force_release_many(log, fences, None, pages, held)
+        else:
+            log_force_release(log, fences[0], "page", pages, held)
         return pages
 
     def agree(self, group: Any = None) -> int:

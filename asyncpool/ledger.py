@@ -56,6 +56,8 @@ _CHECKING = 5  # transient mark while one call validates its rows
 # fast paths of free() that a row can go back at once, with no second look.
 USED = 6
 STATE_NAMES = ("free", "allocated", "pending", "quarantined", "reserved", "checking", "allocated")
+# forget_uses: what a row's recorded uses become once all were forgotten.
+_ALL_FORGOTTEN = object()
 _NO_USE = object()  # no recorded use met yet (None is one: no use)
 
 #: What a call that takes rows accepts: one row id (an int or an integer
@@ -492,31 +494,41 @@ class SlotLedger(Deferrals[int]):
         """Drop ``fence`` from the uses recorded on allocated rows; return how
         many rows it touched. For ``force_release``: a fence treated as
         completed must not hold a row freed later. O(size)."""
+        return self.forget_uses((fence,))
+
+    def forget_uses(self, fences: Sequence[Fence]) -> int:
+        """:meth:`forget_use` of every fence in ``fences``, in one pass:
+        return how many rows any of them touched. O(size), however many."""
+        ids = {id(f) for f in fences}
         uses = self._uses
         state = self._state
         touched = 0
-        # What each distinct tuple of uses becomes (None: it does not hold
-        # the fence), kept with the tuple so that no id is reused: the rows
+        # What each distinct tuple of uses becomes (None: it holds none of
+        # the fences), kept with the tuple so that no id is reused: the rows
         # that shared one tuple share its rest, as record_use left them.
         rests: dict[int, tuple[Any, Any]] = {}
         for row, use in enumerate(uses):
             if use is None:
                 continue
-            if use is fence:
-                uses[row] = None
-                state[row] = ALLOCATED
-                touched += 1
-            elif use.__class__ is tuple:
+            if use.__class__ is tuple:
                 hit = rests.get(id(use))
                 if hit is None:
                     new = None
-                    if any(f is fence for f in use):
-                        rest = tuple(f for f in use if f is not fence)
-                        new = rest if len(rest) > 1 else rest[0]
+                    if any(id(f) in ids for f in use):
+                        rest = tuple(f for f in use if id(f) not in ids)
+                        new = rest if len(rest) > 1 else rest[0] if rest else _ALL_FORGOTTEN
                     rests[id(use)] = hit = (use, new)
                 if hit[1] is not None:
-                    uses[row] = hit[1]
+                    if hit[1] is _ALL_FORGOTTEN:  # every fence of it forgotten
+                        uses[row] = None
+                        state[row] = ALLOCATED
+                    else:
+                        uses[row] = hit[1]
                     touched += 1
+            elif id(use) in ids:
+                uses[row] = None
+                state[row] = ALLOCATED
+                touched += 1
         return touched
 
     # ------------------------------------------------------------------ free

@@ -90,7 +90,7 @@ import torch
 
 from .admission import Admission, Need
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore, int_arg
+from .base import PoolCore, int_arg, log_force_release_many
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
 from .deferral import Deferrals, check_ordered
@@ -101,7 +101,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
+from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after, fence_list
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
@@ -1071,7 +1071,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._waiters.grant()
         return rows, pages
 
-    def force_release(self, fence: Fence) -> tuple[int, int]:
+    def force_release(self, fence: Fences) -> tuple[int, int]:
         """Release the rows and pages held behind ``fence``, done or not.
 
         The escape hatch for an operator who knows the writer behind a stuck
@@ -1089,25 +1089,46 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         known dead should answer ``query()`` True instead (docs/cuda.md).
         Rows and pages quarantined behind a fence that *faulted* stay
         quarantined (a faulted writer may still write; nothing returns
-        them). Raises ``TypeError`` for a non-fence, changing nothing.
+        them).
+
+        ``fence`` may also be a sequence of fences (:data:`~asyncpool.Fences`;
+        :meth:`overdue_fences` is one): every one is released as above, at
+        once (none of them is asked anything, so memory behind two of them
+        is released), with one log line for the call; returns the summed
+        ``(rows, pages)``. An empty one releases nothing and logs nothing.
+        ``TypeError`` for a non-fence, or a sequence with an element that
+        is not a fence (named by its position) or for another iterable (a
+        set, an iterator, text): every element is checked before anything
+        is released, and nothing changes.
         """
         self._check_thread()
+        fences = fence_list(fence)
+        if not fences:
+            return 0, 0
         led = self._ledger
-        led.check_fence(fence)
         pled = self._pages.ledger if self._pages is not None else None
-        held = led.holds(fence) or (pled is not None and pled.holds(fence))
-        rows = led.force_release(fence)
-        pages = pled.force_release(fence) if pled is not None else 0
-        uses = led.forget_use(fence)  # rows (and their pages) freed later skip it too
+        held = led.holds_any(fences) or (pled is not None and pled.holds_any(fences))
+        rows = led.force_release_all(fences)
+        pages = pled.force_release_all(fences) if pled is not None else 0
+        uses = led.forget_uses(fences)  # rows (and their pages) freed later skip them too
+        ids = {id(f) for f in fences}
         if self._overdue is not None:
-            self._overdue.forget(fence)
+            for f in fences:
+                self._overdue.forget(f)
         if self._watcher is not None:
-            self._watcher.unwatch(fence)  # nothing waits on it: stop asking
+            for f in fences:
+                self._watcher.unwatch(f)  # nothing waits on it: stop asking
         if self._unwatched:
             # Deferred while the pool's loop was closed, so not watched yet:
-            # the next loop must not start asking it either.
-            self._unwatched = [f for f in self._unwatched if f is not fence]
+            # the next loop must not start asking them either.
+            self._unwatched = [f for f in self._unwatched if id(f) not in ids]
         log = self._log_to(logger)
+        if len(fences) > 1:
+            log_force_release_many(log, fences, rows, pages, held, uses)
+            if rows or pages:
+                self._waiters.grant()
+            return rows, pages
+        fence = fences[0]
         if rows or pages:
             log.warning(
                 "force_release(%r): %s and %s returned to circulation without the fence completing",
@@ -1533,13 +1554,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admit_wait_histogram": admit_waits,
                 "growth_refusals": pages.growth_refusals,
             }
-        overdue = self._overdue
-        if overdue is None and self._agreed_overdue is not None:
-            # Scanned only once agree() marked some batch overdue.
-            marked = self._ledger.agreed_overdue or (
-                pages is not None and pages.ledger.agreed_overdue
-            )
-            overdue = self._agreed_overdue if marked else None
+        overdue = self._overdue_scanner()
         if overdue is not None:
             # Explicit: overdue is what agree() agreed (not done on some rank).
             fences, held = overdue.counts(agreed=self._ledger.explicit)
@@ -1561,6 +1576,43 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             wait_histogram=waits,
             **extra,
         )
+
+    def _overdue_scanner(self) -> OverdueFences | None:
+        # What stats() and overdue_fences() scan: the pool's own check, or
+        # (explicit, no fence_timeout here) the one for what agree() marked
+        # overdue, scanned only once it marked some batch.
+        overdue = self._overdue
+        if overdue is None and self._agreed_overdue is not None:
+            pages = self._pages
+            marked = self._ledger.agreed_overdue or (
+                pages is not None and pages.ledger.agreed_overdue
+            )
+            overdue = self._agreed_overdue if marked else None
+        return overdue
+
+    def overdue_fences(self) -> list[Fence]:
+        """The fences overdue now, oldest first: the ones ``stats()``
+        counts in ``overdue_fences``, to act on (``force_release`` takes
+        the list, for fences whose writer is known to be dead).
+
+        A fence is overdue while some batch of rows or pages waits for it
+        (as the fence it waits for now) past ``fence_timeout`` since it was
+        freed; with ``reclaim="explicit"``, while ``agree()`` has agreed it
+        overdue. Oldest is the fence whose oldest such batch was freed
+        first. A batch freed behind several fences (``fence=[a, b]``, a row
+        used on two streams) waits for one at a time, so only the one it
+        waits for now is listed: once that one completes or is released,
+        the batch's next open fence is listed at once (the batch keeps its
+        free's time). Empty without ``fence_timeout`` (and, explicit, before
+        ``agree()`` marked any). A new list; the pool keeps no reference to
+        it. Changes nothing; O(pending batches). From the pool's thread, as
+        the calls that act on it (:class:`WrongThreadError` otherwise).
+        """
+        self._check_thread()
+        overdue = self._overdue_scanner()
+        if overdue is None:
+            return []
+        return overdue.fences(agreed=self._ledger.explicit)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ledger and waiter queues are consistent.

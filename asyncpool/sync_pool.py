@@ -25,9 +25,9 @@ from typing import Any, SupportsIndex
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore, log_force_release
+from .base import PoolCore, log_force_release, log_force_release_many
 from .deferral import check_ordered
-from .fences import Fence, Fences, HostStream
+from .fences import Fence, Fences, HostStream, fence_list
 from .ledger import Rows
 from .naming import repr_head
 from .stats import Histogram, PoolStats
@@ -204,7 +204,7 @@ class ReqToTokenPool(PoolCore):
         check_explicit(self._ledger, "agree")
         return agree(group, [self._ledger], pool_name=self._name).released[0]
 
-    def force_release(self, fence: Fence) -> int:
+    def force_release(self, fence: Fences) -> int:
         """Release the rows held behind ``fence``, done or not (logged).
 
         The escape hatch :meth:`AsyncReqToTokenPool.force_release` is, for
@@ -216,17 +216,26 @@ class ReqToTokenPool(PoolCore):
         quarantined behind a fence that *faulted* stay quarantined (a faulted
         writer may still write; nothing returns them). Returns the rows made
         free: 0 when none is, which includes rows that still wait for their
-        other fences (they no longer wait for this one). Raises
-        ``TypeError`` for a non-fence, changing nothing.
+        other fences (they no longer wait for this one). ``fence`` may also
+        be a sequence of fences: all of them at once, one log line, the rows
+        summed (an empty one: 0, nothing logged). Raises ``TypeError`` for a
+        non-fence, or a sequence with one (named by its position) or
+        another iterable, changing nothing.
         """
+        fences = fence_list(fence)
+        if not fences:
+            return 0
         led = self._ledger
-        led.check_fence(fence)
-        held = led.holds(fence)
-        rows = led.force_release(fence)
-        forgot = led.forget_use(fence)
+        held = led.holds_any(fences)
+        rows = led.force_release_all(fences)
+        forgot = led.forget_uses(fences)
+        log = self._log_to(logger)
+        if len(fences) > 1:
+            log_force_release_many(log, fences, rows, None, held, forgot)
+            return rows
         log_force_release(
-            self._log_to(logger),
-            fence,
+            log,
+            fences[0],
             "row",
             rows,
             held,

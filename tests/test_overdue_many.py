@@ -14,14 +14,25 @@ released, one log line for the call, the summed ``(rows, pages)``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import ManualClock, bounded, warnings_seen
+from helpers import (
+    FakeStream,
+    ManualClock,
+    bounded,
+    in_thread,
+    kv_pool_state,
+    kv_snapshot,
+    ledger_snapshot,
+    spin,
+    warnings_seen,
+)
 
-from asyncpool import AsyncReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool, WrongThreadError
 from asyncpool.kv_pages import PageLedger
 from asyncpool.ledger import SlotLedger
 from asyncpool.overdue import OVERDUE_NAMED, OverdueFences
@@ -31,16 +42,18 @@ TIMEOUT = 10.0
 
 class Transfer:
     """A transfer handle whose peer died: a fence of unknown origin that
-    never lands (unless told to)."""
+    never lands (unless told to); counts the ``query()`` calls."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.landed = False
+        self.queries = 0
 
     def __repr__(self) -> str:
         return f"<Transfer {self.name}>"
 
     def query(self) -> bool:
+        self.queries += 1
         return self.landed
 
     def synchronize(self) -> None:  # never called by the pool on such a fence
@@ -201,8 +214,7 @@ async def test_after_a_check_that_logged_the_next_one_waits(records: Records) ->
     timer = overdue.timer
     assert timer is not None
     assert timer.when() - asyncio.get_running_loop().time() > 0.5  # not 0.021 s
-    for fence in (first, second):
-        pool.force_release(fence)
+    assert pool.force_release([first, second]) == (2, 0)
     await pool.close()
 
 
@@ -228,3 +240,226 @@ def test_agree_logs_many_agreed_overdue_fences_the_same_way(group: Any, records:
     for fence in fences:
         fence.landed = True
     assert pool.agree(group) == (5, 0)
+
+
+# ------------------------------------------------------------ the pool: list, release
+
+
+def _clocked_pool(**kwargs: Any) -> tuple[AsyncReqToTokenPool, ManualClock]:
+    """A pool with pages whose ledgers and overdue check read a clock the
+    test moves (its timer still runs on the loop's clock: never reached)."""
+    clock = ManualClock()
+    pool = AsyncReqToTokenPool(16, 8, kv=KVPagePool(64, 4), fence_timeout=TIMEOUT, **kwargs)
+    pool._ledger._clock = clock
+    assert pool._pages is not None
+    pool._pages.ledger._clock = clock
+    assert pool._overdue is not None
+    pool._overdue._clock = clock
+    return pool, clock
+
+
+async def test_overdue_fences_lists_them_oldest_first() -> None:
+    pool, clock = _clocked_pool()
+    stream = FakeStream()
+    late, t1, t2, step = Transfer("late"), Transfer("t1"), Transfer("t2"), stream.record()
+    grants = []
+    for fence in (t2, step, t1):  # freed at t = 0, 1, 2
+        async with bounded():
+            g = await pool.admit(pages=2)
+        grants.append(g)
+        pool.free([g.row], fence=fence)
+        clock.now += 1.0
+    g = await pool.admit(pages=1)
+    pool.free([g.row], fence=late)  # t = 3
+    assert pool.overdue_fences() == []
+    clock.now = 2 + TIMEOUT  # the first three are overdue, not `late`
+    listed = pool.overdue_fences()
+    assert listed == [t2, step, t1]
+    assert pool.stats().overdue_fences == 3
+    listed.clear()  # a new list: the pool keeps none
+    assert pool.overdue_fences() == [t2, step, t1]
+    with pytest.raises(WrongThreadError):
+        in_thread(pool.overdue_fences)
+    clock.now = 3 + TIMEOUT
+    assert pool.overdue_fences() == [t2, step, t1, late]
+    assert pool.force_release(pool.overdue_fences()) == (4, 7)
+    assert pool.overdue_fences() == []
+    await pool.close()
+
+
+async def test_without_a_fence_timeout_none_is_overdue() -> None:
+    pool = AsyncReqToTokenPool(4, 8)
+    rows = await pool.alloc(1)
+    pool.free(rows, fence=Transfer("stuck"))
+    assert pool.overdue_fences() == []
+    await pool.close()
+
+
+async def test_force_release_of_a_list_sums_logs_once_and_serves_waiters(
+    records: Records,
+) -> None:
+    pool, clock = _clocked_pool()
+    fences = [Transfer(f"t{i}") for i in range(5)]
+    for fence in fences:
+        async with bounded():
+            g = await pool.admit(pages=12)
+        pool.free([g.row], fence=fence)
+    waiter = asyncio.ensure_future(pool.admit(pages=12))  # 4 pages free, 60 pending
+    await spin()
+    assert pool.waiting() == 1
+    clock.now = TIMEOUT
+    records.records.clear()
+    assert pool.force_release(pool.overdue_fences()) == (5, 60)
+    assert records.at(logging.WARNING) == [
+        "force_release(5 fences: <Transfer t0>, <Transfer t1>, <Transfer t2> and 2 more): "
+        "5 rows and 60 pages returned to circulation without the fences completing"
+    ]
+    async with bounded():
+        g = await waiter
+    assert pool.stats().overdue_fences == 0 and pool.pending_size() == 0
+    assert pool._watcher is not None
+    assert not any(pool._watcher.polling(f) for f in fences)  # no longer asked
+    pool.free([g.row])
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_a_batch_behind_two_stuck_fences_is_released_asking_neither(
+    records: Records,
+) -> None:
+    """``free(rows, fence=[a, b])`` with both stuck: the batch waits for
+    one at a time, so only ``a`` is overdue; releasing ``a`` lists ``b``
+    at once (the batch keeps its free's time); releasing both at once
+    asks neither (one line)."""
+    pool, clock = _clocked_pool()
+    a, b = Transfer("a"), Transfer("b")
+    async with bounded():
+        first = await pool.admit(pages=2)
+        second = await pool.admit(pages=2)
+    pool.free([first.row], fence=[a, b])
+    pool.free([second.row], fence=[a, b])
+    clock.now = TIMEOUT
+    assert pool.overdue_fences() == [a]
+    asked = b.queries  # by the frees; the poller watches `a` alone
+    records.records.clear()
+    assert pool.force_release([a, b]) == (2, 4)
+    assert b.queries == asked  # not asked whether it completed: released with `a`
+    assert len(records.at(logging.WARNING)) == 1
+    assert pool.overdue_fences() == []
+    await pool.close()
+
+
+async def test_releasing_the_listed_fence_lists_the_next_at_once() -> None:
+    pool, clock = _clocked_pool()
+    a, b = Transfer("a"), Transfer("b")
+    async with bounded():
+        g = await pool.admit(pages=2)
+    pool.free([g.row], fence=[a, b])
+    clock.now = TIMEOUT
+    assert pool.overdue_fences() == [a]
+    assert pool.force_release(pool.overdue_fences()) == (0, 0)
+    assert pool.overdue_fences() == [b]
+    assert pool.force_release(pool.overdue_fences()) == (1, 2)
+    await pool.close()
+
+
+async def test_released_uses_are_all_forgotten() -> None:
+    """Rows used on both fences of a list, allocated still: releasing the
+    list drops both uses, so their free is immediate."""
+    pool, _ = _clocked_pool()
+    a, b = Transfer("a"), Transfer("b")
+    async with bounded():
+        rows = await pool.alloc(2)
+    pool.record_use(rows, [a, b])
+    assert pool.force_release((a, b)) == (0, 0)
+    before = pool.available_size()
+    pool.free(rows)
+    assert pool.available_size() == before + 2 and pool.pending_size() == 0
+    await pool.close()
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (["ok", 1], r"fence=\[1\] must be a fence"),
+        (["ok", "ok", None], r"fence=\[2\] must be a fence"),
+        ({"ok"}, r"other iterables are refused"),
+        (iter(["ok"]), r"other iterables are refused"),
+        ("ab", r"must be a fence .* or a sequence of fences"),
+    ],
+)
+async def test_a_bad_list_is_refused_whole(records: Records, bad: Any, words: str) -> None:
+    pool, clock = _clocked_pool()
+    ok = Transfer("ok")
+    async with bounded():
+        g = await pool.admit(pages=2)
+    pool.free([g.row], fence=ok)
+    clock.now = TIMEOUT
+    if isinstance(bad, list):
+        bad = [ok if x == "ok" else x for x in bad]
+    elif isinstance(bad, set):
+        bad = {ok}
+    elif not isinstance(bad, str):
+        bad = iter([ok])
+    before = kv_pool_state(pool), ledger_snapshot(pool._ledger)
+    records.records.clear()
+    with pytest.raises(TypeError, match=words):
+        pool.force_release(bad)
+    assert (kv_pool_state(pool), ledger_snapshot(pool._ledger)) == before
+    assert records.records == []
+    assert pool.overdue_fences() == [ok]
+    assert pool.force_release(collections.deque([ok])) == (1, 2)  # a deque is a sequence
+    await pool.close()
+
+
+async def test_an_empty_list_releases_nothing_and_logs_nothing(records: Records) -> None:
+    pool, _ = _clocked_pool()
+    records.records.clear()
+    assert pool.force_release([]) == (0, 0)
+    assert pool.force_release(()) == (0, 0)
+    assert records.records == []
+    await pool.close()
+
+
+# ------------------------------------------------------------ the sync pool and a bare page pool
+
+
+def test_sync_pool_force_release_of_a_list(records: Records) -> None:
+    pool = ReqToTokenPool(8, 4)
+    a, b, never = Transfer("a"), Transfer("b"), Transfer("never")
+    rows = pool.alloc(3)
+    assert rows is not None
+    pool.free(rows[:1], fence=a)
+    pool.free(rows[1:], fence=[a, b])
+    before = ledger_snapshot(pool._ledger)
+    with pytest.raises(TypeError, match=r"fence=\[1\]"):
+        pool.force_release([a, "b"])
+    assert ledger_snapshot(pool._ledger) == before
+    records.records.clear()
+    assert pool.force_release([a, b, never]) == 3
+    assert records.at(logging.WARNING) == [
+        "force_release(3 fences: <Transfer a>, <Transfer b>, <Transfer never>): 3 rows "
+        "returned to circulation without the fences completing"
+    ]
+    records.records.clear()
+    assert pool.force_release([a, b]) == 0
+    assert "these fences hold nothing pending in this pool" in records.at(logging.WARNING)[0]
+
+
+def test_bare_page_pool_force_release_of_a_list(records: Records) -> None:
+    kv = KVPagePool(16, 4)
+    a, b = Transfer("a"), Transfer("b")
+    pages = kv.alloc(4)
+    assert pages is not None
+    kv.free(pages[:2], fence=[a, b])
+    kv.free(pages[2:], fence=b)
+    before = kv_snapshot(kv)
+    with pytest.raises(TypeError, match=r"other iterables are refused"):
+        kv.force_release({a, b})
+    assert kv_snapshot(kv) == before
+    records.records.clear()
+    assert kv.force_release([a, b]) == 4
+    assert records.at(logging.WARNING) == [
+        "force_release(2 fences: <Transfer a>, <Transfer b>): 4 pages returned to "
+        "circulation without the fences completing"
+    ]

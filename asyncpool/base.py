@@ -23,6 +23,7 @@ __all__ = [
     "check_wait_args",
     "count_of",
     "fences_words",
+    "force_release_fences",
     "int_arg",
     "log_force_release",
     "log_force_release_many",
@@ -68,6 +69,19 @@ def log_force_release(
             noun,
             aside,
         )
+
+
+def force_release_fences(fence: object) -> tuple[Fence, ...]:
+    """``force_release``'s argument checked, as its fences: one fence, or a
+    sequence of them (:func:`~asyncpool.fences.fence_list`'s rules and
+    ``TypeError``). ``None`` is a ``TypeError`` here, not "no fence": an
+    operator who passes it has the wrong object."""
+    if fence is None:
+        raise TypeError(
+            "fence= must be a fence (an object with query() and synchronize()) or a "
+            "sequence of fences, got None"
+        )
+    return fence_list(fence)
 
 
 #: How many fences a line about a sequence of them names (the rest counted).

@@ -73,7 +73,7 @@ import numpy.typing as npt
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import log_force_release, log_force_release_many
+from .base import force_release_fences, log_force_release, log_force_release_many
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
@@ -1298,7 +1298,7 @@ class KVPagePool:
                 "this KVPagePool serves an AsyncReqToTokenPool: call that pool's "
                 "force_release(fence), which returns the rows and pages behind it together"
             )
-        fences = fence_list(fence)
+        fences = force_release_fences(fence)
         if not fences:
             return 0
         led = self._ledger

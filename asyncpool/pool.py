@@ -90,7 +90,7 @@ import torch
 
 from .admission import Admission, Need
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore, int_arg, log_force_release_many
+from .base import PoolCore, force_release_fences, int_arg, log_force_release_many
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
 from .deferral import Deferrals, check_ordered
@@ -101,7 +101,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after, fence_list
+from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
@@ -1102,7 +1102,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         is released, and nothing changes.
         """
         self._check_thread()
-        fences = fence_list(fence)
+        fences = force_release_fences(fence)
         if not fences:
             return 0, 0
         led = self._ledger

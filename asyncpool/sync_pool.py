@@ -25,9 +25,9 @@ from typing import Any, SupportsIndex
 import torch
 
 from .agreement import agree, check_explicit, check_reclaim_mode
-from .base import PoolCore, log_force_release, log_force_release_many
+from .base import PoolCore, force_release_fences, log_force_release, log_force_release_many
 from .deferral import check_ordered
-from .fences import Fence, Fences, HostStream, fence_list
+from .fences import Fence, Fences, HostStream
 from .ledger import Rows
 from .naming import repr_head
 from .stats import Histogram, PoolStats
@@ -222,7 +222,7 @@ class ReqToTokenPool(PoolCore):
         non-fence, or a sequence with one (named by its position) or
         another iterable, changing nothing.
         """
-        fences = fence_list(fence)
+        fences = force_release_fences(fence)
         if not fences:
             return 0
         led = self._ledger

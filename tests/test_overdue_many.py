@@ -237,6 +237,7 @@ def test_agree_logs_many_agreed_overdue_fences_the_same_way(group: Any, records:
     )
     assert len(warnings) == OVERDUE_NAMED + 1
     assert all(r.funcName == "agree" for r in records.records)
+    assert pool.overdue_fences() == fences  # what agree() agreed, oldest first
     for fence in fences:
         fence.landed = True
     assert pool.agree(group) == (5, 0)
@@ -409,6 +410,24 @@ async def test_a_bad_list_is_refused_whole(records: Records, bad: Any, words: st
     assert records.records == []
     assert pool.overdue_fences() == [ok]
     assert pool.force_release(collections.deque([ok])) == (1, 2)  # a deque is a sequence
+    await pool.close()
+
+
+async def test_none_is_no_fence_to_release(records: Records) -> None:
+    """``fence=None`` is "no fence" to a free; to ``force_release`` it is
+    the wrong object: a ``TypeError`` on every pool, nothing changed."""
+    pool, _ = _clocked_pool()
+    async with bounded():
+        g = await pool.admit(pages=2)
+    pool.free([g.row], fence=Transfer("stuck"))
+    sync = ReqToTokenPool(4, 4)
+    kv = KVPagePool(8, 4)
+    before = kv_pool_state(pool), ledger_snapshot(sync._ledger), kv_snapshot(kv)
+    for target in (pool, sync, kv):
+        with pytest.raises(TypeError, match="got None"):
+            target.force_release(None)  # type: ignore[arg-type]
+    assert (kv_pool_state(pool), ledger_snapshot(sync._ledger), kv_snapshot(kv)) == before
+    assert records.records == []
     await pool.close()
 
 

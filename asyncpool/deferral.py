@@ -14,9 +14,12 @@ module owns everything about *waiting*:
   :meth:`Deferrals.reclaim` looks only at each queue's head: fences of one
   stream complete in order. The side list is polled in full. The cost of a
   reclaim is O(completed + streams + unordered), never O(pending);
-* when a batch's head completes, its other fences are asked once: all done,
-  the ids are released (:meth:`Deferrals._release_items`); some still open,
-  the batch moves behind the first of them (keeping its ``did`` and ``t0``);
+* when a batch's head completes, its other fences are asked in order, up to
+  the first still open: all done, the ids are released
+  (:meth:`Deferrals._release_items`); one still open, the batch moves behind
+  it (keeping its ``did`` and ``t0``) and never asks again the fences it
+  passed (done is for good), so a batch behind n fences that complete one by
+  one costs O(n + reclaim passes) queries, not O(n^2);
 * a fence that raises (a faulted stream) quarantines its batch for good
   (:meth:`Deferrals._quarantine_items`): the work that wrote those ids may
   have stopped anywhere. Faults are counted once per fence, logged, kept in
@@ -191,9 +194,16 @@ class Deferred(Generic[T]):
     ``seq`` is ``fence.seq`` (0 for a fence of unknown origin): the batch's
     place in its stream queue. ``did`` is its deferral id, ``t0`` the clock
     reading when it was created, ``n`` the number of ids its ``items`` hold.
+
+    ``rest`` (the fences still to wait for after ``fence``, in order) is
+    ``more[at:]``: a batch behind a long sequence that settles fence by
+    fence moves ``at`` along ``more`` instead of copying what is left at
+    each step (O(1) a step, not O(len)). ``more`` is empty exactly when
+    nothing is left (``at`` is then 0): the hot paths test ``more``, not
+    the property. Assigning ``rest`` stores the tuple with ``at`` 0.
     """
 
-    __slots__ = ("did", "fence", "items", "n", "rest", "seq", "t0")
+    __slots__ = ("at", "did", "fence", "items", "more", "n", "seq", "t0")
 
     def __init__(
         self,
@@ -207,14 +217,28 @@ class Deferred(Generic[T]):
     ) -> None:
         self.fence = fence
         self.seq = seq
-        self.rest = rest
+        self.more = rest
+        self.at = 0
         self.did = did
         self.items = items
         self.n = n
         self.t0 = t0
 
+    @property
+    def rest(self) -> tuple[Fence, ...]:
+        """The fences still to wait for after ``fence``, in order (a copy
+        when the batch has moved along them: O(len), off the hot paths)."""
+        at = self.at
+        return self.more[at:] if at else self.more
+
+    @rest.setter
+    def rest(self, fences: tuple[Fence, ...]) -> None:
+        self.more = fences
+        self.at = 0
+
     def __repr__(self) -> str:
-        more = f" +{len(self.rest)} fences" if self.rest else ""
+        left = len(self.more) - self.at
+        more = f" +{left} fences" if left else ""
         return f"<Deferred did={self.did} n={self.n} behind {self.fence!r}{more}>"
 
 
@@ -418,7 +442,7 @@ class Deferrals(Generic[T]):
             index = len(queue)
             while index > 0:
                 tail = queue[index - 1]
-                if tail.fence is fence and not rest and not tail.rest:
+                if tail.fence is fence and not rest and not tail.more:
                     tail.items.extend(items)
                     tail.n += n
                     return
@@ -435,7 +459,7 @@ class Deferrals(Generic[T]):
         """Index the side list's single-fence batches (see ``_solo``)."""
         solo: dict[int, Deferred[T]] = {}
         for batch in self._unordered:
-            if not batch.rest:
+            if not batch.more:
                 solo.setdefault(id(batch.fence), batch)
         self._solo = solo
         self._solo_of = self._unordered
@@ -457,7 +481,7 @@ class Deferrals(Generic[T]):
         if key is None:
             batch.seq = 0
             self._unordered.append(batch)
-            if not batch.rest and self._solo_of is self._unordered:
+            if not batch.more and self._solo_of is self._unordered:
                 self._solo.setdefault(id(batch.fence), batch)
         else:
             fseq: int = getattr(batch.fence, "seq", 0)
@@ -551,31 +575,70 @@ class Deferrals(Generic[T]):
                 self._unordered = keep
                 if whole and solo is not None:
                     for batch in moved:
-                        if not batch.rest:
+                        if not batch.more:
                             solo.setdefault(id(batch.fence), batch)
                     self._solo, self._solo_of = solo, keep
         return released
 
     def _settle(self, batch: Deferred[T]) -> int:
         """``batch``'s head completed (it is out of its queue): release it, or
-        move it behind its next open fence. Returns the ids released."""
-        if batch.rest:
+        move it behind its next open fence. Returns the ids released.
+
+        The fences after the head are asked in order and the walk stops at
+        the first still open, which becomes the head (in explicit mode:
+        the first not retired; nothing is asked). Those found complete are
+        passed for good (``at`` moves past them): a done fence stays done,
+        so none is asked again, and a batch behind n fences that complete
+        one by one costs O(n + reclaim passes) queries in all, not O(n^2).
+        The fences behind the new head are not asked yet: one of them that
+        faults quarantines the batch when the walk reaches it (as a faulted
+        fence behind an open head always did). A fence that raises (an
+        ``Exception``, or an answer that is not a yes or no) quarantines
+        the batch; a ``query()`` raising what is not an ``Exception``
+        (``KeyboardInterrupt``, ``CancelledError``) propagates and leaves
+        the batch waiting as it did, behind its head.
+        """
+        more = batch.more
+        if more:
+            at = batch.at
+            end = len(more)
+            answers = self.answers
+            explicit = self.explicit
+            fence = batch.fence
             try:
-                waits, faulted, error = self._open_fences(batch.rest)
+                while at < end:
+                    fence = more[at]
+                    if explicit:
+                        done = self.is_retired(fence)
+                    elif answers is None:
+                        done = fence.query()
+                        if done is not True and done is not False:
+                            done = is_done(done)  # not a yes or no: a fault
+                    else:
+                        done = self.answer(fence)
+                    if not done:
+                        break
+                    at += 1
+            except Exception as exc:  # a faulted stream
+                self._fault_batch(batch, fence, exc)
+                return 0
             except BaseException:
                 # A query() raised what is not an Exception (KeyboardInterrupt,
                 # CancelledError): the batch waits as it did, behind its head.
                 self._enqueue(batch, notify=False)
                 raise
-            if faulted is not None:
-                self._fault_batch(batch, faulted, error)
-                return 0
-            if waits:
-                batch.fence = waits[0]
-                batch.rest = tuple(waits[1:])
+            if at < end:
+                batch.fence = fence
+                at += 1
+                if at < end:
+                    batch.at = at
+                else:
+                    batch.more = ()
+                    batch.at = 0
                 self._enqueue(batch)
                 return 0
-            batch.rest = ()
+            batch.more = ()
+            batch.at = 0
         n = batch.n
         if self.agreed_overdue:
             self.agreed_overdue.discard(batch.did)
@@ -1058,6 +1121,8 @@ class Deferrals(Generic[T]):
             dids.add(b.did)
             if any(f is b.fence for f in b.rest):
                 fail(f"batch {b!r} waits twice for its head fence")
+            if not (0 <= b.at < len(b.more) if b.more else b.at == 0):
+                fail(f"batch {b!r} has passed {b.at} of its {len(b.more)} further fences")
             if b.n <= 0 or self._count_items(b.items) != b.n:
                 fail(f"batch {b!r} holds {self._count_items(b.items)} ids, not n={b.n}")
             total += b.n

@@ -30,7 +30,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import FenceError
-from .fences import CudaFence, Fence, Fences, HostFence, fence_list, is_done, is_fence
+from .fences import (
+    CudaFence,
+    Fence,
+    Fences,
+    HostFence,
+    fence_list,
+    is_done,
+    is_fence,
+    is_stream,
+    stream_is_no_fence,
+)
 from .watcher import FenceWatcher
 
 __all__ = ["wait_fence"]
@@ -46,7 +56,10 @@ async def wait_fence(fence: Fences) -> None:
     have completed; those after it are not asked). The sequence is checked
     before anything is waited for: an element that is not a fence is a
     ``TypeError`` naming its position, a set, an iterator or text a
-    ``TypeError``; an empty sequence returns at once.
+    ``TypeError``; an empty sequence returns at once. A stream (a
+    ``torch.Stream``, a ``HostStream``: :func:`~asyncpool.fences.is_stream`)
+    is a ``TypeError`` too, alone or in a sequence: as a fence it would mean
+    "once the stream is idle"; wait for ``record_fence(stream)`` instead.
 
     Returns at once when it has completed. Raises what its ``query()``
     raises (:class:`~asyncpool.FenceError` for a faulted stream, a transfer
@@ -70,6 +83,8 @@ async def wait_fence(fence: Fences) -> None:
     tasks may wait for the same fence.
     """
     if not is_fence(fence):
+        if is_stream(fence):
+            raise stream_is_no_fence(fence, "wait_fence() fence=")
         if isinstance(fence, Sequence) and not isinstance(fence, (str, bytes, bytearray)):
             for one in fence_list(fence, "wait_fence() fence"):
                 await wait_fence(one)

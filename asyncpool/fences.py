@@ -711,12 +711,55 @@ def check_after(after: object) -> None:
 
 
 def is_fence(obj: object) -> TypeGuard[Fence]:
-    """True if ``obj`` has callable ``query`` and ``synchronize`` and is not a
-    class (``fence=HostFence`` instead of a fence would fault when asked)."""
+    """True if ``obj`` has callable ``query`` and ``synchronize`` and is
+    neither a class (``fence=HostFence`` instead of a fence would fault when
+    asked) nor a stream (:func:`is_stream`: as a fence, a stream would mean
+    "once it is idle", which a busy forward stream may never be)."""
+    cls = obj.__class__
+    if cls is HostFence or cls is CudaFence:  # __slots__: nothing to override
+        return True
+    # is_stream() inlined, less its HostStream test (a HostStream has no
+    # query()): a transfer handle, on the one-fence path of every free,
+    # pays one attribute lookup that misses, not a call.
     return (
         callable(getattr(obj, "query", None))
         and callable(getattr(obj, "synchronize", None))
         and not isinstance(obj, type)
+        and not (
+            callable(getattr(obj, "wait_stream", None))
+            and callable(getattr(obj, "record_event", None))
+        )
+    )
+
+
+def is_stream(obj: object) -> bool:
+    """True for a stream, which a ``fence=`` argument refuses: a
+    :class:`HostStream`, or an object with callable ``wait_stream`` and
+    ``record_event`` (``torch.Stream``, ``torch.cuda.Stream`` and
+    ``ExternalStream``, the XPU and other device streams that follow
+    torch's stream API). A torch stream has ``query()`` and
+    ``synchronize()`` too, so it would pass as a fence of unknown origin
+    that completes only when the stream is idle: memory held for as long as
+    the stream stays busy, where the caller almost certainly meant the work
+    queued on it so far (``after=stream``)."""
+    if isinstance(obj, HostStream):
+        return True
+    return (
+        callable(getattr(obj, "wait_stream", None))
+        and callable(getattr(obj, "record_event", None))
+        and not isinstance(obj, type)
+    )
+
+
+def stream_is_no_fence(value: object, label: str = "fence=") -> TypeError:
+    """The ``TypeError`` for a stream passed where a fence is taken
+    (``label``: where, as ``"fence="`` or ``"fence=[2]"``), saying what to
+    pass instead."""
+    return TypeError(
+        f"{label} got {value!r:.120} of type {type(value).__name__}, a stream, not a "
+        "fence: as a fence it would complete only once the stream is idle. To wait for "
+        "the work queued on it so far, pass after=stream (free, kv.free, trim_pages: "
+        "it records a fence on the stream now) or fence=record_fence(stream)"
     )
 
 
@@ -741,7 +784,9 @@ def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
     sequence of fences (:data:`Fences`), in order.
 
     An object with ``query()`` and ``synchronize()`` is one fence, whatever
-    else it is. ``TypeError`` for anything else: an element that is not a
+    else it is, but a stream (:func:`is_stream`): a ``TypeError`` that says
+    to pass ``after=stream`` or ``record_fence(stream)``, for the value or
+    an element. ``TypeError`` for anything else: an element that is not a
     fence is named by its position and value (``fence=[1]``), and a value
     that is neither a fence nor a sequence (a set, an iterator, text) by
     its value and type. Changes nothing, so a caller checks before it
@@ -751,6 +796,8 @@ def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
         return ()
     if is_fence(value):
         return (value,)
+    if is_stream(value):
+        raise stream_is_no_fence(value, f"{name}=")
     if not isinstance(value, Sequence) or isinstance(value, _NOT_FENCES):
         hint = ""
         if hasattr(value, "__iter__") and not isinstance(value, _NOT_FENCES):
@@ -765,6 +812,8 @@ def fence_list(value: object, name: str = "fence") -> tuple[Fence, ...]:
         )
     for i, f in enumerate(value):
         if not is_fence(f):
+            if is_stream(f):
+                raise stream_is_no_fence(f, f"{name}=[{i}]")
             raise TypeError(
                 f"{name}=[{i}] must be a fence (an object with query() and synchronize()), "
                 f"got {f!r} of type {type(f).__name__}"

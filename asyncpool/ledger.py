@@ -44,7 +44,17 @@ from typing import Any, SupportsIndex
 
 from .deferral import Deferrals, answer_once, stream_key
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError
-from .fences import Fence, FenceAnswer, Fences, fence_arg, fence_list, is_done, is_fence
+from .fences import (
+    Fence,
+    FenceAnswer,
+    Fences,
+    fence_arg,
+    fence_list,
+    is_done,
+    is_fence,
+    is_stream,
+    stream_is_no_fence,
+)
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "USED", "SlotLedger"]
 
@@ -365,7 +375,11 @@ class SlotLedger(Deferrals[int]):
 
     @staticmethod
     def check_fence(fence: object, name: str = "fence") -> None:
+        """Raise ``TypeError`` unless ``fence`` is one fence (:func:`is_fence`);
+        a stream's error says what to pass instead (:func:`is_stream`)."""
         if not is_fence(fence):
+            if is_stream(fence):
+                raise stream_is_no_fence(fence, f"{name}=")
             raise TypeError(
                 f"{name}= must be a fence (an object with query() and synchronize()), "
                 f"got {fence!r} of type {type(fence).__name__}"

@@ -55,7 +55,7 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from .errors import FenceError
-from .fences import Fence, chained, is_done
+from .fences import Fence, FenceAnswer, chained, is_done
 from .naming import Log, pool_log
 from .stats import Histogram
 
@@ -605,6 +605,7 @@ class Deferrals(Generic[T]):
             answers = self.answers
             explicit = self.explicit
             fence = batch.fence
+            done: FenceAnswer  # a bool, or a query()'s 0/1 until is_done reads it
             try:
                 while at < end:
                     fence = more[at]

@@ -82,7 +82,7 @@ from .overdue import log_overdue
 
 __all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: Pending batches whose flags ride in the first (always sent) all-reduce.
 WIDTH = 64

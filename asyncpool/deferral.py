@@ -69,7 +69,7 @@ __all__ = [
     "stream_key",
 ]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: How many faulted fences a ledger remembers, to count and log each once.
 _FAULTS_REMEMBERED = 256

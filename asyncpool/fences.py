@@ -64,7 +64,7 @@ __all__ = [
     "record_fence",
 ]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 # Stream keys are ints shared by both stream kinds and by new_stream_key();
 # each stream gets one the first time a fence is recorded on it. They start

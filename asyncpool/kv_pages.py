@@ -101,7 +101,7 @@ from .tables import ID_DTYPES, check_device, host_to_device
 
 __all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 PageArray: TypeAlias = npt.NDArray[np.int64]
 #: Validated page ids: a short list of Python ints, or an int64 array.

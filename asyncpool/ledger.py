@@ -58,7 +58,7 @@ from .fences import (
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "QUARANTINED", "RESERVED", "USED", "SlotLedger"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 FREE, ALLOCATED, PENDING, QUARANTINED, RESERVED = 0, 1, 2, 3, 4
 _CHECKING = 5  # transient mark while one call validates its rows

@@ -36,7 +36,7 @@ from .watcher import FenceWatcher
 
 __all__ = ["GrantHold", "Lifecycle"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never raises
 

@@ -46,7 +46,7 @@ from .stats import HistogramSnapshot, PoolStats
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["FAMILIES", "Family", "PoolCollector"]
 

@@ -37,7 +37,7 @@ from .naming import Log, pool_log
 
 __all__ = ["OVERDUE_NAMED", "OverdueFences", "check_fence_timeout", "log_overdue"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 _t0_of = operator.attrgetter("t0")
 

@@ -115,7 +115,7 @@ from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 _get_ident = threading.get_ident
 _get_running_loop = asyncio.get_running_loop

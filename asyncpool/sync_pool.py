@@ -36,7 +36,7 @@ __all__ = ["ReqToTokenPool"]
 
 _NO_WAITS = Histogram()  # never observed: the sync pool's waits are all zero
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 class ReqToTokenPool(PoolCore):

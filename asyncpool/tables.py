@@ -41,7 +41,7 @@ __all__ = [
     "host_to_device",
 ]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 KV_CACHE_TAG = "kv_cache"
 

@@ -65,7 +65,7 @@ from .naming import pool_log
 
 __all__ = ["FenceWatcher"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: Poller backoff: first sleep after a change, cap while nothing completes.
 _POLL_MIN_S = 50e-6

@@ -215,14 +215,14 @@ class Deferred(Generic[T]):
         n: int,
         t0: float,
     ) -> None:
-        self.fence = fence
-        self.seq = seq
-        self.more = rest
-        self.at = 0
-        self.did = did
-        self.items = items
-        self.n = n
-        self.t0 = t0
+        self.fence: Fence = fence
+        self.seq: int = seq
+        self.more: tuple[Fence, ...] = rest
+        self.at: int = 0
+        self.did: int = did
+        self.items: list[T] = items
+        self.n: int = n
+        self.t0: float = t0
 
     @property
     def rest(self) -> tuple[Fence, ...]:
@@ -288,11 +288,11 @@ class Deferrals(Generic[T]):
         self._on_fault = on_fault
         self._clock = clock
         self._next_did = 0
-        self.pending = 0
-        self.quarantined = 0
-        self.deferred_frees = 0
-        self.reclaimed = 0
-        self.fence_errors = 0
+        self.pending: int = 0
+        self.quarantined: int = 0
+        self.deferred_frees: int = 0
+        self.reclaimed: int = 0
+        self.fence_errors: int = 0
         self.last_fence_error: BaseException | None = None
         # The faulted fences counted so far, the newest _FAULTS_REMEMBERED,
         # by id: a weak reference where the fence takes one (a transfer
@@ -315,10 +315,10 @@ class Deferrals(Generic[T]):
         # Scheduler-driven reclaim (reclaim="explicit", see make_explicit):
         # the newest retired seq per stream, and the deferral ids of batches
         # agree() found overdue (not done on some rank past the timeout).
-        self.explicit = False
+        self.explicit: bool = False
         self._retired: dict[int, int] = {}
         self.agreed_overdue: set[int] = set()
-        self.fence_histogram = Histogram()  # every batch's latency, for metrics
+        self.fence_histogram: Histogram = Histogram()  # every batch's latency, for metrics
         # While an owner frees through several ledgers (or groups) in one
         # call, the answers of the fences asked so far in that call, by id
         # (the fence kept with its answer, so the id is not reused): each

@@ -210,7 +210,8 @@ class PageLedger(Deferrals[PageArray]):
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
         self.num_pages = num_pages
-        self.capacity = capacity = num_pages - 1
+        capacity = num_pages - 1
+        self.capacity: int = capacity
         # One byte of state per page: the bytearray for Python-int steps, the
         # numpy view (same memory) for vectorised ones.
         self._state_bytes = bytearray(num_pages)
@@ -221,7 +222,7 @@ class PageLedger(Deferrals[PageArray]):
         self._ring_ids = array.array("q", range(1, num_pages))
         self._ring = np.frombuffer(self._ring_ids, dtype=np.int64)
         self._head = 0
-        self.free_count = capacity
+        self.free_count: int = capacity
         # Pages taken from the ring over the pool's life, and those of them
         # put back. The ring starts as 1..capacity and pages never taken sit
         # behind every other free page in id order (frees go to the tail,
@@ -230,7 +231,7 @@ class PageLedger(Deferrals[PageArray]):
         # ``_taken`` was never handed out. No per-page history needed.
         self._taken = 0
         self._returned = 0
-        self.peak_allocated = 0
+        self.peak_allocated: int = 0
         # Scratch for vectorised checks.
         self._all_allocated = bytes([ALLOCATED]) * capacity
         self._all_owned = bytes([OWNED]) * capacity

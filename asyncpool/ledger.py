@@ -105,7 +105,7 @@ class SlotLedger(Deferrals[int]):
     ) -> None:
         size = check_size(size)
         self.size = size
-        self.capacity = size - 1
+        self.capacity: int = size - 1
         self._free: collections.deque[int] = collections.deque(range(1, size))
         self._clean = size - 1  # the tables start zeroed
         # A list, not a bytearray: CPython specialises int subscripts of a
@@ -127,7 +127,7 @@ class SlotLedger(Deferrals[int]):
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
         self._on_reset = on_reset
-        self.peak_allocated = 0
+        self.peak_allocated: int = 0
         # allocated <= capacity - len(free), so a new peak needs the free
         # queue shorter than this bound: a one-compare pre-filter per take.
         self._peak_bound = self.capacity
@@ -136,7 +136,7 @@ class SlotLedger(Deferrals[int]):
         # inlines it): every hand-out except the async pool's inlined
         # single-row alloc paths, which it derives as granted - _popped.
         self._popped = 0
-        self.resets = 0
+        self.resets: int = 0
 
     # ------------------------------------------------------------------ counts
 

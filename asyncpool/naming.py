@@ -90,8 +90,8 @@ class NamedLog:
     __slots__ = ("logger", "name")
 
     def __init__(self, logger: logging.Logger, name: str) -> None:
-        self.logger = logger
-        self.name = name
+        self.logger: logging.Logger = logger
+        self.name: str = name
 
     def __repr__(self) -> str:
         return f"<NamedLog {self.logger.name} {self.name!r}>"

@@ -154,7 +154,7 @@ class OverdueFences:
         #: owner checks again no sooner than a pause later when it logged
         #: any: fences turning overdue one after another are then logged
         #: together, :data:`OVERDUE_NAMED` of them by name, not a few a check).
-        self.logged = 0
+        self.logged: int = 0
 
     def scan(
         self, *, agreed: bool = False

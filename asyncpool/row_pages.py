@@ -110,7 +110,7 @@ class RowPages:
     def __init__(self, kv: KVPagePool, size: int) -> None:
         self.kv = kv
         self.ledger: PageLedger = kv.ledger
-        self.capacity = kv.capacity
+        self.capacity: int = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
         self.sealed: list[bytes | bytearray | None] = [None] * size
         #: An extended row's record is a view of a buffer with room to grow
@@ -126,7 +126,7 @@ class RowPages:
         #: Waits of admissions granted after queueing (seconds): a recent
         #: window, and a histogram of all of them.
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)
-        self.wait_histogram = Histogram()
+        self.wait_histogram: Histogram = Histogram()
 
     # ------------------------------------------------------------ handing out
 

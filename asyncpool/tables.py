@@ -319,7 +319,7 @@ class TokenTables:
             )
         self.size = size
         self.max_context_len = max_context_len
-        self.device = check_device(device)
+        self.device: torch.device = check_device(device)
         if enable_memory_saver and self.device.type != "cuda" and torch.cuda.is_available():
             # Without CUDA, create() below says so; with it, tables on another
             # device are not in any region the saver pauses (and create()
@@ -350,7 +350,7 @@ class TokenTables:
                 f"stream= is on {stream.device}, but the tables are on {self.device}: "
                 "pass the forward stream of the pool's own device"
             )
-        self.memory_saver = MemorySaverAdapter.create(enable_memory_saver)
+        self.memory_saver: MemorySaverAdapter = MemorySaverAdapter.create(enable_memory_saver)
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)
         self._cuda_stream = stream if on_cuda_stream else None
         self._allocate()
@@ -360,17 +360,19 @@ class TokenTables:
         # Tag as "kv_cache": this per-token page state is invalid once KV is
         # discarded, so it is released and restored with the KV cache.
         with self.memory_saver.region(KV_CACHE_TAG):
-            self.req_to_token = torch.zeros(
+            self.req_to_token: torch.Tensor = torch.zeros(
                 (size, self.max_context_len), dtype=torch.int32, device=device
             )
             rows = 2 if self._on_cuda else 3
             self._lens = torch.zeros((rows, size), dtype=torch.int32, device=device)
         # verified_lens: valid KV length per request (where this step writes);
         # alloced_lens: allocated KV length, may exceed verified_lens.
-        self.verified_lens = self._lens[0]
-        self.alloced_lens = self._lens[1]
+        self.verified_lens: torch.Tensor = self._lens[0]
+        self.alloced_lens: torch.Tensor = self._lens[1]
         if self._on_cuda:
-            self.alloced_lens_cpu = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+            self.alloced_lens_cpu: torch.Tensor = torch.zeros(
+                size, dtype=torch.int32, pin_memory=True
+            )
         else:
             self.alloced_lens_cpu = self._lens[2]
         if self._cuda_stream is not None:

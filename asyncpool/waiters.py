@@ -108,11 +108,11 @@ class WaiterQueues:
         self._max = max_waiters
         self._queues: dict[int, collections.deque[Waiter]] = {}
         self._prios: list[int] = []  # sorted keys of _queues
-        self.count = 0
-        self.gated = False
-        self.timeouts = 0
-        self.cancellations = 0
-        self.rejections = 0
+        self.count: int = 0
+        self.gated: bool = False
+        self.timeouts: int = 0
+        self.cancellations: int = 0
+        self.rejections: int = 0
 
     # ------------------------------------------------------------ waiting
 

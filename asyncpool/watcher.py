@@ -128,13 +128,13 @@ class FenceWatcher:
         self._kicked = False  # a fence was added: restart the backoff
         self._thread: threading.Thread | None = None  # the poller
         self._streams: dict[int, _Stream] = {}
-        self.watched = 0
-        self.polls = 0
+        self.watched: int = 0
+        self.polls: int = 0
         # Fences the poller dropped because their query() raised or gave an
         # answer that is not a yes or no: the owner, whose own query may then
         # say "not done" (a transfer whose status poll failed once), watches
         # again those it still waits for (rewatch()) when this count moves.
-        self.faults = 0
+        self.faults: int = 0
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"

@@ -245,10 +245,10 @@ class PoolCore:
             on_pending=self._on_pending,
             on_fault=self._on_fault,
         )
-        self.size = size
-        self.max_context_len = max_context_len
-        self.device = device
-        self.stream = stream
+        self.size: int = size
+        self.max_context_len: int = max_context_len
+        self.device: str | torch.device = device
+        self.stream: HostStream | torch.Stream | None = stream
         self._name = name
         # The ledger's fault and quarantine lines name the pool too.
         self._ledger.set_log_name(name)

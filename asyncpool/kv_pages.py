@@ -209,7 +209,7 @@ class PageLedger(Deferrals[PageArray]):
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
-        self.num_pages = num_pages
+        self.num_pages: int = num_pages
         capacity = num_pages - 1
         self.capacity: int = capacity
         # One byte of state per page: the bytearray for Python-int steps, the
@@ -927,8 +927,8 @@ class KVPagePool:
         self._name = name
         if explicit:
             self._ledger.make_explicit()
-        self.num_pages = num_pages
-        self.page_size = page_size
+        self.num_pages: int = num_pages
+        self.page_size: int = page_size
         self._on_host = self.device.type == "cpu"
         self._offsets = np.arange(page_size, dtype=np.int64)
         # The pool's device gets its offsets for slots() now, before any

@@ -104,7 +104,7 @@ class SlotLedger(Deferrals[int]):
         latency_window: int = 4096,
     ) -> None:
         size = check_size(size)
-        self.size = size
+        self.size: int = size
         self.capacity: int = size - 1
         self._free: collections.deque[int] = collections.deque(range(1, size))
         self._clean = size - 1  # the tables start zeroed

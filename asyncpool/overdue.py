@@ -137,7 +137,7 @@ class OverdueFences:
         *,
         pool_name: str | None = None,
     ) -> None:
-        self.timeout = timeout
+        self.timeout: float = timeout
         self._log = pool_log(logger, pool_name)
         self._ledgers = list(ledgers)
         self._clock = clock

@@ -108,7 +108,7 @@ class RowPages:
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
-        self.kv = kv
+        self.kv: KVPagePool = kv
         self.ledger: PageLedger = kv.ledger
         self.capacity: int = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
@@ -119,10 +119,10 @@ class RowPages:
         self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
-        self.fast_admits = 0  # granted without queueing (zero waits)
+        self.fast_admits: int = 0  # granted without queueing (zero waits)
         #: ``extend``/``extend_rows`` calls answered None, short of pages:
         #: each is a retraction the scheduler made.
-        self.growth_refusals = 0
+        self.growth_refusals: int = 0
         #: Waits of admissions granted after queueing (seconds): a recent
         #: window, and a histogram of all of them.
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)

@@ -317,8 +317,8 @@ class TokenTables:
                 f"enable_memory_saver must be a bool, got {describe(enable_memory_saver, 80)} of "
                 f"type {type(enable_memory_saver).__name__}"
             )
-        self.size = size
-        self.max_context_len = max_context_len
+        self.size: int = size
+        self.max_context_len: int = max_context_len
         self.device: torch.device = check_device(device)
         if enable_memory_saver and self.device.type != "cuda" and torch.cuda.is_available():
             # Without CUDA, create() below says so; with it, tables on another

@@ -30,6 +30,7 @@ from asyncpool import (
     FenceError,
     Grant,
     GrantHold,
+    Histogram,
     HostStream,
     InvalidSlotError,
     KVPagePool,
@@ -254,6 +255,24 @@ def observe(pool: AsyncReqToTokenPool, kv: KVPagePool, sync: ReqToTokenPool) -> 
     assert_type(kv.stats(), KVPageStats)
     assert_type(pool.stats().pages_pending, int)
     assert_type(sync.alloc(np.int64(1)), list[int] | None)
+    # Attributes a dashboard reads, declared where they are set (pyright
+    # --verifytypes counts an attribute typed only by inference as ambiguous).
+    assert_type(pool.kv, KVPagePool | None)
+    assert_type(pool.req_to_token, torch.Tensor)
+    assert_type(pool.max_context_len, int)
+    assert_type(kv.page_size, int)
+    assert_type(kv.num_pages, int)
+    ledger = kv.ledger
+    assert_type(ledger.capacity, int)
+    assert_type(ledger.free_count, int)
+    assert_type(ledger.peak_allocated, int)
+    assert_type(ledger.pending, int)
+    assert_type(ledger.quarantined, int)
+    assert_type(ledger.deferred_frees, int)
+    assert_type(ledger.reclaimed, int)
+    assert_type(ledger.fence_errors, int)
+    assert_type(ledger.explicit, bool)
+    assert_type(ledger.fence_histogram, Histogram)
     collector = PoolCollector(pool, name="decode")
     collector.add(sync, name="sync")
     CollectorRegistry().register(collector)

@@ -75,13 +75,19 @@ def force_release_fences(fence: object) -> tuple[Fence, ...]:
     """``force_release``'s argument checked, as its fences: one fence, or a
     sequence of them (:func:`~asyncpool.fences.fence_list`'s rules and
     ``TypeError``). ``None`` is a ``TypeError`` here, not "no fence": an
-    operator who passes it has the wrong object."""
+    operator who passes it has the wrong object. A fence listed twice counts
+    once (releasing is idempotent; the log line counts distinct fences),
+    first place kept."""
     if fence is None:
         raise TypeError(
             "fence= must be a fence (an object with query() and synchronize()) or a "
             "sequence of fences, got None"
         )
-    return fence_list(fence)
+    fences = fence_list(fence)
+    if len(fences) > 1:
+        seen: set[int] = set()
+        fences = tuple(f for f in fences if not (id(f) in seen or seen.add(id(f))))
+    return fences
 
 
 #: How many fences a line about a sequence of them names (the rest counted).

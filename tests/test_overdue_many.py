@@ -325,6 +325,28 @@ async def test_force_release_of_a_list_sums_logs_once_and_serves_waiters(
     await pool.close()
 
 
+async def test_a_fence_listed_twice_is_released_and_counted_once(records: Records) -> None:
+    pool, _clock = _clocked_pool()
+    fences = [Transfer(f"t{i}") for i in range(2)]
+    for fence in fences:
+        async with bounded():
+            g = await pool.admit(pages=12)
+        pool.free([g.row], fence=fence)
+    records.records.clear()
+    a, b = fences
+    assert pool.force_release([a, b, a, b]) == (2, 24)
+    assert records.at(logging.WARNING) == [
+        "force_release(2 fences: <Transfer t0>, <Transfer t1>): "
+        "2 rows and 24 pages returned to circulation without the fences completing"
+    ]
+    records.records.clear()
+    assert pool.force_release([a, a]) == (0, 0)  # one fence: the one-fence line
+    (line,) = records.at(logging.WARNING)
+    assert line.startswith("force_release(<Transfer t0>)"), line
+    pool.check_invariants()
+    await pool.close()
+
+
 async def test_a_batch_behind_two_stuck_fences_is_released_asking_neither(
     records: Records,
 ) -> None:

@@ -85,8 +85,8 @@ def force_release_fences(fence: object) -> tuple[Fence, ...]:
         )
     fences = fence_list(fence)
     if len(fences) > 1:
-        seen: set[int] = set()
-        fences = tuple(f for f in fences if not (id(f) in seen or seen.add(id(f))))
+        # dict keeps first places; keyed by identity (a fence may define ==).
+        fences = tuple({id(f): f for f in fences}.values())
     return fences
 
 

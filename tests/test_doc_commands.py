@@ -36,6 +36,7 @@ from helpers import load_example
 import benchmarks
 import benchmarks.ablation
 import benchmarks.grant_parts
+import benchmarks.history
 import benchmarks.profile
 import benchmarks.run
 import scheduler_demo
@@ -53,6 +54,7 @@ DOC_MODULES = (
     benchmarks.run,
     benchmarks.ablation,
     benchmarks.grant_parts,
+    benchmarks.history,
     benchmarks.profile,
 )
 #: Modules the documents run that are not this project's programs.
@@ -171,6 +173,9 @@ def _stop_before_run(module: str, mp: pytest.MonkeyPatch) -> Callable[[list[str]
     if module == "benchmarks.grant_parts":
         mp.setattr(benchmarks.grant_parts, "run_on", _raise_reached)
         return benchmarks.grant_parts.main
+    if module == "benchmarks.history":
+        mp.setattr(benchmarks.history, "render_history", _raise_reached)  # files read first
+        return benchmarks.history.main
     if module == "benchmarks.profile":
         mp.setattr(benchmarks.profile, "profile", _raise_reached)
         return benchmarks.profile.main
@@ -217,7 +222,7 @@ def test_the_documents_show_commands_and_flags() -> None:
     assert ("scheduler_demo.compare", "--rounds 3") in shown  # the epilog
     assert ("benchmarks.profile", "uncontended --loop uvloop") in shown  # a docstring
     assert len(COMMANDS) >= 30, len(COMMANDS)
-    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 6
+    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 7
     assert len(FLAG_SPANS) >= 30, len(FLAG_SPANS)
 
 
@@ -241,6 +246,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
         "benchmarks": _capture_parser(benchmarks.run.main),
         "benchmarks.ablation": _capture_parser(benchmarks.ablation.main),
         "benchmarks.grant_parts": _capture_parser(benchmarks.grant_parts.main),
+        "benchmarks.history": _capture_parser(benchmarks.history.main),
         "benchmarks.profile": _capture_parser(benchmarks.profile.main),
     }
     with pytest.MonkeyPatch.context() as mp:

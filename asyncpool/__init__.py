@@ -38,7 +38,7 @@ from .kv_pages import KVPagePool, KVPageStats
 from .ledger import Rows
 from .lifecycle import GrantHold
 from .pool import AsyncReqToTokenPool, Lease
-from .row_pages import Grant
+from .row_pages import Grant, GroupGrant
 from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
 from .sync_pool import ReqToTokenPool
 from .tables import PoolInfo, ReqToTokenPoolInfo
@@ -57,6 +57,7 @@ __all__ = [
     "Fences",
     "Grant",
     "GrantHold",
+    "GroupGrant",
     "Histogram",
     "HistogramSnapshot",
     "HostFence",

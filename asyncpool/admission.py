@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +32,7 @@ from .errors import CapacityError, InvalidSlotError, PoolClosedError
 from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
 from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fault
-from .row_pages import Grant, RowPages, check_page_count
+from .row_pages import Grant, GroupGrant, RowPages, check_page_count
 from .waiters import WaiterQueues
 
 __all__ = ["Admission", "Counts", "Need"]
@@ -44,8 +44,10 @@ _get_ident = threading.get_ident
 _get_running_loop = asyncio.get_running_loop
 
 #: What a waiter needs (asyncpool.waiters never looks inside): ``n`` (an
-#: int) for alloc(n), ``(1, k)`` for admit(pages=k).
-Need = int | tuple[int, int]
+#: int) for alloc(n), ``(1, k)`` for admit(pages=k), ``(1, (k0, k1, ...))``
+#: for an admission on a pool with KV groups (one count per group, in the
+#: groups' order).
+Need = int | tuple[int, int] | tuple[int, tuple[int, ...]]
 
 # Freeing a row's own pages (no fence): up to this many go through the page
 # ledger's one-pass check-and-free (about 0.1 us a page), more through the
@@ -142,6 +144,8 @@ class Admission:
 
     _ledger: SlotLedger
     _pages: RowPages | None
+    _groups: dict[str, RowPages] | None
+    _page_sets: tuple[RowPages, ...]
     _waiters: WaiterQueues
     _free_q: collections.deque[int]
     _state: list[int]
@@ -167,9 +171,9 @@ class Admission:
 
         def _drop_dead_waiters(self) -> bool: ...
 
-        def _take_for_waiter(self, need: Need) -> list[int] | Grant | None: ...
+        def _take_for_waiter(self, need: Need) -> list[int] | Grant | GroupGrant | None: ...
 
-        def _give_back(self, granted: list[int] | Grant) -> None: ...
+        def _give_back(self, granted: list[int] | Grant | GroupGrant) -> None: ...
 
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
@@ -210,9 +214,27 @@ class Admission:
 
     # ------------------------------------------------------------ admitting
 
+    @overload
     async def admit(
         self, pages: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
-    ) -> Grant:
+    ) -> Grant: ...
+
+    @overload
+    async def admit(
+        self,
+        pages: Mapping[str, SupportsIndex],
+        *,
+        priority: SupportsIndex = 0,
+        timeout: float | None = None,
+    ) -> GroupGrant: ...
+
+    async def admit(
+        self,
+        pages: SupportsIndex | Mapping[str, SupportsIndex],
+        *,
+        priority: SupportsIndex = 0,
+        timeout: float | None = None,
+    ) -> Grant | GroupGrant:
         """Admit a request: one row and ``pages`` KV pages, granted together.
 
         All or nothing (System V ``semop`` semantics): a waiter short of
@@ -234,7 +256,21 @@ class Admission:
         ``TimeoutError`` as :meth:`alloc` does.
         On any exception, cancellation included, nothing was allocated; a
         waiter cancelled after its grant gives row and pages back.
+
+        On a pool built with KV groups (a mapping ``kv=``), ``pages`` is a
+        mapping naming every group exactly once, ``{group: count}``, each
+        count an int in ``0..capacity`` of that group's pool: one row and
+        each group's pages, all or nothing across the row and every group
+        (a waiter short in any group holds nothing in any), in the same
+        queue and by the same rules; returns a :class:`GroupGrant` (``row,
+        pages = grant``, ``pages`` a dict of one tensor per group).
+        ``ValueError`` for an int there (or a mapping on a pool with one
+        ``kv``), a group missing or unknown; :class:`CapacityError` for a
+        count that is not an int in range, or one that quarantine makes
+        unfittable in its group; nothing changes.
         """
+        if pages.__class__ is not int and self._groups is not None:
+            return await self._admit_groups(pages, priority, timeout)
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
@@ -284,16 +320,33 @@ class Admission:
             # the caller's frames (and their locals) until the cycle collector.
             del waiter
 
-    def try_admit(self, pages: SupportsIndex) -> Grant | None:
+    @overload
+    def try_admit(self, pages: SupportsIndex) -> Grant | None: ...
+
+    @overload
+    def try_admit(self, pages: Mapping[str, SupportsIndex]) -> GroupGrant | None: ...
+
+    def try_admit(
+        self, pages: SupportsIndex | Mapping[str, SupportsIndex]
+    ) -> Grant | GroupGrant | None:
         """Admit now (one row and ``pages`` pages), or return None; never waits.
 
         None while anyone is queued (no queue jumping), while the memory is
         released or the grants are held (:meth:`hold_grants`), or when either
         does not fit after reclaiming completed
         fences. Raises as :meth:`admit` does for bad input, and
-        :class:`PoolClosedError` after :meth:`close`.
+        :class:`PoolClosedError` after :meth:`close`. On a pool with KV
+        groups: ``pages`` a mapping ``{group: count}`` and a
+        :class:`GroupGrant` (or None), as :meth:`admit`.
         """
         self._check_thread()
+        if pages.__class__ is not int and self._groups is not None:
+            counts = self._group_counts(pages)
+            if self._closed:
+                raise PoolClosedError("the pool is closed; nothing can be admitted")
+            if self._try_must_wait():
+                return None
+            return self._admit_groups_now(counts)
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
@@ -327,9 +380,15 @@ class Admission:
         return grant
 
     def _kv_pages(self, what: str = "admit or extend with pages") -> RowPages:
-        """The pool's pages; :class:`CapacityError` on a pool without ``kv``."""
+        """The pool's pages; :class:`CapacityError` on a pool without ``kv``,
+        ``ValueError`` on one with KV groups (an int count there)."""
         pages = self._pages
         if pages is None:
+            if self._groups is not None:
+                raise ValueError(
+                    f"this pool has KV groups {self._group_words()}: admit and try_admit "
+                    "take a mapping {group: page count} naming each of them, not one count"
+                )
             raise CapacityError(
                 f"this pool has no KV pages: build it with kv=KVPagePool(...) to {what}"
             )
@@ -339,7 +398,208 @@ class Admission:
         pages = self._kv_pages()
         if k.__class__ is int and least <= k <= pages.capacity:
             return k
+        if isinstance(k, Mapping):
+            raise ValueError(
+                "this pool has one KV page pool and no KV groups: give a page count (an "
+                "int), not a mapping of group names to counts"
+            )
         return check_page_count(k, pages.capacity, least=least)
+
+    # ------------------------------------------------------------ KV groups
+
+    def _group_words(self) -> str:
+        assert self._groups is not None
+        return "(" + ", ".join(map(repr, self._groups)) + ")"
+
+    def _group_named(self, group: object, call: str) -> RowPages:
+        """The pages of KV group ``group``; ``ValueError`` for a pool
+        without groups or a name that is not one of them."""
+        groups = self._groups
+        if groups is None:
+            built = "one KVPagePool" if self._pages is not None else "no kv"
+            raise ValueError(
+                f"{call}: group= names a KV group, and this pool has none (built with "
+                f"{built}): leave group out"
+            )
+        pages = groups.get(group) if isinstance(group, str) else None
+        if pages is None:
+            raise ValueError(
+                f"{call}: unknown KV group {describe(group)}; this pool's groups are "
+                f"{self._group_words()}"
+            )
+        return pages
+
+    def _pages_or_none(self, group: object, call: str) -> RowPages | None:
+        """The pages ``group=`` picks: the pool's one ``kv`` (``group``
+        None), a group's (by name, on a pool with groups, where it is
+        required), or None on a pool without ``kv`` (``group`` None).
+        ``ValueError`` for ``group=`` misused."""
+        if group is None:
+            pages = self._pages
+            if pages is not None or self._groups is None:
+                return pages
+            raise ValueError(
+                f"{call}: this pool has KV groups {self._group_words()}: name one with group="
+            )
+        return self._group_named(group, call)
+
+    def _pages_for(self, group: object, call: str, purpose: str) -> RowPages:
+        """:meth:`_pages_or_none`, with :class:`CapacityError` for a pool
+        without ``kv`` (as :meth:`_kv_pages`)."""
+        pages = self._pages_or_none(group, call)
+        if pages is None:
+            raise CapacityError(
+                f"this pool has no KV pages: build it with kv=KVPagePool(...) to {purpose}"
+            )
+        return pages
+
+    @staticmethod
+    def _count_for(pages: RowPages, k: Any, least: int) -> int:
+        if k.__class__ is int and least <= k <= pages.capacity:
+            return k
+        return check_page_count(k, pages.capacity, least=least)
+
+    def _group_counts(self, pages: object) -> tuple[int, ...]:
+        """An admission's ``{group: count}`` as one count per group, in the
+        groups' order. ``ValueError`` for anything but a mapping naming
+        every group exactly once; :class:`CapacityError` for a count that
+        is not an int in ``0..capacity`` of its group."""
+        groups = self._groups
+        assert groups is not None
+        if not isinstance(pages, Mapping):
+            raise ValueError(
+                f"this pool has KV groups {self._group_words()}: admit and try_admit take a "
+                f"mapping {{group: page count}} naming each of them, got {describe(pages)} "
+                f"of type {type(pages).__name__}"
+            )
+        unknown = [key for key in pages if not isinstance(key, str) or key not in groups]
+        if unknown:
+            raise ValueError(
+                f"unknown KV group {describe(unknown[0])} in the page counts; this pool's "
+                f"groups are {self._group_words()}"
+            )
+        missing = [name for name in groups if name not in pages]
+        if missing:
+            raise ValueError(
+                f"the page counts name no count for KV group {missing[0]!r}: name every "
+                f"group of {self._group_words()} (0 for none)"
+            )
+        counts = []
+        for name, one in groups.items():
+            k = pages[name]
+            if k.__class__ is int and 0 <= k <= one.capacity:
+                counts.append(k)
+                continue
+            try:
+                counts.append(check_page_count(k, one.capacity, least=0))
+            except CapacityError as exc:
+                raise CapacityError(f"KV group {name!r}: {exc}") from None
+        return tuple(counts)
+
+    def _groups_short(self, counts: tuple[int, ...]) -> bool:
+        """Whether some group has fewer free pages than its count."""
+        for pages, k in zip(self._page_sets, counts, strict=True):
+            if k > pages.ledger.free_count:
+                return True
+        return False
+
+    def _grant_groups(self, row: int, counts: tuple[int, ...]) -> GroupGrant:
+        """Take each group's pages for the newly taken ``row`` (counted
+        free: cannot fail), make every group's tensor, then record them
+        all. If a tensor cannot be made (a device error), row and pages go
+        back and the error propagates: nothing was granted."""
+        sets = self._page_sets
+        taken = []
+        for pages, k in zip(sets, counts, strict=True):
+            arr = pages.take(k)
+            assert arr is not None
+            taken.append(arr)
+        try:
+            outs = [pages.out(arr) for pages, arr in zip(sets, taken, strict=True)]
+        except BaseException:
+            for pages, arr in zip(sets, taken, strict=True):
+                if arr.shape[0]:
+                    pages.ledger.put_back(arr, OWNED)
+            self._give_back([row])
+            raise
+        for pages, arr in zip(sets, taken, strict=True):
+            pages.attach(row, arr)
+        assert self._groups is not None
+        return GroupGrant(row, dict(zip(self._groups, outs, strict=True)))
+
+    def _admit_groups_now(self, counts: tuple[int, ...]) -> GroupGrant | None:
+        free = self._free_q
+        # Capacity only waiting on a fence is not exhaustion: reclaim once.
+        if (not free or self._groups_short(counts)) and (
+            not self._reclaim_both() or not free or self._groups_short(counts)
+        ):
+            return None
+        # The row first (its reset may raise; nothing taken yet), then the
+        # pages of every group.
+        rows = self._take(1)
+        assert rows is not None
+        grant = self._grant_groups(rows[0], counts)
+        self._page_sets[0].fast_admits += 1
+        return grant
+
+    def _take_group_admission(self, counts: tuple[int, ...]) -> GroupGrant | None:
+        """One row and each group's pages for a waiter, all or nothing."""
+        if (not self._free_q or self._groups_short(counts)) and (
+            not (self._ledger.pending or any(p.ledger.pending for p in self._page_sets))
+            or not self._reclaim_both()
+            or not self._free_q
+            or self._groups_short(counts)
+        ):
+            return None
+        rows = self._take_for_waiter(1)  # its reset is deferred: cannot raise
+        assert isinstance(rows, list)
+        return self._grant_groups(rows[0], counts)
+
+    async def _admit_groups(
+        self, pages: object, priority: SupportsIndex, timeout: float | None
+    ) -> GroupGrant:
+        """:meth:`admit` on a pool with KV groups."""
+        if self._owner != _get_ident():
+            self._bind_thread()
+        self._fast = False
+        counts = self._group_counts(pages)
+        if timeout is not None or priority.__class__ is not int:
+            priority, timeout = _check_wait_args(priority, timeout)
+        waiters = self._waiters
+        if not waiters.count and not waiters.gated:
+            grant = self._admit_groups_now(counts)
+            if grant is not None:
+                return grant
+        if self._closed:
+            raise PoolClosedError("the pool is closed; nothing can be admitted")
+        need = (1, counts)
+        if self._ledger.quarantined or any(p.ledger.quarantined for p in self._page_sets):
+            error = self._unfittable_need(need)
+            if error is not None:
+                raise error
+        loop = _get_running_loop()
+        dropped = False
+        if loop is not self._loop or self._unwatched:
+            dropped = self._prepare_to_queue(loop)
+        stats = self._page_sets[0]  # admissions are counted on the first group
+        waiter, handle = waiters.enqueue(
+            need, priority, timeout, loop, stats.waits, stats.wait_histogram
+        )
+        if dropped:
+            waiters.serve_soon(waiter, loop)
+        try:
+            granted: GroupGrant = await waiter[1]
+            return granted
+        except asyncio.CancelledError:
+            waiters.cancelled(waiter)
+            raise
+        except TimeoutError:
+            waiters.timeouts += 1
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+            del waiter
 
     def _allocated_row(self, row: object, what: str) -> int:
         """``row`` as an int if it is an allocated row id (integer scalars
@@ -354,7 +614,7 @@ class Admission:
             return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 
-    def pages_short(self) -> int:
+    def pages_short(self, group: str | None = None) -> int:
         """How many pages the next queued waiter lacks: those to evict for it.
 
         The pool cannot evict a prefix cache's pages (it does not know
@@ -378,20 +638,29 @@ class Admission:
         requests are still to take the pending pages; read it again once
         the hold is released (growth's own shortfall is the scheduler's to
         count). The event loop's thread only
-        (:class:`~asyncpool.WrongThreadError` otherwise).
+        (:class:`~asyncpool.WrongThreadError` otherwise). On a pool with KV
+        groups, ``group`` (required there, ``ValueError`` otherwise) names
+        the group whose shortfall to read; on any other pool it must be None.
         """
         self._check_thread()
         pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_or_none(group, "pages_short")
         if pages is None or not self._waiters.count:
             return 0
         self._drop_dead_waiters()  # waiters of a loop closed under them never run
         need: Need | None = self._waiters.head()
         if need is None or isinstance(need, int):
             return 0
+        k = need[1]
+        if isinstance(k, tuple):  # KV groups: this group's count
+            k = k[self._page_sets.index(pages)]
         pled = pages.ledger
-        return max(0, need[1] - pled.free_count - pled.pending)
+        return max(0, k - pled.free_count - pled.pending)
 
-    def pages_of(self, row: SupportsIndex, *, host: bool = False) -> torch.Tensor:
+    def pages_of(
+        self, row: SupportsIndex, *, host: bool = False, group: str | None = None
+    ) -> torch.Tensor:
         """The pages ``row`` owns (a 1-D int64 tensor; empty if none).
 
         On the ``KVPagePool``'s device; with ``host=True`` on the CPU, from
@@ -399,15 +668,22 @@ class Admission:
         ids for the engine's own bookkeeping, which ``kv.free`` and
         ``kv.slots`` take without reading anything back). Raises
         :class:`InvalidSlotError` unless ``row`` is allocated. Read only:
-        the tensor is (a copy of) the pool's record.
+        the tensor is (a copy of) the pool's record. On a pool with KV
+        groups, ``group=`` names the group (required there; ``ValueError``
+        for it missing, unknown, or given on a pool without groups).
         """
         self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_or_none(group, "pages_of")
         row = self._allocated_row(row, "asked for its pages")
-        if self._pages is None:
+        if pages is None:
             return torch.zeros(0, dtype=torch.int64)
-        return self._pages.of(row, host)
+        return pages.of(row, host)
 
-    def extend(self, row: SupportsIndex, k: SupportsIndex) -> torch.Tensor | None:
+    def extend(
+        self, row: SupportsIndex, k: SupportsIndex, *, group: str | None = None
+    ) -> torch.Tensor | None:
         """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
 
         Returns the new pages (they belong to the row from now on), or None
@@ -423,23 +699,25 @@ class Admission:
         :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
         :class:`InvalidSlotError` unless ``row`` is allocated,
         :class:`PoolClosedError` after :meth:`close`; changing nothing. On a
-        pool without ``kv``: :class:`CapacityError`.
+        pool without ``kv``: :class:`CapacityError`. On a pool with KV
+        groups ``group=`` names the group to grow (required there, and
+        ``k`` within that group's capacity); elsewhere it must be None
+        (``ValueError`` for either mistake or an unknown name).
         """
         self._check_thread()
-        k = self._page_count(k, 1)
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_for(group, "extend", "admit or extend with pages")
+        k = self._count_for(pages, k, 1)
         row = self._allocated_row(row, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         if self._released:
             return None
-        pages = self._pages
-        assert pages is not None
-        return self._grow(pages.extend, row, k)
+        return self._grow(pages, pages.extend, row, k)
 
     def extend_rows(
-        self,
-        rows: Rows,
-        k: Counts = 1,
+        self, rows: Rows, k: Counts = 1, *, group: str | None = None
     ) -> torch.Tensor | None:
         """Add ``k`` pages to each of ``rows`` at once (a decode step's
         growth), all or nothing; never waits.
@@ -463,18 +741,22 @@ class Admission:
         1-D int64 tensor of ``sum(k)`` pages, ``rows[i]``'s ``k[i]`` in row
         order (at ``sum(k[:i])``); :class:`CapacityError` for counts that
         are not that or whose sum is past ``kv.capacity``.
+
+        On a pool with KV groups ``group=`` names the group to grow, as for
+        :meth:`extend`.
         """
         self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_for(group, "extend_rows", "admit or extend with pages")
         if k.__class__ is not int and _per_row(k):
-            return self._extend_each(rows, k)
-        k = self._page_count(k, 1)
+            return self._extend_each(pages, rows, k)
+        k = self._count_for(pages, k, 1)
         led = self._ledger
         seq = led.as_rows(rows)
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
-        pages = self._pages
-        assert pages is not None
         total = len(seq) * k
         if total > pages.capacity:
             raise CapacityError(
@@ -485,11 +767,10 @@ class Admission:
             return None
         if not total:
             return torch.zeros((0, k), dtype=torch.int64, device=pages.kv.device)
-        return self._grow(pages.extend_rows, seq, k)
+        return self._grow(pages, pages.extend_rows, seq, k)
 
-    def _extend_each(self, rows: Rows, k: object) -> torch.Tensor | None:
+    def _extend_each(self, pages: RowPages, rows: Rows, k: object) -> torch.Tensor | None:
         """:meth:`extend_rows` with one page count per row."""
-        pages = self._kv_pages()
         _check_ordered(rows, "extend_rows with one page count per row")
         led = self._ledger
         seq = led.as_rows(rows)
@@ -507,9 +788,11 @@ class Admission:
             return None
         if not total:
             return torch.zeros(0, dtype=torch.int64, device=pages.kv.device)
-        return self._grow(pages.extend_each, seq, counts)
+        return self._grow(pages, pages.extend_each, seq, counts)
 
-    def extend_fitting(self, rows: Rows, k: Counts = 1) -> tuple[int, torch.Tensor]:
+    def extend_fitting(
+        self, rows: Rows, k: Counts = 1, *, group: str | None = None
+    ) -> tuple[int, torch.Tensor]:
         """Grow ``rows`` in order, as many as the free pages cover; never waits.
 
         :meth:`extend_rows` for a scheduler that orders its running requests
@@ -533,10 +816,13 @@ class Admission:
         rows, or for rows in a set, which has no order;
         :class:`PoolClosedError` after :meth:`close`; changing nothing),
         except that a total past ``kv.capacity`` is no error: the run stops
-        where the pages do.
+        where the pages do. On a pool with KV groups ``group=`` names the
+        group to grow, as for :meth:`extend`.
         """
         self._check_thread()
-        pages = self._kv_pages()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_for(group, "extend_fitting", "admit or extend with pages")
         _check_ordered(rows, "extend_fitting")
         led = self._ledger
         seq = led.as_rows(rows)
@@ -545,7 +831,7 @@ class Admission:
         if k.__class__ is not int and _per_row(k):
             counts = _page_counts(k, len(seq), "k")
         else:
-            per_row = self._page_count(k, 1)
+            per_row = self._count_for(pages, k, 1)
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
@@ -553,20 +839,18 @@ class Admission:
             empty = np.zeros(0, dtype=np.int64)
             return 0, pages.out(empty if counts is not None else empty.reshape(0, per_row))
         if counts is None:
-            m, got = self._grow(pages.extend_fitting, seq, per_row)
+            m, got = self._grow(pages, pages.extend_fitting, seq, per_row)
         else:
-            m, got = self._grow(pages.extend_fitting_each, seq, counts)
+            m, got = self._grow(pages, pages.extend_fitting_each, seq, counts)
         if m < len(seq):
             pages.growth_refusals += 1
         return m, got
 
-    def _grow(self, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:
-        """``grow(rows, k)`` (a RowPages growth), then the grant loop if the
+    def _grow(self, pages: RowPages, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:
+        """``grow(rows, k)`` (a growth of ``pages``), then the grant loop if the
         growth reclaimed completed fences: it may have made free more than
         it took, and queued admissions may fit now. A None answer counts as
         a growth refusal (``extend_fitting`` counts its short runs itself)."""
-        pages = self._pages
-        assert pages is not None
         pled = pages.ledger
         reclaimed = pled.reclaimed
         got = grow(rows, k)
@@ -576,7 +860,9 @@ class Admission:
             self._waiters.grant()
         return got
 
-    def detach_pages(self, row: SupportsIndex, *, host: bool = False) -> torch.Tensor:
+    def detach_pages(
+        self, row: SupportsIndex, *, host: bool = False, group: str | None = None
+    ) -> torch.Tensor:
         """Hand ``row``'s pages to the caller, who owns them from now on.
 
         For prefix caching: the caller keeps them (in a radix tree, say) and
@@ -592,13 +878,19 @@ class Admission:
         device; with ``host=True`` on the CPU, no copy to the device (on a
         CUDA pool: the ids to keep in a prefix cache and give to
         ``kv.free`` later, which then reads nothing back). Raises
-        :class:`InvalidSlotError` unless ``row`` is allocated.
+        :class:`InvalidSlotError` unless ``row`` is allocated. On a pool
+        with KV groups ``group=`` names the group whose pages to hand over
+        (required there; the row keeps its other groups' pages, freed with
+        it); elsewhere it must be None (``ValueError`` for either mistake).
         """
         self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_or_none(group, "detach_pages")
         row = self._allocated_row(row, "detached from its pages")
-        if self._pages is None:
+        if pages is None:
             return torch.zeros(0, dtype=torch.int64)
-        return self._pages.detach(row, host)
+        return pages.detach(row, host)
 
     def trim_pages(
         self,
@@ -607,6 +899,7 @@ class Admission:
         fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
+        group: str | None = None,
     ) -> int:
         """Give back each row's pages past its first ``keep``; the rows keep those.
 
@@ -628,11 +921,15 @@ class Admission:
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows or for a record written into (as :meth:`free`), ``TypeError``
         for a non-fence (as :meth:`free`); :class:`CapacityError` on a pool
-        without ``kv``.
+        without ``kv``. On a pool with KV groups ``group=`` names the group
+        to trim (required there); elsewhere it must be None (``ValueError``
+        for either mistake or an unknown name).
         Allowed after :meth:`close`, as :meth:`free`.
         """
         self._check_thread()
-        pages = self._kv_pages("trim a row's pages")
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_for(group, "trim_pages", "trim a row's pages")
         if rows.__class__ is int and keep.__class__ is int:
             # One row and one count (a loop over a step's rows): the row as
             # _allocated_row checks it, and nothing to do when it owns no
@@ -682,7 +979,8 @@ class Admission:
         fences.
         """
         pages = self._pages
-        assert pages is not None
+        if pages is None:
+            return self._free_with_groups(rows, after, fence)
         if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
             # Fast path: one row, no fence, no recorded use: its pages and
             # then the row are free at once (the pages are checked first).
@@ -738,6 +1036,40 @@ class Admission:
             immediate = led.free(seq, fence)
         finally:
             led.answers = pled.answers = None
+        if (immediate or freed_pages) and self._waiters.count:
+            self._waiters.grant()
+        return immediate
+
+    def _free_with_groups(self, rows: Rows, after: Any | None, fence: Fences | None) -> int:
+        """:meth:`free` on a pool with KV groups: rows and every group's
+        pages they own. Checks everything (rows, fences, ``after``, every
+        group's pages) before changing anything; one verdict per fence for
+        the whole call (every ledger shares its answers)."""
+        led = self._ledger
+        if after is not None:
+            check_after(after)
+        extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "freed")
+        sets = self._page_sets
+        prepared = [pages.prepare_free(seq, self._uses) for pages in sets]
+        if after is not None:
+            step = record_fence(after)
+            led.record_use(seq, step, "freed")
+            extra = (*extra, step)
+        answers: dict[Any, Any] = {}
+        led.answers = answers
+        for pages in sets:
+            pages.ledger.answers = answers
+        try:
+            freed_pages = 0
+            for pages, one in zip(sets, prepared, strict=True):
+                freed_pages += pages.free(one, extra)
+            immediate = led.free(seq, fence)
+        finally:
+            led.answers = None
+            for pages in sets:
+                pages.ledger.answers = None
         if (immediate or freed_pages) and self._waiters.count:
             self._waiters.grant()
         return immediate

@@ -229,6 +229,7 @@ def agree(
     *,
     overdue_after: float | None = None,
     pool_name: str | None = None,
+    page_groups: Sequence[str] | None = None,
 ) -> Agreement:
     """Settle the pending fences of ``ledgers`` identically on every rank of ``group``.
 
@@ -264,8 +265,23 @@ def agree(
     rank the interrupt is raised instead (the error as its context).
     ``pool_name``: the calling pool's name, which starts every overdue
     warning logged (None: the lines as they always were).
+
+    ``page_groups``: a pool with KV groups passes its group names, and
+    ``ledgers`` is then its row ledger followed by one page ledger per
+    group, in that order. The groups share the second header slot (so the
+    tensor has the same length on every rank, whatever its pool's
+    layout): its kind encodes the group count and names, its counts are
+    sums, and its CRC-32 covers each group's pending batches and counts, so
+    ranks built with other groups, or whose groups hold other pages,
+    raise :class:`AgreementError` like any other disagreement.
     """
-    if len(ledgers) > SLOTS:
+    if page_groups is not None:
+        if len(ledgers) != 1 + len(page_groups) or not page_groups:
+            raise ValueError(
+                f"agree() with page groups takes the row ledger and one page ledger per "
+                f"group: {len(page_groups)} groups, {len(ledgers)} ledgers"
+            )
+    elif len(ledgers) > SLOTS:
         raise ValueError(f"agree() covers at most {SLOTS} ledgers, got {len(ledgers)}")
     if len({id(led) for led in ledgers}) < len(ledgers):
         # Each slot would settle the same batches: every id released twice.
@@ -282,18 +298,21 @@ def agree(
     header: list[int] = []
     flags: list[int] = []
     for led, batches in zip(ledgers, views, strict=True):
-        header.extend(
-            (
-                _KINDS.get(led.unit, 3),
-                len(batches),
-                led.deferral_counter,
-                led.pending,
-                _free_count(led),
-                _digest(batches),
-                led.quarantined,
+        if page_groups is None or led is ledgers[0]:
+            header.extend(
+                (
+                    _KINDS.get(led.unit, 3),
+                    len(batches),
+                    led.deferral_counter,
+                    led.pending,
+                    _free_count(led),
+                    _digest(batches),
+                    led.quarantined,
+                )
             )
-        )
         flags.extend(led.agreement_flags(batches, cache, overdue_after, led._clock(), interrupted))
+    if page_groups is not None:
+        header.extend(_groups_slot(page_groups, ledgers[1:], views[1:]))
     _flip(flags)  # overdue and faulted negated: their MIN is -MAX
     header.extend([0] * (len(_HEADER) * SLOTS - len(header)))  # empty slots
     total = sum(len(b) for b in views)
@@ -372,6 +391,46 @@ def agree(
     )
 
 
+#: The "ledger kind" of a header slot that holds KV groups: this, plus 8
+#: times a CRC-32 of the group names (with their count, below 8).
+_GROUPS_KIND = 8
+
+
+def _groups_slot(
+    names: Sequence[str], ledgers: Sequence[Deferrals[Any]], views: Sequence[list[Deferred[Any]]]
+) -> tuple[int, ...]:
+    """The second header slot for KV groups: a kind that names the groups
+    (how many, their names in order), summed counts, and a CRC-32 over
+    every group's batches and counts in group order."""
+    kind = _GROUPS_KIND + len(names) + 8 * zlib.crc32("\0".join(names).encode())
+    crc = 0
+    for led, batches in zip(ledgers, views, strict=True):
+        part = (
+            _digest(batches),
+            len(batches),
+            led.deferral_counter,
+            led.pending,
+            _free_count(led),
+            led.quarantined,
+        )
+        crc = zlib.crc32(array.array("q", part).tobytes(), crc)
+    return (
+        kind,
+        sum(len(b) for b in views),
+        sum(led.deferral_counter for led in ledgers),
+        sum(led.pending for led in ledgers),
+        sum(_free_count(led) for led in ledgers),
+        crc,
+        sum(led.quarantined for led in ledgers),
+    )
+
+
+def _kind_words(kind: int) -> str:
+    if kind >= _GROUPS_KIND:
+        return f"{(kind - _GROUPS_KIND) % 8} KV groups (names crc {kind // 8})"
+    return _KIND_WORDS.get(kind, "?")
+
+
 def _flip(flags: list[int]) -> None:
     """Negate, in place, the overdue and faulted flag of every ``[done,
     overdue, faulted]`` triple (its own inverse)."""
@@ -386,8 +445,8 @@ def _disagreement(ledgers: Sequence[Deferrals[Any]], low: list[int], high: list[
     for i in range(SLOTS):
         if low[width * i] != high[width * i]:
             parts.append(
-                f"ledger {i + 1} holds {_KIND_WORDS.get(low[width * i], '?')} on one rank "
-                f"and {_KIND_WORDS.get(high[width * i], '?')} on another"
+                f"ledger {i + 1} holds {_kind_words(low[width * i])} on one rank "
+                f"and {_kind_words(high[width * i])} on another"
             )
             continue
         unit = ledgers[i].unit if i < len(ledgers) else f"ledger {i + 1}"

@@ -99,6 +99,8 @@ class Lifecycle:
     _name: str | None
     _ledger: SlotLedger
     _pages: RowPages | None
+    _groups: dict[str, RowPages] | None
+    _page_sets: tuple[RowPages, ...]
     _waiters: WaiterQueues
     _tables: TokenTables
     _overdue: OverdueFences | None
@@ -183,7 +185,7 @@ class Lifecycle:
                     if not pending():
                         return
         except TimeoutError:
-            pages = self._pages.ledger.pending if self._pages is not None else 0
+            pages = sum(ps.ledger.pending for ps in self._page_sets)
             held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
             raise TimeoutError(
                 f"drain timed out after {timeout} s with {held} still pending behind fences"
@@ -196,9 +198,7 @@ class Lifecycle:
         # rank whatever the timing, so replicas that drain at the same point
         # stay in step, but a fault is this rank's own verdict (drain has no
         # group to agree it with; see the docstring).
-        ledgers: list[Deferrals[Any]] = [self._ledger]
-        if self._pages is not None:
-            ledgers.append(self._pages.ledger)
+        ledgers: list[Deferrals[Any]] = [self._ledger, *(ps.ledger for ps in self._page_sets)]
         try:
             async with asyncio.timeout(timeout):
                 delay = _DRAIN_POLL_MIN_S
@@ -232,22 +232,24 @@ class Lifecycle:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
         except TimeoutError:
-            pages = self._pages.ledger.pending if self._pages is not None else 0
+            pages = sum(ps.ledger.pending for ps in self._page_sets)
             held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
             raise TimeoutError(
                 f"drain timed out after {timeout} s with {held} still pending behind fences"
             ) from None
 
     def _pending_any(self) -> int:
-        """Rows plus pages pending behind fences."""
-        pages = self._pages
-        return self._ledger.pending + (pages.ledger.pending if pages is not None else 0)
+        """Rows plus pages (of every group) pending behind fences."""
+        pending = self._ledger.pending
+        for pages in self._page_sets:
+            pending += pages.ledger.pending
+        return pending
 
     def _pending_fences(self) -> list[Fence]:
-        """The fences holding rows, then those holding pages."""
+        """The fences holding rows, then those holding pages (group by group)."""
         fences = self._ledger.pending_fences()
-        if self._pages is not None:
-            fences.extend(self._pages.ledger.pending_fences())
+        for pages in self._page_sets:
+            fences.extend(pages.ledger.pending_fences())
         return fences
 
     async def close(self) -> None:
@@ -340,16 +342,19 @@ class Lifecycle:
             raise PoolBusyError(
                 f"cannot release memory while {rows} still allocated; free them first"
             )
-        pages = self._pages.ledger.allocated if self._pages is not None else 0
-        if pages:
-            what = (
-                "1 KV page of the kv pool is"
-                if pages == 1
-                else (f"{pages} KV pages of the kv pool are")
-            )
-            raise PoolBusyError(
-                f"cannot release memory while {what} still allocated; free them first"
-            )
+        groups = list(self._groups) if self._groups is not None else [None]
+        for name, one in zip(groups, self._page_sets, strict=True):
+            pages = one.ledger.allocated
+            if pages:
+                where = "the kv pool" if name is None else f"KV group {name!r}"
+                what = (
+                    f"1 KV page of {where} is"
+                    if pages == 1
+                    else (f"{pages} KV pages of {where} are")
+                )
+                raise PoolBusyError(
+                    f"cannot release memory while {what} still allocated; free them first"
+                )
 
     async def resume_memory(self) -> None:
         """Restore the memory region, zero the tables, and wake waiters.

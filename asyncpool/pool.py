@@ -83,7 +83,8 @@ import logging
 import sys
 import threading
 import weakref
-from types import TracebackType
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
 from typing import Any, Self, SupportsIndex
 
 import torch
@@ -105,9 +106,9 @@ from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
 from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
-from .naming import repr_head
+from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
-from .row_pages import Grant, RowPages
+from .row_pages import Grant, GroupGrant, RowPages
 from .stats import Histogram, LatencySummary, PoolStats
 from .tables import PoolInfo
 from .waiters import WaiterQueues
@@ -145,7 +146,77 @@ def _describe(need: Need) -> tuple[str, str]:
         return f"alloc({need})", _count(need, "row")
     assert isinstance(need, tuple)
     k = need[1]
+    if isinstance(k, tuple):  # KV groups: one count per group, in group order
+        return f"admit(pages={list(k)} by group)", f"1 row and {_count(sum(k), 'page')}"
     return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
+
+
+#: The most KV groups one pool takes (a mapping ``kv=``): a hybrid model's
+#: sliding-window and full-attention pages, a Mamba state slot, one more.
+MAX_KV_GROUPS = 4
+
+
+def _check_one_kv(kv: object, explicit: bool, what: str) -> None:
+    """The rules for one page pool a pool is built with (``what`` names it)."""
+    if not isinstance(kv, KVPagePool):
+        raise TypeError(f"{what} must be a KVPagePool, got {type(kv).__name__}")
+    if kv.ledger._on_pending is not None:
+        raise ValueError(
+            f"{kv!r} already serves a pool (for life, closed or not: its pages "
+            "may still be held by that pool's rows and fences); give each pool "
+            "its own"
+        )
+    if kv.ledger.explicit and not explicit:
+        raise ValueError(
+            f'{kv!r} is reclaim="explicit" and would never return pages to a '
+            'reclaim="auto" pool; build both with the same mode'
+        )
+    if explicit and not kv.ledger.explicit and (kv.ledger.pending or kv.ledger.quarantined):
+        raise ValueError(
+            f'{kv!r} has pages behind fences; a reclaim="explicit" pool needs a '
+            'fresh page pool (or one built with reclaim="explicit")'
+        )
+
+
+def _check_kv(kv: object, explicit: bool) -> dict[str, KVPagePool] | None:
+    """The constructor's ``kv=`` checked before anything is built: the
+    groups (name -> page pool, in the mapping's order) for a mapping, None
+    for one page pool or none. ``TypeError``/``ValueError`` otherwise."""
+    if kv is None:
+        return None
+    if not isinstance(kv, Mapping):
+        if not isinstance(kv, KVPagePool):
+            raise TypeError(
+                "kv must be a KVPagePool (or a mapping of group names to KVPagePools), "
+                f"got {type(kv).__name__}"
+            )
+        _check_one_kv(kv, explicit, "kv")
+        return None
+    groups: dict[str, KVPagePool] = {}
+    for name, one in kv.items():
+        try:
+            checked = check_name(name)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"a KV group name: {exc}") from None
+        assert checked is not None or name is None
+        if checked is None:
+            raise TypeError("a KV group name must be a str, got None")
+        _check_one_kv(one, explicit, f"kv[{checked!r}]")
+        for other, seen in groups.items():
+            if seen is one:
+                raise ValueError(
+                    f"kv[{checked!r}] and kv[{other!r}] are the same KVPagePool; each "
+                    "group needs its own"
+                )
+        if checked in groups:
+            raise ValueError(f"the KV group name {checked!r} is given twice")
+        groups[checked] = one
+    if not 1 <= len(groups) <= MAX_KV_GROUPS:
+        raise ValueError(
+            f"kv as a mapping needs 1 to {MAX_KV_GROUPS} groups (name -> KVPagePool), "
+            f"got {len(groups)}"
+        )
+    return groups
 
 
 class _Wake:
@@ -266,7 +337,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         enable_memory_saver: bool = False,
         stream: HostStream | torch.Stream | None = None,
         max_waiters: SupportsIndex | None = None,
-        kv: KVPagePool | None = None,
+        kv: KVPagePool | Mapping[str, KVPagePool] | None = None,
         fence_timeout: float | None = None,
         *,
         reclaim: str = "auto",
@@ -281,31 +352,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             max_waiters = converted
         timeout_s = check_fence_timeout(fence_timeout)
         explicit = check_reclaim_mode(reclaim)
-        if kv is not None:
-            if not isinstance(kv, KVPagePool):
-                raise TypeError(f"kv must be a KVPagePool, got {type(kv).__name__}")
-            if kv.ledger._on_pending is not None:
-                raise ValueError(
-                    f"{kv!r} already serves a pool (for life, closed or not: its pages "
-                    "may still be held by that pool's rows and fences); give each pool "
-                    "its own"
-                )
-            if kv.ledger.explicit and not explicit:
-                raise ValueError(
-                    f'{kv!r} is reclaim="explicit" and would never return pages to a '
-                    'reclaim="auto" pool; build both with the same mode'
-                )
-            if explicit and not kv.ledger.explicit and (kv.ledger.pending or kv.ledger.quarantined):
-                raise ValueError(
-                    f'{kv!r} has pages behind fences; a reclaim="explicit" pool needs a '
-                    'fresh page pool (or one built with reclaim="explicit")'
-                )
+        groups = _check_kv(kv, explicit)
         super().__init__(size, max_context_len, device, enable_memory_saver, stream, name=name)
         led = self._ledger
+        kvs: list[KVPagePool] = (
+            [] if kv is None else list(groups.values()) if groups is not None else [kv]  # type: ignore[list-item]
+        )
         if explicit:
             led.make_explicit()
-            if kv is not None and not kv.ledger.explicit:
-                kv.ledger.make_explicit()
+            for one in kvs:
+                if not one.ledger.explicit:
+                    one.ledger.make_explicit()
         self._capacity = led.capacity
         self._take = led.take
         # The single-row fast paths of alloc() and free() below work on the
@@ -365,35 +422,46 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._unwatched: list[Fence] = []  # deferred before any loop ran
         # Admission (kv=...): the pages each row owns, and the page ledger,
         # whose pending fences and frees wake waiters as the row ledger's do.
+        # A single kv: _pages is its RowPages. KV groups (a mapping kv=):
+        # _pages is None and _groups maps each name to its RowPages. Either
+        # way _page_sets holds every RowPages (empty without kv): a test of
+        # "has pages at all" reads it, never _pages.
         self._pages: RowPages | None = None
-        if kv is not None:
-            self._pages = RowPages(kv, self.size)
-            kv.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+        self._groups: dict[str, RowPages] | None = None
+        if groups is not None:
+            self._groups = {name: RowPages(one, self.size) for name, one in groups.items()}
+            self._page_sets: tuple[RowPages, ...] = tuple(self._groups.values())
+        elif kv is not None:
+            self._pages = RowPages(kv, self.size)  # type: ignore[arg-type]
+            self._page_sets = (self._pages,)
+        else:
+            self._page_sets = ()
+        for one in kvs:
+            one.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
             # The caller freed detached pages: run the grant loop. Only from
             # the pool's thread: the guard refuses any other.
-            kv.set_on_free(self._on_pages_freed, self._guard_kv)
+            one.set_on_free(self._on_pages_freed, self._guard_kv)
         self._overdue: OverdueFences | None = None
         # Explicit mode without a timeout here: overdue is still what agree()
         # agreed (another rank's timeout, MAX over ranks), logged by agree()
         # and counted by stats() alike on every rank. Only counted: no timer.
         self._agreed_overdue: OverdueFences | None = None
-        ledgers: list[Deferrals[Any]] = [led]
-        if kv is not None:
-            ledgers.append(kv.ledger)
+        ledgers: list[Deferrals[Any]] = [led, *(one.ledger for one in kvs)]
         if timeout_s is not None:
             self._overdue = OverdueFences(timeout_s, ledgers, pool_name=self._name)
         elif explicit:
             self._agreed_overdue = OverdueFences(float("inf"), ledgers, pool_name=self._name)
-        if kv is not None and kv.ledger.pending and not explicit:
-            # Pages the page pool deferred before it was handed over were
-            # announced to no hook: watch their fences as if freed now, or a
-            # completion would wake no admission. Not in explicit mode: its
-            # pool never asks a fence (retire() and agree() return memory).
-            seen: set[int] = set()
-            for fence in kv.ledger.pending_fences():
-                if id(fence) not in seen:
-                    seen.add(id(fence))
-                    self._on_pending(fence)
+        seen: set[int] = set()
+        for one in kvs:
+            if one.ledger.pending and not explicit:
+                # Pages the page pool deferred before it was handed over were
+                # announced to no hook: watch their fences as if freed now, or a
+                # completion would wake no admission. Not in explicit mode: its
+                # pool never asks a fence (retire() and agree() return memory).
+                for fence in one.ledger.pending_fences():
+                    if id(fence) not in seen:
+                        seen.add(id(fence))
+                        self._on_pending(fence)
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -414,6 +482,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def kv(self) -> KVPagePool | None:
         """The :class:`KVPagePool` whose pages :meth:`admit` hands out, or None."""
         return self._pages.kv if self._pages is not None else None
+
+    @property
+    def kv_groups(self) -> Mapping[str, KVPagePool] | None:
+        """The KV groups of a pool built with a mapping ``kv=``: a read-only
+        mapping, group name -> :class:`KVPagePool`, in the order given; None
+        for a pool built with one page pool (see :attr:`kv`) or none. On a
+        grouped pool :attr:`kv` is None: no group is "the" page pool."""
+        groups = self._groups
+        if groups is None:
+            return None
+        return MappingProxyType({name: pages.kv for name, pages in groups.items()})
 
     async def __aenter__(self) -> Self:
         self._check_thread()
@@ -496,7 +575,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._drop_dead_waiters()
         self._reclaim_both()  # fences done while no loop could be told
         if self._waiters.count or self._pending_any():
-            pages = self._pages.ledger.pending if self._pages is not None else 0
+            pages = sum(ps.ledger.pending for ps in self._page_sets)
             held = _count(self._ledger.pending, "row") + (
                 f" and {_count(pages, 'page')}" if pages else ""
             )
@@ -540,7 +619,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # a loop is attached (a wait, a fenced free, a count read): only
         # that loop's own flag says whether it runs in debug mode.
         self._fast = False
-        self._unchecked = loop is not None and self._pages is None and _GIL and not loop.get_debug()
+        self._unchecked = loop is not None and not self._page_sets and _GIL and not loop.get_debug()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -748,7 +827,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             _count(dropped, "waiter"),
         )
 
-    def _take_for_waiter(self, need: Need) -> list[int] | Grant | None:
+    def _take_for_waiter(self, need: Need) -> list[int] | Grant | GroupGrant | None:
         """Take what a waiter needs at hand-over, or None if it does not fit.
 
         Short, it first reclaims completed fences (capacity only waiting on
@@ -767,7 +846,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._drop_stale_waiters()
             return None
         if need.__class__ is not int:
-            k: int = need[1]  # type: ignore[index]
+            k: Any = need[1]  # type: ignore[index]
+            if k.__class__ is tuple:  # KV groups: one count per group
+                return self._take_group_admission(k)
             pled = self._pages.ledger  # type: ignore[union-attr]
             if (not self._free_q or k > pled.free_count) and not (
                 self._ledger.pending or pled.pending
@@ -805,7 +886,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._unreset.extend(dirty)
         return rows
 
-    def _give_back(self, granted: list[int] | Grant) -> None:
+    def _give_back(self, granted: list[int] | Grant | GroupGrant) -> None:
         # A waiter cancelled after its grant (WaiterQueues.cancelled): a
         # checked change of the ledger like any other, so the unchecked paths
         # close first. They may be open: the grant emptied the queue and a
@@ -817,6 +898,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             assert self._pages is not None and isinstance(granted, Grant)
             self._pages.give_back(granted.row)
             rows = [granted.row]
+        elif granted.__class__ is GroupGrant:
+            assert isinstance(granted, GroupGrant)
+            for pages in self._page_sets:
+                pages.give_back(granted.row)
+            rows = [granted.row]
         else:
             assert isinstance(granted, list)
             rows = granted
@@ -826,12 +912,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._ledger.put_back(rows)
 
     def _reclaim_both(self) -> bool:
-        """Reclaim both ledgers; True if anything was made free."""
+        """Reclaim every ledger (rows, and each group's pages); True if
+        anything was made free."""
         led = self._ledger
         made = bool(led.pending and led.reclaim())
-        pages = self._pages
-        if pages is not None and pages.ledger.pending and pages.ledger.reclaim():
-            made = True
+        for pages in self._page_sets:
+            if pages.ledger.pending and pages.ledger.reclaim():
+                made = True
         return made
 
     def _flush_resets(self) -> None:
@@ -979,7 +1066,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
-        if self._pages is not None:
+        if self._page_sets:
             return self._free_with_pages(rows, after, fence)
         led = self._ledger
         if after is not None:
@@ -998,8 +1085,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """
         self._check_thread()
         released = self._ledger.reclaim()
-        pages = self._pages
-        freed = pages.ledger.reclaim() if pages is not None and pages.ledger.pending else 0
+        freed = 0
+        for pages in self._page_sets:
+            if pages.ledger.pending:
+                freed += pages.ledger.reclaim()
         if (released or freed) and self._waiters.count:
             self._waiters.grant()
         return released
@@ -1027,7 +1116,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         check_explicit(led, "retire")
         check_ordered(fence)
         rows = led.retire(fence)
-        pages = self._pages.ledger.retire(fence) if self._pages is not None else 0
+        pages = sum(ps.ledger.retire(fence) for ps in self._page_sets)
         if (rows or pages) and self._waiters.count:
             self._waiters.grant()
         return rows, pages
@@ -1060,13 +1149,17 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._check_thread()
         led = self._ledger
         check_explicit(led, "agree")
-        ledgers: list[Deferrals[Any]] = [led]
-        if self._pages is not None:
-            ledgers.append(self._pages.ledger)
+        ledgers: list[Deferrals[Any]] = [led, *(ps.ledger for ps in self._page_sets)]
         timeout = self._overdue.timeout if self._overdue is not None else None
-        res = agree(group, ledgers, overdue_after=timeout, pool_name=self._name)
+        res = agree(
+            group,
+            ledgers,
+            overdue_after=timeout,
+            pool_name=self._name,
+            page_groups=None if self._groups is None else tuple(self._groups),
+        )
         rows = res.released[0]
-        pages = res.released[1] if len(res.released) > 1 else 0
+        pages = sum(res.released[1:])
         if (rows or pages or res.quarantined) and self._waiters.count:
             self._waiters.grant()
         return rows, pages
@@ -1106,10 +1199,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if not fences:
             return 0, 0
         led = self._ledger
-        pled = self._pages.ledger if self._pages is not None else None
-        held = led.holds_any(fences) or (pled is not None and pled.holds_any(fences))
+        pleds = [ps.ledger for ps in self._page_sets]
+        held = led.holds_any(fences) or any(pled.holds_any(fences) for pled in pleds)
         rows = led.force_release_all(fences)
-        pages = pled.force_release_all(fences) if pled is not None else 0
+        pages = sum(pled.force_release_all(fences) for pled in pleds)
         uses = led.forget_uses(fences)  # rows (and their pages) freed later skip them too
         ids = {id(f) for f in fences}
         if self._overdue is not None:
@@ -1375,9 +1468,21 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._ledger.quarantined >= self._capacity:
             return self._unfittable(1)
         k = need[1]  # type: ignore[index]
-        pages = self._pages
-        assert pages is not None
-        cap, q = pages.capacity, pages.ledger.quarantined
+        if isinstance(k, tuple):  # KV groups: one count per group
+            assert self._groups is not None
+            for name, pages, count in zip(self._groups, self._page_sets, k, strict=True):
+                cap, q = pages.capacity, pages.ledger.quarantined
+                if count > cap - q:
+                    return CapacityError(
+                        f"cannot admit a request for {_count(count, 'page')} of KV group "
+                        f"{name!r}: only {cap - q} of {cap} can ever be free again "
+                        f"({_count(q, 'page')} quarantined behind faulted fences, for the "
+                        "pool's life: a new pool is the way back)"
+                    )
+            return None
+        one = self._pages
+        assert one is not None
+        cap, q = one.capacity, one.ledger.quarantined
         if k > cap - q:
             return CapacityError(
                 f"cannot admit a request for {_count(k, 'page')}: only {cap - q} of {cap} "
@@ -1533,26 +1638,36 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         holds = self._holds  # read once: grants_held and grant_holds agree
         waits = self._wait_histogram.snapshot(zeros=self._zero_wait_allocs())
         extra: dict[str, Any] = {}
-        pages = self._pages
-        if pages is not None:
-            pled = pages.ledger
-            free, pending, quarantined = pled.free_count, pled.pending, pled.quarantined
+        sets = self._page_sets
+        if sets:
+            # With KV groups every page figure is the sum over the groups
+            # (each group's own: pool.kv_groups[name].stats()); admissions
+            # are counted on the first group's RowPages (_admit_stats).
+            pages = sets[0]
+            capacity = free = pending = quarantined = errors = 0
+            for one in sets:
+                pled = one.ledger
+                capacity += pled.capacity
+                free += pled.free_count
+                pending += pled.pending
+                quarantined += pled.quarantined
+                errors += pled.fence_errors
             # Every grant of an admission is observed in the histogram (a
             # zero wait for one granted without queueing), so its count is
             # the number of admissions: one figure, never two counters read
             # a few operations apart by a scrape from another thread.
             admit_waits = pages.wait_histogram.snapshot(zeros=pages.fast_admits)
             extra = {
-                "pages_capacity": pled.capacity,
+                "pages_capacity": capacity,
                 "pages_free": free,
-                "pages_allocated": pled.capacity - free - pending - quarantined,
+                "pages_allocated": capacity - free - pending - quarantined,
                 "pages_pending": pending,
                 "pages_quarantined": quarantined,
-                "page_fence_errors": pled.fence_errors,
+                "page_fence_errors": errors,
                 "admits": admit_waits.count,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": admit_waits,
-                "growth_refusals": pages.growth_refusals,
+                "growth_refusals": sum(one.growth_refusals for one in sets),
             }
         overdue = self._overdue_scanner()
         if overdue is not None:
@@ -1583,9 +1698,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # overdue, scanned only once it marked some batch.
         overdue = self._overdue
         if overdue is None and self._agreed_overdue is not None:
-            pages = self._pages
-            marked = self._ledger.agreed_overdue or (
-                pages is not None and pages.ledger.agreed_overdue
+            marked = self._ledger.agreed_overdue or any(
+                pages.ledger.agreed_overdue for pages in self._page_sets
             )
             overdue = self._agreed_overdue if marked else None
         return overdue
@@ -1633,9 +1747,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 f"the grant loop is {'' if self._waiters.gated else 'not '}gated with "
                 f"closed={self._closed} released={self._released} holds={self._holds}"
             )
-        if self._pages is not None:
-            self._pages.ledger.check_invariants()
-            self._pages.check_invariants(self._ledger.allocated_rows())
+        for pages in self._page_sets:
+            pages.ledger.check_invariants()
+            pages.check_invariants(self._ledger.allocated_rows())
+        if self._groups is not None and (
+            self._pages is not None or tuple(self._groups.values()) != self._page_sets
+        ):
+            raise AssertionError("the KV groups and the pool's page sets disagree")
         for row in self._unreset:
             if self._ledger.state_of(row) != "allocated":
                 raise AssertionError(f"row {row} awaits its reset but is not allocated")

@@ -33,7 +33,7 @@ from .ledger import as_index, describe
 from .stats import Histogram
 from .tables import host_to_device
 
-__all__ = ["Grant", "RowPages", "check_page_count"]
+__all__ = ["Grant", "GroupGrant", "RowPages", "check_page_count"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 #: The byte order of an int64 array's ``tobytes()`` (native), for seals
@@ -53,6 +53,21 @@ class Grant(NamedTuple):
 
     row: int
     pages: torch.Tensor
+
+
+class GroupGrant(NamedTuple):
+    """What ``admit`` grants on a pool built with KV groups (a mapping
+    ``kv=``): one row and, per group name, the pages it owns there (frozen).
+
+    ``pages[name]`` is a 1-D int64 tensor of that group's page ids (on its
+    ``KVPagePool``'s device), as :attr:`Grant.pages` is for one pool; every
+    group of the pool is a key (an empty tensor for a count of 0). Unpacks
+    as ``row, pages = grant``. The dict is the caller's; the tensors are
+    read-only, as ``Grant.pages``.
+    """
+
+    row: int
+    pages: dict[str, torch.Tensor]
 
 
 _new_grant = tuple.__new__
@@ -160,6 +175,14 @@ class RowPages:
             self.owned[row] = pages
             self.sealed[row] = pages.tobytes()
         return _new_grant(Grant, (row, out))
+
+    def attach(self, row: int, pages: npt.NDArray[np.int64]) -> None:
+        """Record ``pages`` (from :meth:`take`) as ``row``'s: :meth:`grant`
+        without the tensor, for a grouped admission, which makes every
+        group's tensor (:meth:`out`) before it records any."""
+        if pages.shape[0]:
+            self.owned[row] = pages
+            self.sealed[row] = pages.tobytes()
 
     def give_back(self, row: int) -> None:
         """Undo :meth:`grant` for a waiter cancelled before it resumed: the

@@ -44,7 +44,7 @@ async def counts_as_engines_hold_them(
     pool.trim_pages([1], np.int64(1))
     kv.alloc(np.int32(2))
     sync.alloc(np.int64(1))
-    await pool.admit(2.0)  # type: ignore[arg-type]
+    await pool.admit(2.0)  # type: ignore[call-overload]
 
 
 def fences_as_engines_pass_them(

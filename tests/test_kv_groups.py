@@ -13,6 +13,7 @@ lifecycle across groups: tests/test_kv_groups_admission.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 from typing import Any
@@ -527,3 +528,32 @@ async def test_a_grouped_pool_never_opens_the_unchecked_paths() -> None:
     assert all(len(pool.pages_of(rows[0], group=n)) == 0 for n in ("swa", "full"))
     pool.free(rows)
     pool.check_invariants()
+
+
+async def test_check_invariants_covers_every_group() -> None:
+    pool = grouped()
+    g = await pool.admit({"swa": 1, "full": 2})
+    pool.check_invariants()
+    full = pool._groups["full"]  # type: ignore[index]
+    record, seal = full.owned[g.row], full.sealed[g.row]
+    full.owned[g.row] = full.sealed[g.row] = None  # the row forgets its full pages
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+    full.owned[g.row], full.sealed[g.row] = record, seal
+    pool.check_invariants()
+    pool.free(g.row)
+
+
+async def test_pages_short_reads_the_named_groups_count() -> None:
+    pool = grouped(swa=8, full=6)
+    held = await pool.admit({"swa": 0, "full": 4})
+    waiter = asyncio.ensure_future(pool.admit({"swa": 1, "full": 5}))
+    await spin()
+    assert pool.waiting() == 1
+    assert pool.pages_short(group="full") == 3  # 5 wanted, 2 free
+    assert pool.pages_short(group="swa") == 0
+    waiter.cancel()
+    async with bounded():
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    pool.free(held.row)

@@ -9,7 +9,7 @@ precise return type, so an ``Any`` leaking from the public API fails mypy.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, assert_type
 
@@ -30,6 +30,7 @@ from asyncpool import (
     FenceError,
     Grant,
     GrantHold,
+    GroupGrant,
     Histogram,
     HostStream,
     InvalidSlotError,
@@ -293,3 +294,29 @@ def observe(pool: AsyncReqToTokenPool, kv: KVPagePool, sync: ReqToTokenPool) -> 
         AgreementError,
     )
     del errors
+
+
+async def hybrid_step() -> None:
+    """A hybrid model's pool: KV groups (sliding window, full attention and a
+    Mamba state slot), admitted with the row in one await."""
+    groups: dict[str, KVPagePool] = {
+        "swa": KVPagePool(1025, 16),
+        "full": KVPagePool(4097, 16),
+        "mamba": KVPagePool(65, 1),
+    }
+    pool = AsyncReqToTokenPool(65, 4096, kv=groups)
+    assert_type(pool.kv_groups, Mapping[str, KVPagePool] | None)
+    g = await pool.admit({"swa": 4, "full": np.int64(8), "mamba": 1}, priority=1, timeout=1.0)
+    assert_type(g, GroupGrant)
+    row, pages = g
+    assert_type(row, int)
+    assert_type(pages, dict[str, torch.Tensor])
+    assert_type(pool.try_admit({"swa": 1, "full": 1, "mamba": 1}), GroupGrant | None)
+    assert_type(pool.extend(row, 1, group="full"), torch.Tensor | None)
+    assert_type(pool.extend_rows([row], 1, group="swa"), torch.Tensor | None)
+    assert_type(pool.extend_fitting([row], 1, group="swa"), tuple[int, torch.Tensor])
+    assert_type(pool.trim_pages([row], 2, group="swa"), int)
+    assert_type(pool.pages_of(row, group="mamba"), torch.Tensor)
+    assert_type(pool.detach_pages(row, group="full"), torch.Tensor)
+    assert_type(pool.pages_short(group="full"), int)
+    pool.free(row)

@@ -292,7 +292,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         (:meth:`admit`); it then serves this pool only (``TypeError`` for
         anything else, ``ValueError`` for a page pool that already serves
         another). Without it the pool manages rows only, exactly as fast as
-        before.
+        before. For a hybrid model, a mapping of KV groups instead, group
+        name -> :class:`KVPagePool` (1 to :data:`MAX_KV_GROUPS`, names as
+        ``name=``, each a distinct page pool that serves no other, all in
+        the pool's reclaim mode; ``TypeError``/``ValueError`` otherwise,
+        nothing built): :meth:`admit` then takes ``{group: count}`` and
+        grants a :class:`~asyncpool.GroupGrant`, all or nothing across the
+        row and every group, and the per-row page calls take ``group=``.
+        :attr:`kv` is None there; :attr:`kv_groups` maps the groups.
     fence_timeout
         Seconds after which a fence still holding rows or pages is
         *overdue*: logged once at WARNING and counted in :meth:`stats`; its

@@ -342,7 +342,7 @@ class Lifecycle:
             raise PoolBusyError(
                 f"cannot release memory while {rows} still allocated; free them first"
             )
-        groups = list(self._groups) if self._groups is not None else [None]
+        groups = list(self._groups) if self._groups is not None else [None] * len(self._page_sets)
         for name, one in zip(groups, self._page_sets, strict=True):
             pages = one.ledger.allocated
             if pages:

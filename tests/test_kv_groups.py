@@ -30,6 +30,7 @@ from asyncpool import (
     GroupGrant,
     HostStream,
     KVPagePool,
+    PoolBusyError,
 )
 from asyncpool.metrics import PoolCollector
 from asyncpool.pool import MAX_KV_GROUPS
@@ -557,3 +558,21 @@ async def test_pages_short_reads_the_named_groups_count() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiter
     pool.free(held.row)
+
+
+@pytest.mark.parametrize("kind", ["rows", "single", "grouped"])
+async def test_release_memory_refusal_on_every_kind_of_pool(kind: str) -> None:
+    if kind == "rows":
+        pool = AsyncReqToTokenPool(5, 64)
+    elif kind == "single":
+        pool = AsyncReqToTokenPool(5, 64, kv=KVPagePool(9, 4))
+    else:
+        pool = grouped()
+    rows = await pool.alloc(1)
+    with pytest.raises(PoolBusyError, match="1 row is still allocated"):
+        await pool.release_memory()
+    pool.free(rows)
+    async with bounded():
+        await pool.release_memory()
+    assert pool.released
+    await pool.resume_memory()

@@ -937,7 +937,12 @@ class Admission:
             assert isinstance(rows, int) and isinstance(keep, int)
             if keep >= 0 and 0 < rows < self.size and self._state[rows] in (1, 6):
                 owned = pages.owned[rows]
-                if fence is None and after is None and (owned is None or len(owned) <= keep):
+                if (
+                    fence is None
+                    and after is None
+                    and (owned is None or len(owned) <= keep)
+                    and (not pages.holes or rows not in pages.holes)
+                ):
                     return 0
                 seq: Sequence[int] = [rows]
                 keeps = [keep]
@@ -955,19 +960,125 @@ class Admission:
         if after is not None:
             check_after(after)
         prepared = pages.prepare_free(seq, self._uses, keeps)
+        holes = pages.holes
+        if not prepared:
+            if holes:  # positions only: a row keeps at most `keep` dropped ones
+                pages.trim_holes(seq, keeps)
+            return 0
+        if after is not None:
+            extra = (*extra, record_fence(after))
+        kept = dict(zip(seq, keeps, strict=True))  # positions; free() takes pages
+        if holes:
+            kept = {row: max(0, k - holes.get(row, 0)) for row, k in kept.items()}
+        pled = pages.ledger
+        pled.answers = {}  # one verdict per fence for every group (Deferrals.answer)
+        try:
+            immediate = pages.free(prepared, extra, kept)
+        finally:
+            pled.answers = None
+        if holes:
+            pages.trim_holes(seq, keeps)
+        if immediate and self._waiters.count:
+            self._waiters.grant()
+        return immediate
+
+    def drop_pages(
+        self,
+        rows: Rows,
+        below: Counts,
+        fence: Fences | None = None,
+        *,
+        after: HostStream | torch.Stream | None = None,
+        group: str | None = None,
+    ) -> int:
+        """Give back each row's pages at positions before ``below``; the rows
+        keep their later pages at their positions.
+
+        For sliding-window attention: the pages that slid out of the window
+        return to circulation while the request runs. Positions count from
+        the row's first page (granted, then grown); the dropped ones stay
+        positions: :meth:`pages_of` reads them as page 0 (the page pool's
+        reserved padding page, so a block table indexed by position stays
+        valid), :meth:`pages_dropped` counts them, :meth:`extend` appends
+        after the last position, and ``trim_pages(keep=k)`` counts them
+        among its ``k``. The pages given back wait, as at :meth:`trim_pages`,
+        for their row's newest recorded use per stream plus ``fence`` (one
+        fence, or a sequence of fences, every one waited for) and ``after``
+        (a fence recorded on it now, once the call is checked): the step in
+        flight may still read them. ``rows``: as :meth:`trim_pages` takes
+        them. ``below``: one position for every row, or one per row (a
+        sequence, array or 1-D tensor as long as ``rows``), each an int
+        from 0 to the row's positions (dropped ones included); positions
+        already dropped are not dropped again (a ``below`` at or under
+        :meth:`pages_dropped` leaves the row as it is). The rest of each
+        row's pages moves to a record of its own: tensors handed out before
+        (``grant.pages``, ``pages_of``, an extend's) keep what they read.
+        Returns the pages free at once. Raises, changing nothing:
+        :class:`CapacityError` for a ``below`` that is not an int >= 0 (or
+        one per row) or that is past a row's positions (the engine computes
+        it from the row's length: a larger one is a bug),
+        :class:`InvalidSlotError` unless the rows are distinct allocated
+        rows, for rows in a set with one ``below`` per row, or for a record
+        written into (as :meth:`free`), ``TypeError`` for a non-fence (as
+        :meth:`free`); :class:`CapacityError` on a pool without ``kv``. On
+        a pool with KV groups ``group=`` names the group (required there;
+        the sliding-window group); elsewhere it must be None (``ValueError``
+        for either mistake or an unknown name). Allowed after
+        :meth:`close`, as :meth:`free`.
+        """
+        self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_for(group, "drop_pages", "drop a row's pages")
+        if _per_row(below):
+            _check_ordered(rows, "drop_pages with one below per row")
+        led = self._ledger
+        seq = led.as_rows(rows)
+        belows = _page_counts(below, len(seq), "below")
+        led.check_allocated(seq, "dropped from")
+        for row, b in zip(seq, belows, strict=True):
+            have = pages.position_count(row)
+            if b > have:
+                raise CapacityError(
+                    f"cannot drop row {row}'s pages below position {b}: it has only "
+                    f"{have} page positions (dropped ones included)"
+                )
+        extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
+        if after is not None:
+            check_after(after)
+        prepared = pages.prepare_free(seq, self._uses, belows=belows)
         if not prepared:
             return 0
         if after is not None:
             extra = (*extra, record_fence(after))
         pled = pages.ledger
-        pled.answers = {}  # one verdict per fence for every group (Deferrals.answer)
+        pled.answers = {}  # one verdict per fence (Deferrals.answer)
         try:
-            immediate = pages.free(prepared, extra, dict(zip(seq, keeps, strict=True)))
+            immediate = pages.free(prepared, extra, below=dict(zip(seq, belows, strict=True)))
         finally:
             pled.answers = None
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate
+
+    def pages_dropped(self, row: SupportsIndex, *, group: str | None = None) -> int:
+        """How many of ``row``'s first positions :meth:`drop_pages` gave back
+        (read as page 0 by :meth:`pages_of`): the position of the row's
+        first live page, to map :meth:`detach_pages`' tensor (its live
+        pages only) back to positions. 0 for a row that never dropped, and
+        after the row's pages are detached or trimmed below it (a trim to
+        ``keep`` leaves at most ``keep``). Raises
+        :class:`InvalidSlotError` unless ``row`` is allocated; 0 on a pool
+        without ``kv``. ``group=`` as for :meth:`pages_of`.
+        """
+        self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_or_none(group, "pages_dropped")
+        row = self._allocated_row(row, "asked for its dropped pages")
+        if pages is None or not pages.holes:
+            return 0
+        return pages.holes.get(row, 0)
 
     def _free_with_pages(self, rows: Rows, after: Any | None, fence: Fences | None) -> int:
         """:meth:`free` on a pool with ``kv``: rows and the pages they own.
@@ -1011,6 +1122,8 @@ class Admission:
                     pages.owned[row] = None
                     pages.sealed[row] = None
                     pages.grown[row] = None
+                if pages.holes:
+                    pages.holes.pop(row, None)
                 state[row] = 0  # FREE
                 self._free_q.append(row)
                 if self._waiters.count:
@@ -1033,6 +1146,8 @@ class Admission:
         led.answers = pled.answers = {}
         try:
             freed_pages = pages.free(prepared, extra)
+            if pages.holes:
+                pages.forget(seq)
             immediate = led.free(seq, fence)
         finally:
             led.answers = pled.answers = None
@@ -1065,6 +1180,8 @@ class Admission:
             freed_pages = 0
             for pages, one in zip(sets, prepared, strict=True):
                 freed_pages += pages.free(one, extra)
+                if pages.holes:
+                    pages.forget(seq)
             immediate = led.free(seq, fence)
         finally:
             led.answers = None

@@ -132,6 +132,12 @@ class RowPages:
         #: (capacity doubling), so a decode step's extend copies only its
         #: new pages, not the whole record; None for a row never extended.
         self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
+        #: Leading positions a row gave back early (:meth:`drop`, a sliding
+        #: window's pages that slid out), for the rows with any: ``owned``
+        #: lists only the pages after them, and :meth:`of` reads them as
+        #: page 0. Empty unless some row dropped: the hot paths test only
+        #: its truth.
+        self.holes: dict[int, int] = {}
         self._device = kv.device
         self._on_host = kv.device.type == "cpu"
         self.fast_admits: int = 0  # granted without queueing (zero waits)
@@ -191,6 +197,8 @@ class RowPages:
         self.owned[row] = None
         self.sealed[row] = None
         self.grown[row] = None
+        if self.holes:
+            self.holes.pop(row, None)
         if pages is not None:
             self.ledger.put_back(pages, OWNED)
 
@@ -393,7 +401,43 @@ class RowPages:
 
     def of(self, row: int, host: bool = False) -> torch.Tensor:
         pages = self.owned[row]
+        if self.holes and row in self.holes:
+            return self.out(self.positions(row), host)
         return self.out(pages if pages is not None else _EMPTY, host)
+
+    def positions(self, row: int) -> npt.NDArray[np.int64]:
+        """``row``'s pages by position, its dropped ones as page 0: a fresh
+        array (never the record)."""
+        pages = self.owned[row]
+        live = 0 if pages is None else pages.shape[0]
+        d = self.holes.get(row, 0)
+        out = np.zeros(d + live, dtype=np.int64)
+        if pages is not None:
+            out[d:] = pages
+        return out
+
+    def position_count(self, row: int) -> int:
+        """How many positions ``row`` has: its dropped ones and its pages."""
+        pages = self.owned[row]
+        return self.holes.get(row, 0) + (0 if pages is None else pages.shape[0])
+
+    def forget(self, rows: Sequence[int]) -> None:
+        """Drop the dropped counts of ``rows`` (freed, or their pages detached)."""
+        holes = self.holes
+        for row in rows:
+            holes.pop(row, None)
+
+    def trim_holes(self, rows: Sequence[int], keeps: Sequence[int]) -> None:
+        """After a trim: a row keeps at most ``keeps[i]`` positions, so at
+        most that many dropped ones."""
+        holes = self.holes
+        for row, keep in zip(rows, keeps, strict=True):
+            d = holes.get(row)
+            if d is not None and keep < d:
+                if keep:
+                    holes[row] = keep
+                else:
+                    del holes[row]
 
     def detach(self, row: int, host: bool = False) -> torch.Tensor:
         """Hand ``row``'s pages to the caller; the tensor is theirs (on the
@@ -405,6 +449,8 @@ class RowPages:
             empty = self.out(_EMPTY, host)
             self.grown[row] = None
             self.sealed[row] = None
+            if self.holes:
+                self.holes.pop(row, None)
             return empty
         # The row's pages are the caller's now, and KVPagePool.free takes
         # them. They are the seal's: a record written into may list others
@@ -426,6 +472,8 @@ class RowPages:
         self.owned[row] = None
         self.grown[row] = None
         self.sealed[row] = None
+        if self.holes:
+            self.holes.pop(row, None)
         self.ledger.disown(own)
         if out is None:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
@@ -449,7 +497,11 @@ class RowPages:
     # ------------------------------------------------------------ freeing with rows
 
     def prepare_free(
-        self, rows: Sequence[int], uses: Sequence[Any], keeps: Sequence[int] | None = None
+        self,
+        rows: Sequence[int],
+        uses: Sequence[Any],
+        keeps: Sequence[int] | None = None,
+        belows: Sequence[int] | None = None,
     ) -> list[tuple[Any, Any, bool, tuple[Fence, ...]]]:
         """Check the pages of ``rows`` before they are freed; change nothing.
 
@@ -460,11 +512,15 @@ class RowPages:
         several groups, their pages together must be distinct as well (a
         page freed behind one row's back and taken by another is listed by
         both). With ``keeps`` (a trim), ``rows[i]`` gives back only its
-        pages past its first ``keeps[i]``, and a row that owns no more is
-        left out. Returns ``[(rows, ids, owned, use_fences)]`` for
+        pages past its first ``keeps[i]`` positions (dropped ones
+        included), and a row that has no more is left out. With ``belows``
+        (a drop), ``rows[i]`` gives back only its pages at positions below
+        ``belows[i]`` (at most its positions: the caller checks), and a row
+        with none there is left out. Returns ``[(rows, ids, owned, use_fences)]`` for
         :meth:`free`.
         """
         owned = self.owned
+        holes = self.holes
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
         for i, row in enumerate(rows):
             pages = owned[row]
@@ -472,10 +528,18 @@ class RowPages:
                 continue
             if keeps is not None:
                 keep = keeps[i]
+                if holes:
+                    keep = max(0, keep - holes.get(row, 0))
                 if pages.shape[0] <= keep:
                     continue
                 self.check_record(row)
                 pages = pages[keep:]
+            elif belows is not None:
+                n = belows[i] - holes.get(row, 0)  # live pages below
+                if n <= 0:
+                    continue
+                self.check_record(row)
+                pages = pages[:n]
             else:
                 self.check_record(row)
             use = uses[row]
@@ -509,15 +573,21 @@ class RowPages:
         prepared: list[tuple[Any, Any, bool, tuple[Fence, ...]]],
         extra: tuple[Fence, ...],
         keep: dict[int, int] | None = None,
+        below: dict[int, int] | None = None,
     ) -> int:
         """Free what :meth:`prepare_free` checked, each group behind its use
         fences plus ``extra`` (the free's ``fence=`` and ``after=``).
 
-        With ``keep`` (a trim: ``{row: pages it keeps}``), each row's record
-        and seal are cut to its first pages instead of dropped. The record
-        stays a view of the row's growth buffer, so a later :meth:`extend`
-        writes over the cut places: the page ledger keeps a copy of what it
-        holds behind fences. Returns the pages free at once.
+        With ``keep`` (a trim: ``{row: pages it keeps}``, its dropped
+        positions not counted), each row's record and seal are cut to its
+        first pages instead of dropped. The
+        record stays a view of the row's growth buffer, so a later
+        :meth:`extend` writes over the cut places: the page ledger keeps a
+        copy of what it holds behind fences. The caller then cuts the
+        dropped counts (:meth:`trim_holes`). With ``below`` (a drop:
+        ``{row: positions dropped from now on}``), each row's record loses
+        its first pages instead (:meth:`_behead`). Returns the pages free
+        at once.
         """
         owned = self.owned
         sealed = self.sealed
@@ -529,6 +599,9 @@ class RowPages:
             # not an Exception leaves this group's pages with their rows.
             immediate += free_prepared(ids, fresh, fences + extra)
             for row in group_rows:
+                if below is not None:
+                    self._behead(row, below[row])
+                    continue
                 k = 0 if keep is None else keep[row]
                 if k:
                     self._cut(row, k)
@@ -537,6 +610,29 @@ class RowPages:
                     sealed[row] = None
                     grown[row] = None
         return immediate
+
+    def _behead(self, row: int, below: int) -> None:
+        """Drop ``row``'s pages at positions below ``below`` (more than it
+        had dropped, at most its positions) from its record and seal.
+
+        The rest is copied into a fresh record of its own (no buffer): the
+        tensors handed out before (``grant.pages``, ``pages_of``, an
+        extend's) keep what they read, and the next :meth:`extend` starts a
+        buffer of its own. A sliding window keeps few live pages, so the
+        copy is short."""
+        pages = self.owned[row]
+        assert pages is not None
+        n = below - self.holes.get(row, 0)
+        if n >= pages.shape[0]:
+            self.owned[row] = None
+            self.sealed[row] = None
+        else:
+            self.owned[row] = pages[n:].copy()
+            seal = self.sealed[row]
+            assert seal is not None
+            self.sealed[row] = bytes(seal[n * 8 :])
+        self.grown[row] = None
+        self.holes[row] = below
 
     def _cut(self, row: int, keep: int) -> None:
         """Cut ``row``'s record and seal to its first ``keep`` pages (> 0)."""
@@ -555,6 +651,11 @@ class RowPages:
 
     def check_invariants(self, allocated_rows: Sequence[int]) -> None:
         allocated = set(allocated_rows)
+        for row, d in self.holes.items():
+            if row not in allocated:
+                raise AssertionError(f"row {row} has dropped positions but is not allocated")
+            if d.__class__ is not int or d <= 0:
+                raise AssertionError(f"row {row}'s dropped count {d!r} is not an int > 0")
         seen: list[int] = []
         for row, pages in enumerate(self.owned):
             if pages is None:

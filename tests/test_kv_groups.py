@@ -442,6 +442,8 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "extend_rows": lambda: pool.extend_rows([row], 1, group="swa"),
         "extend_fitting": lambda: pool.extend_fitting([row], 1, group="full"),
         "trim_pages": lambda: pool.trim_pages([row], 1, group="full"),
+        "drop_pages": lambda: pool.drop_pages([row], 1, group="swa"),
+        "pages_dropped": lambda: pool.pages_dropped(row, group="swa"),
         "pages_short": lambda: pool.pages_short(group="swa"),
         "detach_pages": detach,
         "record_use": lambda: pool.record_use([row], _fence(stream)),

@@ -60,8 +60,8 @@ async def test_dropped_positions_read_as_page_zero_and_their_pages_come_back() -
     assert new is not None
     whole = first + page_ids(new)
     assert pool.drop_pages(g.row, 3) == 3  # no recorded use: free at once
-    assert page_ids(pool.pages_of(g.row)) == [0, 0, 0] + whole[3:]
-    assert page_ids(pool.pages_of(g.row, host=True)) == [0, 0, 0] + whole[3:]
+    assert page_ids(pool.pages_of(g.row)) == [0, 0, 0, *whole[3:]]
+    assert page_ids(pool.pages_of(g.row, host=True)) == [0, 0, 0, *whole[3:]]
     assert pool.pages_dropped(g.row) == 3
     assert page_ids(g.pages) == first  # the grant's tensor is never written
     stats = pool.stats()
@@ -76,7 +76,7 @@ async def test_dropped_positions_read_as_page_zero_and_their_pages_come_back() -
     # Extend continues after the last position and returns only the new pages.
     more = pool.extend(g.row, 1)
     assert more is not None and len(more) == 1
-    assert page_ids(pool.pages_of(g.row)) == [0, 0, 0] + whole[3:] + page_ids(more)
+    assert page_ids(pool.pages_of(g.row)) == [0, 0, 0, *whole[3:], *page_ids(more)]
     pool.free(g.row)
     pool.check_invariants()
     assert pool.stats().pages_free == 12

@@ -4,9 +4,12 @@ Worker tasks admit requests on a pool with three KV groups (sliding-window
 pages, full-attention pages, a Mamba-style state slot ``KVPagePool(n, 1)``
 admitted with a count of 1), with random counts, priorities, timeouts and
 cancellations; they grow rows per group (``extend``, ``extend_rows``,
-``extend_fitting``), trim them, detach a group's pages and free those to its
-page pool later, record uses and free rows plainly or behind fences: gates
-on a ``HostStream`` (ordered) and transfer handles (``query()``/
+``extend_fitting``), trim them, drop their early pages as a sliding window
+does (``drop_pages``: the shadow keeps each row's dropped positions and
+checks ``pages_of`` and ``pages_dropped`` against them), detach a group's
+pages and free those to its page pool later, record uses and free rows
+plainly or behind fences: gates on a ``HostStream`` (ordered) and transfer
+handles (``query()``/
 ``synchronize()``, polled by the watcher). A clock task opens gates and
 handles at random, so fences complete out of order and wake queued
 admissions with nobody calling the pool.
@@ -165,11 +168,12 @@ class Shadow:
 
 
 class Request:
-    __slots__ = ("pages", "row")
+    __slots__ = ("dropped", "pages", "row")
 
     def __init__(self, row: int, pages: dict[str, list[int]]) -> None:
         self.row = row
-        self.pages = pages
+        self.pages = pages  # live pages per group
+        self.dropped = dict.fromkeys(pages, 0)  # leading dropped positions per group
 
 
 async def worker(sh: Shadow, wid: int, deadline: float) -> None:
@@ -253,11 +257,14 @@ async def worker(sh: Shadow, wid: int, deadline: float) -> None:
         elif r < 0.52 and held:
             req = held[rng.randrange(len(held))]
             g = rng.choice(["swa", "full"])
-            keep = rng.randint(0, len(req.pages[g]))
+            d = req.dropped[g]
+            keep = rng.randint(0, d + len(req.pages[g]))  # positions, holes included
             fence = sh.fence() if rng.random() < 0.5 else None
-            cut = req.pages[g][keep:]
+            live = max(0, keep - d)
+            cut = req.pages[g][live:]
             pool.trim_pages([req.row], keep, fence, group=g)
-            req.pages[g] = req.pages[g][:keep]
+            req.pages[g] = req.pages[g][:live]
+            req.dropped[g] = min(d, keep)
             fences = list(sh.uses[req.row]) + ([fence] if fence is not None else [])
             sh.freed_pages(g, cut, fences)
         elif r < 0.58 and held:
@@ -270,6 +277,7 @@ async def worker(sh: Shadow, wid: int, deadline: float) -> None:
                 sh.pages_held[g].discard(p)
             sh.detached.append((g, out, list(sh.uses[req.row])))
             req.pages[g] = []
+            req.dropped[g] = 0
         elif r < 0.64 and sh.detached:
             g, pages, uses = sh.detached.pop(rng.randrange(len(sh.detached)))
             extra = [sh.fence()] if rng.random() < 0.5 else []
@@ -282,6 +290,25 @@ async def worker(sh: Shadow, wid: int, deadline: float) -> None:
             pool.record_use(rows, fence)
             for row in rows:
                 sh.uses[row].append(fence)
+        elif r < 0.77 and held:
+            # A sliding window: the early positions go back behind the row's uses.
+            req = held[rng.randrange(len(held))]
+            g = rng.choice(["swa", "full"])
+            d = req.dropped[g]
+            below = rng.randint(max(0, d - 1), d + len(req.pages[g]))
+            fence = sh.fence() if rng.random() < 0.3 else None
+            n = max(0, below - d)
+            cut = req.pages[g][:n]
+            pool.drop_pages(req.row, below, fence, group=g)
+            req.pages[g] = req.pages[g][n:]
+            req.dropped[g] = max(d, below)
+            fences = list(sh.uses[req.row]) + ([fence] if fence is not None else [])
+            sh.freed_pages(g, cut, fences)
+            want = [0] * req.dropped[g] + req.pages[g]
+            if pool.pages_of(req.row, group=g, host=True).tolist() != want:
+                sh.fail(f"drop {g} of row {req.row}: pages_of != {want}")
+            if pool.pages_dropped(req.row, group=g) != req.dropped[g]:
+                sh.fail(f"drop {g} of row {req.row}: pages_dropped != {req.dropped[g]}")
         elif r < 0.92 and held:
             req = held.pop(rng.randrange(len(held)))
             fence = sh.fence() if rng.random() < 0.6 else None

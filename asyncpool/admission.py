@@ -668,7 +668,10 @@ class Admission:
         ids for the engine's own bookkeeping, which ``kv.free`` and
         ``kv.slots`` take without reading anything back). Raises
         :class:`InvalidSlotError` unless ``row`` is allocated. Read only:
-        the tensor is (a copy of) the pool's record. On a pool with KV
+        the tensor is (a copy of) the pool's record. After
+        :meth:`drop_pages`, one page id per position: the dropped positions
+        read as page 0 (the page pool's reserved padding page), and the
+        tensor is a fresh one, never the record. On a pool with KV
         groups, ``group=`` names the group (required there; ``ValueError``
         for it missing, unknown, or given on a pool without groups).
         """
@@ -695,7 +698,10 @@ class Admission:
         arithmetic in place, say) makes the row's :meth:`free` refuse it. It
         takes free pages even while admissions queue, but pages that a free
         or a completed fence returns go to the queued admissions first, at
-        hand-over (README: *Growth and queued admissions*). Raises
+        hand-over (README: *Growth and queued admissions*). After
+        :meth:`drop_pages` the new pages follow the row's last position
+        (dropped ones included); a row whose every page was dropped owns
+        none, so the tensor is its record, as above. Raises
         :class:`CapacityError` for ``k`` not an int in ``1..kv.capacity``,
         :class:`InvalidSlotError` unless ``row`` is allocated,
         :class:`PoolClosedError` after :meth:`close`; changing nothing. On a
@@ -872,7 +878,10 @@ class Admission:
         pages: the step in flight may still use them, so that later free
         needs a fence at least as new as the row's newest step (and each
         step that read them since). A later :meth:`free` of ``row`` frees only pages
-        it owns then. The tensor lists the pages the row was granted, even
+        it owns then. After :meth:`drop_pages` only the live pages are
+        handed over (no page 0): read :meth:`pages_dropped` first for the
+        position of the first one; the row's dropped count goes with its
+        pages (0 after this call). The tensor lists the pages the row was granted, even
         if its record (``grant.pages``, ``pages_of``) was written into since
         (then a fresh tensor, not that record). On the ``KVPagePool``'s
         device; with ``host=True`` on the CPU, no copy to the device (on a
@@ -915,7 +924,10 @@ class Admission:
         (one row, or a step's rows at once: one call, one check and one
         deferral for all). ``keep``: one page count for every row, or one
         per row (a sequence, array or 1-D tensor as long as ``rows``). A row
-        that owns ``keep`` pages or fewer is left as it is. Returns the
+        that owns ``keep`` pages or fewer is left as it is. ``keep`` counts
+        positions, those :meth:`drop_pages` gave back included: a ``keep``
+        at or under :meth:`pages_dropped` gives back every page the row
+        owns, and the row keeps ``keep`` dropped positions. Returns the
         pages free at once. Raises, changing nothing: :class:`CapacityError`
         for a ``keep`` that is not an int >= 0 (or one per row),
         :class:`InvalidSlotError` unless the rows are distinct allocated

@@ -47,8 +47,9 @@ class Grant(NamedTuple):
     ``pages`` is a 1-D int64 tensor of page ids (on the ``KVPagePool``'s
     device): the pages granted at admission, which belong to the row until
     the row is freed or the pages are detached. It does not grow with the
-    row: after ``extend``, ``pool.pages_of(row)`` lists them all. Unpacks as
-    ``row, pages = grant``.
+    row: after ``extend``, ``pool.pages_of(row)`` lists them all. A grant
+    never starts with dropped positions, and ``drop_pages`` never writes
+    into it. Unpacks as ``row, pages = grant``.
     """
 
     row: int
@@ -120,6 +121,12 @@ class RowPages:
     twice, was possible before pages were OWNED). So freeing it only checks
     that each is still OWNED (:meth:`PageLedger.free_owned`), and ``detach``
     may vouch for it to the page pool.
+
+    ``holes[row]`` counts the row's leading positions given back early
+    (:meth:`prepare_free` with ``belows``, then :meth:`free`): ``owned``
+    lists the live pages after them, never page 0, so every check above
+    holds unchanged; :meth:`of` puts the holes back as page 0. A row's
+    count goes when its pages do (free, detach, give back; a trim cuts it).
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:

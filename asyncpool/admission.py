@@ -582,24 +582,13 @@ class Admission:
         if loop is not self._loop or self._unwatched:
             dropped = self._prepare_to_queue(loop)
         stats = self._page_sets[0]  # admissions are counted on the first group
-        waiter, handle = waiters.enqueue(
-            need, priority, timeout, loop, stats.waits, stats.wait_histogram
+        # WaiterQueues.wait(), the rules' reference form: a nested coroutine
+        # costs this path little next to its per-group work (alloc and the
+        # one-kv admit inline it, their hot paths).
+        granted: GroupGrant = await waiters.wait(
+            need, priority, timeout, loop, stats.waits, stats.wait_histogram, serve=dropped
         )
-        if dropped:
-            waiters.serve_soon(waiter, loop)
-        try:
-            granted: GroupGrant = await waiter[1]
-            return granted
-        except asyncio.CancelledError:
-            waiters.cancelled(waiter)
-            raise
-        except TimeoutError:
-            waiters.timeouts += 1
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
-            del waiter
+        return granted
 
     def _allocated_row(self, row: object, what: str) -> int:
         """``row`` as an int if it is an allocated row id (integer scalars

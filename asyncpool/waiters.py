@@ -212,15 +212,20 @@ class WaiterQueues:
         loop: asyncio.AbstractEventLoop,
         window: collections.deque[float],
         histogram: Histogram,
+        serve: bool = False,
     ) -> Any:
         """Queue for ``need`` and return its grant once the loop hands it over.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds, the owner's error
-        if it fails the waiter (:meth:`fail_all`, :meth:`shed`), and
-        :class:`PoolBusyError` past ``max_waiters``. On any exception,
-        cancellation included, nothing was granted.
+        With ``serve``, the grant loop runs for the new waiter at the loop's
+        next turn (:meth:`serve_soon`: the owner just dropped waiters that
+        may have blocked it). Raises ``TimeoutError`` after ``timeout``
+        seconds, the owner's error if it fails the waiter (:meth:`fail_all`,
+        :meth:`shed`), and :class:`PoolBusyError` past ``max_waiters``. On
+        any exception, cancellation included, nothing was granted.
         """
         waiter, handle = self.enqueue(need, priority, timeout, loop, window, histogram)
+        if serve:
+            self.serve_soon(waiter, loop)
         try:
             return await waiter[1]
         except asyncio.CancelledError:

@@ -417,6 +417,34 @@ def test_a_request_behind_only_dead_waiters_is_granted_what_is_free(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_grouped_admission_behind_only_dead_waiters_is_granted_what_is_free(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same on a pool with KV groups, whose admit waits through
+    ``WaiterQueues.wait(serve=True)``: served at the loop's next turn."""
+    caplog.set_level(logging.ERROR)
+    factory = LOOPS[loop]
+    pool = AsyncReqToTokenPool(4, 8, kv={"full": KVPagePool(9, 4), "swa": KVPagePool(5, 4)})
+
+    async def setup() -> None:
+        await pool.admit({"full": 2, "swa": 1})
+        await pool.admit({"full": 2, "swa": 1})
+        await pool.alloc(2)  # 1 row free: queued, then abandoned with its loop
+
+    _abandon_a_waiter(factory, setup)
+    assert pool.available_size() == 1 and pool.waiting() == 1
+
+    async def second() -> Any:
+        async with bounded():
+            return await pool.admit({"full": 2, "swa": 1})
+
+    got = run(factory, second())
+    assert got.row == 3 and len(got.pages["full"]) == 2 and len(got.pages["swa"]) == 1
+    assert pool.waiting() == 0
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_pages_short_counts_no_waiter_abandoned_with_its_loop(
     loop: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -20,8 +20,10 @@ whole contexts: the report shows how many swa pages the run would have held
 without the drops. The forward writes each position's KV, tagged with its
 owner, in every group, and checks that all it reads (the context, the
 window, the state) carries its own tag. ``--no-record-use`` leaves the
-fences out (the bug): dropped and freed pages go to new requests while a
-step still reads them, and the check reports corruptions. Runs on
+fences out (the bug): freed pages and slots go to new requests while a step
+still reads them, and the check reports corruptions (in the Mamba group, a
+pool with no slack; the attention groups reuse the oldest-freed page first,
+which hides most of theirs, dropped ones included). Runs on
 :class:`~asyncpool.HostStream` without a GPU, on a CUDA stream when there is
 one (``--device cpu`` forces the host). Exit status: 0 when nothing was
 corrupted and the pool ends empty, 1 otherwise. Public API only.
@@ -253,9 +255,9 @@ async def run(args: argparse.Namespace) -> int:
         print(f"hybrid_admission: OK: corruptions=0, pool empty, {elapsed:.2f} s")
         return 0
     print(
-        f"hybrid_admission: FAILED: corruptions={bad}, {st.allocated} rows and "
-        f"{st.pages_allocated} pages still allocated, {st.pending} rows and "
-        f"{st.pages_pending} pages pending"
+        f"hybrid_admission: FAILED: corruptions={bad} (corrupted reads of another owner's KV), "
+        f"{st.allocated} rows and {st.pages_allocated} pages still allocated, "
+        f"{st.pending} rows and {st.pages_pending} pages pending"
     )
     return 1
 

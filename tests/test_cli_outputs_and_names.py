@@ -127,6 +127,7 @@ BAD_EXAMPLE_ARGS = [
         ("sync_dropin", [["--abort", "-0.1"], ["--requests", "-1"]]),
         ("paged_admission", [["--prefix-pages", "-1"], ["--headroom", "-1"], ["--abort", "nan"]]),
         ("speculative_decode", [["--low-water", "-1"], ["--headroom", "-1"]]),
+        ("hybrid_admission", [["--window", "0"], ["--page-size", "0"], ["--requests", "-1"]]),
     ]
     for args in [
         ["--rows", "0"],
@@ -154,7 +155,8 @@ def test_an_example_refuses_a_bad_argument_with_a_usage_error(
 
 
 @pytest.mark.parametrize(
-    "name", ["overlap_step", "sync_dropin", "paged_admission", "speculative_decode"]
+    "name",
+    ["overlap_step", "sync_dropin", "paged_admission", "speculative_decode", "hybrid_admission"],
 )
 def test_an_example_refuses_cuda_without_cuda(
     name: str,

@@ -59,7 +59,13 @@ DOC_MODULES = (
 )
 #: Modules the documents run that are not this project's programs.
 NOT_OURS = {"pytest", "venv", "pip"}
-EXAMPLES = ("overlap_step", "sync_dropin", "paged_admission", "speculative_decode")
+EXAMPLES = (
+    "overlap_step",
+    "sync_dropin",
+    "paged_admission",
+    "speculative_decode",
+    "hybrid_admission",
+)
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)
 _SPAN = re.compile(r"`([^`]+)`")

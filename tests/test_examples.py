@@ -4,7 +4,8 @@ run on CUDA streams; here on HostStream. With ``--no-record-use`` on the host
 stream (the bug the pool guards against) each must detect corrupted rows (or,
 for the paged example, rows, KV pages or what a step read; for the
 speculative one, a step's write into a page trimmed from its request and
-handed to another) and fail: the checks are real. The paged example's prefix
+handed to another; for the hybrid one, a step's read of a page or state slot
+of any KV group handed to another request) and fail: the checks are real. The paged example's prefix
 cache must evict behind the newest step that read an entry, not behind the
 step that wrote it: with ``--evict-behind-write-fence`` it reports
 corruption, and its cache's own eviction is pinned by a gated test."""
@@ -75,6 +76,11 @@ EXAMPLE_RUNS = [
         "0 corrupted KV, 0 corrupted reads, 0 foreign writes",
         (),
     ),
+    # Without record_use the Mamba state slots (a pool with no slack) of
+    # finished rows go to new requests, whose prefill writes them before the
+    # step in flight reads them (222-244 corrupted reads a run over seeds
+    # 0-5); the attention groups' oldest-freed-first reuse hides theirs.
+    ("hybrid_admission.py", "hybrid_admission", "corruptions=0, pool empty", "corruptions=0", ()),
 ]
 
 
@@ -126,6 +132,23 @@ def test_speculative_decode_exercises_every_path() -> None:
     words = ("retractions", "speculation turned off", "pages rolled back")
     assert all(counts.get(word, 0) > 0 for word in words), proc.stdout
     assert counts.get("of them under the step in flight", 0) > 0, proc.stdout
+
+
+def test_hybrid_admission_swa_pool_is_sized_for_windows() -> None:
+    # The clean run's own report: the swa group held at most its pool (sized
+    # for windows), far fewer pages than its rows would have held without
+    # drop_pages (as many as the full group's), and every group was used.
+    proc = _run("hybrid_admission.py", "--device", "cpu", "--forward-ms", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(
+        r"swa: peak (\d+) pages in circulation \((\d+) without window drops\), pool of (\d+)",
+        proc.stdout,
+    )
+    assert found is not None, proc.stdout
+    peak, undropped, pool = map(int, found.groups())
+    assert 0 < peak <= pool < undropped, proc.stdout
+    for group in ("full", "mamba"):
+        assert re.search(rf"{group}: peak [1-9]\d* pages", proc.stdout), proc.stdout
 
 
 @pytest.mark.parametrize("seed", ["1", "2"])

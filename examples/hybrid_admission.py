@@ -131,6 +131,8 @@ async def run(args: argparse.Namespace) -> int:
     else:
         forward = HostStream("forward")
         forward.launch(torch.set_num_threads, 1)  # torch's intra-op threads are per thread
+    # Page ids live on the host (the scheduler computes slots from them); the
+    # page tensors are the engine's, on its device.
     kv = {
         "full": KVPagePool(args.rows * -(-MAX_LEN // ps) + 1, ps),  # whole contexts
         "swa": KVPagePool(args.rows * (-(-window // ps) + 2) + 1, ps),  # windows only

@@ -78,7 +78,7 @@ from .deferral import Deferrals, Deferred
 from .errors import AgreementError
 from .fences import Fence
 from .naming import pool_log
-from .overdue import log_overdue
+from .overdue import log_overdue, oldest_first
 
 __all__ = ["WIDTH", "Agreement", "agree", "check_explicit", "check_reclaim_mode"]
 
@@ -375,7 +375,7 @@ def agree(
     if overdue:
         log_overdue(
             pool_log(logger, pool_name),
-            [entry for _, entry in sorted(overdue.items(), key=lambda item: since[item[0]])],
+            oldest_first(overdue, since),
             "fence %r is overdue: not done on at least one rank %s; "
             "held on every rank: %s (a late write may still land); "
             "force_release(fence) on every rank only if its writer is known to be dead",

@@ -35,16 +35,20 @@ from .deferral import Deferrals, held_words, remember_fence, remembers_fence
 from .fences import Fence
 from .naming import Log, pool_log
 
-__all__ = ["OVERDUE_NAMED", "OverdueFences", "check_fence_timeout", "log_overdue"]
+__all__ = ["OVERDUE_NAMED", "OverdueFences", "check_fence_timeout", "log_overdue", "oldest_first"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 _t0_of = operator.attrgetter("t0")
 
 
-def _since_of(since: dict[int, float]) -> Callable[[tuple[int, Any]], float]:
-    """A sort key for ``(id(fence), entry)`` items: when the fence turned late."""
-    return lambda item: since[item[0]]
+def oldest_first(
+    overdue: dict[int, tuple[Fence, dict[str, int]]], since: dict[int, float]
+) -> list[tuple[Fence, dict[str, int]]]:
+    """``overdue``'s entries (by ``id(fence)``: the fence and what it holds
+    per unit), oldest first: by ``since[id(fence)]``, when the oldest batch
+    late behind it was deferred (ties in the dict's order)."""
+    return [entry for _, entry in sorted(overdue.items(), key=lambda item: since[item[0]])]
 
 
 #: How many newly overdue fences one check names at WARNING; past that, one
@@ -226,7 +230,7 @@ class OverdueFences:
         late behind each was deferred; ties in scan order); ``agreed`` as in
         :meth:`scan`. A new list; O(pending batches), as :meth:`scan`."""
         overdue, _, since = self._scan(agreed)
-        return [fence for key, (fence, _) in sorted(overdue.items(), key=_since_of(since))]
+        return [fence for fence, _ in oldest_first(overdue, since)]
 
     def check(self) -> float | None:
         """Log each newly overdue fence once (oldest first; past
@@ -236,7 +240,7 @@ class OverdueFences:
         for key in [k for k in self._logged if k not in overdue]:
             del self._logged[key]  # no longer pending: forget it
         found: list[tuple[Fence, dict[str, int]]] = []
-        for _, (fence, held) in sorted(overdue.items(), key=_since_of(since)):
+        for fence, held in oldest_first(overdue, since):
             if remembers_fence(self._logged, fence):
                 continue
             remember_fence(self._logged, fence)

@@ -486,12 +486,8 @@ class Admission:
             )
         counts = []
         for name, one in groups.items():
-            k = pages[name]
-            if k.__class__ is int and 0 <= k <= one.capacity:
-                counts.append(k)
-                continue
             try:
-                counts.append(check_page_count(k, one.capacity, least=0))
+                counts.append(self._count_for(one, pages[name], 0))
             except CapacityError as exc:
                 raise CapacityError(f"KV group {name!r}: {exc}") from None
         return tuple(counts)
@@ -1160,7 +1156,10 @@ class Admission:
         """:meth:`free` on a pool with KV groups: rows and every group's
         pages they own. Checks everything (rows, fences, ``after``, every
         group's pages) before changing anything; one verdict per fence for
-        the whole call (every ledger shares its answers)."""
+        the whole call (every ledger shares its answers). The one-kv twin
+        in :meth:`_free_with_pages` stays inline: through this general form
+        (a sequence of one set) its fenced free measured about 1 µs (11 %)
+        slower a call."""
         led = self._ledger
         if after is not None:
             check_after(after)

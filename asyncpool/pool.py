@@ -362,9 +362,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         groups = _check_kv(kv, explicit)
         super().__init__(size, max_context_len, device, enable_memory_saver, stream, name=name)
         led = self._ledger
-        kvs: list[KVPagePool] = (
-            [] if kv is None else list(groups.values()) if groups is not None else [kv]  # type: ignore[list-item]
-        )
+        # Every page pool served (checked above: a KVPagePool or a mapping of them).
+        kvs: list[KVPagePool] = [kv] if isinstance(kv, KVPagePool) else []
+        if groups is not None:
+            kvs = list(groups.values())
         if explicit:
             led.make_explicit()
             for one in kvs:
@@ -439,7 +440,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._groups = {name: RowPages(one, self.size) for name, one in groups.items()}
             self._page_sets: tuple[RowPages, ...] = tuple(self._groups.values())
         elif kv is not None:
-            self._pages = RowPages(kv, self.size)  # type: ignore[arg-type]
+            self._pages = RowPages(kvs[0], self.size)
             self._page_sets = (self._pages,)
         else:
             self._page_sets = ()

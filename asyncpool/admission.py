@@ -669,9 +669,23 @@ class Admission:
             return torch.zeros(0, dtype=torch.int64)
         return pages.of(row, host)
 
+    @overload
     def extend(
         self, row: SupportsIndex, k: SupportsIndex, *, group: str | None = None
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def extend(
+        self, row: SupportsIndex, k: Mapping[str, SupportsIndex], *, group: None = None
+    ) -> dict[str, torch.Tensor] | None: ...
+
+    def extend(
+        self,
+        row: SupportsIndex,
+        k: SupportsIndex | Mapping[str, SupportsIndex],
+        *,
+        group: str | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Add ``k`` pages to allocated ``row`` for decode growth; never waits.
 
         Returns the new pages (they belong to the row from now on), or None
@@ -694,12 +708,33 @@ class Admission:
         groups ``group=`` names the group to grow (required there, and
         ``k`` within that group's capacity); elsewhere it must be None
         (``ValueError`` for either mistake or an unknown name).
+
+        Several groups at once (a hybrid model's decode step that crosses a
+        page boundary in more than one): ``k`` a mapping ``{group: count}``
+        naming any of the pool's groups (those it leaves out grow by
+        nothing), each count an int in ``0..capacity`` of its group. All or
+        nothing: a dict ``{group: new pages}`` (a 1-D tensor per named
+        group, empty for a count of 0, in the groups' order), or None,
+        taking nothing in any group, when any group is short after
+        reclaiming its completed fences (one growth refusal). The same
+        rules as one group: never waits, takes free pages even while
+        admissions queue, None while the memory is released, read-only
+        tensors, freed with the row behind its recorded uses. Raises,
+        changing nothing: ``ValueError`` for a name that is not one of the
+        pool's groups, for ``group=`` with a mapping, and for a mapping on
+        a pool with one ``kv`` (:class:`CapacityError` on a pool without
+        ``kv``); :class:`CapacityError` for a count that is not an int in
+        range (the message names the group); the row and close errors as
+        above.
         """
         self._check_thread()
         pages = self._pages
         if pages is None or group is not None:
+            if isinstance(k, Mapping):
+                return self._extend_groups("extend", row, k, group)
             pages = self._pages_for(group, "extend", "admit or extend with pages")
-        k = self._count_for(pages, k, 1)
+        if k.__class__ is not int or not 1 <= k <= pages.capacity:
+            k = self._growth_count(pages, k, "extend")
         row = self._allocated_row(row, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
@@ -707,9 +742,23 @@ class Admission:
             return None
         return self._grow(pages, pages.extend, row, k)
 
+    @overload
     def extend_rows(
         self, rows: Rows, k: Counts = 1, *, group: str | None = None
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def extend_rows(
+        self, rows: Rows, k: Mapping[str, SupportsIndex], *, group: None = None
+    ) -> dict[str, torch.Tensor] | None: ...
+
+    def extend_rows(
+        self,
+        rows: Rows,
+        k: Counts | Mapping[str, SupportsIndex] = 1,
+        *,
+        group: str | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Add ``k`` pages to each of ``rows`` at once (a decode step's
         growth), all or nothing; never waits.
 
@@ -734,15 +783,26 @@ class Admission:
         are not that or whose sum is past ``kv.capacity``.
 
         On a pool with KV groups ``group=`` names the group to grow, as for
-        :meth:`extend`.
+        :meth:`extend`; or ``k`` is a mapping ``{group: count}`` (one int
+        count per named group, as :meth:`extend` takes it): each row gets
+        that many pages in each named group, all or nothing across rows and
+        groups, and the answer is a dict ``{group: (len(rows), count)
+        tensor}``, or None taking nothing; :class:`CapacityError` also for
+        ``len(rows) * count`` past a group's capacity. Per-row counts are
+        per group: ``group=`` with a sequence ``k``.
         """
         self._check_thread()
         pages = self._pages
         if pages is None or group is not None:
+            if isinstance(k, Mapping):
+                return self._extend_groups("extend_rows", rows, k, group)
             pages = self._pages_for(group, "extend_rows", "admit or extend with pages")
-        if k.__class__ is not int and _per_row(k):
-            return self._extend_each(pages, rows, k)
-        k = self._count_for(pages, k, 1)
+        if k.__class__ is not int:
+            if _per_row(k):
+                return self._extend_each(pages, rows, k)
+            k = self._growth_count(pages, k, "extend_rows")
+        elif not 1 <= k <= pages.capacity:
+            k = self._growth_count(pages, k, "extend_rows")
         led = self._ledger
         seq = led.as_rows(rows)
         led.check_allocated(seq, "extended")
@@ -822,7 +882,7 @@ class Admission:
         if k.__class__ is not int and _per_row(k):
             counts = _page_counts(k, len(seq), "k")
         else:
-            per_row = self._count_for(pages, k, 1)
+            per_row = self._growth_count(pages, k, "extend_fitting")
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
@@ -836,6 +896,152 @@ class Admission:
         if m < len(seq):
             pages.growth_refusals += 1
         return m, got
+
+    def _growth_count(self, pages: RowPages, k: object, call: str) -> int:
+        """A growth's one page count (``1..capacity`` of ``pages``) off the
+        fast path: ``ValueError`` for a mapping where one count is due
+        (naming the rule), :class:`CapacityError` for anything else that
+        is not such an int."""
+        if isinstance(k, Mapping):
+            if self._groups is None:
+                raise ValueError(
+                    f"{call}: this pool has one KV page pool and no KV groups: give a page "
+                    "count (an int), not a mapping of group names to counts"
+                )
+            raise ValueError(
+                f"{call} takes one page count with group=; a mapping {{group: count}} is "
+                "for extend and extend_rows (all or nothing across the groups)"
+            )
+        return check_page_count(k, pages.capacity, least=1)
+
+    def _extend_groups(
+        self, call: str, rows: Any, counts: Mapping[Any, Any], group: object
+    ) -> dict[str, torch.Tensor] | None:
+        """:meth:`extend` (``call`` ``"extend"``, one row) or
+        :meth:`extend_rows` (``rows``) with a mapping ``{group: count}``:
+        every named group's pages at once, all or nothing. Checks
+        everything before it takes anything."""
+        if group is not None:
+            raise ValueError(
+                f"{call}: group= names the group of one page count, and a mapping "
+                "{group: count} names its groups itself: give one or the other"
+            )
+        if self._groups is None:
+            if self._pages is None:
+                raise CapacityError(
+                    "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
+                    f"to {call} by group"
+                )
+            raise ValueError(  # unreachable through extend/extend_rows: kept for safety
+                f"{call}: this pool has one KV page pool and no KV groups: give a page "
+                "count (an int), not a mapping of group names to counts"
+            )
+        wants = self._growth_counts(counts)
+        if call == "extend":
+            seq: Sequence[int] = [self._allocated_row(rows, "extended")]
+        else:
+            led = self._ledger
+            seq = led.as_rows(rows)
+            led.check_allocated(seq, "extended")
+            n = len(seq)
+            for name, pages, k in wants:
+                if n * k > pages.capacity:
+                    raise CapacityError(
+                        f"cannot extend {n} rows by {k} pages each in KV group {name!r}: "
+                        f"{n * k} pages, and its KV pool has only {pages.capacity}"
+                    )
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        if self._released:
+            return None
+        return self._grow_groups(wants, seq, lines=call != "extend")
+
+    def _growth_counts(self, counts: Mapping[Any, Any]) -> list[tuple[str, RowPages, int]]:
+        """A grouped growth's ``{group: count}`` as ``(name, pages, count)``
+        for each group it names, in the groups' order (a group it does not
+        name grows by nothing). ``ValueError`` for a name that is not one
+        of the pool's groups; :class:`CapacityError` for a count that is
+        not an int in ``0..capacity`` of its group."""
+        groups = self._groups
+        assert groups is not None
+        unknown = [key for key in counts if not isinstance(key, str) or key not in groups]
+        if unknown:
+            raise ValueError(
+                f"unknown KV group {describe(unknown[0])} in the page counts; this pool's "
+                f"groups are {self._group_words()}"
+            )
+        wants = []
+        for name, pages in groups.items():
+            if name in counts:
+                try:
+                    wants.append((name, pages, self._count_for(pages, counts[name], 0)))
+                except CapacityError as exc:
+                    raise CapacityError(f"KV group {name!r}: {exc}") from None
+        return wants
+
+    def _grow_groups(
+        self, wants: list[tuple[str, RowPages, int]], rows: Sequence[int], lines: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """Give each of ``rows`` (checked) ``k`` pages in every group of
+        ``wants``, all or nothing; None, taking nothing, when any group is
+        short after reclaiming its completed fences.
+
+        The rule of :meth:`_grow`: free pages are taken even while
+        admissions queue, a short group reclaims first, and if a reclaim
+        returned pages the grant loop runs after the growth (taken or not),
+        so the queued waiters get the rest. Every group's tensor is made
+        before any page is recorded: if one cannot be made (a device
+        error), every group's pages go back and the error propagates. For
+        one row (``lines`` false) a group's tensor is 1-D, as
+        :meth:`extend`'s; otherwise ``(len(rows), k)``, as
+        :meth:`extend_rows`'.
+        """
+        n = len(rows)
+        reclaimed = False
+        short: RowPages | None = None
+        for _, pages, k in wants:
+            led = pages.ledger
+            if n * k > led.free_count:
+                if led.pending:
+                    before = led.reclaimed
+                    led.reclaim()
+                    reclaimed = reclaimed or led.reclaimed != before
+                if n * k > led.free_count and short is None:
+                    short = pages
+        if short is not None:
+            short.growth_refusals += 1  # one refusal per call, however many groups are short
+            got = None
+        else:
+            got = self._take_groups(wants, rows, lines)
+        if reclaimed and self._waiters.count:
+            self._waiters.grant()
+        return got
+
+    def _take_groups(
+        self, wants: list[tuple[str, RowPages, int]], rows: Sequence[int], lines: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`_grow_groups` once every group is counted free: take, make
+        every tensor, then record."""
+        n = len(rows)
+        taken = []
+        for _, pages, k in wants:
+            arr = pages.take(n * k)
+            assert arr is not None  # counted free
+            taken.append(arr)
+        try:
+            outs = {
+                name: pages.out(arr if not lines else arr.reshape(n, k))
+                for (name, pages, k), arr in zip(wants, taken, strict=True)
+            }
+        except BaseException:
+            for (_, pages, _), arr in zip(wants, taken, strict=True):
+                if arr.shape[0]:
+                    pages.ledger.put_back(arr, OWNED)
+            raise
+        for (_, pages, k), arr in zip(wants, taken, strict=True):
+            if arr.shape[0]:
+                pages.record_lines(rows, arr, k)
+        return outs
 
     def _grow(self, pages: RowPages, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:
         """``grow(rows, k)`` (a growth of ``pages``), then the grant loop if the

@@ -322,6 +322,14 @@ class RowPages:
         self._append_counts(rows[:m], counts[:m], arr)
         return m, out
 
+    def record_lines(self, rows: Sequence[int], arr: npt.NDArray[np.int64], k: int) -> None:
+        """Record pages the owner took (:meth:`take`, counted free) for a
+        growth it made the tensor of: ``rows[i]`` gets ``arr[i * k : i * k
+        + k]`` (``k >= 1``), as :meth:`extend_rows` records them. A grouped
+        growth takes and makes every group's tensor first, then records
+        each group here."""
+        self._append_lines(rows, arr, k)
+
     def _append_lines(self, rows: Sequence[int], arr: npt.NDArray[np.int64], k: int) -> None:
         """Append ``arr[i * k : i * k + k]`` to ``rows[i]`` for each of the
         ``len(arr) // k`` first rows (pages just taken OWNED)."""

@@ -268,7 +268,8 @@ class PoolStats:
             queueing counts as a zero wait.
         growth_refusals: ``extend`` and ``extend_rows`` calls answered None
             because fewer pages were free than asked after reclaiming
-            completed fences, and ``extend_fitting`` calls that grew fewer
+            completed fences (one per call, a grouped growth short in
+            several groups included), and ``extend_fitting`` calls that grew fewer
             rows than they were given, total: each is a retraction the
             scheduler had to make (its preemption figure, seen from the
             pool). Calls refused with an error are not counted.

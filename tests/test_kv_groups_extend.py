@@ -1,0 +1,301 @@
+"""KV groups: growth across several groups at once, all or nothing.
+
+A hybrid model's decode step can cross a page boundary in more than one
+group (sliding window and full attention) in the same step:
+``extend(row, {group: count})`` and ``extend_rows(rows, {group: count})``
+grow every named group or none, so a scheduler short in the second group
+has nothing to trim back in the first. These tests cover the grant (pages
+land in their groups and are freed with the row behind its fences), the
+refusal (nothing taken anywhere), fenced pages that do not count as free,
+the growth's own reclaim and the queued admissions' rule, and bad input
+(typed errors, the pool exactly unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from helpers import Streams, bounded, pool_snapshot, spin
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    CapacityError,
+    InvalidSlotError,
+    KVPagePool,
+    PoolClosedError,
+)
+
+
+def grouped(rows: int = 4, swa: int = 8, full: int = 12, **kw: Any) -> AsyncReqToTokenPool:
+    """A pool of ``rows`` rows with two groups: ``swa`` and ``full`` pages."""
+    return AsyncReqToTokenPool(
+        rows + 1, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}, **kw
+    )
+
+
+def kv(pool: AsyncReqToTokenPool, name: str) -> KVPagePool:
+    groups = pool.kv_groups
+    assert groups is not None
+    return groups[name]
+
+
+def ids(t: torch.Tensor) -> list[int]:
+    out: list[int] = t.flatten().tolist()
+    return out
+
+
+def snapshot(pool: AsyncReqToTokenPool) -> tuple[Any, ...]:
+    """The pool's stats and ledger, every group's page stats, and every
+    row's pages in every group: what a refused call must leave as it was."""
+    rows = pool._ledger.allocated_rows()
+    per_group = []
+    for name, one in (pool.kv_groups or {}).items():
+        one.check_invariants()
+        owned = tuple(tuple(ids(pool.pages_of(r, group=name))) for r in rows)
+        per_group.append((name, dataclasses.astuple(one.stats()), owned))
+    return (pool_snapshot(pool), tuple(per_group))
+
+
+# ---------------------------------------------------------------- the grant
+
+
+async def test_grouped_extend_grows_each_named_group() -> None:
+    pool = grouped()
+    g = await pool.admit({"swa": 1, "full": 2})
+    got = pool.extend(g.row, {"swa": 1, "full": 2})
+    assert got is not None and list(got) == ["swa", "full"]
+    assert len(got["swa"]) == 1 and len(got["full"]) == 2
+    # Appended after the row's own pages, in each group's own record.
+    assert ids(pool.pages_of(g.row, group="swa")) == ids(g.pages["swa"]) + ids(got["swa"])
+    assert ids(pool.pages_of(g.row, group="full")) == ids(g.pages["full"]) + ids(got["full"])
+    assert kv(pool, "swa").available_size() == 6 and kv(pool, "full").available_size() == 8
+    # A group left out (or at 0) grows by nothing; the keys are the named groups.
+    only = pool.extend(g.row, {"full": 1})
+    assert only is not None and list(only) == ["full"]
+    zero = pool.extend(g.row, {"swa": 0, "full": 1})
+    assert zero is not None and len(zero["swa"]) == 0 and len(zero["full"]) == 1
+    assert len(pool.pages_of(g.row, group="swa")) == 2
+    assert len(pool.pages_of(g.row, group="full")) == 6
+    assert pool.extend(g.row, {}) == {}
+    pool.check_invariants()
+    assert pool.free(g.row) == 1
+    assert kv(pool, "swa").available_size() == 8 and kv(pool, "full").available_size() == 12
+    pool.check_invariants()
+
+
+async def test_grouped_extend_rows_gives_each_row_k_pages_in_each_group() -> None:
+    pool = grouped()
+    a = await pool.admit({"swa": 1, "full": 1})
+    b = await pool.admit({"swa": 0, "full": 1})
+    got = pool.extend_rows([a.row, b.row], {"swa": 1, "full": 2})
+    assert got is not None
+    assert got["swa"].shape == (2, 1) and got["full"].shape == (2, 2)
+    assert ids(pool.pages_of(a.row, group="full"))[1:] == ids(got["full"][0])
+    assert ids(pool.pages_of(b.row, group="full"))[1:] == ids(got["full"][1])
+    assert ids(pool.pages_of(b.row, group="swa")) == ids(got["swa"][1])
+    none = pool.extend_rows([], {"swa": 3})
+    assert none is not None and none["swa"].shape == (0, 3)
+    pool.check_invariants()
+    pool.free([a.row, b.row])
+    assert kv(pool, "swa").available_size() == 8 and kv(pool, "full").available_size() == 12
+
+
+# ---------------------------------------------------------------- all or nothing
+
+
+@pytest.mark.parametrize("call", ["extend", "extend_rows"])
+async def test_short_in_the_second_group_takes_nothing_in_the_first(call: str) -> None:
+    pool = grouped(swa=8, full=3)
+    g = await pool.admit({"swa": 1, "full": 2})
+    before = snapshot(pool)
+    swa_free = kv(pool, "swa").available_size()
+    if call == "extend":
+        got = pool.extend(g.row, {"swa": 2, "full": 2})  # full has 1 free
+    else:
+        got = pool.extend_rows([g.row], {"swa": 2, "full": 2})
+    assert got is None
+    assert kv(pool, "swa").available_size() == swa_free  # the first group kept its pages
+    after = snapshot(pool)
+    # Only the refusal was counted: once, for the call.
+    assert after[0][0]["growth_refusals"] == before[0][0]["growth_refusals"] + 1
+    after[0][0]["growth_refusals"] -= 1
+    assert after == before
+    pool.check_invariants()
+    pool.free(g.row)
+
+
+async def test_fenced_pages_in_one_group_are_not_free_until_reclaimed(kit: Streams) -> None:
+    pool = grouped(swa=8, full=4)
+    stream = kit.stream()
+    gate = kit.gate(stream)  # the step's fence stays open until the gate opens
+    done = await pool.admit({"swa": 1, "full": 3})
+    g = await pool.admit({"swa": 1, "full": 1})
+    pool.free(done.row, fence=stream.record())  # 3 full pages pending
+    assert kv(pool, "full").available_size() == 0
+    assert pool.extend(g.row, {"swa": 1, "full": 1}) is None  # pending is not free
+    assert kv(pool, "swa").available_size() == 6
+    gate.open()
+    stream.synchronize()  # the fence completed; nobody has reclaimed yet
+    assert kv(pool, "full").pending_size() == 3
+    got = pool.extend(g.row, {"swa": 1, "full": 1})  # the short group reclaims first
+    assert got is not None and len(got["full"]) == 1
+    assert kv(pool, "full").available_size() == 2
+    pool.check_invariants()
+    pool.free(g.row)
+
+
+async def test_grouped_growth_is_freed_behind_the_rows_recorded_use(kit: Streams) -> None:
+    pool = grouped()
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    g = await pool.admit({"swa": 1, "full": 1})
+    got = pool.extend(g.row, {"swa": 2, "full": 3})
+    assert got is not None
+    pool.record_use([g.row], stream.record())  # the step in flight reads every page
+    assert pool.free(g.row) == 0
+    st = pool.stats()
+    assert st.pages_pending == 7 and st.pages_allocated == 0  # nothing free early
+    assert kv(pool, "swa").pending_size() == 3 and kv(pool, "full").pending_size() == 4
+    gate.open()
+    stream.synchronize()
+    pool.reclaim()
+    assert kv(pool, "swa").available_size() == 8 and kv(pool, "full").available_size() == 12
+    pool.check_invariants()
+
+
+async def test_grouped_growth_takes_free_pages_while_admissions_queue() -> None:
+    pool = grouped(swa=8, full=4)
+    held = await pool.admit({"swa": 1, "full": 2})
+    waiter = asyncio.ensure_future(pool.admit({"swa": 1, "full": 4}))  # 2 full free
+    await spin()
+    assert pool.waiting() == 1
+    # As extend: growth takes what is free though an admission queues.
+    got = pool.extend(held.row, {"swa": 1, "full": 1})
+    assert got is not None
+    assert pool.waiting() == 1 and kv(pool, "full").available_size() == 1
+    pool.free(held.row)  # 4 full pages back: the queued admission is granted
+    async with bounded():
+        grant = await waiter
+    assert len(grant.pages["full"]) == 4
+    pool.free(grant.row)
+    pool.check_invariants()
+
+
+async def test_pages_a_growths_reclaim_finds_beyond_its_need_go_to_the_waiter(
+    kit: Streams,
+) -> None:
+    pool = grouped(swa=8, full=4)
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    done = await pool.admit({"swa": 0, "full": 4})
+    g = await pool.admit({"swa": 1, "full": 0})
+    pool.free(done.row, fence=stream.record())
+    waiter = asyncio.ensure_future(pool.admit({"swa": 1, "full": 3}))
+    await spin()
+    assert pool.waiting() == 1
+    gate.open()
+    stream.synchronize()  # completed; the pool's wake-up has not run yet
+    got = pool.extend(g.row, {"swa": 1, "full": 1})  # reclaims 4, takes 1
+    assert got is not None
+    # The grant loop ran after the growth: the waiter holds the other 3.
+    assert pool.waiting() == 0
+    async with bounded():
+        grant = await waiter
+    assert len(grant.pages["full"]) == 3
+    pool.free([g.row, grant.row])
+    pool.check_invariants()
+
+
+async def test_grouped_growth_while_released_or_closed() -> None:
+    pool = grouped()
+    await pool.release_memory()
+    before = snapshot(pool)
+    assert pool.extend_rows([], {"swa": 1}) is None
+    assert snapshot(pool) == before
+    await pool.resume_memory()
+    g = await pool.admit({"swa": 1, "full": 1})
+    await pool.close()
+    before = snapshot(pool)
+    with pytest.raises(PoolClosedError):
+        pool.extend(g.row, {"swa": 1})
+    with pytest.raises(PoolClosedError):
+        pool.extend_rows([g.row], {"swa": 1})
+    assert snapshot(pool) == before
+
+
+# ---------------------------------------------------------------- bad input
+
+_BAD = [
+    ({"mamba": 1}, ValueError, "unknown KV group 'mamba'"),
+    ({"swa": 1, 3: 1}, ValueError, "unknown KV group"),
+    ({"swa": -1}, CapacityError, "KV group 'swa'"),
+    ({"swa": 1, "full": 1.5}, CapacityError, "KV group 'full'"),
+    ({"swa": True}, CapacityError, "KV group 'swa'"),
+    ({"swa": 9}, CapacityError, "KV group 'swa'"),
+    ({"full": torch.tensor([1])}, CapacityError, "KV group 'full'"),
+    ({"full": [1, 1]}, CapacityError, "KV group 'full'"),
+]
+
+
+@pytest.mark.parametrize("call", ["extend", "extend_rows"])
+@pytest.mark.parametrize(("counts", "error", "match"), _BAD)
+async def test_bad_grouped_growth_changes_nothing(
+    call: str, counts: Any, error: type, match: str
+) -> None:
+    pool = grouped()
+    g = await pool.admit({"swa": 1, "full": 2})
+    before = snapshot(pool)
+    with pytest.raises(error, match=match):
+        if call == "extend":
+            pool.extend(g.row, counts)
+        else:
+            pool.extend_rows([g.row], counts)
+    assert snapshot(pool) == before
+    pool.free(g.row)
+
+
+async def test_grouped_growth_refuses_bad_rows_and_group_with_a_mapping() -> None:
+    pool = grouped(swa=3)
+    g = await pool.admit({"swa": 1, "full": 2})
+    other = await pool.admit({"swa": 0, "full": 0})
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="give one or the other"):
+        pool.extend(g.row, {"swa": 1}, group="swa")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="give one or the other"):
+        pool.extend_rows([g.row], {"swa": 1}, group="full")  # type: ignore[call-overload]
+    with pytest.raises(InvalidSlotError):
+        pool.extend(3, {"swa": 1})  # not allocated
+    with pytest.raises(InvalidSlotError):
+        pool.extend_rows([g.row, g.row], {"swa": 1})  # not distinct
+    with pytest.raises(CapacityError, match="KV group 'swa'"):
+        pool.extend_rows([g.row, other.row], {"swa": 2, "full": 1})  # 4 swa pages > 3
+    with pytest.raises(ValueError, match="extend and extend_rows"):
+        pool.extend_fitting([g.row], {"swa": 1}, group="swa")
+    assert snapshot(pool) == before
+    pool.free([g.row, other.row])
+
+
+@pytest.mark.parametrize("call", ["extend", "extend_rows", "extend_fitting"])
+async def test_a_mapping_on_a_single_kv_pool_names_the_rule(call: str) -> None:
+    pool = AsyncReqToTokenPool(5, 64, kv=KVPagePool(9, 4))
+    g = await pool.admit(1)
+    before = pool_snapshot(pool)
+    with pytest.raises(ValueError, match="one KV page pool and no KV groups"):
+        getattr(pool, call)(g.row if call == "extend" else [g.row], {"kv": 1})
+    assert pool_snapshot(pool) == before
+    pool.free(g.row)
+
+
+async def test_a_mapping_on_a_pool_without_kv_is_a_capacity_error() -> None:
+    pool = AsyncReqToTokenPool(5, 64)
+    rows = await pool.alloc(1)
+    before = pool_snapshot(pool)
+    with pytest.raises(CapacityError, match="no KV pages"):
+        pool.extend(rows[0], {"swa": 1})
+    with pytest.raises(CapacityError, match="no KV pages"):
+        pool.extend_rows(rows, {"swa": 1})
+    assert pool_snapshot(pool) == before

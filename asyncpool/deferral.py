@@ -807,6 +807,13 @@ class Deferrals(Generic[T]):
 
     # ------------------------------------------------------------ views
 
+    def remembers_fault(self, fence: Fence) -> bool:
+        """Whether this ledger counted ``fence`` in ``fence_errors`` and
+        still remembers it (the newest ``_FAULTS_REMEMBERED`` faulted
+        fences): an owner of several ledgers of one unit (KV groups) counts
+        such a fence once."""
+        return remembers_fence(self._faulted, fence)
+
     def pending_fences(self) -> list[Fence]:
         """The fences that hold ids: each stream's head first, then the rest.
 

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import sys
 import threading
@@ -444,8 +445,18 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._page_sets = (self._pages,)
         else:
             self._page_sets = ()
-        for one in kvs:
-            one.ledger.set_hooks(on_pending=self._on_pending, on_fault=self._on_fault)
+        # stats().page_fence_errors counts a fence once, however many groups
+        # it held pages in: each group's ledger counts it in its own
+        # fence_errors, and a group's first count of a fence that another
+        # group has counted (and remembers) is a repeat, subtracted from the
+        # sum. _group_faults_seen: each group's fence_errors last seen.
+        self._page_fault_repeats = 0
+        self._group_faults_seen = [one.ledger.fence_errors for one in kvs]
+        for i, one in enumerate(kvs):
+            on_fault = (
+                self._on_fault if groups is None else functools.partial(self._on_group_fault, i)
+            )
+            one.ledger.set_hooks(on_pending=self._on_pending, on_fault=on_fault)
             # The caller freed detached pages: run the grant loop. Only from
             # the pool's thread: the guard refuses any other.
             one.set_on_free(self._on_pages_freed, self._guard_kv)
@@ -1463,6 +1474,20 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._waiters.count and loop is not None and not self._drop_dead_waiters():
             loop.call_soon(self._shed_unfittable)
 
+    def _on_group_fault(self, index: int, fence: Fence, error: BaseException) -> None:
+        # KV group `index`'s ledger quarantined pages behind a faulted fence.
+        # If that counted the fence there (its fence_errors moved) and another
+        # group counted it before, it is a repeat for page_fence_errors.
+        sets = self._page_sets
+        counted = sets[index].ledger.fence_errors
+        if counted != self._group_faults_seen[index]:
+            self._group_faults_seen[index] = counted
+            if any(
+                other.ledger.remembers_fault(fence) for i, other in enumerate(sets) if i != index
+            ):
+                self._page_fault_repeats += 1
+        self._on_fault(fence, error)
+
     def _shed_unfittable(self) -> None:
         self._waiters.shed(self._unfittable_need)
 
@@ -1671,7 +1696,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "pages_allocated": capacity - free - pending - quarantined,
                 "pages_pending": pending,
                 "pages_quarantined": quarantined,
-                "page_fence_errors": errors,
+                "page_fence_errors": errors - self._page_fault_repeats,
                 "admits": admit_waits.count,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": admit_waits,

@@ -247,7 +247,11 @@ class PoolStats:
             faulted.
         page_fence_errors: fences that faulted holding pages, total (their
             pages quarantined); a fence holding rows too counts in
-            ``fence_errors`` as well.
+            ``fence_errors`` as well. With KV groups, a fence counts once
+            however many groups it held pages in (each group's own count:
+            ``pool.kv_groups[name].stats().fence_errors``); a group that
+            meets it after the others have forgotten it (each remembers its
+            newest 256 faulted fences) counts it again.
         overdue_fences: pending fences older than ``fence_timeout`` right now
             (0 without it). With ``reclaim="explicit"``, those ``agree()``
             agreed overdue (not done past some rank's ``fence_timeout``):

@@ -7,8 +7,9 @@ grow every named group or none, so a scheduler short in the second group
 has nothing to trim back in the first. These tests cover the grant (pages
 land in their groups and are freed with the row behind its fences), the
 refusal (nothing taken anywhere), fenced pages that do not count as free,
-the growth's own reclaim and the queued admissions' rule, and bad input
-(typed errors, the pool exactly unchanged).
+the growth's own reclaim and the queued admissions' rule, bad input (typed
+errors, the pool exactly unchanged), and, for the same groups,
+``page_fence_errors`` counting a fence once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def snapshot(pool: AsyncReqToTokenPool) -> tuple[Any, ...]:
         owned = tuple(tuple(ids(pool.pages_of(r, group=name))) for r in rows)
         per_group.append((name, dataclasses.astuple(one.stats()), owned))
     return (pool_snapshot(pool), tuple(per_group))
+
+
+class Broken:
+    """A fence whose every query raises: it faults where it is first asked."""
+
+    def query(self) -> bool:
+        raise RuntimeError("transfer failed")
+
+    def synchronize(self) -> None:
+        raise RuntimeError("transfer failed")
 
 
 # ---------------------------------------------------------------- the grant
@@ -299,3 +310,35 @@ async def test_a_mapping_on_a_pool_without_kv_is_a_capacity_error() -> None:
     with pytest.raises(CapacityError, match="no KV pages"):
         pool.extend_rows(rows, {"swa": 1})
     assert pool_snapshot(pool) == before
+
+
+# ---------------------------------------------------------------- page_fence_errors
+
+
+async def test_a_fence_faulting_in_two_groups_counts_once() -> None:
+    pool = grouped()
+    g = await pool.admit({"swa": 1, "full": 2})
+    pool.free(g.row, fence=Broken())  # row, swa and full pages quarantined
+    st = pool.stats()
+    assert st.pages_quarantined == 3
+    assert (st.fence_errors, st.page_fence_errors) == (1, 1)
+    # Each group still counts it in its own figures.
+    assert kv(pool, "swa").stats().fence_errors == 1
+    assert kv(pool, "full").stats().fence_errors == 1
+    # Another fence, in one group only: one more.
+    h = await pool.admit({"swa": 0, "full": 1})
+    pool.free(h.row, fence=Broken())
+    assert pool.stats().page_fence_errors == 2
+    # A fence that faulted holding swa pages, met later by the full group
+    # (a caller's kv.free behind it, in another call): still one fence.
+    transfer = Broken()
+    k = await pool.admit({"swa": 1, "full": 0})
+    pool.free(k.row, fence=transfer)
+    assert pool.stats().page_fence_errors == 3
+    m = await pool.admit({"swa": 0, "full": 1})
+    pages = pool.detach_pages(m.row, group="full", host=True)
+    pool.free(m.row)
+    kv(pool, "full").free(pages, fence=transfer)
+    assert kv(pool, "full").stats().fence_errors == 3  # the group counts it
+    assert pool.stats().page_fence_errors == 3  # the pool does not count it again
+    pool.check_invariants()

@@ -84,7 +84,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, Self, SupportsIndex
 
@@ -140,15 +140,20 @@ _RECHECK_AFTER_LOGGING_S = 1.0
 _STOPS = (KeyboardInterrupt, SystemExit)
 
 
-def _describe(need: Need) -> tuple[str, str]:
-    """A need as (the call, what it asks for), for the waiter module's messages."""
+def _describe(need: Need, groups: Sequence[str] = ()) -> tuple[str, str]:
+    """A need as (the call, what it asks for), for the waiter module's
+    messages; ``groups`` names the KV groups in order (a grouped need holds
+    one count per group, in that order), so the call reads as it was made:
+    ``admit(pages={'swa': 2, 'full': 1})``."""
     if need.__class__ is int:
         assert isinstance(need, int)
         return f"alloc({need})", _count(need, "row")
     assert isinstance(need, tuple)
     k = need[1]
     if isinstance(k, tuple):  # KV groups: one count per group, in group order
-        return f"admit(pages={list(k)} by group)", f"1 row and {_count(sum(k), 'page')}"
+        named = dict(zip(groups, k, strict=True))
+        per_group = ", ".join(f"{_count(n, 'page')} of {name!r}" for name, n in named.items())
+        return f"admit(pages={named})", f"1 row and {per_group}"
     return f"admit(pages={k})", f"1 row and {_count(k, 'page')}"
 
 
@@ -395,7 +400,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # The waiter queues and the grant loop (asyncpool.waiters), gated
         # while closed, released or held (no fast path, no grants).
         self._waiters = WaiterQueues(
-            self._take_for_waiter, self._give_back, _describe, max_waiters, supply=led._free
+            self._take_for_waiter, self._give_back, self._describe, max_waiters, supply=led._free
         )
         self._closed = False
         self._released = False
@@ -904,6 +909,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 self._running_loop().call_soon(self._flush_resets)
             self._unreset.extend(dirty)
         return rows
+
+    def _describe(self, need: Need) -> tuple[str, str]:
+        """:func:`_describe` with this pool's KV group names (read at the
+        call: the waiter queues are built before the groups)."""
+        return _describe(need, () if self._groups is None else tuple(self._groups))
 
     def _give_back(self, granted: list[int] | Grant | GroupGrant) -> None:
         # A waiter cancelled after its grant (WaiterQueues.cancelled): a

@@ -9,7 +9,8 @@ land in their groups and are freed with the row behind its fences), the
 refusal (nothing taken anywhere), fenced pages that do not count as free,
 the growth's own reclaim and the queued admissions' rule, bad input (typed
 errors, the pool exactly unchanged), and, for the same groups,
-``page_fence_errors`` counting a fence once.
+``page_fence_errors`` counting a fence once and queue messages that name
+the groups.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from asyncpool import (
     CapacityError,
     InvalidSlotError,
     KVPagePool,
+    PoolBusyError,
     PoolClosedError,
 )
 
@@ -342,3 +344,25 @@ async def test_a_fence_faulting_in_two_groups_counts_once() -> None:
     assert kv(pool, "full").stats().fence_errors == 3  # the group counts it
     assert pool.stats().page_fence_errors == 3  # the pool does not count it again
     pool.check_invariants()
+
+
+# ---------------------------------------------------------------- messages
+
+
+async def test_queue_messages_name_the_groups() -> None:
+    pool = grouped(full=2, max_waiters=1)
+    held = await pool.admit({"swa": 0, "full": 2})
+    with pytest.raises(TimeoutError) as timed_out:
+        async with bounded():
+            await pool.admit({"swa": 2, "full": 1}, timeout=0.01)
+    text = str(timed_out.value)
+    assert "admit(pages={'swa': 2, 'full': 1})" in text
+    assert "1 row and 2 pages of 'swa', 1 page of 'full'" in text
+    queued = asyncio.ensure_future(pool.admit({"swa": 0, "full": 1}))
+    await spin()
+    with pytest.raises(PoolBusyError, match=r"refusing to queue admit\(pages=\{'swa': 3, 'full'"):
+        await pool.admit({"swa": 3, "full": 2})
+    pool.free(held.row)
+    async with bounded():
+        grant = await queued
+    pool.free(grant.row)

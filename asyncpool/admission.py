@@ -730,7 +730,7 @@ class Admission:
         self._check_thread()
         pages = self._pages
         if pages is None or group is not None:
-            if isinstance(k, Mapping):
+            if k.__class__ is not int and isinstance(k, Mapping):
                 return self._extend_groups("extend", row, k, group)
             pages = self._pages_for(group, "extend", "admit or extend with pages")
         if k.__class__ is not int or not 1 <= k <= pages.capacity:
@@ -794,7 +794,7 @@ class Admission:
         self._check_thread()
         pages = self._pages
         if pages is None or group is not None:
-            if isinstance(k, Mapping):
+            if k.__class__ is not int and isinstance(k, Mapping):
                 return self._extend_groups("extend_rows", rows, k, group)
             pages = self._pages_for(group, "extend_rows", "admit or extend with pages")
         if k.__class__ is not int:
@@ -927,14 +927,11 @@ class Admission:
                 "{group: count} names its groups itself: give one or the other"
             )
         if self._groups is None:
-            if self._pages is None:
-                raise CapacityError(
-                    "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
-                    f"to {call} by group"
-                )
-            raise ValueError(  # unreachable through extend/extend_rows: kept for safety
-                f"{call}: this pool has one KV page pool and no KV groups: give a page "
-                "count (an int), not a mapping of group names to counts"
+            # A pool with one kv comes here only with group= (refused above):
+            # without it, its count check refuses a mapping (_growth_count).
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
+                f"to {call} by group"
             )
         wants = self._growth_counts(counts)
         if call == "extend":

@@ -7,8 +7,9 @@ layers needs them (``kv={"full": ..., "swa": ..., "mamba": KVPagePool(rows + 1, 
 * each request is a task that awaits ``pool.admit({"full": n, "swa": w,
   "mamba": 1})``: a row, its prompt's pages, the pages of the prompt's last
   window and a state slot, all or nothing (backpressure when short);
-* each step grows both attention groups at page boundaries
-  (``extend_rows(rows, 1, group=...)``), launches the forward, records one
+* each step grows both attention groups at page boundaries in one
+  all-or-nothing call (``extend_rows(rows, {"full": 1, "swa": 1})``),
+  launches the forward, records one
   fence and ties the batch to it (``record_use`` covers every group);
 * then ``drop_pages(rows, below, group="swa")`` gives back the swa pages
   that slid out of the window, behind that fence (the step in flight may
@@ -179,15 +180,16 @@ async def run(args: argparse.Namespace) -> int:
         while finished < len(requests):
             batch, launched = list(running), None
             if batch:
-                for g in ("full", "swa"):  # growth first, at page boundaries
-                    grow = [r for r in batch if r.pos // ps == r.base[g] + len(r.pages[g])]
-                    got = pool.extend_rows([r.row for r in grow], 1, group=g) if grow else None
-                    if grow and got is None:  # sized so that it never is (an engine would
-                        raise RuntimeError(f"{g} group short")  # retract: paged_admission.py)
-                    for r, page in zip(
-                        grow, [] if got is None else got[:, 0].tolist(), strict=True
-                    ):
-                        r.pages[g].append(int(page))
+                # Growth first, at page boundaries: both attention groups cross one
+                # at the same position, so one call grows both, all or nothing.
+                grow = [r for r in batch if r.pos // ps == len(r.pages["full"])]
+                if grow:
+                    got = pool.extend_rows([r.row for r in grow], {"full": 1, "swa": 1})
+                    if got is None:  # sized so that it never is (an engine would
+                        raise RuntimeError("short of pages")  # retract: paged_admission.py)
+                    for g, new in got.items():
+                        for r, page in zip(grow, new[:, 0].tolist(), strict=True):
+                            r.pages[g].append(int(page))
                 reads: list[int] = []
                 owners: list[int] = []
                 writes: list[int] = []

@@ -34,7 +34,7 @@ from .fences import (
     new_stream_key,
     record_fence,
 )
-from .kv_pages import KVPagePool, KVPageStats
+from .kv_pages import KVGroupStats, KVPagePool, KVPageStats
 from .ledger import Rows
 from .lifecycle import GrantHold
 from .pool import AsyncReqToTokenPool, Lease
@@ -63,6 +63,7 @@ __all__ = [
     "HostFence",
     "HostStream",
     "InvalidSlotError",
+    "KVGroupStats",
     "KVPagePool",
     "KVPageStats",
     "LatencySummary",

@@ -99,7 +99,7 @@ from .naming import check_name, pool_log, repr_head
 from .stats import LatencySummary
 from .tables import ID_DTYPES, check_device, host_to_device
 
-__all__ = ["OWNED", "KVPagePool", "KVPageStats", "PageLedger"]
+__all__ = ["OWNED", "KVGroupStats", "KVPagePool", "KVPageStats", "PageLedger"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -858,6 +858,22 @@ class KVPageStats:
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
 
 
+@dataclass(frozen=True, slots=True)
+class KVGroupStats(KVPageStats):
+    """One KV group's figures in its row pool's ``stats().kv_groups``.
+
+    Every figure of the group's own :meth:`KVPagePool.stats` (a
+    :class:`KVPageStats`, read in the same way: the four states add up to
+    ``capacity``; ``fence_latency`` is empty when the row pool's ``stats``
+    was asked for no summaries), plus ``growth_refusals``: this group's
+    ``extend``/``extend_rows`` calls answered None and ``extend_fitting``
+    calls that grew fewer rows than given (``group=`` this group), total;
+    the row pool's ``growth_refusals`` is their sum.
+    """
+
+    growth_refusals: int = 0
+
+
 class KVPagePool:
     """A fenced pool of ``num_pages - 1`` KV-cache pages of ``page_size`` slots.
 
@@ -1426,6 +1442,14 @@ class KVPagePool:
     def stats(self) -> KVPageStats:
         """A snapshot of the page counts and totals; changes nothing, and may
         be read from another thread (a metrics scrape)."""
+        return KVPageStats(**self._figures(True))
+
+    def _figures(self, summaries: bool) -> dict[str, Any]:
+        """:meth:`stats`'s figures as keyword arguments (a row pool's
+        ``stats()`` builds each KV group's :class:`KVGroupStats` from them);
+        ``summaries=False`` leaves ``fence_latency`` empty (sorting its
+        window is the costly part). O(pending batches): ``pending_fences``
+        counts them. Changes nothing."""
         led = self._ledger
         # As PoolStats: the lifetime total first, then each count read once
         # and allocated derived from them, so that the four add up to
@@ -1433,23 +1457,25 @@ class KVPagePool:
         allocs = led.allocs
         free, pending, quarantined = led.free_count, led.pending, led.quarantined
         allocated = led.capacity - free - pending - quarantined
-        return KVPageStats(
-            num_pages=self.num_pages,
-            page_size=self.page_size,
-            capacity=led.capacity,
-            free=free,
-            allocated=allocated,
-            pending=pending,
-            quarantined=quarantined,
-            peak_allocated=led.peak_allocated,
-            allocs=allocs,
-            frees=allocs - allocated,
-            deferred_frees=led.deferred_frees,
-            reclaimed=led.reclaimed,
-            fence_errors=led.fence_errors,
-            pending_fences=len(led.pending_fences()),
-            fence_latency=LatencySummary.of(led.fence_latencies),
-        )
+        return {
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "capacity": led.capacity,
+            "free": free,
+            "allocated": allocated,
+            "pending": pending,
+            "quarantined": quarantined,
+            "peak_allocated": led.peak_allocated,
+            "allocs": allocs,
+            "frees": allocs - allocated,
+            "deferred_frees": led.deferred_frees,
+            "reclaimed": led.reclaimed,
+            "fence_errors": led.fence_errors,
+            "pending_fences": len(led.pending_fences()),
+            "fence_latency": (
+                LatencySummary.of(led.fence_latencies) if summaries else LatencySummary()
+            ),
+        }
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every bookkeeping invariant holds.

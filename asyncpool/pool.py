@@ -104,13 +104,13 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
-from .kv_pages import KVPagePool
+from .kv_pages import KVGroupStats, KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
 from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, GroupGrant, RowPages
-from .stats import Histogram, LatencySummary, PoolStats
+from .stats import FrozenDict, Histogram, LatencySummary, PoolStats
 from .tables import PoolInfo
 from .waiters import WaiterQueues
 from .watcher import FenceWatcher
@@ -1683,18 +1683,24 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         extra: dict[str, Any] = {}
         sets = self._page_sets
         if sets:
-            # With KV groups every page figure is the sum over the groups
-            # (each group's own: pool.kv_groups[name].stats()); admissions
-            # are counted on the first group's RowPages (_admit_stats).
+            # Admissions are counted on the first group's RowPages.
             pages = sets[0]
-            capacity = free = pending = quarantined = errors = 0
-            for one in sets:
-                pled = one.ledger
-                capacity += pled.capacity
-                free += pled.free_count
-                pending += pled.pending
-                quarantined += pled.quarantined
-                errors += pled.fence_errors
+            groups = self._groups
+            if groups is None:
+                pled = pages.ledger
+                capacity, free = pled.capacity, pled.free_count
+                pending, quarantined = pled.pending, pled.quarantined
+                errors, refusals = pled.fence_errors, pages.growth_refusals
+            else:
+                # Each group's figures, read once; the page figures are their
+                # sums, so a scrape from another thread sees them agree.
+                per = self._kv_group_stats(groups, summaries)
+                capacity = sum(g.capacity for g in per.values())
+                free = sum(g.free for g in per.values())
+                pending = sum(g.pending for g in per.values())
+                quarantined = sum(g.quarantined for g in per.values())
+                errors = sum(g.fence_errors for g in per.values())
+                refusals = sum(g.growth_refusals for g in per.values())
             # Every grant of an admission is observed in the histogram (a
             # zero wait for one granted without queueing), so its count is
             # the number of admissions: one figure, never two counters read
@@ -1710,8 +1716,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admits": admit_waits.count,
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": admit_waits,
-                "growth_refusals": sum(one.growth_refusals for one in sets),
+                "growth_refusals": refusals,
             }
+            if groups is not None:
+                extra["kv_groups"] = per
         overdue = self._overdue_scanner()
         if overdue is not None:
             # Explicit: overdue is what agree() agreed (not done on some rank).
@@ -1733,6 +1741,21 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             alloc_calls=waits.count,
             wait_histogram=waits,
             **extra,
+        )
+
+    @staticmethod
+    def _kv_group_stats(
+        groups: dict[str, RowPages], summaries: bool
+    ) -> FrozenDict[str, KVGroupStats]:
+        """``stats().kv_groups``: each group's own figures and its growth
+        refusals, in the groups' order."""
+        return FrozenDict(
+            {
+                name: KVGroupStats(
+                    **one.kv._figures(summaries), growth_refusals=one.growth_refusals
+                )
+                for name, one in groups.items()
+            }
         )
 
     def _overdue_scanner(self) -> OverdueFences | None:

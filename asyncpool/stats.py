@@ -14,11 +14,16 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from .kv_pages import KVGroupStats
 
 __all__ = [
     "DEFAULT_BOUNDS_S",
+    "FrozenDict",
     "Histogram",
     "HistogramSnapshot",
     "LatencySummary",
@@ -163,6 +168,46 @@ class LatencySummary:
         )
 
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class FrozenDict(dict[_K, _V]):
+    """A ``dict`` that refuses every change (``TypeError``) and hashes.
+
+    What a frozen snapshot holds where it needs a mapping
+    (:attr:`PoolStats.kv_groups`): read it as any ``Mapping``. A ``dict``
+    subclass rather than a ``MappingProxyType`` so that
+    ``dataclasses.asdict``, ``copy`` and ``pickle`` handle the snapshot
+    holding it (they copy a mapping proxy's contents through pickling, which
+    it refuses). Hashable when its values are, as the frozen dataclasses
+    that hold it; equal to any ``dict`` with the same items.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(f"{type(self).__name__} is read-only (a snapshot)")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy and pickle rebuild it whole, never item by item (refused).
+        return (type(self), (dict(self),))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict.__repr__(self)})"
+
+
+#: The ``kv_groups`` of a pool without KV groups: one shared empty mapping,
+#: so that ``stats()`` of such a pool builds nothing more than before.
+NO_GROUPS: FrozenDict[str, Any] = FrozenDict()
+
+
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     """A snapshot of a pool's state and lifetime totals.
@@ -276,7 +321,22 @@ class PoolStats:
             several groups included), and ``extend_fitting`` calls that grew fewer
             rows than they were given, total: each is a retraction the
             scheduler had to make (its preemption figure, seen from the
-            pool). Calls refused with an error are not counted.
+            pool). Calls refused with an error are not counted. With KV
+            groups, the sum of each group's (``kv_groups``).
+        kv_groups: with KV groups (a mapping ``kv=``), each group's own
+            page figures, group name -> :class:`~asyncpool.KVGroupStats`, in
+            the pool's group order: every figure of the group's
+            ``kv.stats()`` (``free``, ``allocated``, ``pending``,
+            ``quarantined``, ``capacity``, ``peak_allocated``,
+            ``fence_errors``, ...) plus its ``growth_refusals``, so an
+            operator sees which group runs short (the sliding-window one
+            full while full attention idles). The ``pages_*`` figures,
+            ``page_fence_errors`` and ``growth_refusals`` above are their
+            sums, read from the same snapshots (they always agree). Each
+            group's ``fence_latency`` is empty when ``stats`` was asked for
+            no summaries. Read-only (a :class:`FrozenDict`); empty for a
+            pool with one ``kv=`` (its figures are the ``pages_*`` ones) or
+            none.
     """
 
     capacity: int
@@ -318,3 +378,4 @@ class PoolStats:
     admit_wait: LatencySummary = field(default_factory=LatencySummary)
     admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     growth_refusals: int = 0
+    kv_groups: Mapping[str, KVGroupStats] = NO_GROUPS

@@ -14,14 +14,16 @@ lifecycle across groups: tests/test_kv_groups_admission.py.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import inspect
+import pickle
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import Streams, bounded, pool_snapshot, spin
+from helpers import FakeStream, Streams, bounded, pool_snapshot, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -29,8 +31,12 @@ from asyncpool import (
     Grant,
     GroupGrant,
     HostStream,
+    KVGroupStats,
     KVPagePool,
+    KVPageStats,
+    LatencySummary,
     PoolBusyError,
+    ReqToTokenPool,
 )
 from asyncpool.metrics import PoolCollector
 from asyncpool.pool import MAX_KV_GROUPS
@@ -366,6 +372,103 @@ async def test_stats_sum_the_groups_and_metrics_follow() -> None:
     assert samples["asyncpool_allocated_pages"] == 7
     pool.free(g.row)
     assert pool.stats().pages_free == 20
+
+
+async def test_stats_show_each_groups_own_figures() -> None:
+    """``stats().kv_groups``: each group's own figures (its ``kv.stats()``)
+    and growth refusals, so a starving group shows (swa out of pages, with
+    a fault and a retraction, while full attention idles); the page sums
+    are the groups' sums. Only the sums were there."""
+    pool = grouped(swa=6, full=12)
+    kv = groups_of(pool)
+    bad, slow = FakeStream(), FakeStream()
+    g1 = await pool.admit({"swa": 2, "full": 1})
+    fault = bad.record()
+    bad.fault()
+    kv["swa"].free(pool.detach_pages(g1.row, group="swa"), fence=fault)  # quarantined
+    kv["full"].free(pool.detach_pages(g1.row, group="full"), fence=slow.record())  # pending
+    g2 = await pool.admit({"swa": 4, "full": 3})  # every usable swa page
+    assert pool.extend(g2.row, 1, group="swa") is None  # swa short: a retraction
+    assert pool.extend(g2.row, 1, group="full") is not None
+    st = pool.stats()
+    assert list(st.kv_groups) == ["swa", "full"]  # the pool's group order
+    swa, full = st.kv_groups["swa"], st.kv_groups["full"]
+    assert isinstance(swa, KVGroupStats) and isinstance(swa, KVPageStats)
+    figures = ("capacity", "free", "allocated", "pending", "quarantined", "fence_errors")
+    assert [getattr(swa, f) for f in figures] == [6, 0, 4, 0, 2, 1]
+    assert [getattr(full, f) for f in figures] == [12, 7, 4, 1, 0, 0]
+    assert (swa.growth_refusals, full.growth_refusals) == (1, 0)
+    assert (swa.peak_allocated, full.peak_allocated) == (4, 4)
+    for name, one in st.kv_groups.items():  # every figure of the group's own stats()
+        own = dataclasses.asdict(kv[name].stats())
+        assert {k: v for k, v in dataclasses.asdict(one).items() if k in own} == own
+    # The sums, as before, are the groups' sums.
+    assert (st.pages_capacity, st.pages_free, st.pages_allocated) == (18, 7, 8)
+    assert (st.pages_pending, st.pages_quarantined, st.page_fence_errors) == (1, 2, 1)
+    assert st.growth_refusals == 1
+    pool.check_invariants()
+    slow.complete()
+    assert kv["full"].reclaim() == 1
+    pool.free([g1.row, g2.row])
+    assert pool.stats().kv_groups["full"].free == 12
+
+
+async def test_kv_groups_of_stats_is_a_read_only_snapshot() -> None:
+    """The mapping refuses changes, and the snapshot still hashes, copies,
+    pickles and turns into a dict (``dataclasses.asdict``)."""
+    pool = grouped()
+    g = await pool.admit({"swa": 1, "full": 2})
+    st = pool.stats()
+    groups = st.kv_groups
+    for change in (
+        lambda: groups.__setitem__("swa", groups["full"]),  # type: ignore[index]
+        lambda: groups.__delitem__("swa"),  # type: ignore[attr-defined]
+        lambda: groups.clear(),  # type: ignore[attr-defined]
+        lambda: groups.update({}),  # type: ignore[attr-defined]
+        lambda: groups.pop("swa"),  # type: ignore[attr-defined]
+        lambda: groups.setdefault("x", groups["swa"]),  # type: ignore[attr-defined]
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    assert list(groups) == ["swa", "full"]
+    assert groups == {"swa": groups["swa"], "full": groups["full"]}
+    assert hash(st) == hash(copy.deepcopy(st)) and copy.deepcopy(st) == st
+    assert pickle.loads(pickle.dumps(st)) == st
+    assert dataclasses.asdict(st)["kv_groups"]["full"]["allocated"] == 2
+    pool.free(g.row)
+    assert st.kv_groups["full"].allocated == 2  # a snapshot: the free did not reach it
+
+
+async def test_pools_without_groups_have_no_group_figures() -> None:
+    """A pool with one ``kv=`` or none has an empty ``kv_groups`` (its page
+    figures are the ``pages_*`` ones): nothing to look up, nothing built."""
+    single = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4))
+    await single.admit(pages=3)
+    for pool in (single, AsyncReqToTokenPool(5, 8), ReqToTokenPool(5, 8)):
+        st = pool.stats()
+        assert st.kv_groups == {} and not st.kv_groups
+        assert pool.stats(summaries=False).kv_groups is st.kv_groups  # one shared empty
+    assert single.stats().pages_allocated == 3
+
+
+async def test_group_fence_latency_follows_summaries() -> None:
+    """Each group's ``fence_latency`` window is summarised by ``stats()``
+    and left empty by ``stats(summaries=False)`` (a scrape), every other
+    figure the same."""
+    pool = grouped()
+    kv = groups_of(pool)
+    stream = FakeStream()
+    g = await pool.admit({"swa": 1, "full": 2})
+    kv["full"].free(pool.detach_pages(g.row, group="full"), fence=stream.record())
+    stream.complete()
+    assert kv["full"].reclaim() == 2
+    full, cheap = pool.stats(), pool.stats(summaries=False)
+    assert full.kv_groups["full"].fence_latency.count == 1
+    assert cheap.kv_groups["full"].fence_latency == LatencySummary()
+    for name in ("swa", "full"):
+        keep = dataclasses.replace(full.kv_groups[name], fence_latency=LatencySummary())
+        assert keep == cheap.kv_groups[name]
+    pool.free(g.row)
 
 
 # ---------------------------------------------------------------- the audit

@@ -40,7 +40,13 @@ from prometheus_client.core import Metric
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
 from asyncpool.metrics import PoolCollector
-from asyncpool.stats import DEFAULT_BOUNDS_S, HistogramSnapshot, LatencySummary, PoolStats
+from asyncpool.stats import (
+    DEFAULT_BOUNDS_S,
+    FrozenDict,
+    HistogramSnapshot,
+    LatencySummary,
+    PoolStats,
+)
 
 #: The fields a pool built without ``kv=`` and ``fence_timeout`` leaves at
 #: their defaults (``wait_time`` too on the sync pool).
@@ -99,6 +105,8 @@ def test_the_sync_pools_unreported_figures_are_zero_and_empty() -> None:
             assert value == HistogramSnapshot(
                 DEFAULT_BOUNDS_S, (0,) * (len(DEFAULT_BOUNDS_S) + 1), 0, 0.0
             ), f.name
+        elif f.name == "kv_groups":  # a pool without KV groups: none
+            assert value == {} and isinstance(value, FrozenDict), f.name
         elif f.name != "capacity" and f.name != "free":
             assert value in (0, False) and type(value) in (int, bool), f.name
 

@@ -23,6 +23,15 @@ SGLang's ``sglang:num_queue_reqs``): base units in the name (``_seconds``,
 ``_rows``), ``_total`` on counters, calls and rows counted apart. The
 table :data:`FAMILIES` lists them all (the README has the same table).
 
+A pool with KV groups (``kv={"swa": ..., "full": ...}``) is exported as any
+other (its page families carry the sums over its groups) and, in the
+families of :data:`GROUP_FAMILIES` (``<prefix>_kv_group_...``), each group's
+own figures, labelled ``group="<name>"`` too: which group runs short. The
+summed families carry no ``group`` label (a sum over it would count every
+page twice), and the per-group families are exported only while some pool
+has groups (nothing new for a pool with one ``kv=`` or none: its page
+families are its one page pool's figures).
+
 Thread rules: a scrape runs on the HTTP server's thread. It calls
 ``pool.stats(summaries=False)``, which only reads ints and copies histogram
 counts: it never mutates the pool, and costs microseconds whatever the
@@ -40,7 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .kv_pages import KVPagePool
+from .kv_pages import KVGroupStats, KVPagePool
 from .stats import HistogramSnapshot, PoolStats
 
 if TYPE_CHECKING:
@@ -48,7 +57,7 @@ if TYPE_CHECKING:
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "Family", "PoolCollector"]
+__all__ = ["FAMILIES", "GROUP_FAMILIES", "Family", "GroupFamily", "PoolCollector"]
 
 
 class _HasStats(Protocol):
@@ -314,6 +323,76 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class GroupFamily:
+    """One exported per-KV-group family, labelled ``pool`` and ``group``.
+
+    As :class:`Family` (gauges and counters only), but ``get`` reads one
+    group's :class:`~asyncpool.KVGroupStats` (a pool's
+    ``stats().kv_groups[name]``). With ``label`` set, the family carries
+    that label too and ``get`` gives ``(label value, number)`` pairs, one
+    sample each (``state="free"`` and so on: they add up to the group's
+    capacity); without it, one number.
+    """
+
+    name: str
+    type: str  # "gauge" or "counter"
+    unit: str
+    help: str
+    get: Callable[[KVGroupStats], Any]
+    label: str | None = None
+
+
+#: Every per-KV-group family: exported only for pools with KV groups.
+GROUP_FAMILIES: tuple[GroupFamily, ...] = (
+    GroupFamily(
+        "kv_group_capacity_pages",
+        "gauge",
+        "pages",
+        "KV pages the group's KVPagePool can hand out (num_pages - 1).",
+        lambda g: g.capacity,
+    ),
+    GroupFamily(
+        "kv_group_pages",
+        "gauge",
+        "pages",
+        "The group's KV pages by state right now (free: ready to hand out; allocated: held "
+        "by rows or by callers that detached them; pending: freed, waiting for their "
+        "fences; quarantined: out of circulation after a fence faulted); they add up to "
+        "the group's capacity.",
+        lambda g: (
+            ("free", g.free),
+            ("allocated", g.allocated),
+            ("pending", g.pending),
+            ("quarantined", g.quarantined),
+        ),
+        label="state",
+    ),
+    GroupFamily(
+        "kv_group_peak_allocated_pages",
+        "gauge",
+        "pages",
+        "Most of the group's KV pages held at once.",
+        lambda g: g.peak_allocated,
+    ),
+    GroupFamily(
+        "kv_group_growth_refusals",
+        "counter",
+        "",
+        "extend() and extend_rows() calls on the group answered None, and extend_fitting() "
+        "calls that grew fewer rows than given, short of the group's pages.",
+        lambda g: g.growth_refusals,
+    ),
+    GroupFamily(
+        "kv_group_fence_errors",
+        "counter",
+        "",
+        "Fences that faulted holding the group's KV pages (their pages are quarantined).",
+        lambda g: g.fence_errors,
+    ),
+)
+
+
 _cumsum = itertools.accumulate
 
 
@@ -353,12 +432,13 @@ class PoolCollector:
         # name -> (pool, token): the token is fresh at each add(), so a pool
         # added again under a name never inherits its predecessor's counters.
         self._pools: dict[str, tuple[_HasStats, object]] = {}
-        # Last value exported per (counter, pool token): a scrape on another
+        # Last value exported per (counter, pool token), ((counter, group),
+        # pool token) for a KV group's: a scrape on another
         # thread reads figures a few operations apart, and a counter must
         # never be seen to go down (Prometheus would take it for a restart).
         # Keyed by token, not name: a scrape that began before remove(name)
         # may still write its entries after remove() dropped them.
-        self._last: dict[tuple[str, object], float] = {}
+        self._last: dict[tuple[object, object], float] = {}
         if pool is not None:
             self.add(pool, name)
 
@@ -435,15 +515,37 @@ class PoolCollector:
             for f in FAMILIES
         ]
 
+    def _group_families(self) -> list[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        kinds: dict[str, Any] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+        return [
+            kinds[f.type](
+                f"{self._prefix}_{f.name}",
+                f.help,
+                labels=["pool", "group"] + ([f.label] if f.label else []),
+                unit=f.unit,
+            )
+            for f in GROUP_FAMILIES
+        ]
+
     def describe(self) -> list[Metric]:
-        """Every family this collector exports, without samples."""
-        return self._families()
+        """Every family this collector exports now, without samples: those of
+        :data:`FAMILIES`, and those of :data:`GROUP_FAMILIES` while some
+        pool it exports has KV groups (its ``kv_groups``)."""
+        families = self._families()
+        if any(getattr(pool, "kv_groups", None) for pool, _ in list(self._pools.values())):
+            families += self._group_families()
+        return families
 
     def collect(self) -> Iterator[Metric]:
         """One snapshot per pool (``stats(summaries=False)``), as families.
 
         A pool whose ``stats()`` raises or gives no ``PoolStats`` is left
-        out of this scrape (a WARNING names it); the others are exported.
+        out of this scrape (a WARNING names it); the others are
+        exported. The families of :data:`GROUP_FAMILIES` follow when some
+        snapshot has KV groups (``stats().kv_groups``), with its groups'
+        samples.
         """
         pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
         snapshots: list[tuple[str, object, PoolStats]] = []
@@ -454,7 +556,9 @@ class PoolCollector:
                 stats = pool.stats(summaries=False)
             except Exception:
                 logger.warning(
-                    "pool %r left out of this scrape: stats() raised", name, exc_info=True
+                    "pool %r left out of this scrape: stats() raised",
+                    name,
+                    exc_info=True,
                 )
                 continue
             if not isinstance(stats, PoolStats):
@@ -491,8 +595,36 @@ class PoolCollector:
                 for name, _, stats in snapshots:
                     family.add_metric([name], float(get(stats)))
             yield family
+        grouped = [(name, token, stats) for name, token, stats in snapshots if stats.kv_groups]
+        if grouped:
+            yield from self._collect_groups(grouped)
         # A pool removed while this scrape ran: drop what it wrote since.
         current = {token for _, token in self._pools.values()}
         for _, token, _ in snapshots:
             if token not in current:
                 self._forget(token)
+
+    def _collect_groups(self, snapshots: list[tuple[str, object, PoolStats]]) -> Iterator[Metric]:
+        """The families of :data:`GROUP_FAMILIES`, one sample (or one per
+        ``label`` value) per group of each snapshot; counters never go down,
+        as in :meth:`collect`."""
+        last = self._last
+        for fam, family in zip(GROUP_FAMILIES, self._group_families(), strict=True):
+            get = fam.get
+            for name, token, stats in snapshots:
+                for group, one in stats.kv_groups.items():
+                    if fam.label is not None:
+                        for label, v in get(one):
+                            family.add_metric([name, group, label], float(v))
+                    elif fam.type == "counter":
+                        key = ((fam.name, group), token)
+                        v = float(get(one))
+                        prev = last.get(key, 0.0)
+                        if v < prev:
+                            v = prev  # read skew, never a real decrease
+                        else:
+                            last[key] = v
+                        family.add_metric([name, group], v)
+                    else:
+                        family.add_metric([name, group], float(get(one)))
+            yield family

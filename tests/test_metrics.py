@@ -11,9 +11,9 @@ import pytest
 from helpers import WAIT_S, FakeStream, Streams, bounded, spin
 
 import asyncpool.waiters as waiters_module
-from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVGroupStats, KVPagePool, ReqToTokenPool
 from asyncpool.ledger import SlotLedger
-from asyncpool.stats import DEFAULT_BOUNDS_S, Histogram, HistogramSnapshot, PoolStats
+from asyncpool.stats import DEFAULT_BOUNDS_S, FrozenDict, Histogram, HistogramSnapshot, PoolStats
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -26,7 +26,7 @@ from prometheus_client.openmetrics.parser import (  # noqa: E402
 )
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from asyncpool.metrics import FAMILIES, PoolCollector  # noqa: E402
+from asyncpool.metrics import FAMILIES, GROUP_FAMILIES, PoolCollector  # noqa: E402
 
 GAUGES = {
     "asyncpool_capacity_rows": "rows",
@@ -69,6 +69,14 @@ HISTOGRAMS = {
     "asyncpool_admit_wait_seconds",
     "asyncpool_fence_latency_seconds",
 }
+#: The per-KV-group families (labels pool, group; state on kv_group_pages).
+GROUP_GAUGES = {
+    "asyncpool_kv_group_capacity_pages": "pages",
+    "asyncpool_kv_group_pages": "pages",
+    "asyncpool_kv_group_peak_allocated_pages": "pages",
+}
+GROUP_COUNTERS = {"asyncpool_kv_group_growth_refusals", "asyncpool_kv_group_fence_errors"}
+STATES = ("free", "allocated", "pending", "quarantined")
 
 
 def scrape(*pools: tuple[Any, str]) -> dict[str, Any]:
@@ -628,3 +636,130 @@ async def test_a_pool_that_cannot_answer_is_left_out_and_the_others_exported(
         assert 'pool="broken"' not in text
         msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("'broken' left out of this scrape" in m for m in msgs), msgs
+
+
+# ---------------------------------------------------------------- KV groups
+
+
+def hybrid(swa: int = 4, full: int = 12) -> AsyncReqToTokenPool:
+    """Four rows, two KV groups of ``swa`` and ``full`` pages."""
+    return AsyncReqToTokenPool(
+        5, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}
+    )
+
+
+async def test_each_kv_group_is_exported_with_a_group_label() -> None:
+    """A pool with KV groups exports each group's pages by state, capacity,
+    peak and counters under ``group=``, in families of their own; the summed
+    families keep their one label (a ``group`` there would double count).
+    Only the sums were exported: a starving swa group did not show."""
+    async with bounded():
+        pool = hybrid(swa=4, full=12)
+        g = await pool.admit({"swa": 4, "full": 2})  # swa full, full attention idle
+        assert pool.extend(g.row, 1, group="swa") is None
+        fams = scrape((pool, "hybrid"))
+
+        def group(sample: str, name: str, **labels: str) -> float:
+            return value(fams, sample, "hybrid", group=name, **labels)
+
+        pages = "asyncpool_kv_group_pages"
+        assert [group(pages, "swa", state=s) for s in STATES] == [0, 4, 0, 0]
+        assert [group(pages, "full", state=s) for s in STATES] == [10, 2, 0, 0]
+        assert group("asyncpool_kv_group_capacity_pages", "swa") == 4
+        assert group("asyncpool_kv_group_capacity_pages", "full") == 12
+        assert group("asyncpool_kv_group_peak_allocated_pages", "swa") == 4
+        assert group("asyncpool_kv_group_growth_refusals_total", "swa") == 1
+        assert group("asyncpool_kv_group_growth_refusals_total", "full") == 0
+        assert group("asyncpool_kv_group_fence_errors_total", "full") == 0
+        assert value(fams, "asyncpool_capacity_pages", "hybrid") == 16  # the sums, as before
+        assert value(fams, "asyncpool_free_pages", "hybrid") == 10
+        assert value(fams, "asyncpool_growth_refusals_total", "hybrid") == 1
+        for name, fam in fams.items():
+            keys = {k for smp in fam.samples for k in smp.labels}
+            if name in GROUP_GAUGES or name in GROUP_COUNTERS:
+                assert keys == ({"pool", "group", "state"} if name == pages else {"pool", "group"})
+            else:
+                assert keys <= {"pool", "le"}, name
+        # Types, and units declared in the OpenMetrics exposition.
+        assert {n: fams[n].type for n in GROUP_GAUGES} == dict.fromkeys(GROUP_GAUGES, "gauge")
+        assert {n: fams[n].type for n in GROUP_COUNTERS} == dict.fromkeys(GROUP_COUNTERS, "counter")
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(pool, name="hybrid"))
+        om = {f.name: f for f in parse_openmetrics(generate_openmetrics(registry).decode())}
+        assert {n: om[n].unit for n in GROUP_GAUGES} == GROUP_GAUGES
+        assert len(GROUP_FAMILIES) == len(GROUP_GAUGES) + len(GROUP_COUNTERS)
+        pool.free(g.row)
+
+
+async def test_group_families_come_only_with_a_grouped_pool() -> None:
+    """Nothing new for a pool with one ``kv=`` or none; beside a grouped
+    pool, the group families carry that pool's groups only, and
+    ``describe()`` names what ``collect()`` gives."""
+    async with bounded():
+        single = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4))
+        rows = AsyncReqToTokenPool(5, 8)
+        collector = PoolCollector(single, name="single")
+        collector.add(rows, name="rows")
+        names = [f.name for f in collector.collect()]
+        assert not any("kv_group" in n for n in names)
+        assert [f.name for f in collector.describe()] == names
+        collector.add(hybrid(), name="hybrid")
+        collected = list(collector.collect())
+        assert [f.name for f in collector.describe()] == [f.name for f in collected]
+        by_name = {f.name: f for f in collected}
+        caps = by_name["asyncpool_kv_group_capacity_pages"].samples
+        assert sorted((s.labels["pool"], s.labels["group"], s.value) for s in caps) == [
+            ("hybrid", "full", 12.0),
+            ("hybrid", "swa", 4.0),
+        ]
+        assert len(by_name["asyncpool_kv_group_pages"].samples) == 2 * len(STATES)
+
+
+def _group(**figures: int) -> KVGroupStats:
+    base = dict.fromkeys(
+        ("num_pages", "page_size", "capacity", "free", "allocated", "pending", "quarantined"), 0
+    )
+    counts = ("peak_allocated", "allocs", "frees", "deferred_frees", "reclaimed")
+    base |= dict.fromkeys((*counts, "fence_errors", "pending_fences"), 0)
+    return KVGroupStats(**(base | figures))
+
+
+def test_a_skewed_read_never_shows_a_group_counter_going_down() -> None:
+    base = PoolStats(8, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def with_refusals(n: int) -> PoolStats:
+        groups = FrozenDict({"swa": _group(growth_refusals=n), "full": _group()})
+        return dataclasses.replace(base, kv_groups=groups)
+
+    fake = StatsSequence(with_refusals(3), with_refusals(2), with_refusals(5), with_refusals(2))
+    registry = CollectorRegistry()
+    collector = PoolCollector(fake, name="p")
+    registry.register(collector)
+    refusals = "asyncpool_kv_group_growth_refusals_total"
+    swa = {"pool": "p", "group": "swa"}
+    assert registry.get_sample_value(refusals, swa) == 3
+    assert registry.get_sample_value(refusals, swa) == 3  # not 2
+    assert registry.get_sample_value(refusals, swa) == 5
+    collector.remove("p")
+    collector.add(fake, name="p")  # a new pool under the old name starts afresh
+    assert registry.get_sample_value(refusals, swa) == 2
+
+
+def test_readme_lists_every_group_family() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("asyncpool_kv_group_"):
+            listed[cells[0]] = (cells[1], cells[3])
+    exported = {
+        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): (
+            f.type,
+            ", ".join(["pool", "group"] + ([f.label] if f.label else [])),
+        )
+        for f in GROUP_FAMILIES
+    }
+    assert listed == exported

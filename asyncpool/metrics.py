@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .kv_pages import KVGroupStats, KVPagePool
+from .naming import LOG_FIELD
 from .stats import HistogramSnapshot, PoolStats
 
 if TYPE_CHECKING:
@@ -542,7 +543,9 @@ class PoolCollector:
         """One snapshot per pool (``stats(summaries=False)``), as families.
 
         A pool whose ``stats()`` raises or gives no ``PoolStats`` is left
-        out of this scrape (a WARNING names it); the others are
+        out of this scrape (a WARNING names it by its label, and carries the
+        pool's own name, if it has one, as the record attribute
+        ``asyncpool_pool``, as every line a named pool logs); the others are
         exported. The families of :data:`GROUP_FAMILIES` follow when some
         snapshot has KV groups (``stats().kv_groups``), with its groups'
         samples.
@@ -559,6 +562,7 @@ class PoolCollector:
                     "pool %r left out of this scrape: stats() raised",
                     name,
                     exc_info=True,
+                    extra=_log_extra(pool),
                 )
                 continue
             if not isinstance(stats, PoolStats):
@@ -566,6 +570,7 @@ class PoolCollector:
                     "pool %r left out of this scrape: stats() gave %s, not PoolStats",
                     name,
                     type(stats).__name__,
+                    extra=_log_extra(pool),
                 )
                 continue
             snapshots.append((name, token, stats))
@@ -628,3 +633,14 @@ class PoolCollector:
                     else:
                         family.add_metric([name, group], float(get(one)))
             yield family
+
+
+def _log_extra(pool: object) -> dict[str, str] | None:
+    """The ``extra`` of a line about ``pool``: its own name as
+    :data:`~asyncpool.naming.LOG_FIELD`, as every line a named pool logs;
+    None for a pool without one (its lines carry no such attribute)."""
+    try:
+        own = getattr(pool, "name", None)
+    except Exception:  # a pool that cannot answer: its line still goes out
+        return None
+    return {LOG_FIELD: own} if isinstance(own, str) else None

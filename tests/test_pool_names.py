@@ -770,3 +770,49 @@ def test_the_collector_labels_a_named_pool_with_its_name(lines: Lines) -> None:
     assert families
     [warning] = lines.having("left out of this scrape")
     assert warning.getMessage().startswith("pool 'prefill' left out of this scrape")
+
+
+def test_the_left_out_warning_carries_the_pools_own_name(lines: Lines) -> None:
+    """The collector's "left out of this scrape" warning carries the pool's
+    own name as the ``asyncpool_pool`` attribute, as every line a named pool
+    logs (under a label of its own too: the field is the pool's name, the
+    message the label); a pool without a name's carries none. It carried
+    none for any pool."""
+    pytest.importorskip("prometheus_client")
+    from asyncpool.metrics import PoolCollector
+
+    def broken(*, summaries: bool = True) -> Any:
+        raise RuntimeError("stats broke")
+
+    def wrong(*, summaries: bool = True) -> Any:
+        return "not stats"
+
+    decode = AsyncReqToTokenPool(4, 8, name="decode")
+    prefill = ReqToTokenPool(4, 8, name="prefill")
+    plain = ReqToTokenPool(4, 8)
+    decode.stats = broken  # type: ignore[method-assign]
+    prefill.stats = wrong  # type: ignore[method-assign]
+    plain.stats = broken  # type: ignore[method-assign]
+    collector = PoolCollector(decode)
+    collector.add(prefill, name="p")  # labelled otherwise
+    collector.add(plain)
+
+    class TornDown:
+        """A stand-in whose name cannot be read either: still logged."""
+
+        @property
+        def name(self) -> str:
+            raise RuntimeError("torn down")
+
+        stats = staticmethod(broken)
+
+    collector.add(TornDown(), name="torn")
+    list(collector.collect())
+    out = {r.args[0]: r for r in lines.having("left out of this scrape")}  # by label
+    assert set(out) == {"decode", "p", "default", "torn"}
+    assert not hasattr(out["torn"], LOG_FIELD)
+    assert getattr(out["decode"], LOG_FIELD) == "decode"
+    assert getattr(out["p"], LOG_FIELD) == "prefill"
+    assert out["p"].getMessage().startswith("pool 'p' left out of this scrape: stats() gave str")
+    assert not hasattr(out["default"], LOG_FIELD)
+    assert all(r.levelno == logging.WARNING for r in out.values())

@@ -34,6 +34,7 @@ from asyncpool import (
     Histogram,
     HostStream,
     InvalidSlotError,
+    KVGroupStats,
     KVPagePool,
     KVPageStats,
     Lease,
@@ -257,6 +258,9 @@ def observe(pool: AsyncReqToTokenPool, kv: KVPagePool, sync: ReqToTokenPool) -> 
     assert_type(sync.stats(summaries=False), PoolStats)
     assert_type(kv.stats(), KVPageStats)
     assert_type(pool.stats().pages_pending, int)
+    assert_type(pool.stats().kv_groups, Mapping[str, KVGroupStats])
+    assert_type(pool.stats().kv_groups["swa"].growth_refusals, int)
+    assert_type(pool.stats().kv_groups["swa"].free, int)
     assert_type(sync.alloc(np.int64(1)), list[int] | None)
     # Attributes a dashboard reads, declared where they are set (pyright
     # --verifytypes counts an attribute typed only by inference as ambiguous).

@@ -330,9 +330,11 @@ class PoolStats:
             ``quarantined``, ``capacity``, ``peak_allocated``,
             ``fence_errors``, ...) plus its ``growth_refusals``, so an
             operator sees which group runs short (the sliding-window one
-            full while full attention idles). The ``pages_*`` figures,
-            ``page_fence_errors`` and ``growth_refusals`` above are their
-            sums, read from the same snapshots (they always agree). Each
+            full while full attention idles). The ``pages_*`` figures and
+            ``growth_refusals`` above are their sums, read from the same
+            snapshots (they always agree); ``page_fence_errors`` is their
+            ``fence_errors``' sum less the fences counted in more than one
+            group (see above). Each
             group's ``fence_latency`` is empty when ``stats`` was asked for
             no summaries. Read-only (a :class:`FrozenDict`); empty for a
             pool with one ``kv=`` (its figures are the ``pages_*`` ones) or

@@ -136,6 +136,12 @@ async def test_short_in_the_second_group_takes_nothing_in_the_first(call: str) -
     # Only the refusal was counted: once, for the call.
     assert after[0][0]["growth_refusals"] == before[0][0]["growth_refusals"] + 1
     after[0][0]["growth_refusals"] -= 1
+    # ... in the short group's own figures (stats().kv_groups), the rest unchanged.
+    groups_after = {n: dict(g) for n, g in after[0][0].pop("kv_groups").items()}
+    groups_before = {n: dict(g) for n, g in before[0][0].pop("kv_groups").items()}
+    assert groups_after["full"]["growth_refusals"] == groups_before["full"]["growth_refusals"] + 1
+    groups_after["full"]["growth_refusals"] -= 1
+    assert groups_after == groups_before
     assert after == before
     pool.check_invariants()
     pool.free(g.row)

@@ -132,6 +132,15 @@ _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 #: interrupted again, up to the cap (see ``_on_fences_done``).
 _WAKE_RETRY_MIN_S = 1e-3
 _WAKE_RETRY_MAX_S = 0.1
+#: A fence the poller let go of (it answered done there, or raised) that the
+#: wake-up's reclaim finds still open is watched again: at once the first
+#: time, then after this, doubling to the cap each time it comes back so,
+#: until it is no longer waited for (see ``_rewatch_dropped``).
+_REWATCH_MIN_S = 1e-3
+_REWATCH_MAX_S = 0.01
+#: How many such fences' counts the pool remembers (by id, ints only); past
+#: that it forgets them all, and each is watched again at once once more.
+_BOUNCES_REMEMBERED = 1024
 #: After an overdue check that logged newly overdue fences, the next check
 #: comes no sooner than this: at most a few WARNING lines a second, however
 #: many fences turn overdue one after another (see ``_check_overdue``).
@@ -264,6 +273,15 @@ def _retry_wake_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> Non
     if pool is not None and pool._loop is loop and pool._wake_retry is loop:
         pool._wake_retry = None
         pool._on_fences_done(loop)
+
+
+def _rewatch_due_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
+    """A delayed re-watch's timer callback, holding its pool weakly; one on
+    a loop the pool has left does nothing (as :func:`_retry_wake_of`)."""
+    pool = pool_ref()
+    if pool is not None and pool._loop is loop and pool._rewatch_timer is loop:
+        pool._rewatch_timer = None
+        pool._rewatch_due_now()
 
 
 def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
@@ -419,7 +437,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # it must not suppress the wake-ups of the loop the pool moved to.
         self._wake_scheduled: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
-        self._watcher_faults = 0  # the watcher's faults count last seen
+        # Fences the poller let go of that the reclaim found still open
+        # (see _rewatch_dropped): how many times in a row each came back so
+        # (by id), those waiting for a delayed re-watch, and the loop whose
+        # timer will re-watch them (keyed as _wake_retry is).
+        self._bounces: dict[int, int] = {}
+        self._rewatch_due: list[Fence] = []
+        self._rewatch_timer: asyncio.AbstractEventLoop | None = None
         # Fence wake-ups in a row whose reclaim a query() interrupted, and the
         # loop a retry of them is queued on (keyed as _wake_scheduled is).
         self._wake_raises = 0
@@ -815,6 +839,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # poller let go of.
         self._wake_scheduled = None
         self._wake_retry = None
+        self._rewatch_timer = None
+        if self._rewatch_due:
+            self._rewatch_due_now()  # their timer on the old loop does nothing
         pending = self._pending_any()
         overdue = self._overdue
         if overdue is not None and overdue.timer is not None:
@@ -1316,7 +1343,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if self._closed:
                 return  # no thread close() would never stop; drain() still reclaims
             watcher = self._watcher = FenceWatcher(
-                self._wake, alive=self._wake.alive, pool_name=self._name
+                self._wake, alive=self._wake.alive, pool_name=self._name, keep_dropped=True
             )
         try:
             watcher.watch(fence)
@@ -1370,10 +1397,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         try:
             self._reclaim_both()
             watcher = self._watcher
-            if watcher is not None and (
-                self._wake_raises or watcher.faults != self._watcher_faults
-            ):
-                self._rewatch_faulted(watcher)
+            if watcher is not None and (self._wake_raises or watcher.dropped):
+                self._rewatch_dropped(watcher)
             self._wake_raises = 0
             self._waiters.grant()
         except Exception:
@@ -1425,25 +1450,103 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._wake_retry = loop
         loop.call_later(delay, _retry_wake_of, weakref.ref(self), loop)
 
-    def _rewatch_faulted(self, watcher: FenceWatcher) -> None:
-        # The poller dropped a fence whose query() raised there (or answered
-        # neither yes nor no); the reclaim just now asked it again and, if it
-        # raised here too, quarantined its memory. One that answered "not
-        # done" here (a transfer whose status poll failed once) still holds
-        # memory: watch it again, or its completion would wake nobody. Also
-        # after wake-ups whose reclaim a query() interrupted (_on_fences_done):
-        # the fences the poller let go of then, done there or not.
-        self._watcher_faults = watcher.faults
-        pending = [
-            fence
-            for fence in self._pending_fences()
-            if fence.__class__ is not HostFence and fence.__class__ is not CudaFence
-        ]
-        if pending:
-            try:
-                watcher.rewatch(pending)
-            except RuntimeError:  # stopped: the pool is closed (drain() reclaims)
-                pass
+    def _rewatch_dropped(self, watcher: FenceWatcher) -> None:
+        """Watch again the fences the poller let go of that the pool still
+        waits for; after the reclaim of a fence wake-up.
+
+        The poller drops a fence once its ``query()`` answered done there,
+        or raised (or answered neither yes nor no); the reclaim just now
+        asked it again, released its memory (done) or quarantined it (it
+        raised here too). One that answered "not done" here (a status poll
+        that failed once, a handle that answers done and then not done)
+        still holds memory: done and then not done is not done, so it is
+        watched again, or its completion would wake nobody. At once the
+        first time; a fence that comes back so again and again (its
+        ``query()`` raises, or answers done, on the poller's thread and
+        "not done" on the loop's) after ``_REWATCH_MIN_S``, doubling to
+        ``_REWATCH_MAX_S``: watched again at once every time, it made a
+        loop of poller, wake-up and reclaim as fast as the threads hand
+        over. Its waiter is then served within about ``_REWATCH_MAX_S`` of
+        it settling. O(fences dropped + the ledgers' side lists), the order
+        of the reclaim itself.
+
+        After wake-ups whose reclaim a ``query()`` interrupted
+        (:meth:`_on_fences_done`): every pending fence of unknown origin the
+        poller let go of then, done there or not, at once.
+        """
+        dropped = watcher.take_dropped()
+        if self._wake_raises:
+            pending = [
+                fence
+                for fence in self._pending_fences()
+                if fence.__class__ is not HostFence and fence.__class__ is not CudaFence
+            ]
+            if pending:
+                self._rewatch(watcher, pending)
+            return
+        if not dropped:
+            return
+        again = self._waited_on(dropped)
+        bounces = self._bounces
+        if bounces or again:
+            open_ids = {id(fence) for fence in again}
+            for fence in dropped:
+                if id(fence) not in open_ids:
+                    bounces.pop(id(fence), None)  # settled: done, or quarantined
+        if not again:
+            return
+        if len(bounces) + len(again) > _BOUNCES_REMEMBERED:
+            bounces.clear()
+        now: list[Fence] = []
+        later: list[Fence] = []
+        worst = 0
+        for fence in again:
+            n = bounces[id(fence)] = bounces.get(id(fence), 0) + 1
+            if n == 1:
+                now.append(fence)
+            else:
+                later.append(fence)
+                worst = max(worst, n)
+        if now:
+            self._rewatch(watcher, now)
+        if later:
+            self._rewatch_later(later, worst)
+
+    def _waited_on(self, fences: list[Fence]) -> list[Fence]:
+        """Those of ``fences`` that rows or pages wait for now (each once)."""
+        found = self._ledger.waiting_on(fences) if self._ledger.pending else []
+        for pages in self._page_sets:
+            if pages.ledger.pending:
+                found.extend(pages.ledger.waiting_on(fences))
+        if len(found) > 1:
+            found = list({id(fence): fence for fence in found}.values())
+        return found
+
+    def _rewatch(self, watcher: FenceWatcher, fences: list[Fence]) -> None:
+        try:
+            watcher.rewatch(fences)
+        except RuntimeError:  # stopped: the pool is closed (drain() reclaims)
+            pass
+
+    def _rewatch_later(self, fences: list[Fence], bounces: int) -> None:
+        # Re-watch ``fences`` after a backoff for the ``bounces``-th time in a
+        # row (see _rewatch_dropped); one timer for whatever waits.
+        self._rewatch_due.extend(fences)
+        loop = self._loop
+        if self._rewatch_timer is loop or loop is None or loop.is_closed():
+            return
+        delay = min(_REWATCH_MAX_S, _REWATCH_MIN_S * 2.0 ** min(bounces - 2, 16))
+        self._rewatch_timer = loop
+        loop.call_later(delay, _rewatch_due_of, weakref.ref(self), loop)
+
+    def _rewatch_due_now(self) -> None:
+        # The delayed re-watch: those of the fences it holds still waited for.
+        fences, self._rewatch_due = self._rewatch_due, []
+        watcher = self._watcher
+        if watcher is not None and fences:
+            again = self._waited_on(fences)
+            if again:
+                self._rewatch(watcher, again)
 
     def _on_pages_freed(self) -> None:
         # KVPagePool.free/reclaim called by the caller (detached pages) made

@@ -102,7 +102,9 @@ class FenceWatcher:
     ``watched`` counts the fences handed over; ``polls`` the poller's
     passes (for tests and the CPU figure). ``pool_name``: the owning
     pool's name, which starts every line logged (None: the lines as they
-    always were).
+    always were). ``keep_dropped``: keep the fences the poller lets go of
+    in ``dropped`` for the owner, who must then take them
+    (:meth:`take_dropped`) after each notify.
     """
 
     def __init__(
@@ -112,8 +114,10 @@ class FenceWatcher:
         *,
         alive: Callable[[], bool] | None = None,
         pool_name: str | None = None,
+        keep_dropped: bool = False,
     ) -> None:
         self._notify = notify
+        self._keep_dropped = keep_dropped
         self._log = pool_log(logger, pool_name)
         # False once nobody is left to notify (the owning pool was collected):
         # the threads then end at their next look instead of asking fences
@@ -131,10 +135,17 @@ class FenceWatcher:
         self.watched: int = 0
         self.polls: int = 0
         # Fences the poller dropped because their query() raised or gave an
-        # answer that is not a yes or no: the owner, whose own query may then
-        # say "not done" (a transfer whose status poll failed once), watches
-        # again those it still waits for (rewatch()) when this count moves.
+        # answer that is not a yes or no (for tests and diagnostics; the owner
+        # learns which through ``dropped``).
         self.faults: int = 0
+        #: With ``keep_dropped``: the fences the poller let go of (answered
+        #: done, or faulted) since the owner last took them
+        #: (:meth:`take_dropped`), appended under
+        #: the lock before the notify. A fence's answer may differ between
+        #: the poller and the owner (a status poll that flakes, a handle
+        #: that answers per thread): the owner asks each again and watches
+        #: again those it still waits for. Emptied by :meth:`stop`.
+        self.dropped: list[Fence] = []
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
@@ -190,6 +201,17 @@ class FenceWatcher:
                     again += 1
         return again
 
+    def take_dropped(self) -> list[Fence]:
+        """The fences the poller let go of since the last call (see
+        ``dropped``), oldest first; they are no longer polled. An empty list
+        without taking the lock when there are none: a fence dropped just
+        after that look is followed by its own notify."""
+        if not self.dropped:
+            return []
+        with self._lock:
+            dropped, self.dropped = self.dropped, []
+        return dropped
+
     def unwatch(self, fence: Fence) -> bool:
         """Stop polling ``fence`` (say, one an operator gave up on); True if it was.
 
@@ -209,6 +231,7 @@ class FenceWatcher:
             if self._stopped:
                 return
             self._stopped = True
+            self.dropped = []  # nobody will take them: keep no fence alive
             self._poll_cond.notify_all()
             for stream in self._streams.values():
                 stream.cond.notify_all()
@@ -376,6 +399,8 @@ class FenceWatcher:
                 with lock:
                     for fence in done:
                         polled.pop(id(fence), None)
+                    if self._keep_dropped and not self._stopped:
+                        self.dropped.extend(done)
                     # Counted once they are off the poll list and before the
                     # notify: an owner that sees the count move (see rewatch)
                     # finds them dropped, whichever wake-up it runs in.

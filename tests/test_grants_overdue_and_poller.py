@@ -329,15 +329,15 @@ def test_a_fence_watched_while_the_poller_idles_wakes_it():
 
 def _on_rewatch(pool: AsyncReqToTokenPool) -> asyncio.Event:
     """An event set each time the pool's wake-up has re-watched the fences
-    its poller dropped on a fault (``_rewatch_faulted`` ran)."""
+    its poller let go of (``_rewatch_dropped`` ran)."""
     rewatched = asyncio.Event()
-    real = pool._rewatch_faulted
+    real = pool._rewatch_dropped
 
     def spy(watcher: FenceWatcher) -> None:
         real(watcher)
         rewatched.set()
 
-    pool._rewatch_faulted = spy  # type: ignore[method-assign]
+    pool._rewatch_dropped = spy  # type: ignore[method-assign]
     return rewatched
 
 

@@ -303,6 +303,12 @@ class Deferrals(Generic[T]):
         # fence id (kept with _faulted): the first such quarantine is
         # logged as a warning, the rest at DEBUG with this running count.
         self._faulted_more: dict[int, int] = {}
+        # Streams (by stream_key) with a faulted fence logged as an ERROR,
+        # the newest _FAULTS_REMEMBERED: how many more of their fences
+        # faulted since. A stream's fault is sticky (a HostStream, a CUDA
+        # error), so every fence recorded on it later faults too: the
+        # second is logged as a warning, the rest at DEBUG with this count.
+        self._faulted_streams: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Explicit mode: faults agree() saw here that no agreement has acted
         # on yet (one that raised or was interrupted settles nothing), by
         # fence id: (the fence or a weak reference to it, its error). Kept
@@ -795,6 +801,32 @@ class Deferrals(Generic[T]):
             self.fence_errors += 1
             _drop_pinning_tracebacks(err)
             self.last_fence_error = err
+            self._log_new_fault(fence, exc, items, n)
+        if self._on_fault is not None:
+            self._on_fault(fence, err)
+
+    def _log_new_fault(self, fence: Fence, exc: BaseException, items: list[T], n: int) -> None:
+        """Log a fence's first fault: an ERROR, unless another fence of its
+        stream faulted before.
+
+        A faulted stream's fault is sticky (a ``HostStream`` whose work
+        raised, a CUDA error): every fence recorded on it later faults too,
+        and an engine that keeps recording on a dead stream would log an
+        ERROR per fence. So per stream (``stream_key``; each fence of
+        unknown origin is its own) the first faulted fence is an ERROR, the
+        second a WARNING that says the later ones are logged at DEBUG, with
+        a running count; ``fence_errors`` counts every one, and each
+        quarantines its ids as always. The newest ``_FAULTS_REMEMBERED``
+        faulted streams are remembered.
+        """
+        key = stream_key(fence)
+        streams = self._faulted_streams
+        before = None if key is None else streams.get(key)
+        if before is None:
+            if key is not None:
+                streams[key] = 0
+                if len(streams) > _FAULTS_REMEMBERED:
+                    streams.popitem(last=False)
             self.log.error(
                 "fence %r faulted; quarantined %s %s: %s",
                 fence,
@@ -802,8 +834,29 @@ class Deferrals(Generic[T]):
                 _describe(items, n),
                 exc,
             )
-        if self._on_fault is not None:
-            self._on_fault(fence, err)
+            return
+        assert key is not None
+        streams[key] = before + 1
+        streams.move_to_end(key)
+        if not before:
+            self.log.warning(
+                "fence %r faulted too, on stream %d, whose first faulted fence was logged "
+                "as an error (a stream's fault is sticky); quarantined %s %s; later "
+                "faulted fences of this stream are logged at DEBUG (stats() counts them all)",
+                fence,
+                key,
+                self.unit,
+                _describe(items, n),
+            )
+        elif self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug(
+                "fence %r faulted (%d fences of stream %d since its first); quarantined %s %s",
+                fence,
+                before + 1,
+                key,
+                self.unit,
+                _describe(items, n),
+            )
 
     # ------------------------------------------------------------ views
 

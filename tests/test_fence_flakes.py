@@ -1,5 +1,5 @@
 """Fences whose answers differ between the watcher's poller and the pool's
-loop.
+loop, and streams that fault every fence recorded on them.
 
 1. A transfer handle whose ``query()`` answers True to the poller and then
    plain False to the pool's reclaim (a flaky status poll): the poller let
@@ -16,6 +16,12 @@ loop.
    again after a backoff (1 ms doubling to 10 ms), so it costs at most
    about a hundred wake-ups a second, and its waiter is still served
    within about 10 ms once it settles.
+3. A faulted ``HostStream`` faults every later fence recorded on it: the
+   pool logged one ERROR per fence. Now the first fault of a stream is an
+   ERROR, the second one WARNING that says the rest go to DEBUG (with a
+   running count); ``stats().fence_errors`` still counts every fence and
+   every row is quarantined as before.
+
 Fake handles are driven by ``threading.Event`` flags and by which thread
 asks (the poller or the loop); the windows that count calls are measuring
 windows, not synchronisation. Every wait is bounded.
@@ -33,7 +39,7 @@ from typing import Any
 import pytest
 from helpers import WAIT_S, EventFence, bounded, spin, until
 
-from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool
+from asyncpool import AsyncReqToTokenPool, Grant, HostStream, KVPagePool
 from asyncpool.watcher import FenceWatcher
 
 LOGGER = "asyncpool"
@@ -283,3 +289,79 @@ def test_a_watcher_keeps_the_fences_it_let_go_of_only_when_asked() -> None:
         finally:
             watcher.stop()
             assert watcher.join(WAIT_S)
+
+
+# ---------------------------------------------------------------- 3: a faulted stream logs little
+
+
+def _faulted_stream() -> HostStream:
+    stream = HostStream("dead-stream")
+
+    def boom() -> None:
+        raise RuntimeError("kernel failed")
+
+    stream.launch(boom)
+    with pytest.raises(Exception, match=r"kernel failed|faulted"):
+        stream.synchronize()
+    return stream
+
+
+@pytest.mark.parametrize("side", ["rows", "pages"])
+async def test_a_faulted_stream_logs_one_error_not_one_per_fence(
+    side: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """100 frees, each behind its own fence recorded on one faulted
+    HostStream: every one is quarantined and counted in ``fence_errors`` as
+    before, but the pool logs one ERROR for the stream and one WARNING
+    saying the rest are logged at DEBUG, not 100 ERRORs. Before: 100."""
+    n = 100
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    stream = _faulted_stream()
+    caplog.clear()  # the stream's own ERROR for the work that raised
+    try:
+        if side == "rows":
+            pool = AsyncReqToTokenPool(n + 1, 8)
+            rows = await pool.alloc(n)
+            for row in rows:
+                pool.free([row], fence=stream.record())
+        else:
+            pool = AsyncReqToTokenPool(n + 1, 8, kv=KVPagePool(n + 1, 4))
+            for _ in range(n):
+                grant = await pool.admit(pages=1)
+                pool.trim_pages(grant.row, 0, fence=stream.record())
+        stats = pool.stats()
+        if side == "rows":
+            assert stats.fence_errors == n and pool.quarantined_size() == n
+        else:
+            assert stats.page_fence_errors == n and stats.pages_quarantined == n
+        loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        errors = [r for r in loud if r.levelno >= logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+        assert len(loud) == 2, [r.getMessage() for r in loud]
+        assert "logged at DEBUG" in loud[1].getMessage()
+        debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "faulted" in r.msg]
+        assert len(debug) >= n - 2
+        pool.check_invariants()
+        await pool.close()
+    finally:
+        stream.close()
+
+
+async def test_each_faulted_stream_gets_its_own_error(caplog: pytest.LogCaptureFixture) -> None:
+    """The first fault of every stream is an ERROR: a second dead stream is
+    not hidden behind the first one's summary."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    first, second = _faulted_stream(), _faulted_stream()
+    caplog.clear()
+    try:
+        pool = AsyncReqToTokenPool(9, 8)
+        rows = await pool.alloc(8)
+        for i, row in enumerate(rows):
+            pool.free([row], fence=(first if i % 2 else second).record())
+        assert pool.stats().fence_errors == 8 and pool.quarantined_size() == 8
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 2, [r.getMessage() for r in errors]
+        await pool.close()
+    finally:
+        first.close()
+        second.close()

@@ -1267,6 +1267,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._watcher is not None:
             for f in fences:
                 self._watcher.unwatch(f)  # nothing waits on it: stop asking
+                self._bounces.pop(id(f), None)  # a later fence may bear its id
         if self._unwatched:
             # Deferred while the pool's loop was closed, so not watched yet:
             # the next loop must not start asking them either.

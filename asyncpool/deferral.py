@@ -817,7 +817,8 @@ class Deferrals(Generic[T]):
         second a WARNING that says the later ones are logged at DEBUG, with
         a running count; ``fence_errors`` counts every one, and each
         quarantines its ids as always. The newest ``_FAULTS_REMEMBERED``
-        faulted streams are remembered.
+        faulted streams are remembered. The records name the caller
+        (``_report_fault``), as they did when it logged them itself.
         """
         key = stream_key(fence)
         streams = self._faulted_streams
@@ -833,6 +834,7 @@ class Deferrals(Generic[T]):
                 self.unit,
                 _describe(items, n),
                 exc,
+                stacklevel=2,
             )
             return
         assert key is not None
@@ -847,6 +849,7 @@ class Deferrals(Generic[T]):
                 key,
                 self.unit,
                 _describe(items, n),
+                stacklevel=2,
             )
         elif self.log.isEnabledFor(logging.DEBUG):
             self.log.debug(
@@ -856,6 +859,7 @@ class Deferrals(Generic[T]):
                 key,
                 self.unit,
                 _describe(items, n),
+                stacklevel=2,
             )
 
     # ------------------------------------------------------------ views

@@ -1400,9 +1400,11 @@ class KVPagePool:
         """Pages handed out and not yet freed (a row's pages included)."""
         return self._ledger.allocated
 
-    def slots(self, pages: object) -> torch.Tensor:
+    def slots(self, pages: Rows) -> torch.Tensor:
         """The token slot ids of ``pages``: ``page * page_size + offset``.
 
+        ``pages`` as :meth:`free` takes them (typed :data:`~asyncpool.Rows`):
+        a 1-D integer tensor or numpy array, an iterable of ints, or one int.
         A 1-D int64 tensor on ``device`` of ``len(pages) * page_size``
         slots, page by page. Any page id in ``1..num_pages - 1`` is accepted
         whatever its state; page 0 and ids out of range raise

@@ -78,3 +78,18 @@ def pages_as_engines_hold_them(kv: KVPagePool, pages: torch.Tensor) -> None:
     kv.free(range(1, 3))
     kv.free(1.5)  # type: ignore[arg-type]
     kv.free("1")  # type: ignore[arg-type]
+
+
+def slots_of_pages_as_engines_hold_them(kv: KVPagePool, pages: torch.Tensor) -> None:
+    """``kv.slots`` takes pages as ``kv.free`` does (``asyncpool.Rows``):
+    accepted at run time (``tests/test_kv_pages.py``). A float and a string
+    are refused by both (the annotation was ``object``: these ignores would
+    be unused, which fails mypy)."""
+    kv.slots(pages)
+    kv.slots([1, 2])
+    kv.slots(np.array([1, 2], dtype=np.int32))
+    kv.slots(np.int64(3))
+    kv.slots(7)
+    kv.slots(range(1, 3))
+    kv.slots(1.5)  # type: ignore[arg-type]
+    kv.slots("1")  # type: ignore[arg-type]

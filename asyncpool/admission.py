@@ -656,7 +656,8 @@ class Admission:
         the tensor is (a copy of) the pool's record. After
         :meth:`drop_pages`, one page id per position: the dropped positions
         read as page 0 (the page pool's reserved padding page), and the
-        tensor is a fresh one, never the record. On a pool with KV
+        tensor is a fresh one, never the record (built each call: a pass
+        over the row's positions). On a pool with KV
         groups, ``group=`` names the group (required there; ``ValueError``
         for it missing, unknown, or given on a pool without groups).
         """
@@ -1211,9 +1212,11 @@ class Admission:
         from 0 to the row's positions (dropped ones included); positions
         already dropped are not dropped again (a ``below`` at or under
         :meth:`pages_dropped` leaves the row as it is). The rest of each
-        row's pages moves to a record of its own: tensors handed out before
-        (``grant.pages``, ``pages_of``, an extend's) keep what they read.
-        Returns the pages free at once. Raises, changing nothing:
+        row's pages stays where it is: a drop writes nothing, so tensors
+        handed out before (``grant.pages``, ``pages_of``, an extend's) keep
+        what they read, and it costs the pages dropped, not those kept
+        (only the check for a record written into, as at :meth:`free`,
+        reads the row's record whole). Returns the pages free at once. Raises, changing nothing:
         :class:`CapacityError` for a ``below`` that is not an int >= 0 (or
         one per row) or that is past a row's positions (the engine computes
         it from the row's length: a larger one is a bug),

@@ -127,6 +127,7 @@ class RowPages:
     lists the live pages after them, never page 0, so every check above
     holds unchanged; :meth:`of` puts the holes back as page 0. A row's
     count goes when its pages do (free, detach, give back; a trim cuts it).
+    A drop writes nothing and copies no kept page (:meth:`_behead`).
     """
 
     def __init__(self, kv: KVPagePool, size: int) -> None:
@@ -138,6 +139,9 @@ class RowPages:
         #: An extended row's record is a view of a buffer with room to grow
         #: (capacity doubling), so a decode step's extend copies only its
         #: new pages, not the whole record; None for a row never extended.
+        #: The view of that buffer from the record's first place: the
+        #: buffer itself, or after a drop (:meth:`_behead`) its rest past
+        #: the dropped pages' places, so that the record still starts it.
         self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
         #: Leading positions a row gave back early (:meth:`drop`, a sliding
         #: window's pages that slid out), for the rows with any: ``owned``
@@ -358,8 +362,8 @@ class RowPages:
         buffer has room (the usual case under doubling), with the page as a
         Python int (no slice of ``arr``, no array-to-array copy, the seal
         grown by the id's bytes); anything else takes :meth:`_append`. The
-        ``old.base is buf`` test is :meth:`_append`'s, kept though
-        :meth:`check_invariants` rules out a buffer that is not the record's."""
+        ``old.base is buf`` test is :meth:`_append`'s: it sends a row that
+        dropped pages (its ``grown`` a view past them) there too."""
         owned, grown, sealed = self.owned, self.grown, self.sealed
         for i, page in enumerate(arr.tolist()):
             row = rows[i]
@@ -396,10 +400,16 @@ class RowPages:
         n = old.shape[0]
         end = n + arr.shape[0]
         buf: npt.NDArray[np.int64] | None = self.grown[row]
-        if buf is None or end > len(buf) or old.base is not buf:
+        if (buf is None or end > len(buf) or old.base is not buf) and (
+            # A row that dropped pages grows in the rest of its buffer
+            # (``grown`` a view of it from the record's start) while room is
+            # left: a window's drops and growths move along it.
+            buf is None or end > len(buf) or buf.base is None or old.base is not buf.base
+        ):
             # A new buffer: the record as it reads now is copied (a write
-            # into it stays visible against the seal); earlier views of the
-            # record keep the old memory. At most the pool's page count.
+            # into it stays visible against the seal) to its start; earlier
+            # views of the record keep the old memory. At most the pool's
+            # page count.
             buf = np.empty(min(max(2 * end, 16), self.capacity), dtype=np.int64)
             buf[:n] = old
             self.grown[row] = buf
@@ -630,23 +640,33 @@ class RowPages:
         """Drop ``row``'s pages at positions below ``below`` (more than it
         had dropped, at most its positions) from its record and seal.
 
-        The rest is copied into a fresh record of its own (no buffer): the
-        tensors handed out before (``grant.pages``, ``pages_of``, an
-        extend's) keep what they read, and the next :meth:`extend` starts a
-        buffer of its own. A sliding window keeps few live pages, so the
-        copy is short."""
+        O(pages dropped), not O(pages kept): the record becomes the view of
+        its rest and nothing is written, so the tensors handed out before
+        (``grant.pages``, ``pages_of``, an extend's) keep what they read.
+        Its growth buffer's view (``grown``) moves past the dropped places
+        with it, and :meth:`_append` keeps growing the record there (into a
+        new buffer, from its start, at the end: amortised O(1) a page). The
+        seal becomes a bytearray cut from its front (CPython moves its
+        start: no copy), once copied from bytes."""
         pages = self.owned[row]
         assert pages is not None
         n = below - self.holes.get(row, 0)
         if n >= pages.shape[0]:
             self.owned[row] = None
             self.sealed[row] = None
+            self.grown[row] = None
         else:
-            self.owned[row] = pages[n:].copy()
+            self.owned[row] = pages[n:]
             seal = self.sealed[row]
-            assert seal is not None
-            self.sealed[row] = bytes(seal[n * 8 :])
-        self.grown[row] = None
+            if seal.__class__ is bytearray:
+                assert isinstance(seal, bytearray)
+                del seal[: n * 8]
+            else:
+                assert seal is not None
+                self.sealed[row] = bytearray(seal[n * 8 :])
+            buf = self.grown[row]
+            if buf is not None:  # the record starts it (check_invariants)
+                self.grown[row] = buf[n:]
         self.holes[row] = below
 
     def _cut(self, row: int, keep: int) -> None:
@@ -688,10 +708,16 @@ class RowPages:
                     f"({pages.shape[0]} pages)"
                 )
             buf = self.grown[row]
-            if buf is not None and (len(buf) > self.capacity or pages.base is not buf):
-                raise AssertionError(
-                    f"row {row}'s record is not a view of its buffer, or that is too big"
-                )
+            if buf is not None:
+                whole = buf if buf.base is None else buf.base
+                if len(whole) > self.capacity or pages.base is not whole:
+                    raise AssertionError(
+                        f"row {row}'s record is not a view of its buffer, or that is too big"
+                    )
+                if pages.ctypes.data != buf.ctypes.data:
+                    raise AssertionError(
+                        f"row {row}'s record does not start where its buffer's view does"
+                    )
             # The seal, not the record: the caller may have written into the
             # record (against the contract; the row's free refuses it), which
             # leaves the pool's own state, the seal and the ledger, intact.

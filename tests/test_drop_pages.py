@@ -373,6 +373,85 @@ async def test_check_invariants_sees_a_stray_dropped_count() -> None:
         pool.check_invariants()
 
 
+async def test_check_invariants_sees_a_record_out_of_its_place() -> None:
+    pool, _ = single()
+    g = await pool.admit(pages=1)
+    assert pool.extend(g.row, 5) is not None  # the record in its growth buffer
+    pages = pool._pages
+    assert pages is not None
+    buf = pages.grown[g.row]
+    assert buf is not None
+    pool.drop_pages(g.row, 2)
+    view = pages.grown[g.row]
+    assert view is not None and view.base is buf and len(view) == len(buf) - 2
+    pool.check_invariants()
+    pages.grown[g.row] = buf[1:]  # not where the record starts
+    with pytest.raises(AssertionError, match="does not start where"):
+        pool.check_invariants()
+    pages.grown[g.row] = view.copy()  # not the record's buffer
+    with pytest.raises(AssertionError, match="not a view of its buffer"):
+        pool.check_invariants()
+    pages.grown[g.row] = view
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------- cost
+
+
+async def test_a_drop_costs_the_pages_dropped_not_the_pages_kept() -> None:
+    """A sliding window's step drops a page from a long row and grows one:
+    the rest stays where it is, in the row's growth buffer, and the seal
+    is cut and grown in place (the old drop copied both, 2 x 24 KB here,
+    each step). The check that the record was not written into still reads
+    it whole, as at free and trim."""
+    kv = KVPagePool(4001, 4)
+    pool = AsyncReqToTokenPool(2, 64, kv=kv)
+    g = await pool.admit(pages=1)
+    assert pool.extend(g.row, 3000) is not None  # the record in its growth buffer
+    pages = pool._pages
+    assert pages is not None
+    buf, seal = pages.grown[g.row], pages.sealed[g.row]
+    assert buf is not None and seal is not None
+    for below in range(1, 11):
+        assert pool.drop_pages(g.row, below) == 1
+        assert pool.extend(g.row, 1) is not None  # room left in the buffer
+        record, view = pages.owned[g.row], pages.grown[g.row]
+        assert record is not None and record.base is buf
+        assert view is not None and view.base is buf and len(view) == len(buf) - below
+        assert pages.sealed[g.row] is seal
+    assert pool.pages_dropped(g.row) == 10
+    assert len(pool.pages_of(g.row)) == 3011
+    pool.check_invariants()
+    pool.free(g.row)
+    assert kv.available_size() == 4000
+    pool.check_invariants()
+
+
+async def test_a_window_sliding_past_its_buffer_moves_to_a_new_one() -> None:
+    """Drop one and grow one a step, many times over the buffer's length:
+    each move copies the window to the start of a new buffer; every
+    position reads as it should, and tensors handed out keep what they read."""
+    pool, kv = single(pages=40, rows=2)
+    g = await pool.admit(pages=8)
+    model = page_ids(g.pages)
+    held = [(g.pages, list(model))]
+    for step in range(100):
+        new = pool.extend(g.row, 1) if step % 2 else pool.extend_rows([g.row], 1)
+        assert new is not None
+        model += page_ids(new)
+        held.append((new, page_ids(new)))
+        assert pool.drop_pages(g.row, step + 1) == 1
+        model[step] = 0
+        out = pool.pages_of(g.row, host=True)
+        assert page_ids(out) == model
+        held.append((out, list(model)))
+        pool.check_invariants()
+    assert all(page_ids(t) == seen for t, seen in held)
+    assert kv.available_size() == 40 - 8
+    pool.free(g.row)
+    pool.check_invariants()
+
+
 @pytest.mark.cuda
 async def test_device_form_reads_holes_as_page_zero() -> None:
     kv = KVPagePool(9, 4, device="cuda")

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpool import FenceError, HostStream
+from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
 from asyncpool import fences as fences_mod
 from asyncpool.ledger import SlotLedger
 
@@ -383,6 +383,34 @@ def kv_of(pool: Any) -> Any:
     kv = pool.kv
     assert kv is not None
     return kv
+
+
+def grouped_pool(rows: int = 4, swa: int = 8, full: int = 12, **kw: Any) -> AsyncReqToTokenPool:
+    """An ``AsyncReqToTokenPool`` of ``rows`` rows with two KV groups,
+    ``swa`` and ``full`` pages (of 4 slots): the KV-groups tests' pool."""
+    return AsyncReqToTokenPool(
+        rows + 1, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}, **kw
+    )
+
+
+def kv_group(pool: AsyncReqToTokenPool, name: str) -> KVPagePool:
+    """The ``KVPagePool`` of a pool's KV group ``name`` (asserting it has groups)."""
+    groups = pool.kv_groups
+    assert groups is not None
+    return groups[name]
+
+
+def count_wake_ups(pool: AsyncReqToTokenPool) -> list[int]:
+    """Count the pool's fence wake-ups from now on: ``[n]``, read as it grows."""
+    calls = [0]
+    real = pool._on_fences_done
+
+    def counting(loop: asyncio.AbstractEventLoop | None = None) -> None:
+        calls[0] += 1
+        real(loop)
+
+    pool._on_fences_done = counting  # type: ignore[method-assign]
+    return calls
 
 
 def page_ids(t: Any) -> list[int]:

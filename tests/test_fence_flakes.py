@@ -37,7 +37,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, EventFence, bounded, spin, until
+from helpers import WAIT_S, EventFence, bounded, count_wake_ups, spin, until
 
 from asyncpool import AsyncReqToTokenPool, Grant, HostStream, KVPagePool
 from asyncpool.watcher import FenceWatcher
@@ -110,18 +110,6 @@ def _got(side: str, result: Any) -> None:
         assert isinstance(result, Grant) and len(result.pages) == 2
 
 
-def _count_wake_ups(pool: AsyncReqToTokenPool) -> list[int]:
-    calls = [0]
-    real = pool._on_fences_done
-
-    def counting(loop: asyncio.AbstractEventLoop | None = None) -> None:
-        calls[0] += 1
-        real(loop)
-
-    pool._on_fences_done = counting  # type: ignore[method-assign]
-    return calls
-
-
 # ---------------------------------------------------------------- 1: done, then not done
 
 
@@ -179,7 +167,7 @@ async def test_a_handle_the_poller_keeps_letting_go_costs_a_bounded_number_of_wa
     pool, wait = await _held_behind("rows", handle)
     waiter = asyncio.ensure_future(wait())
     await spin()
-    wake_ups = _count_wake_ups(pool)
+    wake_ups = count_wake_ups(pool)
     handle.armed.set()
     await until(lambda: handle.denied.is_set())
     woken, asks = wake_ups[0], handle.poller_asks + handle.loop_asks

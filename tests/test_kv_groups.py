@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import FakeStream, Streams, bounded, pool_snapshot, spin
+from helpers import grouped_pool as grouped
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -40,13 +41,6 @@ from asyncpool import (
 )
 from asyncpool.metrics import PoolCollector
 from asyncpool.pool import MAX_KV_GROUPS
-
-
-def grouped(rows: int = 4, swa: int = 8, full: int = 12, **kw: Any) -> AsyncReqToTokenPool:
-    """A pool of ``rows`` rows with two groups: ``swa`` and ``full`` pages."""
-    return AsyncReqToTokenPool(
-        rows + 1, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}, **kw
-    )
 
 
 def groups_of(pool: AsyncReqToTokenPool) -> dict[str, KVPagePool]:

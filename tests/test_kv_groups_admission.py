@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import ManualClock, Streams, bounded, spin
+from helpers import grouped_pool as grouped
+from helpers import kv_group as kv
 
 import asyncpool.agreement as agreement_mod
 from asyncpool import (
@@ -30,18 +32,6 @@ from asyncpool import (
     PoolBusyError,
     PoolClosedError,
 )
-
-
-def grouped(rows: int = 4, swa: int = 8, full: int = 12, **kw: Any) -> AsyncReqToTokenPool:
-    return AsyncReqToTokenPool(
-        rows + 1, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}, **kw
-    )
-
-
-def kv(pool: AsyncReqToTokenPool, name: str) -> KVPagePool:
-    groups = pool.kv_groups
-    assert groups is not None
-    return groups[name]
 
 
 def free_pages(pool: AsyncReqToTokenPool) -> tuple[int, int, int]:

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import Streams, bounded, pool_snapshot, spin
+from helpers import grouped_pool as grouped
+from helpers import kv_group as kv
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -31,19 +33,6 @@ from asyncpool import (
     PoolBusyError,
     PoolClosedError,
 )
-
-
-def grouped(rows: int = 4, swa: int = 8, full: int = 12, **kw: Any) -> AsyncReqToTokenPool:
-    """A pool of ``rows`` rows with two groups: ``swa`` and ``full`` pages."""
-    return AsyncReqToTokenPool(
-        rows + 1, 64, kv={"swa": KVPagePool(swa + 1, 4), "full": KVPagePool(full + 1, 4)}, **kw
-    )
-
-
-def kv(pool: AsyncReqToTokenPool, name: str) -> KVPagePool:
-    groups = pool.kv_groups
-    assert groups is not None
-    return groups[name]
 
 
 def ids(t: torch.Tensor) -> list[int]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import WAIT_S, EventFence, bounded, spin, until
+from helpers import WAIT_S, EventFence, bounded, count_wake_ups, spin, until
 
 from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, PoolClosedError
 from asyncpool import pool as pool_mod
@@ -269,18 +269,6 @@ async def test_memory_reclaimed_before_the_raise_goes_to_the_waiter(
 # ---------------------------------------------------------------- no hot loop, no flood
 
 
-async def _count_wake_ups(pool: AsyncReqToTokenPool) -> list[int]:
-    calls = [0]
-    real = pool._on_fences_done
-
-    def counting(loop: asyncio.AbstractEventLoop | None = None) -> None:
-        calls[0] += 1
-        real(loop)
-
-    pool._on_fences_done = counting  # type: ignore[method-assign]
-    return calls
-
-
 async def test_a_handle_that_keeps_raising_costs_less_than_a_stuck_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -314,7 +302,7 @@ async def test_a_handle_that_keeps_raising_costs_less_than_a_stuck_one(
     pool.free(await pool.alloc(1), fence=bad)
     waiter = asyncio.ensure_future(pool.alloc(1))
     await spin()
-    wake_ups = await _count_wake_ups(pool)
+    wake_ups = count_wake_ups(pool)
     caplog.clear()
     base = bad.asks
     bad.raising = True
@@ -349,7 +337,7 @@ async def test_a_closed_pool_stops_retrying(caplog: pytest.LogCaptureFixture) ->
     bad = _AlwaysRaises()
     pool = AsyncReqToTokenPool(2, 8)
     pool.free(await pool.alloc(1), fence=bad)
-    wake_ups = await _count_wake_ups(pool)
+    wake_ups = count_wake_ups(pool)
     bad.raising = True
     await until(lambda: wake_ups[0] >= 2)  # the poller's wake-up and a retry
     await pool.close()

@@ -84,6 +84,11 @@ class Config:
     extend_chunk: int = 256
     #: a decode step's batch: rows grown one page each, per call or at once
     extend_batch_rows: int = 256
+    #: KV groups (``--only groups``): the sliding-window group's pages per
+    #: admission (the full group's are ``admit_pages``, the Mamba state's
+    #: one), and the rows of a grouped decode step
+    groups_window_pages: int = 4
+    groups_batch_rows: int = 32
     #: batches of ``batch_k`` rows freed behind fences per fenced sample
     fenced_batches: int = 64
     reclaim_pending: tuple[int, ...] = (1, 10, 100, 1_000, 10_000)
@@ -150,6 +155,8 @@ PRESETS: dict[str, Config] = {
         extend_record_pages=64,
         extend_chunk=8,
         extend_batch_rows=4,
+        groups_window_pages=1,
+        groups_batch_rows=4,
         contended_rounds=2,
         fenced_batches=4,
         reclaim_pending=(1, 10),

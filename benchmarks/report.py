@@ -394,6 +394,15 @@ def render_markdown(
         "`free` on a bare `KVPagePool`; contended, 1,000 tasks each admitting 1 row + 16 "
         "pages on 64 rows / 512 pages (admit, `sleep(0)`, free, a few times) vs the same "
         "tasks on `asyncio.Semaphore(64)`; time per grant.",
+        f'- KV groups: `admit({{"full": {cfg.admit_pages}, "swa": '
+        f'{cfg.groups_window_pages}, "mamba": 1}})` + `free` on a pool with three groups vs, '
+        "side by side, `alloc(1)` + `free` on a rows-only pool plus `alloc` + `free` on "
+        "three bare `KVPagePool`s, and vs the single-kv and two-group admissions; a grouped "
+        f'decode step of {cfg.groups_batch_rows} rows, `extend_rows(rows, {{"full": 1, '
+        '"swa": 1})` vs one `extend_rows(rows, 1, group=...)` a group (the rows trimmed '
+        "back, untimed, every 16 steps); a sliding window's step, `drop_pages(rows, below, "
+        'group="swa")` of one page a row behind the step\'s open fence vs `trim_pages` of '
+        "one page a row (`benchmarks/bench_groups.py`).",
         "- Fenced: frees behind still-open host fences (a gate holds the stream), then the "
         "stream runs past them and `reclaim()` + one loop turn return the rows.",
         "- Wake-up: the stream's worker stamps the time just before it reaches the fence; "

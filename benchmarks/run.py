@@ -38,6 +38,7 @@ BENCHMARKS = (
     "batched",
     "contended",
     "admit",
+    "groups",
     "fenced",
     "reclaim",
     "scaling",
@@ -189,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_wake_latency,
         bench_wake_slow_fences,
     )
+    from benchmarks.bench_groups import bench_groups
     from benchmarks.bench_metrics import bench_metrics_scrape
     from benchmarks.bench_pages import bench_pages
     from benchmarks.bench_scaling import bench_scaling
@@ -213,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batched": bench_batched,
         "contended": bench_contended,
         "admit": bench_admit,
+        "groups": bench_groups,
         "fenced": fenced_all,
         "reclaim": bench_reclaim_sweep,
         "wake": wake_all,

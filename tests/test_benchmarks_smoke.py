@@ -30,6 +30,7 @@ from benchmarks.bench_fences import (
     bench_wake_latency,
     bench_wake_slow_fences,
 )
+from benchmarks.bench_groups import bench_groups
 from benchmarks.bench_pages import bench_pages
 from benchmarks.bench_scaling import bench_scaling
 from benchmarks.harness import PRESETS, Row
@@ -343,6 +344,25 @@ async def test_admit() -> None:
     assert any(b.endswith("as far as pages go") for b in benches)  # extend_fitting
 
 
+async def test_groups() -> None:
+    """Grouped admission against its parts and the single-kv admission, the
+    grouped decode step against one call a group, and the window's drop
+    against a trim: each measured on the loop it runs on."""
+    async with bounded(LONG_S):
+        rows = await bench_groups(SMOKE)
+    _check(rows)
+    admit = [r for r in rows if r.bench.startswith("uncontended grouped admit(")]
+    assert [r.reference.split(" (")[0] for r in admit] == [
+        "alloc(1)+free",
+        f"admit(pages={SMOKE.admit_pages}) + free",
+        f"admit(pages={SMOKE.admit_pages}) + free",
+    ]
+    assert [r.target is not None for r in rows] == [True] + [False] * (len(rows) - 1)
+    benches = [r.bench for r in rows]
+    assert any(b.startswith("grouped decode step") for b in benches)
+    assert any(b.startswith("sliding window step") for b in benches)
+
+
 async def test_fenced_free() -> None:
     async with bounded(LONG_S):
         _check(await bench_fenced_free(SMOKE))
@@ -439,6 +459,7 @@ def test_entry_point_writes_markdown_and_json(
     benches = {r["bench"] for r in data["rows"]}
     assert any("uncontended" in b for b in benches)
     assert any(b.startswith("contended admit") for b in benches)
+    assert any(b.startswith("uncontended grouped admit(") for b in benches)
     assert {r["loop"] for r in data["rows"]} >= {"asyncio"}
     # The demo is either measured or reported as not available, never silently dropped.
     assert any("demo" in b for b in benches) or "demo" in data["unavailable"]

@@ -397,6 +397,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
         bench_alloc,
         bench_demo,
         bench_fences,
+        bench_groups,
         bench_metrics,
         bench_scaling,
         run,
@@ -430,6 +431,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
     for mod, names in (
         (bench_alloc, ("bench_uncontended", "bench_batched", "bench_contended")),
         (bench_admit, ("bench_admit",)),
+        (bench_groups, ("bench_groups",)),
         (bench_metrics, ("bench_metrics_scrape",)),
         (
             bench_fences,
@@ -683,7 +685,14 @@ def test_pages_rows_are_oriented_as_their_targets_and_flatness_is_a_cost() -> No
 def test_targets_are_the_documented_ones() -> None:
     """Each target's direction and value, as README's and docs/benchmarks.md's
     tables state them (a flipped direction turns a miss into a pass)."""
-    from benchmarks import bench_admit, bench_alloc, bench_demo, bench_fences, bench_metrics
+    from benchmarks import (
+        bench_admit,
+        bench_alloc,
+        bench_demo,
+        bench_fences,
+        bench_groups,
+        bench_metrics,
+    )
 
     got = {
         "uncontended vs seed": bench_alloc.UNCONTENDED_VS_SEED,
@@ -692,6 +701,7 @@ def test_targets_are_the_documented_ones() -> None:
         "contended vs Semaphore": bench_alloc.CONTENDED_VS_SEM,
         "admit vs apart": bench_admit.ADMIT_VS_APART,
         "contended admit vs Semaphore": bench_admit.CONTENDED_ADMIT_VS_SEM,
+        "grouped admit vs apart": bench_groups.GROUPED_ADMIT_VS_APART,
         "reclaim flat": bench_fences.RECLAIM_FLAT,
         "scrape": bench_metrics.SCRAPE_VS_BUDGET,
         "overlap vs sync": bench_demo.OVERLAP_VS_SYNC,
@@ -707,6 +717,7 @@ def test_targets_are_the_documented_ones() -> None:
         "contended vs Semaphore": ("<=", 1.25),
         "admit vs apart": ("<=", 1.5),
         "contended admit vs Semaphore": ("<=", 1.5),
+        "grouped admit vs apart": ("<=", 1.5),
         "reclaim flat": ("<=", 1.5),
         "scrape": ("<=", 1.0),
         "overlap vs sync": (">=", 1.6),
@@ -751,6 +762,31 @@ async def test_admit_rows_are_oriented_as_their_targets(fake_clock: Config) -> N
     assert len(targeted) == 2
     for r in targeted:
         assert r.target is not None and r.target.op == "<=" and r.ratio_label.startswith("cost")
+
+
+async def test_groups_rows_are_per_cycle_and_per_row(fake_clock: Config) -> None:
+    """On a clock that advances TICK at every read, every side of the KV
+    groups benchmark reads it twice a sample (admission) or twice a batch
+    of steps (growth, window: only the calls timed), so each ratio is 1; the
+    one target is a cost ceiling, and the per-row figures are divided by
+    the rows of a step."""
+    from benchmarks.bench_groups import STEPS, bench_groups
+
+    async with asyncio.timeout(BOUND_S):
+        rows = await bench_groups(fake_clock)
+    assert [r.ratio for r in rows] == [1.0] * len(rows)
+    (targeted,) = [r for r in rows if r.target is not None]
+    assert targeted.target is not None and targeted.target.op == "<="
+    assert targeted.ratio_label.startswith("cost")
+    batch = SMOKE.groups_batch_rows
+    growth = next(r for r in rows if r.bench.startswith("grouped decode step"))
+    # calibrate's 16 steps (the smoke preset's start), in batches of at most
+    # STEPS: one TICK a batch, over the steps' rows.
+    batches = -(-16 // STEPS)
+    assert growth.unit == "ns/row"
+    assert growth.subject_value == TICK * batches / (16 * batch)
+    window = next(r for r in rows if r.bench.startswith("sliding window step"))
+    assert window.subject_value == TICK / batch  # one TICK a step: only the call timed
 
 
 async def test_decode_figures_are_per_step_speed_ups(

@@ -10,8 +10,11 @@ slots a page in both attention groups; the preset's sizes).
   done apart by hand (``alloc(1)`` + ``free`` on a rows-only pool plus
   ``alloc(16)``, ``alloc(4)`` and ``alloc(1)`` + ``free`` on three bare
   ``KVPagePool`` s), and against the single-kv ``admit(pages=16)`` + free
-  (the ``admit`` benchmark's subject) and a two-group ``admit({"full": 16,
-  "swa": 4})``, so that what each extra group costs reads off the medians.
+  (the ``admit`` benchmark's subject); for context, one row a step from
+  one kv to three groups: ``admit({"full": 16})`` on a pool of that one
+  group against ``admit(pages=16)`` (the grouped path itself, the same
+  pages), ``admit({"full": 16, "swa": 4})`` against it (the swa group),
+  and the three groups against the two (the mamba group).
   Target: within 1.5x of the work apart, the single-kv admission's target
   (all or nothing across groups may cost little more than doing it apart).
 * Context: a grouped decode step's growth, 32 rows (``groups_batch_rows``)
@@ -92,8 +95,10 @@ async def _admit(cfg: Config) -> list[Row]:
 
     three = {"full": k, "swa": w, "mamba": 1}
     two = {"full": k, "swa": w}
+    one = {"full": k}
     pool3 = AsyncReqToTokenPool(size, cfg.max_context_len, kv=groups("full", "swa", "mamba"))
     pool2 = AsyncReqToTokenPool(size, cfg.max_context_len, kv=groups("full", "swa"))
+    pool1g = AsyncReqToTokenPool(size, cfg.max_context_len, kv=groups("full"))
     pool1 = AsyncReqToTokenPool(size, cfg.max_context_len, kv=KVPagePool(num, PAGE_SIZE))
     rows_pool = AsyncReqToTokenPool(size, cfg.max_context_len)
     bare = groups("full", "swa", "mamba")
@@ -119,17 +124,18 @@ async def _admit(cfg: Config) -> list[Row]:
             {
                 "three groups": _admit_sampler(pool3.admit, pool3.free, three, now),
                 "two groups": _admit_sampler(pool2.admit, pool2.free, two, now),
+                "one group": _admit_sampler(pool1g.admit, pool1g.free, one, now),
                 "single kv": _admit_sampler(pool1.admit, pool1.free, k, now),
                 "apart": apart_sample,
             },
             rounds=cfg.rounds,
             target_s=cfg.sample_s,
         )
-        for p in (pool3, pool2, pool1):
+        for p in (pool3, pool2, pool1g, pool1):
             st = p.stats()
             assert st.allocated == 0 and st.pages_allocated == 0, st
     finally:
-        for p in (pool3, pool2, pool1, rows_pool):
+        for p in (pool3, pool2, pool1g, pool1, rows_pool):
             await p.close()
     bench = f"uncontended grouped admit(full={k}, swa={w}, mamba=1)+free"
     label3 = f'admit({{"full": {k}, "swa": {w}, "mamba": 1}}) + free'
@@ -157,19 +163,43 @@ async def _admit(cfg: Config) -> list[Row]:
             speedup=False,
             subject_label=label3,
             reference_label=f"admit(pages={k}) + free (one kv)",
-            note="context: what the swa and mamba groups add to one admission",
+            note="context: a hybrid model's admission against a dense model's",
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="one group",
+            reference="single kv",
+            unit="ns/cycle",
+            speedup=False,
+            subject_label=f'admit({{"full": {k}}}) + free (one group)',
+            reference_label=f"admit(pages={k}) + free (one kv)",
+            note="context: the grouped path itself, the same pages",
         ),
         compare(
             per_op,
             bench=bench,
             loop=loop,
             subject="two groups",
-            reference="single kv",
+            reference="one group",
             unit="ns/cycle",
             speedup=False,
             subject_label=f'admit({{"full": {k}, "swa": {w}}}) + free',
-            reference_label=f"admit(pages={k}) + free (one kv)",
-            note="context: what the swa group adds to one admission",
+            reference_label=f'admit({{"full": {k}}}) + free (one group)',
+            note="context: what the swa group adds",
+        ),
+        compare(
+            per_op,
+            bench=bench,
+            loop=loop,
+            subject="three groups",
+            reference="two groups",
+            unit="ns/cycle",
+            speedup=False,
+            subject_label=label3,
+            reference_label=f'admit({{"full": {k}, "swa": {w}}}) + free',
+            note="context: what the mamba group adds",
         ),
     ]
 

@@ -397,8 +397,8 @@ def render_markdown(
         f'- KV groups: `admit({{"full": {cfg.admit_pages}, "swa": '
         f'{cfg.groups_window_pages}, "mamba": 1}})` + `free` on a pool with three groups vs, '
         "side by side, `alloc(1)` + `free` on a rows-only pool plus `alloc` + `free` on "
-        "three bare `KVPagePool`s, and vs the single-kv and two-group admissions; a grouped "
-        f'decode step of {cfg.groups_batch_rows} rows, `extend_rows(rows, {{"full": 1, '
+        "three bare `KVPagePool`s, and vs the single-kv admission and one- and two-group ones; a "
+        f'grouped decode step of {cfg.groups_batch_rows} rows, `extend_rows(rows, {{"full": 1, '
         '"swa": 1})` vs one `extend_rows(rows, 1, group=...)` a group (the rows trimmed '
         "back, untimed, every 16 steps); a sliding window's step, `drop_pages(rows, below, "
         'group="swa")` of one page a row behind the step\'s open fence vs `trim_pages` of '

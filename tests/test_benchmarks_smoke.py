@@ -352,10 +352,13 @@ async def test_groups() -> None:
         rows = await bench_groups(SMOKE)
     _check(rows)
     admit = [r for r in rows if r.bench.startswith("uncontended grouped admit(")]
+    k, w = SMOKE.admit_pages, SMOKE.groups_window_pages
     assert [r.reference.split(" (")[0] for r in admit] == [
         "alloc(1)+free",
-        f"admit(pages={SMOKE.admit_pages}) + free",
-        f"admit(pages={SMOKE.admit_pages}) + free",
+        f"admit(pages={k}) + free",
+        f"admit(pages={k}) + free",
+        f'admit({{"full": {k}}}) + free',
+        f'admit({{"full": {k}, "swa": {w}}}) + free',
     ]
     assert [r.target is not None for r in rows] == [True] + [False] * (len(rows) - 1)
     benches = [r.bench for r in rows]

@@ -8,7 +8,7 @@ the forward stream has run past every write to it.
 
 from __future__ import annotations
 
-from .admission import Counts
+from .admission import Counts, QueueHead
 from .errors import (
     AgreementError,
     CapacityError,
@@ -75,6 +75,7 @@ __all__ = [
     "PoolError",
     "PoolInfo",
     "PoolStats",
+    "QueueHead",
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",
     "Rows",

@@ -21,7 +21,8 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -33,9 +34,10 @@ from .fences import Fence, Fences, HostStream, check_after, fence_list, record_f
 from .kv_pages import OWNED
 from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fault
 from .row_pages import Grant, GroupGrant, RowPages, check_page_count
+from .stats import FrozenDict
 from .waiters import WaiterQueues
 
-__all__ = ["Admission", "Counts", "Need"]
+__all__ = ["Admission", "Counts", "Need", "QueueHead"]
 
 #: Page counts: one for every row, or one per row.
 Counts = SupportsIndex | Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]] | torch.Tensor
@@ -48,6 +50,48 @@ _get_running_loop = asyncio.get_running_loop
 #: for an admission on a pool with KV groups (one count per group, in the
 #: groups' order).
 Need = int | tuple[int, int] | tuple[int, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueHead:
+    """The queued call the grant loop serves next, and what it lacks now
+    (:meth:`~asyncpool.AsyncReqToTokenPool.queue_head`; frozen, a snapshot).
+
+    Attributes:
+        call: ``"alloc"`` or ``"admit"``.
+        rows: rows it asks for (``n`` of ``alloc(n)``; 1 for ``admit``).
+        pages: pages it asks for: an int on a pool with one ``kv`` or none
+            (0 for an ``alloc``, and on a pool without ``kv``); on a pool
+            with KV groups, a read-only mapping (a :class:`FrozenDict`)
+            ``{group: count}`` naming every group in the pool's order (all 0
+            for an ``alloc``).
+        priority: its ``priority=`` (lower is served first).
+        waited_s: seconds it has queued so far (``time.perf_counter``, from
+            when it queued: the clock its wait is recorded with when granted).
+        rows_short: rows it asks for beyond those free and those pending
+            behind fences (on their way back); 0 when they cover it.
+        pages_short: the same for its pages, as
+            :meth:`~asyncpool.AsyncReqToTokenPool.pages_short` counts them:
+            an int, or on a pool with KV groups a read-only mapping
+            ``{group: shortfall}`` naming every group (the groups with a
+            non-zero count are those it waits for).
+    """
+
+    call: Literal["alloc", "admit"]
+    rows: int
+    pages: int | Mapping[str, int]
+    priority: int
+    waited_s: float
+    rows_short: int
+    pages_short: int | Mapping[str, int]
+
+
+def _pages_lacked(pages: RowPages, k: int) -> int:
+    """How many of ``k`` pages exceed those free and those pending behind
+    fences in ``pages``: :meth:`Admission.pages_short`'s count."""
+    pled = pages.ledger
+    return max(0, k - pled.free_count - pled.pending)
+
 
 # Freeing a row's own pages (no fence): up to this many go through the page
 # ledger's one-pass check-and-free (about 0.1 us a page), more through the
@@ -640,8 +684,66 @@ class Admission:
         k = need[1]
         if isinstance(k, tuple):  # KV groups: this group's count
             k = k[self._page_sets.index(pages)]
-        pled = pages.ledger
-        return max(0, k - pled.free_count - pled.pending)
+        return _pages_lacked(pages, k)
+
+    def queue_head(self) -> QueueHead | None:
+        """The queued call the grant loop serves next, and what it lacks now.
+
+        The head of the queue (the first queued ``alloc`` or ``admit`` not
+        yet cancelled, by priority and then FIFO) blocks every call behind
+        it, whatever they need: this says what it is and why it waits, for an
+        engine that watches for stalls. A :class:`~asyncpool.QueueHead`:
+        the call, the rows and pages it asks for, its priority, the seconds
+        it has queued, and ``rows_short`` / ``pages_short``, what it asks
+        beyond the memory free and that pending behind fences (on their way
+        back), counted as :meth:`pages_short` counts (on a pool with KV
+        groups, one shortfall per group: the groups it waits for). None
+        when nobody waits (after :meth:`close` too: closing fails every
+        waiter). A head that lacks nothing may still wait: while the
+        memory is released, while a :meth:`hold_grants` hold is held, until
+        a completed fence's memory is reclaimed (the pool's wake-up, or a
+        call that reclaims), or until the grant loop's next run (a more
+        urgent call that just queued is served at the loop's next turn).
+
+        As :meth:`pages_short`: waiters whose event loop was closed under
+        them are dropped first, as every call that looks at the queue drops
+        them; otherwise a read that reclaims nothing and grants nothing. A
+        new snapshot each call; O(1) but for waiters cancelled and not yet
+        unwound, which it steps over. The event loop's thread only
+        (:class:`~asyncpool.WrongThreadError` otherwise).
+        """
+        self._check_thread()
+        waiters = self._waiters
+        if not waiters.count:
+            return None
+        self._drop_dead_waiters()  # waiters of a loop closed under them never run
+        head = waiters.head_wait()
+        if head is None:
+            return None
+        need, priority, waited = head
+        led = self._ledger
+        if need.__class__ is int:
+            call: Literal["alloc", "admit"] = "alloc"
+            n: int = need
+            counts: int | tuple[int, ...] = (
+                0 if self._groups is None else (0,) * len(self._page_sets)
+            )
+        else:
+            call, n, counts = "admit", 1, need[1]
+        rows_short = max(0, n - len(self._free_q) - led.pending)
+        pages: int | Mapping[str, int]
+        short: int | Mapping[str, int]
+        if isinstance(counts, tuple):
+            assert self._groups is not None
+            pages = FrozenDict(zip(self._groups, counts, strict=True))
+            short = FrozenDict(
+                (name, _pages_lacked(one, k))
+                for (name, one), k in zip(self._groups.items(), counts, strict=True)
+            )
+        else:
+            pages = counts
+            short = 0 if self._pages is None else _pages_lacked(self._pages, counts)
+        return QueueHead(call, n, pages, priority, waited, rows_short, short)
 
     def pages_of(
         self, row: SupportsIndex, *, host: bool = False, group: str | None = None

@@ -376,14 +376,30 @@ class WaiterQueues:
 
     # ------------------------------------------------------------ views
 
-    def head(self) -> Any | None:
-        """The need the grant loop serves next (the first queued waiter not
+    def _head(self) -> Waiter | None:
+        """The waiter the grant loop serves next (the first queued one not
         yet cancelled), or None when nobody waits."""
         for p in self._prios:
             for w in self._queues[p]:
                 if not w[1].done():
-                    return w[0]
+                    return w
         return None
+
+    def head(self) -> Any | None:
+        """The need the grant loop serves next (the first queued waiter not
+        yet cancelled), or None when nobody waits."""
+        w = self._head()
+        return None if w is None else w[0]
+
+    def head_wait(self) -> tuple[Any, int, float] | None:
+        """The next-served waiter's need, priority and the seconds it has
+        queued so far (``time.perf_counter``, from its :meth:`enqueue`: the
+        clock its wait is recorded with at the grant), or None when nobody
+        waits. A read: it drops nothing, not even a cancelled waiter."""
+        w = self._head()
+        if w is None:
+            return None
+        return w[0], w[3], _perf_counter() - w[2]
 
     def needs(self) -> list[Any]:
         """The needs of the queued waiters, in grant order (for tests and repr)."""

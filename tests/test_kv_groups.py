@@ -545,6 +545,7 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "drop_pages": lambda: pool.drop_pages([row], 1, group="swa"),
         "pages_dropped": lambda: pool.pages_dropped(row, group="swa"),
         "pages_short": lambda: pool.pages_short(group="swa"),
+        "queue_head": pool.queue_head,
         "detach_pages": detach,
         "record_use": lambda: pool.record_use([row], _fence(stream)),
         "free": free,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, assert_type
+from typing import Literal, NamedTuple, assert_type
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from asyncpool import (
     PoolError,
     PoolInfo,
     PoolStats,
+    QueueHead,
     ReqToTokenPool,
     Rows,
     WrongThreadError,
@@ -327,4 +328,10 @@ async def hybrid_step() -> None:
     assert_type(pool.pages_of(row, group="mamba"), torch.Tensor)
     assert_type(pool.detach_pages(row, group="full"), torch.Tensor)
     assert_type(pool.pages_short(group="full"), int)
+    head = pool.queue_head()
+    assert_type(head, QueueHead | None)
+    if head is not None:
+        assert_type(head.call, Literal["alloc", "admit"])
+        assert_type(head.pages_short, int | Mapping[str, int])
+        assert_type(head.waited_s, float)
     pool.free(row)

@@ -36,6 +36,7 @@ from asyncpool import (
     KVPageStats,
     PoolError,
     PoolStats,
+    QueueHead,
     ReqToTokenPool,
     ReqToTokenPoolInfo,
     record_fence,
@@ -56,6 +57,7 @@ RECEIVERS: dict[str, tuple[type, ...]] = {
     "g": (Grant,),
     "hold": (GrantHold,),
     "collector": (PoolCollector,),
+    "head": (QueueHead,),
 }
 #: Callables named bare in the blocks.
 FUNCTIONS: dict[str, Any] = {
@@ -69,7 +71,7 @@ FUNCTIONS: dict[str, Any] = {
     "wait_fence": wait_fence,
 }
 _CALL = re.compile(r"(?<![\w.])((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\(")
-_ATTR = re.compile(r"(?<![\w.])(pool\.kv|pool|kv|stream|f|g|hold|collector)\.([A-Za-z_]\w*)\b")
+_ATTR = re.compile(r"(?<![\w.])(pool\.kv|pool|kv|stream|f|g|hold|collector|head)\.([A-Za-z_]\w*)\b")
 _KEYWORD = re.compile(r"^\s*\*{0,2}([A-Za-z_]\w*)\s*=(?!=)")
 
 
@@ -136,6 +138,7 @@ def instances() -> Iterator[dict[str, list[Any]]]:
             "g": [grant],
             "hold": [hold],
             "collector": [PoolCollector(rows_pool)],
+            "head": [QueueHead("alloc", 1, 0, 0, 0.0, 1, 0)],
         }
         hold.release()
     finally:

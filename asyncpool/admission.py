@@ -670,6 +670,8 @@ class Admission:
         (:class:`~asyncpool.WrongThreadError` otherwise). On a pool with KV
         groups, ``group`` (required there, ``ValueError`` otherwise) names
         the group whose shortfall to read; on any other pool it must be None.
+        :meth:`queue_head` reads the same head whole: its call, rows,
+        priority and wait, and this count for every group at once.
         """
         self._check_thread()
         pages = self._pages

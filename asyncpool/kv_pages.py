@@ -544,6 +544,17 @@ class PageLedger(Deferrals[PageArray]):
         self._push(arr)
         return True
 
+    def unfree(self, ids: PageArray, expect: int = ALLOCATED) -> None:
+        """Undo the no-fence fast free of ``ids`` (:meth:`free_owned` or
+        :meth:`_free_now_small` answering True) that was this ledger's last
+        change: they leave the tail of the free ring and take ``expect``
+        again, as before that free. For an owner freeing several ledgers'
+        pages all or nothing (a row with KV groups), one of whose later
+        fast frees refused: nothing else may have touched this ledger
+        since, so the ring's tail holds exactly these ids."""
+        self.free_count -= len(ids)
+        self._state[ids] = _OWNED_0D if expect == OWNED else _ALLOCATED_0D
+
     def _free_now_small(self, ids: list[Any], expect: int = ALLOCATED) -> bool:
         """Free a few pages at once (no fence) in one pass; True if done.
 

@@ -469,11 +469,18 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if groups is not None:
             self._groups = {name: RowPages(one, self.size) for name, one in groups.items()}
             self._page_sets: tuple[RowPages, ...] = tuple(self._groups.values())
+            # (name, RowPages, capacity) a group, in order: the grouped
+            # admission's fast path reads it (Admission._admit_groups_fast).
+            self._group_items: tuple[tuple[str, RowPages, int], ...] = tuple(
+                (name, pages, pages.capacity) for name, pages in self._groups.items()
+            )
         elif kv is not None:
             self._pages = RowPages(kvs[0], self.size)
             self._page_sets = (self._pages,)
+            self._group_items = ()
         else:
             self._page_sets = ()
+            self._group_items = ()
         # stats().page_fence_errors counts a fence once, however many groups
         # it held pages in: each group's ledger counts it in its own
         # fence_errors, and a group's first count of a fence that another

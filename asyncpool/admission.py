@@ -596,7 +596,9 @@ class Admission:
         the general validation (:meth:`_group_counts`) or reclaim. Anything
         else answers None having changed nothing, and the caller's general
         path checks, reclaims, raises or queues as before. The caller
-        checked the thread (and, for ``admit``, the wait arguments).
+        checked the thread (and, for ``admit``, the wait arguments). No
+        ``_fast = False`` here: a pool with ``kv`` never opens the unchecked
+        paths (``_choose_fast_paths``).
         """
         waiters = self._waiters
         items = self._group_items

@@ -551,7 +551,9 @@ class PageLedger(Deferrals[PageArray]):
         again, as before that free. For an owner freeing several ledgers'
         pages all or nothing (a row with KV groups), one of whose later
         fast frees refused: nothing else may have touched this ledger
-        since, so the ring's tail holds exactly these ids."""
+        since, so the ring's tail holds exactly these ids. The ring's slots
+        past its free ones keep what that free wrote there: never read
+        (:meth:`take` reads from the head, :meth:`_push` writes first)."""
         self.free_count -= len(ids)
         self._state[ids] = _OWNED_0D if expect == OWNED else _ALLOCATED_0D
 

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool
+from asyncpool import AsyncReqToTokenPool, FenceError, Grant, HostStream, KVPagePool
 from asyncpool import fences as fences_mod
 from asyncpool.ledger import SlotLedger
 
@@ -411,6 +411,15 @@ def count_wake_ups(pool: AsyncReqToTokenPool) -> list[int]:
 
     pool._on_fences_done = counting  # type: ignore[method-assign]
     return calls
+
+
+def assert_granted(side: str, result: Any) -> None:
+    """``result`` is what a waiter for one row (``side == "rows"``) or one
+    row and two pages (an ``admit(pages=2)``) was granted."""
+    if side == "rows":
+        assert isinstance(result, list) and len(result) == 1
+    else:
+        assert isinstance(result, Grant) and len(result.pages) == 2
 
 
 def page_ids(t: Any) -> list[int]:

@@ -37,9 +37,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, EventFence, bounded, count_wake_ups, spin, until
+from helpers import WAIT_S, EventFence, assert_granted, bounded, count_wake_ups, spin, until
 
-from asyncpool import AsyncReqToTokenPool, Grant, HostStream, KVPagePool
+from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool
 from asyncpool.watcher import FenceWatcher
 
 LOGGER = "asyncpool"
@@ -103,13 +103,6 @@ async def _held_behind(side: str, fence: Any) -> tuple[AsyncReqToTokenPool, Wait
     return pool, lambda: pool.admit(pages=2)
 
 
-def _got(side: str, result: Any) -> None:
-    if side == "rows":
-        assert isinstance(result, list) and len(result) == 1
-    else:
-        assert isinstance(result, Grant) and len(result.pages) == 2
-
-
 # ---------------------------------------------------------------- 1: done, then not done
 
 
@@ -137,7 +130,7 @@ async def test_a_handle_done_for_the_poller_and_not_for_the_loop_is_watched_agai
     t0 = time.perf_counter()
     handle.landed.set()  # only the poller can notice
     async with bounded():
-        _got(side, await waiter)
+        assert_granted(side, await waiter)
     served_in = time.perf_counter() - t0
     assert served_in < 0.5, f"served {served_in:.3f} s after the handle settled"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -179,7 +172,7 @@ async def test_a_handle_the_poller_keeps_letting_go_costs_a_bounded_number_of_wa
     assert asks <= 4 * woken + 10, (asks, woken)
     handle.landed.set()
     async with bounded():
-        _got("rows", await waiter)
+        assert_granted("rows", await waiter)
     pool.check_invariants()
     await pool.close()
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import WAIT_S, EventFence, bounded, count_wake_ups, spin, until
+from helpers import WAIT_S, EventFence, assert_granted, bounded, count_wake_ups, spin, until
 
-from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, PoolClosedError
+from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError
 from asyncpool import pool as pool_mod
 
 LOGGER = "asyncpool"
@@ -146,13 +146,6 @@ async def _held_behind(side: str, fences: list[Any]) -> tuple[AsyncReqToTokenPoo
     return pool, lambda: pool.admit(pages=2)
 
 
-def _got(side: str, result: Any) -> None:
-    if side == "rows":
-        assert isinstance(result, list) and len(result) == 1
-    else:
-        assert isinstance(result, Grant) and len(result.pages) == 2
-
-
 class _Handled:
     """The loop's exception handler, recording what reached it."""
 
@@ -186,7 +179,7 @@ async def test_a_cancelled_second_ask_still_wakes_the_waiter(
     handle.landed.set()
     handle.armed.set()  # from here on only the poller asks, until its wake-up
     async with bounded():
-        _got(side, await waiter)
+        assert_granted(side, await waiter)
     assert handle.polled.is_set() and handle.interrupted.is_set()
     # No caller to raise it to: logged once, not handed to the loop's handler.
     assert not handled.contexts
@@ -228,7 +221,7 @@ async def test_a_fence_the_poller_let_go_is_watched_again(
     assert pool.quarantined_size() == 0
     handle.landed.set()  # only the poller can notice
     async with bounded():
-        _got(side, await waiter)
+        assert_granted(side, await waiter)
     pool.check_invariants()
     await pool.close()
 
@@ -257,7 +250,7 @@ async def test_memory_reclaimed_before_the_raise_goes_to_the_waiter(
     first.set()  # the poller notices this one and wakes the pool
     try:
         async with bounded():
-            _got(side, await waiter)
+            assert_granted(side, await waiter)
         assert second.interrupted.is_set()
         assert pool.quarantined_size() == 0
         pool.check_invariants()

@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .harness import Config, Row, Sampler, Target, clock_of, compare, interleave, loop_name
+
+if TYPE_CHECKING:
+    from asyncpool import AsyncReqToTokenPool
 
 __all__ = ["GROUPED_ADMIT_VS_APART", "bench_groups"]
 
@@ -204,21 +207,28 @@ async def _admit(cfg: Config) -> list[Row]:
     ]
 
 
-async def _growth(cfg: Config) -> list[Row]:
+def _batch_pool(batch: int, full: int, swa: int) -> AsyncReqToTokenPool:
+    """A pool of ``batch`` rows with a full, a swa (``full`` and ``swa``
+    pages) and a Mamba group (a state slot a row), for the step benches."""
     from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+    return AsyncReqToTokenPool(
+        batch + 1,
+        16,
+        kv={
+            "full": KVPagePool(full + 1, PAGE_SIZE, name="full"),
+            "swa": KVPagePool(swa + 1, PAGE_SIZE, name="swa"),
+            "mamba": KVPagePool(batch + 1, 1, name="mamba"),
+        },
+    )
+
+
+async def _growth(cfg: Config) -> list[Row]:
 
     loop = loop_name()
     now = clock_of(cfg)
     k, w, batch = cfg.admit_pages, cfg.groups_window_pages, cfg.groups_batch_rows
-    pool = AsyncReqToTokenPool(
-        batch + 1,
-        16,
-        kv={
-            "full": KVPagePool(batch * (k + STEPS) + 1, PAGE_SIZE, name="full"),
-            "swa": KVPagePool(batch * (w + STEPS) + 1, PAGE_SIZE, name="swa"),
-            "mamba": KVPagePool(batch + 1, 1, name="mamba"),
-        },
-    )
+    pool = _batch_pool(batch, batch * (k + STEPS), batch * (w + STEPS))
     rows = []
     for _ in range(batch):
         grant = pool.try_admit({"full": k, "swa": w, "mamba": 1})
@@ -280,20 +290,12 @@ async def _growth(cfg: Config) -> list[Row]:
 
 
 async def _window(cfg: Config) -> list[Row]:
-    from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool
+    from asyncpool import HostStream
 
     loop = loop_name()
     now = clock_of(cfg)
     k, w, batch = cfg.admit_pages, cfg.groups_window_pages, cfg.groups_batch_rows
-    pool = AsyncReqToTokenPool(
-        batch + 1,
-        16,
-        kv={
-            "full": KVPagePool(batch * k + 1, PAGE_SIZE, name="full"),
-            "swa": KVPagePool(batch * (w + STEPS + 1) + 1, PAGE_SIZE, name="swa"),
-            "mamba": KVPagePool(batch + 1, 1, name="mamba"),
-        },
-    )
+    pool = _batch_pool(batch, batch * k, batch * (w + STEPS + 1))
     stream = HostStream(name="bench-window")
     counts = {"full": k, "swa": w, "mamba": 1}
 

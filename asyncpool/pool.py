@@ -468,6 +468,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._groups: dict[str, RowPages] | None = None
         if groups is not None:
             self._groups = {name: RowPages(one, self.size) for name, one in groups.items()}
+            for name, one in groups.items():
+                if one.name is None:
+                    # An unnamed group's page lines (a fault, a quarantine)
+                    # would not say which group they are about: they carry
+                    # the group's name, after this pool's ("decode/swa").
+                    one.ledger.set_log_name(name if self._name is None else f"{self._name}/{name}")
             self._page_sets: tuple[RowPages, ...] = tuple(self._groups.values())
             # (name, RowPages, capacity) a group, in order: the grouped
             # admission's fast path reads it (Admission._admit_groups_fast).

@@ -816,3 +816,34 @@ def test_the_left_out_warning_carries_the_pools_own_name(lines: Lines) -> None:
     assert out["p"].getMessage().startswith("pool 'p' left out of this scrape: stats() gave str")
     assert not hasattr(out["default"], LOG_FIELD)
     assert all(r.levelno == logging.WARNING for r in out.values())
+
+
+@pytest.mark.parametrize("pool_name", [None, "decode"])
+async def test_fault_lines_of_unnamed_kv_groups_name_their_group(
+    lines: Lines, pool_name: str | None
+) -> None:
+    """A fault behind a row's pages in two unnamed KV groups logs a line per
+    group, each under the group's name (after the pool's, if it has one),
+    so an operator can tell the groups apart; a group whose page pool has
+    a name of its own keeps it."""
+    pool = AsyncReqToTokenPool(
+        4,
+        8,
+        kv={"swa": KVPagePool(9, 4), "full": KVPagePool(9, 4), "mamba": KVPagePool(5, 1, name="m")},
+        name=pool_name,
+    )
+    async with bounded():
+        grant = await pool.admit({"swa": 1, "full": 2, "mamba": 1})
+    pool.free([grant.row], fence=faulted())
+    labels = {
+        "swa": "swa" if pool_name is None else "decode/swa",
+        "full": "full" if pool_name is None else "decode/full",
+        "mamba": "m",
+    }
+    for label in labels.values():
+        group_lines = [r for r in lines.records if r.getMessage().startswith(prefix(label))]
+        assert [r.levelno for r in group_lines] == [logging.ERROR]
+        assert "pages" in group_lines[0].getMessage()
+        assert_named(group_lines, label, "_report_fault")
+    assert pool.stats().page_fence_errors == 1
+    await pool.close()

@@ -999,9 +999,23 @@ class Admission:
             return torch.zeros(0, dtype=torch.int64, device=pages.kv.device)
         return self._grow(pages, pages.extend_each, seq, counts)
 
+    @overload
     def extend_fitting(
         self, rows: Rows, k: Counts = 1, *, group: str | None = None
-    ) -> tuple[int, torch.Tensor]:
+    ) -> tuple[int, torch.Tensor]: ...
+
+    @overload
+    def extend_fitting(
+        self, rows: Rows, k: Mapping[str, SupportsIndex], *, group: None = None
+    ) -> tuple[int, dict[str, torch.Tensor]]: ...
+
+    def extend_fitting(
+        self,
+        rows: Rows,
+        k: Counts | Mapping[str, SupportsIndex] = 1,
+        *,
+        group: str | None = None,
+    ) -> tuple[int, torch.Tensor] | tuple[int, dict[str, torch.Tensor]]:
         """Grow ``rows`` in order, as many as the free pages cover; never waits.
 
         :meth:`extend_rows` for a scheduler that orders its running requests
@@ -1026,11 +1040,18 @@ class Admission:
         :class:`PoolClosedError` after :meth:`close`; changing nothing),
         except that a total past ``kv.capacity`` is no error: the run stops
         where the pages do. On a pool with KV groups ``group=`` names the
-        group to grow, as for :meth:`extend`.
+        group to grow, as for :meth:`extend`; or ``k`` is a mapping
+        ``{group: count}`` (one int count per named group, as
+        :meth:`extend_rows` takes it): ``rows[:m]`` each get that many pages
+        in every named group, for the largest ``m`` that every group's free
+        pages cover, and the answer is ``(m, {group: (m, count) tensor})``
+        (a refusal counted on the group that stopped the run).
         """
         self._check_thread()
         pages = self._pages
         if pages is None or group is not None:
+            if k.__class__ is not int and isinstance(k, Mapping):
+                return self._extend_fitting_groups(rows, k, group)
             pages = self._pages_for(group, "extend_fitting", "admit or extend with pages")
         _check_ordered(rows, "extend_fitting")
         led = self._ledger
@@ -1067,8 +1088,8 @@ class Admission:
                     "count (an int), not a mapping of group names to counts"
                 )
             raise ValueError(
-                f"{call} takes one page count with group=; a mapping {{group: count}} is "
-                "for extend and extend_rows (all or nothing across the groups)"
+                f"{call} takes one page count with group=; a mapping {{group: count}} "
+                "names its groups itself: give one or the other"
             )
         return check_page_count(k, pages.capacity, least=1)
 
@@ -1110,6 +1131,58 @@ class Admission:
         if self._released:
             return None
         return self._grow_groups(wants, seq, lines=call != "extend")
+
+    def _extend_fitting_groups(
+        self, rows: Rows, counts: Mapping[Any, Any], group: object
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """:meth:`extend_fitting` with a mapping ``{group: count}``: the
+        longest run ``rows[:m]`` that every named group's free pages cover
+        (each short group reclaims its completed fences first) grows in
+        every group. Checks everything before it takes anything."""
+        if group is not None:
+            raise ValueError(
+                "extend_fitting: group= names the group of one page count, and a mapping "
+                "{group: count} names its groups itself: give one or the other"
+            )
+        if self._groups is None:
+            # A pool with one kv comes here only with group= (refused above).
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
+                "to extend_fitting by group"
+            )
+        wants = self._growth_counts(counts)
+        _check_ordered(rows, "extend_fitting")
+        led = self._ledger
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "extended")
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        n = m = len(seq)
+        if self._released:
+            m = 0
+        reclaimed = False
+        short: RowPages | None = None
+        for _, pages, k in wants:
+            if not k or not m:
+                continue
+            pled = pages.ledger
+            if m * k > pled.free_count and pled.pending:
+                before = pled.reclaimed
+                pled.reclaim()
+                reclaimed = reclaimed or pled.reclaimed != before
+            fits = pled.free_count // k
+            if fits < m:
+                m, short = fits, pages
+        if m:
+            got = self._take_groups(wants, seq[:m], lines=True)
+        else:
+            got = {name: pages.out(np.zeros((0, k), dtype=np.int64)) for name, pages, k in wants}
+        if m < n and not self._released:
+            assert short is not None
+            short.growth_refusals += 1
+        if reclaimed and self._waiters.count:
+            self._waiters.grant()
+        return m, got
 
     def _growth_counts(self, counts: Mapping[Any, Any]) -> list[tuple[str, RowPages, int]]:
         """A grouped growth's ``{group: count}`` as ``(name, pages, count)``

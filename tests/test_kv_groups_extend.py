@@ -281,8 +281,8 @@ async def test_grouped_growth_refuses_bad_rows_and_group_with_a_mapping() -> Non
         pool.extend_rows([g.row, g.row], {"swa": 1})  # not distinct
     with pytest.raises(CapacityError, match="KV group 'swa'"):
         pool.extend_rows([g.row, other.row], {"swa": 2, "full": 1})  # 4 swa pages > 3
-    with pytest.raises(ValueError, match="extend and extend_rows"):
-        pool.extend_fitting([g.row], {"swa": 1}, group="swa")
+    with pytest.raises(ValueError, match="give one or the other"):
+        pool.extend_fitting([g.row], {"swa": 1}, group="swa")  # type: ignore[call-overload]
     assert snapshot(pool) == before
     pool.free([g.row, other.row])
 
@@ -361,3 +361,103 @@ async def test_queue_messages_name_the_groups() -> None:
     async with bounded():
         grant = await queued
     pool.free(grant.row)
+
+
+# ---------------------------------------------------------------- extend_fitting by group
+
+
+async def test_extend_fitting_by_group_grows_the_run_every_group_covers() -> None:
+    """``extend_fitting(rows, {group: k})`` grows ``rows[:m]`` in every named
+    group for the largest ``m`` that each group's free pages cover: here
+    the swa group (3 free, 2 pages a row) stops the run at one row; the
+    refusal is counted on it, and the full group gave only ``m`` rows'
+    pages."""
+    pool = grouped(rows=4, swa=7, full=12)
+    grants = [await pool.admit({"swa": 1, "full": 1}) for _ in range(4)]
+    rows = [g.row for g in grants]
+    full_free = kv(pool, "full").available_size()  # 8
+    m, got = pool.extend_fitting(rows, {"swa": 2, "full": 1})  # swa: 3 free -> 1 row
+    assert m == 1
+    assert set(got) == {"swa", "full"}
+    assert got["swa"].shape == (1, 2) and got["full"].shape == (1, 1)
+    assert kv(pool, "full").available_size() == full_free - 1
+    assert kv(pool, "swa").available_size() == 1
+    assert ids(pool.pages_of(rows[0], group="swa"))[1:] == ids(got["swa"][0])
+    assert ids(pool.pages_of(rows[0], group="full"))[1:] == ids(got["full"][0])
+    assert all(len(pool.pages_of(r, group="swa")) == 1 for r in rows[1:])
+    groups = pool.stats().kv_groups
+    assert groups["swa"].growth_refusals == 1 and groups["full"].growth_refusals == 0
+    assert pool.stats().growth_refusals == 1
+    m, got = pool.extend_fitting(rows[1:], {"full": 2})  # a group left out grows nothing
+    assert m == 3 and set(got) == {"full"} and got["full"].shape == (3, 2)
+    pool.check_invariants()
+    pool.free(rows)
+    assert kv(pool, "swa").available_size() == 7 and kv(pool, "full").available_size() == 12
+
+
+async def test_extend_fitting_by_group_when_every_row_fits_and_when_none_does() -> None:
+    pool = grouped(rows=2, swa=8, full=4)
+    a = await pool.admit({"swa": 1, "full": 1})
+    b = await pool.admit({"swa": 1, "full": 1})
+    m, got = pool.extend_fitting([b.row, a.row], {"swa": 1, "full": 1})
+    assert m == 2 and got["swa"].shape == (2, 1)
+    assert ids(pool.pages_of(b.row, group="full"))[1:] == ids(got["full"][0])
+    assert pool.stats().growth_refusals == 0
+    before = snapshot(pool)
+    m, got = pool.extend_fitting([a.row, b.row], {"swa": 1, "full": 3})  # full: 0 free
+    assert m == 0 and got["swa"].shape == (0, 1) and got["full"].shape == (0, 3)
+    after = snapshot(pool)
+    assert after[0][0]["growth_refusals"] == before[0][0]["growth_refusals"] + 1
+    after[0][0]["growth_refusals"] -= 1
+    groups_after = {n: dict(g) for n, g in after[0][0].pop("kv_groups").items()}
+    groups_before = {n: dict(g) for n, g in before[0][0].pop("kv_groups").items()}
+    assert groups_after["full"]["growth_refusals"] == groups_before["full"]["growth_refusals"] + 1
+    groups_after["full"]["growth_refusals"] -= 1
+    assert groups_after == groups_before and after == before
+    pool.free([a.row, b.row])
+
+
+async def test_extend_fitting_by_group_reclaims_a_short_groups_completed_fences(
+    kit: Streams,
+) -> None:
+    """The short group reclaims its completed fences before the run is
+    measured, and the waiters get what the growth leaves."""
+    pool = grouped(rows=3, swa=4, full=8)
+    a = await pool.admit({"swa": 2, "full": 1})
+    b = await pool.admit({"swa": 2, "full": 1})
+    stream = kit.stream()
+    gate = kit.gate(stream)  # the step's fence stays open until the gate opens
+    pool.free([b.row], fence=stream.record())  # b's swa pages pending behind it
+    assert kv(pool, "swa").available_size() == 0
+    m, _ = pool.extend_fitting([a.row], {"swa": 1, "full": 1})
+    assert m == 0  # pending is not free
+    gate.open()
+    stream.synchronize()  # the fence completed; nobody has reclaimed yet
+    assert kv(pool, "swa").pending_size() == 2
+    m, got = pool.extend_fitting([a.row], {"swa": 1, "full": 1})
+    assert m == 1 and got["swa"].shape == (1, 1)
+    assert kv(pool, "swa").available_size() == 1
+    pool.free([a.row])
+    pool.check_invariants()
+
+
+async def test_extend_fitting_by_group_refuses_bad_input_changing_nothing() -> None:
+    pool = grouped(rows=3, swa=4, full=4)
+    g = await pool.admit({"swa": 1, "full": 1})
+    other = await pool.admit({"swa": 1, "full": 1})
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="unknown KV group"):
+        pool.extend_fitting([g.row], {"mla": 1})
+    with pytest.raises(CapacityError, match="KV group 'swa'"):
+        pool.extend_fitting([g.row], {"swa": -1})
+    with pytest.raises(CapacityError, match="KV group 'full'"):
+        pool.extend_fitting([g.row], {"full": 1.0})
+    with pytest.raises(InvalidSlotError):
+        pool.extend_fitting({g.row, other.row}, {"swa": 1})  # a set has no order
+    with pytest.raises(InvalidSlotError):
+        pool.extend_fitting([g.row, 3], {"swa": 1})  # 3 is not allocated
+    assert snapshot(pool) == before
+    pool.free([other.row])
+    await pool.close()
+    with pytest.raises(PoolClosedError):
+        pool.extend_fitting([g.row], {"swa": 1})

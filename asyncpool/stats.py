@@ -186,11 +186,38 @@ class FrozenDict(dict[_K, _V]):
 
     __slots__ = ()
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+    # Every change refused, each declared with its own signature (a method
+    # assigned from one helper is an untyped override to type checkers).
+
+    def _refuse(self) -> NoReturn:
         raise TypeError(f"{type(self).__name__} is read-only (a snapshot)")
 
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    clear = pop = popitem = setdefault = update = _refuse
+    def __setitem__(self, key: _K, value: _V, /) -> NoReturn:
+        self._refuse()
+
+    def __delitem__(self, key: _K, /) -> NoReturn:
+        self._refuse()
+
+    def __ior__(self, other: Any, /) -> NoReturn:  # type: ignore[misc]  # (``|`` builds a dict)
+        self._refuse()
+
+    def clear(self) -> NoReturn:
+        self._refuse()
+
+    def pop(self, *args: Any) -> NoReturn:
+        """Refused: read-only."""
+        self._refuse()
+
+    def popitem(self) -> NoReturn:
+        self._refuse()
+
+    def setdefault(self, *args: Any) -> NoReturn:
+        """Refused: read-only."""
+        self._refuse()
+
+    def update(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: read-only."""
+        self._refuse()
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))

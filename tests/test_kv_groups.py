@@ -421,6 +421,8 @@ async def test_kv_groups_of_stats_is_a_read_only_snapshot() -> None:
         lambda: groups.update({}),  # type: ignore[attr-defined]
         lambda: groups.pop("swa"),  # type: ignore[attr-defined]
         lambda: groups.setdefault("x", groups["swa"]),  # type: ignore[attr-defined]
+        lambda: groups.popitem(),  # type: ignore[attr-defined]
+        lambda: groups.__ior__({}),  # type: ignore[attr-defined]
     ):
         with pytest.raises(TypeError, match="read-only"):
             change()

@@ -31,7 +31,7 @@ import torch
 from .base import check_wait_args as _check_wait_args
 from .errors import CapacityError, InvalidSlotError, PoolClosedError
 from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
-from .kv_pages import OWNED
+from .kv_pages import OWNED, PageLedger
 from .ledger import Rows, SlotLedger, _attributes, as_index, describe, device_fault
 from .row_pages import _EMPTY, Grant, GroupGrant, RowPages, check_page_count
 from .stats import FrozenDict
@@ -92,6 +92,17 @@ def _pages_lacked(pages: RowPages, k: int) -> int:
     fences in ``pages``: :meth:`Admission.pages_short`'s count."""
     pled = pages.ledger
     return max(0, k - pled.free_count - pled.pending)
+
+
+def _reclaim_short(led: PageLedger, need: int) -> bool:
+    """A grouped growth's step for one group: when fewer than ``need`` of
+    its pages are free, reclaim its completed fences; True if that
+    returned any (the grant loop then runs after the growth)."""
+    if need <= led.free_count or not led.pending:
+        return False
+    before = led.reclaimed
+    led.reclaim()
+    return led.reclaimed != before
 
 
 # Freeing a row's own pages (no fence): up to this many go through the page
@@ -1100,19 +1111,7 @@ class Admission:
         :meth:`extend_rows` (``rows``) with a mapping ``{group: count}``:
         every named group's pages at once, all or nothing. Checks
         everything before it takes anything."""
-        if group is not None:
-            raise ValueError(
-                f"{call}: group= names the group of one page count, and a mapping "
-                "{group: count} names its groups itself: give one or the other"
-            )
-        if self._groups is None:
-            # A pool with one kv comes here only with group= (refused above):
-            # without it, its count check refuses a mapping (_growth_count).
-            raise CapacityError(
-                "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
-                f"to {call} by group"
-            )
-        wants = self._growth_counts(counts)
+        wants = self._growth_counts(call, counts, group)
         if call == "extend":
             seq: Sequence[int] = [self._allocated_row(rows, "extended")]
         else:
@@ -1139,18 +1138,7 @@ class Admission:
         longest run ``rows[:m]`` that every named group's free pages cover
         (each short group reclaims its completed fences first) grows in
         every group. Checks everything before it takes anything."""
-        if group is not None:
-            raise ValueError(
-                "extend_fitting: group= names the group of one page count, and a mapping "
-                "{group: count} names its groups itself: give one or the other"
-            )
-        if self._groups is None:
-            # A pool with one kv comes here only with group= (refused above).
-            raise CapacityError(
-                "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
-                "to extend_fitting by group"
-            )
-        wants = self._growth_counts(counts)
+        wants = self._growth_counts("extend_fitting", counts, group)
         _check_ordered(rows, "extend_fitting")
         led = self._ledger
         seq = led.as_rows(rows)
@@ -1166,10 +1154,8 @@ class Admission:
             if not k or not m:
                 continue
             pled = pages.ledger
-            if m * k > pled.free_count and pled.pending:
-                before = pled.reclaimed
-                pled.reclaim()
-                reclaimed = reclaimed or pled.reclaimed != before
+            if _reclaim_short(pled, m * k):
+                reclaimed = True
             fits = pled.free_count // k
             if fits < m:
                 m, short = fits, pages
@@ -1184,14 +1170,28 @@ class Admission:
             self._waiters.grant()
         return m, got
 
-    def _growth_counts(self, counts: Mapping[Any, Any]) -> list[tuple[str, RowPages, int]]:
-        """A grouped growth's ``{group: count}`` as ``(name, pages, count)``
-        for each group it names, in the groups' order (a group it does not
-        name grows by nothing). ``ValueError`` for a name that is not one
-        of the pool's groups; :class:`CapacityError` for a count that is
-        not an int in ``0..capacity`` of its group."""
+    def _growth_counts(
+        self, call: str, counts: Mapping[Any, Any], group: object
+    ) -> list[tuple[str, RowPages, int]]:
+        """``call``'s (a grouped growth's) ``{group: count}`` as ``(name,
+        pages, count)`` for each group it names, in the groups' order (a
+        group it does not name grows by nothing). ``ValueError`` for
+        ``group=`` given too and for a name that is not one of the pool's
+        groups; :class:`CapacityError` on a pool without KV groups and for
+        a count that is not an int in ``0..capacity`` of its group."""
+        if group is not None:
+            raise ValueError(
+                f"{call}: group= names the group of one page count, and a mapping "
+                "{group: count} names its groups itself: give one or the other"
+            )
         groups = self._groups
-        assert groups is not None
+        if groups is None:
+            # A pool with one kv comes here only with group= (refused above):
+            # without it, its count check refuses a mapping (_growth_count).
+            raise CapacityError(
+                "this pool has no KV pages: build it with kv={group: KVPagePool(...)} "
+                f"to {call} by group"
+            )
         unknown = [key for key in counts if not isinstance(key, str) or key not in groups]
         if unknown:
             raise ValueError(
@@ -1229,13 +1229,10 @@ class Admission:
         short: RowPages | None = None
         for _, pages, k in wants:
             led = pages.ledger
-            if n * k > led.free_count:
-                if led.pending:
-                    before = led.reclaimed
-                    led.reclaim()
-                    reclaimed = reclaimed or led.reclaimed != before
-                if n * k > led.free_count and short is None:
-                    short = pages
+            if _reclaim_short(led, n * k):
+                reclaimed = True
+            if n * k > led.free_count and short is None:
+                short = pages
         if short is not None:
             short.growth_refusals += 1  # one refusal per call, however many groups are short
             got = None
@@ -1396,17 +1393,10 @@ class Admission:
             if holes:  # positions only: a row keeps at most `keep` dropped ones
                 pages.trim_holes(seq, keeps)
             return 0
-        if after is not None:
-            extra = (*extra, record_fence(after))
         kept = dict(zip(seq, keeps, strict=True))  # positions; free() takes pages
         if holes:
             kept = {row: max(0, k - holes.get(row, 0)) for row, k in kept.items()}
-        pled = pages.ledger
-        pled.answers = {}  # one verdict per fence for every group (Deferrals.answer)
-        try:
-            immediate = pages.free(prepared, extra, kept)
-        finally:
-            pled.answers = None
+        immediate = self._give_back_positions(pages, prepared, extra, after, keep=kept)
         if holes:
             pages.trim_holes(seq, keeps)
         if immediate and self._waiters.count:
@@ -1482,17 +1472,37 @@ class Admission:
         prepared = pages.prepare_free(seq, self._uses, belows=belows)
         if not prepared:
             return 0
-        if after is not None:
-            extra = (*extra, record_fence(after))
-        pled = pages.ledger
-        pled.answers = {}  # one verdict per fence (Deferrals.answer)
-        try:
-            immediate = pages.free(prepared, extra, below=dict(zip(seq, belows, strict=True)))
-        finally:
-            pled.answers = None
+        immediate = self._give_back_positions(
+            pages, prepared, extra, after, below=dict(zip(seq, belows, strict=True))
+        )
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate
+
+    @staticmethod
+    def _give_back_positions(
+        pages: RowPages,
+        prepared: Any,
+        extra: tuple[Fence, ...],
+        after: Any | None,
+        *,
+        keep: dict[int, int] | None = None,
+        below: dict[int, int] | None = None,
+    ) -> int:
+        """:meth:`trim_pages`' and :meth:`drop_pages`' give-back once
+        everything is checked: a fence recorded on ``after`` now, then the
+        pages ``prepared`` freed behind their fences plus ``extra`` with one
+        verdict per fence for the call (``Deferrals.answer``), cut to
+        ``keep`` or from ``below`` (:meth:`RowPages.free`). Returns the pages
+        free at once; the caller runs the grant loop."""
+        if after is not None:
+            extra = (*extra, record_fence(after))
+        pled = pages.ledger
+        pled.answers = {}
+        try:
+            return pages.free(prepared, extra, keep, below)
+        finally:
+            pled.answers = None
 
     def pages_dropped(self, row: SupportsIndex, *, group: str | None = None) -> int:
         """How many of ``row``'s first positions :meth:`drop_pages` gave back

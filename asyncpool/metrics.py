@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -500,6 +500,18 @@ class PoolCollector:
         return tuple(self._pools)
 
     def _families(self) -> list[Any]:
+        return self._new_families(FAMILIES, lambda f: ["pool"])
+
+    def _group_families(self) -> list[Any]:
+        return self._new_families(
+            GROUP_FAMILIES, lambda f: ["pool", "group"] + ([f.label] if f.label else [])
+        )
+
+    def _new_families(
+        self, specs: Sequence[Family] | Sequence[GroupFamily], labels: Callable[[Any], list[str]]
+    ) -> list[Any]:
+        """An empty metric family for each of ``specs``, named with the
+        prefix, labelled ``labels(spec)``."""
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
@@ -512,23 +524,21 @@ class PoolCollector:
             "histogram": HistogramMetricFamily,
         }
         return [
-            kinds[f.type](f"{self._prefix}_{f.name}", f.help, labels=["pool"], unit=f.unit)
-            for f in FAMILIES
+            kinds[f.type](f"{self._prefix}_{f.name}", f.help, labels=labels(f), unit=f.unit)
+            for f in specs
         ]
 
-    def _group_families(self) -> list[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        kinds: dict[str, Any] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
-        return [
-            kinds[f.type](
-                f"{self._prefix}_{f.name}",
-                f.help,
-                labels=["pool", "group"] + ([f.label] if f.label else []),
-                unit=f.unit,
-            )
-            for f in GROUP_FAMILIES
-        ]
+    def _never_down(self, key: tuple[object, object], v: float) -> float:
+        """A counter's value ``v`` as exported: never below what ``key``
+        (the family, and the group for a group family; the pool's token)
+        last exported, since a value read lower is read skew, never a real
+        decrease; on a first scrape (nothing kept yet), never below 0."""
+        last = self._last
+        prev = last.get(key, 0.0)
+        if v < prev:
+            return prev
+        last[key] = v
+        return v
 
     def describe(self) -> list[Metric]:
         """Every family this collector exports now, without samples: those of
@@ -584,18 +594,10 @@ class PoolCollector:
                         [name], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
                     )
             elif fam.type == "counter":
-                last = self._last
                 for name, token, stats in snapshots:
-                    key = (fam.name, token)
-                    v = float(get(stats))
-                    prev = last.get(key, 0.0)
-                    if v < prev:
-                        # Read skew, never a real decrease; on a first scrape
-                        # (nothing kept yet), never below 0.
-                        v = prev
-                    else:
-                        last[key] = v
-                    family.add_metric([name], v)
+                    family.add_metric(
+                        [name], self._never_down((fam.name, token), float(get(stats)))
+                    )
             else:
                 for name, _, stats in snapshots:
                     family.add_metric([name], float(get(stats)))
@@ -613,7 +615,6 @@ class PoolCollector:
         """The families of :data:`GROUP_FAMILIES`, one sample (or one per
         ``label`` value) per group of each snapshot; counters never go down,
         as in :meth:`collect`."""
-        last = self._last
         for fam, family in zip(GROUP_FAMILIES, self._group_families(), strict=True):
             get = fam.get
             for name, token, stats in snapshots:
@@ -622,13 +623,7 @@ class PoolCollector:
                         for label, v in get(one):
                             family.add_metric([name, group, label], float(v))
                     elif fam.type == "counter":
-                        key = ((fam.name, group), token)
-                        v = float(get(one))
-                        prev = last.get(key, 0.0)
-                        if v < prev:
-                            v = prev  # read skew, never a real decrease
-                        else:
-                            last[key] = v
+                        v = self._never_down(((fam.name, group), token), float(get(one)))
                         family.add_metric([name, group], v)
                     else:
                         family.add_metric([name, group], float(get(one)))

@@ -106,6 +106,21 @@ async def test_grouped_extend_rows_gives_each_row_k_pages_in_each_group() -> Non
     assert kv(pool, "swa").available_size() == 8 and kv(pool, "full").available_size() == 12
 
 
+def assert_one_refusal_only(before: tuple[Any, ...], after: tuple[Any, ...], group: str) -> None:
+    """Between two :func:`snapshot` s only one growth refusal was counted:
+    once for the call, in the pool's figure and in ``group``'s own
+    (``stats().kv_groups``); everything else is as it was."""
+    after_stats, before_stats = after[0][0], before[0][0]
+    assert after_stats["growth_refusals"] == before_stats["growth_refusals"] + 1
+    after_stats["growth_refusals"] -= 1
+    groups_after = {n: dict(g) for n, g in after_stats.pop("kv_groups").items()}
+    groups_before = {n: dict(g) for n, g in before_stats.pop("kv_groups").items()}
+    assert groups_after[group]["growth_refusals"] == groups_before[group]["growth_refusals"] + 1
+    groups_after[group]["growth_refusals"] -= 1
+    assert groups_after == groups_before
+    assert after == before
+
+
 # ---------------------------------------------------------------- all or nothing
 
 
@@ -121,17 +136,7 @@ async def test_short_in_the_second_group_takes_nothing_in_the_first(call: str) -
         got = pool.extend_rows([g.row], {"swa": 2, "full": 2})
     assert got is None
     assert kv(pool, "swa").available_size() == swa_free  # the first group kept its pages
-    after = snapshot(pool)
-    # Only the refusal was counted: once, for the call.
-    assert after[0][0]["growth_refusals"] == before[0][0]["growth_refusals"] + 1
-    after[0][0]["growth_refusals"] -= 1
-    # ... in the short group's own figures (stats().kv_groups), the rest unchanged.
-    groups_after = {n: dict(g) for n, g in after[0][0].pop("kv_groups").items()}
-    groups_before = {n: dict(g) for n, g in before[0][0].pop("kv_groups").items()}
-    assert groups_after["full"]["growth_refusals"] == groups_before["full"]["growth_refusals"] + 1
-    groups_after["full"]["growth_refusals"] -= 1
-    assert groups_after == groups_before
-    assert after == before
+    assert_one_refusal_only(before, snapshot(pool), "full")
     pool.check_invariants()
     pool.free(g.row)
 
@@ -406,14 +411,7 @@ async def test_extend_fitting_by_group_when_every_row_fits_and_when_none_does() 
     before = snapshot(pool)
     m, got = pool.extend_fitting([a.row, b.row], {"swa": 1, "full": 3})  # full: 0 free
     assert m == 0 and got["swa"].shape == (0, 1) and got["full"].shape == (0, 3)
-    after = snapshot(pool)
-    assert after[0][0]["growth_refusals"] == before[0][0]["growth_refusals"] + 1
-    after[0][0]["growth_refusals"] -= 1
-    groups_after = {n: dict(g) for n, g in after[0][0].pop("kv_groups").items()}
-    groups_before = {n: dict(g) for n, g in before[0][0].pop("kv_groups").items()}
-    assert groups_after["full"]["growth_refusals"] == groups_before["full"]["growth_refusals"] + 1
-    groups_after["full"]["growth_refusals"] -= 1
-    assert groups_after == groups_before and after == before
+    assert_one_refusal_only(before, snapshot(pool), "full")
     pool.free([a.row, b.row])
 
 

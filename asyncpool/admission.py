@@ -1509,8 +1509,8 @@ class Admission:
         (read as page 0 by :meth:`pages_of`): the position of the row's
         first live page, to map :meth:`detach_pages`' tensor (its live
         pages only) back to positions. 0 for a row that never dropped, and
-        after the row's pages are detached or trimmed below it (a trim to
-        ``keep`` leaves at most ``keep``). Raises
+        after the row's pages are detached or it is trimmed to ``keep`` 0;
+        a trim to a ``keep`` at or under the count leaves it ``keep``. Raises
         :class:`InvalidSlotError` unless ``row`` is allocated; 0 on a pool
         without ``kv``. ``group=`` as for :meth:`pages_of`.
         """

@@ -214,6 +214,7 @@ class Admission:
     _loop: asyncio.AbstractEventLoop | None
     _unwatched: list[Fence]
     _take: Callable[[int], list[int] | None]
+    _growth_refusal_repeats: int
     size: int
 
     if TYPE_CHECKING:
@@ -885,7 +886,9 @@ class Admission:
         nothing: a dict ``{group: new pages}`` (a 1-D tensor per named
         group, empty for a count of 0, in the groups' order), or None,
         taking nothing in any group, when any group is short after
-        reclaiming its completed fences (one growth refusal). The same
+        reclaiming its completed fences (one growth refusal: once in
+        ``stats().growth_refusals``, and in the ``kv_groups`` figure of
+        each group that was short). The same
         rules as one group: never waits, takes free pages even while
         admissions queue, None while the memory is released, read-only
         tensors, freed with the row behind its recorded uses. Raises,
@@ -956,7 +959,8 @@ class Admission:
         count per named group, as :meth:`extend` takes it): each row gets
         that many pages in each named group, all or nothing across rows and
         groups, and the answer is a dict ``{group: (len(rows), count)
-        tensor}``, or None taking nothing; :class:`CapacityError` also for
+        tensor}``, or None taking nothing (counted as :meth:`extend`
+        counts it); :class:`CapacityError` also for
         ``len(rows) * count`` past a group's capacity. Per-row counts are
         per group: ``group=`` with a sequence ``k``.
         """
@@ -1056,7 +1060,9 @@ class Admission:
         :meth:`extend_rows` takes it): ``rows[:m]`` each get that many pages
         in every named group, for the largest ``m`` that every group's free
         pages cover, and the answer is ``(m, {group: (m, count) tensor})``
-        (a refusal counted on the group that stopped the run).
+        (a refusal: once in ``stats().growth_refusals``, and in the
+        ``kv_groups`` figure of every group whose free pages, after
+        reclaiming its completed fences, could not cover all of ``rows``).
         """
         self._check_thread()
         pages = self._pages
@@ -1146,26 +1152,33 @@ class Admission:
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         n = m = len(seq)
+        reclaimed = False
+        # The groups that cannot cover every row (after reclaiming their
+        # completed fences): each counts the call as a refusal of its own.
+        shorts: list[RowPages] | None = None
         if self._released:
             m = 0
-        reclaimed = False
-        short: RowPages | None = None
-        for _, pages, k in wants:
-            if not k or not m:
-                continue
-            pled = pages.ledger
-            if _reclaim_short(pled, m * k):
-                reclaimed = True
-            fits = pled.free_count // k
-            if fits < m:
-                m, short = fits, pages
+        elif n:
+            for _, pages, k in wants:
+                if not k:
+                    continue
+                pled = pages.ledger
+                if _reclaim_short(pled, n * k):
+                    reclaimed = True
+                fits = pled.free_count // k
+                if fits < n:
+                    if fits < m:
+                        m = fits
+                    if shorts is None:
+                        shorts = [pages]
+                    else:
+                        shorts.append(pages)
         if m:
             got = self._take_groups(wants, seq[:m], lines=True)
         else:
             got = {name: pages.out(np.zeros((0, k), dtype=np.int64)) for name, pages, k in wants}
-        if m < n and not self._released:
-            assert short is not None
-            short.growth_refusals += 1
+        if shorts is not None:
+            self._count_refusal(shorts)
         if reclaimed and self._waiters.count:
             self._waiters.grant()
         return m, got
@@ -1226,21 +1239,34 @@ class Admission:
         """
         n = len(rows)
         reclaimed = False
-        short: RowPages | None = None
+        shorts: list[RowPages] | None = None
         for _, pages, k in wants:
             led = pages.ledger
             if _reclaim_short(led, n * k):
                 reclaimed = True
-            if n * k > led.free_count and short is None:
-                short = pages
-        if short is not None:
-            short.growth_refusals += 1  # one refusal per call, however many groups are short
+            if n * k > led.free_count:
+                if shorts is None:
+                    shorts = [pages]
+                else:
+                    shorts.append(pages)
+        if shorts is not None:
+            self._count_refusal(shorts)
             got = None
         else:
             got = self._take_groups(wants, rows, lines)
         if reclaimed and self._waiters.count:
             self._waiters.grant()
         return got
+
+    def _count_refusal(self, shorts: list[RowPages]) -> None:
+        """One grouped growth refused, short in each group of ``shorts``:
+        each counts it in its own ``growth_refusals`` (a dashboard per group
+        shows which runs short), and ``stats().growth_refusals`` counts the
+        call once (the counts past the first are repeats, written before
+        the groups' own: see the pool's ``_growth_refusal_repeats``)."""
+        self._growth_refusal_repeats += len(shorts) - 1
+        for pages in shorts:
+            pages.growth_refusals += 1
 
     def _take_groups(
         self, wants: list[tuple[str, RowPages, int]], rows: Sequence[int], lines: bool

@@ -878,10 +878,14 @@ class KVGroupStats(KVPageStats):
     Every figure of the group's own :meth:`KVPagePool.stats` (a
     :class:`KVPageStats`, read in the same way: the four states add up to
     ``capacity``; ``fence_latency`` is empty when the row pool's ``stats``
-    was asked for no summaries), plus ``growth_refusals``: this group's
+    was asked for no summaries), plus ``growth_refusals``: the
     ``extend``/``extend_rows`` calls answered None and ``extend_fitting``
-    calls that grew fewer rows than given (``group=`` this group), total;
-    the row pool's ``growth_refusals`` is their sum.
+    calls that grew fewer rows than given in which this group was short of
+    pages (after reclaiming its completed fences), total: those with
+    ``group=`` this group, and grouped ones (``{group: count}``) that it
+    could not cover, counted in every group short in them (a dashboard
+    per group shows each bottleneck). The row pool's ``growth_refusals``
+    counts each call once: their sum less those repeats.
     """
 
     growth_refusals: int = 0

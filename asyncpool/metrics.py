@@ -380,8 +380,9 @@ GROUP_FAMILIES: tuple[GroupFamily, ...] = (
         "kv_group_growth_refusals",
         "counter",
         "",
-        "extend() and extend_rows() calls on the group answered None, and extend_fitting() "
-        "calls that grew fewer rows than given, short of the group's pages.",
+        "extend() and extend_rows() calls answered None, and extend_fitting() calls that "
+        "grew fewer rows than given, in which the group was short of pages (a call short "
+        "in several groups counts in each).",
         lambda g: g.growth_refusals,
     ),
     GroupFamily(

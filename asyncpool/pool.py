@@ -493,6 +493,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # group has counted (and remembers) is a repeat, subtracted from the
         # sum. _group_faults_seen: each group's fence_errors last seen.
         self._page_fault_repeats = 0
+        # stats().growth_refusals counts a refused call once, however many
+        # groups were short in it: each short group counts the call in its
+        # own growth_refusals, and the counts past the first in one call are
+        # repeats, subtracted from the sum (written before the groups' own
+        # counts and read after them, so a scrape on another thread can only
+        # read the figure short, never ahead of the truth).
+        self._growth_refusal_repeats = 0
         self._group_faults_seen = [one.ledger.fence_errors for one in kvs]
         for i, one in enumerate(kvs):
             on_fault = (
@@ -1817,7 +1824,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 pending = sum(g.pending for g in per.values())
                 quarantined = sum(g.quarantined for g in per.values())
                 errors = sum(g.fence_errors for g in per.values())
+                # Calls refused, once each: read after the groups' counts.
                 refusals = sum(g.growth_refusals for g in per.values())
+                refusals -= self._growth_refusal_repeats
             # Every grant of an admission is observed in the histogram (a
             # zero wait for one granted without queueing), so its count is
             # the number of admissions: one figure, never two counters read

@@ -106,17 +106,21 @@ async def test_grouped_extend_rows_gives_each_row_k_pages_in_each_group() -> Non
     assert kv(pool, "swa").available_size() == 8 and kv(pool, "full").available_size() == 12
 
 
-def assert_one_refusal_only(before: tuple[Any, ...], after: tuple[Any, ...], group: str) -> None:
-    """Between two :func:`snapshot` s only one growth refusal was counted:
-    once for the call, in the pool's figure and in ``group``'s own
-    (``stats().kv_groups``); everything else is as it was."""
+def assert_one_refusal_only(before: tuple[Any, ...], after: tuple[Any, ...], *short: str) -> None:
+    """Between two :func:`snapshot` s one refused call was counted: once in
+    the pool's figure (calls refused), and once in the own figure
+    (``stats().kv_groups``) of each group in ``short`` (the groups it was
+    short in) and no other; everything else is as it was."""
     after_stats, before_stats = after[0][0], before[0][0]
     assert after_stats["growth_refusals"] == before_stats["growth_refusals"] + 1
     after_stats["growth_refusals"] -= 1
     groups_after = {n: dict(g) for n, g in after_stats.pop("kv_groups").items()}
     groups_before = {n: dict(g) for n, g in before_stats.pop("kv_groups").items()}
-    assert groups_after[group]["growth_refusals"] == groups_before[group]["growth_refusals"] + 1
-    groups_after[group]["growth_refusals"] -= 1
+    for group in short:
+        assert (
+            groups_after[group]["growth_refusals"] == groups_before[group]["growth_refusals"] + 1
+        ), group
+        groups_after[group]["growth_refusals"] -= 1
     assert groups_after == groups_before
     assert after == before
 
@@ -138,6 +142,100 @@ async def test_short_in_the_second_group_takes_nothing_in_the_first(call: str) -
     assert kv(pool, "swa").available_size() == swa_free  # the first group kept its pages
     assert_one_refusal_only(before, snapshot(pool), "full")
     pool.check_invariants()
+    pool.free(g.row)
+
+
+@pytest.mark.parametrize("call", ["extend", "extend_rows", "extend_fitting"])
+async def test_a_call_short_in_both_groups_counts_in_each_and_once_in_all(call: str) -> None:
+    """A grouped growth short in two groups is one refused call: the pool's
+    ``growth_refusals`` (calls refused) counts it once, and each group's own
+    figure counts it, so a dashboard per group shows every group that ran
+    short. Only the first short group counted it before (full's figure
+    stayed 0 however often it was short too)."""
+    pool = grouped(rows=2, swa=3, full=3)
+    a = await pool.admit({"swa": 1, "full": 1})
+    b = await pool.admit({"swa": 1, "full": 1})  # 1 page left in each group
+    before = snapshot(pool)
+    if call == "extend":
+        assert pool.extend(a.row, {"swa": 2, "full": 2}) is None
+    elif call == "extend_rows":
+        assert pool.extend_rows([a.row, b.row], {"swa": 1, "full": 1}) is None
+    else:
+        m, got = pool.extend_fitting([a.row, b.row], {"swa": 2, "full": 2})
+        assert m == 0 and got["swa"].shape == (0, 2) and got["full"].shape == (0, 2)
+    assert_one_refusal_only(before, snapshot(pool), "swa", "full")
+    st = pool.stats()
+    assert st.growth_refusals == 1
+    assert [g.growth_refusals for g in st.kv_groups.values()] == [1, 1]
+    pool.check_invariants()
+    pool.free([a.row, b.row])
+
+
+@pytest.mark.parametrize("short", ["swa", "full"])
+@pytest.mark.parametrize("call", ["extend", "extend_rows", "extend_fitting"])
+async def test_a_call_short_in_one_group_counts_only_there(call: str, short: str) -> None:
+    """Short in one group (the first or the second in the pool's order):
+    that group counts the call, the other does not, the pool once."""
+    pool = grouped(rows=2, swa=4, full=4)
+    a = await pool.admit({"swa": 1, "full": 1})
+    b = await pool.admit({"swa": 1, "full": 1})  # 2 pages left in each group
+    counts = {"swa": 1, "full": 1}
+    counts[short] = 2  # 2 pages a row for two rows: 4, and 2 are free
+    before = snapshot(pool)
+    if call == "extend":
+        assert pool.extend(a.row, counts | {short: 3}) is None
+    elif call == "extend_rows":
+        assert pool.extend_rows([a.row, b.row], counts) is None
+    else:
+        m, _ = pool.extend_fitting([a.row, b.row], counts)
+        assert m == 1  # the short group stops the run after one row
+    st = pool.stats()
+    if call != "extend_fitting":
+        assert_one_refusal_only(before, snapshot(pool), short)
+    other = "full" if short == "swa" else "swa"
+    assert st.growth_refusals == 1
+    assert (st.kv_groups[short].growth_refusals, st.kv_groups[other].growth_refusals) == (1, 0)
+    pool.check_invariants()
+    pool.free([a.row, b.row])
+
+
+async def test_extend_fitting_counts_a_short_group_that_did_not_stop_the_run() -> None:
+    """``extend_fitting``: every group that cannot cover all the rows given
+    counts the call, not only the one that stopped the run shortest (swa
+    covers one of three rows, full two: both short, one call)."""
+    pool = grouped(rows=3, swa=4, full=5)
+    grants = [await pool.admit({"swa": 1, "full": 1}) for _ in range(3)]
+    rows = [g.row for g in grants]  # 1 swa page and 2 full pages left
+    m, got = pool.extend_fitting(rows, {"swa": 1, "full": 1})
+    assert m == 1 and got["full"].shape == (1, 1)
+    st = pool.stats()
+    assert st.growth_refusals == 1
+    assert {n: g.growth_refusals for n, g in st.kv_groups.items()} == {"swa": 1, "full": 1}
+    pool.check_invariants()
+    pool.free(rows)
+
+
+async def test_metrics_count_each_short_group_and_the_call_once() -> None:
+    """The per-group counter ``asyncpool_kv_group_growth_refusals_total``
+    counts the call in both short groups; ``asyncpool_growth_refusals_total``
+    once."""
+    pytest.importorskip("prometheus_client")
+    from asyncpool.metrics import PoolCollector
+
+    pool = grouped(rows=1, swa=1, full=1)
+    g = await pool.admit({"swa": 1, "full": 1})
+    assert pool.extend(g.row, {"swa": 1, "full": 1}) is None
+    samples = {
+        (s.name, s.labels.get("group")): s.value
+        for fam in PoolCollector(pool, name="p").collect()
+        for s in fam.samples
+        if "growth_refusals" in s.name
+    }
+    assert samples == {
+        ("asyncpool_growth_refusals_total", None): 1.0,
+        ("asyncpool_kv_group_growth_refusals_total", "swa"): 1.0,
+        ("asyncpool_kv_group_growth_refusals_total", "full"): 1.0,
+    }
     pool.free(g.row)
 
 

@@ -129,6 +129,15 @@ FAMILIES: tuple[Family, ...] = (
         lambda s: s.waiters,
     ),
     Family(
+        "queue_oldest_wait_seconds",
+        "gauge",
+        "seconds",
+        "How long the longest-queued alloc() or admit() call still waiting has waited "
+        "so far (0 when none waits): a stall in progress, which the wait histograms "
+        "see only once it ends.",
+        lambda s: s.oldest_wait_s,
+    ),
+    Family(
         "capacity_pages",
         "gauge",
         "pages",

@@ -1856,6 +1856,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         return self._stats(
             summaries,
             waiters=waiters.count,
+            oldest_wait_s=waiters.oldest_wait(),
             timeouts=waiters.timeouts,
             cancellations=waiters.cancellations,
             rejections=waiters.rejections,

@@ -344,12 +344,15 @@ class PoolStats:
             queueing counts as a zero wait.
         growth_refusals: ``extend`` and ``extend_rows`` calls answered None
             because fewer pages were free than asked after reclaiming
-            completed fences (one per call, a grouped growth short in
-            several groups included), and ``extend_fitting`` calls that grew fewer
+            completed fences, and ``extend_fitting`` calls that grew fewer
             rows than they were given, total: each is a retraction the
             scheduler had to make (its preemption figure, seen from the
-            pool). Calls refused with an error are not counted. With KV
-            groups, the sum of each group's (``kv_groups``).
+            pool). Calls refused with an error are not counted. One per
+            call: with KV groups, a grouped growth (``{group: count}``)
+            short in several groups counts once here and once in each of
+            those groups' own figures (``kv_groups``), so this is the sum of
+            the groups' figures less those repeats, never more than the
+            sum.
         kv_groups: with KV groups (a mapping ``kv=``), each group's own
             page figures, group name -> :class:`~asyncpool.KVGroupStats`, in
             the pool's group order: every figure of the group's
@@ -357,15 +360,25 @@ class PoolStats:
             ``quarantined``, ``capacity``, ``peak_allocated``,
             ``fence_errors``, ...) plus its ``growth_refusals``, so an
             operator sees which group runs short (the sliding-window one
-            full while full attention idles). The ``pages_*`` figures and
-            ``growth_refusals`` above are their sums, read from the same
-            snapshots (they always agree); ``page_fence_errors`` is their
-            ``fence_errors``' sum less the fences counted in more than one
-            group (see above). Each
+            full while full attention idles). The ``pages_*`` figures above
+            are their sums, read from the same snapshots (they always
+            agree); ``page_fence_errors`` is their ``fence_errors``' sum
+            less the fences counted in more than one group, and
+            ``growth_refusals`` their sum less the calls counted in more
+            than one group (see above). Each
             group's ``fence_latency`` is empty when ``stats`` was asked for
             no summaries. Read-only (a :class:`FrozenDict`); empty for a
             pool with one ``kv=`` (its figures are the ``pages_*`` ones) or
             none.
+        oldest_wait_s: seconds the longest-queued ``alloc`` or ``admit``
+            call still waiting has waited so far, at the moment of the
+            snapshot (any priority: at least ``queue_head().waited_s``);
+            0.0 when none waits (0.0 for the sync pool). A stall in
+            progress, which the wait histograms see only once it ends. A
+            call cancelled while queued stops counting at once, though it
+            stays queued until its task unwinds; one whose event loop was
+            closed under it too. Read on the waiter queues' clock
+            (``time.perf_counter``), as the waits.
     """
 
     capacity: int
@@ -408,3 +421,4 @@ class PoolStats:
     admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     growth_refusals: int = 0
     kv_groups: Mapping[str, KVGroupStats] = NO_GROUPS
+    oldest_wait_s: float = 0.0

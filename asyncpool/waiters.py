@@ -38,7 +38,9 @@ that removes its lost-wake-up and queue-jumping bugs):
   released, the owner closed, or its scheduler holds the grants) the loop
   grants nothing; :meth:`fail_all` fails every waiter (close).
 
-Thread rules: loop-affine, like the pool that owns it; not thread-safe.
+Thread rules: loop-affine, like the pool that owns it; not thread-safe,
+but for :meth:`WaiterQueues.oldest_wait`, a read that any thread may make
+(a metrics scrape).
 """
 
 from __future__ import annotations
@@ -400,6 +402,51 @@ class WaiterQueues:
         if w is None:
             return None
         return w[0], w[3], _perf_counter() - w[2]
+
+    def oldest_wait(self) -> float:
+        """Seconds the longest-queued live waiter has waited so far (its
+        :meth:`enqueue` to now, on the clock :meth:`head_wait` reads), of
+        any priority; 0.0 when nobody waits.
+
+        Within a priority the queue is FIFO, so its oldest live waiter is
+        its first not cancelled; the figure is the oldest of those across
+        the priorities (at least the head's wait, more when a less urgent
+        waiter queued before the head). Not live, so stepped over: a waiter
+        whose future is done (cancelled, its task not yet unwound: it stays
+        queued until its task resumes, the loop's next turn, or the grant
+        loop or a timeout drops it) and one whose event loop was closed
+        under it (dropped by the pool's next call that looks at the queue).
+        So neither holds the figure up.
+
+        Safe from any thread, with no lock: it copies the priorities' queues
+        in one C-level step, reads each queue by index (an entry the owner
+        takes off meanwhile ends that queue's scan, or moves it to a younger
+        entry) and reads futures' states, never changing anything. From
+        another thread the figure may be a few operations apart from the
+        queue's, and may then read a live waiter's younger neighbour, never
+        a waiter that left long ago. O(priorities) but for the cancelled
+        waiters not yet unwound, which it steps over.
+        """
+        if not self.count:
+            return 0.0
+        oldest: float | None = None
+        for queue in list(self._queues.values()):  # one C-level copy
+            i = 0
+            while True:
+                try:
+                    waiter = queue[i]
+                except IndexError:  # the end, or the owner emptied it meanwhile
+                    break
+                fut = waiter[1]
+                if not fut.done() and not fut.get_loop().is_closed():
+                    t0 = waiter[2]
+                    if oldest is None or t0 < oldest:
+                        oldest = t0
+                    break
+                i += 1
+        if oldest is None:
+            return 0.0
+        return max(0.0, _perf_counter() - oldest)
 
     def needs(self) -> list[Any]:
         """The needs of the queued waiters, in grant order (for tests and repr)."""

@@ -36,6 +36,7 @@ GAUGES = {
     "asyncpool_quarantined_rows": "rows",
     "asyncpool_peak_allocated_rows": "rows",
     "asyncpool_waiting_requests": "",
+    "asyncpool_queue_oldest_wait_seconds": "seconds",
     "asyncpool_capacity_pages": "pages",
     "asyncpool_free_pages": "pages",
     "asyncpool_allocated_pages": "pages",

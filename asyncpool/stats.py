@@ -378,7 +378,9 @@ class PoolStats:
             call cancelled while queued stops counting at once, though it
             stays queued until its task unwinds; one whose event loop was
             closed under it too. Read on the waiter queues' clock
-            (``time.perf_counter``), as the waits.
+            (``time.perf_counter``), as the waits. Left out of the
+            snapshot's equality (and hash): it moves with the clock while
+            the pool's state stands still.
     """
 
     capacity: int
@@ -421,4 +423,4 @@ class PoolStats:
     admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     growth_refusals: int = 0
     kv_groups: Mapping[str, KVGroupStats] = NO_GROUPS
-    oldest_wait_s: float = 0.0
+    oldest_wait_s: float = field(default=0.0, compare=False)

@@ -324,10 +324,11 @@ def ledger_snapshot(led: SlotLedger) -> tuple[Any, ...]:
 
 
 def pool_snapshot(pool: Any) -> tuple[Any, ...]:
-    """Stats (minus timing summaries), sizes and the ledger's full state."""
+    """Stats (minus timing summaries and the oldest wait), sizes and the ledger's full state."""
     stats = dataclasses.asdict(pool.stats())
     stats.pop("wait_time", None)
     stats.pop("fence_latency", None)
+    stats.pop("oldest_wait_s", None)  # moves with the clock while a waiter queues
     pool.check_invariants()
     waiting = pool.waiting() if hasattr(pool, "waiting") else 0
     return (

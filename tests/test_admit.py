@@ -1024,7 +1024,7 @@ async def test_stats_without_kv_have_zero_page_figures():
 
 def snapshot(pool: AsyncReqToTokenPool, check: bool = True):
     stats = dataclasses.asdict(pool.stats())
-    for key in ("wait_time", "fence_latency", "admit_wait"):
+    for key in ("wait_time", "fence_latency", "admit_wait", "oldest_wait_s"):
         stats.pop(key, None)
     kv = kv_of(pool)
     if check:

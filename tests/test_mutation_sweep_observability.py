@@ -107,6 +107,8 @@ def test_the_sync_pools_unreported_figures_are_zero_and_empty() -> None:
             ), f.name
         elif f.name == "kv_groups":  # a pool without KV groups: none
             assert value == {} and isinstance(value, FrozenDict), f.name
+        elif f.name == "oldest_wait_s":  # seconds: nobody waits
+            assert value == 0.0 and type(value) is float, f.name
         elif f.name != "capacity" and f.name != "free":
             assert value in (0, False) and type(value) in (int, bool), f.name
 

@@ -55,6 +55,7 @@ examples:
   python -m scheduler_demo --unsafe                 # same workload, no fences
   python -m scheduler_demo --admission row-first    # a row first, pages later
   python -m scheduler_demo --mode sync              # no overlap, for comparison
+  python -m scheduler_demo --swa-window 256         # a hybrid model: full + swa groups
   python -m scheduler_demo --json out.json --plot out.png
   python -m scheduler_demo.compare --rounds 3      # overlap, sync, unsafe, row-first
 """
@@ -157,6 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_D.page_size,
         help="token slots per KV page (default %(default)s)",
+    )
+    e.add_argument(
+        "--swa-window",
+        type=int,
+        default=_D.swa_window,
+        metavar="W",
+        help="a hybrid model: sliding-window layers attending to the last W tokens, "
+        'their KV in a second KV group ("swa") beside the full-attention "full" '
+        "(--kv-pages); each step writes every new token's KV in both and reads "
+        "the window back from swa, and the swa pages that slid out of every "
+        "window go back with drop_pages behind the step's fence (--unsafe: at "
+        "once); swa corruptions are reported apart; under --max-context-len - 2 "
+        "(default %(default)s: off)",
+    )
+    e.add_argument(
+        "--swa-pages",
+        type=int,
+        default=_D.swa_pages,
+        metavar="N",
+        help="with --swa-window: the swa group's pages (page 0, padding, on top); "
+        "0 sizes it for windows: rows x (ceil(W / page-size) + 2), a window's pages "
+        "and one behind the fence per row, not whole contexts; at least "
+        "ceil(W / page-size) + 2 (default %(default)s)",
     )
     e.add_argument(
         "--admission",
@@ -286,6 +310,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         page_size=args.page_size,
         admission=args.admission,
         transfer_ms=args.transfer_ms,
+        swa_window=args.swa_window,
+        swa_pages=args.swa_pages,
         admit_watermark=args.admit_watermark,
         max_prefill_tokens=args.max_prefill_tokens,
         mode=args.mode,
@@ -315,6 +341,8 @@ FLAGS = {
     "page_size": "--page-size",
     "admission": "--admission",
     "transfer_ms": "--transfer-ms",
+    "swa_window": "--swa-window",
+    "swa_pages": "--swa-pages",
     "admit_watermark": "--admit-watermark",
     "max_prefill_tokens": "--max-prefill-tokens",
     "mode": "--mode",
@@ -389,6 +417,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dem
     if args.tp:
         if cfg.admission != "atomic" or cfg.gate:
             parser.error(TP_NEEDS)
+        if cfg.swa_window:
+            parser.error("--swa-window is not run with --tp (the replicas have one KV group)")
         if args.plot:
             parser.error("--plot is not drawn with --tp (use --json)")
     elif args.tp_reclaim is not None:

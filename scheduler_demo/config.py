@@ -8,10 +8,11 @@ from typing import Any
 
 from .workload import LengthDist, WorkloadConfig
 
-__all__ = ["ADMISSIONS", "DemoConfig"]
+__all__ = ["ADMISSIONS", "DemoConfig", "swa_pages_for"]
 
 MEMORY_CAP_BYTES = 4 * 2**30  # the demo's big tables, in all
 MAX_REQUESTS = 10_000_000
+MAX_SWA_PAGES = 10_000_000
 MODES = ("overlap", "sync")
 DEVICES = ("cpu", "cuda")
 ADMISSIONS = ("atomic", "row-first")
@@ -23,6 +24,14 @@ MAX_MS = 60_000.0
 #: The most ``forward_us_per_token`` may be: 10 ms a token (a 512-token
 #: prefill step then takes 5 s).
 MAX_US_PER_TOKEN = 10_000.0
+
+
+def swa_pages_for(window: int, page_size: int, rows: int) -> int:
+    """The swa group's derived size: for each row, the pages a window of
+    ``window`` tokens spans (``ceil(window / page_size)``, plus one when it
+    straddles a boundary), plus the page the step in flight may still read
+    once it slid out (dropped behind the step's fence)."""
+    return rows * (-(-window // page_size) + 2)
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,12 @@ class DemoConfig:
     iteration, and an aborted request's transfer lands only once a new owner
     of its pages has written and verified a slot it writes (fenced, when the
     scheduler would otherwise idle: its pages are held behind it).
+
+    Hybrid model (``swa_window`` > 0 tokens; 0, the default, is off): the
+    pool gets a second KV group, ``"swa"`` (sliding-window layers), of
+    ``swa_pages`` pages (0: :func:`swa_pages_for`, room for every row's
+    window), beside ``"full"`` (the ``kv_pages`` above); see
+    :mod:`scheduler_demo.hybrid`.
     """
 
     num_requests: int = 1500
@@ -76,6 +91,8 @@ class DemoConfig:
     max_prefill_tokens: int = 512
     admission: str = "atomic"
     transfer_ms: float = 25.0
+    swa_window: int = 0
+    swa_pages: int = 0
 
     mode: str = "overlap"
     unsafe: bool = False
@@ -112,6 +129,7 @@ class DemoConfig:
                 f"kv_pages * page_size ({self.kv_pages * self.page_size} token slots) must "
                 f"be >= max_context_len ({self.max_context_len}) so that any single request fits"
             )
+        self._validate_swa()
         if not 0.0 < self.admit_watermark <= 1.0:
             raise ValueError("admit_watermark must be in (0, 1]")
         if not 0.0 <= self.abort_rate <= 1.0:
@@ -151,6 +169,9 @@ class DemoConfig:
         need = (self.rows + 1) * self.max_context_len * (4 + 8) + (
             self.kv_pages + 1
         ) * self.page_size * 8
+        if self.swa_window:  # its KV and the host's mirror of its slots
+            need += (self.swa_capacity + 1) * self.page_size * 8
+            need += (self.rows + 1) * self.max_context_len * 8
         if need > MEMORY_CAP_BYTES:
             raise ValueError(
                 f"rows x max_context_len and kv_pages x page_size need about "
@@ -164,6 +185,35 @@ class DemoConfig:
                 LengthDist.parse(getattr(self, name))
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
+
+    def _validate_swa(self) -> None:
+        if self.swa_window < 0 or self.swa_pages < 0:
+            raise ValueError("swa_window and swa_pages must be >= 0 (0: off / derived)")
+        if not self.swa_window:
+            if self.swa_pages:
+                raise ValueError("swa_pages needs swa_window (the sliding-window group)")
+            return
+        if self.swa_window >= self.max_context_len - 2:
+            raise ValueError(
+                f"swa_window ({self.swa_window}) must be under max_context_len - 2 "
+                f"({self.max_context_len - 2}, the longest request): nothing would slide out"
+            )
+        least = swa_pages_for(self.swa_window, self.page_size, 1)
+        if self.swa_pages and self.swa_pages < least:
+            raise ValueError(
+                f"swa_pages ({self.swa_pages}) must be >= {least} (a window's pages, "
+                f"one of growth and one behind the step's fence) so that any single "
+                f"request fits"
+            )
+        if self.swa_pages > MAX_SWA_PAGES:
+            raise ValueError(f"swa_pages must be <= {MAX_SWA_PAGES:,}")
+
+    @property
+    def swa_capacity(self) -> int:
+        """The swa group's pages (0 without a window), derived when ``swa_pages`` is 0."""
+        if not self.swa_window:
+            return 0
+        return self.swa_pages or swa_pages_for(self.swa_window, self.page_size, self.rows)
 
     def workload(self) -> WorkloadConfig:
         # Leave two columns spare: under overlap a request runs one step past

@@ -35,6 +35,8 @@ import torch
 import asyncpool
 from asyncpool import HostStream, record_fence
 
+from .hybrid import SwaStep
+
 __all__ = ["Forward", "Step", "wait_fence"]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ class Step:
     * ``v_rows``, ``v_cols``, ``v_slots``, ``v_vals``: every token of every
       request of the batch, with the slot its row must list and the value its
       KV slot must hold once the step has run.
+
+    ``swa`` (a hybrid model, :mod:`scheduler_demo.hybrid`): the KV the step
+    writes in the sliding-window group and the window it reads back there
+    (``out_swa``); None without one.
     """
 
     __slots__ = (
@@ -79,10 +85,12 @@ class Step:
         "out_kv",
         "out_lens",
         "out_row",
+        "out_swa",
         "row_idx",
         "rows",
         "slots",
         "step_id",
+        "swa",
         "tokens",
         "v_cols",
         "v_rows",
@@ -103,6 +111,7 @@ class Step:
         kv_vals: np.ndarray,
         verify: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         gate: threading.Event | None = None,
+        swa: SwaStep | None = None,
     ) -> None:
         self.step_id = step_id
         self.entries = entries
@@ -118,6 +127,8 @@ class Step:
         self.kv_tokens = len(kv_idx)
         self.v_rows, self.v_cols, self.v_slots, self.v_vals = verify
         self.gate = gate
+        self.swa = swa
+        self.out_swa: torch.Tensor | None = None
         self.fence: Any = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.out_lens: torch.Tensor | None = None
@@ -279,7 +290,7 @@ class Forward:
 
     def _inputs(self, step: Step) -> tuple[torch.Tensor, ...]:
         i64 = torch.int64
-        host = (
+        host: tuple[torch.Tensor, ...] = (
             torch.tensor(step.rows, dtype=i64),
             torch.tensor(step.n_new, dtype=torch.int32),
             torch.from_numpy(step.row_idx),
@@ -290,6 +301,9 @@ class Forward:
             torch.from_numpy(step.v_rows * self._ncols + step.v_cols),
             torch.from_numpy(step.v_slots),
         )
+        if step.swa is not None:
+            w_slots, w_vals, v_slots, _, _ = step.swa
+            host += tuple(torch.from_numpy(a) for a in (w_slots, w_vals, v_slots))
         if not self.is_cuda:
             return host
         # Pinned and non-blocking: a pageable copy would synchronize the
@@ -313,7 +327,7 @@ class Forward:
         # 2. The table writes of the batch's rows, positions from the device.
         r2t, vl, kv = self.req_to_token, self.verified_lens, self.kv
         assert r2t is not None and vl is not None and kv is not None
-        rows, n_new, row_idx, offs, slots, kv_idx, kv_vals, v_flat, v_slots = step.inputs
+        rows, n_new, row_idx, offs, slots, kv_idx, kv_vals, v_flat, v_slots = step.inputs[:9]
         pos = vl.index_select(0, rows)
         cols = pos.repeat_interleave(n_new, output_size=step.tokens) + offs
         cols.clamp_(max=self._max_col)  # a corrupted length must not fault the stream
@@ -322,6 +336,11 @@ class Forward:
         # 3. The new tokens' KV, through the row (as attention kernels write K/V).
         kv_slots = r2t[row_idx[kv_idx], cols[kv_idx]].long()
         kv.index_put_((kv_slots,), kv_vals)
+        if step.swa is not None:  # the sliding-window layers' KV, in their own pages
+            swa_w_slots, swa_w_vals, swa_v_slots = step.inputs[9:]
+            kv.index_put_((swa_w_slots,), swa_w_vals)
+            out_swa = kv.index_select(0, swa_v_slots)
+            step.out_swa = _to_host(out_swa) if self.is_cuda else out_swa
         # 4. The outputs the host verifies: every token of every request.
         out_lens = vl.index_select(0, rows)
         out_row = r2t.view(-1).index_select(0, v_flat)

@@ -6,9 +6,14 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-__all__ = ["Report", "Sample", "Trace", "percentile"]
+if TYPE_CHECKING:
+    from asyncpool import KVPagePool
+
+    from .scheduler import Scheduler
+
+__all__ = ["Report", "Sample", "Trace", "percentile", "swa_figures"]
 
 
 class Sample(NamedTuple):
@@ -65,7 +70,12 @@ class Report:
     they own held another request's value); ``mismatches`` and
     ``kv_mismatches`` count every disagreeing check. ``row_utilization`` is
     the mean of requests running over the mean of rows allocated, both read
-    at the same scheduler iterations."""
+    at the same scheduler iterations.
+
+    ``swa``: a hybrid model's sliding-window group (``--swa-window``; None
+    without one, and then not in the JSON): see :func:`swa_figures`. The
+    fields above are then the full group's (``kv_corruptions``,
+    ``deferred_page_frees``, the pages over time)."""
 
     mode: str
     unsafe: bool
@@ -105,6 +115,7 @@ class Report:
     forward_ms_per_step: float  # mean time of a step on the forward stream (CUDA: events)
     sched_cpu_ms_per_step: float  # the event loop thread's CPU time per step
     config: dict[str, Any] = field(default_factory=dict)
+    swa: dict[str, Any] | None = None
     trace: Trace = field(default_factory=Trace, repr=False, compare=False)
 
     @property
@@ -115,14 +126,20 @@ class Report:
             not self.unsafe
             and self.corruptions == 0
             and self.kv_corruptions == 0
+            and (self.swa is None or self.swa["kv_corruptions"] == 0)
             and self.completed + self.aborts == self.requests
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON fields: every scalar field, the config and the pages over
-        time (``pages``: ``t_s``, ``allocated``, ``pending``, ``free``)."""
+        time (``pages``: ``t_s``, ``allocated``, ``pending``, ``free``);
+        ``swa`` only for a hybrid model."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
         out["config"] = dict(self.config)
+        if self.swa is None:
+            del out["swa"]
+        else:
+            out["swa"] = dict(self.swa)
         out["pages"] = self.trace.pages_over_time()
         return out
 
@@ -178,15 +195,60 @@ class Report:
                 + (f" ({self.mismatches} mismatches)" if self.mismatches else ""),
             ),
             (
-                "kv_corruptions (pages)",
+                "kv_corruptions (pages)" if self.swa is None else "kv_corruptions (full pages)",
                 f"{self.kv_corruptions}"
                 + (f" ({self.kv_mismatches} mismatches)" if self.kv_mismatches else ""),
             ),
         ]
+        if self.swa is not None:
+            rows += _swa_rows(self.swa)
         width = max(len(k) for k, _ in rows)
         lines = [f"scheduler_demo: {label}", "-" * (width + 24)]
         lines += [f"{k:<{width}}  {v}" for k, v in rows]
         return "\n".join(lines)
+
+
+def swa_figures(sched: Scheduler, pages: KVPagePool) -> dict[str, Any]:
+    """The sliding-window group's figures after a run: ``window`` (tokens),
+    ``pages`` (its capacity), ``peak_allocated`` (its pool's),
+    ``undropped_peak`` (the most pages one step's rows would have held had
+    they kept every page from position 0: what the group would need without
+    the drops), ``pages_dropped`` (given back by ``drop_pages`` while their
+    requests ran), ``deferred_page_frees`` (its pages that waited for a
+    fence), ``kv_corruptions`` (requests whose window read back another's
+    KV at least once) and ``kv_mismatches`` (every such check)."""
+    group = sched.swa
+    assert group is not None
+    st = pages.stats()
+    return {
+        "window": group.window,
+        "pages": pages.capacity,
+        "peak_allocated": st.peak_allocated,
+        "undropped_peak": group.undropped_peak,
+        "pages_dropped": group.pages_dropped,
+        "deferred_page_frees": st.deferred_frees,
+        "kv_corruptions": len(sched.swa_corrupted),
+        "kv_mismatches": sched.swa_mismatches,
+    }
+
+
+def _swa_rows(swa: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        (
+            "swa window / pages",
+            f"{swa['window']} tokens / {swa['pages']} pages "
+            f"(peak {swa['peak_allocated']}; {swa['undropped_peak']} without drops)",
+        ),
+        (
+            "swa pages dropped / deferred",
+            f"{swa['pages_dropped']} / {swa['deferred_page_frees']}",
+        ),
+        (
+            "kv_corruptions (swa pages)",
+            f"{swa['kv_corruptions']}"
+            + (f" ({swa['kv_mismatches']} mismatches)" if swa["kv_mismatches"] else ""),
+        ),
+    ]
 
 
 def percentile(samples: list[float], q: float) -> float:

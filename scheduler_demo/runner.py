@@ -14,7 +14,7 @@ from asyncpool import AsyncReqToTokenPool, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward
-from .report import Report, Trace, percentile
+from .report import Report, Trace, percentile, swa_figures
 from .scheduler import Scheduler
 from .transfer import TransferEngine
 from .workload import generate
@@ -58,14 +58,24 @@ async def run_demo(
         # The pool owns the pages: a row and its pages are admitted, extended
         # and freed together.
         kv_pages = KVPagePool(cfg.kv_pages + 1, cfg.page_size, device=cfg.device, reclaim=reclaim)
+        # A hybrid model's sliding-window group, sized for windows (its slots
+        # follow the full group's in the KV tensor).
+        swa_pages = None
+        groups: Any = kv_pages
+        if cfg.swa_window:
+            swa_pages = KVPagePool(
+                cfg.swa_capacity + 1, cfg.page_size, device=cfg.device, reclaim=reclaim, name="swa"
+            )
+            groups = {"full": kv_pages, "swa": swa_pages}
         # The KV cache: one value per token slot (page p, offset o at p * page_size + o).
-        kv = torch.zeros((cfg.kv_pages + 1) * cfg.page_size, dtype=torch.int64, device=cfg.device)
+        slots = kv_pages.num_pages + (0 if swa_pages is None else swa_pages.num_pages)
+        kv = torch.zeros(slots * cfg.page_size, dtype=torch.int64, device=cfg.device)
         async with AsyncReqToTokenPool(
             cfg.rows + 1,
             cfg.max_context_len,
             device=cfg.device,
             stream=pool_stream,
-            kv=kv_pages,
+            kv=groups,
             reclaim=reclaim,
         ) as pool:
             forward.attach(pool.req_to_token, pool.verified_lens, kv)
@@ -97,6 +107,7 @@ async def run_demo(
             stats = pool.stats()
             busy = forward.busy_s - busy0
             deferred_pages = kv_pages.stats().deferred_frees
+            swa = None if swa_pages is None else swa_figures(sched, swa_pages)
     finally:
         if bar is not None:
             bar.close()
@@ -151,6 +162,7 @@ async def run_demo(
         forward_ms_per_step=busy / steps * 1e3,
         sched_cpu_ms_per_step=sched.cpu_s / steps * 1e3,
         config=cfg.to_dict(),
+        swa=swa,
         trace=Trace(
             sched.timeline,
             sched.admit_waits,

@@ -32,6 +32,12 @@ copies taken when they finished. Aborted requests are not verified; the
 requests that receive their pages are.
 
 ``mode="sync"`` runs the same loop without overlap (launch, wait, process).
+
+A hybrid model (``swa_window``): the pool has a "full" and a "swa" KV group;
+admission and growth take pages in both, each step also writes and reads
+back the window's KV in the swa group (``swa_kv_corruptions``), and the
+scheduler drops the swa pages that slid out of the window right after
+launching each step (:mod:`scheduler_demo.hybrid`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from asyncpool import AsyncReqToTokenPool, GrantHold, KVPagePool
 
 from .config import DemoConfig
 from .forward import Forward, Step, fill_gates, wait_fence
+from .hybrid import SwaGroup
 from .report import Sample
 from .transfer import Transfer, TransferEngine
 from .workload import RequestSpec
@@ -200,6 +207,18 @@ class Scheduler:
         self._error: BaseException | None = None
         self._gated: collections.deque[Step] = collections.deque()
 
+        # A hybrid model's sliding-window group: its host record, the
+        # requests whose window it found overwritten, its checks that failed.
+        self.swa: SwaGroup | None = None
+        if cfg.swa_window:
+            offset = kv.num_pages * self.ps  # its slots follow the full group's
+            self.swa = SwaGroup(cfg.swa_window, self.ps, cfg.rows, max_slots, offset)
+        self.swa_corrupted: set[int] = set()
+        self.swa_mismatches = 0
+        # Gate mode: transfers started that may write a gated step's window.
+        self._started: list[Transfer] = []
+        self._must_land: set[Transfer] = set()
+
     @property
     def done(self) -> int:
         return self.completed + self.aborted
@@ -225,6 +244,8 @@ class Scheduler:
                         # only after everything this iteration freed was handed
                         # out again (and its new owners ran).
                         await asyncio.sleep(0)
+                        if self.swa is not None:
+                            await self._land_into_reads(prev)
                         prev.open_gate()
                     await self._process(prev)
                 if cur is not None and not self.overlap:
@@ -337,6 +358,21 @@ class Scheduler:
         # Positions [0, prompt + generated] for the first step.
         return (req.spec.prompt_len + req.generated) // self.ps + 1
 
+    def _swa_admission(self, req: Req) -> tuple[int, int]:
+        """The swa group's first page and count for ``req``'s admission."""
+        assert self.swa is not None
+        # The first step's last position: the joining token, or the last
+        # one a prefill recomputes.
+        q0 = req.spec.prompt_len + max(req.generated - 1, 0)
+        return self.swa.admission(q0, self._need_pages(req))
+
+    def _counts(self, req: Req, n: int) -> Any:
+        """What admission asks the pool for: ``n`` pages, or with a sliding
+        window ``{"full": n, "swa": m}``."""
+        if self.swa is None:
+            return n
+        return {"full": n, "swa": self._swa_admission(req)[1]}
+
     def _admit_more(self) -> None:
         """Admit waiting requests while the pages held stay under the budget,
         keeping a page per ``page_size`` running requests for decode growth."""
@@ -354,7 +390,7 @@ class Scheduler:
                 if self.atomic:
                     queue.popleft()
                     self.pages_held += n
-                    grant = self.pool.try_admit(pages=n)
+                    grant = self.pool.try_admit(pages=self._counts(req, n))
                     if grant is not None:
                         req.row = grant.row
                         self._granted(req, grant.pages)
@@ -362,7 +398,7 @@ class Scheduler:
                         req.state = ADMITTING
                         self._spawn(self._admit(req, n, priority))
                     continue
-                pages = self.pool.extend(req.row, n)
+                pages = self.pool.extend(req.row, self._counts(req, n))
                 if pages is None:
                     return  # pages still behind a fence: next iteration
                 queue.popleft()
@@ -371,7 +407,7 @@ class Scheduler:
             # FIFO: the head that does not fit blocks those behind it.
 
     async def _admit(self, req: Req, n: int, priority: int) -> None:
-        grant = await self.pool.admit(pages=n, priority=priority)
+        grant = await self.pool.admit(pages=self._counts(req, n), priority=priority)
         req.row = grant.row
         self._granted(req, grant.pages)
 
@@ -393,12 +429,17 @@ class Scheduler:
             self._growth_hold.release()
             self._growth_hold = None
 
-    def _granted(self, req: Req, pages: torch.Tensor) -> None:
+    def _granted(self, req: Req, pages: torch.Tensor | dict[str, torch.Tensor]) -> None:
         """``req`` holds its row and first pages: start its transfer, or queue
         its prefill (a retracted request recomputes its KV locally, unless
         it was retracted before producing its first token: nothing of it was
         computed here, so its prompt's KV is transferred again)."""
         self.admit_waits.append(time.perf_counter() - req.admit_t0)
+        if isinstance(pages, dict):  # the full and swa groups
+            assert self.swa is not None
+            base, _ = self._swa_admission(req)
+            self.swa.start(req.row, base, pages["swa"].tolist())
+            pages = pages["full"]
         self._add_pages(req, pages)
         if req.generated == 0:
             req.entry = JOIN
@@ -424,7 +465,14 @@ class Scheduler:
         n = req.spec.prompt_len
         slots = torch.from_numpy(self._mirror[req.row, :n].copy())
         values = torch.arange(req.base, req.base + n, dtype=torch.int64)
+        if self.swa is not None:  # and the window of the first step, in the swa group
+            lo = self.swa.lo(n)
+            swa_slots = torch.from_numpy(self.swa.slots(req.row, lo, n).copy())
+            slots = torch.cat([slots, swa_slots])
+            values = torch.cat([values, values[lo:]])
         t = self.transfers.start(req.spec.rid, slots, values)
+        if self.swa is not None and self.cfg.gate:
+            self._started.append(t)
         req.transfer = t
         req.state = TRANSFER
         self._spawn(self._await_transfer(req, t))
@@ -462,7 +510,7 @@ class Scheduler:
             # Landed, not joined yet (or, the timer being late, retracted since
             # and waiting for its prefill).
             (self.ready_join if req in self.ready_join else self.ready_prefill).remove(req)
-        if in_transfer and self.cfg.gate and self.transfers.hold(t):
+        if in_transfer and self.cfg.gate and t not in self._must_land and self.transfers.hold(t):
             # Deterministic worst case: it lands only after a new owner of
             # one of its pages has written it (or when the scheduler idles).
             self._held.append((t, set(t.slots.tolist())))
@@ -553,7 +601,14 @@ class Scheduler:
         ]
         if not growing:
             return set()
-        m, pages = self.pool.extend_fitting([req.row for req in growing], 1)
+        rows = [req.row for req in growing]
+        if self.swa is None:
+            m, pages = self.pool.extend_fitting(rows, 1)
+        else:  # both groups cross the boundary at the same position
+            m, grown = self.pool.extend_fitting(rows, {"full": 1, "swa": 1})
+            pages = grown["full"]
+            for req, page in zip(growing, grown["swa"][:, 0].tolist(), strict=False):
+                self.swa.add(req.row, [page])
         self.pages_held += m
         for req, page in zip(growing, pages[:, 0].tolist(), strict=False):
             self._add_page_ids(req, [page])
@@ -643,6 +698,10 @@ class Scheduler:
         v_rows = np.repeat(rows_a, ends_a)
         v_slots = self._mirror[v_rows, v_cols]
         v_vals = np.repeat(bases_a, ends_a) + v_cols
+        swa = None
+        if self.swa is not None:
+            kv_from_a = np.array(kv_froms, dtype=i64)
+            swa = self.swa.build(rows_a, ends_a, kv_from_a, bases_a)
         self.step_id += 1
         gate = threading.Event() if (self.cfg.gate and self.overlap) else None
         return Step(
@@ -657,6 +716,7 @@ class Scheduler:
             kv_vals,
             (v_rows, v_cols, v_slots, v_vals),
             gate,
+            swa,
         )
 
     def _launch(self, step: Step) -> None:
@@ -664,6 +724,10 @@ class Scheduler:
         if self.fenced:
             # One fence per step, covering every row (and its pages) the step touches.
             self.pool.record_use(step.rows, fence)
+        if self.swa is not None:
+            # The pages no later step reads go back, behind the use just
+            # recorded (unsafe: none was, so at once).
+            self.swa.drop(self.pool, step.rows, step.exp_lens)
         if step.gate is not None:
             self._gated.append(step)
         self.steps += 1
@@ -689,6 +753,28 @@ class Scheduler:
         if self._held:
             await self._land_held(step)
 
+    async def _land_into_reads(self, step: Step) -> None:
+        """Gate mode with a sliding window: before the gated ``step`` reads its
+        windows, land every transfer started since that writes a slot they
+        read (the worst lag: the forward slower than the transfers). Fenced,
+        there is none: the pages a step still reads are behind its fence;
+        unsafe, a page dropped after its launch can already have a new owner,
+        whose prompt KV lands over what the step reads."""
+        assert step.swa is not None
+        self._started = [t for t in self._started if not t.query()]
+        if not self._started:
+            return
+        reads = set(step.swa.v_slots.tolist())
+        for t in self._started:
+            if reads.isdisjoint(t.slots.tolist()):
+                continue
+            self._must_land.add(t)  # an abort may no longer hold it back
+            for item in [item for item in self._held if item[0] is t]:
+                self._held.remove(item)
+            self.transfers.release(t)
+            await wait_fence(t)
+            self._must_land.discard(t)
+
     async def _land_held(self, step: Step) -> None:
         """Gate mode: let a held (aborted) transfer land once a new owner has
         written, and had verified, one of the slots it writes; wait until it
@@ -696,12 +782,21 @@ class Scheduler:
         owners = [
             (r, end) for r, epoch, end in step.entries if r.epoch == epoch and r.state == RUNNING
         ]
+        owned = [self._owned_slots(r, end) for r, end in owners]
         for item in list(self._held):
             t, slots = item
-            if any(slots.intersection(self._mirror[r.row, :end].tolist()) for r, end in owners):
+            if any(slots.intersection(o) for o in owned):
                 self._held.remove(item)
                 self.transfers.release(t)
                 await wait_fence(t)
+
+    def _owned_slots(self, req: Req, end: int) -> list[int]:
+        """The KV slots a running request's next verification reads: its row's
+        positions ``[0, end)`` and, with a sliding window, the window's."""
+        slots: list[int] = self._mirror[req.row, :end].tolist()
+        if self.swa is not None:
+            slots += self.swa.live_window(req.row, end).tolist()
+        return slots
 
     def _verify(self, step: Step) -> None:
         """Compare the step's view of the rows and the KV with the host's truth.
@@ -712,6 +807,8 @@ class Scheduler:
         """
         out_lens, out_row, out_kv = step.out_lens, step.out_row, step.out_kv
         assert out_lens is not None and out_row is not None and out_kv is not None
+        if step.swa is not None:
+            self._verify_swa(step)
         exp_lens = torch.tensor(step.exp_lens, dtype=out_lens.dtype)
         v_slots = torch.from_numpy(step.v_slots)
         v_vals = torch.from_numpy(step.v_vals)
@@ -748,6 +845,22 @@ class Scheduler:
                     step.rows[i],
                     _describe(step, i, ends, out_lens, out_row, out_kv),
                 )
+
+    def _verify_swa(self, step: Step) -> None:
+        """The window each request of ``step`` read back from the swa group."""
+        assert step.swa is not None and step.out_swa is not None
+        expected = torch.from_numpy(step.swa.v_vals)
+        if torch.equal(step.out_swa, expected):
+            return
+        ends = np.cumsum(step.swa.v_counts)
+        tokens = torch.nonzero(step.out_swa != expected).flatten().numpy()
+        for i in sorted(set(np.searchsorted(ends, tokens, side="right").tolist())):
+            req, epoch, _ = step.entries[i]
+            if req.epoch != epoch or req.state != RUNNING:
+                continue
+            self.swa_mismatches += 1
+            self.swa_corrupted.add(req.spec.rid)
+            logger.debug("swa kv corruption: request %d, step %d", req.spec.rid, step.step_id)
 
     def _corrupt(self, req: Req) -> None:
         self.mismatches += 1

@@ -1,0 +1,149 @@
+"""scheduler_demo with a hybrid model (``--swa-window``): a "full" and a
+"swa" KV group, the swa pages that slid out of the window dropped behind
+each step's fence.
+
+Sizes follow tests/test_demo.py's SMALL (seconds a run). ``HYBRID`` adds a
+16-token window and a swa group of 12 pages (the derived size would be 32,
+room for every row's window): the swa group is short, so a page given back
+is handed out again at once, which is what makes the unsafe run's early
+frees visible. The gate (the worst lags, deterministic) also lands a new
+owner's prompt KV before a gated step reads its window: unsafe, seeds 0-9
+each gave 12-25 swa corruptions; fenced, none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import LONG_S, bounded
+from test_demo import SMALL, _cli_args
+
+from asyncpool import AsyncReqToTokenPool
+from scheduler_demo import DemoConfig, run_demo
+from scheduler_demo.cli import main
+from scheduler_demo.scheduler import Scheduler
+
+HYBRID = replace(SMALL, swa_window=16, swa_pages=12, gate=True)
+
+
+def _hybrid_args(cfg: DemoConfig) -> list[str]:
+    return [*_cli_args(cfg), f"--swa-window={cfg.swa_window}", f"--swa-pages={cfg.swa_pages}"]
+
+
+async def _run(cfg: DemoConfig) -> tuple[Any, AsyncReqToTokenPool]:
+    """The report, and the pool the run used (closed by then)."""
+    pools: list[AsyncReqToTokenPool] = []
+
+    def factory(cfg: DemoConfig, pool: AsyncReqToTokenPool, *args: Any, **kw: Any) -> Scheduler:
+        pools.append(pool)
+        return Scheduler(cfg, pool, *args, **kw)
+
+    async with bounded(LONG_S):
+        report = await run_demo(cfg, scheduler_factory=factory)
+    return report, pools[0]
+
+
+async def test_fenced_hybrid_run_is_clean_in_both_groups_and_ends_empty() -> None:
+    report, pool = await _run(HYBRID)
+    assert report.completed + report.aborts == report.requests == HYBRID.num_requests
+    assert report.corruptions == 0 and report.mismatches == 0
+    assert report.kv_corruptions == 0 and report.kv_mismatches == 0
+    swa = report.swa
+    assert swa is not None
+    assert swa["kv_corruptions"] == 0 and swa["kv_mismatches"] == 0
+    assert report.ok
+    # Fenced, the dropped pages waited for the step in flight.
+    assert swa["deferred_page_frees"] > 0
+    st = pool.stats()
+    assert st.allocated == st.pending == 0
+    assert st.pages_allocated == st.pages_pending == 0
+    assert set(st.kv_groups) == {"full", "swa"}
+    for group in st.kv_groups.values():
+        assert group.allocated == group.pending == 0
+
+
+async def test_unsafe_hybrid_run_corrupts_swa_pages() -> None:
+    report, _ = await _run(replace(HYBRID, unsafe=True))
+    swa = report.swa
+    assert swa is not None
+    assert swa["kv_corruptions"] > 0 and swa["kv_mismatches"] >= swa["kv_corruptions"]
+    assert swa["deferred_page_frees"] == 0  # unsafe: every drop and free at once
+    assert not report.ok
+
+
+async def test_the_drops_give_swa_pages_back_and_the_group_needs_them() -> None:
+    report, _ = await _run(HYBRID)
+    swa = report.swa
+    assert swa is not None
+    assert swa["window"] == 16 and swa["pages"] == 12
+    assert swa["pages_dropped"] > 0
+    assert swa["peak_allocated"] <= swa["pages"]
+    # Without the drops one step's rows would have held more pages than the
+    # group has: the run finished only because the window's pages went back.
+    assert swa["undropped_peak"] > swa["pages"]
+
+
+async def test_derived_swa_size_is_room_for_every_rows_window() -> None:
+    report, _ = await _run(replace(HYBRID, swa_pages=0, num_requests=12))
+    assert report.swa is not None
+    # 8 rows x (ceil(16 / 8) + 2) pages.
+    assert report.swa["pages"] == 8 * 4 and report.ok
+
+
+def test_cli_hybrid_run_reports_each_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = tmp_path / "out.json"
+    assert main([*_hybrid_args(HYBRID), "--gate", f"--json={js}"]) == 0
+    data = json.loads(js.read_text())
+    assert data["swa"]["kv_corruptions"] == 0 and data["kv_corruptions"] == 0
+    assert data["config"]["swa_window"] == 16
+    out = capsys.readouterr().out
+    assert "kv_corruptions (full pages)" in out and "kv_corruptions (swa pages)" in out
+    assert "swa pages dropped / deferred" in out
+    js2 = tmp_path / "unsafe.json"
+    assert main([*_hybrid_args(HYBRID), "--gate", "--unsafe", f"--json={js2}"]) == 1
+    assert json.loads(js2.read_text())["swa"]["kv_corruptions"] > 0
+
+
+def test_cli_default_run_has_no_swa_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = tmp_path / "out.json"
+    assert main([*_cli_args(replace(SMALL, num_requests=8)), f"--json={js}"]) == 0
+    assert "swa" not in json.loads(js.read_text())
+    out = capsys.readouterr().out
+    assert "kv_corruptions (pages)" in out and "swa" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--swa-window=-1"], "--swa-window and --swa-pages must be >= 0"),
+        (["--swa-pages=8"], "--swa-pages needs --swa-window"),
+        (["--swa-window=126"], "--swa-window (126) must be under --max-context-len - 2"),
+        (["--swa-window=16", "--swa-pages=3"], "--swa-pages (3) must be >= 4"),
+        (["--swa-window=16", "--swa-pages=100000000"], "--swa-pages must be <= "),
+        (["--swa-window=16", "--tp=2"], "--swa-window is not run with --tp"),
+        (["--swa-window=x"], "invalid int value"),
+    ],
+)
+def test_cli_refuses_bad_swa_flags(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--max-context-len=128", "--kv-pages=32", "--page-size=8", "-n", "4"]
+    with pytest.raises(SystemExit) as exc:
+        main([*base, *args])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_help_explains_the_hybrid_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--swa-window W" in out and "--swa-pages N" in out and "drop_pages" in out

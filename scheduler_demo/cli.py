@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "table writes until the scheduler finished its next iteration, and "
         "an aborted request's transfer until a new owner of its pages has "
         "written and verified a slot it writes (with --mode sync only the "
-        "transfer half applies: no step is in flight to hold)",
+        "transfer half applies: no step is in flight to hold); with --swa-window, "
+        "a transfer that writes a slot a held step reads in its window lands first",
     )
     t.add_argument(
         "--timeout",

@@ -67,7 +67,10 @@ class DemoConfig:
     step's table writes wait until the scheduler has finished its next
     iteration, and an aborted request's transfer lands only once a new owner
     of its pages has written and verified a slot it writes (fenced, when the
-    scheduler would otherwise idle: its pages are held behind it).
+    scheduler would otherwise idle: its pages are held behind it); with a
+    sliding window, a transfer that writes a slot a held step reads in its
+    window lands before the step reads it (the forward slower than the
+    transfers).
 
     Hybrid model (``swa_window`` > 0 tokens; 0, the default, is off): the
     pool gets a second KV group, ``"swa"`` (sliding-window layers), of

@@ -499,7 +499,7 @@ def _report(unsafe: bool, kv_corruptions: int) -> Report:
         "kv_corruptions": kv_corruptions,
     }
     rest = {f.name: 1 for f in dataclasses.fields(Report) if f.name not in given}
-    del rest["config"], rest["trace"]
+    del rest["config"], rest["trace"], rest["swa"]  # the optional fields
     return Report(**given, **rest)
 
 

@@ -437,7 +437,7 @@ def _report(unsafe: bool, corruptions: int, kv_corruptions: int) -> Any:
         "kv_corruptions": kv_corruptions,
     }
     rest = {f.name: 1 for f in dataclasses.fields(Report) if f.name not in given}
-    del rest["config"], rest["trace"]
+    del rest["config"], rest["trace"], rest["swa"]  # the optional fields
     return Report(**given, **rest)
 
 

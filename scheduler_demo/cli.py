@@ -55,7 +55,7 @@ examples:
   python -m scheduler_demo --unsafe                 # same workload, no fences
   python -m scheduler_demo --admission row-first    # a row first, pages later
   python -m scheduler_demo --mode sync              # no overlap, for comparison
-  python -m scheduler_demo --swa-window 256         # a hybrid model: full + swa groups
+  python -m scheduler_demo --swa-window 64          # a hybrid model: full + swa groups
   python -m scheduler_demo --json out.json --plot out.png
   python -m scheduler_demo.compare --rounds 3      # overlap, sync, unsafe, row-first
 """

@@ -35,9 +35,10 @@ requests that receive their pages are.
 
 A hybrid model (``swa_window``): the pool has a "full" and a "swa" KV group;
 admission and growth take pages in both, each step also writes and reads
-back the window's KV in the swa group (``swa_kv_corruptions``), and the
-scheduler drops the swa pages that slid out of the window right after
-launching each step (:mod:`scheduler_demo.hybrid`).
+back the window's KV in the swa group (the report's
+``swa["kv_corruptions"]``), and the scheduler drops the swa pages that slid
+out of the window right after launching each step
+(:mod:`scheduler_demo.hybrid`).
 """
 
 from __future__ import annotations

@@ -147,3 +147,11 @@ def test_help_explains_the_hybrid_flags(capsys: pytest.CaptureFixture[str]) -> N
         main(["--help"])
     out = capsys.readouterr().out
     assert "--swa-window W" in out and "--swa-pages N" in out and "drop_pages" in out
+
+
+@pytest.mark.cuda
+async def test_cuda_fenced_hybrid_run() -> None:
+    # Not run on the project's VM (no GPU): the swa inputs, writes and read-backs
+    # on a CUDA stream, fenced, with no gate (the gate is CPU only).
+    report, _ = await _run(replace(HYBRID, device="cuda", gate=False, forward_ms=2.0))
+    assert report.swa is not None and report.ok

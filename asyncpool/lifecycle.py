@@ -32,7 +32,7 @@ from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import RowPages
 from .tables import TokenTables
 from .waiters import WaiterQueues
-from .watcher import FenceWatcher
+from .wakeups import FenceWakeups
 
 __all__ = ["GrantHold", "Lifecycle"]
 
@@ -104,7 +104,7 @@ class Lifecycle:
     _waiters: WaiterQueues
     _tables: TokenTables
     _overdue: OverdueFences | None
-    _watcher: FenceWatcher | None
+    _wakeups: FenceWakeups
     _fast: bool
     _closed: bool
     _released: bool
@@ -274,10 +274,7 @@ class Lifecycle:
         if self._overdue is not None and self._overdue.timer is not None:
             self._overdue.timer.cancel()
             self._overdue.timer = None
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.stop()
-            watcher.join(_CLOSE_JOIN_S)
+        self._wakeups.close(_CLOSE_JOIN_S)
         pool_log(logger, self._name).debug("closed %r", self)
 
     @property

@@ -22,14 +22,18 @@ A waiter cancelled after its grant gives the rows back (to the head of the
 free queue, clean) and re-runs the grant loop; a cancelled head that was not
 granted re-runs it too, since smaller waiters behind it may now fit.
 
-Wake-ups: a completed fence reaches the loop as ``_on_fences_done`` (a host
-fence's callback, the watcher's threads), which reclaims both ledgers,
-watches again the fences of unknown origin the poller let go of while they
-still hold memory, and runs the grant loop. A ``query()`` that raises what is
-not an ``Exception`` there leaves its batch as it was (the ledgers' rule);
-the wake-up still grants what it reclaimed, logs the error (``KeyboardInterrupt``
-and ``SystemExit`` propagate, stopping the loop) and retries itself with a
-backoff until a reclaim is not interrupted (see ``_on_fences_done``).
+Wake-ups: a completed fence reaches the loop as the wake-up of
+:mod:`asyncpool.wakeups` (a host fence's callback, the watcher's threads),
+which reclaims both ledgers, watches again the fences of unknown origin the
+poller let go of while they still hold memory, and runs the grant loop. A
+``query()`` that raises what is not an ``Exception`` there leaves its batch
+as it was (the ledgers' rule); the wake-up still grants what it reclaimed,
+logs the error (``KeyboardInterrupt`` and ``SystemExit`` propagate,
+stopping the loop) and retries itself with a backoff until a reclaim is not
+interrupted (see ``FenceWakeups.on_fences_done``). The pool keeps the
+ledgers' pending hook (``_on_pending``: which loop, the overdue timer) and
+tells the wake-ups when it moves to another loop or thread; the wake-up
+closes the ``_fast`` gate (below) before it reclaims.
 
 Thread rules: the pool is loop-affine like every asyncio object. It binds to
 the thread of the first call made *inside a running event loop* (and to that
@@ -103,7 +107,7 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
-from .fences import CudaFence, Fence, Fences, HostFence, HostStream, check_after
+from .fences import Fence, Fences, HostStream, check_after
 from .kv_pages import KVGroupStats, KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import Lifecycle
@@ -113,7 +117,7 @@ from .row_pages import Grant, GroupGrant, RowPages
 from .stats import FrozenDict, Histogram, LatencySummary, PoolStats
 from .tables import PoolInfo
 from .waiters import WaiterQueues
-from .watcher import FenceWatcher
+from .wakeups import FenceWakeups
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
 
@@ -127,26 +131,10 @@ _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never rai
 # docstring): closed on a free-threaded build, where every call is checked.
 _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 
-#: A fence wake-up whose reclaim a ``query()`` interrupted (it raised what is
-#: not an ``Exception``) is retried after this, doubling while each retry is
-#: interrupted again, up to the cap (see ``_on_fences_done``).
-_WAKE_RETRY_MIN_S = 1e-3
-_WAKE_RETRY_MAX_S = 0.1
-#: A fence the poller let go of (it answered done there, or raised) that the
-#: wake-up's reclaim finds still open is watched again: at once the first
-#: time, then after this, doubling to the cap each time it comes back so,
-#: until it is no longer waited for (see ``_rewatch_dropped``).
-_REWATCH_MIN_S = 1e-3
-_REWATCH_MAX_S = 0.01
-#: How many such fences' counts the pool remembers (by id, ints only); past
-#: that it forgets them all, and each is watched again at once once more.
-_BOUNCES_REMEMBERED = 1024
 #: After an overdue check that logged newly overdue fences, the next check
 #: comes no sooner than this: at most a few WARNING lines a second, however
 #: many fences turn overdue one after another (see ``_check_overdue``).
 _RECHECK_AFTER_LOGGING_S = 1.0
-#: What a fence wake-up lets out: the loop must stop for these.
-_STOPS = (KeyboardInterrupt, SystemExit)
 
 
 def _describe(need: Need, groups: Sequence[str] = ()) -> tuple[str, str]:
@@ -232,56 +220,6 @@ def _check_kv(kv: object, explicit: bool) -> dict[str, KVPagePool] | None:
             f"got {len(groups)}"
         )
     return groups
-
-
-class _Wake:
-    """A pool's fence wake-up, as handed to fences and to its watcher.
-
-    It holds the pool weakly. A ``HostFence`` keeps its done callbacks until
-    it completes, and the watcher's threads keep their ``notify`` while they
-    run, so a strong reference would keep a pool that nothing else holds
-    alive as long as any of its fences is open: for ever behind a fence that
-    never completes (a stuck stream; a transfer whose peer died, with the
-    poller waking a thousand times a second to ask it), closed,
-    ``force_release``-d or not. A collected pool's wake-ups do nothing, and
-    its watcher's threads end at their next look (:meth:`alive`). Like any
-    asyncio object, a pool is kept alive by whoever uses it: the tasks that
-    await it hold it (keep references to your tasks, as asyncio requires).
-    """
-
-    __slots__ = ("_pool",)
-
-    def __init__(self, pool: AsyncReqToTokenPool) -> None:
-        self._pool = weakref.ref(pool)
-
-    def __call__(self) -> None:
-        pool = self._pool()
-        if pool is not None:
-            pool._fence_done_threadsafe()
-
-    def alive(self) -> bool:
-        """Whether the pool still exists (the watcher's threads end once not)."""
-        return self._pool() is not None
-
-
-def _retry_wake_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
-    """A retried fence wake-up's timer callback, holding its pool weakly.
-    One on a loop the pool has left (bind() to another thread) does nothing:
-    it must not touch the pool from that thread (a retry queued on the new
-    loop would be lost)."""
-    pool = pool_ref()
-    if pool is not None and pool._loop is loop and pool._wake_retry is loop:
-        pool._wake_retry = None
-        pool._on_fences_done(loop)
-
-
-def _rewatch_due_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
-    """A delayed re-watch's timer callback, holding its pool weakly; one on
-    a loop the pool has left does nothing (as :func:`_retry_wake_of`)."""
-    pool = pool_ref()
-    if pool is not None and pool._loop is loop and pool._rewatch_timer is loop:
-        pool._rewatch_timer = None
-        pool._rewatch_due_now()
 
 
 def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
@@ -432,23 +370,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # one-row free with nobody waiting, reopen it (stale False is only
         # slower).
         self._fast = False
-        # The loop a coalesced fence wake-up is queued on, or None. Keyed to
-        # the loop: a wake-up queued on a loop that stopped without running
-        # it must not suppress the wake-ups of the loop the pool moved to.
-        self._wake_scheduled: asyncio.AbstractEventLoop | None = None
-        self._watcher: FenceWatcher | None = None
-        # Fences the poller let go of that the reclaim found still open
-        # (see _rewatch_dropped): how many times in a row each came back so
-        # (by id), those waiting for a delayed re-watch, and the loop whose
-        # timer will re-watch them (keyed as _wake_retry is).
-        self._bounces: dict[int, int] = {}
-        self._rewatch_due: list[Fence] = []
-        self._rewatch_timer: asyncio.AbstractEventLoop | None = None
-        # Fence wake-ups in a row whose reclaim a query() interrupted, and the
-        # loop a retry of them is queued on (keyed as _wake_scheduled is).
-        self._wake_raises = 0
-        self._wake_retry: asyncio.AbstractEventLoop | None = None
-        self._wake = _Wake(self)  # what fences and the watcher call back (weakly)
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._wait_histogram = Histogram()  # queued allocs' waits, at grant
         # Allocs granted without queueing (zero waits), except those of the
@@ -487,6 +408,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         else:
             self._page_sets = ()
             self._group_items = ()
+        ledgers: list[Deferrals[Any]] = [led, *(pages.ledger for pages in self._page_sets)]
+        # The fence wake-ups (asyncpool.wakeups): what fences and the watcher
+        # call back, the watcher itself, the coalesced wake-up and its retries.
+        self._wakeups = FenceWakeups(
+            loop=lambda: self._loop,
+            closed=lambda: self._closed,
+            close_fast_paths=self._close_fast_paths,
+            reclaim=self._reclaim_both,
+            grant=self._waiters.grant,
+            ledgers=ledgers,
+            log=self._log_to(logger),
+            pool_name=self._name,
+        )
         # stats().page_fence_errors counts a fence once, however many groups
         # it held pages in: each group's ledger counts it in its own
         # fence_errors, and a group's first count of a fence that another
@@ -514,7 +448,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         # agreed (another rank's timeout, MAX over ranks), logged by agree()
         # and counted by stats() alike on every rank. Only counted: no timer.
         self._agreed_overdue: OverdueFences | None = None
-        ledgers: list[Deferrals[Any]] = [led, *(one.ledger for one in kvs)]
         if timeout_s is not None:
             self._overdue = OverdueFences(timeout_s, ledgers, pool_name=self._name)
         elif explicit:
@@ -583,6 +516,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
+
+    def _close_fast_paths(self) -> None:
+        # For the fence wake-up (FenceWakeups), before it reclaims: as a
+        # checked call's prologue, no unchecked call may interleave with it.
+        self._fast = False
 
     def _guard_kv(self) -> None:
         # The KVPagePool's guard (set_on_free): _check_thread, with an error
@@ -662,12 +600,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         except RuntimeError:
             self._loop = None
         self._set_owner(self._loop)
-        self._wake_scheduled = None  # nothing is pending, so nothing to wake
-        # Nor to retry: a retry timer left on the old loop finds the pool
-        # moved and does nothing. Forget that loop (the note would keep it,
-        # closed or not, alive) and the interrupted wake-ups it counted.
-        self._wake_retry = None
-        self._wake_raises = 0
+        # Nothing is pending, so nothing to wake, nor to retry (a retry timer
+        # left on the old loop finds the pool moved and does nothing).
+        self._wakeups.handed_over()
         if self._overdue is not None:
             # A check armed on the old loop stays that loop's (not cancelled
             # from this thread): it finds the pool moved and does nothing.
@@ -851,17 +786,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._flush_resets()
         self._loop = loop
         self._choose_fast_paths(loop)
-        # State tied to the old loop: a wake-up or a wake-up's retry queued
-        # there that may never run (nor could: a timer there finds the pool
-        # moved), and an overdue-fence timer that may never fire. Dropped,
-        # not kept until a retry is queued here: the note would keep the old
-        # loop alive. _wake_raises stays: a wake-up below re-watches what the
-        # poller let go of.
-        self._wake_scheduled = None
-        self._wake_retry = None
-        self._rewatch_timer = None
-        if self._rewatch_due:
-            self._rewatch_due_now()  # their timer on the old loop does nothing
+        # State tied to the old loop: the wake-ups' (a wake-up or a retry
+        # queued there, a delayed re-watch: FenceWakeups.left_loop), and an
+        # overdue-fence timer that may never fire.
+        self._wakeups.left_loop()
         pending = self._pending_any()
         overdue = self._overdue
         if overdue is not None and overdue.timer is not None:
@@ -872,8 +800,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if pending:
             # Fences that completed while their wake-up went to the old loop
             # (or to none) would wait for an unrelated call: look now.
-            self._wake_scheduled = loop
-            loop.call_soon(self._on_fences_done, loop)
+            self._wakeups.wake_soon(loop)
 
     # ------------------------------------------------------------ grants
     # The supply side of the waiter queues (asyncpool.waiters): what a need
@@ -1284,10 +1211,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._overdue is not None:
             for f in fences:
                 self._overdue.forget(f)
-        if self._watcher is not None:
-            for f in fences:
-                self._watcher.unwatch(f)  # nothing waits on it: stop asking
-                self._bounces.pop(id(f), None)  # a later fence may bear its id
+        self._wakeups.unwatch(fences)  # nothing waits on them: stop asking
         if self._unwatched:
             # Deferred while the pool's loop was closed, so not watched yet:
             # the next loop must not start asking them either.
@@ -1331,11 +1255,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             )
         return rows, pages
 
-    # ------------------------------------------------------------ fence wake-ups
+    # ------------------------------------------------------------ fences pending
 
     def _on_pending(self, fence: Fence) -> None:
         # Called by either ledger in the loop's thread when a fence starts
-        # holding rows or pages: arrange to be told when it completes.
+        # holding rows or pages: bind or move to the running loop as any
+        # call does, arm the overdue check, and have the wake-ups
+        # (asyncpool.wakeups) tell the loop when the fence completes.
         loop = self._loop
         running = _peek_running_loop()
         if running is not loop:
@@ -1356,218 +1282,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         overdue = self._overdue
         if overdue is not None and overdue.timer is None:
             self._arm_overdue(overdue.timeout)
-        if fence.__class__ is HostFence:
-            fence.add_done_callback(self._wake)
-            return
-        watcher = self._watcher
-        if watcher is None:
-            if self._closed:
-                return  # no thread close() would never stop; drain() still reclaims
-            watcher = self._watcher = FenceWatcher(
-                self._wake, alive=self._wake.alive, pool_name=self._name, keep_dropped=True
-            )
-        try:
-            watcher.watch(fence)
-        except RuntimeError:
-            pass  # closed: drain() and calls into the pool still reclaim
-
-    def _fence_done_threadsafe(self) -> None:
-        # Any thread. Coalesce a burst of completions into one loop callback.
-        # Benign race: the flag is cleared before reclaim queries the fences,
-        # and a fence is marked done before its callbacks run, so a completion
-        # that sees the flag still set is seen by that reclaim. No loop bound
-        # (set-up code, a bind() outside a loop): nothing to wake, and the
-        # next call into the pool reclaims the fence.
-        loop = self._loop
-        if loop is None or self._wake_scheduled is loop:
-            return
-        self._wake_scheduled = loop
-        try:
-            loop.call_soon_threadsafe(self._on_fences_done, loop)
-        except RuntimeError:  # the loop is closed: nobody is left to wake
-            self._wake_scheduled = None
-
-    def _on_fences_done(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """The fence wake-up: reclaim both ledgers, watch again what the
-        poller let go of while the pool still waits for it, serve the waiters.
-
-        ``loop``: the loop this wake-up was queued on. One the pool has left
-        (stopped, then run again after a hand-over) does nothing: the pool
-        may belong to another thread now, and its own loop is told.
-
-        A ``query()`` that raises what is not an ``Exception`` (a transfer
-        handle's ``CancelledError``, a ``KeyboardInterrupt``) interrupts the
-        reclaim, leaving its batch as it was (the ledgers' rule), and the
-        poller may already have let go of that fence (it answered True there,
-        or raised). Nobody called the pool, so nobody would look again:
-        :meth:`_wake_interrupted` serves the waiters with what the reclaim
-        released before the raise and queues a retry of this wake-up (1 ms,
-        doubling to 0.1 s while retries are interrupted too), which once a
-        reclaim is no longer interrupted watches again every pending fence of
-        unknown origin the poller let go of. The error is logged, not raised
-        (no caller to raise it to), except ``KeyboardInterrupt`` and
-        ``SystemExit``, which still leave the callback and stop the loop.
-        So a handle that raises on every call costs a few reclaims a second
-        (it is not polled meanwhile), never a loop of poller, wake-up and
-        reclaim as fast as the threads can hand over.
-        """
-        if loop is not None and loop is not self._loop:
-            return
-        self._wake_scheduled = None
-        self._fast = False  # no unchecked call may interleave with this one
-        try:
-            self._reclaim_both()
-            watcher = self._watcher
-            if watcher is not None and (self._wake_raises or watcher.dropped):
-                self._rewatch_dropped(watcher)
-            self._wake_raises = 0
-            self._waiters.grant()
-        except Exception:
-            raise  # as before: the loop's exception handler reports it
-        except BaseException as exc:
-            self._wake_interrupted(exc)
-            if isinstance(exc, _STOPS):
-                raise
-
-    def _wake_interrupted(self, exc: BaseException) -> None:
-        # A query() raised ``exc`` (not an Exception) inside a fence wake-up:
-        # see _on_fences_done. The fences the poller let go of stay unwatched
-        # until a retry's reclaim is no longer interrupted, so a handle that
-        # raises on every call is not polled, dropped and reclaimed in a loop.
-        self._wake_raises += 1
-        raises = self._wake_raises
-        try:
-            # Rows or pages released before the raise. Its own reclaim (a
-            # head that does not fit) may meet the same fence: the retry
-            # covers that too.
-            self._waiters.grant()
-        except (Exception, *_STOPS):
-            self._retry_wake_later(raises)
-            raise
-        except BaseException:
-            pass  # the same kind of raise again: the retry below covers it
-        self._retry_wake_later(raises)
-        if isinstance(exc, _STOPS):
-            return  # it propagates: no need to log it
-        log = self._log_to(logger)
-        if raises == 1:
-            log.warning(
-                "a fence's query() raised %r in the pool's background reclaim (a fence "
-                "wake-up): the memory behind it stays pending, the waiters were served "
-                "with what was reclaimed, and the wake-up is retried (at most every %g s) "
-                "until a reclaim no longer raises",
-                exc,
-                _WAKE_RETRY_MAX_S,
-                exc_info=exc,
-            )
-        elif not raises & (raises - 1):  # the 2nd, 4th, 8th ... in a row
-            log.debug("the pool's background reclaim raised %r again (%d in a row)", exc, raises)
-
-    def _retry_wake_later(self, raises: int) -> None:
-        loop = self._loop
-        if self._closed or loop is None or loop.is_closed() or self._wake_retry is loop:
-            return  # closed: drain() and calls into the pool still reclaim
-        delay = min(_WAKE_RETRY_MAX_S, _WAKE_RETRY_MIN_S * 2.0 ** min(raises - 1, 16))
-        self._wake_retry = loop
-        loop.call_later(delay, _retry_wake_of, weakref.ref(self), loop)
-
-    def _rewatch_dropped(self, watcher: FenceWatcher) -> None:
-        """Watch again the fences the poller let go of that the pool still
-        waits for; after the reclaim of a fence wake-up.
-
-        The poller drops a fence once its ``query()`` answered done there,
-        or raised (or answered neither yes nor no); the reclaim just now
-        asked it again, released its memory (done) or quarantined it (it
-        raised here too). One that answered "not done" here (a status poll
-        that failed once, a handle that answers done and then not done)
-        still holds memory: done and then not done is not done, so it is
-        watched again, or its completion would wake nobody. At once the
-        first time; a fence that comes back so again and again (its
-        ``query()`` raises, or answers done, on the poller's thread and
-        "not done" on the loop's) after ``_REWATCH_MIN_S``, doubling to
-        ``_REWATCH_MAX_S``: watched again at once every time, it made a
-        loop of poller, wake-up and reclaim as fast as the threads hand
-        over. Its waiter is then served within about ``_REWATCH_MAX_S`` of
-        it settling. O(fences dropped + the ledgers' side lists), the order
-        of the reclaim itself.
-
-        After wake-ups whose reclaim a ``query()`` interrupted
-        (:meth:`_on_fences_done`): every pending fence of unknown origin the
-        poller let go of then, done there or not, at once.
-        """
-        dropped = watcher.take_dropped()
-        if self._wake_raises:
-            pending = [
-                fence
-                for fence in self._pending_fences()
-                if fence.__class__ is not HostFence and fence.__class__ is not CudaFence
-            ]
-            if pending:
-                self._rewatch(watcher, pending)
-            return
-        if not dropped:
-            return
-        again = self._waited_on(dropped)
-        bounces = self._bounces
-        if bounces or again:
-            open_ids = {id(fence) for fence in again}
-            for fence in dropped:
-                if id(fence) not in open_ids:
-                    bounces.pop(id(fence), None)  # settled: done, or quarantined
-        if not again:
-            return
-        if len(bounces) + len(again) > _BOUNCES_REMEMBERED:
-            bounces.clear()
-        now: list[Fence] = []
-        later: list[Fence] = []
-        worst = 0
-        for fence in again:
-            n = bounces[id(fence)] = bounces.get(id(fence), 0) + 1
-            if n == 1:
-                now.append(fence)
-            else:
-                later.append(fence)
-                worst = max(worst, n)
-        if now:
-            self._rewatch(watcher, now)
-        if later:
-            self._rewatch_later(later, worst)
-
-    def _waited_on(self, fences: list[Fence]) -> list[Fence]:
-        """Those of ``fences`` that rows or pages wait for now (each once)."""
-        found = self._ledger.waiting_on(fences) if self._ledger.pending else []
-        for pages in self._page_sets:
-            if pages.ledger.pending:
-                found.extend(pages.ledger.waiting_on(fences))
-        if len(found) > 1:
-            found = list({id(fence): fence for fence in found}.values())
-        return found
-
-    def _rewatch(self, watcher: FenceWatcher, fences: list[Fence]) -> None:
-        try:
-            watcher.rewatch(fences)
-        except RuntimeError:  # stopped: the pool is closed (drain() reclaims)
-            pass
-
-    def _rewatch_later(self, fences: list[Fence], bounces: int) -> None:
-        # Re-watch ``fences`` after a backoff for the ``bounces``-th time in a
-        # row (see _rewatch_dropped); one timer for whatever waits.
-        self._rewatch_due.extend(fences)
-        loop = self._loop
-        if self._rewatch_timer is loop or loop is None or loop.is_closed():
-            return
-        delay = min(_REWATCH_MAX_S, _REWATCH_MIN_S * 2.0 ** min(bounces - 2, 16))
-        self._rewatch_timer = loop
-        loop.call_later(delay, _rewatch_due_of, weakref.ref(self), loop)
-
-    def _rewatch_due_now(self) -> None:
-        # The delayed re-watch: those of the fences it holds still waited for.
-        fences, self._rewatch_due = self._rewatch_due, []
-        watcher = self._watcher
-        if watcher is not None and fences:
-            again = self._waited_on(fences)
-            if again:
-                self._rewatch(watcher, again)
+        self._wakeups.watch(fence)
 
     def _on_pages_freed(self) -> None:
         # KVPagePool.free/reclaim called by the caller (detached pages) made
@@ -1579,7 +1294,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         loop = self._loop
         if loop is not None and not loop.is_closed() and not self._closed:
             assert self._overdue is not None
-            # Weakly, as the fence wake-ups (_Wake): a pool nothing else holds
+            # Weakly, as the fence wake-ups (wakeups._Wake): a pool nothing else holds
             # is collected, not kept until a long fence_timeout passes.
             self._overdue.timer = loop.call_later(delay, _check_overdue_of, weakref.ref(self), loop)
 
@@ -1787,7 +1502,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             return
         self._fast = False  # no unchecked call may interleave with this one
         self._prepare_wait(running)
-        self._on_fences_done(running)
+        self._wakeups.on_fences_done(running)
 
     def stats(self, *, summaries: bool = True) -> PoolStats:
         """A frozen snapshot of counts, totals, histograms and latency summaries.

@@ -734,7 +734,7 @@ async def bench_wake_slow_fences(cfg: Config) -> list[Row]:
             k = i % len(names)
             for name in names[k:] + names[:k]:  # rotate who goes first
                 lat[name].append(await once(*cases[name]))
-        watcher = crowded._watcher
+        watcher = crowded._wakeups.watcher
         assert watcher is not None and watcher.polled == n_slow, watcher
         polls0 = watcher.polls
         c0, w0 = time.process_time(), time.perf_counter()

@@ -404,13 +404,13 @@ def kv_group(pool: AsyncReqToTokenPool, name: str) -> KVPagePool:
 def count_wake_ups(pool: AsyncReqToTokenPool) -> list[int]:
     """Count the pool's fence wake-ups from now on: ``[n]``, read as it grows."""
     calls = [0]
-    real = pool._on_fences_done
+    real = pool._wakeups.on_fences_done
 
     def counting(loop: asyncio.AbstractEventLoop | None = None) -> None:
         calls[0] += 1
         real(loop)
 
-    pool._on_fences_done = counting  # type: ignore[method-assign]
+    pool._wakeups.on_fences_done = counting  # type: ignore[method-assign]
     return calls
 
 

@@ -816,9 +816,9 @@ async def test_force_release_stops_watching_and_covers_uses_still_recorded(kit):
         used = stream.record()
         pool.record_use([b.row], used)
         pool.free([a.row], fence=stuck)
-        assert pool._watcher is not None and pool._watcher.polled == 1
+        assert pool._wakeups.watcher is not None and pool._wakeups.watcher.polled == 1
         pool.force_release(stuck)
-        assert pool._watcher.polled == 0  # nothing waits on it: not asked again
+        assert pool._wakeups.watcher.polled == 0  # nothing waits on it: not asked again
         pool.free([b.row])
         gate.open()
         await asyncio.wait_for(asyncio.to_thread(stream.synchronize), WAIT_S)

@@ -1095,7 +1095,7 @@ async def test_watcher_wakes_waiter_for_a_fence_of_unknown_origin(kit):
         assert pool.pending_size() == 2
         t = asyncio.create_task(pool.alloc(2))
         await spin()
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is not None and watcher.running
         assert pool.waiting() == 1
         ef.set()  # no other call into the pool
@@ -1105,7 +1105,7 @@ async def test_watcher_wakes_waiter_for_a_fence_of_unknown_origin(kit):
     # close() joins the stopped watcher for 50 ms only; a loaded machine may
     # take longer to run the thread out.
     assert watcher.join(WAIT_S)
-    assert pool._watcher is None
+    assert pool._wakeups.watcher is None
 
 
 async def test_watcher_record_use_with_unknown_fence(kit):
@@ -1133,7 +1133,7 @@ async def test_close_stops_an_idle_watcher_thread(kit):
         other = await pool.alloc(1)
     ef2 = kit.event_fence()
     pool.free(other, fence=ef2)
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None and watcher.running
     thread = watcher._thread
     ef2.set()
@@ -1157,7 +1157,7 @@ async def test_no_watcher_thread_is_started_after_close(kit):
     ef = kit.event_fence()
     pool.free(rows, fence=ef)
     assert pool.pending_size() == 2
-    assert pool._watcher is None
+    assert pool._wakeups.watcher is None
     # A subset: a watcher of an earlier test may end meanwhile (1 s idle).
     assert {t.ident for t in threading.enumerate()} <= before
     d = asyncio.create_task(pool.drain())  # drain still waits for it
@@ -1183,7 +1183,7 @@ async def test_cuda_fence_wakes_a_waiter_through_the_watcher():
         assert pool.free(rows) == 0
         t = asyncio.create_task(pool.alloc(2))
         await spin()
-        assert not t.done() and pool._watcher is not None
+        assert not t.done() and pool._wakeups.watcher is not None
         got = (await finish(t))[0]  # no other call into the pool
         assert sorted(got) == sorted(rows)
         stream.synchronize()

@@ -458,10 +458,11 @@ class _CompletesAnotherFence(EventFence):
 
 
 async def test_fence_completing_during_the_wakeup_callback_schedules_another():
-    """``_on_fences_done`` must clear its flag *before* it reclaims: a fence
-    that completes while the callback reclaims and grants (after the last
-    look at it) has its wake-up coalesced into a callback that already ran,
-    and its waiter hangs. Deterministic: a fence's query() completes another."""
+    """The fence wake-up (``FenceWakeups.on_fences_done``) must clear its
+    flag *before* it reclaims: a fence that completes while the callback
+    reclaims and grants (after the last look at it) has its wake-up
+    coalesced into a callback that already ran, and its waiter hangs.
+    Deterministic: a fence's query() completes another."""
     pool = make(4)
     rows = await pool.alloc(3)
     a = HostFence(next(_KEYS), 1)

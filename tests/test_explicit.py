@@ -788,7 +788,7 @@ async def test_async_explicit_pool_grants_a_waiter_on_retire() -> None:
     async with bounded():
         assert sorted(await waiter) == sorted(rows)
     assert f.queries == 0
-    assert pool._watcher is None
+    assert pool._wakeups.watcher is None
     await pool.close()
 
 
@@ -803,7 +803,7 @@ async def test_async_explicit_pool_starts_no_watcher_and_registers_no_callback()
         pool.free(rows[:1], fence=f)
         pool.free(rows[1:2], fence=t)
         pool.free(rows[2:], after=stream)
-        assert pool._watcher is None and t.queries == 0
+        assert pool._wakeups.watcher is None and t.queries == 0
         gate.set()
         stream.synchronize()
         for _ in range(3):

@@ -65,7 +65,7 @@ async def test_an_explicit_page_pool_handed_over_with_pending_pages_is_not_watch
         pool = AsyncReqToTokenPool(4, 8, kv=kv, reclaim="explicit", fence_timeout=0.01)
         for _ in range(3):
             await asyncio.sleep(0.02)
-    assert pool._watcher is None and transfer.queries == 0
+    assert pool._wakeups.watcher is None and transfer.queries == 0
     assert "overdue" not in caplog.text and pool.stats().overdue_fences == 0
     assert kv.pending_size() == 4
     await pool.close()

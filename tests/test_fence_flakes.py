@@ -121,7 +121,7 @@ async def test_a_handle_done_for_the_poller_and_not_for_the_loop_is_watched_agai
     waiter = asyncio.ensure_future(wait())
     await spin()
     assert pool.waiting() == 1
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None
     handle.armed.set()
     await until(lambda: handle.denied.is_set() and watcher.polling(handle))
@@ -189,10 +189,10 @@ async def test_a_delayed_rewatch_pending_at_close_does_nothing_harmful(
     handle = _TwoFaced(True)
     pool, _ = await _held_behind("rows", handle)
     handle.armed.set()
-    await until(lambda: pool._rewatch_timer is not None)
+    await until(lambda: pool._wakeups._rewatch_timer is not None)
     await pool.close()
-    await until(lambda: pool._rewatch_timer is None)  # the timer ran
-    assert not contexts and pool.pending_size() == 1 and not pool._rewatch_due
+    await until(lambda: pool._wakeups._rewatch_timer is None)  # the timer ran
+    assert not contexts and pool.pending_size() == 1 and not pool._wakeups._rewatch_due
     handle.landed.set()
     async with bounded():
         await pool.drain()
@@ -214,13 +214,13 @@ def test_a_delayed_rewatch_moves_with_the_pool_to_a_new_loop(
         pool, _ = await _held_behind("rows", handle)
         state["pool"] = pool
         # The delay is at least 1 ms: the loop ends with the timer queued.
-        _rewatch_later = pool._rewatch_later
+        _rewatch_later = pool._wakeups._rewatch_later
 
         def stop_after(fences: list[Any], bounces: int) -> None:
             _rewatch_later(fences, bounces)
             asyncio.get_running_loop().stop()
 
-        pool._rewatch_later = stop_after  # type: ignore[method-assign]
+        pool._wakeups._rewatch_later = stop_after  # type: ignore[method-assign]
         handle.armed.set()
         await asyncio.sleep(WAIT_S)  # stopped by stop_after, far earlier
 
@@ -228,7 +228,7 @@ def test_a_delayed_rewatch_moves_with_the_pool_to_a_new_loop(
         pool = state["pool"]
         waiter = asyncio.ensure_future(pool.alloc(1))  # moves the pool here
         await spin()
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is not None and watcher.polling(handle)
         handle.landed.set()
         async with bounded():
@@ -238,7 +238,7 @@ def test_a_delayed_rewatch_moves_with_the_pool_to_a_new_loop(
     try:
         with pytest.raises(RuntimeError, match="Event loop stopped"):
             loop.run_until_complete(first())
-        assert state["pool"]._rewatch_due == [handle]
+        assert state["pool"]._wakeups._rewatch_due == [handle]
     finally:
         loop.close()
     got = asyncio.run(second())

@@ -263,7 +263,7 @@ async def test_a_stale_wake_up_flag_of_another_loop_does_not_suppress_wake_ups(k
             fence = kit.event_fence()
             pool.free(rows, fence=fence)
             [w] = await queued(pool, 2)
-            pool._wake_scheduled = stale
+            pool._wakeups._wake_scheduled = stale
             fence.set()  # the watcher's wake-up is the only call into the pool
             assert sorted(await w) == sorted(rows)
             pool.free(rows)
@@ -331,13 +331,13 @@ def _on_rewatch(pool: AsyncReqToTokenPool) -> asyncio.Event:
     """An event set each time the pool's wake-up has re-watched the fences
     its poller let go of (``_rewatch_dropped`` ran)."""
     rewatched = asyncio.Event()
-    real = pool._rewatch_dropped
+    real = pool._wakeups._rewatch_dropped
 
     def spy(watcher: FenceWatcher) -> None:
         real(watcher)
         rewatched.set()
 
-    pool._rewatch_dropped = spy  # type: ignore[method-assign]
+    pool._wakeups._rewatch_dropped = spy  # type: ignore[method-assign]
     return rewatched
 
 
@@ -389,7 +389,7 @@ async def test_a_fence_the_poller_dropped_on_a_glitch_is_watched_again(
         await rewatched.wait()
     assert transfer.glitched.is_set()
     assert not waiter.done() and pool.pending_size() == 1 and pool.stats().quarantined == 0
-    assert pool._watcher is not None and pool._watcher.polling(transfer)
+    assert pool._wakeups.watcher is not None and pool._wakeups.watcher.polling(transfer)
     transfer.landed.set()
     async with bounded():
         assert await waiter == [1]
@@ -444,13 +444,13 @@ async def test_a_glitch_is_rewatched_when_another_wake_up_runs_mid_poll(
     async with bounded():
         await asyncio.to_thread(slow.entered.wait, WAIT_S)  # mid-pass
     assert glitch.glitched.is_set()
-    pool._wake()  # another wake-up (a host fence, a stream thread) runs now
+    pool._wakeups.notify()  # another wake-up (a host fence, a stream thread) runs now
     await spin()
     slow.release.set()  # the pass ends: the glitched fence leaves the list
     rewatched = _on_rewatch(pool)
     async with bounded():
         await rewatched.wait()
-    assert pool._watcher is not None and pool._watcher.polling(glitch)
+    assert pool._wakeups.watcher is not None and pool._wakeups.watcher.polling(glitch)
     glitch.landed.set()
     slow.landed.set()
     async with bounded():

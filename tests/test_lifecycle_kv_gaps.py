@@ -75,7 +75,7 @@ async def test_an_idle_poller_exits_and_lets_the_pool_go(
     fence = EventFence()
     grant = await pool.admit(pages=1)
     pool.free([grant.row], fence=fence)
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None
     poller = watcher._thread
     assert poller is not None and poller.is_alive()

@@ -620,13 +620,13 @@ def test_a_stale_wake_up_does_nothing_on_the_loop_the_pool_left(kit: Streams) ->
         stream.synchronize()  # its wake-up is queued on A, which is stopped
         pool.reclaim()
         reclaims: list[str] = []
-        real = pool._reclaim_both
+        real = pool._wakeups._reclaim  # the wake-up's reclaim (the pool's _reclaim_both)
 
-        def spy() -> bool:
+        def spy() -> object:
             reclaims.append(threading.current_thread().name)
             return real()
 
-        pool._reclaim_both = spy  # type: ignore[method-assign]
+        pool._wakeups._reclaim = spy
         done = threading.Event()
 
         def other() -> None:

@@ -23,7 +23,7 @@ pool test files still passed:
 * dirty rows granted to several waiters in one grant pass are zeroed by one
   bulk reset, counted once in ``stats().resets``;
 * fence completions in a burst, before the loop runs, queue one wake-up
-  (``_fence_done_threadsafe`` coalesces them), not one per fence;
+  (``FenceWakeups.fence_done_threadsafe`` coalesces them), not one per fence;
 * the fence wake-up closes the unchecked fast paths before it reclaims: a
   foreign ``alloc(1)`` made while it asks the fences is refused;
 * a one-row ``free`` on the checked path, with nobody queued, reopens the
@@ -207,13 +207,13 @@ async def test_a_burst_of_fence_completions_queues_one_wake_up(
                 pool.free([row], after=stream)  # three fences, all held by the gate
             assert pool.available_size() == 1
             wake_ups: list[object] = []
-            original = pool._on_fences_done
+            original = pool._wakeups.on_fences_done
 
             def counting(loop: asyncio.AbstractEventLoop | None = None) -> None:
                 wake_ups.append(loop)
                 original(loop)
 
-            monkeypatch.setattr(pool, "_on_fences_done", counting)
+            monkeypatch.setattr(pool._wakeups, "on_fences_done", counting)
             gate.open()
             stream.record().synchronize()  # every completion's callback has run
             await until(lambda: pool.available_size() == 4)

@@ -227,7 +227,7 @@ def test_force_release_of_a_fence_deferred_while_no_loop_ran_stops_it_being_watc
     async def next_loop() -> None:
         async with bounded():
             await pool.drain()  # binds this loop, watches what was deferred
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is None or watcher.polled == 0
         assert pool.available_size() == 3
         await pool.close()

@@ -318,8 +318,8 @@ async def test_force_release_of_a_list_sums_logs_once_and_serves_waiters(
     async with bounded():
         g = await waiter
     assert pool.stats().overdue_fences == 0 and pool.pending_size() == 0
-    assert pool._watcher is not None
-    assert not any(pool._watcher.polling(f) for f in fences)  # no longer asked
+    assert pool._wakeups.watcher is not None
+    assert not any(pool._wakeups.watcher.polling(f) for f in fences)  # no longer asked
     pool.free([g.row])
     pool.check_invariants()
     await pool.close()

@@ -182,7 +182,7 @@ async def test_a_dropped_pool_with_a_stuck_transfer_is_collected_and_its_poller_
     pool = AsyncReqToTokenPool(5, 8)
     rows = await pool.alloc(2)
     pool.free(rows, fence=stuck)
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None and watcher._thread is not None
     poller = watcher._thread
     ref = weakref.ref(pool)
@@ -202,7 +202,7 @@ async def test_a_dropped_pool_with_fence_timeout_is_collected_before_the_timeout
     pool = AsyncReqToTokenPool(5, 8, fence_timeout=600.0)
     pool.free(await pool.alloc(2), fence=stuck)  # arms the overdue check
     assert pool._overdue is not None and pool._overdue.timer is not None
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None and watcher._thread is not None
     poller = watcher._thread
     ref = weakref.ref(pool)
@@ -477,7 +477,7 @@ async def test_a_pool_keeps_no_overdue_transfer_after_it_completed(
     fence.done = True
     del fence
     await until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None and watcher._thread is not None
     watcher._thread.join(WAIT_S)  # idle: it ends, dropping the fences of its last pass
     rows = await pool.alloc(1)  # unfenced traffic arms no overdue check

@@ -45,7 +45,7 @@ import uvloop
 from helpers import WAIT_S, EventFence, assert_granted, bounded, count_wake_ups, spin, until
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError
-from asyncpool import pool as pool_mod
+from asyncpool import wakeups as wakeups_mod
 
 LOGGER = "asyncpool"
 
@@ -211,7 +211,7 @@ async def test_a_fence_the_poller_let_go_is_watched_again(
     waiter = asyncio.ensure_future(wait())
     await spin()
     handle.armed.set()
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None
     await until(lambda: handle.interrupted.is_set() and watcher.polling(handle))
     assert not waiter.done() and pool.waiting() == 1
@@ -312,7 +312,7 @@ async def test_a_handle_that_keeps_raising_costs_less_than_a_stuck_one(
     assert len(warnings) == 1 and "background reclaim" in warnings[0].getMessage()
     assert len(records) <= 20, [r.getMessage() for r in records]
     assert not handled.contexts  # nothing reached the loop's exception handler
-    assert pool._watcher is not None and not pool._watcher.polling(bad)
+    assert pool._wakeups.watcher is not None and not pool._wakeups.watcher.polling(bad)
     # It answers again (the transfer was not cancelled after all): a retry
     # asks it within 0.1 s, and the waiter is served with nobody calling.
     bad.done = True
@@ -334,7 +334,7 @@ async def test_a_closed_pool_stops_retrying(caplog: pytest.LogCaptureFixture) ->
     bad.raising = True
     await until(lambda: wake_ups[0] >= 2)  # the poller's wake-up and a retry
     await pool.close()
-    await until(lambda: pool._wake_retry is None)  # the retry pending at close ran
+    await until(lambda: pool._wakeups._wake_retry is None)  # the retry pending at close ran
     seen = wake_ups[0]
     for _ in range(20):
         await asyncio.sleep(0.01)  # a window in which retries would have run
@@ -354,7 +354,7 @@ async def test_a_pending_retry_does_not_keep_the_pool_alive(
     pool.free(await pool.alloc(1), fence=bad)
     ref = weakref.ref(pool)
     bad.raising = True
-    await until(lambda: getattr(ref(), "_wake_retry", None) is not None)
+    await until(lambda: getattr(getattr(ref(), "_wakeups", None), "_wake_retry", None) is not None)
     del pool
     gc.collect()
     assert ref() is None
@@ -433,8 +433,8 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
     bad, bad_b = _AlwaysRaises(), _AlwaysRaises()
     state: dict[str, Any] = {}
     handed, bound, checked, queued_b, done_b = (threading.Event() for _ in range(5))
-    store = _line_of(pool_mod._retry_wake_of, "pool._wake_retry = None")
-    code = pool_mod._retry_wake_of.__code__
+    store = _line_of(wakeups_mod._retry_wake_of, "wakeups._wake_retry = None")
+    code = wakeups_mod._retry_wake_of.__code__
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         if frame.f_code is not code:
@@ -453,10 +453,10 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
         pool = state["pool"] = AsyncReqToTokenPool(2, 8)
         pool.free(await pool.alloc(1), fence=bad)
         bad.raising = True
-        await until(lambda: pool._wake_raises >= 8)  # the next retry is 0.1 s away
+        await until(lambda: pool._wakeups._wake_raises >= 8)  # the next retry is 0.1 s away
         bad.raising, bad.done = False, True
         pool.reclaim()  # a call reclaims it: nothing pending, the retry still queued
-        assert pool.pending_size() == 0 and pool._wake_retry is loop
+        assert pool.pending_size() == 0 and pool._wakeups._wake_retry is loop
         handed.set()
         assert bound.wait(WAIT_S)  # blocks A: its timer fires after the bind
         # Keep A running (its timer fires) until B is done; B's waits are bounded.
@@ -467,13 +467,13 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
         pool.bind()
         bound.set()
         assert checked.wait(WAIT_S)  # A's stale timer fired (within 0.1 s)
-        real = pool._retry_wake_later
+        real = pool._wakeups._retry_wake_later
 
         def queue_retry(raises: int) -> None:
             real(raises)
             queued_b.set()
 
-        pool._retry_wake_later = queue_retry  # type: ignore[method-assign]
+        pool._wakeups._retry_wake_later = queue_retry  # type: ignore[method-assign]
         pool.free(await pool.alloc(1), fence=bad_b)
         bad_b.raising = True
         await until(queued_b.is_set)
@@ -535,13 +535,13 @@ def test_a_pool_that_left_its_loop_does_not_keep_it_alive(
         pool = state["pool"] = AsyncReqToTokenPool(2, 8)
         pool.free(await pool.alloc(1), fence=bad)
         bad.raising = True  # every retry's reclaim raises, and queues the next
-        await until(lambda: pool._wake_retry is not None)
+        await until(lambda: pool._wakeups._wake_retry is not None)
 
     loop_a = factory()
     try:
         loop_a.run_until_complete(on_a())
         pool: AsyncReqToTokenPool = state["pool"]
-        assert pool._wake_retry is loop_a and pool._loop is loop_a  # a retry still queued
+        assert pool._wakeups._wake_retry is loop_a and pool._loop is loop_a  # a retry still queued
     finally:
         loop_a.close()
     old = weakref.ref(loop_a)

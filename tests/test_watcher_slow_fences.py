@@ -155,7 +155,7 @@ async def test_a_stuck_cuda_stream_does_not_hold_up_another_stream(kit: Streams)
         pool.free([b], fence=fy)
         waiter = asyncio.create_task(pool.alloc(1))
         await spin()
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is not None and watcher.polled == 0  # CUDA fences are not polled
         gy.set()
         got, _ = await timed(waiter)
@@ -211,7 +211,7 @@ async def test_an_idle_stream_thread_exits(kit: Streams, monkeypatch: pytest.Mon
         rows = await pool.alloc(1)
         fence, gate = s.record()
         pool.free(rows, fence=fence)
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is not None and watcher.running
         gate.set()
         await until(lambda: not watcher.running)
@@ -257,7 +257,7 @@ async def test_close_with_a_stuck_unknown_fence_returns_promptly(kit: Streams) -
     pool.free(rows, fence=stuck)
     waiter = asyncio.create_task(pool.alloc(1))
     await spin()
-    watcher = pool._watcher
+    watcher = pool._wakeups.watcher
     assert watcher is not None and watcher.running
     async with asyncio.timeout(PROMPT_S):
         await pool.close()
@@ -330,7 +330,7 @@ async def test_the_poller_backs_off_while_100_fences_are_stuck(kit: Streams) -> 
         stuck = [kit.event_fence() for _ in rows]
         for row, fence in zip(rows, stuck, strict=True):
             pool.free([row], fence=fence)
-        watcher = pool._watcher
+        watcher = pool._wakeups.watcher
         assert watcher is not None and watcher.polled == 100
         p0, t0 = watcher.polls, time.perf_counter()
         # Measuring a rate over at least 0.1 s, not synchronising; on until

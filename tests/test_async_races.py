@@ -462,7 +462,11 @@ async def test_fence_completing_during_the_wakeup_callback_schedules_another():
     flag *before* it reclaims: a fence that completes while the callback
     reclaims and grants (after the last look at it) has its wake-up
     coalesced into a callback that already ran, and its waiter hangs.
-    Deterministic: a fence's query() completes another."""
+    A fence's query() completes another. End to end, this no longer kills
+    that mutant on its own (c is of unknown origin, so the poller's thread
+    may query it first, outside the callback); the rule's deterministic
+    test is ``tests/test_wakeups.py::
+    test_a_completion_during_the_reclaim_queues_another_wake_up``."""
     pool = make(4)
     rows = await pool.alloc(3)
     a = HostFence(next(_KEYS), 1)

@@ -22,9 +22,11 @@ import pytest
 from helpers import LONG_S, bounded
 from test_demo import SMALL, _cli_args
 
+import scheduler_demo.compare
 from asyncpool import AsyncReqToTokenPool
-from scheduler_demo import DemoConfig, run_demo
+from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import main
+from scheduler_demo.compare import main as compare_main
 from scheduler_demo.scheduler import Scheduler
 
 HYBRID = replace(SMALL, swa_window=16, swa_pages=12, gate=True)
@@ -155,3 +157,70 @@ async def test_cuda_fenced_hybrid_run() -> None:
     # on a CUDA stream, fenced, with no gate (the gate is CPU only).
     report, _ = await _run(replace(HYBRID, device="cuda", gate=False, forward_ms=2.0))
     assert report.swa is not None and report.ok
+
+
+# -- compare with a window -------------------------------------------------------
+
+
+def test_compare_runs_the_window_and_prints_the_swa_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "compare.json"
+    assert compare_main(["--rounds=1", f"--out={out}", *_hybrid_args(HYBRID), "--gate"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    for name in ("overlap", "sync", "unsafe", "row-first"):
+        assert runs[name][0]["swa"]["window"] == 16, name  # every run has the window
+    unsafe = runs["unsafe"][0]
+    rows, kv, swa = unsafe["corruptions"], unsafe["kv_corruptions"], unsafe["swa"]["kv_corruptions"]
+    assert swa > 0
+    text = capsys.readouterr().out
+    assert "(deferred frees: rows/full pages; corruptions: rows/full pages/swa pages)" in text
+    assert f"corruptions {rows}/{kv}/{swa}  load" in text
+    assert f"unsafe KV corruptions per run:  full pages [{kv}], swa pages [{swa}] (1/1" in text
+
+
+def _unsafe_found(rows: int, kv: int, swa: int) -> Any:
+    """compare's ``run_demo``, its unsafe runs' corruption counts set to
+    these (so the verdict is tested whatever a run happens to hit)."""
+    real = scheduler_demo.compare.run_demo
+
+    async def run(cfg: DemoConfig) -> Report:
+        report = await real(cfg)
+        if not cfg.unsafe:
+            return report
+        report = replace(report, corruptions=rows, kv_corruptions=kv)
+        if report.swa is not None:
+            report.swa["kv_corruptions"] = swa
+        return report
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("window", "rows", "kv", "swa", "rc", "says"),
+    [
+        # With a window: KV corruption in either group catches the run.
+        (True, 0, 0, 7, 0, "full pages [0], swa pages [7] (1/1 runs > 0 in either group)"),
+        (True, 0, 5, 0, 0, "full pages [5], swa pages [0] (1/1 runs > 0 in either group)"),
+        # Row corruption alone does not, with a window or without.
+        (True, 3, 0, 0, 1, "full pages [0], swa pages [0] (0/1 runs > 0 in either group)"),
+        (False, 3, 0, 0, 1, "unsafe KV corruptions per run:  [0] (0/1 runs > 0)"),
+        (False, 0, 5, 0, 0, "unsafe KV corruptions per run:  [5] (1/1 runs > 0)"),
+    ],
+)
+def test_compare_counts_an_unsafe_run_caught_by_kv_corruption_in_either_group(
+    window: bool,
+    rows: int,
+    kv: int,
+    swa: int,
+    rc: int,
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(scheduler_demo.compare, "run_demo", _unsafe_found(rows, kv, swa))
+    args = _hybrid_args(HYBRID) if window else _cli_args(SMALL)
+    assert compare_main(["--rounds=1", *args, "--gate"]) == rc
+    text = capsys.readouterr().out
+    assert says in text
+    assert ("swa" in text) == window  # the output without a window is as before

@@ -126,6 +126,16 @@ class SwaGroup:
         first = int(self.base[row] + self.dropped[row]) * self.ps
         return self.mirror[row, max(self.lo(hi), first) : hi]
 
+    def final_window(self, row: int, end: int) -> tuple[int, np.ndarray]:
+        """The window a finished request (positions ``[0, end)`` computed)
+        read last, ``[lo(end - 1), end)``, from the first position its pages
+        still hold: ``(that position, the slots from it to end)``. The pages a
+        drop gave back are the row's no more (a fence away from a new owner),
+        so their slots are not the request's to check at the end."""
+        first = int(self.base[row] + self.dropped[row]) * self.ps
+        start = min(max(self.lo(end - 1), first), end)
+        return start, self.mirror[row, start:end].copy()
+
     def build(
         self, rows: np.ndarray, ends: np.ndarray, write_from: np.ndarray, bases: np.ndarray
     ) -> SwaStep:

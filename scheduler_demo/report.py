@@ -216,7 +216,8 @@ def swa_figures(sched: Scheduler, pages: KVPagePool) -> dict[str, Any]:
     the drops), ``pages_dropped`` (given back by ``drop_pages`` while their
     requests ran), ``deferred_page_frees`` (its pages that waited for a
     fence), ``kv_corruptions`` (requests whose window read back another's
-    KV at least once) and ``kv_mismatches`` (every such check)."""
+    KV at least once, at a step or, finished, in the end-of-run check of
+    their last window) and ``kv_mismatches`` (every such check)."""
     group = sched.swa
     assert group is not None
     st = pages.stats()

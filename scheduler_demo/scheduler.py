@@ -28,8 +28,9 @@ batch must read, through its own row, the slot the host gave it
 (``corruptions``: the row was overwritten), and that slot must hold the value
 written for (request, position) (``kv_corruptions``: the page was
 overwritten). Finished requests are checked once more at the end against the
-copies taken when they finished. Aborted requests are not verified; the
-requests that receive their pages are.
+copies taken when they finished (with a sliding window, of its last window
+in the swa group too). Aborted requests are not verified; the requests that
+receive their pages are.
 
 ``mode="sync"`` runs the same loop without overlap (launch, wait, process).
 
@@ -104,6 +105,7 @@ class Req:
         "snapshot",
         "spec",
         "state",
+        "swa_from",
         "transfer",
     )
 
@@ -122,7 +124,10 @@ class Req:
         self.n_pages = 0
         self.transfer: Transfer | None = None
         self.snapshot: torch.Tensor | None = None  # the row's content when it finished
-        self.kv_snapshot: torch.Tensor | None = None  # its KV when it finished
+        # Its KV when it finished: positions [0, kv_len), then (a sliding
+        # window) its last window in the swa group from position swa_from on.
+        self.kv_snapshot: torch.Tensor | None = None
+        self.swa_from = -1
         self.corrupted = False
         self.kv_corrupted = False
         self.admit_t0 = 0.0
@@ -879,11 +884,17 @@ class Scheduler:
         # Columns [0, length) are the request's content; a step in flight may
         # still write column `length` (its extra, unneeded token).
         req.slots = self._mirror[req.row, :length].copy()
+        kv_slots = req.slots
+        if self.swa is not None:
+            # And its last window's swa slots that its pages still hold: the
+            # same read, so its swa pages are freed behind it too.
+            req.swa_from, swa_slots = self.swa.final_window(req.row, length)
+            kv_slots = np.concatenate([kv_slots, swa_slots])
         # The final check's copies of the row and its KV, queued on the
         # forward stream: a read of the memory, so the row and its pages are
         # freed behind it as behind the steps' writes (unsafe: at once).
         req.snapshot, req.kv_snapshot, read = self.forward.snapshot(
-            req.row, length, torch.from_numpy(req.slots)
+            req.row, length, torch.from_numpy(kv_slots)
         )
         req.kv_len = length
         self.running.remove(req)
@@ -895,7 +906,8 @@ class Scheduler:
             self.on_complete(1)
 
     def _final_check(self) -> None:
-        """Every finished request's row and KV, as they were when it finished."""
+        """Every finished request's row and KV (with a sliding window, its
+        last window's swa KV too), as they were when it finished."""
         self.forward.synchronize()
         for req in self.reqs:
             if req.snapshot is None or req.kv_snapshot is None or req.slots is None:
@@ -914,9 +926,16 @@ class Scheduler:
                     int(where[0]),
                 )
             values = torch.arange(req.base, req.base + n, dtype=torch.int64)
-            if not torch.equal(req.kv_snapshot.cpu(), values):
+            kv_found = req.kv_snapshot.cpu()
+            if not torch.equal(kv_found[:n], values):
                 self._kv_corrupt(req)
                 logger.debug("kv corruption: request %d, final check of its KV", req.spec.rid)
+            if req.swa_from >= 0 and not torch.equal(kv_found[n:], values[req.swa_from :]):
+                self.swa_mismatches += 1
+                self.swa_corrupted.add(req.spec.rid)
+                logger.debug(
+                    "swa kv corruption: request %d, final check of its window", req.spec.rid
+                )
 
 
 def _describe(

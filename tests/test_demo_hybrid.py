@@ -14,11 +14,13 @@ each gave 12-25 swa corruptions; fenced, none.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import LONG_S, bounded
 from test_demo import SMALL, _cli_args
 
@@ -27,6 +29,7 @@ from asyncpool import AsyncReqToTokenPool
 from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import main
 from scheduler_demo.compare import main as compare_main
+from scheduler_demo.forward import Forward
 from scheduler_demo.scheduler import Scheduler
 
 HYBRID = replace(SMALL, swa_window=16, swa_pages=12, gate=True)
@@ -157,6 +160,69 @@ async def test_cuda_fenced_hybrid_run() -> None:
     # on a CUDA stream, fenced, with no gate (the gate is CPU only).
     report, _ = await _run(replace(HYBRID, device="cuda", gate=False, forward_ms=2.0))
     assert report.swa is not None and report.ok
+
+
+# -- the end-of-run check of a finished request's last window -------------------
+
+
+def _scribbling(cfg: DemoConfig, pool: AsyncReqToTokenPool, *args: Any, **kw: Any) -> Scheduler:
+    """A scheduler that, as each request finishes, overwrites the swa KV of
+    its last position: a corruption that lands after the request's last
+    step read its window, which only the end-of-run check can see."""
+
+    class Scribbling(Scheduler):
+        def _finish(self, req: Any, length: int) -> None:
+            kv = self.forward.kv
+            assert self.swa is not None and kv is not None
+            kv[int(self.swa.slots(req.row, length - 1, length)[0])] = -1
+            super()._finish(req, length)
+
+    return Scribbling(cfg, pool, *args, **kw)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+async def test_the_final_check_reads_each_finished_requests_last_window(mode: str) -> None:
+    async with bounded(LONG_S):
+        report = await run_demo(replace(HYBRID, mode=mode), scheduler_factory=_scribbling)
+    assert report.swa is not None and report.completed > 0
+    # Every finished request's window was found overwritten, and only there.
+    assert report.swa["kv_corruptions"] == report.completed
+    assert report.swa["kv_mismatches"] == report.completed
+    assert report.corruptions == 0 and report.kv_corruptions == 0
+    assert not report.ok
+
+
+async def test_the_final_window_read_is_fenced_like_the_full_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy of a finished request's last window is part of its final
+    read: queued after the steps in flight as on CUDA (here behind a lagging
+    host stream), its swa pages are freed behind that read, so a new
+    owner's transfer cannot land in them first; and the pages a drop gave
+    back (a fence away from a new owner) are not read."""
+
+    def queued_as_on_cuda(
+        self: Forward, row: int, length: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        r2t, kv = self.req_to_token, self.kv
+        assert r2t is not None and kv is not None
+        row_out = torch.empty(length, dtype=r2t.dtype)
+        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
+
+        def read() -> None:
+            time.sleep(0.02)  # the lag; it widens the window, no ordering relies on it
+            row_out.copy_(r2t[row, :length])
+            torch.index_select(kv, 0, slots, out=kv_out)
+
+        self.stream.launch(read)
+        return row_out, kv_out, self.stream.record()
+
+    monkeypatch.setattr(Forward, "snapshot", queued_as_on_cuda)
+    report, _ = await _run(replace(HYBRID, gate=False, transfer_ms=0.4))
+    assert report.swa is not None and report.completed > 0
+    assert report.corruptions == 0 and report.kv_corruptions == 0
+    assert report.swa["kv_corruptions"] == 0
+    assert report.ok
 
 
 # -- compare with a window -------------------------------------------------------

@@ -75,8 +75,8 @@ class DemoConfig:
     Hybrid model (``swa_window`` > 0 tokens; 0, the default, is off): the
     pool gets a second KV group, ``"swa"`` (sliding-window layers), of
     ``swa_pages`` pages (0: :func:`swa_pages_for`, room for every row's
-    window), beside ``"full"`` (the ``kv_pages`` above); see
-    :mod:`scheduler_demo.hybrid`.
+    window; given or derived, at most ``MAX_SWA_PAGES``), beside
+    ``"full"`` (the ``kv_pages`` above); see :mod:`scheduler_demo.hybrid`.
     """
 
     num_requests: int = 1500
@@ -210,6 +210,13 @@ class DemoConfig:
             )
         if self.swa_pages > MAX_SWA_PAGES:
             raise ValueError(f"swa_pages must be <= {MAX_SWA_PAGES:,}")
+        derived = self.swa_capacity
+        if derived > MAX_SWA_PAGES:
+            # The same cap as a size given: 0 derives no more than may be asked.
+            raise ValueError(
+                f"swa_pages 0 derives {derived:,} pages (rows x (ceil(swa_window / "
+                f"page_size) + 2)), past the {MAX_SWA_PAGES:,} allowed: give swa_pages"
+            )
 
     @property
     def swa_capacity(self) -> int:

@@ -290,3 +290,19 @@ def test_compare_counts_an_unsafe_run_caught_by_kv_corruption_in_either_group(
     text = capsys.readouterr().out
     assert says in text
     assert ("swa" in text) == window  # the output without a window is as before
+
+
+def test_a_derived_swa_size_past_the_cap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # --swa-pages 20040000 is refused (past 10,000,000); 0 derived the same
+    # 20,040,000 pages (20,000 rows x (1000 + 2)) and the run went ahead.
+    args = ["--swa-window=1000", "--page-size=1", "--rows=20000", "--kv-pages=30000", "-n", "1"]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--swa-pages 0 derives 20,040,000 pages (--rows x (ceil(--swa-window" in err
+    assert "past the 10,000,000 allowed: give --swa-pages" in err
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--swa-pages=20040000"])
+    assert exc.value.code == 2
+    assert "--swa-pages must be <= 10,000,000" in capsys.readouterr().err

@@ -27,10 +27,10 @@ import itertools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -488,6 +488,27 @@ async def spin(n: int = 5) -> None:
     """Step the event loop ``n`` times (no timed sleeps)."""
     for _ in range(n):
         await asyncio.sleep(0)
+
+
+_T = TypeVar("_T")
+
+
+async def queued_call(call: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+    """``call`` as a task, stepped until it waits (it must not finish)."""
+    task = asyncio.ensure_future(call)
+    await spin()
+    assert not task.done()
+    return task
+
+
+async def settled(task: asyncio.Future[Any]) -> Any:
+    """The task's result, or the exception it ended with (its cancellation
+    included); bounded."""
+    async with bounded():
+        await asyncio.wait([task])
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception() or task.result()
 
 
 _cycles_per_ms: float | None = None

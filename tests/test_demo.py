@@ -18,6 +18,7 @@ import random
 import re
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from helpers import LONG_S, bounded
 from scheduler_demo import DemoConfig, Report, run_demo
 from scheduler_demo.cli import build_parser, main
 from scheduler_demo.compare import main as compare_main
+from scheduler_demo.forward import Forward
 from scheduler_demo.plot import save_plot
 from scheduler_demo.scheduler import Scheduler
 from scheduler_demo.workload import LengthDist, WorkloadConfig, generate
@@ -136,6 +138,26 @@ async def test_fenced_overlap_completes_without_corruption() -> None:
     assert report.ok
 
 
+def snapshot_queued_as_on_cuda(
+    self: Forward, row: int, length: int, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """``Forward.snapshot`` as on CUDA: the final read of a finished request
+    queued on the forward stream behind a lagging host stream (a GPU shared
+    by many processes), not taken at once as on CPU."""
+    r2t, kv = self.req_to_token, self.kv
+    assert r2t is not None and kv is not None
+    row_out = torch.empty(length, dtype=r2t.dtype)
+    kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
+
+    def read() -> None:
+        time.sleep(0.02)  # the lag; it widens the window, no ordering relies on it
+        row_out.copy_(r2t[row, :length])
+        torch.index_select(kv, 0, slots, out=kv_out)
+
+    self.stream.launch(read)
+    return row_out, kv_out, self.stream.record()
+
+
 async def test_a_finished_requests_final_read_is_fenced_like_a_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -147,27 +169,7 @@ async def test_a_finished_requests_final_read_is_fenced_like_a_write(
     reported in fenced mode (19 here without the read's fence). On CPU the
     copies are taken at once; here they are queued as on CUDA, behind a
     lagging stream, as a GPU shared by many processes makes it."""
-    import time
-
-    from scheduler_demo.forward import Forward
-
-    def queued_as_on_cuda(
-        self: Forward, row: int, length: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, object]:
-        r2t, kv = self.req_to_token, self.kv
-        assert r2t is not None and kv is not None
-        row_out = torch.empty(length, dtype=r2t.dtype)
-        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
-
-        def read() -> None:
-            time.sleep(0.02)  # the lag; it widens the window, no ordering relies on it
-            row_out.copy_(r2t[row, :length])
-            torch.index_select(kv, 0, slots, out=kv_out)
-
-        self.stream.launch(read)
-        return row_out, kv_out, self.stream.record()
-
-    monkeypatch.setattr(Forward, "snapshot", queued_as_on_cuda)
+    monkeypatch.setattr(Forward, "snapshot", snapshot_queued_as_on_cuda)
     async with bounded(LONG_S):
         report = await run_demo(replace(SMALL, transfer_ms=0.4))
     assert _all_served(report) and report.completed > 0

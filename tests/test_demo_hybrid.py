@@ -14,15 +14,13 @@ each gave 12-25 swa corruptions; fenced, none.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from helpers import LONG_S, bounded
-from test_demo import SMALL, _cli_args
+from test_demo import SMALL, _cli_args, snapshot_queued_as_on_cuda
 
 import scheduler_demo.compare
 from asyncpool import AsyncReqToTokenPool
@@ -201,23 +199,7 @@ async def test_the_final_window_read_is_fenced_like_the_full_groups(
     owner's transfer cannot land in them first; and the pages a drop gave
     back (a fence away from a new owner) are not read."""
 
-    def queued_as_on_cuda(
-        self: Forward, row: int, length: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, object]:
-        r2t, kv = self.req_to_token, self.kv
-        assert r2t is not None and kv is not None
-        row_out = torch.empty(length, dtype=r2t.dtype)
-        kv_out = torch.empty(slots.numel(), dtype=kv.dtype)
-
-        def read() -> None:
-            time.sleep(0.02)  # the lag; it widens the window, no ordering relies on it
-            row_out.copy_(r2t[row, :length])
-            torch.index_select(kv, 0, slots, out=kv_out)
-
-        self.stream.launch(read)
-        return row_out, kv_out, self.stream.record()
-
-    monkeypatch.setattr(Forward, "snapshot", queued_as_on_cuda)
+    monkeypatch.setattr(Forward, "snapshot", snapshot_queued_as_on_cuda)
     report, _ = await _run(replace(HYBRID, gate=False, transfer_ms=0.4))
     assert report.swa is not None and report.completed > 0
     assert report.corruptions == 0 and report.kv_corruptions == 0

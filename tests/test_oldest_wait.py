@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
 import uvloop
-from helpers import WAIT_S, FakeStream, ManualClock, bounded, in_thread, spin
+from helpers import WAIT_S, FakeStream, ManualClock, bounded, in_thread, queued_call, settled, spin
 
 import asyncpool.waiters
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError, ReqToTokenPool
@@ -56,22 +56,6 @@ class Scraped:
         return value
 
 
-async def queued(call: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    task = asyncio.ensure_future(call)
-    await spin()
-    assert not task.done()
-    return task
-
-
-async def settled(task: asyncio.Future[Any]) -> Any:
-    """The task's result, or the exception it ended with; bounded."""
-    async with bounded():
-        await asyncio.wait([task])
-    if task.cancelled():
-        return asyncio.CancelledError()
-    return task.exception() or task.result()
-
-
 async def test_nobody_waiting_reads_zero() -> None:
     pool = AsyncReqToTokenPool(3, 4)
     gauge = Scraped(pool)
@@ -90,7 +74,7 @@ async def test_a_stuck_waiter_reads_its_wait_and_it_grows_until_the_grant(
     async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
         gauge = Scraped(pool)
         rows = await pool.alloc(1)  # the only row
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         assert pool.stats().oldest_wait_s == 0.0  # queued at 100.0, read at 100.0
         clock.now = 102.5
         assert pool.stats().oldest_wait_s == 2.5 and gauge() == 2.5
@@ -109,9 +93,9 @@ async def test_a_stuck_waiter_reads_its_wait_and_it_grows_until_the_grant(
 async def test_the_oldest_of_any_priority_not_only_the_head(clock: ManualClock) -> None:
     async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
         rows = await pool.alloc(1)
-        low = await queued(pool.alloc(1, priority=5))  # queued at 100
+        low = await queued_call(pool.alloc(1, priority=5))  # queued at 100
         clock.now = 105.0
-        high = await queued(pool.alloc(1, priority=0))  # the head, queued at 105
+        high = await queued_call(pool.alloc(1, priority=0))  # the head, queued at 105
         clock.now = 106.0
         head = pool.queue_head()
         assert head is not None and (head.priority, head.waited_s) == (0, 1.0)
@@ -128,9 +112,9 @@ async def test_a_cancelled_waiter_stops_counting_before_it_unwinds(clock: Manual
     async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
         gauge = Scraped(pool)
         rows = await pool.alloc(1)
-        first = await queued(pool.alloc(1))  # queued at 100
+        first = await queued_call(pool.alloc(1))  # queued at 100
         clock.now = 103.0
-        second = await queued(pool.alloc(1))  # queued at 103, behind it
+        second = await queued_call(pool.alloc(1))  # queued at 103, behind it
         clock.now = 110.0
         assert pool.stats().oldest_wait_s == 10.0
         first.cancel()  # done at once; still queued until its task unwinds
@@ -162,7 +146,7 @@ async def test_close_fails_the_waiters_and_reads_zero(clock: ManualClock) -> Non
     pool = AsyncReqToTokenPool(2, 4, kv=KVPagePool(5, 4))
     gauge = Scraped(pool)
     g = await pool.admit(pages=4)
-    waiters = [await queued(pool.admit(pages=1)), await queued(pool.alloc(1, priority=3))]
+    waiters = [await queued_call(pool.admit(pages=1)), await queued_call(pool.alloc(1, priority=3))]
     clock.now = 104.0
     assert pool.stats().oldest_wait_s == 4.0 and gauge() == 4.0
     await pool.close()
@@ -254,7 +238,7 @@ async def test_a_waiter_stuck_behind_a_fence_reads_its_wait(clock: ManualClock) 
     s = FakeStream()
     async with bounded(), AsyncReqToTokenPool(2, 4) as pool:
         rows = await pool.alloc(1)
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         pool.free(rows, fence=s.record())
         clock.now = 120.0
         assert pool.stats().oldest_wait_s == 20.0

@@ -9,11 +9,10 @@ free and those pending behind fences.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
-from helpers import FakeStream, bounded, in_thread, kv_of, spin
+from helpers import FakeStream, bounded, in_thread, kv_of, queued_call, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
 
@@ -24,13 +23,6 @@ def paged(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
 
 
-async def queued(call: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-    task = asyncio.ensure_future(call)
-    await spin()
-    assert not task.done()
-    return task
-
-
 async def test_nobody_waiting_or_no_kv_means_nothing_short() -> None:
     async with bounded(), paged(rows=2, pages=4) as pool:
         g = await pool.admit(pages=4)  # every page taken, nobody waits
@@ -38,7 +30,7 @@ async def test_nobody_waiting_or_no_kv_means_nothing_short() -> None:
         pool.free([g.row])
     async with bounded(), AsyncReqToTokenPool(3, 8) as rows_only:
         rows = await rows_only.alloc(2)
-        waiter = await queued(rows_only.alloc(1))
+        waiter = await queued_call(rows_only.alloc(1))
         assert rows_only.pages_short() == 0
         rows_only.free(rows)
         rows_only.free(await waiter)
@@ -51,7 +43,7 @@ async def test_the_heads_pages_less_those_free_and_those_on_their_way_back() -> 
         cached = await pool.admit(pages=6)  # a finished request's pages...
         held = pool.detach_pages(cached.row)  # ...kept by the engine's cache
         pool.free([cached.row])
-        waiter = await queued(pool.admit(pages=5))  # 2 free
+        waiter = await queued_call(pool.admit(pages=5))  # 2 free
         assert pool.pages_short() == 3
         kv.free(held[:2], fence=s.record())  # evicted behind a reader: pending
         assert pool.pages_short() == 1 and kv.pending_size() == 2
@@ -68,8 +60,8 @@ async def test_the_heads_pages_less_those_free_and_those_on_their_way_back() -> 
 async def test_a_head_that_asks_rows_only_or_has_its_pages_counts_nothing() -> None:
     async with bounded(), paged(rows=1, pages=4) as pool:
         g = await pool.admit(pages=1)  # the only row
-        alloc = await queued(pool.alloc(1))  # the head: rows only
-        admit = await queued(pool.admit(pages=4))  # short of pages too
+        alloc = await queued_call(pool.alloc(1))  # the head: rows only
+        admit = await queued_call(pool.admit(pages=4))  # short of pages too
         assert pool.pages_short() == 0  # the head needs no pages
         alloc.cancel()  # its future is done at once, still queued until it runs
         assert pool.pages_short() == 1  # the admission is the next served
@@ -80,7 +72,7 @@ async def test_a_head_that_asks_rows_only_or_has_its_pages_counts_nothing() -> N
             got = await admit
         pool.free([got.row])
         g = await pool.admit(pages=1)
-        short_of_a_row = await queued(pool.admit(pages=2))  # 3 free
+        short_of_a_row = await queued_call(pool.admit(pages=2))  # 3 free
         assert pool.pages_short() == 0  # its pages are free: it waits for a row
         pool.free([g.row])
         async with bounded():
@@ -91,9 +83,9 @@ async def test_a_head_that_asks_rows_only_or_has_its_pages_counts_nothing() -> N
 async def test_a_more_urgent_admission_is_the_head() -> None:
     async with bounded(), paged(rows=4, pages=8) as pool:
         g = await pool.admit(pages=8)
-        low = await queued(pool.admit(pages=2, priority=5))
+        low = await queued_call(pool.admit(pages=2, priority=5))
         assert pool.pages_short() == 2
-        high = await queued(pool.admit(pages=7, priority=0))
+        high = await queued_call(pool.admit(pages=7, priority=0))
         assert pool.pages_short() == 7
         high.cancel()
         low.cancel()
@@ -113,7 +105,7 @@ async def test_evicting_what_it_says_serves_an_admission_the_cache_starves() -> 
         cache = list(pool.detach_pages(g.row).tolist())  # all 8 pages cached
         pool.free([g.row])
         reader = s.record()  # the newest step that read the cached pages
-        waiter = await queued(pool.admit(pages=3))
+        waiter = await queued_call(pool.admit(pages=3))
         short = pool.pages_short()
         assert short == 3
         evicted, cache = cache[:short], cache[short:]
@@ -144,7 +136,7 @@ async def test_under_a_hold_growth_takes_the_pending_pages_first() -> None:
     async with bounded(), paged(rows=4, pages=8) as pool:
         running = await pool.admit(pages=4)
         victim = await pool.admit(pages=4)
-        waiter = await queued(pool.admit(pages=4))
+        waiter = await queued_call(pool.admit(pages=4))
         hold = pool.hold_grants()  # the stall: growth first
         pool.free([victim.row], fence=s.record())  # the retraction, behind the step
         assert pool.pages_short() == 0  # 4 pending: the head's, as it reads now

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -28,6 +28,8 @@ from helpers import (
     kv_of,
     kv_snapshot,
     ledger_snapshot,
+    queued_call,
+    settled,
     spin,
 )
 
@@ -60,23 +62,6 @@ def grouped(rows: int = 4, swa: int = 4, full: int = 8) -> AsyncReqToTokenPool:
     )
 
 
-async def queued(call: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-    task = asyncio.ensure_future(call)
-    await spin()
-    assert not task.done()
-    return task
-
-
-async def settled(task: asyncio.Future[Any]) -> Any:
-    """The task's result, or the exception it ended with (its cancellation
-    included); bounded."""
-    async with bounded():
-        await asyncio.wait([task])
-    if task.cancelled():
-        return asyncio.CancelledError()
-    return task.exception() or task.result()
-
-
 async def test_nobody_waiting_is_none() -> None:
     async with bounded(), paged(rows=2, pages=4) as pool:
         assert pool.queue_head() is None
@@ -89,7 +74,7 @@ async def test_an_alloc_head_on_a_rows_only_pool_counts_rows_free_and_pending() 
     s = FakeStream()
     async with bounded(), AsyncReqToTokenPool(4, 8) as pool:
         rows = await pool.alloc(3)
-        waiter = await queued(pool.alloc(2))
+        waiter = await queued_call(pool.alloc(2))
         head = pool.queue_head()
         assert head == QueueHead("alloc", 2, 0, 0, 0.0, 2, 0)
         pool.free(rows[:1], fence=s.record())  # on its way back: counted
@@ -106,7 +91,7 @@ async def test_an_alloc_head_on_a_rows_only_pool_counts_rows_free_and_pending() 
 async def test_an_alloc_head_on_a_paged_pool_asks_no_pages() -> None:
     async with bounded(), paged(rows=1, pages=4) as pool:
         g = await pool.admit(pages=4)  # the only row and every page
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         assert pool.queue_head() == QueueHead("alloc", 1, 0, 0, 0.0, 1, 0)
         pool.free([g.row])
         pool.free(await settled(waiter))
@@ -119,7 +104,7 @@ async def test_an_admission_short_of_pages_counts_them_as_pages_short_does() -> 
         cached = await pool.admit(pages=6)
         held = pool.detach_pages(cached.row)  # the engine's cache holds 6
         pool.free([cached.row])
-        waiter = await queued(pool.admit(pages=5, priority=3))  # 2 free
+        waiter = await queued_call(pool.admit(pages=5, priority=3))  # 2 free
         assert pool.queue_head() == QueueHead("admit", 1, 5, 3, 0.0, 0, 3)
         kv.free(held[:2], fence=s.record())  # evicted behind a reader: pending
         head = pool.queue_head()
@@ -137,7 +122,7 @@ async def test_an_admission_short_of_a_row_with_its_pages_free() -> None:
     s = FakeStream()
     async with bounded(), paged(rows=1, pages=8) as pool:
         g = await pool.admit(pages=1)  # the only row
-        waiter = await queued(pool.admit(pages=2))  # 7 pages free
+        waiter = await queued_call(pool.admit(pages=2))  # 7 pages free
         assert pool.queue_head() == QueueHead("admit", 1, 2, 0, 0.0, 1, 0)
         assert pool.pages_short() == 0  # says nothing of the row it waits for
         pool.free([g.row], fence=s.record())  # the row on its way back
@@ -152,7 +137,7 @@ async def test_an_admission_short_of_a_row_with_its_pages_free() -> None:
 async def test_a_grouped_head_names_the_group_it_waits_for() -> None:
     async with bounded(), grouped(rows=3, swa=4, full=8) as pool:
         g = await pool.admit({"swa": 3, "full": 0})
-        waiter = await queued(pool.admit({"swa": 3, "full": 2}))  # 1 swa page free
+        waiter = await queued_call(pool.admit({"swa": 3, "full": 2}))  # 1 swa page free
         head = pool.queue_head()
         assert head == QueueHead(
             "admit", 1, {"swa": 3, "full": 2}, 0, 0.0, 0, {"swa": 2, "full": 0}
@@ -172,7 +157,7 @@ async def test_a_grouped_head_names_the_group_it_waits_for() -> None:
 async def test_an_alloc_head_on_a_grouped_pool_asks_no_page_of_any_group() -> None:
     async with bounded(), grouped(rows=1) as pool:
         g = await pool.admit({"swa": 1, "full": 1})
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         zero = {"swa": 0, "full": 0}
         assert pool.queue_head() == QueueHead("alloc", 1, zero, 0, 0.0, 1, zero)
         pool.free(g.row)
@@ -182,13 +167,13 @@ async def test_an_alloc_head_on_a_grouped_pool_asks_no_page_of_any_group() -> No
 async def test_the_more_urgent_call_is_the_head_and_a_cancelled_one_is_not() -> None:
     async with bounded(), paged(rows=4, pages=8) as pool:
         g = await pool.admit(pages=8)
-        low = await queued(pool.admit(pages=2, priority=5))
+        low = await queued_call(pool.admit(pages=2, priority=5))
         head = pool.queue_head()
         assert head is not None and (head.priority, head.pages) == (5, 2)
         # More urgent, and a row is free: served at the loop's next turn.
         pool.free(await settled(asyncio.ensure_future(pool.alloc(1, priority=-1))))
         assert pool.queue_head() == head
-        high = await queued(pool.admit(pages=7, priority=0))
+        high = await queued_call(pool.admit(pages=7, priority=0))
         assert pool.queue_head() == QueueHead("admit", 1, 7, 0, 0.0, 0, 7)
         high.cancel()  # done at once, still queued until its task unwinds
         assert pool.waiting() == 2 and pool.queue_head() == head
@@ -204,9 +189,9 @@ async def test_waited_grows_from_when_the_call_queued(clock: ManualClock) -> Non
     async with bounded(), AsyncReqToTokenPool(2, 8) as pool:
         rows = await pool.alloc(1)
         clock.now += 7.0  # before it queues: not counted
-        first = await queued(pool.alloc(1))
+        first = await queued_call(pool.alloc(1))
         clock.now += 1.5
-        second = await queued(pool.alloc(1))
+        second = await queued_call(pool.alloc(1))
         head = pool.queue_head()
         assert head is not None and head.waited_s == 1.5
         clock.now += 2.25
@@ -224,7 +209,9 @@ async def test_none_once_the_head_is_granted_cancelled_or_timed_out() -> None:
     async with bounded(), paged(rows=1, pages=4) as pool:
         g = await pool.admit(pages=1)
         for end in ("grant", "cancel", "timeout"):
-            waiter = await queued(pool.admit(pages=1, timeout=0.01 if end == "timeout" else None))
+            waiter = await queued_call(
+                pool.admit(pages=1, timeout=0.01 if end == "timeout" else None)
+            )
             assert pool.queue_head() is not None
             if end == "grant":
                 pool.free([g.row])
@@ -243,7 +230,7 @@ async def test_none_once_the_head_is_granted_cancelled_or_timed_out() -> None:
 async def test_from_another_thread_it_is_refused() -> None:
     async with bounded(), paged(rows=1) as pool:
         g = await pool.admit(pages=1)
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         with pytest.raises(WrongThreadError):
             in_thread(pool.queue_head)
         assert pool.waiting() == 1
@@ -256,7 +243,7 @@ async def test_a_closed_pool_has_no_head() -> None:
     # queue: None at once, before their tasks unwind, and after.
     pool = paged(rows=1)
     g = await pool.admit(pages=1)
-    waiter = await queued(pool.alloc(1))
+    waiter = await queued_call(pool.alloc(1))
     assert pool.queue_head() is not None
     async with bounded():
         await pool.close()
@@ -270,7 +257,7 @@ async def test_a_read_changes_nothing_not_even_a_completed_fence() -> None:
     async with bounded(), paged(rows=2, pages=4) as pool:
         kv = kv_of(pool)
         g = await pool.admit(pages=4)
-        waiter = await queued(pool.admit(pages=2))
+        waiter = await queued_call(pool.admit(pages=2))
         pool.free([g.row], fence=s.record())  # row and pages pending
         s.complete()  # done, not yet reclaimed: the head would fit after one
 
@@ -296,7 +283,7 @@ async def test_a_read_changes_nothing_not_even_a_completed_fence() -> None:
 async def test_the_snapshot_is_frozen_and_its_own() -> None:
     async with bounded(), AsyncReqToTokenPool(2, 8) as pool:
         rows = await pool.alloc(1)
-        waiter = await queued(pool.alloc(1))
+        waiter = await queued_call(pool.alloc(1))
         head = pool.queue_head()
         assert head is not None
         with pytest.raises(dataclasses.FrozenInstanceError):

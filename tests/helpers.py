@@ -490,6 +490,43 @@ async def spin(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+@contextlib.contextmanager
+def calling_from_a_thread(call: Callable[[], object]) -> Iterator[None]:
+    """Call ``call`` over and over on another thread (a metrics scrape, say)
+    while the block runs; on the way out stop and join it (bounded). If the
+    block finished, assert the thread raised nothing (``call`` may assert)
+    and stopped; if the block raised, that error propagates as it is."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                call()
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=loop, name="calling-from-a-thread", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+    assert not errors, f"the thread raised: {errors!r}"
+    assert not thread.is_alive(), "the thread did not stop"
+
+
+def usage_error(run: Callable[[list[str]], object], argv: list[str], capsys: Any) -> str:
+    """Run a program's ``main(argv)``, which must refuse it as argparse does
+    (exit status 2); return what it wrote to stderr."""
+    with pytest.raises(SystemExit) as exc:
+        run(argv)
+    assert exc.value.code == 2, argv
+    err: str = capsys.readouterr().err
+    return err
+
+
 _T = TypeVar("_T")
 
 

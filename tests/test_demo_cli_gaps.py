@@ -9,18 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import bounded
+from helpers import bounded, usage_error
 
 from scheduler_demo.cli import main
 from scheduler_demo.compare import main as compare_main
 from scheduler_demo.workload import MAX_LENGTH, LengthDist
-
-
-def _refused(run: object, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run(argv)  # type: ignore[operator]
-    assert exc.value.code == 2, argv
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -58,7 +51,7 @@ def _refused(run: object, argv: list[str], capsys: pytest.CaptureFixture[str]) -
 def test_bad_numbers_are_refused_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _refused(main, ["-n", "20", *argv], capsys)
+    err = usage_error(main, ["-n", "20", *argv], capsys)
     assert "usage:" in err
     assert f"error: {flag}" in err, err
     # The messages name flags, not the config's fields.
@@ -71,14 +64,14 @@ def test_gate_on_cuda_is_refused_in_words_naming_both_flags(
 ) -> None:
     # The config's message once read "device='cpu'", which the flag
     # rewriter turned into "--device='cpu'".
-    err = _refused(main, ["--gate", "--device", "cuda"], capsys)
+    err = usage_error(main, ["--gate", "--device", "cuda"], capsys)
     assert "error: --gate needs --device 'cpu'" in err, err
 
 
 def test_a_user_value_is_quoted_as_written_not_renamed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    err = _refused(main, ["--prompt-len", "rate:3"], capsys)
+    err = usage_error(main, ["--prompt-len", "rate:3"], capsys)
     assert "error: --prompt-len: unknown length distribution 'rate' in 'rate:3'" in err
 
 
@@ -120,7 +113,7 @@ def test_length_draws_are_bounded_and_never_overflow(spec: str) -> None:
 def test_compare_refuses_bad_and_overridden_flags(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _refused(compare_main, argv, capsys)
+    err = usage_error(compare_main, argv, capsys)
     assert "python -m scheduler_demo.compare: error:" in err, err
     assert needle in err, err
 
@@ -150,19 +143,19 @@ def test_compare_help_lists_its_own_flags_not_the_refused_ones(
 def test_bad_output_paths_are_refused_before_the_run(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _refused(main, argv, capsys)
+    err = usage_error(main, argv, capsys)
     assert needle in err, err
 
 
-def test_a_directory_as_output_is_refused(
+def test_a_directory_as_output_isusage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _refused(main, ["--json", str(tmp_path)], capsys)
+    err = usage_error(main, ["--json", str(tmp_path)], capsys)
     assert "is a directory" in err
 
 
 def test_tp_refuses_plot_up_front(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _refused(main, ["--tp", "2", "--plot", "x.png"], capsys)
+    err = usage_error(main, ["--tp", "2", "--plot", "x.png"], capsys)
     assert "usage:" in err and "--plot is not drawn with --tp" in err
 
 
@@ -216,7 +209,7 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     run, at the import of matplotlib; it is refused up front, saying what
     to install."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
-    err = _refused(main, ["--plot", str(tmp_path / "x.png")], capsys)
+    err = usage_error(main, ["--plot", str(tmp_path / "x.png")], capsys)
     assert "--plot needs matplotlib" in err and "asyncpool[demo]" in err
     assert not (tmp_path / "x.png").exists()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import LONG_S, bounded
+from helpers import LONG_S, bounded, usage_error
 from test_demo import SMALL, _cli_args, snapshot_queued_as_on_cuda
 
 import scheduler_demo.compare
@@ -139,10 +139,7 @@ def test_cli_refuses_bad_swa_flags(
     args: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = ["--max-context-len=128", "--kv-pages=32", "--page-size=8", "-n", "4"]
-    with pytest.raises(SystemExit) as exc:
-        main([*base, *args])
-    assert exc.value.code == 2
-    assert says in capsys.readouterr().err
+    assert says in usage_error(main, [*base, *args], capsys)
 
 
 def test_help_explains_the_hybrid_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -278,13 +275,8 @@ def test_a_derived_swa_size_past_the_cap_is_refused(capsys: pytest.CaptureFixtur
     # --swa-pages 20040000 is refused (past 10,000,000); 0 derived the same
     # 20,040,000 pages (20,000 rows x (1000 + 2)) and the run went ahead.
     args = ["--swa-window=1000", "--page-size=1", "--rows=20000", "--kv-pages=30000", "-n", "1"]
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(main, args, capsys)
     assert "--swa-pages 0 derives 20,040,000 pages (--rows x (ceil(--swa-window" in err
     assert "past the 10,000,000 allowed: give --swa-pages" in err
-    with pytest.raises(SystemExit) as exc:
-        main([*args, "--swa-pages=20040000"])
-    assert exc.value.code == 2
-    assert "--swa-pages must be <= 10,000,000" in capsys.readouterr().err
+    err = usage_error(main, [*args, "--swa-pages=20040000"], capsys)
+    assert "--swa-pages must be <= 10,000,000" in err

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, FakeStream, Streams, bounded, spin
+from helpers import WAIT_S, FakeStream, Streams, bounded, calling_from_a_thread, spin
 
 import asyncpool.waiters as waiters_module
 from asyncpool import AsyncReqToTokenPool, KVGroupStats, KVPagePool, ReqToTokenPool
@@ -470,36 +470,23 @@ def test_readme_table_lists_every_family() -> None:
 
 
 async def test_scrapes_from_another_thread_see_consistent_monotonic_figures() -> None:
-    import threading
-
     async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(4 * WAIT_S):
         registry = CollectorRegistry()
         registry.register(PoolCollector(pool, name="p"))
-        stop = threading.Event()
         seen: list[dict[str, Any]] = []
-        errors: list[BaseException] = []
 
-        def scraper() -> None:
-            try:
-                while not stop.is_set():
-                    text = generate_latest(registry).decode()
-                    seen.append({f.name: f for f in text_string_to_metric_families(text)})
-            except BaseException as exc:  # reported by the test below
-                errors.append(exc)
+        def scrape_into_seen() -> None:
+            text = generate_latest(registry).decode()
+            seen.append({f.name: f for f in text_string_to_metric_families(text)})
 
-        thread = threading.Thread(target=scraper, daemon=True)
-        thread.start()
-        try:
+        with calling_from_a_thread(scrape_into_seen):
             for _ in range(300):
                 held = await pool.alloc(2)  # fast
                 waiter = asyncio.create_task(pool.alloc(1))  # waits, then granted
                 await asyncio.sleep(0)
                 pool.free(held)
                 pool.free(await waiter)
-        finally:
-            stop.set()
-            thread.join(WAIT_S)
-        assert not errors and not thread.is_alive() and seen
+        assert seen
         last: dict[str, float] = {}
         for fams in seen:
             for name in ("asyncpool_alloc_wait_seconds", "asyncpool_fence_latency_seconds"):

@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
 import uvloop
-from helpers import WAIT_S, FakeStream, ManualClock, bounded, in_thread, queued_call, settled, spin
+from helpers import (
+    WAIT_S,
+    FakeStream,
+    ManualClock,
+    bounded,
+    calling_from_a_thread,
+    in_thread,
+    queued_call,
+    settled,
+    spin,
+)
 
 import asyncpool.waiters
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError, ReqToTokenPool
@@ -189,24 +198,16 @@ async def test_scrapes_from_another_thread_while_waiters_come_and_go() -> None:
     waits at the end, and it reads 0. The real clock here."""
     async with AsyncReqToTokenPool(3, 4) as pool, asyncio.timeout(4 * WAIT_S):
         gauge = Scraped(pool)
-        stop = threading.Event()
         seen: list[float] = []
-        errors: list[BaseException] = []
         t0 = asyncpool.waiters._perf_counter()
 
-        def scraper() -> None:
-            try:
-                while not stop.is_set():
-                    seen.append(pool.stats(summaries=False).oldest_wait_s)
-                    value = gauge()
-                    assert value is not None
-                    seen.append(value)
-            except BaseException as exc:  # reported by the test below
-                errors.append(exc)
+        def scrape() -> None:
+            seen.append(pool.stats(summaries=False).oldest_wait_s)
+            value = gauge()
+            assert value is not None
+            seen.append(value)
 
-        thread = threading.Thread(target=scraper, daemon=True)
-        thread.start()
-        try:
+        with calling_from_a_thread(scrape):
             for i in range(200):
                 held = await pool.alloc(2)
                 waiters = [asyncio.ensure_future(pool.alloc(1, priority=p)) for p in (3, 1, 2, 1)]
@@ -223,11 +224,8 @@ async def test_scrapes_from_another_thread_while_waiters_come_and_go() -> None:
                     for w in done:
                         if not w.cancelled() and w.exception() is None:
                             pool.free(w.result())
-        finally:
-            stop.set()
-            thread.join(WAIT_S)
         elapsed = asyncpool.waiters._perf_counter() - t0
-        assert not errors and not thread.is_alive() and seen
+        assert seen
         assert all(math.isfinite(v) and 0.0 <= v <= elapsed for v in seen)
         assert pool.waiting() == 0 and pool.stats().oldest_wait_s == 0.0 and gauge() == 0.0
 

@@ -1155,7 +1155,7 @@ class Admission:
         reclaimed = False
         # The groups that cannot cover every row (after reclaiming their
         # completed fences): each counts the call as a refusal of its own.
-        shorts: list[RowPages] | None = None
+        shorts: list[RowPages] = []
         if self._released:
             m = 0
         elif n:
@@ -1169,15 +1169,12 @@ class Admission:
                 if fits < n:
                     if fits < m:
                         m = fits
-                    if shorts is None:
-                        shorts = [pages]
-                    else:
-                        shorts.append(pages)
+                    shorts.append(pages)
         if m:
             got = self._take_groups(wants, seq[:m], lines=True)
         else:
             got = {name: pages.out(np.zeros((0, k), dtype=np.int64)) for name, pages, k in wants}
-        if shorts is not None:
+        if shorts:
             self._count_refusal(shorts)
         if reclaimed and self._waiters.count:
             self._waiters.grant()
@@ -1239,17 +1236,14 @@ class Admission:
         """
         n = len(rows)
         reclaimed = False
-        shorts: list[RowPages] | None = None
+        shorts: list[RowPages] = []
         for _, pages, k in wants:
             led = pages.ledger
             if _reclaim_short(led, n * k):
                 reclaimed = True
             if n * k > led.free_count:
-                if shorts is None:
-                    shorts = [pages]
-                else:
-                    shorts.append(pages)
-        if shorts is not None:
+                shorts.append(pages)
+        if shorts:
             self._count_refusal(shorts)
             got = None
         else:

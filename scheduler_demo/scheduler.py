@@ -828,12 +828,8 @@ class Scheduler:
         if lens_bad:
             bad.update(torch.nonzero(out_lens != exp_lens).flatten().tolist())
         if row_bad:
-            tokens = torch.nonzero(out_row.long() != v_slots).flatten().tolist()
-            bad.update(bisect.bisect_right(ends, t) for t in tokens)
-        kv_bad_entries: set[int] = set()
-        if kv_bad:
-            tokens = torch.nonzero(out_kv != v_vals).flatten().tolist()
-            kv_bad_entries.update(bisect.bisect_right(ends, t) for t in tokens)
+            bad.update(_entries_read_wrong(out_row.long(), v_slots, ends))
+        kv_bad_entries = _entries_read_wrong(out_kv, v_vals, ends) if kv_bad else set()
         debug = logger.isEnabledFor(logging.DEBUG)
         for i in sorted(bad | kv_bad_entries):
             req, epoch, _ = step.entries[i]
@@ -858,9 +854,8 @@ class Scheduler:
         expected = torch.from_numpy(step.swa.v_vals)
         if torch.equal(step.out_swa, expected):
             return
-        ends = np.cumsum(step.swa.v_counts)
-        tokens = torch.nonzero(step.out_swa != expected).flatten().numpy()
-        for i in sorted(set(np.searchsorted(ends, tokens, side="right").tolist())):
+        ends = list(itertools.accumulate(step.swa.v_counts.tolist()))
+        for i in sorted(_entries_read_wrong(step.out_swa, expected, ends)):
             req, epoch, _ = step.entries[i]
             if req.epoch != epoch or req.state != RUNNING:
                 continue
@@ -936,6 +931,14 @@ class Scheduler:
                 logger.debug(
                     "swa kv corruption: request %d, final check of its window", req.spec.rid
                 )
+
+
+def _entries_read_wrong(found: torch.Tensor, expected: torch.Tensor, ends: list[int]) -> set[int]:
+    """The batch entries (indexes into a step's ``entries``) with a token
+    whose ``found`` value is not the ``expected`` one; entry ``i`` holds the
+    tokens from ``ends[i - 1]`` (0 for the first) up to ``ends[i]``."""
+    tokens = torch.nonzero(found != expected).flatten().tolist()
+    return {bisect.bisect_right(ends, t) for t in tokens}
 
 
 def _describe(

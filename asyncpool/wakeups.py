@@ -222,6 +222,15 @@ class FenceWakeups:
         # closed or not, alive) and the interrupted wake-ups it counted.
         self._wake_retry = None
         self._wake_raises = 0
+        # Nor to re-watch: a delayed re-watch's timer on the old loop does
+        # nothing, and the fences it held wait for nothing now. Forget them
+        # (a CUDA event or a transfer handle kept alive for no one, until a
+        # re-watch that may never come), that loop, and their bounce counts
+        # (kept by id, which a fence of the new owner may bear: it would be
+        # re-watched late, not at once).
+        self._rewatch_timer = None
+        self._rewatch_due = []
+        self._bounces.clear()
 
     def left_loop(self) -> None:
         """The pool moved to another loop (set already): drop what is tied

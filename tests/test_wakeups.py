@@ -8,6 +8,8 @@ by a recorder, so each rule is pinned without rows, pages or a ledger.
   (the flag is cleared before the reclaim asks the fences);
 * a wake-up, a retry timer or a delayed re-watch timer queued on a loop the
   pool has left does nothing and touches nothing;
+* a hand-over (``bind()``) forgets a delayed re-watch left on the old
+  loop: its fences, that loop and the bounce counts;
 * what fences hold (``notify``) holds the wake-ups weakly;
 * a closed pool starts no watcher; an open one's watcher wakes it when a
   fence of unknown origin completes; ``close`` stops it.
@@ -113,6 +115,30 @@ async def test_timers_left_on_a_loop_the_pool_left_touch_nothing() -> None:
         assert wakeups._rewatch_due == [fence]
     finally:
         other.close()
+
+
+def test_a_hand_over_forgets_the_old_loops_delayed_rewatch() -> None:
+    """bind() with nothing pending: a delayed re-watch armed on the old loop
+    (which stopped before its timer fired) holds fences nobody waits for
+    any more, that loop, and bounce counts by id: all forgotten."""
+    old = asyncio.new_event_loop()
+    try:
+        pool = _Pool(old)
+        wakeups = pool.wakeups()
+        fence = EventFence()
+        wakeups._rewatch_timer = old
+        wakeups._rewatch_due = [fence]
+        wakeups._bounces[id(fence)] = 3
+        fence_ref = weakref.ref(fence)
+        del fence
+        pool.loop = None  # bind() outside any loop
+        wakeups.handed_over()
+        gc.collect()
+        assert fence_ref() is None
+        assert wakeups._rewatch_timer is None
+        assert wakeups._rewatch_due == [] and wakeups._bounces == {}
+    finally:
+        old.close()
 
 
 def test_what_fences_hold_does_not_keep_the_wake_ups_alive() -> None:

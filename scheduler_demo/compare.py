@@ -16,7 +16,10 @@ Exit status: 0 when every fenced run served every request with 0
 corruptions of any kind and every unsafe run found KV corruption (with
 ``--swa-window``: in the full or the swa group; row corruption alone does
 not count, with or without a window); 1 otherwise (a run given up at
---timeout included); 2 on bad arguments.
+--timeout included); 2 on bad arguments. ``--out`` writes the same
+judgement as its ``verdict`` (``ok``, ``fenced_clean``, ``unsafe_caught``
+per unsafe run, ``gave_up``) beside the summary and every run's report,
+also when a run is given up at --timeout (the runs so far, no summary).
 """
 
 from __future__ import annotations
@@ -113,10 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 report = _run(run_demo(cfg))
             except TimeoutError:
-                print(
-                    f"round {rnd + 1} {name}: {timeout_message(cfg, time.monotonic() - t0)}",
-                    file=sys.stderr,
-                )
+                message = f"round {rnd + 1} {name}: {timeout_message(cfg, time.monotonic() - t0)}"
+                print(message, file=sys.stderr)
+                if args.out:
+                    _write_out(args.out, runs, None, _verdict(runs, gave_up=message))
                 return 1
             runs[name].append(report)
             print(
@@ -154,10 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     corr = [x.corruptions for x in runs["unsafe"]]
     kv = [x.kv_corruptions for x in runs["unsafe"]]
-    # Caught: KV corruption found, in either group with a window (rows alone
-    # never count: the rule is the same with and without a window).
     swa_kv = [_swa_kv(x) for x in runs["unsafe"]]
-    caught = [c > 0 or s > 0 for c, s in zip(kv, swa_kv, strict=True)]
+    verdict = _verdict(runs)
+    caught = verdict["unsafe_caught"]
     print(f"unsafe row corruptions per run: {corr}")
     if hybrid:
         print(
@@ -167,14 +169,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"unsafe KV corruptions per run:  {kv} ({sum(caught)}/{len(caught)} runs > 0)")
     if args.out:
-        payload: dict[str, Any] = {
-            "summary": summary,
-            "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
-        }
-        with open(args.out, "w") as fh:
-            json.dump(payload, fh, indent=2)
-    safe_ok = all(x.ok for name in ("overlap", "sync", "row-first") for x in runs[name])
-    return 0 if safe_ok and all(caught) else 1
+        _write_out(args.out, runs, summary, verdict)
+    return 0 if verdict["ok"] else 1
+
+
+def _verdict(runs: dict[str, list[Report]], gave_up: str | None = None) -> dict[str, Any]:
+    """What the exit status says, spelled out for ``--out``: ``ok`` (exit 0),
+    ``fenced_clean`` (every fenced run served every request with 0
+    corruptions of any kind), ``unsafe_caught`` (per unsafe run, whether it
+    found KV corruption, in either group with a window) and ``gave_up``
+    (the message of a run given up at ``--timeout``, else None; then the
+    runs so far are written and ``ok`` is False)."""
+    fenced_clean = all(x.ok for name in ("overlap", "sync", "row-first") for x in runs[name])
+    # Caught: KV corruption found, in either group with a window (rows alone
+    # never count: the rule is the same with and without a window).
+    caught = [x.kv_corruptions > 0 or _swa_kv(x) > 0 for x in runs["unsafe"]]
+    return {
+        "ok": gave_up is None and fenced_clean and all(caught),
+        "fenced_clean": fenced_clean,
+        "unsafe_caught": caught,
+        "gave_up": gave_up,
+    }
+
+
+def _write_out(
+    path: str,
+    runs: dict[str, list[Report]],
+    summary: dict[str, Any] | None,
+    verdict: dict[str, Any],
+) -> None:
+    """``--out``: the verdict, the summary (None for a compare given up
+    before its end) and every run's report."""
+    payload: dict[str, Any] = {
+        "verdict": verdict,
+        "summary": summary,
+        "runs": {k: [r.to_dict() for r in v] for k, v in runs.items()},
+    }
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=2)
 
 
 def _swa_kv(report: Report) -> int:

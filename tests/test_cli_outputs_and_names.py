@@ -15,6 +15,8 @@ from helpers import load_example
 
 from scheduler_demo.cli import main
 from scheduler_demo.compare import main as compare_main
+from scheduler_demo.config import DemoConfig
+from scheduler_demo.report import Report
 
 # Every request aborted while its KV is still on its way (an output of one
 # token cannot be aborted mid-decode): no run makes an output token.
@@ -43,8 +45,51 @@ def test_compare_whose_runs_make_no_token_reports_instead_of_crashing(
     data = json.loads(out.read_text())
     assert data["summary"]["overlap"]["best"] == 0
     assert data["summary"]["ratios"]["overlap_vs_sync_best"] is None
+    # The exit status, spelled out: the fenced runs were clean, the unsafe
+    # one caught nothing.
+    assert data["verdict"] == {
+        "ok": False,
+        "fenced_clean": True,
+        "unsafe_caught": [False],
+        "gave_up": None,
+    }
     printed = capsys.readouterr().out
     assert "overlap / sync   tokens/s: best n/a, median n/a" in printed
+
+
+def test_compare_given_up_at_timeout_still_writes_the_runs_so_far(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A compare stopped by a run given up at --timeout wrote no --out: the
+    rounds it had run were lost with it. Now the runs so far are written,
+    with the verdict naming the run given up."""
+    from scheduler_demo import compare
+
+    real = compare.run_demo
+    calls = 0
+
+    async def second_gives_up(cfg: DemoConfig) -> Report:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise TimeoutError
+        return await real(cfg)
+
+    monkeypatch.setattr(compare, "run_demo", second_gives_up)
+    out = tmp_path / "compare.json"
+    assert compare_main(["--rounds", "1", "--out", str(out), *NO_TOKENS]) == 1
+    data = json.loads(out.read_text())
+    assert data["summary"] is None
+    assert [len(data["runs"][name]) for name in ("overlap", "sync", "unsafe", "row-first")] == [
+        1,
+        0,
+        0,
+        0,
+    ]
+    verdict = data["verdict"]
+    assert verdict["ok"] is False
+    assert "round 1 sync" in verdict["gave_up"] and "--timeout" in verdict["gave_up"]
+    assert "round 1 sync" in capsys.readouterr().err
 
 
 def test_json_and_plot_to_the_same_file_is_refused(

@@ -404,6 +404,12 @@ def test_compare_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert ratios["overlap_vs_sync_best"] > 0
     assert ratios["atomic_vs_row_first_median"] > 0
     assert ratios["row_utilization_atomic_vs_row_first"] > 1.0
+    assert data["verdict"] == {
+        "ok": True,
+        "fenced_clean": True,
+        "unsafe_caught": [True],
+        "gave_up": None,
+    }
     out = capsys.readouterr().out
     assert "overlap / sync" in out and "atomic / row-first" in out
 

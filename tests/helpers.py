@@ -14,7 +14,10 @@ use without pytest plugin wiring:
 * :func:`ledger_snapshot` / :func:`pool_snapshot` capture everything a
   raising call must leave unchanged;
 * :func:`bounded` bounds an await that could hang (``asyncio.timeout``), so a
-  lost wake-up fails in seconds with a message instead of hanging the suite.
+  lost wake-up fails in seconds with a message instead of hanging the suite;
+* :data:`PROSE_DOCS` and :func:`doc_text` name and read the documents that
+  state what the project does: the README (the front page) and the pages
+  under docs/ its depth moved to.
 """
 
 from __future__ import annotations
@@ -59,6 +62,47 @@ BAD_COUNTS_FOR_TWO_ROWS: list[object] = [
     torch.tensor([1.0, 1.0]),
     torch.tensor([True, True]),
 ]
+
+
+#: The repository root (tests/ sits under it).
+ROOT = Path(__file__).resolve().parent.parent
+#: The README and the pages its depth lives in (docs/demo.md, docs/api.md,
+#: docs/tp.md, docs/performance.md, docs/testing.md), in the README's order:
+#: a statement the README once made is in one of them.
+PROSE_DOCS = (
+    "README.md",
+    "docs/demo.md",
+    "docs/api.md",
+    "docs/tp.md",
+    "docs/performance.md",
+    "docs/testing.md",
+)
+
+
+def doc_text(name: str) -> str:
+    """The text of a document, by its path from the repository root
+    (``"README.md"``, ``"docs/api.md"``)."""
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def doc_section(name: str, heading: str) -> str:
+    """One section of a document: from the line ``heading`` (whole, with its
+    ``#`` marks) to the next heading of the same or a higher level, or the
+    end. A heading that is not there is a ``LookupError``."""
+    lines = doc_text(name).split("\n")
+    level = len(heading) - len(heading.lstrip("#"))
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        raise LookupError(f"{name}: no heading {heading!r}") from None
+    fenced = False
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("```"):
+            fenced = not fenced
+        marks = len(lines[i]) - len(lines[i].lstrip("#"))
+        if not fenced and 0 < marks <= level and lines[i][marks : marks + 1] == " ":
+            return "\n".join(lines[start + 1 : i])
+    return "\n".join(lines[start + 1 :])
 
 
 def in_thread(fn: Callable[[], Any], *, name: str = "foreign", daemon: bool = False) -> Any:

@@ -1,6 +1,8 @@
 """Every command line the documents show is one its program accepts.
 
-README.md, docs/cuda.md and docs/benchmarks.md name commands (``python -m
+README.md, the pages its depth moved to (docs/demo.md, docs/api.md,
+docs/tp.md, docs/performance.md, docs/testing.md), docs/cuda.md and
+docs/benchmarks.md name commands (``python -m
 scheduler_demo --unsafe``) in shell blocks and in code spans that may wrap a
 line, and flags (``--tp 1``, ``--evict-behind-write-fence``) in prose; the
 demo's ``--help`` epilog and the docstrings of the demo's and the
@@ -31,7 +33,7 @@ from typing import Any, NoReturn
 
 import pytest
 import torch
-from helpers import load_example
+from helpers import PROSE_DOCS, load_example
 
 import benchmarks
 import benchmarks.ablation
@@ -44,7 +46,7 @@ import scheduler_demo.cli
 import scheduler_demo.compare
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "docs/cuda.md", "docs/benchmarks.md")
+DOCS = (*PROSE_DOCS, "docs/cuda.md", "docs/benchmarks.md")
 #: Modules whose docstrings show commands.
 DOC_MODULES = (
     scheduler_demo,

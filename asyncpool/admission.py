@@ -725,7 +725,7 @@ class Admission:
         that looks at the queue drops them. Otherwise a read: it reclaims
         nothing and grants nothing (a completed fence's pages count
         as pending until the pool's wake-up or a call reclaims them). Evict
-        that many, behind their readers' fences (README: *Prefix caching*);
+        that many, behind their readers' fences (docs/api.md: *Prefix caching*);
         the pages come back to the queue's head first, except while a
         :meth:`hold_grants` hold is held: then growth takes what comes back
         first (the hold's purpose), so this may read 0 while the stalled
@@ -867,7 +867,7 @@ class Admission:
         arithmetic in place, say) makes the row's :meth:`free` refuse it. It
         takes free pages even while admissions queue, but pages that a free
         or a completed fence returns go to the queued admissions first, at
-        hand-over (README: *Growth and queued admissions*). After
+        hand-over (docs/api.md: *Growth and queued admissions*). After
         :meth:`drop_pages` the new pages follow the row's last position
         (dropped ones included); a row whose every page was dropped owns
         none, so the tensor is its record, as above. Raises

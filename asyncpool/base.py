@@ -314,7 +314,7 @@ class PoolCore:
 
         On ``AsyncReqToTokenPool`` a read: rows whose fences completed come
         back when the event loop runs the pool's wake-up, or at
-        ``reclaim()`` (README: *Counts are reads; wake-ups need the loop*).
+        ``reclaim()`` (docs/api.md: *Counts are reads; wake-ups need the loop*).
         """
         return self._ledger.free_count
 

@@ -30,7 +30,7 @@ hold). Free pages are reused oldest-freed first.
 Every public method is atomic: one that raises an ``Exception`` has changed
 nothing. A fence's ``query()`` raising what is not an ``Exception``
 (``KeyboardInterrupt``, ``CancelledError``) propagates and leaves every page
-decided or as it was (the README's rule): :meth:`clear` interrupted in its
+decided or as it was (the rule in docs/api.md's contracts): :meth:`clear` interrupted in its
 reclaim has already freed the allocated pages. Not thread-safe: call a pool
 from one thread (the scheduler's).
 

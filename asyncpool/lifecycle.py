@@ -145,7 +145,7 @@ class Lifecycle:
         rank settles by what it sees (quarantined there, released
         elsewhere), and every later ``agree()`` raises ``AgreementError``
         (quarantine is for life: rebuild the pools). Where that can happen,
-        settle with ``agree()`` until nothing is pending first (README,
+        settle with ``agree()`` until nothing is pending first (docs/tp.md,
         *Tensor-parallel engines*).
         """
         self._check_thread()

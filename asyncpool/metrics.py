@@ -21,7 +21,7 @@ Names follow Prometheus' rules and the serving engines' conventions (vLLM's
 ``vllm:num_requests_waiting`` and ``vllm:request_queue_time_seconds``,
 SGLang's ``sglang:num_queue_reqs``): base units in the name (``_seconds``,
 ``_rows``), ``_total`` on counters, calls and rows counted apart. The
-table :data:`FAMILIES` lists them all (the README has the same table).
+table :data:`FAMILIES` lists them all (docs/api.md, *Metrics*, has the same table).
 
 A pool with KV groups (``kv={"swa": ..., "full": ...}``) is exported as any
 other (its page families carry the sums over its groups) and, in the

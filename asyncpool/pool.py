@@ -279,8 +279,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         processed that step) and :meth:`agree` (a collective over the ranks
         for fences the scheduler does not observe), so ranks that make the
         same calls make the same grants. ``kv`` follows the pool's mode (a
-        fresh ``"auto"`` page pool is switched to explicit). See the
-        README's tensor-parallel section. Anything else: ``ValueError``.
+        fresh ``"auto"`` page pool is switched to explicit). See
+        docs/tp.md (the README's tensor-parallel section links it). Anything else: ``ValueError``.
     name
         Keyword only; None (the default) for none. A label for an engine
         that runs several pools (prefill and decode), shown in ``repr()``
@@ -1459,8 +1459,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         """Rows free right now (not counting rows pending behind fences).
 
         A read: rows whose fences completed come back when the event loop
-        runs the pool's wake-up, or at ``reclaim()`` (README: *Counts are
-        reads; wake-ups need the loop*). On the owner's thread, from a
+        runs the pool's wake-up, or at ``reclaim()`` (docs/api.md: *Counts
+        are reads; wake-ups need the loop*). On the owner's thread, from a
         running loop the pool has left (its own closed, or stopped with
         nobody waiting on it), it first moves the pool there and looks at
         its fences, as any call does; from another thread it only reads.

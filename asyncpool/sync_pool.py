@@ -10,7 +10,7 @@ its free list). Rows are reset lazily and in bulk rather than one torch op
 per call, and a freed row waits for its recorded uses: a write that is not
 ordered with the tables' stream and lands after a bulk reset survives into
 the row's next owner, where the seed's zeroing at ``alloc`` may have come
-later; ``record_use`` is the protection (README, "Deliberate differences").
+later; ``record_use`` is the protection (docs/api.md, "Deliberate differences").
 
 Not thread-safe: call it from one thread (the scheduler's), ``available_size``
 included (it reclaims); only :meth:`ReqToTokenPool.stats` may be read from

@@ -1,4 +1,4 @@
-"""The README's overlap scheduler step, as a small program that checks itself.
+"""docs/api.md's overlap scheduler step, as a small program that checks itself.
 
 An engine-shaped loop over :class:`asyncpool.AsyncReqToTokenPool`:
 

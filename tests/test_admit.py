@@ -158,7 +158,7 @@ async def test_try_admit_reclaims_completed_fences_before_answering_none(kit):
 
 
 async def test_counts_are_reads_and_reclaim_brings_rows_and_pages_back_at_once(kit):
-    """The README's *Counts are reads*: a fence completed while the loop does
+    """docs/api.md's *Counts are reads*: a fence completed while the loop does
     not run changes no count (the wake-up is a callback of the loop), and
     ``pool.reclaim()``, still without a loop turn, returns the row and its
     pages and grants the queued admission."""

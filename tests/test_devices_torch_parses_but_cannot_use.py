@@ -1,7 +1,7 @@
 """A device type torch parses but this build or machine cannot use ("mps"
 on Linux, "xla" without torch_xla, "hpu" without its plugin) is a
-:class:`DeviceError` at construction, for every pool, as the README's
-contracts table promises ("DeviceError for a device torch cannot use").
+:class:`DeviceError` at construction, for every pool, as docs/api.md's
+differences table promises ("DeviceError for a device torch cannot use").
 
 Before, torch.device() accepted the name and nothing else was asked: the
 row pools raised the backend's own NotImplementedError / AssertionError /

@@ -1,4 +1,5 @@
-"""Rules the README states that no other test pinned (a claims audit found them).
+"""Rules the README states (now docs/api.md, where its depth moved) that no
+other test pinned (a claims audit found them).
 
 * the thread rule on a pool with ``kv=``: admission, growth, page and
   lifecycle calls from a foreign thread raise :class:`WrongThreadError` and

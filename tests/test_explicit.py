@@ -899,7 +899,7 @@ async def test_a_rank_without_fence_timeout_counts_what_another_ranks_made_overd
 ) -> None:
     """Overdue is agreed (MAX over ranks): a rank built without
     ``fence_timeout`` logs a fence that another rank's timeout made overdue,
-    and its stats() count it too, as every rank's do (README: counted on
+    and its stats() count it too, as every rank's do (docs/api.md: counted on
     every rank). The other rank's flag is faked into the single-rank
     collective."""
     import asyncpool.agreement as agreement

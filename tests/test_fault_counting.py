@@ -3,7 +3,7 @@
 An engine records one step fence on its whole batch and frees the batch
 request by request over later steps. If that fence faults, every free meets
 it again. ``fence_errors`` / ``page_fence_errors`` count *fences that
-faulted* (README, Metrics), so the count stays 1 however many frees, rows or
+faulted* (docs/api.md, Metrics), so the count stays 1 however many frees, rows or
 batches meet the fence; the first later quarantine is logged as a warning
 that names its rows, the rest at DEBUG with a running count (one line per
 free would flood the log), and the first error names every row of its call. Each

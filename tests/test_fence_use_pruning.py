@@ -268,7 +268,7 @@ def test_an_interrupted_prune_leaves_the_rows_uses_as_they_were(
 def test_an_explicit_pool_asks_nothing_and_drops_nothing() -> None:
     """No fence is asked with reclaim="explicit" (the ranks must decide
     alike): a row keeps every handle recorded on it until its free, as
-    before (the README's TP section says so)."""
+    before (the contracts' *fences* row in docs/api.md says so)."""
     pool = ReqToTokenPool(4, 4, reclaim="explicit")
     rows = pool.alloc(2)
     assert rows is not None

@@ -3,7 +3,7 @@ its fix):
 
 * a ``KVPagePool`` whose pages were already pending behind a fence when it
   was handed to a pool: the pool never watched that fence, so its
-  completion woke no queued ``admit`` (README: "a page fence completing
+  completion woke no queued ``admit`` (docs/api.md: "a page fence completing
   wakes an admit waiter with nobody calling the pool");
 * the poller thread of fences of unknown origin waited for ever once idle,
   holding the pool (through its wake-up callback) alive until ``close()``:

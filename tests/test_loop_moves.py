@@ -652,7 +652,7 @@ def test_try_calls_drop_the_waiters_of_a_closed_loop(
 ) -> None:
     """A waiter left queued on a loop closed under it can never resume:
     try_alloc and try_admit answered None for good while it was counted
-    (the README's scheduler admits with try_admit, and waits for nothing)."""
+    (docs/api.md's scheduler admits with try_admit, and waits for nothing)."""
     factory = LOOPS[loop]
     pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4))
 

@@ -151,7 +151,7 @@ async def test_under_a_hold_growth_takes_the_pending_pages_first() -> None:
 
 
 async def test_a_hit_found_after_the_grant_gives_back_the_surplus_at_once() -> None:
-    # The README's recipe for a cache that changed while the admission
+    # docs/api.md's recipe for a cache that changed while the admission
     # queued: a row's pages are interchangeable until written, so a late hit
     # of h pages keeps the first k - h and trims the rest, free at once.
     async with bounded(), paged(rows=2, pages=8) as pool:

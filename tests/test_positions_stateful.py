@@ -17,7 +17,7 @@ After every step, every allocated row's ``pages_of`` (device form and
 never stale after any mutation. The tensors the pool handed out
 (``grant.pages``, ``extend``'s, ``pages_of``'s) must keep what they read,
 except those of a row trimmed since (a trim keeps the record in its buffer,
-and the next growth writes over the cut places: README). ``pages_of`` of a
+and the next growth writes over the cut places: docs/api.md). ``pages_of`` of a
 row with dropped positions is a fresh tensor: the caller writes into it
 and nothing changes. A second machine runs the same rules on a pool with
 two KV groups, each call naming its group.

@@ -5,7 +5,7 @@
   not also as a timeout (``timeouts`` counts calls that raised
   ``TimeoutError``);
 * a waiter granted at hand-over and cancelled before it resumed is in the
-  wait histogram (it was granted) and in ``cancellations`` (README, Metrics);
+  wait histogram (it was granted) and in ``cancellations`` (docs/api.md, Metrics);
 * ``admits`` equals ``admit_wait_histogram.count`` in every snapshot, even
   one read while an admission lands (a scrape from another thread reads a
   few operations apart; the two were separate counters);

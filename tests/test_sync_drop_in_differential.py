@@ -21,7 +21,7 @@ integer scalars of any kind, engine-side writes into the length tensors,
 return values, ``available_size()``, the whole of ``req_to_token`` and the
 lengths of row 0 and of every allocated row must agree. A freed row's
 lengths are left out on purpose: the seed zeroes them at ``free``,
-asyncpool in a burst before the row is handed out again (README,
+asyncpool in a burst before the row is handed out again (docs/api.md,
 *Deliberate differences*, "resets").
 
 Where the seed's file is next to the checkout (``../shared/seed``, or the

@@ -4,7 +4,7 @@ what is not an ``Exception`` (``CancelledError``, ``KeyboardInterrupt``).
 A transfer handle's ``query()`` may raise ``CancelledError`` (it wraps a
 concurrent future that was just cancelled) or be hit by a signal. The ledgers
 then leave the batch "decided or as it was" and the error propagates (the
-README's *fences* row). In the pool's wake-up, the callback the watcher's
+contracts' *fences* row, docs/api.md). In the pool's wake-up, the callback the watcher's
 poller queues after it let go of a fence, that left two things undone (found
 by a trial):
 

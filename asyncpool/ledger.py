@@ -398,7 +398,9 @@ class SlotLedger(Deferrals[int]):
         ``free(after=...)`` recording its fence) reports a row already free
         or pending as a :class:`DoubleFreeError`, as :meth:`free` does.
         Raises, changing nothing: ``TypeError`` for a non-fence (naming
-        the element of a sequence by its position).
+        the element of a sequence by its position) and for None (here
+        not "no fence", as at a free: a use needs its fence; ``[]`` is
+        none).
 
         A row's uses keep each fence of unknown origin until it is found
         complete: a record that makes them longer than ``_PRUNE_AT`` asks
@@ -414,6 +416,17 @@ class SlotLedger(Deferrals[int]):
         """
         seq = self.as_rows(rows)
         if not is_fence(fence):  # the one-fence path's only check, as before
+            if fence is None:
+                # fence_list reads None as "no fence" (free's default), but a
+                # use with no fence is no use: the rows would go back while
+                # the step still runs. A step's fence variable still None (a
+                # wrapper that returned nothing) must not pass silently.
+                raise TypeError(
+                    "record_use() needs the fence of the work that uses the rows, got "
+                    "None: nothing would hold them (or their pages) while it runs; "
+                    "record one after the launch (record_fence(stream)), or pass [] "
+                    "for work with no fence"
+                )
             fences = fence_list(fence)  # all checked before anything is recorded
             self.check_allocated(seq, what)
             if fences:

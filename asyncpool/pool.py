@@ -1003,7 +1003,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         it. Raises, changing nothing: :class:`InvalidSlotError` unless
         every row is allocated, ``TypeError`` for a ``fence`` that is not a
         fence or a sequence of fences (naming a bad element by its
-        position); a ``query()`` raising what is not an ``Exception``
+        position), None included (a use needs its fence; ``[]`` records
+        none); a ``query()`` raising what is not an ``Exception``
         propagates, every row recorded or as it was.
         """
         self._check_thread()

@@ -130,7 +130,8 @@ class ReqToTokenPool(PoolCore):
         :meth:`AsyncReqToTokenPool.record_use`). Raises, changing nothing:
         :class:`InvalidSlotError` unless every row is allocated,
         ``TypeError`` for a ``fence`` that is not a fence or a sequence of
-        fences."""
+        fences, None included (a use needs its fence; ``[]`` records
+        none)."""
         self._ledger.record_use(rows, fence)
 
     def free(

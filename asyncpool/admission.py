@@ -1049,7 +1049,7 @@ class Admission:
         which asked). Same takes as :meth:`extend`: free pages even while
         admissions queue. One take and one tensor for the run. Raises as
         :meth:`extend_rows` (:class:`CapacityError` for ``k`` not an int in
-        ``1..kv.capacity`` or counts not ints >= 0,
+        ``1..kv.capacity`` or counts not ints in ``0..kv.capacity``,
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows, or for rows in a set, which has no order;
         :class:`PoolClosedError` after :meth:`close`; changing nothing),
@@ -1077,6 +1077,15 @@ class Admission:
         per_row = 0  # one for every row
         if k.__class__ is not int and _per_row(k):
             counts = _page_counts(k, len(seq), "k")
+            if counts and max(counts) > pages.capacity:
+                # One row's count past the pool can never be met, however
+                # many rows are retracted for it: bad input, as an int k
+                # past it is (a total past it is not: the run stops there).
+                i = next(i for i, c in enumerate(counts) if c > pages.capacity)
+                raise CapacityError(
+                    f"extend_fitting: k[{i}] asks {counts[i]} pages for row {seq[i]}, and "
+                    f"the KV pool has only {pages.capacity}: that row could never grow"
+                )
         else:
             per_row = self._growth_count(pages, k, "extend_fitting")
         led.check_allocated(seq, "extended")

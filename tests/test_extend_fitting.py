@@ -121,6 +121,44 @@ async def test_a_total_past_the_kv_capacity_is_no_error_here():
         assert_pages_conserved(pool)
 
 
+@pytest.mark.parametrize(
+    "counts", [[5, 0, 0], [0, 0, 5], [1, 9, 1], np.array([0, 5, 0]), torch.tensor([0, 0, 5])]
+)
+async def test_one_rows_count_past_the_kv_capacity_is_refused_changing_nothing(counts):
+    """A row whose own count is past the pool can never grow, however many
+    rows are retracted for it: a CapacityError naming it, as an int ``k``
+    past the capacity is, not a refusal counted as a retraction to make
+    (found by the scheduler-port trial: ``extend_fitting(rows, [100, 0])``
+    on an 8-page pool answered ``(0, ...)`` and counted a growth refusal)."""
+    async with make(rows=3, pages=4) as pool:
+        rows = [(await pool.admit(pages=0)).row for _ in range(3)]
+        before = state(pool)
+        i = next(i for i, c in enumerate(counts) if c > 4)
+        with pytest.raises(CapacityError, match=rf"k\[{i}\] asks \d+ pages for row {rows[i]},"):
+            pool.extend_fitting(rows, counts)
+        assert state(pool) == before  # growth_refusals included
+        assert pool.extend_fitting(rows, [4, 0, 0])[0] == 3  # at the capacity: taken
+        pool.free(rows)
+        assert_pages_conserved(pool)
+
+
+async def test_one_groups_count_past_its_capacity_is_refused_per_row_too():
+    kv = {"full": KVPagePool(9, 4), "swa": KVPagePool(3, 4)}
+    async with AsyncReqToTokenPool(4, 64, kv=kv) as pool:
+        rows = [(await pool.admit({"full": 0, "swa": 0})).row for _ in range(2)]
+
+        def snap() -> tuple[Any, ...]:
+            owned = [ids(pool.pages_of(r, group=g)) for r in rows for g in kv]
+            return (pool.stats(summaries=False), owned)
+
+        before = snap()
+        with pytest.raises(CapacityError, match=r"k\[1\] asks 3 pages .* only 2"):
+            pool.extend_fitting(rows, [0, 3], group="swa")
+        assert snap() == before
+        assert pool.extend_fitting(rows, [0, 3], group="full")[0] == 2
+        pool.free(rows)
+
+
 @pytest.mark.parametrize("form", ["one count", "a count per row"])
 async def test_it_reclaims_completed_fences_first_and_serves_waiters_in_the_call(form):
     s = FakeStream()

@@ -61,7 +61,12 @@ async def wait_fence(fence: Fences) -> None:
     is a ``TypeError`` too, alone or in a sequence: as a fence it would mean
     "once the stream is idle"; wait for ``record_fence(stream)`` instead.
 
-    Returns at once when it has completed. Raises what its ``query()``
+    When it has completed already it returns after one pass of the event
+    loop (``asyncio.sleep(0)``), not without suspending: an overlap
+    loop whose only await is this wait for the step before lets the other
+    tasks (an admission granted at hand-over) and the pool's wake-ups run
+    each step even when the device finished that step first; so does an
+    empty sequence, and a sequence whose fences had all completed. Raises what its ``query()``
     raises (:class:`~asyncpool.FenceError` for a faulted stream, a transfer
     handle's own error; a ``CancelledError``, ``StopIteration`` or
     ``StopAsyncIteration`` from ``query()``, which would pass for a
@@ -86,23 +91,39 @@ async def wait_fence(fence: Fences) -> None:
         if is_stream(fence):
             raise stream_is_no_fence(fence, "wait_fence() fence=")
         if isinstance(fence, Sequence) and not isinstance(fence, (str, bytes, bytearray)):
+            suspended = False
             for one in fence_list(fence, "wait_fence() fence"):
-                await wait_fence(one)
+                suspended = await _wait(one) or suspended
+            if not suspended:
+                await asyncio.sleep(0)  # the loop runs once, as below
             return
         raise TypeError(
             f"wait_fence() needs a fence (an object with query() and synchronize()) or "
             f"a sequence of fences, got {type(fence).__name__}"
         )
+    if not await _wait(fence):
+        # Completed already: still let the loop run once. An overlap loop's
+        # only await is often this wait for the step before, which a fast
+        # device has finished by then; returning without suspending would
+        # starve every other task (an admission granted at hand-over never
+        # resumes) and the pool's queued wake-ups, step after step.
+        await asyncio.sleep(0)
+
+
+async def _wait(fence: Fence) -> bool:
+    """Wait for one fence (checked); True when it suspended, False when
+    the fence had completed at the first ask."""
     done, error = _ask(fence)
     if error is not None:
         raise error
     if done:
-        return
+        return False
     loop = asyncio.get_running_loop()
     if fence.__class__ is HostFence:
         await _wait_host(loop, fence)
     else:
         await _LoopWaits.of(loop).wait(fence)
+    return True
 
 
 async def _wait_host(loop: asyncio.AbstractEventLoop, fence: HostFence) -> None:

@@ -37,6 +37,9 @@ from .row_pages import _EMPTY, Grant, GroupGrant, RowPages, check_page_count
 from .stats import FrozenDict
 from .waiters import WaiterQueues
 
+if TYPE_CHECKING:
+    from .overdue import OverdueFences
+
 __all__ = ["Admission", "Counts", "Need", "QueueHead"]
 
 #: Page counts: one for every row, or one per row.
@@ -85,13 +88,6 @@ class QueueHead:
     waited_s: float
     rows_short: int
     pages_short: int | Mapping[str, int]
-
-
-def _pages_lacked(pages: RowPages, k: int) -> int:
-    """How many of ``k`` pages exceed those free and those pending behind
-    fences in ``pages``: :meth:`Admission.pages_short`'s count."""
-    pled = pages.ledger
-    return max(0, k - pled.free_count - pled.pending)
 
 
 def _reclaim_short(led: PageLedger, need: int) -> bool:
@@ -236,6 +232,8 @@ class Admission:
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
         def _prepare_to_queue(self, loop: asyncio.AbstractEventLoop) -> bool: ...
+
+        def _overdue_scanner(self) -> OverdueFences | None: ...
 
     def _take_admission(self, k: int) -> Grant | None:
         """One row and ``k`` pages for an ``admit`` waiter, all or nothing."""
@@ -708,6 +706,18 @@ class Admission:
             return row  # ALLOCATED or USED
         raise self._ledger._row_error(row, what)
 
+    def _pages_lacked(self, pages: RowPages, k: int) -> int:
+        """How many of ``k`` pages exceed those free and those pending behind
+        fences in ``pages``, the pending ones behind an overdue fence left
+        out (not on their way back): :meth:`pages_short`'s count."""
+        pled = pages.ledger
+        lacked = k - pled.free_count - pled.pending
+        if pled.pending and k > pled.free_count:
+            overdue = self._overdue_scanner()  # O(pending batches): only when it matters
+            if overdue is not None:
+                lacked += overdue.held_in(pled, agreed=self._ledger.explicit)
+        return max(0, lacked)
+
     def pages_short(self, group: str | None = None) -> int:
         """How many pages the next queued waiter lacks: those to evict for it.
 
@@ -718,7 +728,10 @@ class Admission:
         blocks those behind it) is an admission for ``k`` pages, and ``k``
         exceeds the pages free plus those pending behind fences (on their
         way back: evicting for them would empty the cache for memory that
-        returns within a step or so) by this much. 0 when nobody waits, when
+        returns within a step or so) by this much; pages behind an overdue
+        fence (``fence_timeout``; a transfer whose peer died) are not on
+        their way back and are not counted as such, so the cache evicts
+        for the head instead of leaving it to wait on them. 0 when nobody waits, when
         the head is an ``alloc`` (rows only) or its pages are covered (it may
         still wait for a row), and on a pool without ``kv``; waiters whose
         event loop was closed under them are dropped first, as every call
@@ -751,7 +764,7 @@ class Admission:
         k = need[1]
         if isinstance(k, tuple):  # KV groups: this group's count
             k = k[self._page_sets.index(pages)]
-        return _pages_lacked(pages, k)
+        return self._pages_lacked(pages, k)
 
     def queue_head(self) -> QueueHead | None:
         """The queued call the grant loop serves next, and what it lacks now.
@@ -804,12 +817,12 @@ class Admission:
             assert self._groups is not None
             pages = FrozenDict(zip(self._groups, counts, strict=True))
             short = FrozenDict(
-                (name, _pages_lacked(one, k))
+                (name, self._pages_lacked(one, k))
                 for (name, one), k in zip(self._groups.items(), counts, strict=True)
             )
         else:
             pages = counts
-            short = 0 if self._pages is None else _pages_lacked(self._pages, counts)
+            short = 0 if self._pages is None else self._pages_lacked(self._pages, counts)
         return QueueHead(call, n, pages, priority, waited, rows_short, short)
 
     def pages_of(

@@ -225,6 +225,21 @@ class OverdueFences:
                 held[unit] = held.get(unit, 0) + n
         return len(overdue), held
 
+    def held_in(self, ledger: Deferrals[Any], *, agreed: bool = False) -> int:
+        """How many of ``ledger``'s ids wait behind overdue fences now (a
+        batch counts when the fence it waits for now is overdue, as in
+        :meth:`scan`, which decides across every ledger); ``agreed`` as
+        there. O(pending batches), as :meth:`scan`."""
+        overdue, _ = self.scan(agreed=agreed)
+        if not overdue:
+            return 0
+        return sum(
+            batch.n
+            for group in ledger.batch_groups()
+            for batch in group
+            if id(batch.fence) in overdue
+        )
+
     def fences(self, *, agreed: bool = False) -> list[Fence]:
         """The overdue fences now, oldest first (by when the oldest batch
         late behind each was deferred; ties in scan order); ``agreed`` as in

@@ -9,10 +9,12 @@ free and those pending behind fences.
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+import contextlib
+import logging
+from typing import Any, TypeVar
 
 import pytest
-from helpers import FakeStream, bounded, in_thread, kv_of, queued_call, spin
+from helpers import EventFence, FakeStream, bounded, in_thread, kv_of, queued_call, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
 
@@ -184,3 +186,63 @@ def test_waiters_of_a_loop_closed_under_them_are_not_counted() -> None:
 
     asyncio.run(first())
     asyncio.run(second())
+
+
+class _OverdueSeen(logging.Handler):
+    """Sets ``event`` when the pool logs a fence overdue."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "is overdue" in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one kv", "groups"])
+async def test_pages_behind_an_overdue_fence_are_not_on_their_way_back(grouped: bool) -> None:
+    """A transfer whose peer died holds an aborted request's pages for ever:
+    counted as on their way back, the head read 0 short and a cache that
+    evicts by this read never evicted, so the admission waited behind the
+    stuck fence though the cache held the pages it needed (found by the
+    scheduler-port trial). Before the fence is overdue they still count."""
+    stuck = EventFence()
+    seen = _OverdueSeen()
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    kv: Any = KVPagePool(9, 4)
+    if grouped:
+        kv = {"full": kv, "swa": KVPagePool(9, 4)}
+    try:
+        async with bounded(), AsyncReqToTokenPool(4, 64, kv=kv, fence_timeout=0.05) as pool:
+            ask: Any = {"full": 4, "swa": 0} if grouped else 4
+            short = (lambda: pool.pages_short(group="full")) if grouped else pool.pages_short
+            aborted = await pool.admit(ask)  # its transfer never lands
+            cached = await pool.admit(ask)  # a finished request, into the cache
+            held = pool.detach_pages(cached.row, group="full" if grouped else None)
+            pool.free([cached.row])
+            pool.free([aborted.row], fence=stuck)
+            waiter = await queued_call(pool.admit(ask))
+            try:
+                assert short() == 0  # 4 pending behind a fence not overdue yet
+                await seen.event.wait()  # bounded above; nobody calls the pool meanwhile
+                assert pool.stats().overdue_pages == 4
+                assert short() == 4  # evict for the head: the stuck pages are not coming
+                head = pool.queue_head()
+                assert head is not None
+                assert head.pages_short == ({"full": 4, "swa": 0} if grouped else 4)
+                kv_of_full = kv["full"] if grouped else kv
+                kv_of_full.free(held)  # the cache evicts what it said
+                granted = await waiter
+                assert short() == 0
+                pool.free([granted.row])
+            finally:
+                if not waiter.done():  # the old code: never granted
+                    waiter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiter
+            assert pool.force_release(stuck) == (1, 4)
+    finally:
+        stuck.set()
+        log.removeHandler(seen)

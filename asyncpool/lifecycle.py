@@ -257,8 +257,9 @@ class Lifecycle:
 
         Every queued ``alloc``/``admit`` raises :class:`PoolClosedError`;
         later ``alloc``/``try_alloc``/``admit``/``try_admit``/``extend``/
-        ``extend_rows``/``release_memory`` calls too. ``free`` still works, and rows
-        pending behind fences stay pending (``drain()`` waits for them).
+        ``extend_rows``/``extend_fitting``/``release_memory`` calls too.
+        ``free`` still works, and rows pending behind fences stay pending
+        (``drain()`` waits for them).
         Never waits for a fence: the fence watcher is told to stop, and only
         its threads that are not inside a fence's ``synchronize()`` are
         joined (they exit within microseconds; the join is bounded at 50 ms
@@ -286,7 +287,8 @@ class Lifecycle:
         """Drain fences and release the ``kv_cache`` memory region.
 
         While released, ``alloc``/``admit`` wait and ``try_alloc``,
-        ``try_admit``, ``extend`` and ``extend_rows`` return None; so they do
+        ``try_admit``, ``extend`` and ``extend_rows`` return None and
+        ``extend_fitting`` grows no row (0 and an empty tensor); so they do
         during the drain. Raises :class:`PoolClosedError` on a closed pool,
         and :class:`PoolBusyError` (and stays serving) if rows, or pages of
         the ``kv`` pool (detached ones included), are allocated: at once,
@@ -382,7 +384,7 @@ class Lifecycle:
 
         For growth first: the memory that frees and completed fences return
         while any hold is held stays free for the scheduler's own calls that
-        never wait (``extend``, ``extend_rows``), instead of going to the
+        never wait (``extend``, ``extend_rows``, ``extend_fitting``), instead of going to the
         queued admissions at hand-over. A scheduler whose decode growth comes
         up short holds (before it retracts: a free with nothing to wait for
         grants at once), retracts, and releases at the first scheduling pass

@@ -38,6 +38,7 @@ from .stats import FrozenDict
 from .waiters import WaiterQueues
 
 if TYPE_CHECKING:
+    from .deferral import Deferrals
     from .overdue import OverdueFences
 
 __all__ = ["Admission", "Counts", "Need", "QueueHead"]
@@ -711,11 +712,17 @@ class Admission:
         fences in ``pages``, the pending ones behind an overdue fence left
         out (not on their way back): :meth:`pages_short`'s count."""
         pled = pages.ledger
-        lacked = k - pled.free_count - pled.pending
-        if pled.pending and k > pled.free_count:
+        return self._lacked(pled, pled.free_count, k)
+
+    def _lacked(self, led: Deferrals[Any], free: int, k: int) -> int:
+        """How many of ``k`` ids of ``led`` (``free`` of them free) exceed
+        those free and those pending behind fences that are not overdue
+        (memory behind an overdue fence is not on its way back)."""
+        lacked = k - free - led.pending
+        if led.pending and k > free:
             overdue = self._overdue_scanner()  # O(pending batches): only when it matters
             if overdue is not None:
-                lacked += overdue.held_in(pled, agreed=self._ledger.explicit)
+                lacked += overdue.held_in(led, agreed=self._ledger.explicit)
         return max(0, lacked)
 
     def pages_short(self, group: str | None = None) -> int:
@@ -776,7 +783,7 @@ class Admission:
         the call, the rows and pages it asks for, its priority, the seconds
         it has queued, and ``rows_short`` / ``pages_short``, what it asks
         beyond the memory free and that pending behind fences (on their way
-        back), counted as :meth:`pages_short` counts (on a pool with KV
+        back; not behind an overdue fence), counted as :meth:`pages_short` counts (on a pool with KV
         groups, one shortfall per group: the groups it waits for). None
         when nobody waits (after :meth:`close` too: closing fails every
         waiter). A head that lacks nothing may still wait: while the
@@ -810,7 +817,7 @@ class Admission:
             )
         else:
             call, n, counts = "admit", 1, need[1]
-        rows_short = max(0, n - len(self._free_q) - led.pending)
+        rows_short = self._lacked(led, len(self._free_q), n)
         pages: int | Mapping[str, int]
         short: int | Mapping[str, int]
         if isinstance(counts, tuple):

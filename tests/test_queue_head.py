@@ -14,13 +14,16 @@ a waiter when it queues and is read for ``waited_s``) is a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
 import uvloop
 from helpers import (
+    EventFence,
     FakeStream,
     ManualClock,
     bounded,
@@ -86,6 +89,56 @@ async def test_an_alloc_head_on_a_rows_only_pool_counts_rows_free_and_pending() 
         got = await settled(waiter)
         assert len(got) == 2 and pool.queue_head() is None
         pool.free(got + rows[2:])
+
+
+class _OverdueSeen(logging.Handler):
+    """Sets ``event`` when the pool logs a fence overdue."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "is overdue" in record.getMessage():
+            self.event.set()
+
+
+async def test_rows_behind_an_overdue_fence_are_not_on_their_way_back() -> None:
+    """As for pages (``pages_short``): a row behind a fence past
+    ``fence_timeout`` (a transfer whose peer died) is not coming back, so
+    a stall watcher reads the head short of it (it read 0 short, waiting on
+    nothing that would come). Before the fence is overdue it still counts."""
+    stuck = EventFence()
+    seen = _OverdueSeen()
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    try:
+        async with bounded(), AsyncReqToTokenPool(3, 8, fence_timeout=0.05) as pool:
+            rows = await pool.alloc(2)  # both rows
+            pool.free(rows[:1], fence=stuck)  # its transfer never lands
+            waiter = await queued_call(pool.alloc(2))
+            try:
+                head = pool.queue_head()
+                assert head is not None and head.rows_short == 1  # 1 pending: on its way
+                await seen.event.wait()  # bounded above; nobody calls the pool meanwhile
+                assert pool.stats().overdue_rows == 1
+                head = pool.queue_head()
+                assert head is not None and head.rows_short == 2
+                pool.free(rows[1:])
+                head = pool.queue_head()
+                assert head is not None and head.rows_short == 1  # the stuck one
+                assert pool.force_release(stuck) == (1, 0)  # the operator's escape hatch
+                got = await settled(waiter)
+                assert pool.queue_head() is None
+                pool.free(got)
+            finally:
+                if not waiter.done():  # a failed assertion: leave no task behind
+                    waiter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiter
+    finally:
+        stuck.set()
+        log.removeHandler(seen)
 
 
 async def test_an_alloc_head_on_a_paged_pool_asks_no_pages() -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import sys
 import time
 import weakref
@@ -73,6 +74,12 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 #: How many faulted fences a ledger remembers, to count and log each once.
 _FAULTS_REMEMBERED = 256
+
+#: Faulted fences of unknown origin (transfer handles) logged as ERRORs per
+#: window: a dead peer faults every transfer in flight at once, each its own
+#: fence, and must not log an ERROR per transfer.
+_UNORDERED_FAULT_ERRORS = 3
+_UNORDERED_FAULT_WINDOW_S = 1.0
 
 T = TypeVar("T")
 
@@ -309,6 +316,14 @@ class Deferrals(Generic[T]):
         # error), so every fence recorded on it later faults too: the
         # second is logged as a warning, the rest at DEBUG with this count.
         self._faulted_streams: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # Faults of fences of unknown origin (each its own "stream"), logged
+        # per window of _UNORDERED_FAULT_WINDOW_S: the end of the current
+        # window, the ERRORs logged in it (one more once the WARNING that
+        # starts the DEBUG lines is out), and the faults logged at DEBUG
+        # since the last ERROR (the next ERROR says how many).
+        self._unordered_fault_until: float = -math.inf
+        self._unordered_fault_errors: int = 0
+        self._unordered_fault_quiet: int = 0
         # Explicit mode: faults agree() saw here that no agreement has acted
         # on yet (one that raised or was interrupted settles nothing), by
         # fence id: (the fence or a weak reference to it, its error). Kept
@@ -817,17 +832,21 @@ class Deferrals(Generic[T]):
         second a WARNING that says the later ones are logged at DEBUG, with
         a running count; ``fence_errors`` counts every one, and each
         quarantines its ids as always. The newest ``_FAULTS_REMEMBERED``
-        faulted streams are remembered. The records name the caller
-        (``_report_fault``), as they did when it logged them itself.
+        faulted streams are remembered. Fences of unknown origin are
+        limited per window instead (:meth:`_log_unordered_fault`). The
+        records name the caller (``_report_fault``), as they did when it
+        logged them itself.
         """
         key = stream_key(fence)
+        if key is None:
+            self._log_unordered_fault(fence, exc, items, n)
+            return
         streams = self._faulted_streams
-        before = None if key is None else streams.get(key)
+        before = streams.get(key)
         if before is None:
-            if key is not None:
-                streams[key] = 0
-                if len(streams) > _FAULTS_REMEMBERED:
-                    streams.popitem(last=False)
+            streams[key] = 0
+            if len(streams) > _FAULTS_REMEMBERED:
+                streams.popitem(last=False)
             self.log.error(
                 "fence %r faulted; quarantined %s %s: %s",
                 fence,
@@ -837,7 +856,6 @@ class Deferrals(Generic[T]):
                 stacklevel=2,
             )
             return
-        assert key is not None
         streams[key] = before + 1
         streams.move_to_end(key)
         if not before:
@@ -860,6 +878,71 @@ class Deferrals(Generic[T]):
                 self.unit,
                 _describe(items, n),
                 stacklevel=2,
+            )
+
+    def _log_unordered_fault(
+        self, fence: Fence, exc: BaseException, items: list[T], n: int
+    ) -> None:
+        """Log the first fault of a fence of unknown origin, a few per window.
+
+        Each transfer handle is its own fence, and a peer that dies faults
+        every transfer in flight to it at once: one ERROR each was a line
+        per transfer and ledger (512 for 256 transfers with their pages).
+        So at most ``_UNORDERED_FAULT_ERRORS`` are ERRORs within
+        ``_UNORDERED_FAULT_WINDOW_S`` of the first; the next is one WARNING
+        saying the rest of the window is logged at DEBUG, and the first
+        ERROR after the window says how many went to DEBUG meanwhile.
+        ``fence_errors`` counts every one, as always. Called by
+        :meth:`_log_new_fault`; the records name ``_report_fault``, as
+        its own do (``stacklevel=3``).
+        """
+        now = self._clock()
+        if now >= self._unordered_fault_until:
+            self._unordered_fault_until = now + _UNORDERED_FAULT_WINDOW_S
+            self._unordered_fault_errors = 0
+        logged = self._unordered_fault_errors
+        if logged < _UNORDERED_FAULT_ERRORS:
+            self._unordered_fault_errors = logged + 1
+            quiet, self._unordered_fault_quiet = self._unordered_fault_quiet, 0
+            self.log.error(
+                "fence %r faulted; quarantined %s %s: %s%s",
+                fence,
+                self.unit,
+                _describe(items, n),
+                exc,
+                f" ({quiet} more faulted fences of unknown origin were logged at DEBUG "
+                "since the last one logged as an error)"
+                if quiet
+                else "",
+                stacklevel=3,
+            )
+            return
+        self._unordered_fault_quiet += 1
+        if logged == _UNORDERED_FAULT_ERRORS:
+            self._unordered_fault_errors = logged + 1
+            self.log.warning(
+                "fence %r faulted too: more than %d fences of unknown origin (transfer "
+                "handles) faulted within %g s (a dead peer?); quarantined %s %s: %s; the "
+                "next ones faulting within that time are logged at DEBUG (stats() "
+                "counts them all)",
+                fence,
+                _UNORDERED_FAULT_ERRORS,
+                _UNORDERED_FAULT_WINDOW_S,
+                self.unit,
+                _describe(items, n),
+                exc,
+                stacklevel=3,
+            )
+        elif self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug(
+                "fence %r faulted (%d faulted fences of unknown origin at DEBUG since the "
+                "last error); quarantined %s %s: %s",
+                fence,
+                self._unordered_fault_quiet,
+                self.unit,
+                _describe(items, n),
+                exc,
+                stacklevel=3,
             )
 
     # ------------------------------------------------------------ views

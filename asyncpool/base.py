@@ -418,6 +418,7 @@ class PoolCore:
             rows_granted=granted,
             deferred_frees=led.deferred_frees,
             reclaimed=led.reclaimed,
+            force_released=led.force_released,
             peak_allocated=led.peak_allocated,
             resets=led.resets,
             fence_errors=led.fence_errors,

@@ -258,7 +258,8 @@ class Deferrals(Generic[T]):
     calls :meth:`_defer` to hold ids behind fences. Public counters:
     ``pending`` and ``quarantined`` (ids), ``deferred_frees`` (ids ever
     deferred), ``reclaimed`` (ids released by a completed fence),
-    ``fence_errors`` (faulted fences), ``last_fence_error``,
+    ``force_released`` (ids released by :meth:`force_release`, their fence
+    not completed), ``fence_errors`` (faulted fences), ``last_fence_error``,
     ``fence_latencies`` (seconds from deferral to release, a bounded window).
     """
 
@@ -299,6 +300,7 @@ class Deferrals(Generic[T]):
         self.quarantined: int = 0
         self.deferred_frees: int = 0
         self.reclaimed: int = 0
+        self.force_released: int = 0
         self.fence_errors: int = 0
         self.last_fence_error: BaseException | None = None
         # The faulted fences counted so far, the newest _FAULTS_REMEMBERED,
@@ -601,9 +603,12 @@ class Deferrals(Generic[T]):
                     self._solo, self._solo_of = solo, keep
         return released
 
-    def _settle(self, batch: Deferred[T]) -> int:
+    def _settle(self, batch: Deferred[T], forced: bool = False) -> int:
         """``batch``'s head completed (it is out of its queue): release it, or
         move it behind its next open fence. Returns the ids released.
+        ``forced``: the head did not complete, :meth:`force_release_all`
+        passed it; what is released counts in ``force_released``, not in
+        ``reclaimed`` and the fence latencies (no fence completed).
 
         The fences after the head are asked in order and the walk stops at
         the first still open, which becomes the head (in explicit mode:
@@ -665,6 +670,10 @@ class Deferrals(Generic[T]):
         if self.agreed_overdue:
             self.agreed_overdue.discard(batch.did)
         self.pending -= n
+        if forced:
+            self._release_items(batch.items)
+            self.force_released += n
+            return n
         latency = self._clock() - batch.t0
         self.fence_latencies.append(latency)
         self.fence_histogram.observe(latency)
@@ -726,7 +735,7 @@ class Deferrals(Generic[T]):
         released = 0
         for index, batch in enumerate(hits):
             try:
-                released += self._settle(batch)
+                released += self._settle(batch, forced=True)
             except BaseException:
                 # Mid-way (see _settle): the batches not yet settled wait as
                 # they did, behind the fence; those settled stay settled.

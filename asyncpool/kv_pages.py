@@ -851,7 +851,9 @@ class KVPageStats:
     ``allocs``/``frees`` count pages handed out / given back over the pool's
     life; ``deferred_frees`` pages that had to wait for a fence,
     ``reclaimed`` pages a completed fence returned, ``fence_errors`` faulted
-    fences, ``pending_fences`` the batches waiting now.
+    fences, ``pending_fences`` the batches waiting now, ``force_released``
+    pages that ``force_release`` returned without their fence completing
+    (not in ``reclaimed`` nor in ``fence_latency``).
     """
 
     num_pages: int
@@ -869,6 +871,7 @@ class KVPageStats:
     fence_errors: int
     pending_fences: int
     fence_latency: LatencySummary = field(default_factory=LatencySummary)
+    force_released: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1491,6 +1494,7 @@ class KVPagePool:
             "reclaimed": led.reclaimed,
             "fence_errors": led.fence_errors,
             "pending_fences": len(led.pending_fences()),
+            "force_released": led.force_released,
             "fence_latency": (
                 LatencySummary.of(led.fence_latencies) if summaries else LatencySummary()
             ),

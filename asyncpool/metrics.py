@@ -262,6 +262,20 @@ FAMILIES: tuple[Family, ...] = (
         lambda s: s.reclaimed,
     ),
     Family(
+        "rows_force_released",
+        "counter",
+        "",
+        "Rows force_release() returned to circulation without their fence completing.",
+        lambda s: s.force_released,
+    ),
+    Family(
+        "pages_force_released",
+        "counter",
+        "",
+        "KV pages force_release() returned to circulation without their fence completing.",
+        lambda s: s.pages_force_released,
+    ),
+    Family(
         "alloc_timeouts",
         "counter",
         "",

@@ -1180,8 +1180,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         forget that use: freed later, they do not wait for it. Returns
         ``(rows, pages)`` made free: ``(0, 0)`` when none is, which includes
         memory that still waits for its other fences (it no longer waits for
-        this one). Acts on what waits now and is not remembered: a later
-        free or use naming ``fence`` waits for it again, since a fence
+        this one). What it frees counts in ``stats().force_released`` and
+        ``pages_force_released``, not in ``reclaimed`` nor in the fence
+        latencies (the fence did not complete). Acts on what waits now and
+        is not remembered: a later free or use naming ``fence`` waits for it again, since a fence
         object may be armed again (a CUDA event recorded anew); a transfer
         known dead should answer ``query()`` True instead (docs/cuda.md).
         Rows and pages quarantined behind a fence that *faulted* stay
@@ -1531,6 +1533,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 capacity, free = pled.capacity, pled.free_count
                 pending, quarantined = pled.pending, pled.quarantined
                 errors, refusals = pled.fence_errors, pages.growth_refusals
+                forced = pled.force_released
             else:
                 # Each group's figures, read once; the page figures are their
                 # sums, so a scrape from another thread sees them agree.
@@ -1540,6 +1543,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 pending = sum(g.pending for g in per.values())
                 quarantined = sum(g.quarantined for g in per.values())
                 errors = sum(g.fence_errors for g in per.values())
+                forced = sum(g.force_released for g in per.values())
                 # Calls refused, once each: read after the groups' counts.
                 refusals = sum(g.growth_refusals for g in per.values())
                 refusals -= self._growth_refusal_repeats
@@ -1559,6 +1563,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
                 "admit_wait_histogram": admit_waits,
                 "growth_refusals": refusals,
+                "pages_force_released": forced,
             }
             if groups is not None:
                 extra["kv_groups"] = per

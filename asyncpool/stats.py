@@ -262,6 +262,7 @@ class PoolStats:
         frees: rows given back by requests, total (``allocs - allocated``).
         deferred_frees: rows whose free had to wait for a fence, total.
         reclaimed: rows returned to circulation by completed fences, total
+            (not those ``force_release`` returned: ``force_released``)
             (rows released by ``force_release`` count as if their fence had
             completed, as they do in the fence-latency figures).
         timeouts: ``alloc`` and ``admit`` calls that raised ``TimeoutError``
@@ -353,6 +354,13 @@ class PoolStats:
             those groups' own figures (``kv_groups``), so this is the sum of
             the groups' figures less those repeats, never more than the
             sum.
+        force_released: rows that ``force_release`` returned to
+            circulation without their fence completing, total: the
+            operator's escape hatch, each use a risk (a late write may
+            land), so counted apart from ``reclaimed`` and left out of the
+            fence latencies.
+        pages_force_released: the same for KV pages (with KV groups, the
+            sum over the groups).
         kv_groups: with KV groups (a mapping ``kv=``), each group's own
             page figures, group name -> :class:`~asyncpool.KVGroupStats`, in
             the pool's group order: every figure of the group's
@@ -422,5 +430,7 @@ class PoolStats:
     admit_wait: LatencySummary = field(default_factory=LatencySummary)
     admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
     growth_refusals: int = 0
+    force_released: int = 0
+    pages_force_released: int = 0
     kv_groups: Mapping[str, KVGroupStats] = NO_GROUPS
     oldest_wait_s: float = field(default=0.0, compare=False)

@@ -66,6 +66,8 @@ COUNTERS = {
     "asyncpool_rows_freed",
     "asyncpool_rows_deferred",
     "asyncpool_rows_reclaimed",
+    "asyncpool_rows_force_released",
+    "asyncpool_pages_force_released",
     "asyncpool_alloc_timeouts",
     "asyncpool_alloc_cancellations",
     "asyncpool_alloc_rejections",

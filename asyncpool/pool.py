@@ -533,6 +533,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 f"called only from that pool's thread: {exc}"
             ) from None
 
+    def _who(self) -> str:
+        """The pool in an error message: its class, and its name if it has
+        one (a process with several pools, each on its own thread, must
+        tell which one was called from the wrong thread)."""
+        name = self._name
+        return "AsyncReqToTokenPool" if name is None else f"AsyncReqToTokenPool {name!r}"
+
     def _bind_thread(self) -> None:
         # Off the fast path: the pool is unbound, or called from a thread
         # that does not own it.
@@ -550,7 +557,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if owner != ident:
             here = threading.current_thread().name
             raise WrongThreadError(
-                f"AsyncReqToTokenPool is bound to thread {self._owner_name!r} (ident {owner}) "
+                f"{self._who()} is bound to thread {self._owner_name!r} (ident {owner}) "
                 f"and was called from thread {here!r} (ident {ident}); call it from its own "
                 "thread (loop.call_soon_threadsafe), or hand it over with pool.bind() "
                 "called in the new thread"
@@ -777,7 +784,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         old = self._loop
         if old is not None and not old.is_closed() and (old.is_running() or self._waiters.count):
             raise WrongThreadError(
-                "AsyncReqToTokenPool is bound to another event loop that is still "
+                f"{self._who()} is bound to another event loop that is still "
                 "running or has waiters; a pool is loop-affine"
             )
         self._drop_dead_waiters()

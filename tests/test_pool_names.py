@@ -847,3 +847,32 @@ async def test_fault_lines_of_unnamed_kv_groups_name_their_group(
         assert_named(group_lines, label, "_report_fault")
     assert pool.stats().page_fence_errors == 1
     await pool.close()
+
+
+async def test_a_wrong_thread_error_names_the_pool() -> None:
+    # Two named pools, each served on its own thread: the error says which
+    # pool a foreign thread called, as every line the pool logs does (a
+    # trial's on-call harness read "AsyncReqToTokenPool is bound to ...").
+    pool = AsyncReqToTokenPool(5, 8, name="prefill")
+    bare = AsyncReqToTokenPool(5, 8)
+    assert pool.try_alloc(1) is not None and bare.try_alloc(1) is not None  # binds both here
+    errors: list[BaseException] = []
+
+    def foreign() -> None:
+        for p in (pool, bare):
+            try:
+                p.try_alloc(1)
+            except BaseException as exc:  # recorded for the asserts
+                errors.append(exc)
+
+    thread = threading.Thread(target=foreign, name="scrape-thread")
+    thread.start()
+    thread.join(WAIT_S)
+    assert len(errors) == 2
+    named, unnamed = (str(e) for e in errors)
+    assert named.startswith("AsyncReqToTokenPool 'prefill' is bound to thread")
+    assert "'scrape-thread'" in named
+    assert unnamed.startswith("AsyncReqToTokenPool is bound to thread")
+    assert (pool.stats().allocated, bare.stats().allocated) == (1, 1)  # nothing changed
+    await pool.close()
+    await bare.close()

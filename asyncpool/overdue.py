@@ -9,6 +9,10 @@ naming the fence and what it holds in each ledger, and counts it for
 call (``force_release``, which takes one fence or a list of them), and
 :meth:`OverdueFences.fences` lists the overdue fences to act on.
 
+A fence logged overdue that later completes (or faults) is logged once
+more, at INFO, when the pool's next reclaim finds it holds nothing
+(:meth:`OverdueFences.settled`).
+
 A check that finds many newly overdue fences at once (hundreds of transfers
 whose peer died) does not log a line each: the first
 :data:`OVERDUE_NAMED` are named at WARNING, one more WARNING sums the rest
@@ -28,6 +32,7 @@ import logging
 import numbers
 import operator
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,9 +256,10 @@ class OverdueFences:
         """Log each newly overdue fence once (oldest first; past
         :data:`OVERDUE_NAMED` of them, as :func:`log_overdue` says); return
         when to check again."""
+        self.settled()  # reported fences that hold nothing now: say so, forget them
         overdue, due, since = self._scan(False)
         for key in [k for k in self._logged if k not in overdue]:
-            del self._logged[key]  # no longer pending: forget it
+            del self._logged[key]  # pending, no longer overdue (moved to a later fence)
         found: list[tuple[Fence, dict[str, int]]] = []
         for fence, held in oldest_first(overdue, since):
             if remembers_fence(self._logged, fence):
@@ -271,6 +277,45 @@ class OverdueFences:
                 self.timeout,
             )
         return due
+
+    @property
+    def reported(self) -> bool:
+        """Whether a fence logged overdue is still remembered (see :meth:`settled`)."""
+        return bool(self._logged)
+
+    def settled(self) -> None:
+        """Log, at INFO, each fence logged overdue that holds nothing now,
+        and forget it: it completed (what it held is back in circulation)
+        or faulted (quarantined; the ledger logged the fault). Without this
+        an operator told a fence is overdue heard nothing when it landed
+        late. A fence ``force_release`` let go of is forgotten there, not
+        logged here. O(pending batches) while a reported fence is
+        remembered; the owner calls it after its reclaims (only then)."""
+        if not self._logged:
+            return
+        pending = {
+            id(batch.fence)
+            for led in self._ledgers
+            if led.pending
+            for group in led.batch_groups()
+            for batch in group
+        }
+        for key in [k for k in self._logged if k not in pending]:
+            held = self._logged.pop(key)
+            fence = held() if held.__class__ is weakref.ref else held
+            if fence is None:
+                continue  # collected: it held nothing (a pending batch keeps its fence)
+            if any(led.remembers_fault(fence) for led in self._ledgers):
+                self._log.info(
+                    "fence %r, logged overdue, holds nothing now: it faulted (what it held "
+                    "is quarantined; see the fault logged)",
+                    fence,
+                )
+            else:
+                self._log.info(
+                    "fence %r, logged overdue, completed: what it held is back in circulation",
+                    fence,
+                )
 
     def forget(self, fence: Fence) -> None:
         """Forget that ``fence`` was logged (``force_release``: should it

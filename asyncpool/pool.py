@@ -929,6 +929,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         for pages in self._page_sets:
             if pages.ledger.pending and pages.ledger.reclaim():
                 made = True
+        overdue = self._overdue
+        if overdue is not None and overdue.reported:
+            overdue.settled()  # a fence logged overdue that landed since: say so
         return made
 
     def _flush_resets(self) -> None:
@@ -1100,6 +1103,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         for pages in self._page_sets:
             if pages.ledger.pending:
                 freed += pages.ledger.reclaim()
+        overdue = self._overdue
+        if overdue is not None and overdue.reported:
+            overdue.settled()  # a fence logged overdue that landed since: say so
         if (released or freed) and self._waiters.count:
             self._waiters.grant()
         return released

@@ -504,3 +504,80 @@ def test_bare_page_pool_force_release_of_a_list(records: Records) -> None:
         "force_release(2 fences: <Transfer a>, <Transfer b>): 4 pages returned to "
         "circulation without the fences completing"
     ]
+
+
+# ------------------------------------------------------------ landed after all
+
+
+def test_a_fence_logged_overdue_that_lands_later_is_logged_once_at_info(
+    records: Records,
+) -> None:
+    """The operator told "overdue" heard nothing when the transfer landed
+    late (the on-call trial): the next reclaim's ``settled()`` says it
+    completed, once; one that faults says so instead; a fence still
+    pending says nothing."""
+    rows_led, pages_led, overdue, clock, fences = _stuck_ledgers(3)
+    clock.now = 3 + TIMEOUT
+    overdue.check()
+    assert len(records.at(logging.WARNING)) == 3 and overdue.reported
+    records.records.clear()
+    fences[0].landed = True
+    rows_led.reclaim()
+    pages_led.reclaim()
+    overdue.settled()
+    assert records.at(logging.INFO) == [
+        f"fence {fences[0]!r}, logged overdue, completed: what it held is back in circulation"
+    ]
+    records.records.clear()
+    overdue.settled()  # once
+    overdue.check()  # the check forgets nothing it should say again
+    assert records.records == []
+
+    def dead() -> bool:
+        raise RuntimeError("peer died")
+
+    fences[1].query = dead  # type: ignore[method-assign]
+    rows_led.reclaim()
+    pages_led.reclaim()
+    records.records.clear()  # the ledgers' fault lines
+    overdue.check()  # the check says it too, when it runs first
+    assert records.at(logging.INFO) == [
+        f"fence {fences[1]!r}, logged overdue, holds nothing now: it faulted (what it held "
+        "is quarantined; see the fault logged)"
+    ]
+    assert overdue.reported  # fences[2] still pending, still remembered
+
+
+class _Seen(logging.Handler):
+    """Sets ``events[level]`` at the first record of that level (the pool
+    logs on its loop's thread: the overdue timer, the fence wake-up)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.events = {logging.INFO: asyncio.Event(), logging.WARNING: asyncio.Event()}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = self.events.get(record.levelno)
+        if event is not None:
+            event.set()
+
+
+async def test_the_pools_wake_up_logs_a_late_landing(records: Records) -> None:
+    """End to end: nobody calls the pool; the fence wake-up's reclaim logs it."""
+    late = Transfer("late")
+    seen = _Seen()
+    log = logging.getLogger("asyncpool")
+    log.addHandler(seen)
+    try:
+        async with bounded(), AsyncReqToTokenPool(4, 8, fence_timeout=0.02) as pool:
+            rows = await pool.alloc(1)
+            pool.free(rows, fence=late)
+            await seen.events[logging.WARNING].wait()  # the overdue timer (0.02 s)
+            late.landed = True  # the poller sees it and wakes the loop
+            await seen.events[logging.INFO].wait()
+            assert pool.available_size() == 3
+    finally:
+        log.removeHandler(seen)
+    assert records.at(logging.INFO) == [
+        f"fence {late!r}, logged overdue, completed: what it held is back in circulation"
+    ]

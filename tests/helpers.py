@@ -644,11 +644,12 @@ def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 class WarningsSeen(logging.Handler):
-    """The ``asyncpool`` logger's warnings whose message contains ``text``:
-    kept in ``messages``, and ``event`` set (emitted from the loop's thread)."""
+    """The ``asyncpool`` logger's warnings (records of ``level`` and up)
+    whose message contains ``text``: kept in ``messages``, and ``event``
+    set (emitted from the loop's thread)."""
 
-    def __init__(self, text: str) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, text: str, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.text = text
         self.event = asyncio.Event()
         self.messages: list[str] = []
@@ -661,10 +662,10 @@ class WarningsSeen(logging.Handler):
 
 
 @contextlib.contextmanager
-def warnings_seen(text: str) -> Iterator[WarningsSeen]:
+def warnings_seen(text: str, level: int = logging.WARNING) -> Iterator[WarningsSeen]:
     """A :class:`WarningsSeen` on the ``asyncpool`` logger while the block
     runs (its handler is removed after)."""
-    handler = WarningsSeen(text)
+    handler = WarningsSeen(text, level)
     logger = logging.getLogger("asyncpool")
     logger.addHandler(handler)
     try:

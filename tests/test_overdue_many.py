@@ -28,6 +28,7 @@ from helpers import (
     kv_pool_state,
     kv_snapshot,
     ledger_snapshot,
+    overdue_warnings,
     spin,
     warnings_seen,
 )
@@ -548,36 +549,17 @@ def test_a_fence_logged_overdue_that_lands_later_is_logged_once_at_info(
     assert overdue.reported  # fences[2] still pending, still remembered
 
 
-class _Seen(logging.Handler):
-    """Sets ``events[level]`` at the first record of that level (the pool
-    logs on its loop's thread: the overdue timer, the fence wake-up)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.events = {logging.INFO: asyncio.Event(), logging.WARNING: asyncio.Event()}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        event = self.events.get(record.levelno)
-        if event is not None:
-            event.set()
-
-
 async def test_the_pools_wake_up_logs_a_late_landing(records: Records) -> None:
     """End to end: nobody calls the pool; the fence wake-up's reclaim logs it."""
     late = Transfer("late")
-    seen = _Seen()
-    log = logging.getLogger("asyncpool")
-    log.addHandler(seen)
-    try:
+    with overdue_warnings() as overdue, warnings_seen("completed", logging.INFO) as landed:
         async with bounded(), AsyncReqToTokenPool(4, 8, fence_timeout=0.02) as pool:
             rows = await pool.alloc(1)
             pool.free(rows, fence=late)
-            await seen.events[logging.WARNING].wait()  # the overdue timer (0.02 s)
+            await overdue.wait()  # the overdue timer (0.02 s)
             late.landed = True  # the poller sees it and wakes the loop
-            await seen.events[logging.INFO].wait()
+            await landed.event.wait()
             assert pool.available_size() == 3
-    finally:
-        log.removeHandler(seen)
     assert records.at(logging.INFO) == [
         f"fence {late!r}, logged overdue, completed: what it held is back in circulation"
     ]

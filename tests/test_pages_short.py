@@ -14,7 +14,16 @@ import logging
 from typing import Any, TypeVar
 
 import pytest
-from helpers import EventFence, FakeStream, bounded, in_thread, kv_of, queued_call, spin
+from helpers import (
+    EventFence,
+    FakeStream,
+    WarningsSeen,
+    bounded,
+    in_thread,
+    kv_of,
+    queued_call,
+    spin,
+)
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, WrongThreadError
 
@@ -188,18 +197,6 @@ def test_waiters_of_a_loop_closed_under_them_are_not_counted() -> None:
     asyncio.run(second())
 
 
-class _OverdueSeen(logging.Handler):
-    """Sets ``event`` when the pool logs a fence overdue."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.event = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "is overdue" in record.getMessage():
-            self.event.set()
-
-
 @pytest.mark.parametrize("grouped", [False, True], ids=["one kv", "groups"])
 async def test_pages_behind_an_overdue_fence_are_not_on_their_way_back(grouped: bool) -> None:
     """A transfer whose peer died holds an aborted request's pages for ever:
@@ -208,7 +205,7 @@ async def test_pages_behind_an_overdue_fence_are_not_on_their_way_back(grouped: 
     stuck fence though the cache held the pages it needed (found by the
     scheduler-port trial). Before the fence is overdue they still count."""
     stuck = EventFence()
-    seen = _OverdueSeen()
+    seen = WarningsSeen("is overdue")
     log = logging.getLogger("asyncpool")
     log.addHandler(seen)
     kv: Any = KVPagePool(9, 4)

@@ -26,6 +26,7 @@ from helpers import (
     EventFence,
     FakeStream,
     ManualClock,
+    WarningsSeen,
     bounded,
     in_thread,
     kv_of,
@@ -91,25 +92,13 @@ async def test_an_alloc_head_on_a_rows_only_pool_counts_rows_free_and_pending() 
         pool.free(got + rows[2:])
 
 
-class _OverdueSeen(logging.Handler):
-    """Sets ``event`` when the pool logs a fence overdue."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.event = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "is overdue" in record.getMessage():
-            self.event.set()
-
-
 async def test_rows_behind_an_overdue_fence_are_not_on_their_way_back() -> None:
     """As for pages (``pages_short``): a row behind a fence past
     ``fence_timeout`` (a transfer whose peer died) is not coming back, so
     a stall watcher reads the head short of it (it read 0 short, waiting on
     nothing that would come). Before the fence is overdue it still counts."""
     stuck = EventFence()
-    seen = _OverdueSeen()
+    seen = WarningsSeen("is overdue")
     log = logging.getLogger("asyncpool")
     log.addHandler(seen)
     try:

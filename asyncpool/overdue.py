@@ -10,8 +10,8 @@ call (``force_release``, which takes one fence or a list of them), and
 :meth:`OverdueFences.fences` lists the overdue fences to act on.
 
 A fence logged overdue that later completes (or faults) is logged once
-more, at INFO, when the pool's next reclaim finds it holds nothing
-(:meth:`OverdueFences.settled`).
+more, at INFO, when the pool's next reclaim that releases memory (or its
+next check) finds it holds nothing (:meth:`OverdueFences.settled`).
 
 A check that finds many newly overdue fences at once (hundreds of transfers
 whose peer died) does not log a line each: the first
@@ -290,7 +290,9 @@ class OverdueFences:
         an operator told a fence is overdue heard nothing when it landed
         late. A fence ``force_release`` let go of is forgotten there, not
         logged here. O(pending batches) while a reported fence is
-        remembered; the owner calls it after its reclaims (only then)."""
+        remembered: the owner calls it after a reclaim that released
+        something (a fault releases nothing: the next such reclaim, or the
+        next :meth:`check`, says it), and :meth:`check` calls it first."""
         if not self._logged:
             return
         pending = {

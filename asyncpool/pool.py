@@ -930,7 +930,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if pages.ledger.pending and pages.ledger.reclaim():
                 made = True
         overdue = self._overdue
-        if overdue is not None and overdue.reported:
+        if made and overdue is not None and overdue.reported:
             overdue.settled()  # a fence logged overdue that landed since: say so
         return made
 
@@ -1104,7 +1104,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             if pages.ledger.pending:
                 freed += pages.ledger.reclaim()
         overdue = self._overdue
-        if overdue is not None and overdue.reported:
+        if (released or freed) and overdue is not None and overdue.reported:
             overdue.settled()  # a fence logged overdue that landed since: say so
         if (released or freed) and self._waiters.count:
             self._waiters.grant()

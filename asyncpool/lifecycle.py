@@ -23,7 +23,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .base import check_timeout as _check_timeout
-from .deferral import Deferrals
+from .deferral import Deferrals, held_words
 from .errors import PoolBusyError, PoolClosedError
 from .fences import Fence, HostFence, is_done
 from .ledger import SlotLedger
@@ -185,11 +185,7 @@ class Lifecycle:
                     if not pending():
                         return
         except TimeoutError:
-            pages = sum(ps.ledger.pending for ps in self._page_sets)
-            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
-            raise TimeoutError(
-                f"drain timed out after {timeout} s with {held} still pending behind fences"
-            ) from None
+            raise self._drain_timed_out(timeout) from None
 
     async def _drain_explicit(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         # Explicit pools ask no fence on their own: wait for each pending
@@ -232,11 +228,17 @@ class Lifecycle:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, _DRAIN_POLL_MAX_S)
         except TimeoutError:
-            pages = sum(ps.ledger.pending for ps in self._page_sets)
-            held = f"{self._ledger.pending} rows" + (f" and {pages} pages" if pages else "")
-            raise TimeoutError(
-                f"drain timed out after {timeout} s with {held} still pending behind fences"
-            ) from None
+            raise self._drain_timed_out(timeout) from None
+
+    def _drain_timed_out(self, timeout: float | None) -> TimeoutError:
+        """``drain(timeout=)``'s error: what is still pending, in words."""
+        held = {"rows": self._ledger.pending}
+        pages = sum(ps.ledger.pending for ps in self._page_sets)
+        if pages:
+            held["pages"] = pages
+        return TimeoutError(
+            f"drain timed out after {timeout} s with {held_words(held)} still pending behind fences"
+        )
 
     def _pending_any(self) -> int:
         """Rows plus pages (of every group) pending behind fences."""

@@ -85,7 +85,7 @@ async def test_drains_that_give_up_leave_no_callback_on_a_stuck_fence() -> None:
         pool.free(rows, fence=stuck)
         before = len(stuck._callbacks or ())
         for _ in range(50):
-            with pytest.raises(TimeoutError, match="1 rows still pending"):
+            with pytest.raises(TimeoutError, match="1 row still pending"):
                 await pool.drain(timeout=0.001)
         assert len(stuck._callbacks or ()) == before
     finally:

@@ -176,7 +176,7 @@ async def test_an_explicit_drain_that_times_out_says_what_is_pending() -> None:
     try:
         grant = await pool.admit(pages=2)
         pool.free([grant.row], fence=fence)
-        with pytest.raises(TimeoutError, match="1 rows and 2 pages still pending"):
+        with pytest.raises(TimeoutError, match="1 row and 2 pages still pending"):
             async with bounded():
                 await pool.drain(timeout=0.01)
         assert pool.stats().pending == 1
@@ -261,7 +261,7 @@ async def test_a_drain_without_kv_that_times_out_names_rows_only(reclaim: str) -
     try:
         rows = await pool.alloc(1)
         pool.free(rows, fence=fence)
-        with pytest.raises(TimeoutError, match=r"with 1 rows still pending behind fences$"):
+        with pytest.raises(TimeoutError, match=r"with 1 row still pending behind fences$"):
             async with bounded():
                 await pool.drain(timeout=0.01)
     finally:

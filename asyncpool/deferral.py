@@ -95,10 +95,16 @@ def _hold(fence: Fence) -> Any:
         return fence
 
 
+def held_fence(held: Any) -> Any:
+    """The fence ``held`` (see :func:`_hold`) remembers, or None once it
+    was collected."""
+    return held() if held.__class__ is weakref.ref else held
+
+
 def _holds(held: Any, fence: Fence) -> bool:
     """Whether ``held`` (see :func:`_hold`) is this very fence, not another,
     collected one whose id it bore."""
-    return (held() if held.__class__ is weakref.ref else held) is fence
+    return held_fence(held) is fence
 
 
 def remember_fence(memory: dict[int, Any], fence: Fence) -> None:

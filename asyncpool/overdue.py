@@ -32,11 +32,10 @@ import logging
 import numbers
 import operator
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .deferral import Deferrals, held_words, remember_fence, remembers_fence
+from .deferral import Deferrals, held_fence, held_words, remember_fence, remembers_fence
 from .fences import Fence
 from .naming import Log, pool_log
 
@@ -295,16 +294,9 @@ class OverdueFences:
         next :meth:`check`, says it), and :meth:`check` calls it first."""
         if not self._logged:
             return
-        pending = {
-            id(batch.fence)
-            for led in self._ledgers
-            if led.pending
-            for group in led.batch_groups()
-            for batch in group
-        }
+        pending = {id(f) for led in self._ledgers if led.pending for f in led.pending_fences()}
         for key in [k for k in self._logged if k not in pending]:
-            held = self._logged.pop(key)
-            fence = held() if held.__class__ is weakref.ref else held
+            fence = held_fence(self._logged.pop(key))
             if fence is None:
                 continue  # collected: it held nothing (a pending batch keeps its fence)
             if any(led.remembers_fault(fence) for led in self._ledgers):

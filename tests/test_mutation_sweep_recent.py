@@ -559,12 +559,12 @@ def test_pages_dropped_counts_each_page_once_over_successive_drops() -> None:
 # -- the demo's scheduler and report with a window -----------------------------
 
 
-def test_a_running_requests_owned_slots_include_its_live_swa_window() -> None:
-    """Gate mode lands a held (aborted) transfer once a new owner wrote one
-    of its slots: with a window, the owner's slots are its row's positions
-    and its window's swa slots that its pages still hold."""
+def _hybrid_scheduler(requests: int) -> Scheduler:
+    """A hybrid demo scheduler built by hand (no pool, stream or transfers),
+    with ``requests`` requests of 6 prompt and 4 output tokens, a 4-token
+    window and 4-token pages."""
     cfg = DemoConfig(
-        num_requests=1,
+        num_requests=requests,
         rows=4,
         max_context_len=16,
         kv_pages=8,
@@ -573,10 +573,17 @@ def test_a_running_requests_owned_slots_include_its_live_swa_window() -> None:
         swa_pages=8,
         progress=False,
     )
-    specs = [RequestSpec(0, 0.0, 6, 4)]
-    sched = Scheduler(
+    specs = [RequestSpec(i, 0.0, 6, 4) for i in range(requests)]
+    return Scheduler(
         cfg, cast(Any, None), KVPagePool(9, 4), cast(Any, None), cast(Any, None), specs
     )
+
+
+def test_a_running_requests_owned_slots_include_its_live_swa_window() -> None:
+    """Gate mode lands a held (aborted) transfer once a new owner wrote one
+    of its slots: with a window, the owner's slots are its row's positions
+    and its window's swa slots that its pages still hold."""
+    sched = _hybrid_scheduler(1)
     (req,) = sched.reqs
     req.row, req.state = 1, RUNNING
     sched._add_page_ids(req, [2, 3])  # positions [0, 8) of the full group
@@ -611,20 +618,7 @@ async def test_a_gated_hybrid_run_lands_the_transfers_started_into_a_steps_reads
 def test_the_swa_figures_count_requests_corrupted_not_checks_failed() -> None:
     """``kv_corruptions``: the requests whose window read another's KV at
     least once; ``kv_mismatches``: every such check."""
-    cfg = DemoConfig(
-        num_requests=2,
-        rows=4,
-        max_context_len=16,
-        kv_pages=8,
-        page_size=4,
-        swa_window=4,
-        swa_pages=8,
-        progress=False,
-    )
-    specs = [RequestSpec(0, 0.0, 6, 4), RequestSpec(1, 0.0, 6, 4)]
-    sched = Scheduler(
-        cfg, cast(Any, None), KVPagePool(9, 4), cast(Any, None), cast(Any, None), specs
-    )
+    sched = _hybrid_scheduler(2)
     sched.swa_corrupted.add(1)
     sched.swa_mismatches = 3
     pages = KVPagePool(8, 4)

@@ -285,7 +285,7 @@ class Lifecycle:
         """True once :meth:`close` was called."""
         return self._closed
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, timeout: float | None = None) -> None:
         """Drain fences and release the ``kv_cache`` memory region.
 
         While released, ``alloc``/``admit`` wait and ``try_alloc``,
@@ -299,8 +299,17 @@ class Lifecycle:
         memory step is a no-op and the state machine is the same. A call
         made while another is draining waits for it and shares its outcome
         (it raises :class:`PoolBusyError` if that one did not release).
+
+        ``timeout`` bounds the drain as :meth:`drain`'s does: ``TimeoutError``
+        after ``timeout`` seconds with memory still behind a fence (a stuck
+        transfer, a hung step), and the pool serving again, as after a
+        cancel; ``ValueError``, changing nothing, for a ``timeout`` that is
+        not None or a number >= 0. A call that waits for another's drain
+        waits for that one's own limit, not this ``timeout``.
         """
         self._check_thread()
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         if self._closed:
             raise PoolClosedError("the pool is closed")
         releasing = self._releasing
@@ -323,13 +332,17 @@ class Lifecycle:
         self._fast = False
         self._releasing = done = asyncio.get_running_loop().create_future()
         try:
-            await self.drain()
+            await self.drain(timeout)
             self._refuse_release_if_allocated()
             self._tables.pause()
-        except BaseException:
+        except BaseException as exc:
             self._released = False
             self._waiters.gated = self._gate_wanted()
             self._waiters.grant()
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"release_memory did not release the memory (the pool serves again): {exc}"
+                ) from None
             raise
         finally:
             self._releasing = None

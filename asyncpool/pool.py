@@ -924,15 +924,21 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     def _reclaim_both(self) -> bool:
         """Reclaim every ledger (rows, and each group's pages); True if
         anything was made free."""
-        led = self._ledger
-        made = bool(led.pending and led.reclaim())
+        return self._reclaim_all()[1]
+
+    def _reclaim_all(self) -> tuple[int, bool]:
+        """Reclaim every ledger (rows, and each group's pages): the rows
+        made free, and whether anything (rows or pages) was. Says so for a
+        fence logged overdue that landed since."""
+        released = self._ledger.reclaim()
+        made = bool(released)
         for pages in self._page_sets:
             if pages.ledger.pending and pages.ledger.reclaim():
                 made = True
         overdue = self._overdue
         if made and overdue is not None and overdue.reported:
-            overdue.settled()  # a fence logged overdue that landed since: say so
-        return made
+            overdue.settled()
+        return released, made
 
     def _flush_resets(self) -> None:
         """Zero the lengths of the rows granted since the last flush.
@@ -1098,15 +1104,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         memory there.
         """
         self._check_thread()
-        released = self._ledger.reclaim()
-        freed = 0
-        for pages in self._page_sets:
-            if pages.ledger.pending:
-                freed += pages.ledger.reclaim()
-        overdue = self._overdue
-        if (released or freed) and overdue is not None and overdue.reported:
-            overdue.settled()  # a fence logged overdue that landed since: say so
-        if (released or freed) and self._waiters.count:
+        released, made = self._reclaim_all()
+        if made and self._waiters.count:
             self._waiters.grant()
         return released
 

@@ -143,13 +143,27 @@ class HostFence:
     fence reports that fault: ``query()`` and ``synchronize()`` raise
     :class:`FenceError` (chained to the work's exception) instead of
     completing, as a CUDA event on a stream with a sticky error does.
+
+    ``repr()`` and the fault name the stream by ``stream_name`` (the name
+    its :class:`HostStream` was given, None for none) as well as by key, so
+    an overdue or fault line says which stream (a pipeline's stage) is stuck.
     """
 
-    __slots__ = ("_callbacks", "_error", "_event", "_lock", "_state", "seq", "stream_key")
+    __slots__ = (
+        "_callbacks",
+        "_error",
+        "_event",
+        "_lock",
+        "_state",
+        "seq",
+        "stream_key",
+        "stream_name",
+    )
 
-    def __init__(self, stream_key: int, seq: int) -> None:
+    def __init__(self, stream_key: int, seq: int, stream_name: str | None = None) -> None:
         self.stream_key: int = stream_key
         self.seq: int = seq
+        self.stream_name: str | None = stream_name
         self._state = _PENDING
         self._error: BaseException | None = None
         self._event = threading.Event()
@@ -158,7 +172,12 @@ class HostFence:
 
     def __repr__(self) -> str:
         state = ("pending", "done", "faulted")[self._state]
-        return f"<HostFence stream={self.stream_key} seq={self.seq} {state}>"
+        return f"<HostFence stream={self._stream()} seq={self.seq} {state}>"
+
+    def _stream(self) -> str:
+        """The stream's key, and its name when it was given one."""
+        name = self.stream_name
+        return str(self.stream_key) if name is None else f"{self.stream_key} ({name!r})"
 
     def query(self) -> bool:
         """Return True when completed; raise :class:`FenceError` if faulted."""
@@ -230,9 +249,11 @@ class HostFence:
         return False
 
     @classmethod
-    def _settled(cls, stream_key: int, seq: int, error: BaseException | None) -> HostFence:
+    def _settled(
+        cls, stream_key: int, seq: int, error: BaseException | None, stream_name: str | None = None
+    ) -> HostFence:
         """A fence that is already complete (or faulted) when it is made."""
-        fence = cls(stream_key, seq)
+        fence = cls(stream_key, seq, stream_name)
         fence._callbacks = None
         if error is not None:
             fence._error = error
@@ -261,7 +282,7 @@ class HostFence:
 
     def _fault(self) -> FenceError:
         err = FenceError(
-            f"HostStream {self.stream_key} faulted before fence {self.seq}: {self._error!r}; "
+            f"HostStream {self._stream()} faulted before fence {self.seq}: {self._error!r}; "
             "the fault is sticky (every later fence of this stream reports it, and what "
             "is freed behind one is quarantined): record on a new HostStream"
         )
@@ -408,6 +429,7 @@ class HostStream:
     def __init__(self, name: str | None = None) -> None:
         self.key: int = next(_stream_keys)
         self.name: str = name or f"host-stream-{self.key}"
+        self._fence_name: str | None = name or None  # what its fences' repr() names
         self._worker = worker = _Worker(self.name)
         self._queue = worker.queue
         self._seq = 0
@@ -482,8 +504,8 @@ class HostStream:
             if worker.done == self._queued:
                 # Idle: the worker has finished every item queued so far, so
                 # the fence's point on the stream is already behind it.
-                return HostFence._settled(self.key, self._seq, worker.error)
-            fence = HostFence(self.key, self._seq)
+                return HostFence._settled(self.key, self._seq, worker.error, self._fence_name)
+            fence = HostFence(self.key, self._seq, self._fence_name)
             self._queued += 1
             self._queue.put(fence)
         return fence

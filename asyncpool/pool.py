@@ -1207,6 +1207,10 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         once (none of them is asked anything, so memory behind two of them
         is released), with one log line for the call; returns the summed
         ``(rows, pages)``. An empty one releases nothing and logs nothing.
+        Memory also behind a fence not listed waits for that one, and
+        :meth:`overdue_fences` lists a batch under one fence at a time: a
+        batch behind several stuck fences (a dead pipeline's stages) takes
+        one call per fence, so repeat until it lists none.
         ``TypeError`` for a non-fence, or a sequence with an element that
         is not a fence (named by its position) or for another iterable (a
         set, an iterator, text): every element is checked before anything

@@ -7,13 +7,20 @@ so what an operator reads when a stage sticks must say which stage:
 * a :class:`HostFence` names its stream (the name its ``HostStream`` was
   given) in ``repr()``, so the overdue WARNING, the ``overdue_fences()``
   list and a faulted stream's ``FenceError`` name the stuck stage, not
-  only its opaque key.
+  only its opaque key;
+* a batch freed behind several fences of a dead pipeline is listed under
+  one fence at a time: ``force_release(pool.overdue_fences())`` releases
+  what waits for the listed fences, and the batch's next fence is listed at
+  once, so a dead pipe is released by repeating it until nothing is overdue
+  (docs/api.md, *stuck fences*).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from helpers import Streams, bounded, warnings_seen
+from helpers import Streams, bounded, overdue_warnings, warnings_seen
 
 from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool, wait_fence
 
@@ -63,4 +70,31 @@ async def test_the_overdue_line_names_the_stuck_stage(kit: Streams) -> None:
     assert pool.overdue_fences() == [fences[2]]
     assert "('stage2')" in repr(pool.overdue_fences())
     pool.force_release(fences[2])
+    await pool.close()
+
+
+async def test_a_dead_pipeline_is_released_one_listed_fence_at_a_time(kit: Streams) -> None:
+    stages = [kit.stream(f"stage{s}") for s in range(3)]
+    for s in stages:
+        kit.gate(s)  # the whole pipe is dead
+    pool = AsyncReqToTokenPool(8, 16, kv=KVPagePool(16, 4), fence_timeout=0.01)
+    grants = [await pool.admit(pages=2) for _ in range(2)]
+    rows = [g.row for g in grants]
+    fences = [s.record() for s in stages]
+    pool.record_use(rows, fences)
+    pool.free(rows)
+    with overdue_warnings() as seen:
+        async with bounded():
+            await seen.wait()
+    assert pool.overdue_fences() == [fences[0]]  # the one the batch waits for now
+    assert pool.force_release(pool.overdue_fences()) == (0, 0)  # the batch waits on
+    assert pool.overdue_fences() == [fences[1]]  # listed at once: it keeps its free's time
+    released = [(0, 0)]
+    async with bounded():
+        while overdue := pool.overdue_fences():  # the documented loop
+            released.append(pool.force_release(overdue))
+            await asyncio.sleep(0)
+    assert released == [(0, 0), (0, 0), (2, 4)]
+    stats = pool.stats()
+    assert (stats.pending, stats.pages_pending, stats.free) == (0, 0, 7)
     await pool.close()

@@ -401,7 +401,9 @@ class Admission:
         None while anyone is queued (no queue jumping), while the memory is
         released or the grants are held (:meth:`hold_grants`), or when either
         does not fit after reclaiming completed
-        fences. Raises as :meth:`admit` does for bad input, and
+        fences. Raises as :meth:`admit` does for bad input and for a request
+        that quarantine makes unfittable (:class:`CapacityError`: a None
+        there would be answered for ever), and
         :class:`PoolClosedError` after :meth:`close`. On a pool with KV
         groups: ``pages`` a mapping ``{group: count}`` and a
         :class:`GroupGrant` (or None), as :meth:`admit`.
@@ -415,12 +417,22 @@ class Admission:
             counts = self._group_counts(pages)
             if self._closed:
                 raise PoolClosedError("the pool is closed; nothing can be admitted")
+            if self._ledger.quarantined or any(p.ledger.quarantined for p in self._page_sets):
+                error = self._unfittable_need((1, counts))
+                if error is not None:
+                    raise error
             if self._try_must_wait():
                 return None
             return self._admit_groups_now(counts)
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
+        pages_ = self._pages
+        assert pages_ is not None
+        if self._ledger.quarantined or pages_.ledger.quarantined:
+            error = self._unfittable_need((1, k))
+            if error is not None:
+                raise error
         if self._try_must_wait():
             return None
         return self._admit_now(k)

@@ -981,8 +981,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         memory is released or while the grants are held
         (:meth:`hold_grants`); otherwise, when the free rows are short, it
         reclaims completed fences before answering None.
-        Raises :class:`CapacityError` for bad ``n`` and
-        :class:`PoolClosedError` after :meth:`close`.
+        Raises :class:`CapacityError` for bad ``n`` and, as :meth:`alloc`
+        does, for more rows than are not quarantined (a None there would
+        be answered for ever); :class:`PoolClosedError` after :meth:`close`.
         """
         self._check_thread()
         led = self._ledger
@@ -990,6 +991,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             n = led.check_n(n)
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
+        if led.quarantined and n > self._capacity - led.quarantined:
+            raise self._unfittable(n)
         if self._try_must_wait():
             return None
         rows = self._take(n)

@@ -123,11 +123,18 @@ class Chaos(Shadow):
 
     def try_take(self) -> None:
         waiting = self.pool.waiting()
-        if self.kv and self.rng.random() < 0.5:
-            g = self.pool.try_admit(pages=self.rng.choice((0, 1, 2, 4)))
-            got = [(g.row, g.pages.tolist())] if g is not None else []
-        else:
-            got = [(r, []) for r in self.pool.try_alloc(self.rng.choice((1, 1, 2))) or ()]
+        try:
+            if self.kv and self.rng.random() < 0.5:
+                g = self.pool.try_admit(pages=self.rng.choice((0, 1, 2, 4)))
+                got = [(g.row, g.pages.tolist())] if g is not None else []
+            else:
+                got = [(r, []) for r in self.pool.try_alloc(self.rng.choice((1, 1, 2))) or ()]
+        except CapacityError:  # quarantine made it unfittable: said at once, as alloc does
+            st = self.pool.stats()
+            if not (st.quarantined or st.pages_quarantined):
+                raise Fail("try_* raised CapacityError with nothing quarantined") from None
+            self.counts["try_CapacityError"] += 1
+            return
         if got and waiting:
             raise Fail(f"try_* granted {got} past {waiting} queued waiters")
         for row, pages in got:

@@ -1449,8 +1449,31 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
     # ------------------------------------------------------------ views
 
     def waiting(self) -> int:
-        """How many ``alloc`` and ``admit`` calls are queued."""
+        """How many ``alloc`` and ``admit`` calls are queued.
+
+        A call cancelled while queued counts until its task unwinds (the
+        loop's next turn), as one whose event loop was closed under it
+        counts until the next call that looks at the queue: right after a
+        disconnect storm this may read hundreds while :meth:`queue_head`
+        reads None. :meth:`waiting_by_priority` counts live calls only.
+        Any thread (a scrape).
+        """
         return self._waiters.count
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """The live queued ``alloc`` and ``admit`` calls per priority.
+
+        ``{priority: count}``, most urgent first, priorities with none left
+        out (``{}`` when nobody waits): a tier's queue depth, for per-tier
+        backpressure or a per-tier gauge (``max_waiters`` and the metrics
+        count every priority together). Live: a call cancelled (or timed
+        out) whose task has not unwound yet is not counted, nor one whose
+        event loop was closed under it. A read: it changes nothing.
+        O(calls queued); the event loop's thread only
+        (:class:`WrongThreadError` otherwise).
+        """
+        self._check_thread()
+        return self._waiters.by_priority()
 
     def _zero_wait_allocs(self) -> int:
         """Allocs granted without queueing, the inlined single-row ones included.

@@ -448,6 +448,23 @@ class WaiterQueues:
             return 0.0
         return max(0.0, _perf_counter() - oldest)
 
+    def by_priority(self) -> dict[int, int]:
+        """Live waiters per priority, most urgent first: ``{priority: count}``,
+        priorities with none left out. Not live, so not counted: a waiter
+        cancelled whose task has not unwound yet, and one whose event loop
+        was closed under it (``count`` still holds both). The owner's
+        thread (it iterates the queues); O(waiters queued)."""
+        counts: dict[int, int] = {}
+        for prio in self._prios:
+            n = 0
+            for waiter in self._queues[prio]:
+                fut = waiter[1]
+                if not fut.done() and not fut.get_loop().is_closed():
+                    n += 1
+            if n:
+                counts[prio] = n
+        return counts
+
     def needs(self) -> list[Any]:
         """The needs of the queued waiters, in grant order (for tests and repr)."""
         return [w[0] for p in self._prios for w in self._queues[p] if not w[1].done()]

@@ -555,6 +555,7 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "overdue_fences": pool.overdue_fences,
         "reclaim": pool.reclaim,
         "waiting": pool.waiting,
+        "waiting_by_priority": pool.waiting_by_priority,
         "available_size": pool.available_size,
         "pending_size": pool.pending_size,
         "quarantined_size": pool.quarantined_size,

@@ -100,7 +100,8 @@ class WrongThreadError(PoolError, RuntimeError):
     """A pool was called from a thread other than the one that owns it.
 
     The pool is not thread-safe, like every asyncio object: call it from its
-    event loop's thread, or hand work over with ``loop.call_soon_threadsafe``.
+    event loop's thread, or hand work over with ``loop.call_soon_threadsafe``
+    (``alloc_threadsafe`` / ``admit_threadsafe`` for a wait).
     """
 
 

@@ -41,7 +41,9 @@ loop); calls from another thread then raise :class:`WrongThreadError`,
 changing nothing. Synchronous calls made while no loop runs (building and
 warming a pool in a set-up thread) do not bind, so an engine may build the
 pool in one thread and run its scheduler in another.
-:meth:`AsyncReqToTokenPool.bind` hands a bound pool over explicitly. Fence
+:meth:`AsyncReqToTokenPool.bind` hands a bound pool over explicitly.
+Another thread submits waits with ``alloc_threadsafe`` / ``admit_threadsafe``
+(a ``concurrent.futures.Future`` whose ``cancel()`` never loses a grant). Fence
 completions on other threads reach the loop only through
 ``loop.call_soon_threadsafe``. A pool outlives its loop: a call from a new
 running loop moves it there when its own loop is closed, or stopped with
@@ -83,6 +85,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import logging
 import sys
@@ -90,7 +93,7 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType, TracebackType
-from typing import Any, Self, SupportsIndex
+from typing import Any, Self, SupportsIndex, overload
 
 import torch
 
@@ -116,6 +119,7 @@ from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, GroupGrant, RowPages
 from .stats import FrozenDict, Histogram, LatencySummary, PoolStats
 from .tables import PoolInfo
+from .threadsafe import submit_wait
 from .waiters import WaiterQueues
 from .wakeups import FenceWakeups
 
@@ -559,8 +563,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             raise WrongThreadError(
                 f"{self._who()} is bound to thread {self._owner_name!r} (ident {owner}) "
                 f"and was called from thread {here!r} (ident {ident}); call it from its own "
-                "thread (loop.call_soon_threadsafe), or hand it over with pool.bind() "
-                "called in the new thread"
+                "thread (loop.call_soon_threadsafe; alloc_threadsafe / admit_threadsafe for a "
+                "wait), or hand it over with pool.bind() called in the new thread"
             )
 
     def bind(self) -> None:
@@ -973,6 +977,80 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         if self._waiters.count:
             self._drop_dead_waiters()
         return bool(self._waiters.count or self._released or self._holds)
+
+    def alloc_threadsafe(
+        self, n: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
+    ) -> concurrent.futures.Future[list[int]]:
+        """``alloc`` submitted from another thread (an API server's worker).
+
+        Any thread; runs ``alloc(n, priority=, timeout=)`` on the pool's event
+        loop and answers a ``concurrent.futures.Future`` of its rows (its
+        errors raised by ``result()``). Unlike ``run_coroutine_threadsafe``,
+        whose ``cancel()`` can answer True after the task was granted (the
+        rows then lost), ``cancel()`` here answers True only if the caller
+        gets nothing: the queued wait is cancelled, or rows granted first
+        are freed on the loop at once (counted in ``cancellations``).
+        ``cancel()`` False: ``result()`` has the rows. Free them on the loop
+        (``loop.call_soon_threadsafe``). ``RuntimeError`` at once while the
+        pool has no event loop (``bind()`` it in its loop first) or its loop
+        is closed; a stopped loop runs the call when it runs again, so bound
+        the wait (``result(timeout=...)``). On the loop's own thread, await
+        :meth:`alloc` instead (blocking on the future there deadlocks).
+        """
+        return submit_wait(
+            self._loop_for_submit(),
+            lambda: self.alloc(n, priority=priority, timeout=timeout),
+            self._give_back_undelivered,
+        )
+
+    @overload
+    def admit_threadsafe(
+        self, pages: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
+    ) -> concurrent.futures.Future[Grant]: ...
+
+    @overload
+    def admit_threadsafe(
+        self,
+        pages: Mapping[str, SupportsIndex],
+        *,
+        priority: SupportsIndex = 0,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[GroupGrant]: ...
+
+    def admit_threadsafe(
+        self,
+        pages: SupportsIndex | Mapping[str, SupportsIndex],
+        *,
+        priority: SupportsIndex = 0,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[Grant] | concurrent.futures.Future[GroupGrant]:
+        """``admit`` submitted from another thread: as :meth:`alloc_threadsafe`.
+
+        ``cancel()`` True: nothing is the caller's (a grant that came first
+        is freed on the loop, row and pages, at once); False: ``result()``
+        has the :class:`Grant` (or :class:`GroupGrant`).
+        """
+        fut: concurrent.futures.Future[Grant | GroupGrant] = submit_wait(
+            self._loop_for_submit(),
+            lambda: self.admit(pages, priority=priority, timeout=timeout),
+            lambda grant: self._give_back_undelivered([grant.row]),
+        )
+        return fut  # type: ignore[return-value]
+
+    def _loop_for_submit(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError(
+                f"{self._who()} has no event loop yet: call pool.bind() in its scheduler's "
+                "loop (or make any call there) before submitting from other threads"
+            )
+        return loop
+
+    def _give_back_undelivered(self, rows: list[int]) -> None:
+        # A grant whose thread-safe caller cancelled first: never used, so it
+        # frees at once; counted as a waiter cancelled after its grant is.
+        self._waiters.cancellations += 1
+        self.free(rows)
 
     def try_alloc(self, n: SupportsIndex) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.

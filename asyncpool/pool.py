@@ -1041,8 +1041,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         loop = self._loop
         if loop is None:
             raise RuntimeError(
-                f"{self._who()} has no event loop yet: call pool.bind() in its scheduler's "
-                "loop (or make any call there) before submitting from other threads"
+                f"{self._who()} has no event loop yet: call pool.bind() inside its "
+                "scheduler's running loop before submitting from other threads"
             )
         return loop
 

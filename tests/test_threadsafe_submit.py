@@ -98,6 +98,9 @@ def test_no_loop_yet_or_a_closed_loop_is_a_runtime_error() -> None:
     pool = _admit_pool()
     with pytest.raises(RuntimeError, match="bind"):
         pool.admit_threadsafe(pages=1)
+    pool.bind()  # outside any loop: the thread is bound, no loop is known yet
+    with pytest.raises(RuntimeError, match="running loop"):
+        pool.admit_threadsafe(pages=1)
     loop = asyncio.new_event_loop()
 
     async def bind() -> None:

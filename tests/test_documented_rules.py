@@ -72,6 +72,8 @@ FOREIGN_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int], Any]] = {
     "check_invariants": lambda pool, row: pool.check_invariants(),
     "kv.check_invariants": lambda pool, row: pool.kv.check_invariants(),  # type: ignore[union-attr]
     "kv.alloc": lambda pool, row: pool.kv.alloc(1),  # type: ignore[union-attr]
+    "kv.reclaim": lambda pool, row: pool.kv.reclaim(),  # type: ignore[union-attr]
+    "kv.free": lambda pool, row: pool.kv.free([1]),  # type: ignore[union-attr]
     "admit": lambda pool, row: asyncio.run(pool.admit(pages=1)),
     "close": lambda pool, row: asyncio.run(pool.close()),
     "release_memory": lambda pool, row: asyncio.run(pool.release_memory()),
@@ -107,6 +109,11 @@ async def test_the_scrape_reads_answer_from_a_foreign_thread() -> None:
             "waiting": pool.waiting,
             "generation": lambda: pool.generation(grant.row),
             "kv.slots": lambda: kv.slots([1]).tolist(),
+            "kv.available_size": kv.available_size,
+            "kv.pending_size": kv.pending_size,
+            "kv.allocated_size": kv.allocated_size,
+            "kv.quarantined_size": kv.quarantined_size,
+            "kv.stats": lambda: kv.stats().allocated,
         }
         answers = {}
         for name, read in reads.items():
@@ -121,6 +128,11 @@ async def test_the_scrape_reads_answer_from_a_foreign_thread() -> None:
             "waiting": 0,
             "generation": pool.generation(grant.row),
             "kv.slots": [4, 5, 6, 7],
+            "kv.available_size": 6,
+            "kv.pending_size": 0,
+            "kv.allocated_size": 2,
+            "kv.quarantined_size": 0,
+            "kv.stats": 2,
         }
         pool.free([grant.row])
 

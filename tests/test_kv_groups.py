@@ -492,6 +492,14 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
     async def alloc() -> None:
         pool.free(await pool.alloc(1))
 
+    async def admit_threadsafe() -> None:
+        other = await asyncio.wrap_future(pool.admit_threadsafe({"swa": 1, "full": 1}))
+        assert set(other.pages) == {"swa", "full"}
+        pool.free([other.row])
+
+    async def alloc_threadsafe() -> None:
+        pool.free(await asyncio.wrap_future(pool.alloc_threadsafe(1)))
+
     def try_admit() -> None:
         other = pool.try_admit({"swa": 1, "full": 1})
         assert other is not None
@@ -534,6 +542,8 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "admit": admit,
         "alloc": alloc,
         "lease": lease,
+        "admit_threadsafe": admit_threadsafe,
+        "alloc_threadsafe": alloc_threadsafe,
         "try_admit": try_admit,
         "try_alloc": try_alloc,
         "pages_of": lambda: pool.pages_of(row, group="swa"),

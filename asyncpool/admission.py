@@ -220,7 +220,7 @@ class Admission:
 
         def _check_thread(self) -> None: ...
 
-        def _try_must_wait(self) -> bool: ...
+        def _try_must_wait(self, priority: int | None = None) -> bool: ...
 
         def _reclaim_both(self) -> bool: ...
 
@@ -388,27 +388,40 @@ class Admission:
             del waiter
 
     @overload
-    def try_admit(self, pages: SupportsIndex) -> Grant | None: ...
+    def try_admit(
+        self, pages: SupportsIndex, *, priority: SupportsIndex | None = None
+    ) -> Grant | None: ...
 
     @overload
-    def try_admit(self, pages: Mapping[str, SupportsIndex]) -> GroupGrant | None: ...
+    def try_admit(
+        self, pages: Mapping[str, SupportsIndex], *, priority: SupportsIndex | None = None
+    ) -> GroupGrant | None: ...
 
     def try_admit(
-        self, pages: SupportsIndex | Mapping[str, SupportsIndex]
+        self,
+        pages: SupportsIndex | Mapping[str, SupportsIndex],
+        *,
+        priority: SupportsIndex | None = None,
     ) -> Grant | GroupGrant | None:
         """Admit now (one row and ``pages`` pages), or return None; never waits.
 
         None while anyone is queued (no queue jumping), while the memory is
         released or the grants are held (:meth:`hold_grants`), or when either
         does not fit after reclaiming completed
-        fences. Raises as :meth:`admit` does for bad input and for a request
-        that quarantine makes unfittable (:class:`CapacityError`: a None
-        there would be answered for ever), and
-        :class:`PoolClosedError` after :meth:`close`. On a pool with KV
+        fences. With ``priority`` only waiters of that priority or a more
+        urgent one (a lower number) hold it back: it takes what
+        :meth:`admit` at that priority would be granted at once, ahead of
+        less urgent waiters. Raises as :meth:`admit` does for bad input
+        (``TypeError`` for a ``priority`` that is not None or an integer) and
+        for a request that quarantine makes unfittable
+        (:class:`CapacityError`: a None there would be answered for ever),
+        and :class:`PoolClosedError` after :meth:`close`; each changes
+        nothing. On a pool with KV
         groups: ``pages`` a mapping ``{group: count}`` and a
         :class:`GroupGrant` (or None), as :meth:`admit`.
         """
         self._check_thread()
+        prio = None if priority is None else _check_wait_args(priority, None)[0]
         if pages.__class__ is not int and self._groups is not None:
             if pages.__class__ is dict:
                 grant = self._admit_groups_fast(pages)
@@ -421,7 +434,7 @@ class Admission:
                 error = self._unfittable_need((1, counts))
                 if error is not None:
                     raise error
-            if self._try_must_wait():
+            if self._try_must_wait(prio):
                 return None
             return self._admit_groups_now(counts)
         k = self._page_count(pages, 0)
@@ -433,7 +446,7 @@ class Admission:
             error = self._unfittable_need((1, k))
             if error is not None:
                 raise error
-        if self._try_must_wait():
+        if self._try_must_wait(prio):
             return None
         return self._admit_now(k)
 

@@ -969,14 +969,20 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 )
                 self._tables.reset_rows_each(rows)
 
-    def _try_must_wait(self) -> bool:
+    def _try_must_wait(self, priority: int | None = None) -> bool:
         """For ``try_alloc``/``try_admit``: True while anyone is queued (no
-        queue jumping), the memory is released or the grants are held.
+        queue jumping; with ``priority``, anyone of that priority or a more
+        urgent one), the memory is released or the grants are held.
         Waiters of a loop closed under them are dropped first: they are not
         queued, they can never resume."""
-        if self._waiters.count:
+        waiters = self._waiters
+        if waiters.count:
             self._drop_dead_waiters()
-        return bool(self._waiters.count or self._released or self._holds)
+        if self._released or self._holds:
+            return True
+        if not waiters.count:
+            return False
+        return priority is None or waiters.queued_through(priority)
 
     def alloc_threadsafe(
         self, n: SupportsIndex, *, priority: SupportsIndex = 0, timeout: float | None = None
@@ -1052,26 +1058,35 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._waiters.cancellations += 1
         self.free(rows)
 
-    def try_alloc(self, n: SupportsIndex) -> list[int] | None:
+    def try_alloc(
+        self, n: SupportsIndex, *, priority: SupportsIndex | None = None
+    ) -> list[int] | None:
         """Allocate ``n`` rows now, or return None; never waits.
 
         Returns None while anyone is queued (no queue jumping), while the
         memory is released or while the grants are held
         (:meth:`hold_grants`); otherwise, when the free rows are short, it
-        reclaims completed fences before answering None.
+        reclaims completed fences before answering None. With ``priority``
+        only waiters of that priority or a more urgent one (a lower number)
+        hold it back: it takes what :meth:`alloc` at that priority would be
+        granted at once, ahead of less urgent waiters (a paid tier's call
+        while batch jobs queue).
         Raises :class:`CapacityError` for bad ``n`` and, as :meth:`alloc`
         does, for more rows than are not quarantined (a None there would
-        be answered for ever); :class:`PoolClosedError` after :meth:`close`.
+        be answered for ever); ``TypeError`` for a ``priority`` that is not
+        None or an integer (a bool, a float); :class:`PoolClosedError`
+        after :meth:`close`. Each changes nothing.
         """
         self._check_thread()
         led = self._ledger
         if n.__class__ is not int or not 0 < n <= self._capacity:
             n = led.check_n(n)
+        prio = None if priority is None else _check_wait_args(priority, None)[0]
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if led.quarantined and n > self._capacity - led.quarantined:
             raise self._unfittable(n)
-        if self._try_must_wait():
+        if self._try_must_wait(prio):
             return None
         rows = self._take(n)
         if rows is None and led.pending and led.reclaim():

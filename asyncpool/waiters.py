@@ -529,6 +529,19 @@ class WaiterQueues:
                 counts[prio] = n
         return counts
 
+    def queued_through(self, priority: int) -> bool:
+        """True while a live waiter of ``priority`` or a more urgent one
+        queues: what a ``try_`` call at ``priority`` must not pass. Steps
+        over waiters cancelled (their tasks not yet unwound); O(more urgent
+        priorities) but for those. The owner's thread."""
+        for prio in self._prios:
+            if prio > priority:
+                return False
+            for waiter in self._queues[prio]:
+                if not waiter[1].done():
+                    return True
+        return False
+
     def needs(self) -> list[Any]:
         """The needs of the queued waiters, in grant order (for tests and repr)."""
         return [w[0] for p in self._prios for w in self._queues[p] if not w[1].done()]

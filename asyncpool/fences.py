@@ -514,8 +514,20 @@ class HostStream:
         """Make later work on this stream wait for ``fence`` (cross-stream order).
 
         If ``fence`` faults, this stream faults too. ``TypeError``, queueing
-        nothing, for an object without a callable ``synchronize()``.
+        nothing, for an object without a callable ``synchronize()`` and for
+        a stream (this one or another; :func:`is_stream`): waiting for a
+        stream would mean "until it is idle" when the wait *runs*, so
+        ``s.wait(s)`` would stop ``s`` for ever and two streams that wait
+        for each other would deadlock. Pass ``record_fence(other)`` (the
+        work queued on it so far).
         """
+        if is_stream(fence):
+            raise TypeError(
+                f"wait() got {fence!r:.120} of type {type(fence).__name__}, a stream, not a "
+                "fence: waiting for it would mean until it is idle when the wait runs (for "
+                "ever for the stream itself). To wait for the work queued on it so far, "
+                "pass record_fence(stream)"
+            )
         synchronize = getattr(fence, "synchronize", None)
         if not callable(synchronize):
             raise TypeError(

@@ -513,7 +513,11 @@ class HostStream:
     def wait(self, fence: Fence) -> None:
         """Make later work on this stream wait for ``fence`` (cross-stream order).
 
-        If ``fence`` faults, this stream faults too. ``TypeError``, queueing
+        If ``fence`` faults, this stream faults too, for good (the fault is
+        sticky: what is freed behind its later fences is quarantined), so
+        before making a stream that serves many requests wait for a
+        transfer handle that may fail, ask the handle (``query()``) and
+        launch the work once it has landed. ``TypeError``, queueing
         nothing, for an object without a callable ``synchronize()`` and for
         a stream (this one or another; :func:`is_stream`): waiting for a
         stream would mean "until it is idle" when the wait *runs*, so

@@ -18,7 +18,9 @@ checked: a pool with ``kv`` never opens the unchecked fast paths.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
+import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -966,13 +968,13 @@ class Admission:
 
     @overload
     def extend_rows(
-        self, rows: Rows, k: Mapping[str, SupportsIndex], *, group: None = None
+        self, rows: Rows, k: Mapping[str, Counts], *, group: None = None
     ) -> dict[str, torch.Tensor] | None: ...
 
     def extend_rows(
         self,
         rows: Rows,
-        k: Counts | Mapping[str, SupportsIndex] = 1,
+        k: Counts | Mapping[str, Counts] = 1,
         *,
         group: str | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor] | None:
@@ -1006,8 +1008,12 @@ class Admission:
         groups, and the answer is a dict ``{group: (len(rows), count)
         tensor}``, or None taking nothing (counted as :meth:`extend`
         counts it); :class:`CapacityError` also for
-        ``len(rows) * count`` past a group's capacity. Per-row counts are
-        per group: ``group=`` with a sequence ``k``.
+        ``len(rows) * count`` past a group's capacity. A group's count may
+        be one per row (a speculative step on a hybrid model): then every
+        group's answer is flat, ``sum`` of its counts in row order, still
+        all or nothing across rows and groups (an int counts for every
+        row; :class:`CapacityError` naming the group for counts that are
+        not ints >= 0 one per row or sum past its capacity).
         """
         self._check_thread()
         pages = self._pages
@@ -1066,13 +1072,13 @@ class Admission:
 
     @overload
     def extend_fitting(
-        self, rows: Rows, k: Mapping[str, SupportsIndex], *, group: None = None
+        self, rows: Rows, k: Mapping[str, Counts], *, group: None = None
     ) -> tuple[int, dict[str, torch.Tensor]]: ...
 
     def extend_fitting(
         self,
         rows: Rows,
-        k: Counts | Mapping[str, SupportsIndex] = 1,
+        k: Counts | Mapping[str, Counts] = 1,
         *,
         group: str | None = None,
     ) -> tuple[int, torch.Tensor] | tuple[int, dict[str, torch.Tensor]]:
@@ -1101,11 +1107,12 @@ class Admission:
         except that a total past ``kv.capacity`` is no error: the run stops
         where the pages do. On a pool with KV groups ``group=`` names the
         group to grow, as for :meth:`extend`; or ``k`` is a mapping
-        ``{group: count}`` (one int count per named group, as
-        :meth:`extend_rows` takes it): ``rows[:m]`` each get that many pages
+        ``{group: count}`` (one int count per named group, or one per row,
+        as :meth:`extend_rows` takes it): ``rows[:m]`` each get their pages
         in every named group, for the largest ``m`` that every group's free
-        pages cover, and the answer is ``(m, {group: (m, count) tensor})``
-        (a refusal: once in ``stats().growth_refusals``, and in the
+        pages cover, and the answer is ``(m, {group: (m, count) tensor})``,
+        flat tensors of the run's pages in row order where a count is one
+        per row (a refusal: once in ``stats().growth_refusals``, and in the
         ``kv_groups`` figure of every group whose free pages, after
         reclaiming its completed fences, could not cover all of ``rows``).
         """
@@ -1171,6 +1178,8 @@ class Admission:
         :meth:`extend_rows` (``rows``) with a mapping ``{group: count}``:
         every named group's pages at once, all or nothing. Checks
         everything before it takes anything."""
+        if call == "extend_rows" and any(_per_row(v) for v in counts.values()):
+            return self._extend_groups_each(rows, counts, group)
         wants = self._growth_counts(call, counts, group)
         if call == "extend":
             seq: Sequence[int] = [self._allocated_row(rows, "extended")]
@@ -1198,6 +1207,8 @@ class Admission:
         longest run ``rows[:m]`` that every named group's free pages cover
         (each short group reclaims its completed fences first) grows in
         every group. Checks everything before it takes anything."""
+        if any(_per_row(v) for v in counts.values()):
+            return self._extend_fitting_groups_each(rows, counts, group)
         wants = self._growth_counts("extend_fitting", counts, group)
         _check_ordered(rows, "extend_fitting")
         led = self._ledger
@@ -1234,15 +1245,13 @@ class Admission:
             self._waiters.grant()
         return m, got
 
-    def _growth_counts(
+    def _named_groups(
         self, call: str, counts: Mapping[Any, Any], group: object
-    ) -> list[tuple[str, RowPages, int]]:
-        """``call``'s (a grouped growth's) ``{group: count}`` as ``(name,
-        pages, count)`` for each group it names, in the groups' order (a
-        group it does not name grows by nothing). ``ValueError`` for
-        ``group=`` given too and for a name that is not one of the pool's
-        groups; :class:`CapacityError` on a pool without KV groups and for
-        a count that is not an int in ``0..capacity`` of its group."""
+    ) -> dict[str, RowPages]:
+        """The pool's groups, once a grouped growth's mapping ``counts`` is
+        checked to name only them: ``ValueError`` for ``group=`` given too
+        and for a name that is not one of the pool's groups;
+        :class:`CapacityError` on a pool without KV groups."""
         if group is not None:
             raise ValueError(
                 f"{call}: group= names the group of one page count, and a mapping "
@@ -1262,6 +1271,151 @@ class Admission:
                 f"unknown KV group {describe(unknown[0])} in the page counts; this pool's "
                 f"groups are {self._group_words()}"
             )
+        return groups
+
+    def _growth_counts_each(
+        self, call: str, rows: Rows, counts: Mapping[Any, Any], group: object
+    ) -> tuple[Sequence[int], list[tuple[str, RowPages, list[int]]]]:
+        """A grouped growth whose mapping gives some group one count per row
+        (``extend_rows`` or ``extend_fitting``): the rows (checked: ordered,
+        distinct, allocated) and ``(name, pages, counts)`` for each named
+        group in the groups' order, ``counts`` one int >= 0 per row (an int
+        in the mapping counts for every row). Raises as
+        :meth:`_growth_counts`, :class:`CapacityError` naming the group for
+        counts that are not that, and the rows' errors; changes nothing."""
+        groups = self._named_groups(call, counts, group)
+        _check_ordered(rows, f"{call} with one page count per row")
+        led = self._ledger
+        seq = led.as_rows(rows)
+        n = len(seq)
+        wants = []
+        for name, pages in groups.items():
+            if name in counts:
+                try:
+                    each = _page_counts(counts[name], n, "k")
+                except CapacityError as exc:
+                    raise CapacityError(f"KV group {name!r}: {exc}") from None
+                wants.append((name, pages, each))
+        led.check_allocated(seq, "extended")
+        return seq, wants
+
+    def _extend_groups_each(
+        self, rows: Rows, counts: Mapping[Any, Any], group: object
+    ) -> dict[str, torch.Tensor] | None:
+        """:meth:`extend_rows` with a mapping that gives one count per row:
+        every row's pages in every named group at once, all or nothing (a
+        speculative step's growth on a hybrid model). Checks everything
+        before it takes anything."""
+        seq, wants = self._growth_counts_each("extend_rows", rows, counts, group)
+        for name, pages, each in wants:
+            total = sum(each)
+            if total > pages.capacity:
+                raise CapacityError(
+                    f"KV group {name!r}: cannot extend {len(seq)} rows by {total} pages in "
+                    f"all, and its KV pool has only {pages.capacity}"
+                )
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        if self._released:
+            return None
+        reclaimed = False
+        shorts: list[RowPages] = []
+        for _, pages, each in wants:
+            led = pages.ledger
+            total = sum(each)
+            if _reclaim_short(led, total):
+                reclaimed = True
+            if total > led.free_count:
+                shorts.append(pages)
+        got: dict[str, torch.Tensor] | None
+        if shorts:
+            self._count_refusal(shorts)
+            got = None
+        else:
+            got = self._take_groups_each(wants, seq)
+        if reclaimed and self._waiters.count:
+            self._waiters.grant()
+        return got
+
+    def _extend_fitting_groups_each(
+        self, rows: Rows, counts: Mapping[Any, Any], group: object
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """:meth:`extend_fitting` with a mapping that gives one count per
+        row: the longest run ``rows[:m]`` whose counts every named group's
+        free pages cover (each short group reclaims its completed fences
+        first) grows in every group. Checks everything before it takes
+        anything."""
+        seq, wants = self._growth_counts_each("extend_fitting", rows, counts, group)
+        for name, pages, each in wants:
+            if each and max(each) > pages.capacity:
+                i = next(i for i, c in enumerate(each) if c > pages.capacity)
+                raise CapacityError(
+                    f"KV group {name!r}: extend_fitting: k[{i}] asks {each[i]} pages for row "
+                    f"{seq[i]}, and its KV pool has only {pages.capacity}: that row could "
+                    "never grow"
+                )
+        if self._closed:
+            raise PoolClosedError("the pool is closed; no pages can be allocated")
+        m = len(seq)
+        reclaimed = False
+        shorts: list[RowPages] = []
+        if self._released:
+            m = 0
+        else:
+            for _, pages, each in wants:
+                led = pages.ledger
+                total = sum(each)
+                if _reclaim_short(led, total):
+                    reclaimed = True
+                if total > led.free_count:
+                    # The longest run of rows whose counts fit: its running
+                    # sums are the ones up to what is free.
+                    fits = bisect.bisect_right(list(itertools.accumulate(each)), led.free_count)
+                    if fits < m:
+                        m = fits
+                    shorts.append(pages)
+        got = self._take_groups_each([(n, p, each[:m]) for n, p, each in wants], seq[:m])
+        if shorts:
+            self._count_refusal(shorts)
+        if reclaimed and self._waiters.count:
+            self._waiters.grant()
+        return m, got
+
+    def _take_groups_each(
+        self, wants: list[tuple[str, RowPages, list[int]]], rows: Sequence[int]
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`_take_groups` with one count per row (every group counted
+        free): take, make every group's 1-D tensor (``rows[i]``'s pages at
+        ``sum(counts[:i])``), then record."""
+        taken = []
+        for _, pages, each in wants:
+            arr = pages.take(sum(each))
+            assert arr is not None  # counted free
+            taken.append(arr)
+        try:
+            outs = {
+                name: pages.out(arr) for (name, pages, _), arr in zip(wants, taken, strict=True)
+            }
+        except BaseException:
+            for (_, pages, _), arr in zip(wants, taken, strict=True):
+                if arr.shape[0]:
+                    pages.ledger.put_back(arr, OWNED)
+            raise
+        for (_, pages, each), arr in zip(wants, taken, strict=True):
+            if arr.shape[0]:
+                pages.record_counts(rows, each, arr)
+        return outs
+
+    def _growth_counts(
+        self, call: str, counts: Mapping[Any, Any], group: object
+    ) -> list[tuple[str, RowPages, int]]:
+        """``call``'s (a grouped growth's) ``{group: count}`` as ``(name,
+        pages, count)`` for each group it names, in the groups' order (a
+        group it does not name grows by nothing). ``ValueError`` for
+        ``group=`` given too and for a name that is not one of the pool's
+        groups; :class:`CapacityError` on a pool without KV groups and for
+        a count that is not an int in ``0..capacity`` of its group."""
+        groups = self._named_groups(call, counts, group)
         wants = []
         for name, pages in groups.items():
             if name in counts:

@@ -334,6 +334,15 @@ class RowPages:
         each group here."""
         self._append_lines(rows, arr, k)
 
+    def record_counts(
+        self, rows: Sequence[int], counts: Sequence[int], arr: npt.NDArray[np.int64]
+    ) -> None:
+        """Record pages the owner took (:meth:`take`, counted free) for a
+        growth with one count per row: ``rows[i]`` gets the next
+        ``counts[i]`` pages of ``arr``, as :meth:`extend_each` records
+        them (a grouped growth with per-row counts)."""
+        self._append_counts(rows, counts, arr)
+
     def _append_lines(self, rows: Sequence[int], arr: npt.NDArray[np.int64], k: int) -> None:
         """Append ``arr[i * k : i * k + k]`` to ``rows[i]`` for each of the
         ``len(arr) // k`` first rows (pages just taken OWNED)."""

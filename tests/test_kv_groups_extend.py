@@ -347,7 +347,7 @@ _BAD = [
     ({"swa": 1, "full": 1.5}, CapacityError, "KV group 'full'"),
     ({"swa": True}, CapacityError, "KV group 'swa'"),
     ({"swa": 9}, CapacityError, "KV group 'swa'"),
-    ({"full": torch.tensor([1])}, CapacityError, "KV group 'full'"),
+    ({"full": torch.tensor([1, 1])}, CapacityError, "KV group 'full'"),
     ({"full": [1, 1]}, CapacityError, "KV group 'full'"),
 ]
 

@@ -869,7 +869,9 @@ class Admission:
         ids for the engine's own bookkeeping, which ``kv.free`` and
         ``kv.slots`` take without reading anything back). Raises
         :class:`InvalidSlotError` unless ``row`` is allocated. Read only:
-        the tensor is (a copy of) the pool's record. After
+        the tensor is (a copy of) the pool's record, and the pool never
+        writes it: later growth, :meth:`trim_pages` and :meth:`drop_pages`
+        leave it reading what it read (a step in flight may read it). After
         :meth:`drop_pages`, one page id per position: the dropped positions
         read as page 0 (the page pool's reserved padding page), and the
         tensor is a fresh one, never the record (built each call: a pass

@@ -679,10 +679,17 @@ class RowPages:
         self.holes[row] = below
 
     def _cut(self, row: int, keep: int) -> None:
-        """Cut ``row``'s record and seal to its first ``keep`` pages (> 0)."""
+        """Cut ``row``'s record and seal to its first ``keep`` pages (> 0).
+
+        Nothing is written, and the row's growth buffer is let go: growing
+        in it would write the places past ``keep``, which the tensors handed
+        out before (``pages_of`` on the host: views of the record) still
+        read, so an in-flight step's block table would change under it. The
+        next growth copies the record into a new buffer."""
         pages = self.owned[row]
         assert pages is not None
         self.owned[row] = pages[:keep]
+        self.grown[row] = None
         seal = self.sealed[row]
         if seal.__class__ is bytearray:  # grown by _append: cut in place
             assert isinstance(seal, bytearray)

@@ -361,3 +361,45 @@ async def test_one_written_record_among_the_rows_refuses_the_whole_call():
             pool.trim_pages([a.row, b.row], 1)
         record[2] = last
         assert state(pool) == before
+
+
+@pytest.mark.parametrize("growth", ["extend", "extend_rows", "extend_rows_counts", "fitting"])
+async def test_growth_after_a_trim_leaves_tensors_handed_out_before_as_they_read(
+    growth: str,
+) -> None:
+    """Speculative decoding trims a row's rejected drafts and grows it again
+    at the next step, while the step in flight still reads the block table
+    it was given (``pages_of`` on a CPU pool: a view of the row's record).
+    The new pages must not land in that tensor's places past ``keep``: it
+    keeps what it read (the row's record grew in a buffer with room, and a
+    growth there after the trim used to write them)."""
+    pool = make(rows=2, pages=32)
+    g = await pool.admit(2)
+    other = await pool.admit(1)
+    assert pool.extend(g.row, 3) is not None  # the record now lives in a growth buffer
+    table = pool.pages_of(g.row)
+    host = pool.pages_of(g.row, host=True)
+    read = ids(table)
+    assert pool.trim_pages([g.row, other.row], [2, 1]) == 3
+    if growth == "extend":
+        new = ids(pool.extend(g.row, 2))
+    elif growth == "extend_rows":
+        new = ids(pool.extend_rows([g.row], 2))
+    elif growth == "extend_rows_counts":
+        new = ids(pool.extend_rows([other.row, g.row], [0, 2]))
+    else:
+        m, got = pool.extend_fitting([g.row], 2)
+        assert m == 1
+        new = ids(got)
+    assert ids(table) == read and ids(host) == read
+    assert ids(pool.pages_of(g.row)) == read[:2] + new
+    # Page by page (a decode step's one page a row) as well.
+    table = pool.pages_of(g.row)
+    read = ids(table)
+    pool.trim_pages(g.row, 3)
+    one = pool.extend_rows([g.row], 1)
+    assert one is not None and ids(pool.pages_of(g.row)) == read[:3] + ids(one)
+    assert ids(table) == read
+    pool.check_invariants()
+    pool.free([g.row, other.row])
+    pool.check_invariants()

@@ -60,6 +60,11 @@ __all__ = ["Waiter", "WaiterQueues"]
 _perf_counter = time.perf_counter
 _bisect_left = bisect.bisect_left
 
+# Dead waiters (see WaiterQueues._dequeue) are swept out of the queues once
+# they outnumber the live ones and number at least this many: the memory
+# they hold stays O(waiters queued), the sweep rare.
+_COMPACT_MIN = 64
+
 # A queued request is the tuple (need, future, enqueue time, priority, wait
 # window, wait histogram): cheaper to build than an object, and the future
 # says whether it is still wanted. Each grant records its wait in the
@@ -186,8 +191,9 @@ class WaiterQueues:
         """Take off the queues the waiters cancelled whose tasks have not run
         yet (they no longer queue; :meth:`cancelled` finds them gone when
         their tasks unwind) and the dead ones, then answer whether
-        ``max_waiters`` still queue. The refusal path only: O(waiters
-        queued)."""
+        ``max_waiters`` still queue. O(waiters queued): the refusal path,
+        and the sweep of the dead once they outnumber the live
+        (:meth:`_dequeue`). Never changes who is served next."""
         dead = self._dead
         gone = self._gone
         for prio in list(self._prios):
@@ -286,8 +292,10 @@ class WaiterQueues:
         newest, cancelled at once or in reverse order). In the middle, a
         ``lazy`` caller (a cancelled waiter, still queued: its future is
         cancelled) leaves it in place, *dead*: no longer counted, dropped by
-        the grant loop when it reaches it (O(1) each); otherwise it costs a
-        search of its own queue. ``deque.remove`` alone walked the whole
+        the grant loop when it reaches it (O(1) each), or swept out with
+        the rest once the dead outnumber the live (a head that stays
+        blocked keeps the grant loop from ever reaching them); otherwise it
+        costs a search of its own queue. ``deque.remove`` alone walked the whole
         queue for the newest waiter (0.4 ms a cancel with 16,384 queued),
         and a disconnect storm cancelling half of 16,000 queued waiters at
         random cost 0.7 s of searches.
@@ -301,10 +309,18 @@ class WaiterQueues:
         elif queue[-1] is waiter:
             queue.pop()
         elif lazy:
-            self._dead.add(waiter[1])
+            dead = self._dead
+            dead.add(waiter[1])
             self.count -= 1
             if not self.count:
                 self._clear_dead()
+            elif len(dead) > self.count and len(dead) >= _COMPACT_MIN:
+                # More dead than live: sweep them out. Behind a head that
+                # stays blocked the grant loop never reaches them, and a
+                # run of cancels (clients that give up while a big request
+                # blocks) would grow them without bound. Amortised O(1) a
+                # cancel: the sweep costs O(queued) < 2 x the dead it drops.
+                self._drop_cancelled()
             return
         else:
             try:

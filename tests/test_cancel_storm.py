@@ -227,3 +227,37 @@ async def test_check_invariants_catches_each_corruption_of_the_dead():
     queues._dead -= {ws[0][1], ws[2][1]}
     queues.count = count
     assert queues.drop_all() == 2 and not queues._dead and not queues._gone
+
+
+async def test_dead_waiters_behind_a_blocked_head_stay_bounded():
+    """Clients that queue and give up one after another behind a head that
+    stays blocked each leave a dead waiter in the middle of the queue (a
+    live one queued behind it). The grant loop never reaches them while the
+    head blocks: they used to pile up without bound (20,000 cancels, 20,000
+    dead, with 2 waiters queued). They are swept out once they outnumber
+    the live, and the grant order is kept."""
+    async with AsyncReqToTokenPool(2, 16) as pool:  # one row
+        held = await pool.alloc(1)
+        head = asyncio.create_task(pool.alloc(1))  # blocked while `held` is held
+        prev = asyncio.create_task(pool.alloc(1))
+        await asyncio.sleep(0)
+        most = 0
+        for _ in range(2000):
+            nxt = asyncio.create_task(pool.alloc(1))
+            await asyncio.sleep(0)
+            await _cancel([prev])  # in the middle: `head` ahead, `nxt` behind
+            prev = nxt
+            queued = sum(len(q) for q in pool._waiters._queues.values())
+            most = max(most, queued)
+        assert pool.waiting() == 2
+        assert most <= 2 * pool.waiting() + 64, most  # O(live), not O(cancels)
+        assert not pool._waiters._gone
+        pool.check_invariants()
+        pool.free(held)
+        async with bounded():
+            first = await head
+        pool.free(first)
+        async with bounded():
+            last = await prev
+        pool.free(last)
+        assert pool.waiting() == 0 and not pool._waiters._queues and not pool._waiters._dead

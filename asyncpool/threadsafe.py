@@ -47,41 +47,66 @@ def submit_wait(
     if loop.is_closed():
         raise RuntimeError("the pool's event loop is closed: bind() the pool in its new loop first")
     out: concurrent.futures.Future[T] = concurrent.futures.Future()
+    loop.call_soon_threadsafe(_start, loop, out, make, give_back)
+    return out
 
-    async def run() -> None:
-        try:
-            result = await make()
-        except asyncio.CancelledError:
-            raise  # asked for, or the loop's own: the task's done callback cancels `out`
-        except BaseException as exc:
-            if out.set_running_or_notify_cancel():
-                out.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        if out.set_running_or_notify_cancel():
-            out.set_result(result)
-        else:
-            give_back(result)  # the caller cancelled after the grant: never used
 
-    def start() -> None:
-        if out.cancelled():
-            return  # cancelled before the loop got to it: nothing asked, nothing taken
-        task = loop.create_task(run())
+# The task and the future refer to each other only while the wait runs: the
+# task's done callback holds the future until it has run (asyncio drops a
+# task's callbacks when it ends), the future's holds the task through a list
+# the task's end empties, and _run holds the future in a local it deletes
+# before it raises. A task's CancelledError, or the future's error, keeps
+# _run's frame in its traceback; a future held there, whose done callback
+# held the task, made a cycle that kept the task, the future and the
+# caller's frames until the cycle collector ran.
 
-        def task_done(t: asyncio.Task[None]) -> None:
-            if t.cancelled():
-                out.cancel()  # nothing was delivered (a no-op when the caller cancelled)
 
-        def out_done(fut: concurrent.futures.Future[T]) -> None:
-            if fut.cancelled():
+def _start(
+    loop: asyncio.AbstractEventLoop,
+    out: concurrent.futures.Future[T],
+    make: Callable[[], Coroutine[Any, Any, T]],
+    give_back: Callable[[T], None],
+) -> None:
+    if out.cancelled():
+        return  # cancelled before the loop got to it: nothing asked, nothing taken
+    task = loop.create_task(_run(out, make, give_back))
+    running = [task]  # emptied when the task ends
+
+    def task_done(t: asyncio.Task[None]) -> None:
+        running.clear()
+        if t.cancelled():
+            out.cancel()  # nothing was delivered (a no-op when the caller cancelled)
+
+    def out_done(fut: concurrent.futures.Future[T]) -> None:
+        if fut.cancelled():
+            for t in running[:]:  # empty once the task ended: nothing to cancel
                 try:
-                    loop.call_soon_threadsafe(task.cancel)  # a no-op once the task is done
+                    loop.call_soon_threadsafe(t.cancel)  # a no-op once the task is done
                 except RuntimeError:
                     pass  # the loop is closed: the task can never run again
 
-        task.add_done_callback(task_done)
-        out.add_done_callback(out_done)
+    task.add_done_callback(task_done)
+    out.add_done_callback(out_done)
 
-    loop.call_soon_threadsafe(start)
-    return out
+
+async def _run(
+    out: concurrent.futures.Future[T],
+    make: Callable[[], Coroutine[Any, Any, T]],
+    give_back: Callable[[T], None],
+) -> None:
+    try:
+        result = await make()
+    except asyncio.CancelledError:
+        del out  # the error's traceback holds this frame (see above)
+        raise  # asked for, or the loop's own: the task's done callback cancels `out`
+    except BaseException as exc:
+        if out.set_running_or_notify_cancel():
+            out.set_exception(exc)
+        del out
+        if not isinstance(exc, Exception):
+            raise
+        return
+    if out.set_running_or_notify_cancel():
+        out.set_result(result)
+    else:
+        give_back(result)  # the caller cancelled after the grant: never used

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 from helpers import WAIT_S, bounded, in_thread, until
@@ -152,3 +154,47 @@ async def test_frontend_threads_cancelling_at_random_leak_nothing(seed: int) -> 
         assert (stats.allocated, stats.pages_allocated) == (0, 0)
         assert stats.admits >= outcomes["delivered"]
         pool.check_invariants()
+
+
+async def _settled_without_cycles(pool: AsyncReqToTokenPool, end: str) -> tuple[bool, bool]:
+    """Submit a thread-safe wait that queues, end it (``end``), drop every
+    reference the test holds, and answer whether its task and its future
+    are still alive with the cycle collector off."""
+    fut = await asyncio.to_thread(
+        pool.alloc_threadsafe, 1, timeout=0.01 if end == "timeout" else 60.0
+    )
+
+    def queued(f: concurrent.futures.Future[list[int]] = fut) -> bool:
+        return pool.waiting() == 1 or f.done()
+
+    await until(queued)
+    del queued  # it holds the future
+    (task,) = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    task_ref, fut_ref = weakref.ref(task), weakref.ref(fut)
+    if end == "cancel":
+        assert in_thread(fut.cancel) is True
+    elif end == "close":
+        await pool.close()
+    async with bounded():
+        await asyncio.wait([task])
+    assert fut.done()
+    del task, fut
+    await asyncio.sleep(0)
+    return task_ref() is not None, fut_ref() is not None
+
+
+@pytest.mark.parametrize("end", ["cancel", "timeout", "close"])
+async def test_an_ended_wait_leaves_no_reference_cycle(end: str) -> None:
+    """A cancelled, timed-out or failed thread-safe wait is freed when the
+    caller drops its future, not at the cycle collector's next run: its
+    task's CancelledError (or the future's error) held the submitting
+    frame, which held the future, whose done callback held the task."""
+    async with bounded(), AsyncReqToTokenPool(2, 16) as pool:
+        held = await pool.alloc(1)
+        gc.disable()
+        try:
+            alive = await _settled_without_cycles(pool, end)
+        finally:
+            gc.enable()
+        assert alive == (False, False)
+        pool.free(held)

@@ -209,8 +209,15 @@ class WaiterQueues:
                     gone.add(fut)
                     self.count -= 1
             if live:
-                queue.clear()  # in place: a scrape's copy of the index stays valid
-                queue.extend(live)
+                # In place (a scrape's copy of the index stays valid), the
+                # live put in front before the old entries go from the back:
+                # a scrape reading from the front (oldest_wait, another
+                # thread) finds the oldest live waiter at every step, where
+                # emptying the queue first let it read 0.0 with waiters queued.
+                old = len(queue)
+                queue.extendleft(reversed(live))
+                for _ in range(old):
+                    queue.pop()
             else:
                 del self._queues[prio]
                 self._prios.remove(prio)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -261,3 +262,58 @@ async def test_dead_waiters_behind_a_blocked_head_stay_bounded():
             last = await prev
         pool.free(last)
         assert pool.waiting() == 0 and not pool._waiters._queues and not pool._waiters._dead
+
+
+def _read_at_every_switch_point(setup: Any) -> list[Any]:
+    """``setup()`` answers ``(owner, read)``: run ``owner()`` once per thread
+    switch point k (a GIL build switches only at a call or a C call's
+    return: a profile hook sees both), reading ``read()`` at the k-th as
+    another thread could; return every read."""
+    reads: list[Any] = []
+    for at in range(1, 500):
+        owner, read = setup()
+        seen = 0
+
+        def hook(frame: Any, event: str, arg: Any, at: int = at, read: Any = read) -> None:
+            nonlocal seen
+            if event in ("call", "c_return"):
+                seen += 1
+                if seen == at:
+                    sys.setprofile(None)
+                    reads.append(read())
+
+        before = len(reads)
+        sys.setprofile(hook)
+        try:
+            owner()
+        finally:
+            sys.setprofile(None)
+        if len(reads) == before:
+            return reads
+    raise AssertionError("the sweep never ran out of switch points")
+
+
+async def test_a_scrape_during_the_sweep_reads_the_oldest_live_waiter(monkeypatch):
+    """``oldest_wait()`` is read from other threads (a metrics scrape) while
+    the owner sweeps cancelled waiters out (the refusal path, and now the
+    dead once they outnumber the live). The sweep used to empty a queue and
+    refill it: a scrape between the two read 0.0 with waiters queued. It
+    now puts the live in front first, so every read finds the oldest."""
+    clock = [0.0]
+    monkeypatch.setattr("asyncpool.waiters._perf_counter", lambda: clock[0])
+    loop = asyncio.get_running_loop()
+
+    def setup() -> Any:
+        queues = WaiterQueues(lambda need: None, lambda grant: None, lambda need: ("x", "y"))
+        ws = []
+        for t in range(6):
+            clock[0] = float(t)
+            ws.append(queues.enqueue(1, 0, None, loop, collections.deque(), Histogram())[0])
+        for i in (0, 2, 3):
+            ws[i][1].cancel()  # cancelled, their tasks not unwound: swept
+        clock[0] = 100.0
+        return queues._drop_cancelled, queues.oldest_wait
+
+    reads = _read_at_every_switch_point(setup)
+    assert len(reads) > 5
+    assert set(reads) == {99.0}, reads  # the oldest live waiter, queued at 1.0

@@ -999,8 +999,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         ``cancel()`` False: ``result()`` has the rows. Free them on the loop
         (``loop.call_soon_threadsafe``). ``RuntimeError`` at once while the
         pool has no event loop (``bind()`` it in its loop first) or its loop
-        is closed; a stopped loop runs the call when it runs again, so bound
-        the wait (``result(timeout=...)``). On the loop's own thread, await
+        is closed; a stopped loop runs the call when it runs again, and a
+        loop closed with the call queued (``loop.close()`` without
+        cancelling its tasks) never resolves it, as with
+        ``run_coroutine_threadsafe``: bound the wait
+        (``result(timeout=...)``). On the loop's own thread, await
         :meth:`alloc` instead (blocking on the future there deadlocks).
         """
         return submit_wait(

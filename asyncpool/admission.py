@@ -111,6 +111,9 @@ _TRUSTED_PASS = 8
 
 
 _Got = TypeVar("_Got")  # what a growth answers: pages, None, or (m, pages)
+#: A grouped growth's want for one group: its name, its pages, and one page
+#: count for every row or a list of one per row.
+_GroupWant = tuple[str, RowPages, int | list[int]]
 
 
 def _page_counts(value: object, n: int, name: str) -> list[int]:
@@ -1320,24 +1323,7 @@ class Admission:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         if self._released:
             return None
-        reclaimed = False
-        shorts: list[RowPages] = []
-        for _, pages, each in wants:
-            led = pages.ledger
-            total = sum(each)
-            if _reclaim_short(led, total):
-                reclaimed = True
-            if total > led.free_count:
-                shorts.append(pages)
-        got: dict[str, torch.Tensor] | None
-        if shorts:
-            self._count_refusal(shorts)
-            got = None
-        else:
-            got = self._take_groups_each(wants, seq)
-        if reclaimed and self._waiters.count:
-            self._waiters.grant()
-        return got
+        return self._grow_groups(wants, seq, lines=False)
 
     def _extend_fitting_groups_each(
         self, rows: Rows, counts: Mapping[Any, Any], group: object
@@ -1376,37 +1362,12 @@ class Admission:
                     if fits < m:
                         m = fits
                     shorts.append(pages)
-        got = self._take_groups_each([(n, p, each[:m]) for n, p, each in wants], seq[:m])
+        got = self._take_groups([(n, p, each[:m]) for n, p, each in wants], seq[:m], lines=False)
         if shorts:
             self._count_refusal(shorts)
         if reclaimed and self._waiters.count:
             self._waiters.grant()
         return m, got
-
-    def _take_groups_each(
-        self, wants: list[tuple[str, RowPages, list[int]]], rows: Sequence[int]
-    ) -> dict[str, torch.Tensor]:
-        """:meth:`_take_groups` with one count per row (every group counted
-        free): take, make every group's 1-D tensor (``rows[i]``'s pages at
-        ``sum(counts[:i])``), then record."""
-        taken = []
-        for _, pages, each in wants:
-            arr = pages.take(sum(each))
-            assert arr is not None  # counted free
-            taken.append(arr)
-        try:
-            outs = {
-                name: pages.out(arr) for (name, pages, _), arr in zip(wants, taken, strict=True)
-            }
-        except BaseException:
-            for (_, pages, _), arr in zip(wants, taken, strict=True):
-                if arr.shape[0]:
-                    pages.ledger.put_back(arr, OWNED)
-            raise
-        for (_, pages, each), arr in zip(wants, taken, strict=True):
-            if arr.shape[0]:
-                pages.record_counts(rows, each, arr)
-        return outs
 
     def _growth_counts(
         self, call: str, counts: Mapping[Any, Any], group: object
@@ -1428,20 +1389,21 @@ class Admission:
         return wants
 
     def _grow_groups(
-        self, wants: list[tuple[str, RowPages, int]], rows: Sequence[int], lines: bool
+        self, wants: Sequence[_GroupWant], rows: Sequence[int], lines: bool
     ) -> dict[str, torch.Tensor] | None:
         """Give each of ``rows`` (checked) ``k`` pages in every group of
-        ``wants``, all or nothing; None, taking nothing, when any group is
-        short after reclaiming its completed fences.
+        ``wants`` (``k`` one count for every row, or a list of one per row),
+        all or nothing; None, taking nothing, when any group is short after
+        reclaiming its completed fences.
 
         The rule of :meth:`_grow`: free pages are taken even while
         admissions queue, a short group reclaims first, and if a reclaim
         returned pages the grant loop runs after the growth (taken or not),
         so the queued waiters get the rest. Every group's tensor is made
         before any page is recorded: if one cannot be made (a device
-        error), every group's pages go back and the error propagates. For
-        one row (``lines`` false) a group's tensor is 1-D, as
-        :meth:`extend`'s; otherwise ``(len(rows), k)``, as
+        error), every group's pages go back and the error propagates. With
+        ``lines`` false (one row, as :meth:`extend`; per-row counts) a
+        group's tensor is 1-D; otherwise ``(len(rows), k)``, as
         :meth:`extend_rows`'.
         """
         n = len(rows)
@@ -1449,9 +1411,10 @@ class Admission:
         shorts: list[RowPages] = []
         for _, pages, k in wants:
             led = pages.ledger
-            if _reclaim_short(led, n * k):
+            total = n * k if isinstance(k, int) else sum(k)
+            if _reclaim_short(led, total):
                 reclaimed = True
-            if n * k > led.free_count:
+            if total > led.free_count:
                 shorts.append(pages)
         if shorts:
             self._count_refusal(shorts)
@@ -1473,19 +1436,20 @@ class Admission:
             pages.growth_refusals += 1
 
     def _take_groups(
-        self, wants: list[tuple[str, RowPages, int]], rows: Sequence[int], lines: bool
+        self, wants: Sequence[_GroupWant], rows: Sequence[int], lines: bool
     ) -> dict[str, torch.Tensor]:
         """:meth:`_grow_groups` once every group is counted free: take, make
-        every tensor, then record."""
+        every tensor, then record (``rows[i]``'s pages at ``i * k``, or at
+        ``sum(counts[:i])`` for per-row counts, which ``lines`` never is)."""
         n = len(rows)
         taken = []
         for _, pages, k in wants:
-            arr = pages.take(n * k)
+            arr = pages.take(n * k if isinstance(k, int) else sum(k))
             assert arr is not None  # counted free
             taken.append(arr)
         try:
             outs = {
-                name: pages.out(arr if not lines else arr.reshape(n, k))
+                name: pages.out(arr.reshape(n, k) if lines and isinstance(k, int) else arr)
                 for (name, pages, k), arr in zip(wants, taken, strict=True)
             }
         except BaseException:
@@ -1495,7 +1459,10 @@ class Admission:
             raise
         for (_, pages, k), arr in zip(wants, taken, strict=True):
             if arr.shape[0]:
-                pages.record_lines(rows, arr, k)
+                if isinstance(k, int):
+                    pages.record_lines(rows, arr, k)
+                else:
+                    pages.record_counts(rows, k, arr)
         return outs
 
     def _grow(self, pages: RowPages, grow: Callable[[Any, Any], _Got], rows: Any, k: Any) -> _Got:

@@ -9,23 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from helpers import bounded, spin
+from helpers import EventFence, bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool
-
-
-class Transfer:
-    """A transfer handle: done from the start, counting its queries."""
-
-    def __init__(self) -> None:
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 async def test_an_idle_explicit_pool_grants_a_queued_admit_only_at_agree(group: Any) -> None:
@@ -34,7 +20,8 @@ async def test_an_idle_explicit_pool_grants_a_queued_admit_only_at_agree(group: 
         held = []
         while (grant := pool.try_admit(pages=2)) is not None:
             held.append(grant)
-        transfer = Transfer()
+        transfer = EventFence()  # a transfer handle
+        transfer.set()  # landed already
         pool.free([held[0].row], fence=transfer)  # aborted mid-transfer (landed since)
         waiter = asyncio.create_task(pool.admit(pages=2))
         await spin(20)

@@ -40,12 +40,21 @@ def count_of(n: int, noun: str) -> str:
 
 
 def log_force_release(
-    log: Log, fence: Fence, noun: str, released: int, held: bool, aside: str = ""
+    log: Log,
+    fence: Fence,
+    noun: str,
+    released: int,
+    held: bool,
+    aside: str = "",
+    *,
+    faulted: bool = False,
 ) -> None:
     """The warning ``force_release(fence)`` logs on a pool of one kind of
     ``noun`` (the synchronous pool's rows, a bare page pool's pages): what
     came back, or why nothing did (what it held still waits for other
-    fences, or nothing was pending behind it; ``aside`` adds to that one).
+    fences, or nothing was pending behind it; ``aside`` adds to that one;
+    ``faulted``: the fence faulted, and what was behind it stays
+    quarantined, which the line says rather than "no ... was pending").
     ``log``: the pool's module logger, through :func:`~asyncpool.naming.pool_log`
     (a named pool's lines start with its name)."""
     if released:
@@ -60,6 +69,14 @@ def log_force_release(
             "fences; they no longer wait for this one",
             fence,
             noun,
+        )
+    elif faulted:
+        log.warning(
+            "force_release(%r): this fence faulted; the %ss behind it are quarantined "
+            "for good (a faulted writer may still write) and stay so%s",
+            fence,
+            noun,
+            aside,
         )
     else:
         log.warning(

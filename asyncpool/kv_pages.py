@@ -1345,7 +1345,8 @@ class KVPagePool:
         if len(fences) > 1:
             log_force_release_many(log, fences, None, pages, held)
         else:
-            log_force_release(log, fences[0], "page", pages, held)
+            faulted = not pages and not held and led.remembers_fault(fences[0])
+            log_force_release(log, fences[0], "page", pages, held, faulted=faulted)
         return pages
 
     def agree(self, group: Any = None) -> int:

@@ -1363,6 +1363,14 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 fence,
                 _count(uses, "allocated row"),
             )
+        elif led.remembers_fault(fence) or any(pled.remembers_fault(fence) for pled in pleds):
+            # An operator releasing a dead peer's transfers meets this one:
+            # "never given to it" would read as if its memory were back.
+            log.warning(
+                "force_release(%r): this fence faulted; the rows and pages behind it are "
+                "quarantined for good (a faulted writer may still write) and stay so",
+                fence,
+            )
         else:
             # Say so plainly: the operator may have passed the wrong object.
             log.warning(

@@ -245,6 +245,7 @@ class ReqToTokenPool(PoolCore):
             else "; 1 allocated row forgets its use of it"
             if forgot == 1
             else f"; {forgot} allocated rows forget their use of it",
+            faulted=not rows and not held and led.remembers_fault(fences[0]),
         )
         return rows
 

@@ -1,0 +1,119 @@
+"""``force_release`` of a fence that faulted says so.
+
+An operator whose prefill peer died force-releases its transfers; those that
+raised from ``query()`` (the peer's failure reported) had their rows and pages
+quarantined, which ``force_release`` leaves as they are. The warning used to
+read "holds no row and no page of this pool (never given to it, already
+completed and reclaimed, or released before)": as if the memory were back in
+circulation, or the operator had passed the wrong object (a disaggregated
+decode router's trial). Now it says the fence faulted and what is behind it
+stays quarantined, on the asyncio pool, the synchronous pool and a bare page
+pool, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers import pool_snapshot
+
+from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
+
+
+class DeadTransfer:
+    """A transfer handle whose peer died: ``query()`` raises."""
+
+    def query(self) -> bool:
+        raise RuntimeError("KV transfer failed: peer gone")
+
+    def synchronize(self) -> None:
+        raise RuntimeError("KV transfer failed: peer gone")
+
+    def __repr__(self) -> str:
+        return "DeadTransfer()"
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "force_release" in r.getMessage()
+    ]
+
+
+async def test_the_async_pool_says_the_fence_faulted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4), name="decode")
+    grant = pool.try_admit(pages=2)
+    assert grant is not None
+    dead = DeadTransfer()
+    pool.free([grant.row], fence=dead)
+    pool.reclaim()
+    st = pool.stats()
+    assert (st.quarantined, st.pages_quarantined) == (1, 2)
+    before = pool_snapshot(pool)
+    caplog.clear()
+    assert pool.force_release(dead) == (0, 0)
+    assert pool_snapshot(pool) == before
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "quarantined" in msg, msg
+    assert "never given" not in msg, msg
+    await pool.close()
+
+
+async def test_pages_detached_behind_a_faulted_transfer(caplog: pytest.LogCaptureFixture) -> None:
+    # The pages-only abort (docs/cuda.md): only the page ledger saw the fault.
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4))
+    assert pool.kv is not None
+    grant = pool.try_admit(pages=2)
+    assert grant is not None
+    dead = DeadTransfer()
+    pool.kv.free(pool.detach_pages(grant.row, host=True), fence=dead)
+    pool.free([grant.row])
+    pool.reclaim()
+    assert pool.stats().pages_quarantined == 2
+    caplog.clear()
+    assert pool.force_release(dead) == (0, 0)
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "never given" not in msg, msg
+    await pool.close()
+
+
+def test_the_sync_pool_and_a_bare_page_pool_say_so_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = ReqToTokenPool(5, 8, device="cpu", enable_memory_saver=False)
+    rows = pool.alloc(1)
+    assert rows is not None
+    dead = DeadTransfer()
+    pool.free(rows, fence=dead)
+    pool.reclaim()
+    assert pool.stats().quarantined == 1
+    caplog.clear()
+    assert pool.force_release(dead) == 0
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "rows behind it are quarantined" in msg, msg
+    assert pool.stats().quarantined == 1
+
+    kv = KVPagePool(9, 4)
+    pages = kv.alloc(3)
+    assert pages is not None
+    kv.free(pages, fence=dead)
+    kv.reclaim()
+    assert kv.stats().quarantined == 3
+    caplog.clear()
+    assert kv.force_release(dead) == 0
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "pages behind it are quarantined" in msg, msg
+    assert kv.stats().quarantined == 3
+
+
+def test_a_fence_never_given_still_reads_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    kv = KVPagePool(9, 4)
+    kv.force_release(DeadTransfer())
+    (msg,) = warnings_of(caplog)
+    assert "never given" in msg and "faulted" not in msg, msg

@@ -30,8 +30,8 @@ shutdown. Two kinds of thread, both daemons:
   fence to poll it exits after ``_STREAM_LINGER_S`` idle seconds, as a
   stream thread does, so a pool that is drained but never closed does not
   keep a thread. A fence that
-  completes is therefore noticed within about 1 ms however many slow or
-  stuck fences are watched. A pass costs about 0.2-0.5 µs per fence (one
+  completes is therefore noticed within about 1 ms while up to a few
+  hundred slow or stuck fences are watched. A pass costs about 0.2-0.5 µs per fence (one
   ``query()``); when it would cost more than ``_POLL_MAX_DUTY`` (5 %) of the
   time between passes, the sleep is stretched, so the passes never take
   more than about 5 % of a core, and thousands of stuck fences lengthen the

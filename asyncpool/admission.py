@@ -301,10 +301,12 @@ class Admission:
 
         All or nothing (System V ``semop`` semantics): a waiter short of
         pages holds no row, and one short of rows holds no pages. Waits in
-        the same queue as :meth:`alloc`, FIFO within ``priority``; the head
-        blocks those behind it whatever they need. Returns at once, without
-        suspending, when nobody is queued, both fit (reclaiming completed
-        fences when short), the memory is not released and no
+        the same queue as :meth:`alloc`, FIFO within ``priority`` (lower
+        number first: a retry that should go ahead of new requests takes
+        a negative one); the head blocks those behind it whatever they
+        need. Returns at once, without suspending, when nobody is queued,
+        both fit (reclaiming completed fences when short), the memory is
+        not released and no
         :meth:`hold_grants` hold is held. The row owns its
         pages until it is freed (with them) or they are detached; do not
         modify ``grant.pages`` in place.

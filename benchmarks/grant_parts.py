@@ -20,6 +20,12 @@ shipped pool's own containers (its free queue, row states and waiter
 queues): a copy of ``asyncpool/pool.py``'s and ``asyncpool/waiters.py``'s
 hot paths, pared down (the wait side's check-free ``alloc`` is the
 ablation's ``UncheckedAlloc``, not a second copy). Keep them in step.
+The free side leaves out the batched reset of the granted rows (one
+tensor op a loop tick, queued on the loop and not run here; the ablation's
+"without row resets" line measures it), so its shipped figure is a lower
+bound on a grant's cost. The parts are sampled interleaved (every part once
+a round, the order rotated each round, the collector off during a sample,
+as in :func:`benchmarks.harness.interleave`); the best sample of each counts.
 The parts are timed alone, with warm caches; inside the contended
 workload (``python -m benchmarks --only contended``) they cost less and
 the loop's own work more, so read the increments, not the sum. Nothing
@@ -33,6 +39,8 @@ import asyncio
 import bisect
 import collections
 import functools
+import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -263,15 +271,44 @@ async def _alloc_side(name: str, n: int, repeats: int) -> float:
     return best
 
 
+async def _sample(
+    side: Callable[[str, int, int], Coroutine[Any, Any, float]], name: str, n: int
+) -> float:
+    """One sample of one part (ns a call), the collector off while it runs
+    and collected before it, as the harness's :func:`~benchmarks.harness.interleave`
+    does: no part pays for another's garbage."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return await side(name, n, 1)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 async def measure(n: int = 20_000, repeats: int = 7) -> dict[str, dict[str, float]]:
-    """Best ns per call of every variant: ``{"free": {...}, "alloc": {...}}``."""
-    out: dict[str, dict[str, float]] = {"free": {}, "alloc": {}}
-    for name in FREE_PARTS:
-        out["free"][name] = await _free_side(name, n, repeats)
-        await asyncio.sleep(0)  # let queued resets and wake-ups run
-    for name in ALLOC_PARTS:
-        out["alloc"][name] = await _alloc_side(name, n, repeats)
-        await asyncio.sleep(0)
+    """Best ns per call of every variant: ``{"free": {...}, "alloc": {...}}``.
+
+    Interleaved, as the benchmarks are: each of the ``repeats`` rounds takes
+    one sample of every part of a side, the order rotated each round, so a
+    drift of the host (another process, a slow phase) lands on every part
+    alike instead of on the parts measured last. The best sample counts.
+    """
+    out: dict[str, dict[str, float]] = {
+        "free": dict.fromkeys(FREE_PARTS, math.inf),
+        "alloc": dict.fromkeys(ALLOC_PARTS, math.inf),
+    }
+    sides: tuple[
+        tuple[str, tuple[str, ...], Callable[[str, int, int], Coroutine[Any, Any, float]]], ...
+    ] = (("free", FREE_PARTS, _free_side), ("alloc", ALLOC_PARTS, _alloc_side))
+    for r in range(repeats):
+        for key, parts, side in sides:
+            k = r % len(parts)
+            for name in parts[k:] + parts[:k]:
+                best = await _sample(side, name, n)
+                out[key][name] = min(out[key][name], best)
+                await asyncio.sleep(0)  # let queued resets and wake-ups run
     return out
 
 
@@ -329,7 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind: run_on(kind, functools.partial(measure, args.calls, args.repeats)) for kind in kinds
     }
     print(render(results))
-    print(f"Each figure: the best of {args.repeats} samples of {args.calls} calls, in ns a call.")
+    print(
+        f"Each figure: the best of {args.repeats} interleaved samples of {args.calls} calls, "
+        "in ns a call; the free side leaves out the rows' batched reset."
+    )
     return 0
 
 

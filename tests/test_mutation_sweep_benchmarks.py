@@ -268,6 +268,45 @@ async def test_interleave_samples_with_the_collector_off_and_collects_between(
     assert seen == [True, True] and gc.isenabled()
 
 
+async def test_grant_parts_samples_every_part_each_round_rotated_with_the_collector_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``python -m benchmarks.grant_parts`` interleaves its parts as the harness
+    does: one sample of every part a round, the order rotated each round, gc
+    off during a sample; the best sample of each part counts. (It once took
+    all the samples of one part, then the next: a drift of the host landed on
+    the parts measured last, and the increments the docs quote read it.)"""
+    from benchmarks import grant_parts
+
+    calls: dict[str, list[str]] = {"free": [], "alloc": []}
+    returned: dict[str, list[float]] = {}
+    figures = iter(range(1_000, 0, -1))  # every later sample is faster
+
+    def side(key: str) -> Any:
+        async def sample(name: str, n: int, repeats: int) -> float:
+            assert repeats == 1 and n == 10
+            assert not gc.isenabled()
+            calls[key].append(name)
+            figure = float(next(figures))
+            returned.setdefault(f"{key}/{name}", []).append(figure)
+            return figure
+
+        return sample
+
+    monkeypatch.setattr(grant_parts, "_free_side", side("free"))
+    monkeypatch.setattr(grant_parts, "_alloc_side", side("alloc"))
+    assert gc.isenabled()
+    async with asyncio.timeout(BOUND_S):
+        got = await grant_parts.measure(n=10, repeats=3)
+    assert gc.isenabled()
+    for key, parts in (("free", grant_parts.FREE_PARTS), ("alloc", grant_parts.ALLOC_PARTS)):
+        expected = [name for r in range(3) for name in parts[r:] + parts[:r]]
+        assert calls[key] == expected, key
+        assert list(got[key]) == list(parts)
+        # The best sample of each part is its figure.
+        assert got[key] == {name: min(returned[f"{key}/{name}"]) for name in parts}
+
+
 # ---------------------------------------------------------------- report
 
 

@@ -23,7 +23,13 @@ harness's :func:`~benchmarks.harness.interleave`):
   frees a finished request's KV by (``release_kv_cache`` -> ``free_kv_row``
   -> ``free_segment``: one slot a page, no ``torch.unique``), where the
   targets are; and ``free(slots)`` (``torch.unique`` of the pages inside),
-  for context.
+  for context. Also, for context, the same allocator built with
+  ``need_sort=True``, the setting SGLang's engine picks in disaggregated
+  prefill or decode mode (``kv_cache_configurator.py``: ``need_sort =
+  disaggregation_mode in ("decode", "prefill")``), the setting of a decode
+  engine like this project's demo: ``free`` stages the pages in a list
+  instead of ``torch.cat`` of the whole free list, and ``alloc`` merges and
+  sorts the staged pages when it runs short. Given back by ``free_segment``.
 * vLLM's ``BlockPool`` with prefix caching off: ``get_new_blocks(n)`` +
   ``free_blocks(blocks)``.
 
@@ -66,6 +72,7 @@ SUBJECT_COPY = "KVPagePool, freed as a copy"
 SEED = "seed-style"
 SGLANG = "SGLang"
 SGLANG_UNIQUE = "SGLang free()"
+SGLANG_SORTED = "SGLang need_sort"
 VLLM = "vLLM"
 
 #: (peer, n) -> target on the ratio that :func:`_rows` reports for that pair
@@ -179,7 +186,7 @@ def _seed(num_pages: int, page_size: int) -> Contender:
     )
 
 
-def _sglang_pool(num_pages: int, page_size: int) -> Any:
+def _sglang_pool(num_pages: int, page_size: int, *, need_sort: bool = False) -> Any:
     import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
@@ -191,7 +198,7 @@ def _sglang_pool(num_pages: int, page_size: int) -> Any:
         dtype=torch.bfloat16,  # the KV cache's dtype; the allocator never reads it
         device="cpu",
         kvcache=None,
-        need_sort=False,
+        need_sort=need_sort,
     )
 
 
@@ -223,6 +230,23 @@ def _sglang_unique(num_pages: int, page_size: int) -> Contender:
     )
 
 
+def _sglang_sorted(num_pages: int, page_size: int) -> Contender:
+    # Disaggregated prefill/decode engines build it with need_sort=True:
+    # free stages pages in a list, alloc merges and sorts them when short.
+    pool = _sglang_pool(num_pages, page_size, need_sort=True)
+    free_segment = pool.free_segment
+    return Contender(
+        SGLANG_SORTED,
+        f"SGLang {_version('sglang')} PagedTokenToKVPoolAllocator, need_sort=True "
+        "(disaggregated engines), free_segment",
+        pool.alloc,
+        lambda s: free_segment(s, start_pos=0),
+        page_size,
+        lambda t: int(t.numel()) // page_size,
+        lambda: int(pool.available_size()) // page_size,
+    )
+
+
 def _vllm(num_pages: int, page_size: int) -> Contender:
     from vllm.v1.core.block_pool import BlockPool
 
@@ -243,6 +267,7 @@ def _vllm(num_pages: int, page_size: int) -> Contender:
 PEERS: dict[str, tuple[str, Callable[[int, int], Contender]]] = {
     SGLANG: ("sglang", _sglang),
     SGLANG_UNIQUE: ("sglang", _sglang_unique),
+    SGLANG_SORTED: ("sglang", _sglang_sorted),
     VLLM: ("vllm", _vllm),
 }
 
@@ -349,7 +374,7 @@ def _rows(
             )
         # Context: the checked path against the engines' own paths.
         for peer in contenders[3:]:
-            if peer.key == SGLANG_UNIQUE:
+            if peer.key in (SGLANG_UNIQUE, SGLANG_SORTED):
                 continue
             rows.append(
                 compare(

@@ -424,7 +424,10 @@ def render_markdown(
         "`PagedTokenToKVPoolAllocator` on CPU (`alloc(n * page_size)` token slots, "
         "`need_sort=False`), given back by `free_segment(slots, start_pos=0)`, its engine's "
         "path for a finished request, where the targets are, and, for context, by "
-        "`free(slots)` (`torch.unique` of the pages inside); vLLM's `BlockPool` with prefix "
+        "`free(slots)` (`torch.unique` of the pages inside), and the same allocator built "
+        "with `need_sort=True` (what SGLang's engine picks in disaggregated prefill or decode "
+        "mode: `free` stages pages in a list, `alloc` merges and sorts them when short), "
+        "context only; vLLM's `BlockPool` with prefix "
         "caching off (`get_new_blocks(n)` + `free_blocks`).",
         f"- Decode step: {cfg.decode_requests} running requests whose stored lengths are drawn "
         f"(seeded) in [{cfg.decode_lens[0]}, {cfg.decode_lens[1]}), each growing a token a "

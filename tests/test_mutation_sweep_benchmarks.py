@@ -701,6 +701,70 @@ async def test_bench_pages_fails_a_peer_that_leaks_in_the_timed_cycles(
             await pages_mod.bench_pages(fake_clock)
 
 
+class _FakeSGLangAllocator:
+    """SGLang's ``PagedTokenToKVPoolAllocator`` interface (token slots, page 0
+    padding), on a torch free list; records the ``need_sort`` it was built with."""
+
+    built: list[bool] = []
+
+    def __init__(
+        self, size: int, page_size: int, dtype: Any, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
+        type(self).built.append(need_sort)
+        self.page_size = page_size
+        self.pool = NaivePagePool(size // page_size + 1, page_size)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        pages = self.pool.alloc(need_size // self.page_size)
+        if pages is None:
+            return None
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.pool.free(free_index[:: self.page_size] // self.page_size)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.pool.free(torch.unique(free_index // self.page_size))
+
+    def available_size(self) -> int:
+        return self.pool.available_size() * self.page_size
+
+
+async def test_bench_pages_measures_sglangs_disaggregated_setting_as_context(
+    monkeypatch: pytest.MonkeyPatch, fake_clock: Config
+) -> None:
+    """SGLang's engine builds its page allocator with ``need_sort=True`` in
+    disaggregated prefill or decode mode (a decode engine like the demo's):
+    ``free`` stages pages instead of concatenating the whole free list. The
+    page benchmark measures that setting beside ``need_sort=False`` (the
+    targets' path), as context with no target, so the ratios against SGLang
+    are not read off its slower setting alone."""
+    import importlib.machinery
+    import sys
+    import types
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.allocator"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["sglang.srt.mem_cache.allocator"].PagedTokenToKVPoolAllocator = (  # type: ignore[attr-defined]
+        _FakeSGLangAllocator
+    )
+    monkeypatch.setattr(_FakeSGLangAllocator, "built", [])
+    async with asyncio.timeout(BOUND_S):
+        rows, skipped = await pages_mod.bench_pages(fake_clock)
+    assert not any("SGLang" in key for key in skipped), skipped
+    assert sorted(_FakeSGLangAllocator.built) == [False, False, True]
+    sorted_rows = [r for r in rows if "need_sort=True" in r.reference]
+    assert {r.bench for r in sorted_rows} == {pages_mod.bench_name(n) for n in SMOKE.pages_counts}
+    for r in sorted_rows:
+        assert r.subject == "asyncpool KVPagePool" and r.target is None
+        assert r.ratio_label.startswith("speed-up")
+    # The targets stay on need_sort=False's free_segment, the engine's default.
+    targeted = {r.reference for r in rows if r.target is not None and "SGLang" in r.reference}
+    assert targeted and all("need_sort" not in ref for ref in targeted)
+
+
 def test_pages_rows_are_oriented_as_their_targets_and_flatness_is_a_cost() -> None:
     """Each targeted page row is a speed-up for a ">=" target and a cost for a
     "<=" one; KVPagePool's 256-vs-16 flatness is a cost ratio, 256 over 16."""

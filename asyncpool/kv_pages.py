@@ -929,7 +929,9 @@ class KVPagePool:
     also while it serves an ``AsyncReqToTokenPool`` (``kv=``): its page
     faults are logged under its own name, and the row pool's own lines
     (overdue fences, ``force_release``) under the row pool's. Without one
-    the lines are as they always were. A non-empty ``str`` of at most 64
+    the lines are as they always were, except that a page pool serving a
+    named ``AsyncReqToTokenPool`` logs its faults under that pool's name
+    (its ``repr()`` and :attr:`name` stay unnamed). A non-empty ``str`` of at most 64
     printable characters (no control characters or newlines, which could
     forge log lines): ``TypeError`` for a non-str, ``ValueError``
     otherwise, checked first, nothing built. Read back as :attr:`name`;

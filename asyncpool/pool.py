@@ -292,8 +292,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         of every line the pool logs, its ledger, overdue check, fence
         watcher and lifecycle included (``pool 'decode': fence ... is
         overdue ...``); without one the lines are as they always were. The
-        ``kv=`` page pool's own fault lines carry that pool's name (give it
-        one too). A non-empty ``str`` of at most 64 printable characters
+        ``kv=`` page pool's own fault lines carry that pool's name, or this
+        pool's when it has none (an unnamed group's: ``'decode/swa'``). A
+        non-empty ``str`` of at most 64 printable characters
         (no control characters or newlines, which could forge log lines):
         ``TypeError`` for a non-str, ``ValueError`` otherwise, nothing
         built. Read back as :attr:`name`; ``alloc``, ``free`` and ``admit``
@@ -407,6 +408,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             )
         elif kv is not None:
             self._pages = RowPages(kvs[0], self.size)
+            if kvs[0].name is None and self._name is not None:
+                # An unnamed page pool's lines (a fault, a quarantine) would
+                # not say whose pages they are about, where every row line
+                # does: several named pools each with an unnamed kv= would log
+                # page faults no operator could tell apart. They carry this
+                # pool's name (as an unnamed group's carry "decode/swa").
+                kvs[0].ledger.set_log_name(self._name)
             self._page_sets = (self._pages,)
             self._group_items = ()
         else:

@@ -261,6 +261,36 @@ async def test_fault_lines_of_two_async_pools_and_their_page_pools(lines: Lines)
         await pool.close()
 
 
+async def test_an_unnamed_kv_page_pool_logs_its_faults_under_its_named_pool(lines: Lines) -> None:
+    """A server with several models, each a named pool with an unnamed
+    ``kv=``: a page fault says which model's pages it quarantined (it was
+    an unnamed line, the same for every model), as an unnamed group's does
+    ('decode/swa'); the page pool itself stays unnamed, and an unnamed
+    pool's unnamed ``kv=`` logs as before."""
+    kvs = [KVPagePool(33, 4) for _ in NAMES]
+    pools = [
+        AsyncReqToTokenPool(8, 8, kv=kv, name=name) for kv, name in zip(kvs, NAMES, strict=True)
+    ]
+    plain = AsyncReqToTokenPool(8, 8, kv=KVPagePool(33, 4))
+    for pool in [*pools, plain]:
+        async with bounded():
+            grant = await pool.admit(pages=2)
+        pool.free([grant.row], fence=faulted())
+    for name in NAMES:
+        mine = [r for r in lines.records if r.getMessage().startswith(prefix(name))]
+        assert_named(mine, name, "_report_fault")
+        assert sum("quarantined rows" in r.getMessage() for r in mine) == 1
+        assert sum("quarantined pages" in r.getMessage() for r in mine) == 1
+    unnamed = [r for r in lines.records if not r.getMessage().startswith("pool ")]
+    assert len(unnamed) == 2  # the unnamed pool's row and page lines, as before
+    assert all(not hasattr(r, LOG_FIELD) for r in unnamed)
+    assert len(lines.records) == 6
+    assert [kv.name for kv in kvs] == [None, None]
+    assert repr(kvs[0]).startswith("<KVPagePool num_pages=")
+    for pool in [*pools, plain]:
+        await pool.close()
+
+
 async def test_a_fault_the_watcher_sees_is_logged_under_the_pool(
     lines: Lines, kit: Streams
 ) -> None:

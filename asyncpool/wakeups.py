@@ -189,8 +189,17 @@ class FenceWakeups:
         if watcher is None:
             if self._closed():
                 return  # no thread close() would never stop; drain() still reclaims
+            # A named pool's threads carry its name (a process with several
+            # pools runs a poller per pool: a thread dump tells them apart).
+            name = "asyncpool-fence-watcher"
+            if self._pool_name is not None:
+                name = f"{name} {self._pool_name!r}"
             watcher = self.watcher = FenceWatcher(
-                self.notify, alive=self.notify.alive, pool_name=self._pool_name, keep_dropped=True
+                self.notify,
+                name,
+                alive=self.notify.alive,
+                pool_name=self._pool_name,
+                keep_dropped=True,
             )
         try:
             watcher.watch(fence)

@@ -425,6 +425,29 @@ def test_agreed_overdue_lines_of_a_sync_and_a_page_pool(
     assert_named([r for r in lines.records if repr(page_fence) in r.getMessage()], "pages", "agree")
 
 
+async def test_each_pools_watcher_threads_carry_its_name() -> None:
+    """Every pool runs its own poller for fences of unknown origin: in a
+    process with several, a thread dump named them all alike. A named
+    pool's threads now carry its name; an unnamed pool's keep the old one."""
+    pools = [AsyncReqToTokenPool(4, 8, name=name) for name in NAMES]
+    plain = AsyncReqToTokenPool(4, 8)
+    transfer = EventFence()  # one handle that every pool waits on
+    before = set(threading.enumerate())
+    for pool in [*pools, plain]:
+        async with bounded():
+            rows = await pool.alloc(1)
+        pool.free(rows, fence=transfer)
+    started = sorted(t.name for t in set(threading.enumerate()) - before)
+    assert started == sorted(
+        [*(f"asyncpool-fence-watcher {name!r}" for name in NAMES), "asyncpool-fence-watcher"]
+    )
+    transfer.set()
+    for pool in [*pools, plain]:
+        async with bounded():
+            await pool.drain()
+        await pool.close()
+
+
 # ------------------------------------------------------------ force_release
 
 

@@ -306,6 +306,16 @@ class Lifecycle:
         cancel; ``ValueError``, changing nothing, for a ``timeout`` that is
         not None or a number >= 0. A call that waits for another's drain
         waits for that one's own limit, not this ``timeout``.
+
+        With requests queued (a model unloaded while its clients wait), a
+        ``free`` of the running requests' rows hands them to the queued
+        waiters at once (grant at hand-over), and the release then refuses
+        them as allocated. Take :meth:`hold_grants` *before* those frees,
+        release, then release the hold: the waiters keep their places
+        (``alloc``/``admit`` wait while released) until
+        :meth:`resume_memory` serves them; or :meth:`close` fails them. A
+        waiter granted before the hold whose task has not run yet holds its
+        grant until it does (one ``await asyncio.sleep(0)``).
         """
         self._check_thread()
         if timeout is not None:

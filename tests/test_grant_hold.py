@@ -27,6 +27,7 @@ from asyncpool import (
     AsyncReqToTokenPool,
     GrantHold,
     KVPagePool,
+    PoolBusyError,
     PoolClosedError,
     WrongThreadError,
 )
@@ -213,6 +214,35 @@ async def test_release_memory_and_close_outlast_a_hold() -> None:
             pool.try_alloc(1)
         with pool.hold_grants():  # allowed after close; holds nothing
             pass
+
+
+async def test_unloading_a_pool_with_requests_queued_takes_a_hold_before_the_frees() -> None:
+    """The documented way to release a pool's memory while requests queue
+    for it (a multi-model server unloading a model): without a hold, freeing
+    the running requests hands their memory to the queued ones at once, so
+    ``release_memory`` refuses; with one taken before the frees it releases,
+    the queued keep their places, and ``resume_memory`` serves them."""
+    async with bounded(), AsyncReqToTokenPool(3, 8, kv=KVPagePool(9, 4)) as pool:
+        running = [await pool.admit(pages=4) for _ in range(2)]
+        queued = [asyncio.ensure_future(pool.admit(pages=4)) for _ in range(2)]
+        await spin()
+        pool.free([g.row for g in running])  # no hold: granted at hand-over
+        with pytest.raises(PoolBusyError, match="allocated"):
+            await pool.release_memory()
+        assert not pool.released
+        running = [await w for w in queued]
+        queued = [asyncio.ensure_future(pool.admit(pages=4)) for _ in range(2)]
+        await spin()
+        hold = pool.hold_grants()  # before the frees
+        pool.free([g.row for g in running])
+        await pool.release_memory()
+        hold.release()  # released: the queued still wait
+        await spin()
+        assert pool.released and not any(w.done() for w in queued)
+        assert pool.waiting() == 2
+        await pool.resume_memory()
+        pool.free([(await w).row for w in queued])
+        pool.check_invariants()
 
 
 async def test_only_the_loops_thread_holds_or_releases() -> None:

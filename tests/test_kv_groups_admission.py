@@ -492,3 +492,39 @@ async def test_grant_tensor_failure_gives_back_every_group(monkeypatch: pytest.M
     assert free_pages(pool) == (4, 8, 12)
     monkeypatch.undo()
     conserved(pool)
+
+
+async def test_a_shared_adapter_slot_as_a_group_detached_to_the_cache() -> None:
+    """docs/api.md, *A request that needs two pools*: a LoRA adapter slot
+    as a KV group of the model's pool, granted with the row on a miss and
+    detached to the engine's adapter cache, evicted behind its newest
+    reader; a queued miss holds nothing of either kind meanwhile."""
+    slots = KVPagePool(3, 1, name="lora")  # two adapter slots
+    pool = AsyncReqToTokenPool(8, 64, kv={"kv": KVPagePool(64, 4), "lora": slots})
+    async with bounded():
+        a = await pool.admit({"kv": 4, "lora": 1})  # a miss: adapter A's slot
+        cache = {"A": pool.detach_pages(a.row, group="lora")}
+        assert pool.pages_of(a.row, group="lora").numel() == 0
+        hit = await pool.admit({"kv": 4, "lora": 0})  # a hit: no slot
+        b = await pool.admit({"kv": 4, "lora": 1})
+        cache["B"] = pool.detach_pages(b.row, group="lora")
+    free_rows, free_kv = pool.available_size(), pool.kv_groups["kv"].available_size()
+    waiter = asyncio.ensure_future(pool.admit({"kv": 4, "lora": 1}))  # adapter C
+    await spin()
+    assert pool.pages_short(group="lora") == 1 and pool.pages_short(group="kv") == 0
+    assert (pool.available_size(), pool.kv_groups["kv"].available_size()) == (free_rows, free_kv)
+    with Streams() as streams:
+        step = streams.stream("forward")
+        gate = streams.gate(step)
+        reader = step.record()
+        pool.record_use([a.row, hit.row], reader)
+        slots.free(cache.pop("A"), fence=reader)  # evicted behind its newest reader
+        await spin()
+        assert not waiter.done()
+        gate.open()
+        async with bounded():
+            c = await waiter
+    assert c.pages["lora"].tolist() == [1]  # A's slot, once the reader was done
+    pool.free([a.row, hit.row, b.row, c.row])
+    slots.free(cache.pop("B"))
+    pool.check_invariants()

@@ -214,13 +214,14 @@ class FenceWakeups:
                 watcher.unwatch(f)  # nothing waits on it: stop asking
                 self._bounces.pop(id(f), None)  # a later fence may bear its id
 
-    def close(self, join_s: float) -> None:
-        """Stop the watcher (the pool closes), joining its threads that are
-        not inside a fence's ``synchronize()`` for at most ``join_s``."""
+    def close(self) -> FenceWatcher | None:
+        """Stop the watcher (the pool closes) and return it, if any: the
+        caller waits for its threads that are not inside a fence's
+        ``synchronize()`` to exit (``settled``), without blocking its loop."""
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
             watcher.stop()
-            watcher.join(join_s)
+        return watcher
 
     def handed_over(self) -> None:
         """The pool was handed to another thread (``bind()``) with nothing

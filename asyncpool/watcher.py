@@ -236,6 +236,16 @@ class FenceWatcher:
             for stream in self._streams.values():
                 stream.cond.notify_all()
 
+    @property
+    def settled(self) -> bool:
+        """After :meth:`stop`: whether every thread not blocked in a fence's
+        ``synchronize()`` has exited (what :meth:`join` waits for), without
+        waiting: an owner on an event loop polls it between awaits."""
+        with self._lock:
+            threads = [self._thread] if self._thread is not None else []
+            threads += [s.thread for s in self._streams.values() if s.thread and not s.busy]
+        return not any(t.is_alive() for t in threads if t is not threading.current_thread())
+
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the threads not blocked in a fence to exit.
 

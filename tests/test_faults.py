@@ -480,12 +480,12 @@ async def test_close_with_a_watched_fence_pending() -> None:
         assert waiter.done()
         with pytest.raises(PoolClosedError):
             waiter.result()
-        assert closing.done() and not fence.ev.is_set()
+        async with bounded():  # close() awaits its watcher's threads, not the fence
+            await closing
+        assert not fence.ev.is_set()
         assert not our_threads()
         assert pool.stats().pending == 2
         fence.ev.set()
-        async with asyncio.timeout(10):
-            await closing
         async with asyncio.timeout(10):
             await pool.drain()
         assert pool.stats().free == 2

@@ -164,6 +164,6 @@ async def test_the_watcher_starts_on_an_open_pool_wakes_it_and_stops_at_close() 
     assert watcher is not None and watcher.polling(fence)
     fence.set()
     await until(lambda: pool.calls == ONE_WAKE_UP)
-    wakeups.close(1.0)
-    assert wakeups.watcher is None
-    assert watcher.join(1.0)
+    assert wakeups.close() is watcher
+    assert wakeups.watcher is None and wakeups.close() is None
+    assert watcher.join(1.0) and watcher.settled

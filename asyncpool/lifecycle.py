@@ -112,6 +112,7 @@ class Lifecycle:
     _released: bool
     _releasing: asyncio.Future[None] | None
     _holds: int
+    _live_holds: weakref.WeakSet[GrantHold]
 
     if TYPE_CHECKING:
 
@@ -450,8 +451,8 @@ class Lifecycle:
         nothing there). The event loop's thread only: from another thread,
         :class:`~asyncpool.WrongThreadError`, changing nothing. A hold never
         released starves every waiter: nothing releases it for you (a hold
-        collected while held logs an error and stays held for good;
-        ``stats().grants_held`` shows it). So a hold still held
+        collected while held logs an error and stays held until
+        :meth:`release_grant_holds`; ``stats().grants_held`` shows it). So a hold still held
         ``warn_after`` seconds after it was taken logs a WARNING once (how
         long, how many waiters queue), from the event loop it was taken in;
         a stall rarely lasts more than a few steps. ``None``: no warning;
@@ -466,8 +467,46 @@ class Lifecycle:
         warn = check_fence_timeout(warn_after, "warn_after")
         hold = GrantHold(self, None if self._closed else warn)  # armed before it counts
         self._holds += 1
+        self._live_holds.add(hold)
         self._waiters.gated = True
         return hold
+
+    def release_grant_holds(self) -> int:
+        """End every :meth:`hold_grants` hold still held, lost ones included;
+        return how many were held (0: none, nothing done, nothing logged).
+
+        Recovery, not the scheduler's step: a scheduler task that died (an
+        exception, a cancellation) while it held the grant loop took the only
+        handle to its hold with it, and a hold collected while held stays
+        held, so every queued ``alloc``/``admit`` would starve for good. The
+        scheduler that takes over calls this once before it serves: each
+        live :class:`GrantHold` then reads ``held`` False (its ``release()``
+        does nothing), ``grant_holds`` reads 0, and the grant loop runs at
+        once unless the memory is released or the pool closed. Logged at
+        WARNING (how many, how many of them were lost). The event loop's
+        thread only (:class:`~asyncpool.WrongThreadError`, changing nothing).
+        """
+        self._check_thread()
+        held = self._holds
+        if not held:
+            return 0
+        live = list(self._live_holds)
+        self._live_holds.clear()
+        for hold in live:
+            hold._end_silently()
+        self._holds = 0
+        pool_log(logger, self._name).warning(
+            "release_grant_holds() ended %d hold_grants() holds of %r (%d lost: collected "
+            "while held); %d waiters queued",
+            held,
+            self,
+            held - len(live),
+            self._waiters.count,
+        )
+        if not self._gate_wanted():
+            self._waiters.gated = False
+            self._waiters.grant()
+        return held
 
     @property
     def grants_held(self) -> bool:
@@ -550,7 +589,16 @@ class GrantHold:
         # there the timer fires later and finds the hold released).
         if timer is not None and _peek_running_loop() is self._loop:
             timer.cancel()
+        pool._live_holds.discard(self)
         pool._end_hold()
+
+    def _end_silently(self) -> None:
+        """Mark this hold released without touching the pool's count (for
+        ``release_grant_holds``, which ends every hold at once)."""
+        self._pool = None
+        timer, self._timer = self._timer, None
+        if timer is not None and _peek_running_loop() is self._loop:
+            timer.cancel()
 
     def __enter__(self) -> GrantHold:
         if self._pool is None:
@@ -573,7 +621,8 @@ class GrantHold:
         if self._pool is not None:
             pool_log(logger, self._pool._name).error(
                 "a GrantHold of %r was collected while held: the pool grants its "
-                "queued waiters nothing for good; keep each hold and release() it",
+                "queued waiters nothing until pool.release_grant_holds(); keep each "
+                "hold and release() it",
                 self._pool,
             )
 

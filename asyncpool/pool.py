@@ -113,7 +113,7 @@ from .errors import (
 from .fences import Fence, Fences, HostStream, check_after
 from .kv_pages import KVGroupStats, KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
-from .lifecycle import Lifecycle
+from .lifecycle import GrantHold, Lifecycle
 from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, GroupGrant, RowPages
@@ -367,6 +367,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._released = False
         self._releasing: asyncio.Future[None] | None = None  # release_memory() draining
         self._holds = 0  # hold_grants() holds not yet released
+        # The holds still held whose handle is alive (release_grant_holds ends
+        # them); a hold collected while held leaves only its count in _holds.
+        self._live_holds: weakref.WeakSet[GrantHold] = weakref.WeakSet()
         # True while the unchecked fast paths of alloc and free are open:
         # bound, nobody queued, not gated, unchecked paths allowed, and no
         # checked call under way. Every checked call clears it before it

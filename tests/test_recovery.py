@@ -3,10 +3,11 @@
 docs/api.md's *Recovering from a scheduler crash*: the new scheduler ends the
 grant holds the dead one took (``release_grant_holds``: a hold whose handle
 died with its task was held for good, and every queued admission starved),
-then frees every row still allocated behind the forward stream (a row the
-dead scheduler launched a step on but never recorded is covered by
-``after=``), and serves on with no row or KV slot written by another
-request. Every wait is bounded.
+then frees the dead scheduler's rows behind the forward stream (a row it
+launched a step on but never recorded is covered by ``after=``): every
+allocated row where it was the pool's only client, else the rows of the
+engine's record of its requests. It serves on with no row or KV slot
+written by another request. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -38,15 +40,14 @@ def paged(rows: int = 4, pages: int = 8) -> AsyncReqToTokenPool:
     return AsyncReqToTokenPool(rows + 1, 64, kv=KVPagePool(pages + 1, 4))
 
 
-def recover(pool: AsyncReqToTokenPool, forward: HostStream) -> int:
-    """docs/api.md's recovery, verbatim in substance: end the dead
-    scheduler's holds, free every allocated row behind the forward stream."""
-    pool.release_grant_holds()
+def free_all(pool: AsyncReqToTokenPool, rows: Iterable[int], forward: HostStream) -> int:
+    """Free each of ``rows`` behind the forward stream; skip those that are
+    not allocated (free, pending, quarantined). docs/api.md's recovery."""
     freed = 0
-    for row in range(1, pool.capacity + 1):
+    for row in rows:
         try:
             pool.free(row, after=forward)
-        except InvalidSlotError:  # free, pending or quarantined: not the dead one's
+        except InvalidSlotError:
             continue
         freed += 1
     return freed
@@ -127,16 +128,23 @@ async def test_release_grant_holds_keeps_a_closed_or_released_pool_gated() -> No
         pool.check_invariants()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("mode", "seed"), [("scan", 0), ("scan", 1), ("record", 0), ("record", 1)])
 async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
-    seed: int,
+    mode: str, seed: int
 ) -> None:
     """An overlap loop (admit with pages, extend, forward on a HostStream,
     record_use, free) raising at random points: between admit and the
     launch, between the launch and record_use, after record_use, after a
     free, and while it holds the grant loop. Each time the recovery frees
     what the dead scheduler held and a new scheduler goes on; every step
-    checks every KV slot and req_to_token entry of the batch it read."""
+    checks every KV slot and req_to_token entry of the batch it read.
+
+    ``scan``: the scheduler is the pool's only client, and the recovery
+    frees every allocated row. ``record``: admissions awaited in another
+    task hold rows too (granted at hand-over, often while the scheduler is
+    dead), and the recovery frees the rows of the engine's record of the
+    scheduler's requests, which outlives its task (a scan would free the
+    other task's rows)."""
     rng = random.Random(seed)
     page, max_len, steps = 4, 32, 1000
     kv = KVPagePool(21, page)
@@ -145,6 +153,7 @@ async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
     forward = HostStream("fwd")
     table = pool.req_to_token
     state = {"step": 0, "next": 1, "crashes": 0, "checked": 0, "holds": 0, "lost_holds": 0}
+    running: dict[int, list[int]] = {}  # the engine's record: row -> [request, tokens]
 
     def crash_point(p: float = 0.03) -> None:
         if rng.random() < p:
@@ -152,7 +161,6 @@ async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
             raise Crash
 
     async def scheduler() -> None:
-        running: dict[int, list[int]] = {}  # row -> [request, tokens]
         prev = None
         while state["step"] < steps:
             state["step"] += 1
@@ -160,7 +168,7 @@ async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
                 g = pool.try_admit(pages=rng.randint(1, 2))
                 if g is None:
                     break
-                running[g.row] = [state["next"], 0]
+                running[g.row] = [state["next"], 0]  # recorded before any await
                 state["next"] += 1
                 crash_point()
             for row in list(running):
@@ -202,25 +210,47 @@ async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
                     pool.free(row)
                     crash_point()
             await asyncio.sleep(0)
-        for row in running:
-            pool.free(row)
+        free_all(pool, list(running), forward)
+        running.clear()
 
+    others = {"granted": 0}
+
+    async def admissions() -> None:
+        """The other client of ``record``: admissions awaited in a task of
+        its own, through asyncio.wait_for (one more loop turn to resume)."""
+        while state["step"] < steps:
+            g = await asyncio.wait_for(pool.admit(pages=1), 30)
+            await asyncio.sleep(0)
+            pool.free(g.row)
+            others["granted"] += 1
+
+    other = asyncio.ensure_future(admissions()) if mode == "record" else None
     try:
         async with bounded(60):
             while state["step"] < steps:
                 try:
                     await scheduler()
                 except Crash:
-                    allocated = pool.stats().allocated
                     state["lost_holds"] += pool.grant_holds
-                    assert recover(pool, forward) == allocated
-                    assert pool.stats().allocated == pool.stats().pages_allocated == 0
+                    pool.release_grant_holds()
+                    if mode == "scan":
+                        allocated = pool.stats().allocated
+                        assert free_all(pool, range(1, pool.capacity + 1), forward) == allocated
+                        assert pool.stats().allocated == 0
+                    else:
+                        free_all(pool, list(running), forward)
+                    running.clear()
+            if other is not None:
+                await other
             await pool.drain()
         pool.check_invariants()
         stats = pool.stats()
         assert stats.allocated == stats.pages_allocated == stats.quarantined == 0
         assert stats.free == pool.capacity and stats.pages_free == kv.capacity
         assert state["crashes"] > 0 and state["checked"] > 0 and state["lost_holds"] > 0
+        assert mode == "scan" or others["granted"] > 0
     finally:
+        if other is not None:
+            other.cancel()
         forward.close()
         await pool.close()

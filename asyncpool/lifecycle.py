@@ -482,9 +482,13 @@ class Lifecycle:
         scheduler that takes over calls this once before it serves: each
         live :class:`GrantHold` then reads ``held`` False (its ``release()``
         does nothing), ``grant_holds`` reads 0, and the grant loop runs at
-        once unless the memory is released or the pool closed. Logged at
-        WARNING (how many, how many of them were lost). The event loop's
-        thread only (:class:`~asyncpool.WrongThreadError`, changing nothing).
+        once unless the memory is released or the pool closed (on
+        tensor-parallel replicas, ``reclaim="explicit"``, it grants as a
+        hold's release does: call it at the same point on every rank).
+        Logged at WARNING (how many, how many of them were lost). The event
+        loop's thread only (:class:`~asyncpool.WrongThreadError`, changing
+        nothing). docs/api.md, *Recovering from a scheduler crash*, has the
+        rest of a restart.
         """
         self._check_thread()
         held = self._holds

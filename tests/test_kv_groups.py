@@ -579,6 +579,7 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "allocated_size": pool.allocated_size,
         "bind": lambda: None,  # needs nothing pending: run last (below)
         "hold_grants": lambda: pool.hold_grants().release(),
+        "release_grant_holds": lambda: (pool.hold_grants(), pool.release_grant_holds()),
         "retire": lambda: _refused(pool.retire, _fence(stream)),  # auto: RuntimeError
         "agree": lambda: _refused(pool.agree),
         "drain": lambda: pool.drain(timeout=5),

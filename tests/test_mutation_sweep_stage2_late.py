@@ -9,7 +9,7 @@ and ``HostStream.wait`` in ``asyncpool/fences.py``, and
 
 Each test pins one behaviour that a mutant broke while every test file that
 exercises the code still passed (86 mutants: 61 killed by the existing
-tests, 3 equivalent, 22 gaps: 16 closed here, 6 left; see docs/changes.md):
+tests, 3 equivalent, 22 gaps: 18 closed here, 4 left; see docs/changes.md):
 
 * a waiter queued behind only dead waiters (the grant loop stopped when the
   free list ran dry, a dead one next), in that queue or a less urgent new
@@ -28,7 +28,10 @@ tests, 3 equivalent, 22 gaps: 16 closed here, 6 left; see docs/changes.md):
   caller's cancel reaches the task through ``call_soon_threadsafe``;
 * ``try_admit`` raises for pages (not rows) quarantine makes unfittable,
   even while others queue; a grouped ``extend_fitting`` with per-row counts
-  grows a row that asks its group's whole capacity.
+  grows a row that asks its group's whole capacity; a grouped ``extend``
+  refuses a list of counts and takes nothing;
+* ``release_memory`` checks its ``timeout`` before anything else (a bad
+  one is a ``ValueError`` on a closed pool too).
 
 Async tests run on asyncio and uvloop (conftest); every wait is bounded.
 """
@@ -45,7 +48,16 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import Streams, bounded, grouped_pool, in_thread, kv_group, spin, until
+from helpers import (
+    Streams,
+    bounded,
+    grouped_pool,
+    in_thread,
+    kv_group,
+    pool_snapshot,
+    spin,
+    until,
+)
 
 from asyncpool import AsyncReqToTokenPool, CapacityError, KVPagePool
 from asyncpool.stats import Histogram
@@ -437,3 +449,29 @@ async def test_extend_fitting_per_row_takes_a_row_asking_the_whole_group() -> No
     assert m == 1 and got["swa"].shape == (cap,)
     pool.free([g.row])
     pool.check_invariants()
+
+
+# ------------------------------------------------------------ release_memory
+
+
+async def test_release_memory_checks_its_timeout_before_anything_else() -> None:
+    """A bad ``timeout`` is a ``ValueError`` even on a closed pool (the
+    mutant let the closed check answer first, and checked it only in the
+    drain, after the pool had started releasing)."""
+    pool = AsyncReqToTokenPool(3, 4)
+    await pool.close()
+    with pytest.raises(ValueError):
+        await pool.release_memory(timeout=-1.0)
+
+
+async def test_grouped_extend_refuses_a_list_of_counts_and_changes_nothing() -> None:
+    """``extend`` (one row) takes one int count per group: a list is a
+    ``CapacityError`` that takes nothing (the mutant sent it down the
+    per-row path of ``extend_rows``, which grew the row)."""
+    pool = grouped_pool(rows=3, swa=4, full=8)
+    g = await pool.admit({"swa": 0, "full": 1})
+    before = pool_snapshot(pool)
+    with pytest.raises(CapacityError, match="KV group 'swa': a page count must be an integer"):
+        pool.extend(g.row, {"swa": [1]})
+    assert pool_snapshot(pool) == before
+    pool.free([g.row])

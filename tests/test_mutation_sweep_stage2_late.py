@@ -9,7 +9,7 @@ and ``HostStream.wait`` in ``asyncpool/fences.py``, and
 
 Each test pins one behaviour that a mutant broke while every test file that
 exercises the code still passed (86 mutants: 61 killed by the existing
-tests, 3 equivalent, 22 gaps: 18 closed here, 4 left; see docs/changes.md):
+tests, 3 equivalent, 22 gaps: these tests; see docs/changes.md):
 
 * a waiter queued behind only dead waiters (the grant loop stopped when the
   free list ran dry, a dead one next), in that queue or a less urgent new
@@ -30,6 +30,11 @@ tests, 3 equivalent, 22 gaps: 18 closed here, 4 left; see docs/changes.md):
   even while others queue; a grouped ``extend_fitting`` with per-row counts
   grows a row that asks its group's whole capacity; a grouped ``extend``
   refuses a list of counts and takes nothing;
+* grouped: ``try_admit`` raises for a group's pages-only quarantine while
+  others queue; a per-row ``extend_fitting`` stops where the shortest
+  group does (whichever comes first), reclaims a short group's completed
+  fences, and hands what that reclaim freed past the growth to the queued
+  waiters in the same call;
 * ``release_memory`` checks its ``timeout`` before anything else (a bad
   one is a ``ValueError`` on a closed pool too).
 
@@ -475,3 +480,67 @@ async def test_grouped_extend_refuses_a_list_of_counts_and_changes_nothing() -> 
         pool.extend(g.row, {"swa": [1]})
     assert pool_snapshot(pool) == before
     pool.free([g.row])
+
+
+async def test_grouped_try_admit_raises_for_a_group_s_pages_only_quarantine(
+    kit: Streams, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same on a pool with KV groups: a group's pages (not rows)
+    quarantined, a waiter queued (the mutant looked at the rows' quarantine
+    only, and answered None for ever)."""
+    caplog.set_level(logging.CRITICAL, logger="asyncpool")
+    async with grouped_pool(rows=3, swa=4, full=8) as pool:  # swa: 4 pages
+        g = await pool.admit({"swa": 3, "full": 1})
+        await _pages_quarantined(
+            kit, pool, lambda after: pool.trim_pages(g.row, 1, after=after, group="swa")
+        )
+        task = asyncio.create_task(pool.admit({"swa": 2, "full": 1}))  # fits once g is freed
+        await spin(1)
+        assert pool.waiting() == 1
+        with pytest.raises(CapacityError, match=r"3 pages of KV group 'swa'"):
+            pool.try_admit({"swa": 3, "full": 0})
+        pool.free([g.row])
+        async with bounded():
+            got = await task
+        pool.free([got.row])
+
+
+@pytest.mark.parametrize("shorter", ["swa", "full"])
+async def test_extend_fitting_per_row_stops_where_the_shortest_group_does(shorter: str) -> None:
+    """Two groups short: the run ends where the one that covers fewer rows
+    ends, whichever group comes first (the mutant took the last one's)."""
+    pool = grouped_pool(rows=5, swa=8, full=8)  # 8 pages each
+    other = "full" if shorter == "swa" else "swa"
+    filler = await pool.admit({shorter: 7, other: 6})  # 1 free in one, 2 in the other
+    rows = [(await pool.admit({"swa": 0, "full": 0})).row for _ in range(3)]
+    m, got = pool.extend_fitting(rows, {"swa": [1, 1, 1], "full": [1, 1, 1]})
+    assert m == 1 and got["swa"].shape == got["full"].shape == (1,)
+    pool.free([filler.row, *rows])
+    pool.check_invariants()
+
+
+async def test_extend_fitting_per_row_reclaims_and_serves_the_waiters(kit: Streams) -> None:
+    """A short group reclaims its completed fences before the run is cut
+    (the mutant did not: no row grew), and what the reclaim made free past
+    the growth goes to the queued waiter at once, in the same call (the
+    mutant left it to the fence's wake-up)."""
+    pool = grouped_pool(rows=4, swa=4, full=8)  # swa: 4 pages
+    a = await pool.admit({"swa": 4, "full": 1})
+    b = await pool.admit({"swa": 0, "full": 1})
+    task = asyncio.create_task(pool.admit({"swa": 1, "full": 1}))
+    await spin(1)
+    assert pool.waiting() == 1
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    fence = stream.record()
+    pool.trim_pages(a.row, 1, fence=fence, group="swa")  # 3 pages behind the fence
+    gate.open()
+    fence.synchronize()  # landed; its wake-up has not run (no await since)
+    assert pool.waiting() == 1
+    m, got = pool.extend_fitting([b.row], {"swa": [1]})
+    assert m == 1 and got["swa"].shape == (1,)
+    assert pool.waiting() == 0  # served by the growth's reclaim
+    async with bounded():
+        g = await task
+    pool.free([a.row, b.row, g.row])
+    pool.check_invariants()

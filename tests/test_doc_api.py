@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import asyncpool
 from asyncpool import (
@@ -282,3 +283,71 @@ def test_every_path_the_documents_name_exists() -> None:
     assert len(named) > 50
     missing = sorted((doc, path) for doc, path in named if not (ROOT / path).exists())
     assert not missing, missing
+
+
+#: The torch the CUDA guide and the TP page name: their CUDA-only lines
+#: cannot run here, but every name must be torch's, as the installed torch
+#: spells it.
+TORCH_DOCS = ("docs/cuda.md", "docs/tp.md")
+_TORCH_NAME = re.compile(r"(?<![\w.])torch(?:\.[A-Za-z_]\w*)+")
+#: Methods called on the guide's CUDA streams (the forward, the copy stream,
+#: the scheduler thread's current one).
+_STREAM_CALL = re.compile(r"(?<![\w.])(?:forward|copy|current|grant_stream)\.([A-Za-z_]\w*)\(")
+
+
+def _torch_spans(doc: str) -> list[str]:
+    """The document's python blocks (comments dropped) and inline code spans."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    blocks = _blocks(doc)
+    prose = re.sub(r"^```python\n.*?^```", "", text, flags=re.M | re.S)
+    return [_code(b) for b in blocks] + re.findall(r"`([^`\n]+)`", prose)
+
+
+def _torch_object(name: str) -> Any:
+    obj: Any = torch
+    for part in name.split(".")[1:]:
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_cuda_guides_torch_names_and_keywords_are_torchs() -> None:
+    """Every ``torch.…`` name in docs/cuda.md and docs/tp.md exists in the
+    installed torch, every keyword passed to one is a parameter of it,
+    every method called on a CUDA stream of theirs (``forward.wait_stream``,
+    ``copy.wait_event``) is ``torch.cuda.Stream``'s, and a fence's
+    ``prev.event`` is a ``CudaFence`` attribute. A keyword of
+    ``torch.cuda.graph`` renamed, or ``wait_event`` spelled ``wait_for``,
+    fails here."""
+    import torch.distributed  # named by docs/tp.md: torch.distributed.…
+
+    from asyncpool import CudaFence
+
+    bad: list[str] = []
+    names: set[str] = set()
+    methods: set[str] = set()
+    for doc in TORCH_DOCS:
+        for span in _torch_spans(doc):
+            names |= set(_TORCH_NAME.findall(span))
+            methods |= set(_STREAM_CALL.findall(span))
+            for callee, args in _calls(span):
+                if not callee.startswith("torch."):
+                    continue
+                obj = _torch_object(callee)
+                if obj is None:
+                    continue  # reported below
+                try:
+                    params = inspect.signature(obj).parameters
+                except (TypeError, ValueError):
+                    continue
+                if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                    continue
+                bad += [f"{doc}: {callee}({kw}=)" for kw in _keywords(args) if kw not in params]
+            if "prev.event" in span and "event" not in CudaFence.__slots__:
+                bad.append(f"{doc}: CudaFence.event")
+    assert {"torch.cuda.graph", "torch.cuda.Event", "torch.cuda.set_stream"} <= names
+    assert {"wait_stream", "wait_event"} <= methods
+    bad += sorted(f"{name}" for name in names if _torch_object(name) is None)
+    bad += sorted(f"Stream.{m}" for m in methods if not hasattr(torch.cuda.Stream, m))
+    assert not bad, bad

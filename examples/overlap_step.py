@@ -9,8 +9,8 @@ An engine-shaped loop over :class:`asyncpool.AsyncReqToTokenPool`:
   launch** and ties every row of the batch to it with ``record_use``;
 * then it processes the *previous* step (overlap: the step just launched is
   still running): requests that finished have their row copied out on a copy
-  stream and are freed with ``free(row, after=copy_stream)`` (the copy was
-  launched after the step's fence, so the step's fence does not cover it);
+  stream and are freed in one ``free(rows, after=copy_stream)`` (the copies were
+  launched after the step's fence, so the step's fence does not cover them);
   some requests are retracted and freed with a plain ``free(row)``, and
   re-queued;
 * every finished request's copied-out row is compared with the host's own
@@ -208,20 +208,23 @@ async def run(args: argparse.Namespace) -> int:
             if prev is not None:
                 prev_fence, prev_batch = prev
                 await wait_fence(prev_fence)  # its results are ready; the loop runs on
+                done_rows: list[int] = []
                 for req, admission in prev_batch:
                     if req.admission != admission or req not in running:
                         continue  # retracted since: that step's token is discarded
                     req.done += 1
                     if req.done == req.output_len:  # finished
                         running.remove(req)
-                        streams.copy_out(pool, req)  # launched after step t's fence...
-                        pool.free([req.row], after=streams.copy)  # ...so wait for it too
+                        streams.copy_out(pool, req)  # launched after step t's fence
+                        done_rows.append(req.row)
                         finished.append(req)
                     elif rng.random() < args.retract:  # retracted: re-queued
                         running.remove(req)
                         pool.free([req.row])  # pending until step t's fence completes
                         retractions += 1
                         admissions.add(asyncio.create_task(admit(req)))
+                if done_rows:  # one free for the step's finished rows (docs/cuda.md)
+                    pool.free(done_rows, after=streams.copy)  # so wait for the copies too
             prev = launched
             if not running and len(finished) < len(requests):
                 arrived.clear()

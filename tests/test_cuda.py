@@ -156,6 +156,50 @@ async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write(
         torch.cuda.synchronize()
 
 
+async def test_a_copy_behind_the_steps_event_reads_its_write_and_free_after_holds_the_rows() -> (
+    None
+):
+    """docs/cuda.md, *When free(after=stream)*: a copy stream is not ordered
+    after the forward; made to wait on the step's event
+    (``copy.wait_event(step.event)``) it reads what the step wrote, and
+    ``free(rows, after=copy)`` holds the rows until the step and the copy
+    have both run."""
+    fwd = torch.cuda.Stream()
+    copy = torch.cuda.Stream()
+    pool = AsyncReqToTokenPool(3, 16, device="cuda", stream=fwd)
+    try:
+        async with bounded():
+            rows = await pool.alloc(2)
+        index = torch.tensor(rows, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(fwd):
+            gpu_busy(300)  # step t is still running...
+            pool.verified_lens.index_fill_(0, index, 7)  # ...and writes the rows late
+        step = record_fence(fwd)
+        assert isinstance(step, CudaFence)
+        pool.record_use(rows, step)
+        out = torch.zeros(2, dtype=pool.verified_lens.dtype, pin_memory=True)
+        with torch.cuda.stream(copy):
+            copy.wait_event(step.event)
+            out.copy_(pool.verified_lens.index_select(0, index), non_blocking=True)
+        assert pool.free(rows, after=copy) == 0
+        assert not step.query()
+        assert pool.stats().pending == 2 and pool.try_alloc(1) is None
+        async with asyncio.timeout(10):
+            again = await pool.alloc(2)  # the step and the copy have run
+        assert sorted(again) == sorted(rows)
+        copy.synchronize()
+        assert out.tolist() == [7, 7], out  # the copy ran after the step's write
+        pool.free(again, after=fwd)
+        async with asyncio.timeout(10):
+            await pool.drain()
+        pool.check_invariants()
+    finally:
+        async with bounded():
+            await pool.close()
+        torch.cuda.synchronize()
+
+
 async def test_unfenced_free_lets_the_late_write_corrupt_the_new_owner() -> None:
     """The same scene without record_use: the new owner's row gets step t's write."""
     fwd = torch.cuda.Stream()

@@ -316,8 +316,8 @@ def test_the_cuda_guides_torch_names_and_keywords_are_torchs() -> None:
     """Every ``torch.…`` name in docs/cuda.md and docs/tp.md exists in the
     installed torch, every keyword passed to one is a parameter of it,
     every method called on a CUDA stream of theirs (``forward.wait_stream``,
-    ``copy.wait_event``) is ``torch.cuda.Stream``'s, and a fence's
-    ``prev.event`` is a ``CudaFence`` attribute. A keyword of
+    ``copy.wait_event``) is ``torch.cuda.Stream``'s, and an attribute read
+    on the loop's fence (``prev.fence.event``) is a ``CudaFence``'s. A keyword of
     ``torch.cuda.graph`` renamed, or ``wait_event`` spelled ``wait_for``,
     fails here."""
     import torch.distributed  # named by docs/tp.md: torch.distributed.…
@@ -327,6 +327,7 @@ def test_the_cuda_guides_torch_names_and_keywords_are_torchs() -> None:
     bad: list[str] = []
     names: set[str] = set()
     methods: set[str] = set()
+    fence_attrs: set[str] = set()
     for doc in TORCH_DOCS:
         for span in _torch_spans(doc):
             names |= set(_TORCH_NAME.findall(span))
@@ -344,10 +345,11 @@ def test_the_cuda_guides_torch_names_and_keywords_are_torchs() -> None:
                 if any(p.kind is p.VAR_KEYWORD for p in params.values()):
                     continue
                 bad += [f"{doc}: {callee}({kw}=)" for kw in _keywords(args) if kw not in params]
-            if "prev.event" in span and "event" not in CudaFence.__slots__:
-                bad.append(f"{doc}: CudaFence.event")
+            fence_attrs |= set(re.findall(r"\bprev\.fence\.([A-Za-z_]\w*)", span))
     assert {"torch.cuda.graph", "torch.cuda.Event", "torch.cuda.set_stream"} <= names
     assert {"wait_stream", "wait_event"} <= methods
+    assert "event" in fence_attrs
+    bad += sorted(f"CudaFence.{a}" for a in fence_attrs if not hasattr(CudaFence, a))
     bad += sorted(f"{name}" for name in names if _torch_object(name) is None)
     bad += sorted(f"Stream.{m}" for m in methods if not hasattr(torch.cuda.Stream, m))
     assert not bad, bad

@@ -34,6 +34,7 @@ from .row_pages import RowPages
 from .tables import TokenTables
 from .waiters import WaiterQueues
 from .wakeups import FenceWakeups
+from .watcher import FenceWatcher
 
 __all__ = ["GrantHold", "Lifecycle"]
 
@@ -113,6 +114,7 @@ class Lifecycle:
     _releasing: asyncio.Future[None] | None
     _holds: int
     _live_holds: weakref.WeakSet[GrantHold]
+    _stopping: tuple[FenceWatcher, float] | None
 
     if TYPE_CHECKING:
 
@@ -272,29 +274,39 @@ class Lifecycle:
         serves other pools and tasks meanwhile: the pool is closed before
         the first await, and a cancelled ``close()`` stops only that wait.
         A watcher thread stuck in a CUDA event that never completes is a
-        daemon and keeps nothing alive. Idempotent.
+        daemon and keeps nothing alive. Idempotent: a call made while
+        another waits for the threads (or after one was cancelled in that
+        wait) waits for them too, within the same 50 ms.
         """
         self._check_thread()
-        if self._closed:
+        if not self._closed:
+            self._closed = True
+            self._fast = False
+            self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
+            if self._overdue is not None and self._overdue.timer is not None:
+                self._overdue.timer.cancel()
+                self._overdue.timer = None
+            watcher = self._wakeups.close()
+            pool_log(logger, self._name).debug("closed %r", self)
+            if watcher is not None:
+                # Kept until its threads are seen gone (or the bound passed):
+                # a second close(), concurrent or after this one was
+                # cancelled, must not return with them still running.
+                self._stopping = (watcher, time.perf_counter() + _CLOSE_JOIN_S)
+        stopping = self._stopping
+        if stopping is None:
             return
-        self._closed = True
-        self._fast = False
-        self._waiters.fail_all(PoolClosedError("the pool was closed while this request waited"))
-        if self._overdue is not None and self._overdue.timer is not None:
-            self._overdue.timer.cancel()
-            self._overdue.timer = None
-        watcher = self._wakeups.close()
-        pool_log(logger, self._name).debug("closed %r", self)
-        if watcher is not None:
-            # Its threads exit at their next look; a poller inside a slow
-            # query() only once that returns. A join here would stall the
-            # loop, and every other pool on it, for as long (up to 50 ms).
-            # Looked at with drain()'s backoff: 50 µs, doubling to 1 ms.
-            deadline = time.perf_counter() + _CLOSE_JOIN_S
-            delay = _DRAIN_POLL_MIN_S
-            while not watcher.settled and time.perf_counter() < deadline:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+        # Its threads exit at their next look; a poller inside a slow
+        # query() only once that returns. A join here would stall the
+        # loop, and every other pool on it, for as long (up to 50 ms).
+        # Looked at with drain()'s backoff: 50 µs, doubling to 1 ms.
+        watcher, deadline = stopping
+        delay = _DRAIN_POLL_MIN_S
+        while not watcher.settled and time.perf_counter() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _DRAIN_POLL_MAX_S)
+        if self._stopping is stopping:
+            self._stopping = None  # settled, or out of time: later calls return at once
 
     @property
     def closed(self) -> bool:

@@ -122,6 +122,7 @@ from .tables import PoolInfo
 from .threadsafe import submit_wait
 from .waiters import WaiterQueues
 from .wakeups import FenceWakeups
+from .watcher import FenceWatcher
 
 __all__ = ["AsyncReqToTokenPool", "Lease"]
 
@@ -367,6 +368,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         self._released = False
         self._releasing: asyncio.Future[None] | None = None  # release_memory() draining
         self._holds = 0  # hold_grants() holds not yet released
+        # The stopped fence watcher whose threads close() waits for, and the
+        # deadline of that wait (every close() call shares it); None else.
+        self._stopping: tuple[FenceWatcher, float] | None = None
         # The holds still held whose handle is alive (release_grant_holds ends
         # them); a hold collected while held leaves only its count in _holds.
         self._live_holds: weakref.WeakSet[GrantHold] = weakref.WeakSet()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from helpers import WAIT_S, bounded
+import pytest
+from helpers import WAIT_S, bounded, spin
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, lifecycle
 
 
 class HangingQuery:
@@ -60,3 +61,41 @@ async def test_closing_a_pool_whose_poller_is_in_a_query_never_stalls_the_loop()
     other.free([grant.row])
     async with bounded():
         await other.close()
+
+
+async def test_a_second_close_waits_for_the_threads_as_the_first_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close()`` is idempotent, and each call returns with the pool's
+    watcher threads gone (or its 50 ms spent): a second call made while the
+    first waits for them, or after the first was cancelled in that wait (an
+    ``asyncio.timeout`` around an unload), returned at once with the poller
+    still running. Each now waits for them, within the first call's bound
+    (widened here so that no load on the machine ends it)."""
+    monkeypatch.setattr(lifecycle, "_CLOSE_JOIN_S", WAIT_S)
+    pool = AsyncReqToTokenPool(4, 8, name="twice")
+    handle = HangingQuery()
+    try:
+        async with bounded():
+            rows = await pool.alloc(1)
+        pool.free(rows, fence=handle)
+        assert handle.entered.wait(WAIT_S)  # the poller is inside query()
+        (poller,) = [t for t in threading.enumerate() if "'twice'" in t.name]
+        first = asyncio.ensure_future(pool.close())
+        await spin()
+        second = asyncio.ensure_future(pool.close())
+        await spin()
+        assert pool.closed and not first.done() and not second.done()
+        first.cancel()
+        await spin()
+        assert first.cancelled() and not second.done()
+        third = asyncio.ensure_future(pool.close())  # after a cancelled one
+        await spin()
+        assert not third.done() and poller.is_alive()
+    finally:
+        handle.gate.set()
+    async with bounded():
+        await second
+        assert not poller.is_alive()  # gone when close() returns
+        await third
+        await pool.close()  # nothing left to wait for: at once

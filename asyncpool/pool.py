@@ -1370,6 +1370,19 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "other fences; they no longer wait for this one",
                 fence,
             )
+        elif led.remembers_fault(fence) or any(pled.remembers_fault(fence) for pled in pleds):
+            # An operator releasing a dead peer's transfers meets this one:
+            # "never given to it" (or "holds no row", when a running row had
+            # a use recorded on it too) would read as if its memory were back.
+            log.warning(
+                "force_release(%r): this fence faulted; the rows and pages behind it are "
+                "quarantined for good (a faulted writer may still write) and stay so%s",
+                fence,
+                ""
+                if not uses
+                else f"; dropped it from the recorded uses of {_count(uses, 'allocated row')} "
+                "(freed later, they do not wait for it)",
+            )
         elif uses:
             log.warning(
                 "force_release(%r): this fence holds no row and no page of this pool; "
@@ -1377,14 +1390,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "wait for it)",
                 fence,
                 _count(uses, "allocated row"),
-            )
-        elif led.remembers_fault(fence) or any(pled.remembers_fault(fence) for pled in pleds):
-            # An operator releasing a dead peer's transfers meets this one:
-            # "never given to it" would read as if its memory were back.
-            log.warning(
-                "force_release(%r): this fence faulted; the rows and pages behind it are "
-                "quarantined for good (a faulted writer may still write) and stay so",
-                fence,
             )
         else:
             # Say so plainly: the operator may have passed the wrong object.

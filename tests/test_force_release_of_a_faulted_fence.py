@@ -81,6 +81,47 @@ async def test_pages_detached_behind_a_faulted_transfer(caplog: pytest.LogCaptur
     await pool.close()
 
 
+async def test_a_faulted_fence_still_recorded_as_a_use_says_both(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The dead transfer also wrote into a running request's row (a use
+    recorded on it): the warning read "this fence holds no row and no page
+    of this pool; dropped it from the recorded uses", as if nothing were
+    quarantined behind it, where the synchronous pool said it faulted. It
+    now says the fence faulted, its memory stays quarantined, and the use
+    was dropped."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4), name="decode")
+    lost = pool.try_admit(pages=2)
+    running = pool.try_admit(pages=1)
+    assert lost is not None and running is not None
+    dead = DeadTransfer()
+    pool.record_use([running.row], dead)
+    pool.free([lost.row], fence=dead)
+    pool.reclaim()
+    assert (pool.stats().quarantined, pool.stats().pages_quarantined) == (1, 2)
+    caplog.clear()
+    assert pool.force_release(dead) == (0, 0)
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "quarantined" in msg, msg
+    assert "1 allocated row" in msg and "holds no row" not in msg, msg
+    pool.free([running.row])  # the use was dropped: it waits for nothing
+    assert pool.pending_size() == 0 and pool.stats().quarantined == 1
+    pool.check_invariants()
+    await pool.close()
+
+    sync = ReqToTokenPool(5, 8, device="cpu", enable_memory_saver=False)
+    lost_rows, running_rows = sync.alloc(1), sync.alloc(1)
+    assert lost_rows is not None and running_rows is not None
+    sync.record_use(running_rows, dead)
+    sync.free(lost_rows, fence=dead)
+    sync.reclaim()
+    caplog.clear()
+    assert sync.force_release(dead) == 0
+    (msg,) = warnings_of(caplog)
+    assert "faulted" in msg and "1 allocated row forgets its use" in msg, msg
+
+
 def test_the_sync_pool_and_a_bare_page_pool_say_so_too(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

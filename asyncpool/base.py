@@ -126,12 +126,16 @@ def log_force_release_many(
     pages: int | None,
     held: bool,
     uses: int = 0,
+    *,
+    faulted: int = 0,
 ) -> None:
     """The one warning ``force_release(fences)`` logs for a sequence of two
     or more fences, on any pool: what came back (``rows``/``pages``: None
     for a kind the pool has not), or why nothing did (what they held still
-    waits for other fences; they held nothing, but were dropped from the
-    recorded uses of ``uses`` allocated rows; or nothing at all)."""
+    waits for other fences; ``faulted`` of them faulted, and what was
+    behind them stays quarantined, which the line says rather than "hold
+    nothing"; they held nothing, but were dropped from the recorded uses of
+    ``uses`` allocated rows; or nothing at all)."""
     what = fences_words(fences)
     back = [count_of(n, noun) for n, noun in ((rows, "row"), (pages, "page")) if n is not None]
     if rows or pages:
@@ -145,6 +149,22 @@ def log_force_release_many(
             "force_release(%s): what these fences held still waits for other fences; "
             "it no longer waits for these",
             what,
+        )
+    elif faulted:
+        nouns = " and ".join(
+            f"{noun}s" for n, noun in ((rows, "row"), (pages, "page")) if n is not None
+        )
+        log.warning(
+            "force_release(%s): %s of these fences faulted; the %s behind %s are "
+            "quarantined for good (a faulted writer may still write) and stay so%s",
+            what,
+            "all" if faulted == len(fences) else faulted,
+            nouns,
+            "it" if faulted == 1 else "them",
+            ""
+            if not uses
+            else f"; dropped them from the recorded uses of {count_of(uses, 'allocated row')} "
+            "(freed later, they do not wait for them)",
         )
     elif uses:
         log.warning(

@@ -1351,7 +1351,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._unwatched = [f for f in self._unwatched if id(f) not in ids]
         log = self._log_to(logger)
         if len(fences) > 1:
-            log_force_release_many(log, fences, rows, pages, held, uses)
+            faulted = (
+                0
+                if rows or pages or held
+                else sum(
+                    led.remembers_fault(f) or any(pled.remembers_fault(f) for pled in pleds)
+                    for f in fences
+                )
+            )
+            log_force_release_many(log, fences, rows, pages, held, uses, faulted=faulted)
             if rows or pages:
                 self._waiters.grant()
             return rows, pages

@@ -152,6 +152,68 @@ def test_the_sync_pool_and_a_bare_page_pool_say_so_too(
     assert kv.stats().quarantined == 3
 
 
+async def test_a_dead_peers_transfers_released_together_say_they_faulted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The operator releases every transfer of the dead peer in one call
+    (a list): the one line read "these fences hold nothing pending in this
+    pool (never given to it, ...); nothing changed" where one fence at a
+    time said it faulted. The line now says how many of them faulted and
+    that what they held stays quarantined, on every kind of pool, and
+    nothing changes."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    dead, other = DeadTransfer(), DeadTransfer()
+    never = DeadTransfer()  # never given to any pool
+    pool = AsyncReqToTokenPool(5, 8, kv=KVPagePool(9, 4), name="decode")
+    grants = [pool.try_admit(pages=2) for _ in range(2)]
+    running = pool.try_admit(pages=1)
+    assert None not in grants and running is not None
+    for grant, fence in zip(grants, [dead, other], strict=True):
+        assert grant is not None
+        pool.free([grant.row], fence=fence)
+    pool.record_use([running.row], other)
+    pool.reclaim()
+    assert (pool.stats().quarantined, pool.stats().pages_quarantined) == (2, 4)
+    caplog.clear()
+    assert pool.force_release([dead, other, never]) == (0, 0)
+    (msg,) = warnings_of(caplog)
+    assert "2 of these fences faulted" in msg and "rows and pages" in msg, msg
+    assert "quarantined" in msg and "1 allocated row" in msg, msg
+    assert "never given" not in msg and "hold nothing" not in msg, msg
+    assert (pool.stats().quarantined, pool.stats().pages_quarantined) == (2, 4)
+    pool.free([running.row])  # the use was dropped: it waits for nothing
+    assert pool.pending_size() == 0
+    pool.check_invariants()
+    await pool.close()
+
+    sync = ReqToTokenPool(5, 8, device="cpu", enable_memory_saver=False)
+    for fence in (dead, other):
+        rows = sync.alloc(1)
+        assert rows is not None
+        sync.free(rows, fence=fence)
+    sync.reclaim()
+    caplog.clear()
+    assert sync.force_release([dead, other]) == 0
+    (msg,) = warnings_of(caplog)
+    assert "all of these fences faulted" in msg and "the rows behind them" in msg, msg
+    assert sync.stats().quarantined == 2
+
+    kv = KVPagePool(9, 4)
+    pages = kv.alloc(3)
+    assert pages is not None
+    kv.free(pages, fence=dead)
+    kv.reclaim()
+    caplog.clear()
+    assert kv.force_release([dead, never]) == 0
+    (msg,) = warnings_of(caplog)
+    assert "1 of these fences faulted" in msg and "the pages behind it" in msg, msg
+    assert kv.stats().quarantined == 3
+    caplog.clear()
+    kv.force_release([never, DeadTransfer()])  # none faulted: as before
+    (msg,) = warnings_of(caplog)
+    assert "never given" in msg and "faulted" not in msg, msg
+
+
 def test_a_fence_never_given_still_reads_as_before(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="asyncpool")
     kv = KVPagePool(9, 4)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from helpers import bounded, in_thread, spin
+from helpers import EventFence, bounded, in_thread, spin
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -125,6 +125,41 @@ async def test_release_grant_holds_keeps_a_closed_or_released_pool_gated() -> No
         await pool.close()
         assert pool.release_grant_holds() == 1
         assert pool.grant_holds == 0 and pool.closed
+        pool.check_invariants()
+
+
+async def test_release_grant_holds_while_release_memory_drains_keeps_the_waiters_queued() -> None:
+    """A scheduler that died while it unloaded the pool (a hold, the frees,
+    ``release_memory`` draining behind a transfer): the one taking over ends
+    the holds mid-drain. The release still gates the queue (the waiter keeps
+    its place until ``resume_memory``), the dead hold's late ``release()``
+    does not end a hold taken after, and every count stays whole."""
+    async with bounded(), paged() as pool:
+        rows = await pool.alloc(4)
+        dead = pool.hold_grants()
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        waiter.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await spin()
+        transfer = EventFence()
+        pool.free(rows, fence=transfer)
+        releasing = asyncio.ensure_future(pool.release_memory())
+        await spin()
+        assert not releasing.done() and pool.grants_held
+        assert pool.release_grant_holds() == 1
+        pool.check_invariants()
+        late = pool.hold_grants()
+        dead.release()  # ended already: the late hold stays held
+        assert late.held and pool.grant_holds == 1
+        late.release()
+        await spin()
+        assert not waiter.done() and pool.grant_holds == 0
+        pool.check_invariants()
+        transfer.set()
+        await releasing
+        await spin()
+        assert pool.released and not waiter.done()
+        await pool.resume_memory()
+        pool.free(await waiter)
         pool.check_invariants()
 
 

@@ -73,6 +73,12 @@ Two benchmarks, all sides interleaved in one run (the harness's
    asyncpool also records each new page in its row's record (SGLang's
    allocator keeps no per-request record).
 
+Both vLLM sides run with prefix caching off, vLLM's faster setting and not
+its engine's default (on for generative models: ``get_new_blocks`` then
+also checks each block for a cached prefix to evict, and
+``allocate_slots`` caches each request's full blocks); asyncpool has no
+prefix cache, so this is the same work, and it favours vLLM.
+
 The rows are context (no targets), ratios oriented as speed-ups (reference
 over subject). The peers are imported when installed and skipped, with the
 reason and the install line, when not (``benchmarks/install_peers.sh``); the

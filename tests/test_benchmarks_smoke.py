@@ -547,3 +547,113 @@ def test_report_method_names_the_paths_the_page_rows_measure(tmp_path: Path) -> 
     data = json.loads(saved.read_text(encoding="utf-8"))
     labels = {r["reference"] for r in data["rows"] if r["bench"].startswith("KV pages alloc(")}
     assert any("free_segment" in label for label in labels)
+
+
+def test_pages_measure_vllms_default_setting_beside_the_targets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's engine runs BlockPool with prefix caching on by default: the
+    page rows measure that setting too (context), while the vLLM targets
+    stay on caching off (the same work as KVPagePool, vLLM's faster
+    setting). A stand-in vLLM module records how the pools are built."""
+    import sys
+    import types
+
+    built: list[bool] = []
+
+    class BlockPool:
+        def __init__(self, *, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
+            built.append(enable_caching)
+            self.free = list(range(1, num_gpu_blocks))
+
+        def get_new_blocks(self, n: int) -> list[int]:
+            got, self.free = self.free[:n], self.free[n:]
+            return got
+
+        def free_blocks(self, blocks: list[int]) -> None:
+            self.free[:0] = blocks
+
+        def get_num_free_blocks(self) -> int:
+            return len(self.free)
+
+    names = ["vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.block_pool"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules["vllm.v1.core.block_pool"], "BlockPool", BlockPool, False)
+
+    vllm = {key: loader for key, (module, loader) in pages_mod.PEERS.items() if module == "vllm"}
+    peers = {key: build(64, 16) for key, build in vllm.items()}
+    assert sorted(built) == [False, True]
+    default = [p for p in peers.values() if "vLLM's default" in p.label]
+    assert len(default) == 1 and "prefix caching on" in default[0].label
+    assert default[0].key != pages_mod.VLLM  # the targets stay on caching off
+    assert "prefix caching off" in peers[pages_mod.VLLM].label
+    assert not any(key == default[0].key for key, _ in pages_mod.TARGETS)
+    rows = pages_mod._rows(
+        {
+            f"{c.key}/{n}": [1.0, 2.0, 3.0]
+            for c in (peers[pages_mod.VLLM], *peers.values())
+            for n in (1,)
+        }
+        | {f"{k}/1": [1.0, 2.0, 3.0] for k in (pages_mod.SUBJECT, pages_mod.SUBJECT_COPY)},
+        [
+            pages_mod.Contender(pages_mod.SUBJECT, "asyncpool KVPagePool", *[None] * 5),  # type: ignore[arg-type]
+            pages_mod.Contender(pages_mod.SUBJECT_COPY, "copy", *[None] * 5),  # type: ignore[arg-type]
+            *peers.values(),
+        ],
+        (1,),
+        64,
+        16,
+    )
+    on_default = [r for r in rows if r.reference == default[0].label]
+    assert len(on_default) == 1 and on_default[0].target is None
+
+
+def test_report_says_which_ratio_and_flags_a_disagreeing_one(tmp_path: Path) -> None:
+    """The ratio column is the median of per-round ratios; the times beside
+    it are unpaired medians, whose quotient can disagree: the method says
+    which the targets are judged on, and a row whose ratio of medians lies
+    outside the rounds' IQR says so."""
+    from benchmarks.report import _row_line, ratio_of_medians
+    from benchmarks.run import main
+
+    row = Row(
+        bench="b",
+        loop="sync",
+        subject="s",
+        reference="r",
+        subject_value=100.0,
+        reference_value=300.0,
+        unit="ns/op",
+        ratio=2.0,
+        ratio_label="speed-up (ref/subject)",
+        ratio_p25=1.9,
+        ratio_p75=2.1,
+    )
+    assert ratio_of_medians(row) == 3.0
+    assert "their ratio, 3.00x, lies outside the rounds' IQR" in _row_line(row)
+    row.reference_value = 200.0
+    assert "outside" not in _row_line(row)
+
+    md = tmp_path / "r.md"
+    saved = REPO / "benchmarks" / "results" / "latest.json"
+    assert main(["--from-json", str(saved), "--md", str(md)]) == 0
+    text = md.read_text(encoding="utf-8")
+    assert "targets are judged on it" in text and "ratio of medians" in text
+    method = text.split("## Method", 1)[1]
+    pages = next(line for line in method.splitlines() if line.startswith("- KV pages:"))
+    assert "vLLM's engine default is prefix caching on" in pages
+    assert "enable_caching=True" in pages
+
+
+def test_peer_install_pins_what_decides_the_figures() -> None:
+    """torch, the two peers, numpy and uvloop are pinned (==) in the install
+    lines; the method text says what is left unpinned."""
+    import re
+
+    script = (REPO / "benchmarks" / "install_peers.sh").read_text(encoding="utf-8")
+    installs = " ".join(line for line in PEERS_INSTALL if " pip " in line)
+    for dist in ("torch", "numpy", "uvloop", "sglang", "vllm"):
+        assert re.search(rf"(?<![\w-]){dist}==\d", installs), dist
+        assert re.search(rf"(?<![\w-]){dist}==\d", script), dist
+    assert "Left unpinned" in script

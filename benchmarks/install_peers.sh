@@ -17,6 +17,13 @@
 #   chain needs, pinned where vLLM 0.33.0's metadata pins it.
 # * numpy and uvloop for the harness (tqdm, above, serves the demo); asyncpool
 #   itself is used from the checkout (run from the repo root), not installed.
+# * Pinned: what runs in a timed call or decides the loop the figures are
+#   taken on: torch, SGLang, vLLM, numpy and uvloop (the versions of the
+#   README's machine line). Left unpinned: the packages the two peers only
+#   import (orjson ... aiohttp, triton included: on CPU no Triton kernel
+#   runs; regex ... partial-json-parser), none of which the timed calls
+#   reach; the report's machine line records torch's and uvloop's versions
+#   and each peer row's label its peer's.
 #
 # docs/benchmarks.md lists these same commands (benchmarks/report.py holds
 # them; tests/test_benchmarks_smoke.py checks each one is in this script).
@@ -33,7 +40,7 @@ trap 'rm -rf "$WHEELS"' EXIT
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install --upgrade pip
 "$VENV/bin/python" -m pip install torch==2.13.0
-"$VENV/bin/python" -m pip install numpy uvloop
+"$VENV/bin/python" -m pip install numpy==2.4.6 uvloop==0.23.0
 "$VENV/bin/python" -m pip install --no-deps sglang==0.5.23
 "$VENV/bin/python" -m pip install orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp
 "$VENV/bin/python" -m pip download --no-deps vllm==0.33.0 -d "$WHEELS"

@@ -15,7 +15,14 @@ from typing import Any
 from .bench_scaling import HANDOUTS
 from .harness import Config, Row
 
-__all__ = ["PEERS_INSTALL", "loadavg", "machine_info", "render_markdown", "to_json"]
+__all__ = [
+    "PEERS_INSTALL",
+    "loadavg",
+    "machine_info",
+    "ratio_of_medians",
+    "render_markdown",
+    "to_json",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +33,7 @@ PEERS_INSTALL = (
     'python3 -m venv "$VENV"',
     '"$VENV/bin/python" -m pip install --upgrade pip',
     '"$VENV/bin/python" -m pip install torch==2.13.0',
-    '"$VENV/bin/python" -m pip install numpy uvloop',
+    '"$VENV/bin/python" -m pip install numpy==2.4.6 uvloop==0.23.0',
     '"$VENV/bin/python" -m pip install --no-deps sglang==0.5.23',
     '"$VENV/bin/python" -m pip install orjson psutil pybase64 requests triton packaging '
     "pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp",
@@ -141,6 +148,18 @@ def _met(row: Row) -> str:
     return "**yes**" if met else "**NO**"
 
 
+def ratio_of_medians(row: Row) -> float:
+    """The quotient of the two sides' own medians, oriented as ``row.ratio``
+    (NaN where a median is not a positive number).
+
+    ``row.ratio`` pairs each round's two samples (drift between rounds
+    cancels); this does not, so the two can differ."""
+    s, r = row.subject_value, row.reference_value
+    if not (s > 0 and r > 0):  # NaN compares False too
+        return float("nan")
+    return r / s if row.ratio_label.startswith("speed") else s / r
+
+
 def _row_line(row: Row) -> str:
     spread = ""
     if not (math.isnan(row.ratio_p25) or row.ratio_p25 == row.ratio_p75):
@@ -150,6 +169,10 @@ def _row_line(row: Row) -> str:
         # "0.87x faster" says nothing: the reference is faster, by 1/ratio.
         direction = f" (the reference is {_ratio(1 / row.ratio)} faster)"
     ctx = f"{_value(row.subject_value, row.unit)} vs {_value(row.reference_value, row.unit)}"
+    rom = ratio_of_medians(row)
+    if not math.isnan(row.ratio_p25) and not row.ratio_p25 <= rom <= row.ratio_p75:
+        # The unpaired figure disagrees with the paired one: say so on the row.
+        ctx += f" (their ratio, {_ratio(rom)}, lies outside the rounds' IQR)"
     if row.note and not row.note.startswith("sweep:"):
         ctx += f"; {row.note}"
     return (
@@ -275,7 +298,10 @@ def render_markdown(
         "",
         "Every figure is a ratio measured in one process, subject and reference interleaved "
         "(order rotated each round) on the same event loop; the ratio is the median of the "
-        "per-round ratios, with its interquartile range. Absolute times are context only: "
+        "per-round ratios, with its interquartile range, and targets are judged on it. "
+        "The times in the last column are each side's own median over the rounds, so their "
+        "quotient (the ratio of medians, unpaired) can differ from it; a row says so where "
+        "that quotient lies outside the interquartile range. Absolute times are context only: "
         "they move with the machine, the ratios much less.",
         "",
     ]
@@ -428,7 +454,14 @@ def render_markdown(
         "with `need_sort=True` (what SGLang's engine picks in disaggregated prefill or decode "
         "mode: `free` stages pages in a list, `alloc` merges and sorts them when short), "
         "context only; vLLM's `BlockPool` with prefix "
-        "caching off (`get_new_blocks(n)` + `free_blocks`).",
+        "caching off (`get_new_blocks(n)` + `free_blocks`), where the vLLM targets are: "
+        "`KVPagePool` has no prefix cache, so this is vLLM doing the same work, in its faster "
+        "setting. vLLM's engine default is prefix caching on (`enable_prefix_caching`, "
+        "generative models), where `get_new_blocks` also checks every block it hands out "
+        "for a cached prefix to evict; measured for context (`enable_caching=True`) on "
+        "blocks never hashed, the least that setting costs. vLLM's side returns "
+        "`KVCacheBlock` objects; the block ids its engine reads from them are not timed "
+        "(favours vLLM).",
         f"- Decode step: {cfg.decode_requests} running requests whose stored lengths are drawn "
         f"(seeded) in [{cfg.decode_lens[0]}, {cfg.decode_lens[1]}), each growing a token a "
         f"step, on a {cfg.decode_num_pages:,}-page pool of {cfg.decode_page_size} slots a page; "
@@ -439,7 +472,8 @@ def render_markdown(
         "`extend_rows(crossing_rows, 1)` vs vLLM's `BlockPool.get_new_blocks(1)` per crossing "
         "request (without `KVCacheManager`'s bookkeeping, which favours vLLM) and vs its "
         "engine path, `KVCacheManager.allocate_slots(request, 1)` for every request (which "
-        "finds the crossing ones itself, favouring asyncpool). Every request's new-token slot "
+        "finds the crossing ones itself, favouring asyncpool), both with prefix caching off "
+        "(favours vLLM, as above). Every request's new-token slot "
         "(SGLang's `out_cache_loc`): asyncpool's `extend_rows` inside the torch an engine "
         "would run on CPU vs SGLang's `alloc_decode(seq_lens, seq_lens_cpu, last_loc)` "
         "(`benchmarks/bench_decode.py` says exactly what each side does).",
@@ -451,7 +485,10 @@ def render_markdown(
         "page as it is). The "
         "script's install commands are these (`$WHEELS` is a temporary folder; it also clears "
         "`$VENV/vllm-src` before unpacking and ends by importing both peers); vLLM is its "
-        "0.33.0 wheel's own source on `sys.path`, nothing stubbed:",
+        "0.33.0 wheel's own source on `sys.path`, nothing stubbed. Pinned: torch, SGLang, "
+        "vLLM, numpy and uvloop (what a timed call runs or the loop it runs on); left "
+        "unpinned: the packages the peers only import (triton among them: no Triton kernel "
+        "runs on CPU):",
         "",
         "```bash",
         *PEERS_INSTALL,

@@ -73,11 +73,15 @@ Two benchmarks, all sides interleaved in one run (the harness's
    asyncpool also records each new page in its row's record (SGLang's
    allocator keeps no per-request record).
 
-Both vLLM sides run with prefix caching off, vLLM's faster setting and not
-its engine's default (on for generative models: ``get_new_blocks`` then
-also checks each block for a cached prefix to evict, and
+Both vLLM sides above run with prefix caching off, vLLM's faster setting
+and not its engine's default (on for generative models: ``get_new_blocks``
+then also checks each block for a cached prefix to evict, and
 ``allocate_slots`` caches each request's full blocks); asyncpool has no
-prefix cache, so this is the same work, and it favours vLLM.
+prefix cache, so this is the same work, and it favours vLLM. For context,
+``KVCacheManager`` is also measured in the default setting
+(:class:`VllmManagerCaching`: sha256 block hashes computed untimed as
+tokens are appended, each block cached as it fills, cached blocks evicted
+as the free queue hands them out).
 
 The rows are context (no targets), ratios oriented as speed-ups (reference
 over subject). The peers are imported when installed and skipped, with the
@@ -108,6 +112,7 @@ ASYNCPOOL_PAGES = "asyncpool pages"
 ASYNCPOOL_SLOTS = "asyncpool slots"
 VLLM = "vLLM"
 VLLM_MANAGER = "vLLM KVCacheManager"
+VLLM_MANAGER_CACHING = "vLLM KVCacheManager, prefix caching"
 SGLANG = "SGLang"
 
 #: the seed of the starting lengths
@@ -364,9 +369,20 @@ class VllmBlocks(Side):
 
 
 class VllmManager(Side):
-    """1, the engine's path: ``allocate_slots(request, 1)`` for every request."""
+    """1, the engine's path: ``allocate_slots(request, 1)`` for every request.
+
+    ``caching = True`` (:class:`VllmManagerCaching`) is vLLM's default
+    setting, as its engine builds it: prefix caching on, each ``Request``
+    given the engine's block hasher (``sha256``, the default
+    ``prefix_caching_hash_algo``), so ``allocate_slots`` caches each block
+    as it fills and, once the free queue holds cached blocks, hands them out
+    by evicting them. The hashes are computed as tokens are appended
+    (``after``, untimed, as in vLLM where output processing does it). Each
+    batch's requests get a fresh ``cache_salt``, so no batch hits an
+    earlier one's cached prefix (this scenario has no shared prefixes)."""
 
     key = VLLM_MANAGER
+    caching = False
 
     def __init__(self, sc: Scenario) -> None:
         from vllm.sampling_params import SamplingParams
@@ -374,10 +390,24 @@ class VllmManager(Side):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.request import Request, RequestStatus
 
+        setting = (
+            "prefix caching on, vLLM's default, sha256 block hashes"
+            if self.caching
+            else "prefix caching off"
+        )
         self.label = (
             f"vLLM {_version('vllm')} KVCacheManager.allocate_slots(request, 1) for "
-            "every request (finds the crossing ones itself: favours asyncpool)"
+            f"every request ({setting}; finds the crossing ones itself: favours asyncpool)"
         )
+        self.hasher: Any = None
+        if self.caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            hash_fn = get_hash_fn_by_name("sha256")
+            init_none_hash(hash_fn)
+            self.hasher = get_request_block_hasher(sc.page_size, hash_fn)
+        self.batch = 0
         self.sc = sc
         spec = FullAttentionSpec(
             block_size=sc.page_size, num_kv_heads=1, head_size=1, dtype=torch.bfloat16
@@ -392,7 +422,7 @@ class VllmManager(Side):
             max_model_len=sc.max_len,
             scheduler_block_size=sc.page_size,
             hash_block_size=sc.page_size,
-            enable_caching=False,
+            enable_caching=self.caching,
         )
         self.params = SamplingParams(max_tokens=sc.max_len)
         self.new_request, self.running = Request, RequestStatus.RUNNING
@@ -402,8 +432,19 @@ class VllmManager(Side):
         """Fresh requests, prefilled to the starting lengths, one token sampled."""
         allocate = self.manager.allocate_slots
         self.requests = []
+        self.batch += 1
         for i, n in enumerate(self.sc.lens):
-            req = self.new_request(f"req-{i}", [0] * n, self.params, None)
+            if self.hasher is None:
+                req = self.new_request(f"req-{i}", [0] * n, self.params, None)
+            else:
+                req = self.new_request(
+                    f"req-{i}",
+                    [0] * n,
+                    self.params,
+                    None,
+                    cache_salt=f"{self.batch}-{i}",
+                    block_hasher=self.hasher,
+                )
             if allocate(req, n) is None:
                 raise AssertionError(f"{self.label}: prefill of {n} tokens refused")
             req.num_computed_tokens = n
@@ -432,6 +473,13 @@ class VllmManager(Side):
 
     def available(self) -> int:
         return int(self.manager.block_pool.get_num_free_blocks())
+
+
+class VllmManagerCaching(VllmManager):
+    """1, the engine's path in vLLM's default setting (prefix caching on)."""
+
+    key = VLLM_MANAGER_CACHING
+    caching = True
 
 
 class SglangSlots(Side):
@@ -498,6 +546,7 @@ class SglangSlots(Side):
 PEERS: dict[str, tuple[str, Callable[[Scenario], Side], str]] = {
     VLLM: ("vllm", VllmBlocks, BENCH_PAGES),
     VLLM_MANAGER: ("vllm", VllmManager, BENCH_PAGES),
+    VLLM_MANAGER_CACHING: ("vllm", VllmManagerCaching, BENCH_PAGES),
     SGLANG: ("sglang", SglangSlots, BENCH_SLOTS),
 }
 

@@ -473,7 +473,10 @@ def render_markdown(
         "request (without `KVCacheManager`'s bookkeeping, which favours vLLM) and vs its "
         "engine path, `KVCacheManager.allocate_slots(request, 1)` for every request (which "
         "finds the crossing ones itself, favouring asyncpool), both with prefix caching off "
-        "(favours vLLM, as above). Every request's new-token slot "
+        "(favours vLLM, as above); for context also `KVCacheManager` in vLLM's default "
+        "setting (prefix caching on: sha256 block hashes computed untimed as tokens are "
+        "appended, each block cached as it fills, cached blocks evicted when handed out "
+        "again). Every request's new-token slot "
         "(SGLang's `out_cache_loc`): asyncpool's `extend_rows` inside the torch an engine "
         "would run on CPU vs SGLang's `alloc_decode(seq_lens, seq_lens_cpu, last_loc)` "
         "(`benchmarks/bench_decode.py` says exactly what each side does).",

@@ -657,3 +657,15 @@ def test_peer_install_pins_what_decides_the_figures() -> None:
         assert re.search(rf"(?<![\w-]){dist}==\d", installs), dist
         assert re.search(rf"(?<![\w-]){dist}==\d", script), dist
     assert "Left unpinned" in script
+
+
+def test_decode_measures_vllms_engine_path_in_its_default_setting() -> None:
+    """vLLM's scheduler path, KVCacheManager.allocate_slots, is measured with
+    prefix caching off (like for like) and on (vLLM's default), both context."""
+    managers = {
+        key: cls
+        for key, (module, cls, bench) in decode_mod.PEERS.items()
+        if module == "vllm" and issubclass(cls, decode_mod.VllmManager)
+    }
+    assert sorted(cls.caching for cls in managers.values()) == [False, True]
+    assert all(decode_mod.PEERS[key][2] == decode_mod.BENCH_PAGES for key in managers)

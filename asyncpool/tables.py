@@ -353,6 +353,11 @@ class TokenTables:
         self.memory_saver: MemorySaverAdapter = MemorySaverAdapter.create(enable_memory_saver)
         on_cuda_stream = self._on_cuda and isinstance(stream, torch.cuda.Stream)
         self._cuda_stream = stream if on_cuda_stream else None
+        # The one event _after_resets records on the pool's stream, made at
+        # its first use and re-recorded at each: a wait_event reads the
+        # event's last record when it is queued, so an earlier wait keeps
+        # its point however often the event is recorded again.
+        self._resets_queued: torch.cuda.Event | None = None
         self._allocate()
 
     def _allocate(self) -> None:
@@ -514,12 +519,19 @@ class TokenTables:
     def _after_resets(self) -> None:
         # Resets (and resume's zeroing) are queued on the pool's stream; a
         # write from another stream must not run before them, or the late
-        # reset clobbers the new owner's lengths.
+        # reset clobbers the new owner's lengths. One event of the tables',
+        # recorded again at each call: current.wait_stream(stream) would
+        # create a CUDA event per call (torch's record_event() makes a new
+        # one), a driver create and destroy per set_req_pool_info.
         stream = self._cuda_stream
         if stream is not None:
             current = torch.cuda.current_stream(self.device)
             if current != stream:
-                current.wait_stream(stream)
+                event = self._resets_queued
+                if event is None:
+                    event = self._resets_queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                current.wait_event(event)
 
     # ------------------------------------------------------------------ resets
 

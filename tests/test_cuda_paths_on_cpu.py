@@ -23,7 +23,7 @@ from helpers import StandInEvent
 
 import asyncpool.fences as fences_mod
 import asyncpool.kv_pages as kv_pages_mod
-from asyncpool import DeviceError, KVPagePool
+from asyncpool import DeviceError, KVPagePool, ReqToTokenPoolInfo
 from asyncpool.fences import CudaFence, new_stream_key
 from asyncpool.tables import TokenTables, check_device
 from asyncpool.watcher import FenceWatcher
@@ -147,3 +147,71 @@ def test_cuda_a_pool_refuses_a_stream_of_another_device() -> None:
     with pytest.raises(DeviceError, match="stream= is on cuda:0"):
         TokenTables(4, 4, device="cuda:1", stream=other)
     TokenTables(4, 4, device="cuda:0", stream=other)  # its own device's: fine
+
+
+class _SpyEvent:
+    """``torch.cuda.Event`` as the writes' ordering uses it: counts the
+    events made and logs each record."""
+
+    made = 0
+
+    def __init__(self, log: list[tuple[str, str, int]]) -> None:
+        type(self).made += 1
+        self.log = log
+        self.ident = type(self).made
+
+    def record(self, stream: _SpyStream) -> None:
+        self.log.append(("record", stream.name, self.ident))
+
+
+class _SpyStream:
+    """A CUDA stream's ordering calls, as torch 2.13 defines them:
+    ``wait_stream(s)`` is ``self.wait_event(s.record_event())`` and
+    ``record_event()`` makes a new ``torch.cuda.Event()``."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, int]]) -> None:
+        self.name = name
+        self.log = log
+
+    def record_event(self, event: Any = None) -> Any:
+        if event is None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self)
+        return event
+
+    def wait_event(self, event: _SpyEvent) -> None:
+        self.log.append(("wait", self.name, event.ident))
+
+    def wait_stream(self, stream: _SpyStream) -> None:
+        self.wait_event(stream.record_event())
+
+
+def test_writes_wait_for_the_pools_resets_through_one_event_not_one_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``set_req_pool_info`` and ``write`` from a stream other than the
+    pool's make the current stream wait for the resets queued on the pool's
+    stream: each call records an event there and waits for it, in that
+    order. The event is the tables' own, made once: ``wait_stream`` made a
+    new CUDA event (a driver create and destroy) per call. From the pool's
+    own stream nothing is recorded or waited for."""
+    log: list[tuple[str, str, int]] = []
+    _SpyEvent.made = 0
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _SpyEvent(log))
+    pool_stream, scheduler = _SpyStream("pool", log), _SpyStream("scheduler", log)
+    current = [scheduler]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    tables = TokenTables(4, 8)
+    tables._cuda_stream = pool_stream  # the CUDA path's ordering, its tensors on the CPU
+    slots = torch.arange(1, 4, dtype=torch.int64)
+    for row in (1, 2, 3):
+        tables.set_req_pool_info(row, ReqToTokenPoolInfo(2, 3, slots))
+        tables.write((row, slice(3, 5)), torch.tensor([7, 8], dtype=torch.int32))
+    assert _SpyEvent.made == 1, f"{_SpyEvent.made} events made for 6 writes"
+    assert log == [("record", "pool", 1), ("wait", "scheduler", 1)] * 6
+    assert tables.req_to_token[3, :5].tolist() == [1, 2, 3, 7, 8]
+    log.clear()
+    current[0] = pool_stream  # on the pool's stream: ordered already
+    tables.set_req_pool_info(1, ReqToTokenPoolInfo(0, 0, torch.tensor([])))
+    tables.write((1, 0), 5)
+    assert log == [] and _SpyEvent.made == 1

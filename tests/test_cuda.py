@@ -340,6 +340,44 @@ async def test_wait_fence_on_a_cuda_event_lets_the_loop_run() -> None:
     assert fence.query()
 
 
+async def test_the_guides_grant_recipe_keeps_its_pages_until_the_forward_read_them() -> None:
+    """docs/cuda.md, *KV pages and atomic admission*: ``grant.pages`` is
+    made on the grant stream and read on the forward stream behind a step
+    in flight (``kv.slots`` there), then dropped; with
+    ``grant.pages.record_stream(forward)`` the next grant's ids, copied on
+    the grant stream into whatever block the allocator hands it, cannot
+    overwrite them before that read."""
+    forward = torch.cuda.Stream()
+    grant_stream = torch.cuda.current_stream()
+    kv = KVPagePool(65, 4, device="cuda")
+    pool = AsyncReqToTokenPool(5, 64, device="cuda", stream=forward, kv=kv)
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(forward):
+            gpu_busy(300)  # step t, still running while the scheduler admits
+        grant = pool.try_admit(pages=4)
+        assert grant is not None
+        first = pool.pages_of(grant.row, host=True).tolist()
+        with torch.cuda.stream(forward):
+            forward.wait_stream(grant_stream)
+            slots = kv.slots(grant.pages)  # queued behind the spin
+        grant.pages.record_stream(forward)
+        row = grant.row
+        del grant  # the scheduler lets go of its tensor
+        gc.collect()
+        second = pool.try_admit(pages=4)  # new ids, copied on the grant stream now
+        assert second is not None
+        assert pool.pages_of(second.row, host=True).tolist() != first
+        forward.synchronize()
+        expected = [page * 4 + offset for page in first for offset in range(4)]
+        assert slots.tolist() == expected
+        pool.free([row, second.row])
+    finally:
+        async with bounded():
+            await pool.close()
+        torch.cuda.synchronize()
+
+
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 async def test_host_ids_of_a_cuda_pool_stay_on_the_cpu_and_free_without_a_read_back() -> None:
     kv = KVPagePool(33, 4, device="cuda")

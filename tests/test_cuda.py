@@ -134,12 +134,11 @@ async def test_pool_waits_for_the_forward_kernel_and_never_shows_its_late_write(
         assert pool.free(rows) == 0
         assert pool.stats().pending == 4
         assert pool.try_alloc(1) is None
-        t0 = time.perf_counter()
         async with asyncio.timeout(10):
             again = await pool.alloc(4)  # woken by the watcher thread
-        waited = time.perf_counter() - t0
-        assert step.query()
-        assert waited > 0.1, f"granted after {waited * 1e3:.1f} ms, the kernel ran 300 ms"
+        # Granted only once the step is done: asked at the grant, with the
+        # kernel spinning 300 ms, an early grant finds it still running.
+        assert step.query(), "granted while the step still ran"
         with torch.cuda.stream(fwd):  # the next forward reads the rows on the pool's stream
             seen = pool.verified_lens[again].clone()
         fwd.synchronize()
@@ -426,7 +425,8 @@ def test_sync_pool_on_cuda_with_fences() -> None:
 
 
 async def test_watcher_wake_latency_and_cpu() -> None:
-    """The watcher sleeps in the driver (blocking events), then wakes the loop fast."""
+    """The watcher wakes the loop for each of 20 CUDA fences; prints its
+    wake latency and the process's CPU while it waits."""
     fwd = torch.cuda.Stream()
     pool = AsyncReqToTokenPool(2, 8, device="cuda")
     latencies: list[float] = []
@@ -456,13 +456,15 @@ async def test_watcher_wake_latency_and_cpu() -> None:
         p50 = statistics.median(latencies)
         worst = max(latencies)
         cpu = statistics.median(cpu_ratio)
+        # Figures, not assertions (no timing assertion in a test: a loaded
+        # host or a shared GPU would fail it); gpu_check.sh runs with -s and
+        # keeps the line in its log. That the watcher's events sleep in the
+        # driver (blocking=True) is checked without a clock in
+        # test_cuda_paths_on_cpu.py.
         print(
             f"\nwatcher wake latency: p50 {p50 * 1e6:.0f} us, max {worst * 1e6:.0f} us; "
             f"process CPU while waiting: {cpu:.0%} of one core"
         )
-        assert p50 < 0.005, latencies
-        assert worst < 0.05, latencies
-        assert cpu < 0.5, cpu_ratio  # blocking events: no core spun while waiting
     finally:
         async with bounded():
             await pool.close()

@@ -8,6 +8,11 @@
 * ``device="cuda"`` is the device current when the pool is built, not the
   one current at each later call.
 * A CUDA pool refuses a ``stream=`` of another device (needs two GPUs).
+* ``set_req_pool_info``/``write`` from another stream wait for the pool's
+  resets through one event of the tables', recorded at each call, not a
+  new CUDA event per call.
+* The pooled events are blocking (a watcher thread sleeps in the driver)
+  and keep no timing.
 """
 
 from __future__ import annotations
@@ -215,3 +220,25 @@ def test_writes_wait_for_the_pools_resets_through_one_event_not_one_per_call(
     tables.set_req_pool_info(1, ReqToTokenPoolInfo(0, 0, torch.tensor([])))
     tables.write((1, 0), 5)
     assert log == [] and _SpyEvent.made == 1
+
+
+def test_the_pooled_events_sleep_in_the_driver_and_keep_no_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The events ``record_fence`` pools are made ``blocking=True`` (a
+    stream thread's ``synchronize()`` sleeps in the driver instead of
+    spinning a core) and ``enable_timing=False`` (a cheaper record); one is
+    made only when the device's free list is empty. Checked here without
+    a clock, where the GPU test prints the CPU figure."""
+    made: list[dict[str, Any]] = []
+
+    class Event:
+        def __init__(self, **kwargs: Any) -> None:
+            made.append(kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pool = fences_mod._EventPool()
+    first = pool.take(DEVICE)
+    assert made == [{"enable_timing": False, "blocking": True}]
+    pool.give_back(DEVICE, first)
+    assert pool.take(DEVICE) is first and pool.created == 1 and len(made) == 1

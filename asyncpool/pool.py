@@ -439,6 +439,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             ledgers=ledgers,
             log=self._log_to(logger),
             pool_name=self._name,
+            device=self._tables.device.index if self._tables.device.type == "cuda" else None,
         )
         # stats().page_fence_errors counts a fence once, however many groups
         # it held pages in: each group's ledger counts it in its own

@@ -128,7 +128,9 @@ class FenceWakeups:
     ledger of the pool. ``grant``: run the grant loop. ``ledgers``: the
     pool's ledgers, asked only which of the fences the poller let go of
     they still wait for (and which fences hold memory). ``log``: the pool's
-    log (its lines, named as the pool's).
+    log (its lines, named as the pool's). ``device``: the index of the
+    pool's CUDA device, made current on the watcher's poller thread
+    (None off CUDA; see :class:`~asyncpool.watcher.FenceWatcher`).
 
     Loop thread only, but for :meth:`fence_done_threadsafe` (and
     :attr:`notify`, which calls it), which any thread may call.
@@ -145,8 +147,10 @@ class FenceWakeups:
         ledgers: Sequence[Deferrals[Any]],
         log: Log,
         pool_name: str | None = None,
+        device: int | None = None,
     ) -> None:
         self._loop = loop
+        self._device = device
         self._closed = closed
         self._close_fast_paths = close_fast_paths
         self._reclaim = reclaim
@@ -200,6 +204,7 @@ class FenceWakeups:
                 alive=self.notify.alive,
                 pool_name=self._pool_name,
                 keep_dropped=True,
+                device=self._device,
             )
         try:
             watcher.watch(fence)

@@ -104,7 +104,13 @@ class FenceWatcher:
     pool's name, which starts every line logged (None: the lines as they
     always were). ``keep_dropped``: keep the fences the poller lets go of
     in ``dropped`` for the owner, who must then take them
-    (:meth:`take_dropped`) after each notify.
+    (:meth:`take_dropped`) after each notify. ``device``: the CUDA device
+    index of the owner's memory, which the poller makes current on its
+    thread before it asks any fence (None: none is made current but a
+    CUDA fence's own): a fence of unknown origin (a bare
+    ``torch.cuda.Event``, a transfer engine's handle) asked from a new
+    thread, which is on device 0, would create a CUDA context on GPU 0 in
+    a process whose pool lives on another (``fences.use_device``).
     """
 
     def __init__(
@@ -115,8 +121,10 @@ class FenceWatcher:
         alive: Callable[[], bool] | None = None,
         pool_name: str | None = None,
         keep_dropped: bool = False,
+        device: int | None = None,
     ) -> None:
         self._notify = notify
+        self._device = device
         self._keep_dropped = keep_dropped
         self._log = pool_log(logger, pool_name)
         # False once nobody is left to notify (the owning pool was collected):
@@ -365,6 +373,11 @@ class FenceWatcher:
         delay = _POLL_MIN_S
         sleep = 0.0
         device = -1  # the CUDA device made current here (see _wait_stream)
+        if self._device is not None:
+            # Before the first fence of unknown origin is asked (see the
+            # class docstring); a CUDA fence makes its own device current.
+            device = self._device
+            use_device(device)
         while True:
             with lock:
                 if sleep and not self._kicked and not self._stopped:

@@ -11,6 +11,8 @@
 * ``set_req_pool_info``/``write`` from another stream wait for the pool's
   resets through one event of the tables', recorded at each call, not a
   new CUDA event per call.
+* A CUDA pool's poller asks fences of unknown origin with the pool's
+  device current.
 * The pooled events are blocking (a watcher thread sleeps in the driver)
   and keep no timing.
 """
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from typing import Any
@@ -28,9 +31,10 @@ from helpers import StandInEvent
 
 import asyncpool.fences as fences_mod
 import asyncpool.kv_pages as kv_pages_mod
-from asyncpool import DeviceError, KVPagePool, ReqToTokenPoolInfo
+from asyncpool import AsyncReqToTokenPool, DeviceError, KVPagePool, ReqToTokenPoolInfo
 from asyncpool.fences import CudaFence, new_stream_key
 from asyncpool.tables import TokenTables, check_device
+from asyncpool.wakeups import FenceWakeups
 from asyncpool.watcher import FenceWatcher
 
 WAIT_S = 10.0
@@ -242,3 +246,54 @@ def test_the_pooled_events_sleep_in_the_driver_and_keep_no_timing(
     assert made == [{"enable_timing": False, "blocking": True}]
     pool.give_back(DEVICE, first)
     assert pool.take(DEVICE) is first and pool.created == 1 and len(made) == 1
+
+
+def test_a_cuda_pools_poller_asks_fences_of_unknown_origin_on_the_pools_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fence of unknown origin (a bare ``torch.cuda.Event``, a transfer
+    handle) has no device to read, and its ``query()`` on the poller's
+    thread, new and so on device 0, made that thread's first CUDA call
+    there: a context on GPU 0 for a pool on cuda:3. A CUDA pool's watcher
+    is given the pool's device, which the poller makes current before it
+    asks any fence; a CPU pool's makes none current."""
+    current: dict[int, int] = {}  # thread -> the device it made current
+    asked: list[int | None] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: current.__setitem__(threading.get_ident(), d)
+    )
+    gate = threading.Event()
+
+    class Handle:  # a transfer handle: query() and synchronize(), no stream
+        def query(self) -> bool:
+            asked.append(current.get(threading.get_ident()))
+            return gate.is_set()
+
+        def synchronize(self) -> None:
+            gate.wait(WAIT_S)
+
+    handle = Handle()
+    wakeups = FenceWakeups(
+        loop=lambda: None,
+        closed=lambda: False,
+        close_fast_paths=lambda: None,
+        reclaim=lambda: None,
+        grant=lambda: None,
+        ledgers=(),
+        log=logging.getLogger(__name__),
+        device=DEVICE,
+    )
+    try:
+        wakeups.watch(handle)
+        _until(lambda: bool(asked), "the poller's first query")
+        gate.set()
+        watcher = wakeups.watcher
+        assert watcher is not None
+        _until(lambda: not watcher.polling(handle), "the poller to drop the handle")
+    finally:
+        gate.set()
+        closed = wakeups.close()
+        if closed is not None:
+            closed.join(WAIT_S)
+    assert asked and all(device == DEVICE for device in asked), asked
+    assert AsyncReqToTokenPool(2, 4)._wakeups._device is None  # a CPU pool's

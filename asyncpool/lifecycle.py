@@ -404,8 +404,16 @@ class Lifecycle:
                     if pages == 1
                     else (f"{pages} KV pages of {where} are")
                 )
+                # No row is allocated (checked above), so no row owns these
+                # pages: the caller holds them (detach_pages, a prefix cache;
+                # or a direct kv.alloc). Say so: "free them" would send an
+                # engine to pool.free, which has no row to free.
+                it = "it" if pages == 1 else "them"
+                free = "kv.free" if name is None else f"pool.kv_groups[{name!r}].free"
                 raise PoolBusyError(
-                    f"cannot release memory while {what} still allocated; free them first"
+                    f"cannot release memory while {what} still allocated, held by no "
+                    f"row: the caller's (detach_pages, a prefix cache, or a direct "
+                    f"kv.alloc); evict {it} with {free} first"
                 )
 
     async def resume_memory(self) -> None:

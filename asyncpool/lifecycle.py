@@ -338,8 +338,9 @@ class Lifecycle:
         With requests queued (a model unloaded while its clients wait), a
         ``free`` of the running requests' rows hands them to the queued
         waiters at once (grant at hand-over), and the release then refuses
-        them as allocated. Take :meth:`hold_grants` *before* those frees,
-        release, then release the hold: the waiters keep their places
+        them as allocated. Take :meth:`hold_grants` *before* those frees
+        (and before queueing the next batch: rows still free would serve it
+        at once), release, then release the hold: the waiters keep their places
         (``alloc``/``admit`` wait while released) until
         :meth:`resume_memory` serves them; or :meth:`close` fails them. A
         waiter granted before the hold whose task has not run yet holds its
@@ -418,6 +419,9 @@ class Lifecycle:
 
     async def resume_memory(self) -> None:
         """Restore the memory region, zero the tables, and wake waiters.
+
+        On a pool whose memory is not released, a no-op (the tables keep
+        what was written to them).
 
         Raises :class:`PoolBusyError`, changing nothing, while a
         :meth:`release_memory` is still draining: the rows it waits for may

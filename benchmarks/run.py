@@ -102,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         "--rounds", type=_positive_int, help="override the interleaved rounds per comparison"
     )
     p.add_argument(
+        "--slow-fences",
+        type=_positive_int,
+        metavar="N",
+        help="how many slow fences of unknown origin the wake benchmark keeps "
+        "watched (default 100; --only wake --slow-fences 1000 measures the "
+        "wake-up latency docs/api.md quotes for thousands of pending transfers)",
+    )
+    p.add_argument(
         "--from-json",
         metavar="PATH",
         type=Path,
@@ -150,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds is not None:
         cfg = replace(cfg, rounds=args.rounds)
     cfg = replace(cfg, clock=args.clock)
+    if args.slow_fences is not None:
+        cfg = replace(cfg, slow_fences=args.slow_fences)
     loops = _names(args.loops)
     if not loops:
         parser.error(f"--loops names no loop kind; have {list(loop_factories())}")

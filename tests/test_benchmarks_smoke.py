@@ -415,6 +415,21 @@ async def test_wake_latency_with_slow_fences_watched() -> None:
     assert rows[0].samples["polls_per_s"][0] >= 0
 
 
+@pytest.mark.timeout(120)
+def test_slow_fences_flag_sets_how_many_the_wake_benchmark_watches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--slow-fences N``: docs/api.md quotes wake-ups with 1,000 and 4,000
+    pending transfer handles; the command beside them reruns that figure."""
+    from benchmarks.run import main
+
+    argv = ["--preset", "smoke", "--only", "wake", "--loops", "asyncio", "--no-md"]
+    assert main([*argv, "--slow-fences", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "wake-up latency, 7 slow fences watched" in out
+    assert "100 slow fences" not in out
+
+
 async def test_scaling() -> None:
     async with bounded(LONG_S):
         rows, memory = await bench_scaling(SMOKE)
@@ -509,6 +524,7 @@ def test_entry_point_writes_markdown_and_json(
         # --rounds 0 was ignored (the preset's rounds ran); fewer gave n/a rows.
         ["--rounds", "0"],
         ["--rounds", "-3"],
+        ["--slow-fences", "0"],
     ],
 )
 def test_entry_point_rejects_unknown_names(argv: list[str]) -> None:

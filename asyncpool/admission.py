@@ -111,6 +111,7 @@ _TRUSTED_PASS = 8
 
 
 _Got = TypeVar("_Got")  # what a growth answers: pages, None, or (m, pages)
+_C = TypeVar("_C")  # a grouped growth's count for one group: one int, or one per row
 #: A grouped growth's want for one group: its name, its pages, and one page
 #: count for every row or a list of one per row.
 _GroupWant = tuple[str, RowPages, int | list[int]]
@@ -1223,25 +1224,10 @@ class Admission:
         led.check_allocated(seq, "extended")
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
-        n = m = len(seq)
-        reclaimed = False
-        # The groups that cannot cover every row (after reclaiming their
-        # completed fences): each counts the call as a refusal of its own.
-        shorts: list[RowPages] = []
-        if self._released:
-            m = 0
-        elif n:
-            for _, pages, k in wants:
-                if not k:
-                    continue
-                pled = pages.ledger
-                if _reclaim_short(pled, n * k):
-                    reclaimed = True
-                fits = pled.free_count // k
-                if fits < n:
-                    if fits < m:
-                        m = fits
-                    shorts.append(pages)
+        n = len(seq)
+        m, shorts, reclaimed = self._fitting_run(
+            wants, n, lambda k: n * k, lambda k, free: free // k
+        )
         if m:
             got = self._take_groups(wants, seq[:m], lines=True)
         else:
@@ -1327,6 +1313,35 @@ class Admission:
             return None
         return self._grow_groups(wants, seq, lines=False)
 
+    def _fitting_run(
+        self,
+        wants: Sequence[tuple[str, RowPages, _C]],
+        n: int,
+        need: Callable[[_C], int],
+        fitting: Callable[[_C, int], int],
+    ) -> tuple[int, list[RowPages], bool]:
+        """The grouped :meth:`extend_fitting`'s run: how many of its ``n``
+        rows every group's free pages cover (0 while released). A group
+        short of ``need(count)`` pages reclaims its completed fences first;
+        one still short caps the run at ``fitting(count, free)`` rows and is
+        listed, to count the call as a refusal of its own. Answers the run's
+        length, the short groups, and whether a reclaim returned pages (the
+        grant loop runs after the growth)."""
+        m = 0 if self._released else n
+        shorts: list[RowPages] = []
+        reclaimed = False
+        if not m:
+            return m, shorts, reclaimed
+        for _, pages, count in wants:
+            led = pages.ledger
+            total = need(count)
+            if _reclaim_short(led, total):
+                reclaimed = True
+            if total > led.free_count:
+                m = min(m, fitting(count, led.free_count))
+                shorts.append(pages)
+        return m, shorts, reclaimed
+
     def _extend_fitting_groups_each(
         self, rows: Rows, counts: Mapping[Any, Any], group: object
     ) -> tuple[int, dict[str, torch.Tensor]]:
@@ -1346,24 +1361,14 @@ class Admission:
                 )
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")
-        m = len(seq)
-        reclaimed = False
-        shorts: list[RowPages] = []
-        if self._released:
-            m = 0
-        else:
-            for _, pages, each in wants:
-                led = pages.ledger
-                total = sum(each)
-                if _reclaim_short(led, total):
-                    reclaimed = True
-                if total > led.free_count:
-                    # The longest run of rows whose counts fit: its running
-                    # sums are the ones up to what is free.
-                    fits = bisect.bisect_right(list(itertools.accumulate(each)), led.free_count)
-                    if fits < m:
-                        m = fits
-                    shorts.append(pages)
+        # The longest run of rows whose counts fit: its running sums are the
+        # ones up to what is free.
+        m, shorts, reclaimed = self._fitting_run(
+            wants,
+            len(seq),
+            sum,
+            lambda each, free: bisect.bisect_right(list(itertools.accumulate(each)), free),
+        )
         got = self._take_groups([(n, p, each[:m]) for n, p, each in wants], seq[:m], lines=False)
         if shorts:
             self._count_refusal(shorts)

@@ -1783,7 +1783,7 @@ class Admission:
         seq = led.as_rows(rows)
         led.check_allocated(seq, "freed")
         prepared = pages.prepare_free(seq, self._uses)
-        if after is not None:
+        if after is not None and len(seq):  # an empty free records no fence
             step = record_fence(after)
             led.record_use(seq, step, "freed")
             extra = (*extra, step)
@@ -1836,7 +1836,7 @@ class Admission:
         led.check_allocated(seq, "freed")
         sets = self._page_sets
         prepared = [pages.prepare_free(seq, self._uses) for pages in sets]
-        if after is not None:
+        if after is not None and len(seq):  # an empty free records no fence
             step = record_fence(after)
             led.record_use(seq, step, "freed")
             extra = (*extra, step)

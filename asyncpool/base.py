@@ -412,7 +412,8 @@ class PoolCore:
             fence_list(fence)  # TypeError for a non-fence, naming a bad element
         seq = led.as_rows(rows)
         led.check_allocated(seq, "freed")
-        led.record_use(seq, record_fence(after), "freed")
+        if len(seq):  # nothing to tie: no fence (a CUDA event) for an empty free
+            led.record_use(seq, record_fence(after), "freed")
         return seq
 
     def check_invariants(self) -> None:

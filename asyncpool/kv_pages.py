@@ -1263,7 +1263,7 @@ class KVPagePool:
         ids, owned = led.prepare(pages)
         if self._handed and (entry := self._handed.pop(id(pages), None)) is not None:
             self._handed_pages -= entry[4]  # checked above, not trusted
-        if after is not None:
+        if after is not None and len(ids):  # an empty free records no fence
             fences.append(record_fence(after))
         n = led.free_prepared(ids, owned, fences)
         if n and self._on_free is not None:

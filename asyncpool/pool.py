@@ -1352,14 +1352,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
             self._unwatched = [f for f in self._unwatched if id(f) not in ids]
         log = self._log_to(logger)
         if len(fences) > 1:
-            faulted = (
-                0
-                if rows or pages or held
-                else sum(
-                    led.remembers_fault(f) or any(pled.remembers_fault(f) for pled in pleds)
-                    for f in fences
-                )
-            )
+            faulted = 0 if rows or pages or held else sum(self._remembers_fault(f) for f in fences)
             log_force_release_many(log, fences, rows, pages, held, uses, faulted=faulted)
             if rows or pages:
                 self._waiters.grant()
@@ -1379,7 +1372,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
                 "other fences; they no longer wait for this one",
                 fence,
             )
-        elif led.remembers_fault(fence) or any(pled.remembers_fault(fence) for pled in pleds):
+        elif self._remembers_fault(fence):
             # An operator releasing a dead peer's transfers meets this one:
             # "never given to it" (or "holds no row", when a running row had
             # a use recorded on it too) would read as if its memory were back.
@@ -1477,6 +1470,13 @@ class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
         loop = self._loop
         if self._waiters.count and loop is not None and not self._drop_dead_waiters():
             loop.call_soon(self._shed_unfittable)
+
+    def _remembers_fault(self, fence: Fence) -> bool:
+        """True if the row ledger or any page ledger saw ``fence`` fault
+        (``force_release``'s lines: its memory stays quarantined)."""
+        if self._ledger.remembers_fault(fence):
+            return True
+        return any(ps.ledger.remembers_fault(fence) for ps in self._page_sets)
 
     def _on_group_fault(self, index: int, fence: Fence, error: BaseException) -> None:
         # KV group `index`'s ledger quarantined pages behind a faulted fence.

@@ -894,6 +894,65 @@ class Admission:
             return torch.zeros(0, dtype=torch.int64)
         return pages.of(row, host)
 
+    def pages_of_rows(
+        self,
+        rows: Rows,
+        *,
+        host: bool = False,
+        group: str | None = None,
+        width: SupportsIndex | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages of many rows at once, as a block table: ``(table,
+        counts)``.
+
+        ``table`` is a ``(len(rows), width)`` int64 tensor whose line ``i``
+        is what :meth:`pages_of` answers for ``rows[i]``, padded with page
+        0 (the page pool's reserved padding page, as dropped positions
+        read); ``counts`` a 1-D int64 tensor, line ``i``'s positions
+        (dropped ones included). ``width`` None: the most positions of any
+        of the rows (0 for none); an int >= 0: a fixed width (a CUDA
+        graph's block table), :class:`CapacityError` for a row with more
+        positions. One call builds the step's block table with two
+        tensors, where :meth:`pages_of` per row makes one tensor a row and
+        leaves the padding to the caller. Both are fresh, the caller's (not
+        the pool's record: writing into them is fine), on the
+        ``KVPagePool``'s device, or with ``host=True`` on the CPU (one copy
+        each to the device otherwise). ``rows``: as :meth:`free` takes them
+        (an empty sequence gives a ``(0, width)`` table), in the table's
+        order (a set is refused). Raises, changing nothing:
+        :class:`InvalidSlotError` unless the rows are distinct allocated
+        rows (or for rows in a set), :class:`CapacityError` for a
+        ``width`` that is not an int >= 0 or that a row's positions pass;
+        ``group=`` as for :meth:`pages_of` (required on a pool with KV
+        groups: one table per group). On a pool without ``kv``: a table of
+        zeros, every count 0. Owner thread, as every call here.
+        """
+        self._check_thread()
+        pages = self._pages
+        if pages is None or group is not None:
+            pages = self._pages_or_none(group, "pages_of_rows")
+        _check_ordered(rows, "pages_of_rows")
+        led = self._ledger
+        seq = led.as_rows(rows)
+        led.check_allocated(seq, "asked for its pages")
+        w: int | None = None
+        if width is not None:
+            try:
+                w = as_index(width)
+            except TypeError:
+                raise CapacityError(
+                    f"width must be a page count (an int >= 0) or None, got "
+                    f"{describe(width)} of type {type(width).__name__}"
+                ) from None
+            if w < 0:
+                raise CapacityError(f"width must be a page count >= 0, got {w}")
+        if pages is None:
+            return (
+                torch.zeros((len(seq), w or 0), dtype=torch.int64),
+                torch.zeros(len(seq), dtype=torch.int64),
+            )
+        return pages.table(seq, w, host)
+
     @overload
     def extend(
         self, row: SupportsIndex, k: SupportsIndex, *, group: str | None = None
@@ -1524,7 +1583,7 @@ class Admission:
     def trim_pages(
         self,
         rows: Rows,
-        keep: Counts,
+        keep: Counts | Mapping[str, Counts],
         fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
@@ -1557,8 +1616,21 @@ class Admission:
         to trim (required there); elsewhere it must be None (``ValueError``
         for either mistake or an unknown name).
         Allowed after :meth:`close`, as :meth:`free`.
+
+        Every group at once (a hybrid model's rollback): ``keep`` a mapping
+        ``{group: keep}`` naming any of the pool's groups (those it leaves
+        out keep every page), each value one count or one per row, as
+        above. Every group's input is checked, and every group's pages
+        (:meth:`free`'s checks), before any group changes: a bad value, row
+        or record in any group raises as above (the message names the
+        group), nothing changed in any group. One ``after`` fence and one
+        verdict per fence for the whole call; returns the pages free at
+        once, summed over the groups. ``ValueError`` for ``group=`` with a
+        mapping, an unknown group, or a mapping on a pool with one ``kv``.
         """
         self._check_thread()
+        if keep.__class__ is not int and isinstance(keep, Mapping):
+            return self._give_back_groups("trim_pages", rows, keep, fence, after, group)
         pages = self._pages
         if pages is None or group is not None:
             pages = self._pages_for(group, "trim_pages", "trim a row's pages")
@@ -1610,7 +1682,7 @@ class Admission:
     def drop_pages(
         self,
         rows: Rows,
-        below: Counts,
+        below: Counts | Mapping[str, Counts],
         fence: Fences | None = None,
         *,
         after: HostStream | torch.Stream | None = None,
@@ -1652,8 +1724,16 @@ class Admission:
         the sliding-window group); elsewhere it must be None (``ValueError``
         for either mistake or an unknown name). Allowed after
         :meth:`close`, as :meth:`free`.
+
+        Every group at once: ``below`` a mapping ``{group: below}``, as
+        :meth:`trim_pages` takes ``{group: keep}``: the groups it names
+        drop, the others keep their pages; all checked before any changes
+        (``below`` past a row's positions in any group: nothing dropped
+        anywhere), one verdict per fence, the pages free at once summed.
         """
         self._check_thread()
+        if below.__class__ is not int and isinstance(below, Mapping):
+            return self._give_back_groups("drop_pages", rows, below, fence, after, group)
         pages = self._pages
         if pages is None or group is not None:
             pages = self._pages_for(group, "drop_pages", "drop a row's pages")
@@ -1679,6 +1759,93 @@ class Admission:
         immediate = self._give_back_positions(
             pages, prepared, extra, after, below=dict(zip(seq, belows, strict=True))
         )
+        if immediate and self._waiters.count:
+            self._waiters.grant()
+        return immediate
+
+    def _give_back_groups(
+        self,
+        call: Literal["trim_pages", "drop_pages"],
+        rows: Rows,
+        values: Mapping[Any, Any],
+        fence: Fences | None,
+        after: Any | None,
+        group: object,
+    ) -> int:
+        """:meth:`trim_pages` (``values`` ``{group: keep}``) or
+        :meth:`drop_pages` (``{group: below}``) in every named group at
+        once. Checks everything in every group (the values, the rows, the
+        fences, each group's pages as :meth:`RowPages.prepare_free` does)
+        before any group changes; then one ``after`` fence and one verdict
+        per fence (the page ledgers share the call's answers, as at a
+        grouped :meth:`free`)."""
+        trim = call == "trim_pages"
+        name = "keep" if trim else "below"
+        if group is None and self._groups is None and self._pages is not None:
+            raise ValueError(
+                f"{call}: this pool has one KV page pool and no KV groups: give {name} as a "
+                "count or one per row, not a mapping of group names to them"
+            )
+        groups = self._named_groups(call, values, group)
+        if any(_per_row(v) for v in values.values()):
+            _check_ordered(rows, f"{call} with one {name} per row")
+        led = self._ledger
+        seq = led.as_rows(rows)
+        n = len(seq)
+        plans: list[tuple[str, RowPages, list[int]]] = []
+        for gname, pages in groups.items():
+            if gname in values:
+                try:
+                    counts = _page_counts(values[gname], n, name)
+                except CapacityError as exc:
+                    raise CapacityError(f"KV group {gname!r}: {exc}") from None
+                plans.append((gname, pages, counts))
+        led.check_allocated(seq, "trimmed" if trim else "dropped from")
+        if not trim:
+            for gname, pages, counts in plans:
+                for row, b in zip(seq, counts, strict=True):
+                    have = pages.position_count(row)
+                    if b > have:
+                        raise CapacityError(
+                            f"KV group {gname!r}: cannot drop row {row}'s pages below "
+                            f"position {b}: it has only {have} page positions (dropped "
+                            "ones included)"
+                        )
+        extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
+        if after is not None:
+            check_after(after)
+        uses = self._uses
+        prepared = [
+            pages.prepare_free(seq, uses, counts)
+            if trim
+            else pages.prepare_free(seq, uses, belows=counts)
+            for _, pages, counts in plans
+        ]
+        # Everything is checked: from here on each group changes.
+        if after is not None and any(prepared):
+            extra = (*extra, record_fence(after))
+        answers: dict[Any, Any] = {}
+        for _, pages, _ in plans:
+            pages.ledger.answers = answers
+        immediate = 0
+        try:
+            for (_, pages, counts), one in zip(plans, prepared, strict=True):
+                holes = pages.holes
+                if not trim:
+                    if one:
+                        below = dict(zip(seq, counts, strict=True))
+                        immediate += pages.free(one, extra, below=below)
+                    continue
+                if one:
+                    kept = dict(zip(seq, counts, strict=True))  # positions; free() takes pages
+                    if holes:
+                        kept = {row: max(0, k - holes.get(row, 0)) for row, k in kept.items()}
+                    immediate += pages.free(one, extra, kept)
+                if holes:
+                    pages.trim_holes(seq, counts)
+        finally:
+            for _, pages, _ in plans:
+                pages.ledger.answers = None
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate

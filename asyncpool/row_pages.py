@@ -439,6 +439,48 @@ class RowPages:
             return self.out(self.positions(row), host)
         return self.out(pages if pages is not None else _EMPTY, host)
 
+    def table(
+        self, rows: Sequence[int], width: int | None, host: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages of ``rows`` (validated) by position as one block table:
+        ``(table, counts)``, ``table`` an ``(len(rows), width)`` int64
+        tensor whose line i is :meth:`of` ``rows[i]`` padded with page 0,
+        ``counts`` line i's positions (dropped ones included). ``width``
+        None: the most positions of any row. A fresh array each call (never
+        a record), filled by one concatenation and one masked write, so two
+        tensors whatever the count of rows. :class:`CapacityError` (nothing
+        changed: a read) for a row with more positions than ``width``."""
+        owned = self.owned
+        n = len(rows)
+        records = [owned[row] for row in rows]
+        ends = np.fromiter(
+            (0 if pages is None else pages.shape[0] for pages in records), np.int64, n
+        )
+        holes = self.holes
+        starts = None
+        if holes:
+            starts = np.fromiter((holes.get(row, 0) for row in rows), np.int64, n)
+            ends += starts
+        most = int(ends.max()) if n else 0
+        if width is None:
+            width = most
+        elif most > width:
+            i = int(ends.argmax())
+            raise CapacityError(
+                f"row {rows[i]} has {most} page positions (dropped ones included), past "
+                f"the table's width {width}"
+            )
+        out = np.zeros((n, width), dtype=np.int64)
+        parts = [pages for pages in records if pages is not None]
+        if parts:
+            places = np.arange(width)
+            mask = places < ends[:, None]
+            if starts is not None:
+                mask &= places >= starts[:, None]
+            # Row-major: line by line, positions in order, as the parts are.
+            out[mask] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self.out(out, host), self.out(ends, host)
+
     def positions(self, row: int) -> npt.NDArray[np.int64]:
         """``row``'s pages by position, its dropped ones as page 0: a fresh
         array (never the record)."""

@@ -547,14 +547,21 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "try_admit": try_admit,
         "try_alloc": try_alloc,
         "pages_of": lambda: pool.pages_of(row, group="swa"),
+        "pages_of_rows": lambda: pool.pages_of_rows([row], group="full"),
         "extend": lambda: (pool.extend(row, 1, group="full"), pool.extend(row, {"swa": 1})),
         "extend_rows": lambda: (
             pool.extend_rows([row], 1, group="swa"),
             pool.extend_rows([row], {"swa": 1, "full": 1}),
         ),
         "extend_fitting": lambda: pool.extend_fitting([row], 1, group="full"),
-        "trim_pages": lambda: pool.trim_pages([row], 1, group="full"),
-        "drop_pages": lambda: pool.drop_pages([row], 1, group="swa"),
+        "trim_pages": lambda: (
+            pool.trim_pages([row], 1, group="full"),
+            pool.trim_pages([row], {"swa": 2, "full": 1}),
+        ),
+        "drop_pages": lambda: (
+            pool.drop_pages([row], 1, group="swa"),
+            pool.drop_pages([row], {"swa": 1}),
+        ),
         "pages_dropped": lambda: pool.pages_dropped(row, group="swa"),
         "pages_short": lambda: pool.pages_short(group="swa"),
         "queue_head": pool.queue_head,

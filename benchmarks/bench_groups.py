@@ -33,6 +33,19 @@ slots a page in both attention groups; the preset's sizes).
   back from the other end; per row, only the drop or the trim timed (each
   step grows every row a swa page first, untimed; rows admitted afresh
   every 16 steps, untimed).
+* Context: a speculative step's block table, 32 rows of ``admit_pages``
+  to ``admit_pages + 15`` full-attention pages:
+  ``table, counts = pool.pages_of_rows(rows, group="full")`` against
+  ``pool.pages_of(row, group="full")`` per row, padded into a table by
+  ``torch.nn.utils.rnn.pad_sequence`` with the counts as a tensor (the
+  same two tensors); per row.
+* Context: a speculative step's rollback on a hybrid model, 32 rows each
+  giving back the pages of its rejected drafts in both attention groups
+  (1 to 3 pages a row, no fence: free at once): ``pool.trim_pages(rows,
+  {"full": keeps, "swa": keeps})`` against ``trim_pages(rows, keeps,
+  group="full")`` then ``(..., group="swa")``; per row, only the trim timed
+  (each step's draft growth, ``extend_rows(rows, {"full": drafts, "swa":
+  drafts})``, untimed).
 """
 
 from __future__ import annotations
@@ -61,6 +74,8 @@ async def bench_groups(cfg: Config) -> list[Row]:
     rows = await _admit(cfg)
     rows += await _growth(cfg)
     rows += await _window(cfg)
+    rows += await _block_table(cfg)
+    rows += await _rollback(cfg)
     return rows
 
 
@@ -361,5 +376,121 @@ async def _window(cfg: Config) -> list[Row]:
             subject_label=f'drop_pages(rows, below, group="swa"), {batch} rows, 1 page each',
             reference_label=f'trim_pages(rows, {w}, group="swa"), {batch} rows, 1 page each',
             note="context: behind the step's open fence; only the give-back timed",
+        ),
+    ]
+
+
+async def _block_table(cfg: Config) -> list[Row]:
+    import torch
+
+    loop = loop_name()
+    now = clock_of(cfg)
+    k, w, batch = cfg.admit_pages, cfg.groups_window_pages, cfg.groups_batch_rows
+    pool = _batch_pool(batch, batch * (k + STEPS), batch * w)
+    rows = []
+    for i in range(batch):
+        grant = pool.try_admit({"full": k + i % STEPS, "swa": w, "mamba": 1})
+        assert grant is not None
+        rows.append(grant.row)
+    pad = torch.nn.utils.rnn.pad_sequence
+
+    def tables(batched: bool) -> Sampler:
+        async def sample(n: int) -> int:
+            pages_of, pages_of_rows = pool.pages_of, pool.pages_of_rows
+            t0 = now()
+            for _ in range(n):
+                if batched:
+                    pages_of_rows(rows, group="full")  # (table, counts)
+                else:
+                    each = [pages_of(row, group="full") for row in rows]
+                    pad(each, batch_first=True)  # the table
+                    torch.tensor([len(t) for t in each], dtype=torch.int64)  # the counts
+            return now() - t0
+
+        return sample
+
+    try:
+        one, _ = pool.pages_of_rows(rows, group="full")
+        each = [pool.pages_of(row, group="full") for row in rows]
+        assert torch.equal(one, pad(each, batch_first=True))  # the same table
+        per_op = await interleave(
+            {"batched": tables(True), "per row": tables(False)},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call={"batched": batch, "per row": batch},
+        )
+    finally:
+        await pool.close()
+    return [
+        compare(
+            per_op,
+            bench=f"block table: {batch} rows of {k} to {k + STEPS - 1} pages",
+            loop=loop,
+            subject="batched",
+            reference="per row",
+            unit="ns/row",
+            speedup=True,
+            subject_label=f'pages_of_rows(rows, group="full"), {batch} rows',
+            reference_label=f'pages_of(row, group="full") per row + pad_sequence, {batch} rows',
+            note="context: the (table, counts) of a step in one call",
+        ),
+    ]
+
+
+async def _rollback(cfg: Config) -> list[Row]:
+    loop = loop_name()
+    now = clock_of(cfg)
+    k, w, batch = cfg.admit_pages, cfg.groups_window_pages, cfg.groups_batch_rows
+    pool = _batch_pool(batch, batch * (k + 4), batch * (w + 4))
+    rows = []
+    for _ in range(batch):
+        grant = pool.try_admit({"full": k, "swa": w, "mamba": 1})
+        assert grant is not None
+        rows.append(grant.row)
+    drafts = [1 + i % 3 for i in range(batch)]  # rejected drafts' pages a row
+    grow = {"full": drafts, "swa": drafts}
+    keeps = {"full": [k] * batch, "swa": [w] * batch}
+
+    def rollbacks(grouped: bool) -> Sampler:
+        async def sample(n: int) -> int:
+            elapsed = 0
+            extend_rows, trim = pool.extend_rows, pool.trim_pages
+            for _ in range(n):
+                assert extend_rows(rows, grow) is not None
+                t0 = now()
+                if grouped:
+                    trim(rows, keeps)
+                else:
+                    trim(rows, keeps["full"], group="full")
+                    trim(rows, keeps["swa"], group="swa")
+                elapsed += now() - t0
+            return elapsed
+
+        return sample
+
+    try:
+        per_op = await interleave(
+            {"grouped": rollbacks(True), "per group": rollbacks(False)},
+            rounds=cfg.rounds,
+            target_s=cfg.sample_s,
+            ops_per_call={"grouped": batch, "per group": batch},
+        )
+        st = pool.stats()
+        assert st.growth_refusals == 0 and st.pages_allocated == batch * (k + w + 1), st
+    finally:
+        await pool.close()
+    return [
+        compare(
+            per_op,
+            bench=f"speculative rollback: {batch} rows trim 1-3 draft pages in full and swa each",
+            loop=loop,
+            subject="grouped",
+            reference="per group",
+            unit="ns/row",
+            speedup=True,
+            subject_label=f'trim_pages(rows, {{"full": keeps, "swa": keeps}}), {batch} rows',
+            reference_label=f'trim_pages(rows, keeps, group="full") + (..., group="swa"), '
+            f"{batch} rows",
+            note="context: every group checked before any changes; only the trim timed",
         ),
     ]

@@ -122,3 +122,36 @@ def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
         "doc.md: missing.png (no such file)",
         "doc.md: #there (no such heading)",
     ]
+
+
+def ambiguous_links(docs: list[Path]) -> list[str]:
+    """``doc: target`` for every relative link whose anchor is the slug of
+    a heading that its file repeats (``## Metrics`` and a ``### metrics``
+    above it): the link lands on the first, which may not be the one meant,
+    and adding such a heading moves every existing link without breaking it."""
+    bad = []
+    for doc in docs:
+        for target in links(doc):
+            file_part, _, anchor = target.partition("#")
+            if _SCHEME.match(target) or not anchor:
+                continue
+            dest = (doc.parent / file_part).resolve() if file_part else doc
+            if dest.suffix == ".md" and dest.exists() and f"{anchor}-1" in anchors(dest):
+                bad.append(f"{doc.name}: {target}")
+    return bad
+
+
+def test_no_link_lands_on_a_heading_its_file_repeats(tmp_path: Path) -> None:
+    """docs/api.md's contracts are one ``###`` subsection each, and a
+    *metrics* subsection above ``## Metrics`` would have taken the
+    README's ``docs/api.md#metrics`` link; so the subsection is named
+    *metrics exporter*. The check finds such a link, here and in the
+    documents."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# Title\n\n### metrics\n\n## Metrics\n\n## Other\n\n"
+        "[m](#metrics) [m1](#metrics-1) [o](#other)\n",
+        encoding="utf-8",
+    )
+    assert ambiguous_links([doc]) == ["doc.md: #metrics"]
+    assert not ambiguous_links(_documents()), ambiguous_links(_documents())

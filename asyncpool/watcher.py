@@ -334,6 +334,7 @@ class FenceWatcher:
         lock = self._lock
         fences = stream.fences
         device = -1  # none made current yet: a new thread is on device 0
+        fence: CudaFence | None = None
         while True:
             with lock:
                 while not fences and not self._stopped:
@@ -362,6 +363,7 @@ class FenceWatcher:
             with lock:
                 stream.busy = False
                 fences.popleft()
+            fence = None  # not kept (its pooled event) while the thread idles
             if self._orphaned():
                 return
             self._fire()
@@ -373,6 +375,7 @@ class FenceWatcher:
         delay = _POLL_MIN_S
         sleep = 0.0
         device = -1  # the CUDA device made current here (see _wait_stream)
+        fence: Fence | None = None
         if self._device is not None:
             # Before the first fence of unknown origin is asked (see the
             # class docstring); a CUDA fence makes its own device current.
@@ -430,5 +433,11 @@ class FenceWatcher:
                     self.faults += faulted
                 self._fire()
                 delay = _POLL_MIN_S  # others may follow soon
+            # Let go of this pass's fences before sleeping: held by these
+            # locals, the last pass's fences (transfer handles with their
+            # staging buffers, long reclaimed by the pool) stayed alive while
+            # the poller idled, up to _STREAM_LINGER_S, or until its next pass.
+            fences = done = []
+            fence = None
             sleep = max(delay, cost / _POLL_MAX_DUTY)
             delay = min(delay * 2, _POLL_MAX_S)

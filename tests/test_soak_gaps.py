@@ -30,7 +30,10 @@ its fix:
   left a reference cycle: its waiter held the future, the future the
   error, the error's traceback the waiting frame and its callers' frames.
   Under load (admission timeouts by the thousand) the callers' frames and
-  locals lived until the cycle collector ran. The wait drops its waiter.
+  locals lived until the cycle collector ran. The wait drops its waiter;
+* the fence poller kept its last pass's fences (transfer handles the pool
+  had reclaimed, thousands under load) in its locals while it slept, until
+  its next pass or until it ended, idle, a second later.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from asyncpool import (
     PoolClosedError,
     ReqToTokenPool,
 )
+from asyncpool import watcher as watcher_mod
 from asyncpool.ledger import SlotLedger
 from asyncpool.overdue import OverdueFences
 
@@ -518,4 +522,27 @@ async def test_a_failed_wait_leaves_no_cycle_holding_the_caller(how: str) -> Non
     finally:
         gc.enable()
     pool.free(held)
+    await pool.close()
+
+
+async def test_an_idle_poller_keeps_no_fence_of_its_last_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The poller lingers (here: for longer than the test's bound) before it
+    # ends; meanwhile it must not hold the transfer handles of its last pass,
+    # which the pool reclaimed long ago (a soak run found thousands, with
+    # their staging buffers, alive in its locals between passes).
+    monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", 600.0)
+    pool = AsyncReqToTokenPool(5, 8)
+    fence = _Transfer()
+    ref = weakref.ref(fence)
+    pool.free(await pool.alloc(2), fence=fence)
+    watcher = pool._wakeups.watcher
+    assert watcher is not None
+    await until(lambda: watcher.polls > 0)  # the poller asked it at least once
+    fence.done = True
+    del fence
+    await until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
+    assert watcher._thread is not None  # still there, idle: it lingers
+    await until(lambda: gc.collect() >= 0 and ref() is None)
     await pool.close()

@@ -475,5 +475,16 @@ class FenceWakeups:
         watcher = self.watcher
         if watcher is not None and fences:
             again = self._waited_on(fences)
+            if len(again) < len(fences):
+                # Settled meanwhile (reclaimed by a call into the pool): never
+                # dropped by the poller again, so _rewatch_dropped would never
+                # forget their counts, which stayed (by id) until the bulk
+                # clear, and a later fence bearing the id of one was re-watched
+                # late at its first bounce instead of at once.
+                open_ids = {id(fence) for fence in again}
+                bounces = self._bounces
+                for fence in fences:
+                    if id(fence) not in open_ids:
+                        bounces.pop(id(fence), None)
             if again:
                 self._rewatch(watcher, again)

@@ -33,7 +33,10 @@ its fix:
   locals lived until the cycle collector ran. The wait drops its waiter;
 * the fence poller kept its last pass's fences (transfer handles the pool
   had reclaimed, thousands under load) in its locals while it slept, until
-  its next pass or until it ended, idle, a second later.
+  its next pass or until it ended, idle, a second later;
+* a flaky handle (done on the poller's thread, open on the loop's)
+  reclaimed while its delayed re-watch waited left its bounce count, by
+  id, until the table's bulk clear.
 """
 
 from __future__ import annotations
@@ -545,4 +548,38 @@ async def test_an_idle_poller_keeps_no_fence_of_its_last_pass(
     await until(lambda: not pool.pending_size())  # the poller notices, the loop reclaims
     assert watcher._thread is not None  # still there, idle: it lingers
     await until(lambda: gc.collect() >= 0 and ref() is None)
+    await pool.close()
+
+
+class _TwoFacedTransfer:
+    """Answers done on any thread but the loop's until it is done (a status
+    poll that flakes): the poller lets go of it, the loop finds it open."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._loop_thread = threading.get_ident()
+
+    def query(self) -> bool:
+        return self.done or threading.get_ident() != self._loop_thread
+
+    def synchronize(self) -> None:
+        pass
+
+
+async def test_flaky_handles_leave_no_bounce_counts_behind() -> None:
+    # Each handle bounces (done on the poller, open on the loop) until its
+    # re-watch is delayed; it completes then, and a call into the pool
+    # reclaims it while that re-watch waits. Every count must go with its
+    # fence: before, each stayed, by id, until the bulk clear (a soak of
+    # flaky handles left about one in six).
+    pool = AsyncReqToTokenPool(5, 8)
+    wakeups = pool._wakeups
+    for _ in range(50):
+        handle = _TwoFacedTransfer()
+        pool.free(await pool.alloc(1), fence=handle)
+        await until(lambda h=handle: h in wakeups._rewatch_due)  # its second bounce
+        handle.done = True
+        assert pool.reclaim() == 1
+        await until(lambda: not wakeups._rewatch_due)  # the delayed re-watch ran
+    assert wakeups._bounces == {}
     await pool.close()

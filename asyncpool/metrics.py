@@ -608,6 +608,22 @@ class PoolCollector:
                 )
                 continue
             snapshots.append((name, token, stats))
+        try:
+            yield from self._collect_snapshots(snapshots)
+        finally:
+            # A pool removed while this scrape ran: drop what it wrote since,
+            # also when the scrape stops early (its consumer raised, or let
+            # go of this generator: it is closed), or each such scrape left
+            # a pool's counters behind for good.
+            current = {token for _, token in self._pools.values()}
+            for _, token, _ in snapshots:
+                if token not in current:
+                    self._forget(token)
+
+    def _collect_snapshots(
+        self, snapshots: list[tuple[str, object, PoolStats]]
+    ) -> Iterator[Metric]:
+        """The families of :meth:`collect` from its snapshots."""
         for fam, family in zip(FAMILIES, self._families(), strict=True):
             get = fam.get
             if fam.type == "histogram":
@@ -629,11 +645,6 @@ class PoolCollector:
         grouped = [(name, token, stats) for name, token, stats in snapshots if stats.kv_groups]
         if grouped:
             yield from self._collect_groups(grouped)
-        # A pool removed while this scrape ran: drop what it wrote since.
-        current = {token for _, token in self._pools.values()}
-        for _, token, _ in snapshots:
-            if token not in current:
-                self._forget(token)
 
     def _collect_groups(self, snapshots: list[tuple[str, object, PoolStats]]) -> Iterator[Metric]:
         """The families of :data:`GROUP_FAMILIES`, one sample (or one per

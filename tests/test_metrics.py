@@ -755,3 +755,31 @@ def test_the_metrics_table_lists_every_group_family() -> None:
         for f in GROUP_FAMILIES
     }
     assert listed == exported
+
+
+@pytest.mark.parametrize("how", ["closed", "raised"])
+def test_a_scrape_stopped_early_keeps_no_counter_of_a_pool_removed_meanwhile(how: str) -> None:
+    """A pool removed while a scrape ran loses what that scrape wrote for it
+    after the removal, also when the scrape stops before its end (a
+    consumer that raised, or let go of the generator): before, each such
+    scrape left the pool's counters behind for good (a model reload per
+    scrape that failed)."""
+    pool = ReqToTokenPool(9, 8)
+    collector = PoolCollector(pool, name="p")
+    counters = [f.name for f in FAMILIES if f.type == "counter"]
+    assert len(counters) >= 2
+    scrape = collector.collect()
+    for family in scrape:  # up to the first counter: its figure is kept
+        if family.name == f"asyncpool_{counters[0]}":
+            break
+    assert collector._last
+    collector.remove("p")  # a reload: drops what was kept so far
+    for family in scrape:  # the scrape goes on, and keeps one more figure
+        if family.name == f"asyncpool_{counters[1]}":
+            break
+    if how == "closed":
+        scrape.close()
+    else:
+        with pytest.raises(RuntimeError):
+            scrape.throw(RuntimeError("the consumer failed"))
+    assert collector._last == {}

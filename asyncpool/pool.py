@@ -111,6 +111,8 @@ from .errors import (
     WrongThreadError,
 )
 from .fences import Fence, Fences, HostStream, check_after
+from .give_back import GiveBack
+from .growth import Growth
 from .kv_pages import KVGroupStats, KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, describe
 from .lifecycle import GrantHold, Lifecycle
@@ -234,7 +236,7 @@ def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> 
         pool._check_overdue(loop)
 
 
-class AsyncReqToTokenPool(PoolCore, Admission, Lifecycle):
+class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
     """A request-row pool whose allocation is awaitable and fence-safe.
 
     Parameters

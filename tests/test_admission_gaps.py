@@ -1,4 +1,5 @@
-"""Admission edge cases found by mutation testing (asyncpool.admission)."""
+"""Admission edge cases found by mutation testing (asyncpool.admission; since
+split into asyncpool.growth and asyncpool.give_back too)."""
 
 from __future__ import annotations
 

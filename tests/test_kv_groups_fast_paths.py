@@ -2,7 +2,7 @@
 
 A grouped ``free`` of one row with no fence, no ``after`` and no recorded
 use gives each group's own pages back at once, as the single-kv free does
-(``Admission._free_groups_owned``), all or nothing across the groups: a
+(``GiveBack._free_groups_owned``), all or nothing across the groups: a
 record written into, in any group, is refused before any page moves, and a
 page that is no longer the row's in a later group undoes the groups freed
 before it. A recorded use, a fence or ``after`` keep every group's pages

@@ -1,7 +1,7 @@
 """Gaps found by a hand-made mutation sweep of the last two sessions' code:
 ``asyncpool/wakeups.py`` (``FenceWakeups``), ``WaiterQueues.oldest_wait``
 and its gauge, the grouped growths' refusal counting in
-``asyncpool/admission.py``, and the demo's hybrid model
+``asyncpool/admission.py`` (now ``growth.py``), and the demo's hybrid model
 (``scheduler_demo/hybrid.py``, the swa parts of ``scheduler.py``,
 ``compare.py`` and ``report.py``).
 

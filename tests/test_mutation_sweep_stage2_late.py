@@ -3,7 +3,8 @@ the dead waiters of ``asyncpool/waiters.py`` (``_dead``, ``_gone``, the
 sweep at ``_COMPACT_MIN``, ``queued_through``, ``by_priority``), the
 thread-safe submissions (``asyncpool/threadsafe.py``, ``alloc_threadsafe`` /
 ``admit_threadsafe``), the grouped growth with per-row counts and
-``trim_pages`` in ``asyncpool/admission.py``, ``HostFence``'s stream name
+``trim_pages`` in ``asyncpool/admission.py`` (now ``growth.py`` and
+``give_back.py``), ``HostFence``'s stream name
 and ``HostStream.wait`` in ``asyncpool/fences.py``, and
 ``release_memory(timeout=)`` / ``_reclaim_all`` in the pool.
 

@@ -1,5 +1,6 @@
 """Gaps found by a mechanical mutation sweep of ``asyncpool/waiters.py`` and
-``asyncpool/admission.py``.
+``asyncpool/admission.py`` (since split: its growth is ``growth.py``'s, its
+give-back and ``free`` of rows with pages ``give_back.py``'s).
 
 Each test pins one behaviour that a generated mutant broke while every test
 file that mentions the module's classes or calls still passed:

@@ -38,7 +38,7 @@ line is deleted (or, for a ``return X``, made to return None). Pinned:
 Not tested, and why:
 
 * ``AsyncReqToTokenPool.extend`` answering None while the memory is
-  released (``asyncpool/admission.py``, ``if self._released: return None``)
+  released (``asyncpool/growth.py``, ``if self._released: return None``)
   is unreachable: ``extend`` first requires an allocated row, and
   ``release_memory`` refuses while any row is allocated, then gates every
   allocation (the grant loop, ``alloc``/``admit`` fast paths, ``try_*``;

@@ -39,7 +39,7 @@ from .ledger import Rows
 from .lifecycle import GrantHold
 from .pool import AsyncReqToTokenPool, Lease
 from .row_pages import Grant, GroupGrant
-from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats
+from .stats import Histogram, HistogramSnapshot, LatencySummary, PoolStats, PriorityStats
 from .sync_pool import ReqToTokenPool
 from .tables import PoolInfo, ReqToTokenPoolInfo
 
@@ -75,6 +75,7 @@ __all__ = [
     "PoolError",
     "PoolInfo",
     "PoolStats",
+    "PriorityStats",
     "QueueHead",
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",

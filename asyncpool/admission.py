@@ -250,7 +250,7 @@ class Admission(PageArgs):
             dropped = self._prepare_to_queue(loop)
         # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
         waiter, handle = waiters.enqueue(
-            need, priority, timeout, loop, pages_.waits, pages_.wait_histogram
+            need, priority, timeout, loop, pages_.waits, waiters.figures(priority).histograms[1]
         )
         if dropped:
             waiters.serve_soon(waiter, loop)
@@ -261,7 +261,7 @@ class Admission(PageArgs):
             waiters.cancelled(waiter)
             raise
         except TimeoutError:
-            waiters.timeouts += 1  # counted where the call raises it (see _expire)
+            waiters.timed_out(waiter)  # counted where the call raises it (see _expire)
             raise
         finally:
             if handle is not None:
@@ -547,7 +547,13 @@ class Admission(PageArgs):
         # costs this path little next to its per-group work (alloc and the
         # one-kv admit inline it, their hot paths).
         granted: GroupGrant = await waiters.wait(
-            need, priority, timeout, loop, stats.waits, stats.wait_histogram, serve=dropped
+            need,
+            priority,
+            timeout,
+            loop,
+            stats.waits,
+            waiters.figures(priority).histograms[1],
+            serve=dropped,
         )
         return granted
 

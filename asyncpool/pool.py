@@ -88,6 +88,7 @@ import collections
 import concurrent.futures
 import functools
 import logging
+import operator
 import sys
 import threading
 import weakref
@@ -119,10 +120,10 @@ from .lifecycle import GrantHold, Lifecycle
 from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, GroupGrant, RowPages
-from .stats import FrozenDict, Histogram, LatencySummary, PoolStats
+from .stats import FrozenDict, LatencySummary, PoolStats, PriorityStats
 from .tables import PoolInfo
 from .threadsafe import submit_wait
-from .waiters import WaiterQueues
+from .waiters import PriorityFigures, WaiterQueues
 from .wakeups import FenceWakeups
 from .watcher import FenceWatcher
 
@@ -363,8 +364,15 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         self._unchecked = False
         # The waiter queues and the grant loop (asyncpool.waiters), gated
         # while closed, released or held (no fast path, no grants).
+        # Two kinds of wait per priority: alloc's (0) and admit's (1).
         self._waiters = WaiterQueues(
-            self._take_for_waiter, self._give_back, self._describe, max_waiters, supply=led._free
+            self._take_for_waiter,
+            self._give_back,
+            self._describe,
+            max_waiters,
+            supply=led._free,
+            kinds=2,
+            who=self._who,
         )
         self._closed = False
         self._released = False
@@ -385,7 +393,8 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         # slower).
         self._fast = False
         self._wait_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self._wait_histogram = Histogram()  # queued allocs' waits, at grant
+        # Queued allocs' waits are histogrammed at grant, per priority
+        # (self._waiters.figures(priority).histograms[0]); stats() sums them.
         # Allocs granted without queueing (zero waits), except those of the
         # two inlined single-row paths of alloc(): they are derived at stats
         # time (_zero_wait_allocs), so the hottest path counts nothing.
@@ -757,7 +766,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         # between the take that came up short and this enqueue (it would
         # grant nobody), so nothing needs re-checking.
         waiter, handle = waiters.enqueue(
-            n, priority, timeout, loop, self._wait_times, self._wait_histogram
+            n, priority, timeout, loop, self._wait_times, waiters.figures(priority).histograms[0]
         )
         if dropped:
             waiters.serve_soon(waiter, loop)
@@ -768,7 +777,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             waiters.cancelled(waiter)
             raise
         except TimeoutError:
-            waiters.timeouts += 1  # counted where the call raises it (see _expire)
+            waiters.timed_out(waiter)  # counted where the call raises it (see _expire)
             raise
         finally:
             if handle is not None:
@@ -1027,7 +1036,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         return submit_wait(
             self._loop_for_submit(),
             lambda: self.alloc(n, priority=priority, timeout=timeout),
-            self._give_back_undelivered,
+            lambda rows: self._give_back_undelivered(rows, priority),
         )
 
     @overload
@@ -1060,7 +1069,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         fut: concurrent.futures.Future[Grant | GroupGrant] = submit_wait(
             self._loop_for_submit(),
             lambda: self.admit(pages, priority=priority, timeout=timeout),
-            lambda grant: self._give_back_undelivered([grant.row]),
+            lambda grant: self._give_back_undelivered([grant.row], priority),
         )
         return fut  # type: ignore[return-value]
 
@@ -1073,10 +1082,12 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             )
         return loop
 
-    def _give_back_undelivered(self, rows: list[int]) -> None:
+    def _give_back_undelivered(self, rows: list[int], priority: SupportsIndex) -> None:
         # A grant whose thread-safe caller cancelled first: never used, so it
-        # frees at once; counted as a waiter cancelled after its grant is.
+        # frees at once; counted as a waiter cancelled after its grant is
+        # (its priority was checked by the call that was granted).
         self._waiters.cancellations += 1
+        self._waiters.figures(operator.index(priority)).cancellations += 1
         self.free(rows)
 
     def try_alloc(
@@ -1698,7 +1709,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             self._follow_running_loop()
         waiters = self._waiters
         holds = self._holds  # read once: grants_held and grant_holds agree
-        waits = self._wait_histogram.snapshot(zeros=self._zero_wait_allocs())
+        waits = waiters.wait_snapshot(0, zeros=self._zero_wait_allocs())
         extra: dict[str, Any] = {}
         sets = self._page_sets
         if sets:
@@ -1728,7 +1739,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             # zero wait for one granted without queueing), so its count is
             # the number of admissions: one figure, never two counters read
             # a few operations apart by a scrape from another thread.
-            admit_waits = pages.wait_histogram.snapshot(zeros=pages.fast_admits)
+            admit_waits = waiters.wait_snapshot(1, zeros=pages.fast_admits)
             extra = {
                 "pages_capacity": capacity,
                 "pages_free": free,
@@ -1765,8 +1776,33 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
             alloc_calls=waits.count,
             wait_histogram=waits,
+            **self._priority_stats(),
             **extra,
         )
+
+    def _priority_stats(self) -> dict[str, Any]:
+        """``stats().by_priority`` and ``.other_priorities``; nothing (the
+        defaults) while no call queued. Any thread (a scrape)."""
+        waiters = self._waiters
+        tiers = sorted(list(waiters.tiers.items()))  # one C-level copy, then sorted
+        other = waiters.other
+        if not tiers:
+            return {}
+
+        def one(figures: PriorityFigures) -> PriorityStats:
+            allocs, admits = figures.histograms
+            return PriorityStats(
+                wait_histogram=allocs.snapshot(),
+                admit_wait_histogram=admits.snapshot(),
+                timeouts=figures.timeouts,
+                cancellations=figures.cancellations,
+                rejections=figures.rejections,
+            )
+
+        return {
+            "by_priority": FrozenDict({prio: one(figures) for prio, figures in tiers}),
+            "other_priorities": None if other is None else one(other),
+        }
 
     @staticmethod
     def _kv_group_stats(

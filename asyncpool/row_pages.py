@@ -30,7 +30,6 @@ from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
 from .kv_pages import OWNED, KVPagePool, PageLedger, has_duplicates
 from .ledger import as_index, describe
-from .stats import Histogram
 from .tables import host_to_device
 
 __all__ = ["Grant", "GroupGrant", "RowPages", "check_page_count"]
@@ -160,9 +159,9 @@ class RowPages:
         #: each is a retraction the scheduler made.
         self.growth_refusals: int = 0
         #: Waits of admissions granted after queueing (seconds): a recent
-        #: window, and a histogram of all of them.
+        #: window (the histograms of all of them are the pool's waiter
+        #: queues', one per priority).
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)
-        self.wait_histogram: Histogram = Histogram()
 
     # ------------------------------------------------------------ handing out
 

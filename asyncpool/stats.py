@@ -23,12 +23,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BOUNDS_S",
+    "MAX_PRIORITIES",
     "FrozenDict",
     "Histogram",
     "HistogramSnapshot",
     "LatencySummary",
     "PoolStats",
+    "PriorityStats",
 ]
+
+#: The most distinct priorities whose figures a pool keeps apart
+#: (:attr:`PoolStats.by_priority`, the metrics' ``priority`` label): the
+#: first this many priorities the pool's calls queue (or are refused) at.
+#: Priorities are the caller's ints, so this bounds the memory and the
+#: metrics' series; the calls of every later priority are counted together
+#: in :attr:`PoolStats.other_priorities` (``priority="other"``).
+MAX_PRIORITIES = 16
 
 #: Bucket upper bounds (seconds) for scheduler latencies: 1, 2.5 and 5 per
 #: decade from 10 µs to 10 s (19 bounds; ``+Inf`` is implicit). A zero wait
@@ -230,6 +240,43 @@ class FrozenDict(dict[_K, _V]):
         return f"{type(self).__name__}({dict.__repr__(self)})"
 
 
+@dataclass(frozen=True, slots=True)
+class PriorityStats:
+    """One priority's figures over the pool's life (:attr:`PoolStats.by_priority`).
+
+    Attributes:
+        wait_histogram: the waits (seconds, from queueing to grant) of the
+            ``alloc`` calls at this priority that queued. Unlike the pool's
+            ``wait_histogram`` it has no zero waits of calls granted without
+            queueing: those cost the hot path nothing, so it does not know
+            their priorities. The pool's ``wait_histogram`` less its zero
+            waits is the sum over the priorities (``other_priorities``
+            included).
+        admit_wait_histogram: the same for ``admit`` calls.
+        timeouts: calls at this priority that raised ``TimeoutError`` from
+            their own ``timeout=`` (as the pool's ``timeouts``).
+        cancellations: calls at this priority cancelled while queued, or
+            after their grant before they resumed (as the pool's
+            ``cancellations``).
+        rejections: calls at this priority refused with ``PoolBusyError``
+            past ``max_waiters`` (as the pool's ``rejections``: load shed).
+
+    The pool's ``timeouts``, ``cancellations`` and ``rejections`` are the
+    sums of these over the priorities (``other_priorities`` included).
+    """
+
+    wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    admit_wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    timeouts: int = 0
+    cancellations: int = 0
+    rejections: int = 0
+
+
+#: The ``by_priority`` of a pool whose calls never queued: one shared empty
+#: mapping.
+NO_PRIORITIES: FrozenDict[int, PriorityStats] = FrozenDict()
+
+
 #: The ``kv_groups`` of a pool without KV groups: one shared empty mapping,
 #: so that ``stats()`` of such a pool builds nothing more than before.
 NO_GROUPS: FrozenDict[str, Any] = FrozenDict()
@@ -389,6 +436,16 @@ class PoolStats:
             (``time.perf_counter``), as the waits. Left out of the
             snapshot's equality (and hash): it moves with the clock while
             the pool's state stands still.
+        by_priority: each priority's own wait histograms and its timeouts,
+            cancellations and rejections, priority -> :class:`PriorityStats`,
+            most urgent first: whether tier 3 waits seconds while tier 0
+            waits microseconds. A priority appears once a call at it queued
+            or was refused (calls granted without queueing are not counted
+            per priority), for the first :data:`MAX_PRIORITIES` distinct
+            priorities; read-only (a :class:`FrozenDict`), empty for the sync
+            pool and a pool whose calls never queued.
+        other_priorities: the figures of every priority past the first
+            :data:`MAX_PRIORITIES`, together; None while there is none.
     """
 
     capacity: int
@@ -434,3 +491,5 @@ class PoolStats:
     pages_force_released: int = 0
     kv_groups: Mapping[str, KVGroupStats] = NO_GROUPS
     oldest_wait_s: float = field(default=0.0, compare=False)
+    by_priority: Mapping[int, PriorityStats] = NO_PRIORITIES
+    other_priorities: PriorityStats | None = None

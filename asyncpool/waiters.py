@@ -53,9 +53,9 @@ from collections.abc import Callable, Sized
 from typing import Any
 
 from .errors import PoolBusyError
-from .stats import Histogram
+from .stats import MAX_PRIORITIES, Histogram, HistogramSnapshot
 
-__all__ = ["Waiter", "WaiterQueues"]
+__all__ = ["PriorityFigures", "Waiter", "WaiterQueues"]
 
 _perf_counter = time.perf_counter
 _bisect_left = bisect.bisect_left
@@ -69,12 +69,32 @@ _COMPACT_MIN = 64
 # window, wait histogram): cheaper to build than an object, and the future
 # says whether it is still wanted. Each grant records its wait in the
 # waiter's own window and histogram (the owner's), so an owner can keep one
-# pair per kind of request.
+# pair per kind of request; the owner picks the histogram of the waiter's
+# priority (PriorityFigures) at enqueue, so the grant pays nothing for the
+# figures per priority.
 Waiter = tuple[Any, "asyncio.Future[Any]", float, int, "collections.deque[float]", Histogram]
 
 
 def _waiters(n: int) -> str:
     return "1 waiter" if n == 1 else f"{n} waiters"
+
+
+class PriorityFigures:
+    """One priority's lifetime figures (or those of every priority past
+    :data:`~asyncpool.stats.MAX_PRIORITIES`, together): the waits of its
+    calls that queued, one histogram per kind of call the owner counts
+    apart (the pool: ``alloc``'s, ``admit``'s), and its timeouts,
+    cancellations and rejections. Written on the owner's thread; a scrape
+    on another reads them (ints, and histograms copied in one C-level step).
+    """
+
+    __slots__ = ("cancellations", "histograms", "rejections", "timeouts")
+
+    def __init__(self, kinds: int) -> None:
+        self.histograms: tuple[Histogram, ...] = tuple(Histogram() for _ in range(kinds))
+        self.timeouts: int = 0
+        self.cancellations: int = 0
+        self.rejections: int = 0
 
 
 class WaiterQueues:
@@ -90,15 +110,19 @@ class WaiterQueues:
         "_describe",
         "_give_back",
         "_gone",
+        "_kinds",
         "_max",
         "_prios",
         "_queues",
         "_supply",
         "_take",
+        "_who",
         "cancellations",
         "count",
         "gated",
+        "other",
         "rejections",
+        "tiers",
         "timeouts",
     )
 
@@ -109,7 +133,12 @@ class WaiterQueues:
         describe: Callable[[Any], tuple[str, str]],
         max_waiters: int | None = None,
         supply: Sized | None = None,
+        kinds: int = 1,
+        who: Callable[[], str] | None = None,
     ) -> None:
+        """``kinds``: how many kinds of call the owner keeps wait histograms
+        for apart, per priority (:meth:`figures`); ``who``: the owner as its
+        error messages name it (``AsyncReqToTokenPool 'decode'``)."""
         self._take = take
         self._supply = supply
         self._give_back = give_back
@@ -129,6 +158,53 @@ class WaiterQueues:
         self.timeouts: int = 0
         self.cancellations: int = 0
         self.rejections: int = 0
+        # Figures per priority (see PriorityFigures), for the first
+        # MAX_PRIORITIES priorities; those past it share ``other``.
+        self._kinds = kinds
+        self._who = who
+        self.tiers: dict[int, PriorityFigures] = {}
+        self.other: PriorityFigures | None = None
+
+    # ------------------------------------------------------------ per priority
+
+    def figures(self, priority: int) -> PriorityFigures:
+        """The figures ``priority``'s calls count in: its own, made on
+        first use for the first :data:`~asyncpool.stats.MAX_PRIORITIES`
+        priorities, else those of every later priority together
+        (:attr:`other`). The owner's thread; one dict lookup once made."""
+        figures = self.tiers.get(priority)
+        if figures is None:
+            if len(self.tiers) < MAX_PRIORITIES:
+                figures = self.tiers[priority] = PriorityFigures(self._kinds)
+            else:
+                figures = self.other
+                if figures is None:
+                    figures = self.other = PriorityFigures(self._kinds)
+        return figures
+
+    def wait_snapshot(self, kind: int = 0, zeros: int = 0) -> HistogramSnapshot:
+        """Every priority's ``kind`` histogram summed, with ``zeros`` extra
+        zero waits (calls granted without queueing): the owner's histogram
+        of that kind of call. Any thread (a scrape): each histogram's counts
+        are copied in one C-level step and only grow, so the sum's buckets
+        and count agree and never go down between reads."""
+        hists = [one.histograms[kind] for one in list(self.tiers.values())]  # a C-level copy
+        other = self.other
+        if other is not None:
+            hists.append(other.histograms[kind])
+        if not hists:
+            return Histogram().snapshot(zeros)
+        counts = [0] * (len(hists[0].bounds) + 1)
+        total_s = 0.0
+        for h in hists:
+            for i, c in enumerate(list(h._counts)):  # one C-level copy each
+                counts[i] += c
+            total_s += h._sum
+        counts[0] += zeros
+        return HistogramSnapshot(hists[0].bounds, tuple(counts), sum(counts), total_s)
+
+    def _who_prefix(self) -> str:
+        return "" if self._who is None else f"{self._who()}: "
 
     # ------------------------------------------------------------ waiting
 
@@ -156,9 +232,11 @@ class WaiterQueues:
         """
         if self._max is not None and self.count >= self._max and self._drop_cancelled():
             self.rejections += 1
+            self.figures(priority).rejections += 1
             raise PoolBusyError(
-                f"{_waiters(self.count)} already queued, the limit set by "
-                f"max_waiters={self._max}; refusing to queue {self._describe(need)[0]}"
+                f"{self._who_prefix()}{_waiters(self.count)} already queued, the limit set by "
+                f"max_waiters={self._max}; refusing to queue {self._describe(need)[0]} "
+                f"at priority {priority}"
             )
         fut: asyncio.Future[Any] = loop.create_future()
         waiter: Waiter = (need, fut, _perf_counter(), priority, window, histogram)
@@ -243,6 +321,7 @@ class WaiterQueues:
         head may have changed or memory may be free.
         """
         self.cancellations += 1
+        self.figures(waiter[3]).cancellations += 1
         fut = waiter[1]
         if fut.cancelled():
             if fut in self._gone:
@@ -281,7 +360,7 @@ class WaiterQueues:
             self.cancelled(waiter)
             raise
         except TimeoutError:
-            self.timeouts += 1
+            self.timed_out(waiter)
             raise
         finally:
             if handle is not None:
@@ -290,6 +369,14 @@ class WaiterQueues:
             # error, whose traceback holds this frame: a cycle that would keep
             # the caller's frames (and their locals) until the cycle collector.
             del waiter
+
+    def timed_out(self, waiter: Waiter) -> None:
+        """The call awaiting ``waiter`` raised its ``TimeoutError``: count
+        it (pool-wide and at its priority). Counted where the call raises
+        it, not at expiry: a task cancelled before it resumes raises
+        ``CancelledError`` instead and counts as a cancellation."""
+        self.timeouts += 1
+        self.figures(waiter[3]).timeouts += 1
 
     def _dequeue(self, waiter: Waiter, lazy: bool = False) -> None:
         """Take ``waiter`` off its queue, if it is still there.
@@ -357,7 +444,10 @@ class WaiterQueues:
         # The awaiting call counts the timeout when it raises it.
         call, what = self._describe(waiter[0])
         fut.set_exception(
-            TimeoutError(f"{call} timed out after {timeout} s: {what} could not be granted in time")
+            TimeoutError(
+                f"{self._who_prefix()}{call} timed out after {timeout} s: {what} could not "
+                f"be granted in time at priority {waiter[3]}"
+            )
         )
         self.grant()
 
@@ -589,6 +679,14 @@ class WaiterQueues:
             raise AssertionError("a dead waiter's future is not cancelled")
         if sorted(self._queues) != self._prios:
             raise AssertionError("priority index out of sync with the queues")
+        figures = [*self.tiers.values(), *([] if self.other is None else [self.other])]
+        if len(self.tiers) > MAX_PRIORITIES or (self.other is not None and not self.tiers):
+            raise AssertionError(f"{len(self.tiers)} priorities kept apart, past the cap")
+        for what in ("timeouts", "cancellations", "rejections"):
+            total = getattr(self, what)
+            per = sum(getattr(one, what) for one in figures)
+            if per != total:
+                raise AssertionError(f"{what}: {total} in all, {per} summed over the priorities")
         for queue in self._queues.values():
             if not queue:
                 raise AssertionError("an empty priority queue is still indexed")

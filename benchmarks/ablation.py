@@ -113,7 +113,7 @@ def unchecked_alloc_pool(size: int, max_context_len: int) -> Any:
                 timeout,
                 asyncio.get_running_loop(),
                 self._wait_times,
-                self._wait_histogram,
+                waiters.figures(priority).histograms[0],
             )
             try:
                 granted: list[int] = await waiter[1]

@@ -156,7 +156,9 @@ def _alloc_variants(
 
     async def record(n: int) -> Any:
         fut = loop.create_future()
-        queue.append((n, fut, _perf_counter(), 0, pool._wait_times, pool._wait_histogram))
+        queue.append(
+            (n, fut, _perf_counter(), 0, pool._wait_times, pool._waiters.figures(0).histograms[0])
+        )
         waiters.count += 1
         try:
             return await fut
@@ -210,7 +212,9 @@ async def _free_side(name: str, n: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         futs = [
-            enqueue(1, 0, None, loop, pool._wait_times, pool._wait_histogram)[0][1]
+            enqueue(1, 0, None, loop, pool._wait_times, pool._waiters.figures(0).histograms[0])[0][
+                1
+            ]
             for _ in range(n)
         ]
         t0 = time.perf_counter_ns()
@@ -246,7 +250,7 @@ async def _alloc_side(name: str, n: int, repeats: int) -> float:
         assert pool._loop is loop  # bound by try_alloc inside the loop
         waiters = pool._waiters
         # One waiter that is never served keeps the queue (and count) alive.
-        waiters.enqueue(1, 0, None, loop, pool._wait_times, pool._wait_histogram)
+        waiters.enqueue(1, 0, None, loop, pool._wait_times, pool._waiters.figures(0).histograms[0])
         acquire = _alloc_variants(pool, loop)[name]
     best = float("inf")
     for _ in range(repeats):

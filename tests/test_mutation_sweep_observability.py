@@ -105,8 +105,10 @@ def test_the_sync_pools_unreported_figures_are_zero_and_empty() -> None:
             assert value == HistogramSnapshot(
                 DEFAULT_BOUNDS_S, (0,) * (len(DEFAULT_BOUNDS_S) + 1), 0, 0.0
             ), f.name
-        elif f.name == "kv_groups":  # a pool without KV groups: none
+        elif f.name in ("kv_groups", "by_priority"):  # no KV groups, nothing queued: none
             assert value == {} and isinstance(value, FrozenDict), f.name
+        elif f.name == "other_priorities":  # no priority past the cap
+            assert value is None, f.name
         elif f.name == "oldest_wait_s":  # seconds: nobody waits
             assert value == 0.0 and type(value) is float, f.name
         elif f.name != "capacity" and f.name != "free":

@@ -32,6 +32,17 @@ page twice), and the per-group families are exported only while some pool
 has groups (nothing new for a pool with one ``kv=`` or none: its page
 families are its one page pool's figures).
 
+Likewise each priority's own figures (``stats().by_priority``), in the
+families of :data:`PRIORITY_FAMILIES` (``<prefix>_priority_...``), labelled
+``priority="<int>"`` too (``"other"`` for every priority past
+:data:`~asyncpool.stats.MAX_PRIORITIES`, together: the label's values are
+bounded however many priorities callers use): whether tier 3 waits seconds
+while tier 0 waits microseconds, and which tier takes the timeouts and the
+shed load. New families, so the pool-wide ones keep their series (a
+``priority`` label added to ``alloc_wait_seconds`` would have changed them);
+exported for every pool that queues (an ``AsyncReqToTokenPool``), with no
+samples until its calls queue.
+
 Thread rules: a scrape runs on the HTTP server's thread. It calls
 ``pool.stats(summaries=False)``, which only reads ints and copies histogram
 counts: it never mutates the pool, and costs microseconds whatever the
@@ -51,14 +62,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .kv_pages import KVGroupStats, KVPagePool
 from .naming import LOG_FIELD
-from .stats import HistogramSnapshot, PoolStats
+from .stats import HistogramSnapshot, PoolStats, PriorityStats
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "GROUP_FAMILIES", "Family", "GroupFamily", "PoolCollector"]
+__all__ = [
+    "FAMILIES",
+    "GROUP_FAMILIES",
+    "PRIORITY_FAMILIES",
+    "Family",
+    "GroupFamily",
+    "PoolCollector",
+    "PriorityFamily",
+]
 
 
 class _HasStats(Protocol):
@@ -418,6 +437,77 @@ GROUP_FAMILIES: tuple[GroupFamily, ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class PriorityFamily:
+    """One exported per-priority family, labelled ``pool`` and ``priority``.
+
+    As :class:`Family` (counters and histograms), but ``get`` reads one
+    priority's :class:`~asyncpool.PriorityStats` (a pool's
+    ``stats().by_priority[p]``, or its ``other_priorities``).
+    """
+
+    name: str
+    type: str  # "counter" or "histogram"
+    unit: str
+    help: str
+    get: Callable[[PriorityStats], Any]
+
+
+#: Every per-priority family: exported only while some pool's calls queued
+#: (its ``by_priority``).
+PRIORITY_FAMILIES: tuple[PriorityFamily, ...] = (
+    PriorityFamily(
+        "priority_timeouts",
+        "counter",
+        "",
+        "alloc() and admit() calls at the priority that raised TimeoutError (their own "
+        "timeout= fired while queued).",
+        lambda p: p.timeouts,
+    ),
+    PriorityFamily(
+        "priority_cancellations",
+        "counter",
+        "",
+        "alloc() and admit() calls at the priority cancelled while queued (or granted, "
+        "before resuming).",
+        lambda p: p.cancellations,
+    ),
+    PriorityFamily(
+        "priority_rejections",
+        "counter",
+        "",
+        "alloc() and admit() calls at the priority refused because max_waiters calls "
+        "already queued (load shed).",
+        lambda p: p.rejections,
+    ),
+    PriorityFamily(
+        "priority_alloc_queue_wait_seconds",
+        "histogram",
+        "seconds",
+        "Wait of each allocation at the priority that queued, from its queueing to its "
+        "grant (calls granted without queueing are not observed here).",
+        lambda p: p.wait_histogram,
+    ),
+    PriorityFamily(
+        "priority_admit_queue_wait_seconds",
+        "histogram",
+        "seconds",
+        "Wait of each admission at the priority that queued, from its queueing to its "
+        "grant (calls granted without queueing are not observed here).",
+        lambda p: p.admit_wait_histogram,
+    ),
+)
+
+
+def _priorities(stats: PoolStats) -> list[tuple[str, PriorityStats]]:
+    """A snapshot's priorities as (label value, figures), most urgent first,
+    ``"other"`` last when some priority is past the cap."""
+    out = [(str(prio), one) for prio, one in stats.by_priority.items()]
+    if stats.other_priorities is not None:
+        out.append(("other", stats.other_priorities))
+    return out
+
+
 _cumsum = itertools.accumulate
 
 
@@ -531,8 +621,13 @@ class PoolCollector:
             GROUP_FAMILIES, lambda f: ["pool", "group"] + ([f.label] if f.label else [])
         )
 
+    def _priority_families(self) -> list[Any]:
+        return self._new_families(PRIORITY_FAMILIES, lambda f: ["pool", "priority"])
+
     def _new_families(
-        self, specs: Sequence[Family] | Sequence[GroupFamily], labels: Callable[[Any], list[str]]
+        self,
+        specs: Sequence[Family] | Sequence[GroupFamily] | Sequence[PriorityFamily],
+        labels: Callable[[Any], list[str]],
     ) -> list[Any]:
         """An empty metric family for each of ``specs``, named with the
         prefix, labelled ``labels(spec)``."""
@@ -566,11 +661,16 @@ class PoolCollector:
 
     def describe(self) -> list[Metric]:
         """Every family this collector exports now, without samples: those of
-        :data:`FAMILIES`, and those of :data:`GROUP_FAMILIES` while some
-        pool it exports has KV groups (its ``kv_groups``)."""
+        :data:`FAMILIES`, those of :data:`GROUP_FAMILIES` while some
+        pool it exports has KV groups (its ``kv_groups``), and those of
+        :data:`PRIORITY_FAMILIES` while some is a pool that queues (an
+        ``AsyncReqToTokenPool``: its ``waiting_by_priority``)."""
         families = self._families()
-        if any(getattr(pool, "kv_groups", None) for pool, _ in list(self._pools.values())):
+        pools = [pool for pool, _ in list(self._pools.values())]
+        if any(getattr(pool, "kv_groups", None) for pool in pools):
             families += self._group_families()
+        if any(_queues(pool) for pool in pools):
+            families += self._priority_families()
         return families
 
     def collect(self) -> Iterator[Metric]:
@@ -609,7 +709,8 @@ class PoolCollector:
                 continue
             snapshots.append((name, token, stats))
         try:
-            yield from self._collect_snapshots(snapshots)
+            queueing = {name for name, (pool, _) in pools if _queues(pool)}
+            yield from self._collect_snapshots(snapshots, queueing)
         finally:
             # A pool removed while this scrape ran: drop what it wrote since,
             # also when the scrape stops early (its consumer raised, or let
@@ -621,9 +722,10 @@ class PoolCollector:
                     self._forget(token)
 
     def _collect_snapshots(
-        self, snapshots: list[tuple[str, object, PoolStats]]
+        self, snapshots: list[tuple[str, object, PoolStats]], queueing: set[str]
     ) -> Iterator[Metric]:
-        """The families of :meth:`collect` from its snapshots."""
+        """The families of :meth:`collect` from its snapshots (``queueing``:
+        the names of the pools that queue calls)."""
         for fam, family in zip(FAMILIES, self._families(), strict=True):
             get = fam.get
             if fam.type == "histogram":
@@ -645,6 +747,11 @@ class PoolCollector:
         grouped = [(name, token, stats) for name, token, stats in snapshots if stats.kv_groups]
         if grouped:
             yield from self._collect_groups(grouped)
+        # The per-priority families come with every pool that queues, with
+        # no samples before its calls queued: what describe() names.
+        tiered = [s for s in snapshots if s[0] in queueing or s[2].by_priority]
+        if tiered:
+            yield from self._collect_priorities(tiered)
 
     def _collect_groups(self, snapshots: list[tuple[str, object, PoolStats]]) -> Iterator[Metric]:
         """The families of :data:`GROUP_FAMILIES`, one sample (or one per
@@ -663,6 +770,32 @@ class PoolCollector:
                     else:
                         family.add_metric([name, group], float(get(one)))
             yield family
+
+    def _collect_priorities(
+        self, snapshots: list[tuple[str, object, PoolStats]]
+    ) -> Iterator[Metric]:
+        """The families of :data:`PRIORITY_FAMILIES`, one sample (a
+        histogram's series) per priority of each snapshot; counters never
+        go down, as in :meth:`collect`."""
+        for fam, family in zip(PRIORITY_FAMILIES, self._priority_families(), strict=True):
+            get = fam.get
+            for name, token, stats in snapshots:
+                for label, one in _priorities(stats):
+                    if fam.type == "histogram":
+                        h: HistogramSnapshot = get(one)
+                        les = _le_labels(h.bounds)
+                        family.add_metric(
+                            [name, label], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
+                        )
+                    else:
+                        v = self._never_down(((fam.name, label), token), float(get(one)))
+                        family.add_metric([name, label], v)
+            yield family
+
+
+def _queues(pool: object) -> bool:
+    """Whether ``pool`` queues calls (has figures per priority to export)."""
+    return callable(getattr(pool, "waiting_by_priority", None))
 
 
 def _log_extra(pool: object) -> dict[str, str] | None:

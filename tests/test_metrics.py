@@ -34,7 +34,7 @@ from prometheus_client.openmetrics.parser import (  # noqa: E402
 )
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from asyncpool.metrics import FAMILIES, GROUP_FAMILIES, PoolCollector  # noqa: E402
+from asyncpool.metrics import FAMILIES, GROUP_FAMILIES, PRIORITY_FAMILIES, PoolCollector  # noqa: E402
 
 GAUGES = {
     "asyncpool_capacity_rows": "rows",
@@ -88,6 +88,16 @@ GROUP_GAUGES = {
 }
 GROUP_COUNTERS = {"asyncpool_kv_group_growth_refusals", "asyncpool_kv_group_fence_errors"}
 STATES = ("free", "allocated", "pending", "quarantined")
+#: The per-priority families (labels pool, priority): with every pool that queues.
+PRIORITY_COUNTERS = {
+    "asyncpool_priority_timeouts",
+    "asyncpool_priority_cancellations",
+    "asyncpool_priority_rejections",
+}
+PRIORITY_HISTOGRAMS = {
+    "asyncpool_priority_alloc_queue_wait_seconds",
+    "asyncpool_priority_admit_queue_wait_seconds",
+}
 
 
 def scrape(*pools: tuple[Any, str]) -> dict[str, Any]:
@@ -140,6 +150,8 @@ async def test_every_family_has_its_name_type_and_unit() -> None:
             **dict.fromkeys(GAUGES, "gauge"),
             **dict.fromkeys(COUNTERS, "counter"),
             **dict.fromkeys(HISTOGRAMS, "histogram"),
+            **dict.fromkeys(PRIORITY_COUNTERS, "counter"),
+            **dict.fromkeys(PRIORITY_HISTOGRAMS, "histogram"),
         }
         # Counters expose "_total" samples; nothing else does.
         for name in COUNTERS:
@@ -783,3 +795,23 @@ def test_a_scrape_stopped_early_keeps_no_counter_of_a_pool_removed_meanwhile(how
         with pytest.raises(RuntimeError):
             scrape.throw(RuntimeError("the consumer failed"))
     assert collector._last == {}
+
+
+def test_the_metrics_table_lists_every_priority_family() -> None:
+    section = doc_section("docs/api.md", "## Metrics")
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("asyncpool_priority_"):
+            listed[cells[0]] = (cells[1], cells[3])
+    exported = {
+        f"asyncpool_{f.name}" + ("_total" if f.type == "counter" else ""): (
+            f.type,
+            "pool, priority",
+        )
+        for f in PRIORITY_FAMILIES
+    }
+    assert listed == exported
+    assert {f"asyncpool_{f.name}" for f in PRIORITY_FAMILIES} == (
+        PRIORITY_COUNTERS | PRIORITY_HISTOGRAMS
+    )

@@ -249,8 +249,9 @@ class Admission(PageArgs):
         if loop is not self._loop or self._unwatched:
             dropped = self._prepare_to_queue(loop)
         # WaiterQueues.wait() inlined, as in alloc(): no nested coroutine.
+        figures = waiters.tiers.get(priority) or waiters.figures(priority)  # as alloc()
         waiter, handle = waiters.enqueue(
-            need, priority, timeout, loop, pages_.waits, waiters.figures(priority).histograms[1]
+            need, priority, timeout, loop, pages_.waits, figures.histograms[1]
         )
         if dropped:
             waiters.serve_soon(waiter, loop)

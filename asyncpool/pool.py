@@ -765,8 +765,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         # _fast stays False from the check above: no unchecked free can land
         # between the take that came up short and this enqueue (it would
         # grant nobody), so nothing needs re-checking.
+        # The histogram of the call's priority, picked here, once (figures()
+        # inlined for a priority seen before): the grant observes only it.
+        figures = waiters.tiers.get(priority) or waiters.figures(priority)
         waiter, handle = waiters.enqueue(
-            n, priority, timeout, loop, self._wait_times, waiters.figures(priority).histograms[0]
+            n, priority, timeout, loop, self._wait_times, figures.histograms[0]
         )
         if dropped:
             waiters.serve_soon(waiter, loop)

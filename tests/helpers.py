@@ -413,14 +413,19 @@ async def granted_in_call(pool: Any, waiter: asyncio.Future[Any], pages: Any) ->
 
 
 def counter_values(collector: Any) -> dict[str, float]:
-    """Each counter family's one ``_total`` sample of a ``PoolCollector``
-    scrape, by family name."""
+    """Each pool-wide counter family's one ``_total`` sample of a
+    ``PoolCollector`` scrape, by family name (the per-priority families,
+    labelled ``priority`` as well, are left out: a sample per priority,
+    none before a call queued)."""
     out = {}
     for fam in collector.collect():
-        if fam.type == "counter":
+        if fam.type == "counter" and not fam.name.endswith(_PER_PRIORITY):
             (sample,) = [s for s in fam.samples if s.name.endswith("_total")]
             out[fam.name] = sample.value
     return out
+
+
+_PER_PRIORITY = ("priority_timeouts", "priority_cancellations", "priority_rejections")
 
 
 def kv_of(pool: Any) -> Any:

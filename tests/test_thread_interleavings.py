@@ -221,7 +221,8 @@ async def test_a_give_back_after_a_cancelled_grant_keeps_foreign_calls_out() -> 
         hold = pool.hold_grants(warn_after=None)
         loop = asyncio.get_running_loop()
         # What alloc(3) does when it must queue (enqueue is inlined there).
-        waiter, _ = pool._waiters.enqueue(3, 0, None, loop, pool._wait_times, pool._wait_histogram)
+        hist = pool._waiters.figures(0).histograms[0]  # priority 0's alloc waits
+        waiter, _ = pool._waiters.enqueue(3, 0, None, loop, pool._wait_times, hist)
         hold.release()  # the grant loop hands the waiter 3 rows
         assert waiter[1].done() and not pool.waiting()
         pool.free(spare)  # a checked one-row free, nobody waiting: reopens

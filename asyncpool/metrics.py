@@ -588,7 +588,8 @@ class PoolCollector:
                 "(an object whose stats(summaries=False) returns PoolStats); a KVPagePool's "
                 "pages are exported by the AsyncReqToTokenPool built with kv="
             )
-        for taken, (exported, _) in self._pools.items():
+        # One C-level copy: a remove() on another thread may land in the walk.
+        for taken, (exported, _) in list(self._pools.items()):
             if exported is pool:
                 raise ValueError(
                     f"this collector already exports {pool!r} as {taken!r}; a pool is "
@@ -716,7 +717,9 @@ class PoolCollector:
             # also when the scrape stops early (its consumer raised, or let
             # go of this generator: it is closed), or each such scrape left
             # a pool's counters behind for good.
-            current = {token for _, token in self._pools.values()}
+            # One C-level copy: an add() or remove() on another thread may
+            # land in the walk (the live dict raised RuntimeError there).
+            current = {token for _, token in list(self._pools.values())}
             for _, token, _ in snapshots:
                 if token not in current:
                     self._forget(token)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
@@ -815,3 +816,85 @@ def test_the_metrics_table_lists_every_priority_family() -> None:
     assert {f"asyncpool_{f.name}" for f in PRIORITY_FAMILIES} == (
         PRIORITY_COUNTERS | PRIORITY_HISTOGRAMS
     )
+
+
+def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> None:
+    """add() and remove() may run on any thread while a scrape runs: an
+    add() landing inside the scrape's closing walk of the exported pools
+    (where it forgets the counters of pools removed meanwhile) must not
+    fail the scrape. Here a trace hook lands it at that walk's first line,
+    as a thread switch would; the walk iterated the live dict and raised
+    ``RuntimeError: dictionary changed size during iteration``."""
+    import sys
+
+    from asyncpool import metrics
+
+    collector = PoolCollector(ReqToTokenPool(9, 8), name="a")
+    late = ReqToTokenPool(9, 8)
+    landed: list[int] = []
+
+    def adds(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not landed:
+            landed.append(1)
+            collector.add(late, name="late")  # as from another thread
+        return adds
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        back = frame.f_back
+        if (
+            frame.f_code.co_filename == metrics.__file__
+            and frame.f_code.co_name == "<setcomp>"
+            and back is not None
+            and back.f_code.co_name == "collect"
+        ):
+            return adds  # inside the closing walk (a comprehension of it)
+        return None
+
+    scrape = collector.collect()
+    families = list(itertools.islice(scrape, 1))  # begun: its snapshots taken
+    sys.settrace(tracer)
+    try:
+        families += list(scrape)
+    finally:
+        sys.settrace(None)
+    assert landed and families
+    assert collector.names == ("a", "late")
+    assert any(key[1] is collector._pools["a"][1] for key in collector._last)
+
+
+def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
+    """add() checks the pool is not exported already by walking the
+    exported pools; a remove() landing inside that walk (another thread's,
+    here from a trace hook at the walk's first line) must not fail the
+    add: the walk iterated the live dict and raised ``RuntimeError:
+    dictionary changed size during iteration``."""
+    import inspect
+    import sys
+
+    from asyncpool import metrics
+
+    collector = PoolCollector(ReqToTokenPool(9, 8), name="a")
+    collector.add(ReqToTokenPool(9, 8), name="b")
+    new = ReqToTokenPool(9, 8)
+    landed: list[int] = []
+    source, first = inspect.getsourcelines(PoolCollector.add)
+    inside = first + next(i for i, line in enumerate(source) if "if exported is pool" in line)
+
+    def removes(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not landed and frame.f_lineno == inside:
+            landed.append(1)
+            collector.remove("b")  # as from another thread
+        return removes
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename == metrics.__file__ and frame.f_code.co_name == "add":
+            return removes
+        return None
+
+    sys.settrace(tracer)
+    try:
+        collector.add(new, name="c")
+    finally:
+        sys.settrace(None)
+    assert landed
+    assert collector.names == ("a", "c")

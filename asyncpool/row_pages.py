@@ -763,7 +763,7 @@ class RowPages:
                 raise AssertionError(f"row {row} has dropped positions but is not allocated")
             if d.__class__ is not int or d <= 0:
                 raise AssertionError(f"row {row}'s dropped count {d!r} is not an int > 0")
-        seals: list[npt.NDArray[np.int64]] = []
+        seals: list[bytes | bytearray] = []
         for row, pages in enumerate(self.owned):
             if pages is None:
                 if self.sealed[row] is not None or self.grown[row] is not None:
@@ -793,10 +793,13 @@ class RowPages:
             # The seal, not the record: the caller may have written into the
             # record (against the contract; the row's free refuses it), which
             # leaves the pool's own state, the seal and the ledger, intact.
-            seals.append(np.frombuffer(seal, dtype=np.int64))
+            seals.append(seal)
         # Vectorised: a million owned pages (page_size 1, long contexts)
-        # took about a second as a Python pass a page.
-        seen = np.concatenate(seals) if seals else _EMPTY
+        # took about a second as a Python pass a page. One joined copy, no
+        # views of the seals: a view of a bytearray seal, kept alive by a
+        # failed check's traceback, would stop the row's growth resizing it
+        # (BufferError once the record had grown and the seal not).
+        seen = np.frombuffer(b"".join(seals), dtype=np.int64) if seals else _EMPTY
         if has_duplicates(seen):
             raise AssertionError("a page is owned by two rows")
         state = self.ledger._state

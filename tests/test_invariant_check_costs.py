@@ -67,3 +67,31 @@ def test_check_invariants_takes_no_step_a_page(monkeypatch: pytest.MonkeyPatch) 
     finally:
         gate.set()
         stream.close()
+
+
+def test_a_failed_check_leaves_the_rows_seals_growable() -> None:
+    """A failed ``check_invariants`` keeps its frame alive in the error's
+    traceback (``pytest.raises``, a soak's log of it): the vectorised check
+    held zero-copy views of the rows' seals (bytearrays once grown) in a
+    local there, and a bytearray with a view on it cannot be resized, so the
+    row's next in-place growth raised ``BufferError`` after it had grown
+    the record but not the seal, leaving the row refused as written into."""
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(64, 1))
+    grant, other = pool.try_admit(pages=2), pool.try_admit(pages=2)
+    assert grant is not None and other is not None
+    row = grant.row
+    assert pool.extend(row, 1) is not None  # its seal is a bytearray now, with room
+    pages = pool._pages
+    assert pages is not None and isinstance(pages.sealed[row], bytearray)
+    kept = pages.sealed[other.row]
+    assert kept is not None
+    pages.sealed[other.row] = bytes(pages.sealed[row][:8]) + kept[8:]  # a page listed twice
+    with pytest.raises(AssertionError, match="two rows") as failed:
+        pool.check_invariants()
+    pages.sealed[other.row] = kept  # repaired; the error (and its traceback) still held
+    assert pool.extend(row, 1) is not None
+    assert pool.pages_of(row, host=True).shape[0] == 4
+    pool.check_invariants()
+    pool.free([row, other.row])
+    pool.check_invariants()
+    del failed

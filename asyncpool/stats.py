@@ -440,10 +440,12 @@ class PoolStats:
             cancellations and rejections, priority -> :class:`PriorityStats`,
             most urgent first: whether tier 3 waits seconds while tier 0
             waits microseconds. A priority appears once a call at it queued
-            or was refused (calls granted without queueing are not counted
-            per priority), for the first :data:`MAX_PRIORITIES` distinct
-            priorities; read-only (a :class:`FrozenDict`), empty for the sync
-            pool and a pool whose calls never queued.
+            or was refused, or a thread-safe call's grant at it was
+            cancelled before delivery (a cancellation); calls granted
+            without queueing are not otherwise counted per priority. Kept
+            apart for the first :data:`MAX_PRIORITIES` distinct priorities;
+            read-only (a :class:`FrozenDict`), empty for the sync pool and
+            a pool whose calls never queued nor had such a grant cancelled.
         other_priorities: the figures of every priority past the first
             :data:`MAX_PRIORITIES`, together; None while there is none.
     """

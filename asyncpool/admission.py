@@ -36,7 +36,7 @@ from .errors import CapacityError, PoolClosedError
 from .kv_pages import OWNED
 from .ledger import Rows, as_index, describe
 from .page_args import Counts, PageArgs, _check_ordered
-from .row_pages import _EMPTY, Grant, GroupGrant, RowPages, check_page_count
+from .row_pages import _EMPTY, Grant, GroupGrant, RowPages, check_page_count, table_zeros
 from .stats import FrozenDict
 
 if TYPE_CHECKING:
@@ -740,7 +740,8 @@ class Admission(PageArgs):
         order (a set is refused). Raises, changing nothing:
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows (or for rows in a set), :class:`CapacityError` for a
-        ``width`` that is not an int >= 0 or that a row's positions pass;
+        ``width`` that is not an int >= 0, that a row's positions pass or
+        whose table cannot be made (numpy's ``MemoryError``, typed);
         ``group=`` as for :meth:`pages_of` (required on a pool with KV
         groups: one table per group). On a pool without ``kv``: a table of
         zeros, every count 0. Owner thread, as every call here.
@@ -766,7 +767,7 @@ class Admission(PageArgs):
                 raise CapacityError(f"width must be a page count >= 0, got {w}")
         if pages is None:
             return (
-                torch.zeros((len(seq), w or 0), dtype=torch.int64),
+                torch.from_numpy(table_zeros(len(seq), w or 0)),
                 torch.zeros(len(seq), dtype=torch.int64),
             )
         return pages.table(seq, w, host)

@@ -104,6 +104,19 @@ def check_page_count(k: Any, capacity: int, *, least: int) -> int:
     return k
 
 
+def table_zeros(n: int, width: int) -> npt.NDArray[np.int64]:
+    """A zeroed ``(n, width)`` int64 block table; :class:`CapacityError`
+    (not numpy's ``MemoryError`` or ``ValueError``) for a ``width`` whose
+    table cannot be made: a row's positions have no fixed bound, so the
+    width is checked by making the table."""
+    try:
+        return np.zeros((n, width), dtype=np.int64)
+    except (MemoryError, ValueError) as exc:
+        raise CapacityError(
+            f"width {width}: a ({n}, {width}) table of int64 page ids cannot be made ({exc})"
+        ) from None
+
+
 class RowPages:
     """The pages each allocated row owns, over one :class:`KVPagePool`.
 
@@ -473,7 +486,7 @@ class RowPages:
                 f"row {rows[i]} has {most} page positions (dropped ones included), past "
                 f"the table's width {width}"
             )
-        out = np.zeros((n, width), dtype=np.int64)
+        out = table_zeros(n, width)
         parts = [pages for pages in records if pages is not None]
         if parts:
             places = np.arange(width)

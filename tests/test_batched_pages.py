@@ -168,6 +168,8 @@ async def test_pages_of_rows_on_a_pool_without_kv_is_zeros() -> None:
     table, counts = pool.pages_of_rows(rows, width=3)
     assert table.shape == (2, 3) and not table.any() and counts.tolist() == [0, 0]
     assert pool.pages_of_rows(rows)[0].shape == (2, 0)
+    with pytest.raises(CapacityError, match="cannot be made"):
+        pool.pages_of_rows(rows, width=10**18)  # a typed error, not numpy's
 
 
 @pytest.mark.parametrize(
@@ -183,6 +185,7 @@ async def test_pages_of_rows_on_a_pool_without_kv_is_zeros() -> None:
         ("width True", CapacityError, "width"),
         ("width [4]", CapacityError, "width"),
         ("width 2", CapacityError, "past the table's width 2"),
+        ("width huge", CapacityError, "cannot be made"),
     ],
 )
 async def test_pages_of_rows_refuses_bad_input_changing_nothing(
@@ -202,6 +205,7 @@ async def test_pages_of_rows_refuses_bad_input_changing_nothing(
         "width True": lambda: pool.pages_of_rows([a], width=True),
         "width [4]": lambda: pool.pages_of_rows([a], width=[4]),  # type: ignore[arg-type]
         "width 2": lambda: pool.pages_of_rows([b, a], width=2),  # a has 3 positions
+        "width huge": lambda: pool.pages_of_rows([a, b], width=10**18),  # no such memory
     }
     before = full_state(pool)
     with pytest.raises(error, match=match):

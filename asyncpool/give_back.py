@@ -41,6 +41,31 @@ __all__ = ["GiveBack"]
 _TRUSTED_PASS = 8
 
 
+def _check_below(
+    pages: RowPages, rows: Sequence[int], belows: Sequence[int], where: str = ""
+) -> None:
+    """:class:`CapacityError` (``where`` starting its message: the group of
+    a grouped drop) for a ``below`` past its row's positions, dropped ones
+    included: what :meth:`GiveBack.drop_pages` checks before any change."""
+    for row, b in zip(rows, belows, strict=True):
+        have = pages.position_count(row)
+        if b > have:
+            raise CapacityError(
+                f"{where}cannot drop row {row}'s pages below position {b}: it has only "
+                f"{have} page positions (dropped ones included)"
+            )
+
+
+def _kept_pages(pages: RowPages, rows: Sequence[int], keeps: Sequence[int]) -> dict[int, int]:
+    """A trim's ``keep`` positions as the live pages each row keeps (its
+    dropped positions count among the kept ones): what :meth:`RowPages.free`
+    takes."""
+    holes = pages.holes
+    if not holes:
+        return dict(zip(rows, keeps, strict=True))
+    return {row: max(0, k - holes.get(row, 0)) for row, k in zip(rows, keeps, strict=True)}
+
+
 class GiveBack(PageArgs):
     """Give-back and the free of rows with pages, mixed into ``AsyncReqToTokenPool``.
 
@@ -173,9 +198,7 @@ class GiveBack(PageArgs):
             if holes:  # positions only: a row keeps at most `keep` dropped ones
                 pages.trim_holes(seq, keeps)
             return 0
-        kept = dict(zip(seq, keeps, strict=True))  # positions; free() takes pages
-        if holes:
-            kept = {row: max(0, k - holes.get(row, 0)) for row, k in kept.items()}
+        kept = _kept_pages(pages, seq, keeps)
         immediate = self._give_back_positions(pages, prepared, extra, after, keep=kept)
         if holes:
             pages.trim_holes(seq, keeps)
@@ -247,13 +270,7 @@ class GiveBack(PageArgs):
         seq = led.as_rows(rows)
         belows = _page_counts(below, len(seq), "below")
         led.check_allocated(seq, "dropped from")
-        for row, b in zip(seq, belows, strict=True):
-            have = pages.position_count(row)
-            if b > have:
-                raise CapacityError(
-                    f"cannot drop row {row}'s pages below position {b}: it has only "
-                    f"{have} page positions (dropped ones included)"
-                )
+        _check_below(pages, seq, belows)
         extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
         if after is not None:
             check_after(after)
@@ -307,14 +324,7 @@ class GiveBack(PageArgs):
         led.check_allocated(seq, "trimmed" if trim else "dropped from")
         if not trim:
             for gname, pages, counts in plans:
-                for row, b in zip(seq, counts, strict=True):
-                    have = pages.position_count(row)
-                    if b > have:
-                        raise CapacityError(
-                            f"KV group {gname!r}: cannot drop row {row}'s pages below "
-                            f"position {b}: it has only {have} page positions (dropped "
-                            "ones included)"
-                        )
+                _check_below(pages, seq, counts, f"KV group {gname!r}: ")
         extra: tuple[Fence, ...] = () if fence is None else fence_list(fence)
         if after is not None:
             check_after(after)
@@ -341,10 +351,7 @@ class GiveBack(PageArgs):
                         immediate += pages.free(one, extra, below=below)
                     continue
                 if one:
-                    kept = dict(zip(seq, counts, strict=True))  # positions; free() takes pages
-                    if holes:
-                        kept = {row: max(0, k - holes.get(row, 0)) for row, k in kept.items()}
-                    immediate += pages.free(one, extra, kept)
+                    immediate += pages.free(one, extra, _kept_pages(pages, seq, counts))
                 if holes:
                     pages.trim_holes(seq, counts)
         finally:

@@ -733,11 +733,7 @@ class PoolCollector:
             get = fam.get
             if fam.type == "histogram":
                 for name, _, stats in snapshots:
-                    h: HistogramSnapshot = get(stats)
-                    les = _le_labels(h.bounds)
-                    family.add_metric(
-                        [name], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
-                    )
+                    _add_histogram(family, [name], get(stats))
             elif fam.type == "counter":
                 for name, token, stats in snapshots:
                     family.add_metric(
@@ -785,15 +781,18 @@ class PoolCollector:
             for name, token, stats in snapshots:
                 for label, one in _priorities(stats):
                     if fam.type == "histogram":
-                        h: HistogramSnapshot = get(one)
-                        les = _le_labels(h.bounds)
-                        family.add_metric(
-                            [name, label], list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s
-                        )
+                        _add_histogram(family, [name, label], get(one))
                     else:
                         v = self._never_down(((fam.name, label), token), float(get(one)))
                         family.add_metric([name, label], v)
             yield family
+
+
+def _add_histogram(family: Any, labels: list[str], h: HistogramSnapshot) -> None:
+    """One histogram sample of ``family``: ``h``'s cumulative buckets, by
+    their ``le`` labels, and its sum."""
+    les = _le_labels(h.bounds)
+    family.add_metric(labels, list(zip(les, _cumsum(h.counts), strict=True)), h.sum_s)
 
 
 def _queues(pool: object) -> bool:

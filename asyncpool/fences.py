@@ -608,8 +608,27 @@ class _EventPool:
 
 
 _event_pool = _EventPool()
+# The stream key of each CUDA stream, and the last seq recorded on it.
+#
+# PyTorch's own streams (the default stream, the per-thread default and the
+# streams of its fixed per-device pool: a few hundred per device at most)
+# live as long as the process: keyed by (device, raw handle), and bounded
+# by that pool. An external stream (``torch.cuda.ExternalStream``: NCCL's,
+# TensorRT's, a transfer engine's) may be destroyed with work still queued
+# on it, and its handle's value given to a new stream: keyed by handle, a
+# fence of the new stream (seq 6) would pass for a later point of the old
+# one, and once it completed the pool would take the old stream's open
+# fence (seq 5) for done: memory handed out while that work still writes.
+# So an external stream is keyed by its Python wrapper instead, while the
+# wrapper lives (_cuda_external: id(wrapper) -> (weak reference, key)),
+# and its seq goes with it: both are dropped when the wrapper is
+# collected, so the three dicts hold PyTorch's streams and the live
+# external wrappers, whatever comes and goes. One wrapper per stream
+# lifetime keeps its fences ordered; a new wrapper each record gives each
+# fence a key of its own (correct, each waited for alone).
 _cuda_stream_keys: dict[tuple[int, int], int] = {}
 _cuda_seqs: dict[int, int] = {}
+_cuda_external: dict[int, tuple[weakref.ref[Any], int]] = {}
 _cuda_lock = threading.Lock()
 
 
@@ -672,15 +691,44 @@ def use_device(device_index: int) -> None:
 
 def _record_cuda(stream: torch.cuda.Stream) -> CudaFence:
     device_index = stream.device.index or 0
-    ident = (device_index, int(stream.cuda_stream))
+    handle = int(stream.cuda_stream)
     with _cuda_lock:
-        key = _cuda_stream_keys.get(ident)
-        if key is None:
-            key = _cuda_stream_keys[ident] = next(_stream_keys)
+        # An external stream's stream_id is its handle (a native one's is
+        # a small packed index, the default stream's 0): see _cuda_external.
+        if handle and stream.stream_id == handle:
+            key = _external_key(stream)
+        else:
+            ident = (device_index, handle)
+            known = _cuda_stream_keys.get(ident)
+            if known is None:
+                known = _cuda_stream_keys[ident] = next(_stream_keys)
+            key = known
         seq = _cuda_seqs[key] = _cuda_seqs.get(key, 0) + 1
         event = _event_pool.take(device_index)
         event.record(stream)
     return CudaFence(event, device_index, key, seq)
+
+
+def _external_key(stream: torch.cuda.Stream) -> int:
+    """The stream key of external stream wrapper ``stream``, made at its
+    first fence and forgotten (with its seq) once it is collected. Called
+    under ``_cuda_lock``."""
+    entry = _cuda_external.get(id(stream))
+    if entry is not None and entry[0]() is stream:
+        return entry[1]
+    key = next(_stream_keys)
+    wid = id(stream)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        # No lock: the collection may run inside _record_cuda on this
+        # thread; each pop is atomic, and a wrapper being recorded on is
+        # alive, so nothing else touches these two entries now.
+        if _cuda_external.get(wid, (None,))[0] is ref:
+            del _cuda_external[wid]
+        _cuda_seqs.pop(key, None)
+
+    _cuda_external[wid] = (weakref.ref(stream, forget), key)
+    return key
 
 
 def record_fence(stream: HostStream | torch.cuda.Stream | torch.Stream) -> OrderedFence:
@@ -691,6 +739,12 @@ def record_fence(stream: HostStream | torch.cuda.Stream | torch.Stream) -> Order
     a pooled event. Both carry ``stream_key`` and ``seq``. Fences of one CUDA
     stream are ordered by the order of ``record_fence`` calls, so record from
     one thread per stream (the scheduler's), as a CUDA stream is used anyway.
+    An external stream (``torch.cuda.ExternalStream``), whose handle may be
+    destroyed and its value reused by a new stream, is ordered per wrapper
+    object: keep one wrapper per stream for as long as the stream lives (a
+    wrapper made per record gives each fence a stream of its own: correct,
+    each is waited for alone). The bookkeeping is bounded: PyTorch's own
+    streams (a fixed per-device pool) and the external wrappers alive.
     ``TypeError`` for anything else; ``RuntimeError`` for a closed
     :class:`HostStream`.
     """

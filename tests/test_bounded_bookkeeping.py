@@ -1,0 +1,135 @@
+"""Bookkeeping that must not only grow, nor outlive its owner (a soak's four
+findings): the CUDA stream keys of external streams, whose handles come and
+go and are reused; the agreement's reused all-reduce buffers, per thread;
+the explicit ledgers' retired marks, one per stream key; the wake-ups'
+bounce counts once the watcher is gone.
+
+No GPU here: the CUDA streams are stand-ins with what ``_record_cuda``
+reads (``device.index``, ``cuda_stream``, ``stream_id``), their events
+:class:`helpers.StandInEvent` gated by the test.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+from helpers import (
+    FAKE_DEVICE,
+    WAIT_S,
+    StandInEvent,
+    forget_stand_in_events,
+)
+
+from asyncpool import ReqToTokenPool
+from asyncpool import fences as fences_mod
+from asyncpool.deferral import newest_per_stream
+
+# -- CUDA stream keys ----------------------------------------------------------
+
+
+class _Device:
+    index = FAKE_DEVICE
+
+
+class _FakeStream:
+    """What ``_record_cuda`` reads of a ``torch.cuda.Stream``. ``external``:
+    an ``ExternalStream``, whose ``stream_id`` is its handle; else one of
+    PyTorch's own, whose ``stream_id`` is a small packed index."""
+
+    device = _Device()
+
+    def __init__(self, handle: int, *, external: bool) -> None:
+        self.cuda_stream = handle
+        self.stream_id = handle if external else 2 * (handle % 32) + 1
+
+
+class _Event(StandInEvent):
+    def record(self, stream: object) -> None:
+        pass
+
+
+@pytest.fixture
+def gates(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[threading.Event]]:
+    """Each event the pool hands out is gated by a new event, appended here."""
+    made: list[threading.Event] = []
+
+    def take(device_index: int) -> _Event:
+        made.append(threading.Event())
+        return _Event(made[-1], WAIT_S)
+
+    monkeypatch.setattr(fences_mod._event_pool, "take", take)
+    yield made
+    gc.collect()
+    forget_stand_in_events()
+
+
+def _record(stream: _FakeStream) -> fences_mod.CudaFence:
+    return fences_mod._record_cuda(cast(Any, stream))
+
+
+def test_a_reused_external_handle_is_a_new_stream_not_a_later_point_of_the_old(
+    gates: list[threading.Event],
+) -> None:
+    """An external stream is destroyed with its fence (seq 5) still open, and
+    a new stream is given the same handle value. Keyed by handle, the new
+    stream's fence was seq 6 of the same key: once it completed, the pool
+    took the old fence for done (the newest of a stream stands for every
+    older one) and handed out the rows still being written."""
+    old = _FakeStream(0x7F00_0000_1000, external=True)
+    for _ in range(4):
+        _record(old)
+    open_fence = _record(old)
+    del old  # the stream is destroyed, its work still queued
+    gc.collect()
+    new = _FakeStream(0x7F00_0000_1000, external=True)
+    later = _record(new)
+    assert later.stream_key != open_fence.stream_key
+    assert newest_per_stream([open_fence, later]) == [open_fence, later]
+
+    pool = ReqToTokenPool(8, 4)
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows, fence=[open_fence, later])
+    gates[-1].set()  # the new stream's fence completes, the old one's not
+    assert pool.reclaim() == 0 and pool.pending_size() == 2
+    gates[-2].set()
+    assert pool.reclaim() == 2
+
+
+def test_one_external_wrapper_keeps_its_fences_ordered(
+    gates: list[threading.Event],
+) -> None:
+    """A wrapper kept for the stream's life orders its fences as before, and
+    PyTorch's own streams are keyed by handle whatever wraps them (a
+    ``torch.Stream`` turned into a new ``torch.cuda.Stream`` each record)."""
+    ext = _FakeStream(0x7F00_0000_2000, external=True)
+    a, b = _record(ext), _record(ext)
+    assert a.stream_key == b.stream_key and b.seq == a.seq + 1
+    c = _record(_FakeStream(0x7F00_0000_3000, external=False))
+    d = _record(_FakeStream(0x7F00_0000_3000, external=False))
+    assert c.stream_key == d.stream_key and d.seq == c.seq + 1
+    default = _record(_FakeStream(0, external=False))  # stream_id 0 == handle 0
+    assert default.stream_key not in (a.stream_key, c.stream_key)
+
+
+def test_external_streams_that_come_and_go_leave_no_keys_behind(
+    gates: list[threading.Event],
+) -> None:
+    """A thousand external streams, each wrapped, recorded on and dropped
+    (NCCL communicators, TensorRT contexts made and destroyed for weeks):
+    the module's dicts end as they began. Keyed by handle, each kept a key
+    and a seq for ever."""
+    gc.collect()
+    before = (len(fences_mod._cuda_stream_keys), len(fences_mod._cuda_seqs))
+    for i in range(1000):
+        stream = _FakeStream(0x7F00_1000_0000 + 0x100 * i, external=True)
+        _record(stream)
+        _record(stream)
+        del stream
+    gc.collect()
+    assert (len(fences_mod._cuda_stream_keys), len(fences_mod._cuda_seqs)) == before
+    assert not getattr(fences_mod, "_cuda_external", {})

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
+import torch
 from helpers import (
     FAKE_DEVICE,
     WAIT_S,
@@ -25,6 +27,7 @@ from helpers import (
 )
 
 from asyncpool import ReqToTokenPool
+from asyncpool import agreement as agreement_mod
 from asyncpool import fences as fences_mod
 from asyncpool.deferral import newest_per_stream
 
@@ -133,3 +136,31 @@ def test_external_streams_that_come_and_go_leave_no_keys_behind(
     gc.collect()
     assert (len(fences_mod._cuda_stream_keys), len(fences_mod._cuda_seqs)) == before
     assert not getattr(fences_mod, "_cuda_external", {})
+
+
+# -- the agreement's buffers ---------------------------------------------------
+
+
+def test_the_agreement_buffers_die_with_their_thread(group: Any) -> None:
+    """A thread of a pool that comes and goes agreed once: its reused
+    buffers go when it ends. Kept by ``threading.get_ident()``, they stayed
+    for the process's life, one pair per thread ever seen (and a new thread
+    given the dead one's ident took them over)."""
+    device = torch.device("cpu")
+    kept: list[weakref.ref[torch.Tensor]] = []
+
+    def body() -> None:
+        agreement_mod._all_reduce_min([3, 1, 2], group, device)
+        here = agreement_mod._all_reduce_min([5, 4, 6], group, device)
+        assert here == [5, 4, 6]
+        bufs = cast(Any, agreement_mod._buffers)
+        found = bufs.by_shape.values() if hasattr(bufs, "by_shape") else bufs.values()
+        kept.extend(weakref.ref(host) for host, _ in found)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and kept
+    del thread
+    gc.collect()
+    assert [ref() for ref in kept] == [None] * len(kept)

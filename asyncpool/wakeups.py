@@ -222,10 +222,17 @@ class FenceWakeups:
     def close(self) -> FenceWatcher | None:
         """Stop the watcher (the pool closes) and return it, if any: the
         caller waits for its threads that are not inside a fence's
-        ``synchronize()`` to exit (``settled``), without blocking its loop."""
+        ``synchronize()`` to exit (``settled``), without blocking its loop.
+        Forgets the fences a delayed re-watch holds and the bounce counts:
+        nothing re-watches on a closed pool."""
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
             watcher.stop()
+        # Nothing re-watches after this (no watcher is started on a closed
+        # pool): the fences a delayed re-watch holds and every bounce count
+        # would stay for the pool's life. The timer, if armed, finds none.
+        self._rewatch_due = []
+        self._bounces.clear()
         return watcher
 
     def handed_over(self) -> None:
@@ -473,7 +480,15 @@ class FenceWakeups:
         # The delayed re-watch: those of the fences it holds still waited for.
         fences, self._rewatch_due = self._rewatch_due, []
         watcher = self.watcher
-        if watcher is not None and fences:
+        if watcher is None:
+            # Gone (the pool closed): nothing re-watches these, so nothing
+            # reads their counts again; kept, they stayed (by id) for the
+            # pool's life, and a fence bearing one's id was re-watched late.
+            bounces = self._bounces
+            for fence in fences:
+                bounces.pop(id(fence), None)
+            return
+        if fences:
             again = self._waited_on(fences)
             if len(again) < len(fences):
                 # Settled meanwhile (reclaimed by a call into the pool): never

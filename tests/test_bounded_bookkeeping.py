@@ -22,9 +22,11 @@ import torch
 from helpers import (
     FAKE_DEVICE,
     WAIT_S,
+    EventFence,
     StandInEvent,
     forget_stand_in_events,
 )
+from test_mutation_sweep_recent import _Ledger, _Timers, _Watcher, _with_ledger
 
 from asyncpool import ReqToTokenPool
 from asyncpool import agreement as agreement_mod
@@ -164,3 +166,38 @@ def test_the_agreement_buffers_die_with_their_thread(group: Any) -> None:
     del thread
     gc.collect()
     assert [ref() for ref in kept] == [None] * len(kept)
+
+
+# -- the wake-ups' bounce counts ------------------------------------------------
+
+
+def test_the_delayed_rewatch_forgets_the_counts_once_the_watcher_is_gone() -> None:
+    """The pool closed (its watcher gone) while a delayed re-watch waited:
+    nothing will re-watch those fences, so nothing reads their bounce
+    counts again. They were kept (by id) for the pool's life."""
+    settled, still = EventFence(), EventFence()
+    wakeups = _with_ledger(_Ledger([still]), _Timers())
+    wakeups._bounces.update({id(settled): 2, id(still): 3})
+    wakeups._rewatch_due = [settled, still]
+    assert wakeups.watcher is None
+    wakeups._rewatch_due_now()
+    assert wakeups._bounces == {} and wakeups._rewatch_due == []
+
+
+def test_close_forgets_the_delayed_rewatch_and_the_bounce_counts() -> None:
+    """``close()`` with a delayed re-watch armed: the fences it holds (a
+    CUDA event, a transfer handle kept alive for no one) and every count go
+    at once, not when a timer that may never fire runs."""
+    fence = EventFence()
+    wakeups = _with_ledger(_Ledger([]), _Timers())
+    watcher = _Watcher([])
+    watcher.stop = lambda: None  # type: ignore[attr-defined]
+    wakeups.watcher = cast(Any, watcher)
+    wakeups._bounces[id(fence)] = 2
+    wakeups._rewatch_later([fence], 2)
+    fence_ref = weakref.ref(fence)
+    del fence
+    wakeups.close()
+    gc.collect()
+    assert fence_ref() is None
+    assert wakeups._bounces == {} and wakeups._rewatch_due == []

@@ -121,6 +121,32 @@ def check_explicit(ledger: Deferrals[Any], call: str) -> None:
         )
 
 
+def forget_stream(ledgers: Sequence[Deferrals[Any]], stream_key: object) -> bool:
+    """The pools' ``forget_stream``: drop the retired mark of ``stream_key``
+    on every ledger of ``ledgers`` (all in explicit mode); True if any had
+    one. ``TypeError`` for a key that is not an int, ``RuntimeError`` for
+    an ``"auto"`` pool or while batches still wait behind a fence of that
+    stream; either way nothing changes."""
+    check_explicit(ledgers[0], "forget_stream")
+    if stream_key.__class__ is bool or not isinstance(stream_key, int):
+        raise TypeError(
+            f"forget_stream() takes a stream key (an int: a fence's stream_key, or "
+            f"one from new_stream_key()), got {stream_key!r} of type "
+            f"{type(stream_key).__name__}"
+        )
+    waiting = sum(led.waits_on_stream(stream_key) for led in ledgers)
+    if waiting:
+        raise RuntimeError(
+            f"forget_stream({stream_key}): {waiting} batch(es) still wait behind a fence "
+            "of that stream; retire it first (a stream is forgotten once done with), "
+            "nothing was changed"
+        )
+    forgot = False
+    for led in ledgers:
+        forgot = led.forget_stream(stream_key) or forgot
+    return forgot
+
+
 @dataclass(frozen=True, slots=True)
 class Agreement:
     """What one :func:`agree` call did, the same on every rank.

@@ -1103,6 +1103,28 @@ class Deferrals(Generic[T]):
             del self._streams[key]
         return released
 
+    def waits_on_stream(self, key: int) -> int:
+        """How many batches wait behind a fence of stream ``key`` (explicit
+        mode: until a :meth:`retire` of it)."""
+        return len(self._streams.get(key, ()))
+
+    def forget_stream(self, key: int) -> bool:
+        """Drop the retired mark of stream ``key``; True if there was one.
+
+        The marks are the only explicit-mode state that outlives the
+        batches: one per stream key ever retired (about 32 B), so a
+        ``new_stream_key()`` per connection, retired for weeks, grows them
+        without bound unless its owner forgets each key it is done with.
+        Nothing is pruned by the ledger itself: a mark forgotten on one
+        rank only would make a later free behind an old fence of that
+        stream free at once there and wait elsewhere. The owner checks
+        :meth:`waits_on_stream` first (every ledger of the call, so a
+        refusal changes nothing). After it, a fence of that stream is no
+        longer known retired: a free behind one waits, for a retire of the
+        stream or for ``agree()``.
+        """
+        return self._retired.pop(key, None) is not None
+
     def conclude(self, fence: Fence, error: BaseException | None) -> int:
         """``fence`` was waited for (``synchronize()`` returned, or raised
         ``error``): settle every batch whose head it is, as :meth:`retire`

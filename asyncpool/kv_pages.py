@@ -72,7 +72,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .agreement import agree, check_explicit, check_reclaim_mode
+from .agreement import agree, check_explicit, check_reclaim_mode, forget_stream
 from .base import force_release_fences, log_force_release, log_force_release_many
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
@@ -1333,6 +1333,25 @@ class KVPagePool:
         if n and self._on_free is not None:
             self._on_free()  # an owning pool's grant loop
         return n
+
+    def forget_stream(self, stream_key: int) -> bool:
+        """Forget that stream ``stream_key`` was retired, on the pages.
+
+        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
+        mark (about 32 B) per stream key it ever retired, which a
+        ``new_stream_key()`` per connection grows for as long as the pool
+        serves; call this once a stream is done with (its last fence
+        retired, none to be freed behind or retired again), at the same
+        point on every rank, as :meth:`retire`. The pool never prunes a mark
+        itself: ranks must decide alike. Afterwards a free behind a fence
+        of that stream waits for a retire of it or for ``agree``. Returns
+        True if a mark was dropped. ``TypeError`` for a key that is not an
+        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
+        wait behind a fence of that stream; either way nothing changes.
+        """
+        if self._guard is not None:
+            self._guard()
+        return forget_stream([self._ledger], stream_key)
 
     def force_release(self, fence: Fences) -> int:
         """Return the pages held behind ``fence``, done or not (logged).

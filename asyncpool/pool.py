@@ -99,7 +99,7 @@ from typing import Any, Self, SupportsIndex, overload
 import torch
 
 from .admission import Admission, Need
-from .agreement import agree, check_explicit, check_reclaim_mode
+from .agreement import agree, check_explicit, check_reclaim_mode, forget_stream
 from .base import PoolCore, force_release_fences, int_arg, log_force_release_many
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
@@ -1267,6 +1267,25 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         if (rows or pages) and self._waiters.count:
             self._waiters.grant()
         return rows, pages
+
+    def forget_stream(self, stream_key: int) -> bool:
+        """Forget that stream ``stream_key`` was retired, on the rows and the pages.
+
+        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
+        mark (about 32 B) per stream key it ever retired, which a
+        ``new_stream_key()`` per connection grows for as long as the pool
+        serves; call this once a stream is done with (its last fence
+        retired, none to be freed behind or retired again), at the same
+        point on every rank, as :meth:`retire`. The pool never prunes a mark
+        itself: ranks must decide alike. Afterwards a free behind a fence
+        of that stream waits for a retire of it or for ``agree``. Returns
+        True if a mark was dropped. ``TypeError`` for a key that is not an
+        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
+        wait behind a fence of that stream; either way nothing changes.
+        Loop thread only.
+        """
+        self._check_thread()
+        return forget_stream([self._ledger, *(ps.ledger for ps in self._page_sets)], stream_key)
 
     def agree(self, group: Any = None) -> tuple[int, int]:
         """Settle pending fences identically on every tensor-parallel rank.

@@ -24,7 +24,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from .agreement import agree, check_explicit, check_reclaim_mode
+from .agreement import agree, check_explicit, check_reclaim_mode, forget_stream
 from .base import PoolCore, force_release_fences, log_force_release, log_force_release_many
 from .deferral import check_ordered
 from .fences import Fence, Fences, HostStream
@@ -187,6 +187,23 @@ class ReqToTokenPool(PoolCore):
         check_explicit(led, "retire")
         check_ordered(fence)
         return led.retire(fence)
+
+    def forget_stream(self, stream_key: int) -> bool:
+        """Forget that stream ``stream_key`` was retired.
+
+        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
+        mark (about 32 B) per stream key it ever retired, which a
+        ``new_stream_key()`` per connection grows for as long as the pool
+        serves; call this once a stream is done with (its last fence
+        retired, none to be freed behind or retired again), at the same
+        point on every rank, as :meth:`retire`. The pool never prunes a mark
+        itself: ranks must decide alike. Afterwards a free behind a fence
+        of that stream waits for a retire of it or for ``agree``. Returns
+        True if a mark was dropped. ``TypeError`` for a key that is not an
+        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
+        wait behind a fence of that stream; either way nothing changes.
+        """
+        return forget_stream([self._ledger], stream_key)
 
     def agree(self, group: Any = None) -> int:
         """Settle pending fences identically on every rank of ``group``

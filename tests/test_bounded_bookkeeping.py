@@ -23,12 +23,13 @@ from helpers import (
     FAKE_DEVICE,
     WAIT_S,
     EventFence,
+    FakeStream,
     StandInEvent,
     forget_stand_in_events,
 )
 from test_mutation_sweep_recent import _Ledger, _Timers, _Watcher, _with_ledger
 
-from asyncpool import ReqToTokenPool
+from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
 from asyncpool import agreement as agreement_mod
 from asyncpool import fences as fences_mod
 from asyncpool.deferral import newest_per_stream
@@ -201,3 +202,80 @@ def test_close_forgets_the_delayed_rewatch_and_the_bounce_counts() -> None:
     gc.collect()
     assert fence_ref() is None
     assert wakeups._bounces == {} and wakeups._rewatch_due == []
+
+
+# -- the explicit ledgers' retired marks -----------------------------------------
+
+
+def test_forget_stream_keeps_the_retired_marks_to_the_streams_in_use() -> None:
+    """A stream key per connection (``new_stream_key()``), retired when
+    its transfer is processed, for weeks: each left a mark for ever. Each
+    forgotten once done with, the marks stay at none, on both kinds of
+    pool, the same calls on every rank."""
+    rows = ReqToTokenPool(8, 4, reclaim="explicit")
+    pages = KVPagePool(16, 4, reclaim="explicit")
+    start = (rows.available_size(), pages.available_size())
+    for _ in range(500):
+        stream = FakeStream()
+        row = rows.alloc(1)
+        page = pages.alloc(1)
+        assert row is not None and page is not None
+        fence = stream.record()
+        rows.free(row, fence=fence)
+        pages.free(page, fence=fence)
+        assert rows.retire(fence) == 1 and pages.retire(fence) == 1
+        assert rows.forget_stream(stream.key) and pages.forget_stream(stream.key)
+    assert rows._ledger._retired == {} and pages._ledger._retired == {}
+    assert (rows.available_size(), pages.available_size()) == start
+
+
+def test_forget_stream_on_a_pool_with_pages_forgets_both() -> None:
+    kv = KVPagePool(16, 4, reclaim="explicit")
+    pool = AsyncReqToTokenPool(8, 4, kv=kv, reclaim="explicit")
+    stream = FakeStream()
+    fence = stream.record()
+    assert pool.retire(fence) == (0, 0)
+    assert pool._ledger._retired and kv._ledger._retired
+    assert pool.forget_stream(stream.key) is True
+    assert pool._ledger._retired == {} and kv._ledger._retired == {}
+    assert pool.forget_stream(stream.key) is False  # nothing left to forget
+
+
+def test_a_forgotten_stream_is_no_longer_known_retired() -> None:
+    """Retired, a fence frees at once what is freed behind it; forgotten,
+    such a free waits again (for a retire of the stream, or agree)."""
+    pool = ReqToTokenPool(8, 4, reclaim="explicit")
+    stream = FakeStream()
+    old = stream.record()
+    pool.retire(old)
+    row = pool.alloc(1)
+    assert row is not None
+    pool.free(row, fence=old)
+    assert pool.pending_size() == 0  # retired: free at once
+    pool.forget_stream(stream.key)
+    row = pool.alloc(1)
+    assert row is not None
+    pool.free(row, fence=old)
+    assert pool.pending_size() == 1
+    assert pool.retire(old) == 1
+
+
+def test_forget_stream_refuses_and_changes_nothing() -> None:
+    """A key that is not an int, an auto pool, and batches still waiting
+    behind a fence of the stream are refused, every mark left as it was."""
+    pool = ReqToTokenPool(8, 4, reclaim="explicit")
+    stream = FakeStream()
+    first = stream.record()
+    pool.retire(first)
+    row = pool.alloc(1)
+    assert row is not None
+    pool.free(row, fence=stream.record())  # waits for a retire of seq 2
+    marks = dict(pool._ledger._retired)
+    for bad in ("1", True, 1.0, None):
+        with pytest.raises(TypeError, match="stream key"):
+            pool.forget_stream(bad)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="1 batch"):
+        pool.forget_stream(stream.key)
+    assert pool._ledger._retired == marks and pool.pending_size() == 1
+    with pytest.raises(RuntimeError, match="explicit"):
+        ReqToTokenPool(8, 4).forget_stream(stream.key)

@@ -589,6 +589,7 @@ async def _audit_calls(pool: AsyncReqToTokenPool, stream: HostStream) -> dict[st
         "release_grant_holds": lambda: (pool.hold_grants(), pool.release_grant_holds()),
         "retire": lambda: _refused(pool.retire, _fence(stream)),  # auto: RuntimeError
         "agree": lambda: _refused(pool.agree),
+        "forget_stream": lambda: _refused(pool.forget_stream, _fence(stream).stream_key),
         "drain": lambda: pool.drain(timeout=5),
         "release_memory": release_resume,
         "resume_memory": pool.resume_memory,

@@ -114,6 +114,8 @@ class Admission(PageArgs):
 
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
+        def _count_oversized(self, count: object, capacity: int, priority: object) -> None: ...
+
         def _prepare_to_queue(self, loop: asyncio.AbstractEventLoop) -> bool: ...
 
         def _overdue_scanner(self) -> OverdueFences | None: ...
@@ -225,7 +227,12 @@ class Admission(PageArgs):
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
-        k = self._page_count(pages, 0)
+        try:
+            k = self._page_count(pages, 0)
+        except CapacityError:
+            if self._pages is not None:  # more pages than the pool has: unfittable
+                self._count_oversized(pages, self._pages.capacity, priority)
+            raise
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
@@ -243,6 +250,7 @@ class Admission(PageArgs):
             # make it unfittable.
             error = self._unfittable_need(need)
             if error is not None:
+                waiters.unfit(priority)
                 raise error
         loop = _get_running_loop()
         dropped = False
@@ -263,6 +271,9 @@ class Admission(PageArgs):
             raise
         except TimeoutError:
             waiters.timed_out(waiter)  # counted where the call raises it (see _expire)
+            raise
+        except CapacityError:
+            waiters.unfit(priority)  # failed by _shed_unfittable: counted where raised
             raise
         finally:
             if handle is not None:
@@ -504,6 +515,23 @@ class Admission(PageArgs):
         self._page_sets[0].fast_admits += 1
         return grant
 
+    def _count_oversized_groups(self, pages: object, priority: object) -> None:
+        """After :meth:`_group_counts` raised :class:`CapacityError` for
+        ``pages`` (a mapping naming every group once): count the ``admit``
+        in ``unfittable`` if the count it refused first, in the groups'
+        order, is an integer past its group's capacity, not bad input."""
+        assert self._groups is not None and isinstance(pages, Mapping)
+        for name, one in self._groups.items():
+            try:
+                k = as_index(pages[name])
+            except TypeError:
+                return  # bad input: refused first
+            if k < 0:
+                return
+            if k > one.capacity:
+                self._count_oversized(k, one.capacity, priority)
+                return
+
     def _take_group_admission(self, counts: tuple[int, ...]) -> GroupGrant | None:
         """One row and each group's pages for a waiter, all or nothing."""
         if (not self._free_q or self._groups_short(counts)) and (
@@ -524,7 +552,11 @@ class Admission(PageArgs):
         if self._owner != _get_ident():
             self._bind_thread()
         self._fast = False
-        counts = self._group_counts(pages)
+        try:
+            counts = self._group_counts(pages)
+        except CapacityError:
+            self._count_oversized_groups(pages, priority)
+            raise
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
@@ -538,6 +570,7 @@ class Admission(PageArgs):
         if self._ledger.quarantined or any(p.ledger.quarantined for p in self._page_sets):
             error = self._unfittable_need(need)
             if error is not None:
+                waiters.unfit(priority)
                 raise error
         loop = _get_running_loop()
         dropped = False

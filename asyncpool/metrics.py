@@ -317,6 +317,14 @@ FAMILIES: tuple[Family, ...] = (
         lambda s: s.rejections,
     ),
     Family(
+        "alloc_unfittable",
+        "counter",
+        "",
+        "alloc() and admit() calls refused with CapacityError because they can never "
+        "be served: more rows or pages than the pool has, or than quarantine leaves it.",
+        lambda s: s.unfittable,
+    ),
+    Family(
         "fence_errors",
         "counter",
         "",
@@ -479,6 +487,15 @@ PRIORITY_FAMILIES: tuple[PriorityFamily, ...] = (
         "alloc() and admit() calls at the priority refused because max_waiters calls "
         "already queued (load shed).",
         lambda p: p.rejections,
+    ),
+    PriorityFamily(
+        "priority_unfittable",
+        "counter",
+        "",
+        "alloc() and admit() calls at the priority refused with CapacityError because "
+        "they can never be served: more rows or pages than the pool has, or than "
+        "quarantine leaves it.",
+        lambda p: p.unfittable,
     ),
     PriorityFamily(
         "priority_alloc_queue_wait_seconds",

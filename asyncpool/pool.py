@@ -115,7 +115,7 @@ from .fences import Fence, Fences, HostStream, check_after
 from .give_back import GiveBack
 from .growth import Growth
 from .kv_pages import KVGroupStats, KVPagePool
-from .ledger import ALLOCATED, FREE, USED, Rows, describe
+from .ledger import ALLOCATED, FREE, USED, Rows, as_index, describe
 from .lifecycle import GrantHold, Lifecycle
 from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
@@ -737,7 +737,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            n = self._ledger.check_n(n)
+            n = self._check_alloc_n(n, priority)
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
@@ -757,6 +757,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         if self._closed:
             raise PoolClosedError("the pool is closed; no rows can be allocated")
         if n > self._capacity - self._ledger.quarantined:
+            waiters.unfit(priority)
             raise self._unfittable(n)
         loop = _get_running_loop()
         dropped = False
@@ -782,6 +783,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         except TimeoutError:
             waiters.timed_out(waiter)  # counted where the call raises it (see _expire)
             raise
+        except CapacityError:
+            waiters.unfit(priority)  # failed by _shed_unfittable: counted where raised
+            raise
         finally:
             if handle is not None:
                 handle.cancel()
@@ -789,6 +793,30 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             # error, whose traceback holds this frame: a cycle that would keep
             # the caller's frames (and their locals) until the cycle collector.
             del waiter
+
+    def _check_alloc_n(self, n: object, priority: object) -> int:
+        """``n`` as an int in ``1..capacity`` (:meth:`SlotLedger.check_n`);
+        its :class:`CapacityError` for more rows than the pool has counts the
+        call in ``unfittable`` (at ``priority``, if that is a valid one; a
+        count that is not an int >= 1 is bad input, and counts nothing)."""
+        try:
+            return self._ledger.check_n(n)
+        except CapacityError:
+            self._count_oversized(n, self._capacity, priority)
+            raise
+
+    def _count_oversized(self, count: object, capacity: int, priority: object) -> None:
+        """Count an ``alloc``/``admit`` refused for asking more than
+        ``capacity`` (``count`` an integer past it, ``priority`` valid): a
+        call that can never be served. Anything else is bad input, and
+        counts nothing. The failing path only."""
+        try:
+            k = as_index(count)
+        except TypeError:
+            return
+        prio = priority if priority.__class__ is int else int_arg(priority)
+        if prio is not None and k > capacity:
+            self._waiters.unfit(prio)
 
     def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """Bind the running ``loop`` and watch fences deferred before it ran."""
@@ -1791,6 +1819,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             timeouts=waiters.timeouts,
             cancellations=waiters.cancellations,
             rejections=waiters.rejections,
+            unfittable=waiters.unfittable,
             closed=self._closed,
             released=self.released,
             grants_held=holds > 0,
@@ -1819,6 +1848,7 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
                 timeouts=figures.timeouts,
                 cancellations=figures.cancellations,
                 rejections=figures.rejections,
+                unfittable=figures.unfittable,
             )
 
         return {

@@ -260,9 +260,12 @@ class PriorityStats:
             ``cancellations``).
         rejections: calls at this priority refused with ``PoolBusyError``
             past ``max_waiters`` (as the pool's ``rejections``: load shed).
+        unfittable: calls at this priority that raised ``CapacityError``
+            because they can never be served (as the pool's ``unfittable``).
 
-    The pool's ``timeouts``, ``cancellations`` and ``rejections`` are the
-    sums of these over the priorities (``other_priorities`` included).
+    The pool's ``timeouts``, ``cancellations``, ``rejections`` and
+    ``unfittable`` are the sums of these over the priorities
+    (``other_priorities`` included).
     """
 
     wait_histogram: HistogramSnapshot = field(default_factory=HistogramSnapshot)
@@ -270,6 +273,7 @@ class PriorityStats:
     timeouts: int = 0
     cancellations: int = 0
     rejections: int = 0
+    unfittable: int = 0
 
 
 #: The ``by_priority`` of a pool whose calls never queued: one shared empty
@@ -321,6 +325,15 @@ class PoolStats:
             was given back), total.
         rejections: ``alloc`` and ``admit`` calls refused with
             ``PoolBusyError`` because ``max_waiters`` calls already queued, total.
+        unfittable: ``alloc`` and ``admit`` calls that raised
+            ``CapacityError`` because they can never be served, total: they
+            ask more rows or pages than the pool (a KV group) has, or than
+            quarantine leaves it, refused at once or failed while queued
+            when quarantine grew. Each such call counts once (one cancelled
+            before it resumes raises ``CancelledError``, and counts in
+            ``cancellations``); counts that are not integers >= 1 (>= 0 for
+            pages) are bad input and not counted, nor are ``try_`` calls
+            (0 for the sync pool).
         peak_allocated: the most rows ever held at once.
         resets: bulk row resets, total (one vectorised tensor op each).
         fence_errors: fences that faulted, total (their rows quarantined).
@@ -437,7 +450,8 @@ class PoolStats:
             snapshot's equality (and hash): it moves with the clock while
             the pool's state stands still.
         by_priority: each priority's own wait histograms and its timeouts,
-            cancellations and rejections, priority -> :class:`PriorityStats`,
+            cancellations, rejections and unfittable calls, priority ->
+            :class:`PriorityStats`,
             most urgent first: whether tier 3 waits seconds while tier 0
             waits microseconds. A priority appears once a call at it queued
             or was refused, or a thread-safe call's grant at it was
@@ -466,6 +480,7 @@ class PoolStats:
     peak_allocated: int
     resets: int = 0
     fence_errors: int = 0
+    unfittable: int = 0
     closed: bool = False
     released: bool = False
     grants_held: bool = False

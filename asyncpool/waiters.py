@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Sized
 from typing import Any
 
-from .errors import PoolBusyError
+from .errors import CapacityError, PoolBusyError
 from .stats import MAX_PRIORITIES, Histogram, HistogramSnapshot
 
 __all__ = ["PriorityFigures", "Waiter", "WaiterQueues"]
@@ -84,17 +84,19 @@ class PriorityFigures:
     :data:`~asyncpool.stats.MAX_PRIORITIES`, together): the waits of its
     calls that queued, one histogram per kind of call the owner counts
     apart (the pool: ``alloc``'s, ``admit``'s), and its timeouts,
-    cancellations and rejections. Written on the owner's thread; a scrape
-    on another reads them (ints, and histograms copied in one C-level step).
+    cancellations, rejections and unfittable calls (:meth:`WaiterQueues.unfit`).
+    Written on the owner's thread; a scrape on another reads them (ints, and
+    histograms copied in one C-level step).
     """
 
-    __slots__ = ("cancellations", "histograms", "rejections", "timeouts")
+    __slots__ = ("cancellations", "histograms", "rejections", "timeouts", "unfittable")
 
     def __init__(self, kinds: int) -> None:
         self.histograms: tuple[Histogram, ...] = tuple(Histogram() for _ in range(kinds))
         self.timeouts: int = 0
         self.cancellations: int = 0
         self.rejections: int = 0
+        self.unfittable: int = 0
 
 
 class WaiterQueues:
@@ -124,6 +126,7 @@ class WaiterQueues:
         "rejections",
         "tiers",
         "timeouts",
+        "unfittable",
     )
 
     def __init__(
@@ -158,6 +161,7 @@ class WaiterQueues:
         self.timeouts: int = 0
         self.cancellations: int = 0
         self.rejections: int = 0
+        self.unfittable: int = 0
         # Figures per priority (see PriorityFigures), for the first
         # MAX_PRIORITIES priorities; those past it share ``other``.
         self._kinds = kinds
@@ -345,7 +349,8 @@ class WaiterQueues:
         next turn (:meth:`serve_soon`: the owner just dropped waiters that
         may have blocked it). Raises ``TimeoutError`` after ``timeout``
         seconds, the owner's error if it fails the waiter (:meth:`fail_all`,
-        :meth:`shed`), and :class:`PoolBusyError` past ``max_waiters``. On
+        :meth:`shed`: counted in ``unfittable`` if a
+        :class:`~asyncpool.CapacityError`), and :class:`PoolBusyError` past ``max_waiters``. On
         any exception, cancellation included, nothing was granted.
         """
         waiter, handle = self.enqueue(need, priority, timeout, loop, window, histogram)
@@ -358,6 +363,9 @@ class WaiterQueues:
             raise
         except TimeoutError:
             self.timed_out(waiter)
+            raise
+        except CapacityError:
+            self.unfit(waiter[3])  # shed(): counted where the call raises it
             raise
         finally:
             if handle is not None:
@@ -374,6 +382,18 @@ class WaiterQueues:
         ``CancelledError`` instead and counts as a cancellation."""
         self.timeouts += 1
         self.figures(waiter[3]).timeouts += 1
+
+    def unfit(self, priority: int) -> None:
+        """A call at ``priority`` raised :class:`~asyncpool.CapacityError`
+        because its need can never be met (more than the owner has, or than
+        quarantine leaves it): count it (pool-wide and at its priority).
+        The owner calls it once per such call: where it refuses one at
+        once, or where a waiter that :meth:`shed` failed raises the error,
+        as for :meth:`timed_out` (a task cancelled before it resumes
+        raises ``CancelledError`` instead and counts as a cancellation).
+        The failing paths only; the owner's thread."""
+        self.unfittable += 1
+        self.figures(priority).unfittable += 1
 
     def _dequeue(self, waiter: Waiter, lazy: bool = False) -> None:
         """Take ``waiter`` off its queue, if it is still there.
@@ -509,7 +529,10 @@ class WaiterQueues:
 
         For needs that can never be met any more (memory quarantined behind
         faulted fences); then runs the grant loop, since a failed head may
-        have blocked others. Returns how many waiters were failed.
+        have blocked others. Returns how many waiters were failed. Counts
+        nothing: each awaiting call counts its error as it raises it
+        (:meth:`unfit`), so a task cancelled before it resumes counts once,
+        as a cancellation.
         """
         failed = 0
         for prio in list(self._prios):
@@ -679,7 +702,7 @@ class WaiterQueues:
         figures = [*self.tiers.values(), *([] if self.other is None else [self.other])]
         if len(self.tiers) > MAX_PRIORITIES or (self.other is not None and not self.tiers):
             raise AssertionError(f"{len(self.tiers)} priorities kept apart, past the cap")
-        for what in ("timeouts", "cancellations", "rejections"):
+        for what in ("timeouts", "cancellations", "rejections", "unfittable"):
             total = getattr(self, what)
             per = sum(getattr(one, what) for one in figures)
             if per != total:

@@ -384,6 +384,18 @@ def pool_snapshot(pool: Any) -> tuple[Any, ...]:
     )
 
 
+def unfittable_apart(snap: tuple[Any, ...]) -> tuple[tuple[int, dict[int, int]], tuple[Any, ...]]:
+    """A :func:`pool_snapshot` as its count of calls that can never be
+    served (``stats().unfittable``, and each priority's not 0) and the rest
+    of it, the figures per priority left out: a call refused for asking
+    more than the pool has counts there, and changes nothing else."""
+    stats = dict(snap[0])
+    total = stats.pop("unfittable")
+    tiers = stats.pop("by_priority")
+    per = {p: one["unfittable"] for p, one in tiers.items() if one["unfittable"]}
+    return (total, per), (stats, *snap[1:])
+
+
 async def caller_pages_behind(pool: Any, fence: Any) -> tuple[Any, asyncio.Future[Any]]:
     """Every page of ``pool``'s KV pool admitted, detached and freed to the
     page pool behind ``fence``, and an admission queued for all of them;
@@ -425,7 +437,12 @@ def counter_values(collector: Any) -> dict[str, float]:
     return out
 
 
-_PER_PRIORITY = ("priority_timeouts", "priority_cancellations", "priority_rejections")
+_PER_PRIORITY = (
+    "priority_timeouts",
+    "priority_cancellations",
+    "priority_rejections",
+    "priority_unfittable",
+)
 
 
 def kv_of(pool: Any) -> Any:

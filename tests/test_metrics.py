@@ -72,6 +72,7 @@ COUNTERS = {
     "asyncpool_alloc_timeouts",
     "asyncpool_alloc_cancellations",
     "asyncpool_alloc_rejections",
+    "asyncpool_alloc_unfittable",
     "asyncpool_fence_errors",
     "asyncpool_page_fence_errors",
     "asyncpool_row_resets",
@@ -94,6 +95,7 @@ PRIORITY_COUNTERS = {
     "asyncpool_priority_timeouts",
     "asyncpool_priority_cancellations",
     "asyncpool_priority_rejections",
+    "asyncpool_priority_unfittable",
 }
 PRIORITY_HISTOGRAMS = {
     "asyncpool_priority_alloc_queue_wait_seconds",

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -550,8 +551,13 @@ class PoolCollector:
     registry: its :meth:`describe` names every family, so a second
     collector in the same registry raises ``ValueError`` at ``register``.
 
-    :meth:`add` and :meth:`remove` may run on any thread, also while a
-    scrape runs (it exports the pools it found when it started).
+    :meth:`add`, :meth:`remove` and :meth:`collect` may run on any thread,
+    at once (two adds of one name: one of them raises), also while a scrape
+    runs (it exports the pools it found when it started). A lock guards
+    the pools and the counters' last values, held for a dict operation at
+    a time: never across a pool's ``stats()``, nor while a scrape builds
+    its families (it takes it per counter sample, for the read and write
+    of that counter's last value).
     """
 
     def __init__(
@@ -571,6 +577,10 @@ class PoolCollector:
         # Keyed by token, not name: a scrape that began before remove(name)
         # may still write its entries after remove() dropped them.
         self._last: dict[tuple[object, object], float] = {}
+        # Guards _pools (check then insert, pop) and _last (read, compare,
+        # write): taken for one such step at a time, never across a call
+        # into a pool.
+        self._lock = threading.Lock()
         if pool is not None:
             self.add(pool, name)
 
@@ -605,31 +615,39 @@ class PoolCollector:
                 "(an object whose stats(summaries=False) returns PoolStats); a KVPagePool's "
                 "pages are exported by the AsyncReqToTokenPool built with kv="
             )
-        # One C-level copy: a remove() on another thread may land in the walk.
-        for taken, (exported, _) in list(self._pools.items()):
-            if exported is pool:
-                raise ValueError(
-                    f"this collector already exports {pool!r} as {taken!r}; a pool is "
-                    "exported once (its figures would count twice in a sum over pools)"
-                )
-        self._pools[name] = (pool, object())
+        with self._lock:
+            # The checks again, with the insert: another thread's add() may
+            # have taken the name (or the pool) since the check above, which
+            # gives the usual error early without the lock.
+            if name in self._pools:
+                raise ValueError(f"this collector already exports a pool named {name!r}")
+            for taken, (exported, _) in self._pools.items():
+                if exported is pool:
+                    raise ValueError(
+                        f"this collector already exports {pool!r} as {taken!r}; a pool is "
+                        "exported once (its figures would count twice in a sum over pools)"
+                    )
+            self._pools[name] = (pool, object())
 
     def remove(self, name: str) -> None:
         """Stop exporting the pool labelled ``name`` (``KeyError`` if none).
 
         A pool added later under the same name starts its counters afresh.
         """
-        _, token = self._pools.pop(name)
-        self._forget(token)
+        with self._lock:
+            _, token = self._pools.pop(name)
+            self._forget(token)
 
     def _forget(self, token: object) -> None:
-        for key in [k for k in list(self._last) if k[1] is token]:
-            self._last.pop(key, None)
+        """Drop ``token``'s last values; the caller holds the lock."""
+        for key in [k for k in self._last if k[1] is token]:
+            del self._last[key]
 
     @property
     def names(self) -> tuple[str, ...]:
         """The pool labels exported, in the order added."""
-        return tuple(self._pools)
+        with self._lock:
+            return tuple(self._pools)
 
     def _families(self) -> list[Any]:
         return self._new_families(FAMILIES, lambda f: ["pool"])
@@ -670,12 +688,13 @@ class PoolCollector:
         (the family, and the group for a group family; the pool's token)
         last exported, since a value read lower is read skew, never a real
         decrease; on a first scrape (nothing kept yet), never below 0."""
-        last = self._last
-        prev = last.get(key, 0.0)
-        if v < prev:
-            return prev
-        last[key] = v
-        return v
+        with self._lock:  # two scrapes at once: neither writes below the other
+            last = self._last
+            prev = last.get(key, 0.0)
+            if v < prev:
+                return prev
+            last[key] = v
+            return v
 
     def describe(self) -> list[Metric]:
         """Every family this collector exports now, without samples: those of
@@ -684,7 +703,8 @@ class PoolCollector:
         :data:`PRIORITY_FAMILIES` while some is a pool that queues (an
         ``AsyncReqToTokenPool``: its ``waiting_by_priority``)."""
         families = self._families()
-        pools = [pool for pool, _ in list(self._pools.values())]
+        with self._lock:
+            pools = [pool for pool, _ in self._pools.values()]
         if any(getattr(pool, "kv_groups", None) for pool in pools):
             families += self._group_families()
         if any(_queues(pool) for pool in pools):
@@ -702,7 +722,8 @@ class PoolCollector:
         snapshot has KV groups (``stats().kv_groups``), with its groups'
         samples.
         """
-        pools = list(self._pools.items())  # one C-level copy: add() may run meanwhile
+        with self._lock:  # a copy: add() and remove() may run meanwhile
+            pools = list(self._pools.items())
         snapshots: list[tuple[str, object, PoolStats]] = []
         for name, (pool, token) in pools:
             # One pool that cannot answer must not fail the scrape (an HTTP
@@ -734,12 +755,11 @@ class PoolCollector:
             # also when the scrape stops early (its consumer raised, or let
             # go of this generator: it is closed), or each such scrape left
             # a pool's counters behind for good.
-            # One C-level copy: an add() or remove() on another thread may
-            # land in the walk (the live dict raised RuntimeError there).
-            current = {token for _, token in list(self._pools.values())}
-            for _, token, _ in snapshots:
-                if token not in current:
-                    self._forget(token)
+            with self._lock:
+                current = {token for _, token in self._pools.values()}
+                for _, token, _ in snapshots:
+                    if token not in current:
+                        self._forget(token)
 
     def _collect_snapshots(
         self, snapshots: list[tuple[str, object, PoolStats]], queueing: set[str]

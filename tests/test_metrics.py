@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -824,21 +825,25 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
     """add() and remove() may run on any thread while a scrape runs: an
     add() landing inside the scrape's closing walk of the exported pools
     (where it forgets the counters of pools removed meanwhile) must not
-    fail the scrape. Here a trace hook lands it at that walk's first line,
-    as a thread switch would; the walk iterated the live dict and raised
-    ``RuntimeError: dictionary changed size during iteration``."""
+    fail the scrape. Here a trace hook starts it in another thread at that
+    walk's first line and gives it time to run, as a thread switch would;
+    the walk iterated the live dict and raised ``RuntimeError: dictionary
+    changed size during iteration``. (The add waits for the collector's
+    lock now, which the walk holds: it lands after the walk.)"""
     import sys
 
     from asyncpool import metrics
 
     collector = PoolCollector(ReqToTokenPool(9, 8), name="a")
     late = ReqToTokenPool(9, 8)
-    landed: list[int] = []
+    landed: list[threading.Thread] = []
 
     def adds(frame: Any, event: str, arg: Any) -> Any:
         if event == "line" and not landed:
-            landed.append(1)
-            collector.add(late, name="late")  # as from another thread
+            other = threading.Thread(target=collector.add, args=(late, "late"))
+            landed.append(other)
+            other.start()
+            other.join(0.05)  # its turn: done, or waiting for the walk
         return adds
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -860,6 +865,8 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
     finally:
         sys.settrace(None)
     assert landed and families
+    landed[0].join(10)
+    assert not landed[0].is_alive()
     assert collector.names == ("a", "late")
     assert any(key[1] is collector._pools["a"][1] for key in collector._last)
 
@@ -867,9 +874,10 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
 def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
     """add() checks the pool is not exported already by walking the
     exported pools; a remove() landing inside that walk (another thread's,
-    here from a trace hook at the walk's first line) must not fail the
-    add: the walk iterated the live dict and raised ``RuntimeError:
-    dictionary changed size during iteration``."""
+    started here from a trace hook at the walk's first line and given time
+    to run) must not fail the add: the walk iterated the live dict and
+    raised ``RuntimeError: dictionary changed size during iteration``. (The
+    remove waits for the collector's lock now, which the add holds there.)"""
     import inspect
     import sys
 
@@ -878,14 +886,16 @@ def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
     collector = PoolCollector(ReqToTokenPool(9, 8), name="a")
     collector.add(ReqToTokenPool(9, 8), name="b")
     new = ReqToTokenPool(9, 8)
-    landed: list[int] = []
+    landed: list[threading.Thread] = []
     source, first = inspect.getsourcelines(PoolCollector.add)
     inside = first + next(i for i, line in enumerate(source) if "if exported is pool" in line)
 
     def removes(frame: Any, event: str, arg: Any) -> Any:
         if event == "line" and not landed and frame.f_lineno == inside:
-            landed.append(1)
-            collector.remove("b")  # as from another thread
+            other = threading.Thread(target=collector.remove, args=("b",))
+            landed.append(other)
+            other.start()
+            other.join(0.05)  # its turn: done, or waiting for the add's lock
         return removes
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -899,4 +909,6 @@ def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
     finally:
         sys.settrace(None)
     assert landed
+    landed[0].join(10)
+    assert not landed[0].is_alive()
     assert collector.names == ("a", "c")

@@ -6,7 +6,7 @@ import logging
 import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 import torch
@@ -127,15 +127,18 @@ def log_force_release_many(
     held: bool,
     uses: int = 0,
     *,
-    faulted: int = 0,
+    remembers_fault: Callable[[Fence], bool],
 ) -> None:
     """The one warning ``force_release(fences)`` logs for a sequence of two
     or more fences, on any pool: what came back (``rows``/``pages``: None
     for a kind the pool has not), or why nothing did (what they held still
-    waits for other fences; ``faulted`` of them faulted, and what was
-    behind them stays quarantined, which the line says rather than "hold
-    nothing"; they held nothing, but were dropped from the recorded uses of
-    ``uses`` allocated rows; or nothing at all)."""
+    waits for other fences; some of them faulted, and what was behind them
+    stays quarantined, which the line says rather than "hold nothing";
+    they held nothing, but were dropped from the recorded uses of ``uses``
+    allocated rows; or nothing at all). ``remembers_fault(fence)``: whether
+    the pool (any of its ledgers) saw ``fence`` fault; asked of each fence
+    only when nothing came back and nothing is held (the count of faulted
+    fences, here once for every kind of pool)."""
     what = fences_words(fences)
     back = [count_of(n, noun) for n, noun in ((rows, "row"), (pages, "page")) if n is not None]
     if rows or pages:
@@ -150,7 +153,7 @@ def log_force_release_many(
             "it no longer waits for these",
             what,
         )
-    elif faulted:
+    elif faulted := sum(map(remembers_fault, fences)):
         nouns = " and ".join(
             f"{noun}s" for n, noun in ((rows, "row"), (pages, "page")) if n is not None
         )

@@ -1388,8 +1388,9 @@ class KVPagePool:
         pages = led.force_release_all(fences)
         log = pool_log(logger, self._name)
         if len(fences) > 1:
-            faulted = 0 if pages or held else sum(led.remembers_fault(f) for f in fences)
-            log_force_release_many(log, fences, None, pages, held, faulted=faulted)
+            log_force_release_many(
+                log, fences, None, pages, held, remembers_fault=led.remembers_fault
+            )
         else:
             faulted = not pages and not held and led.remembers_fault(fences[0])
             log_force_release(log, fences[0], "page", pages, held, faulted=faulted)

@@ -1415,8 +1415,9 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             self._unwatched = [f for f in self._unwatched if id(f) not in ids]
         log = self._log_to(logger)
         if len(fences) > 1:
-            faulted = 0 if rows or pages or held else sum(self._remembers_fault(f) for f in fences)
-            log_force_release_many(log, fences, rows, pages, held, uses, faulted=faulted)
+            log_force_release_many(
+                log, fences, rows, pages, held, uses, remembers_fault=self._remembers_fault
+            )
             if rows or pages:
                 self._waiters.grant()
             return rows, pages

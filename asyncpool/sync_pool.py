@@ -249,8 +249,9 @@ class ReqToTokenPool(PoolCore):
         forgot = led.forget_uses(fences)
         log = self._log_to(logger)
         if len(fences) > 1:
-            faulted = 0 if rows or held else sum(led.remembers_fault(f) for f in fences)
-            log_force_release_many(log, fences, rows, None, held, forgot, faulted=faulted)
+            log_force_release_many(
+                log, fences, rows, None, held, forgot, remembers_fault=led.remembers_fault
+            )
             return rows
         log_force_release(
             log,

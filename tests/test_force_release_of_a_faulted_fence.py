@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import pool_snapshot
+from helpers import grouped_pool, kv_group, pool_snapshot
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, ReqToTokenPool
 
@@ -220,3 +220,32 @@ def test_a_fence_never_given_still_reads_as_before(caplog: pytest.LogCaptureFixt
     kv.force_release(DeadTransfer())
     (msg,) = warnings_of(caplog)
     assert "never given" in msg and "faulted" not in msg, msg
+
+
+async def test_fences_faulted_in_one_kv_group_only_released_together_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Several fences released at once on a pool with KV groups, one of
+    which faulted holding only one group's detached pages (the pages-only
+    abort): the row ledger never saw it, that group's ledger did. The line
+    counts it as faulted (every ledger of the pool is asked, as for one
+    fence), and nothing changes."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = grouped_pool(rows=2)
+    grant = pool.try_admit({"swa": 1, "full": 3})
+    assert grant is not None
+    dead, never = DeadTransfer(), DeadTransfer()
+    kv_group(pool, "full").free(pool.detach_pages(grant.row, group="full", host=True), fence=dead)
+    pool.free([grant.row])
+    pool.reclaim()
+    st = pool.stats()
+    assert (st.quarantined, st.pages_quarantined) == (0, 3)
+    before = pool_snapshot(pool)
+    caplog.clear()
+    assert pool.force_release([dead, never]) == (0, 0)
+    (msg,) = warnings_of(caplog)
+    assert "1 of these fences faulted" in msg and "the rows and pages behind it" in msg, msg
+    assert "never given" not in msg, msg
+    assert pool_snapshot(pool) == before
+    pool.check_invariants()
+    await pool.close()

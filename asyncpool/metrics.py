@@ -48,7 +48,9 @@ Thread rules: a scrape runs on the HTTP server's thread. It calls
 counts: it never mutates the pool, and costs microseconds whatever the
 sample windows hold. Its figures may be a few operations apart from one
 another (each histogram is consistent in itself: its ``+Inf`` bucket equals
-its ``_count``).
+its ``_count``). :meth:`PoolCollector.add`, :meth:`~PoolCollector.remove` and
+:meth:`~PoolCollector.collect` may run on any threads at once: a lock
+guards the collector's own state, never held across a pool's ``stats()``.
 """
 
 from __future__ import annotations

@@ -287,8 +287,9 @@ class Growth(PageArgs):
         as :meth:`extend_rows` takes it): ``rows[:m]`` each get their pages
         in every named group, for the largest ``m`` that every group's free
         pages cover, and the answer is ``(m, {group: (m, count) tensor})``,
-        flat tensors of the run's pages in row order where a count is one
-        per row (a refusal: once in ``stats().growth_refusals``, and in the
+        flat tensors of the run's pages in row order in every group when a
+        count is one per row (an int beside it counts for every row and
+        answers flat too; a refusal: once in ``stats().growth_refusals``, and in the
         ``kv_groups`` figure of every group whose free pages, after
         reclaiming its completed fences, could not cover all of ``rows``).
         """

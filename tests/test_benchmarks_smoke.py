@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import LONG_S, bounded
 
-from benchmarks import ablation, grant_parts
+from benchmarks import ablation, grant_parts, scrape_costs
 from benchmarks import bench_decode as decode_mod
 from benchmarks import bench_pages as pages_mod
 from benchmarks.bench_admit import bench_admit
@@ -317,6 +317,26 @@ async def test_grant_parts() -> None:
     table = grant_parts.render({"asyncio": got})
     assert all(name in table for name in (*grant_parts.FREE_PARTS, *grant_parts.ALLOC_PARTS))
     assert "a grant, both sides" in table
+
+
+async def test_scrape_costs() -> None:
+    """docs/api.md's scrape figures for many priorities and many pending
+    batches come from ``python -m benchmarks.scrape_costs``: each figure is
+    measured, and the priorities' scrape exports every priority's series."""
+    async with bounded(LONG_S):
+        few = await scrape_costs.measure(priorities=1, waits=2, pending=(4,), repeats=1)
+        got = await scrape_costs.measure(priorities=3, waits=2, pending=(4, 64), repeats=3)
+    assert list(got) == [
+        "3 priorities: samples",
+        "3 priorities: collect_ms",
+        "3 priorities: generate_latest_ms",
+        "stats(), 4 pending batches: ms",
+        "stats(), 64 pending batches: ms",
+    ]
+    assert all(x > 0 and math.isfinite(x) for x in got.values())
+    assert got["3 priorities: samples"] > few["1 priorities: samples"]
+    table = scrape_costs.render({"asyncio": got, "uvloop": got})
+    assert all(name in table for name in got) and "| figure | asyncio | uvloop |" in table
 
 
 async def test_hand_over_floor_grants_in_order() -> None:

@@ -41,6 +41,7 @@ import benchmarks.grant_parts
 import benchmarks.history
 import benchmarks.profile
 import benchmarks.run
+import benchmarks.scrape_costs
 import scheduler_demo
 import scheduler_demo.cli
 import scheduler_demo.compare
@@ -58,6 +59,7 @@ DOC_MODULES = (
     benchmarks.grant_parts,
     benchmarks.history,
     benchmarks.profile,
+    benchmarks.scrape_costs,
 )
 #: Modules the documents run that are not this project's programs.
 NOT_OURS = {"pytest", "venv", "pip"}
@@ -184,6 +186,9 @@ def _stop_before_run(module: str, mp: pytest.MonkeyPatch) -> Callable[[list[str]
     if module == "benchmarks.history":
         mp.setattr(benchmarks.history, "render_history", _raise_reached)  # files read first
         return benchmarks.history.main
+    if module == "benchmarks.scrape_costs":
+        mp.setattr(benchmarks.scrape_costs, "run_on", _raise_reached)
+        return benchmarks.scrape_costs.main
     if module == "benchmarks.profile":
         mp.setattr(benchmarks.profile, "profile", _raise_reached)
         return benchmarks.profile.main
@@ -230,7 +235,7 @@ def test_the_documents_show_commands_and_flags() -> None:
     assert ("scheduler_demo.compare", "--rounds 3") in shown  # the epilog
     assert ("benchmarks.profile", "uncontended --loop uvloop") in shown  # a docstring
     assert len(COMMANDS) >= 30, len(COMMANDS)
-    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 7
+    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 8
     assert len(FLAG_SPANS) >= 30, len(FLAG_SPANS)
 
 

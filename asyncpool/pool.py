@@ -79,6 +79,17 @@ runs a foreign call at every switch point of the owner's call in turn (a
 profile hook sees them as ``call`` and ``c_return`` events), and
 ``tests/test_thread_fast_paths.py`` hammers the paths from two real threads
 with a 1 us switch interval.
+
+This module builds the pool and holds what the rules above are about: the
+thread binding, ``alloc``/``try_alloc``/``free``/``record_use``/``lease``,
+the thread-safe submissions and the grant loop's supply of rows. The rest
+of the class is mixins with no state of their own, one job each:
+:mod:`asyncpool.admission`, :mod:`asyncpool.growth`,
+:mod:`asyncpool.give_back`, :mod:`asyncpool.lifecycle`,
+:mod:`asyncpool.fence_control` (explicit reclaim, ``agree``,
+``force_release``, the ledgers' pending hook and the overdue timer, the
+fault hooks) and :mod:`asyncpool.figures` (the counts, ``stats``,
+``overdue_fences``, ``check_invariants``).
 """
 
 from __future__ import annotations
@@ -99,11 +110,11 @@ from typing import Any, Self, SupportsIndex, overload
 import torch
 
 from .admission import Admission, Need
-from .agreement import agree, check_explicit, check_reclaim_mode, forget_stream
-from .base import PoolCore, force_release_fences, int_arg, log_force_release_many
+from .agreement import check_reclaim_mode
+from .base import PoolCore, int_arg
 from .base import check_wait_args as _check_wait_args
 from .base import count_of as _count
-from .deferral import Deferrals, check_ordered
+from .deferral import Deferrals
 from .errors import (
     CapacityError,
     DoubleFreeError,
@@ -111,19 +122,20 @@ from .errors import (
     PoolClosedError,
     WrongThreadError,
 )
+from .fence_control import FenceControl
 from .fences import Fence, Fences, HostStream, check_after
+from .figures import Figures
 from .give_back import GiveBack
 from .growth import Growth
-from .kv_pages import KVGroupStats, KVPagePool
+from .kv_pages import KVPagePool
 from .ledger import ALLOCATED, FREE, USED, Rows, as_index, describe
 from .lifecycle import GrantHold, Lifecycle
 from .naming import check_name, repr_head
 from .overdue import OverdueFences, check_fence_timeout
 from .row_pages import Grant, GroupGrant, RowPages
-from .stats import FrozenDict, LatencySummary, PoolStats, PriorityStats
 from .tables import PoolInfo
 from .threadsafe import submit_wait
-from .waiters import PriorityFigures, WaiterQueues
+from .waiters import WaiterQueues
 from .wakeups import FenceWakeups
 from .watcher import FenceWatcher
 
@@ -138,11 +150,6 @@ _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never rai
 # The unchecked fast paths rely on the GIL's switch points (see the module
 # docstring): closed on a free-threaded build, where every call is checked.
 _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-
-#: After an overdue check that logged newly overdue fences, the next check
-#: comes no sooner than this: at most a few WARNING lines a second, however
-#: many fences turn overdue one after another (see ``_check_overdue``).
-_RECHECK_AFTER_LOGGING_S = 1.0
 
 
 def _describe(need: Need, groups: Sequence[str] = ()) -> tuple[str, str]:
@@ -230,14 +237,7 @@ def _check_kv(kv: object, explicit: bool) -> dict[str, KVPagePool] | None:
     return groups
 
 
-def _check_overdue_of(pool_ref: weakref.ref[AsyncReqToTokenPool], loop: Any) -> None:
-    """An overdue check's timer callback, holding its pool weakly."""
-    pool = pool_ref()
-    if pool is not None:
-        pool._check_overdue(loop)
-
-
-class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
+class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, GiveBack, Lifecycle):
     """A request-row pool whose allocation is awaitable and fence-safe.
 
     Parameters
@@ -1255,350 +1255,11 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
             self._waiters.grant()
         return immediate
 
-    def reclaim(self) -> int:
-        """Return memory whose fences completed; grant waiters; the rows made free.
-
-        With ``reclaim="explicit"`` a no-op that returns 0 (it would decide
-        by this rank's fence timing): :meth:`retire` and :meth:`agree` return
-        memory there.
-        """
-        self._check_thread()
-        released, made = self._reclaim_all()
-        if made and self._waiters.count:
-            self._waiters.grant()
-        return released
-
-    @property
-    def reclaim_mode(self) -> str:
-        """``"auto"`` or ``"explicit"`` (the constructor's ``reclaim``)."""
-        return "explicit" if self._ledger.explicit else "auto"
-
-    def retire(self, fence: Fence) -> tuple[int, int]:
-        """The scheduler has processed the step ``fence`` ends (``reclaim="explicit"``).
-
-        Returns to circulation exactly the rows and pages behind fences of
-        ``fence``'s stream up to it, in record order, then grants waiters
-        (the grant loop runs synchronously inside this call). Never calls
-        ``query()``: call it once the step's outputs are in (you waited for
-        them anyway), at the same point of the loop on every rank. Returns
-        ``(rows, pages)`` made free; ``(0, 0)`` when nothing waited on it.
-        Raises ``TypeError`` for a fence that is not ordered (a transfer
-        handle: :meth:`agree` settles those) and ``RuntimeError`` on an
-        ``"auto"`` pool; either way nothing changes. Loop thread only.
-        """
-        self._check_thread()
-        led = self._ledger
-        check_explicit(led, "retire")
-        check_ordered(fence)
-        rows = led.retire(fence)
-        pages = sum(ps.ledger.retire(fence) for ps in self._page_sets)
-        if (rows or pages) and self._waiters.count:
-            self._waiters.grant()
-        return rows, pages
-
-    def forget_stream(self, stream_key: int) -> bool:
-        """Forget that stream ``stream_key`` was retired, on the rows and the pages.
-
-        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
-        mark (about 32 B) per stream key it ever retired, which a
-        ``new_stream_key()`` per connection grows for as long as the pool
-        serves; call this once a stream is done with (its last fence
-        retired, none to be freed behind or retired again), at the same
-        point on every rank, as :meth:`retire`. The pool never prunes a mark
-        itself: ranks must decide alike. Afterwards a free behind a fence
-        of that stream waits for a retire of it or for ``agree``. Returns
-        True if a mark was dropped. ``TypeError`` for a key that is not an
-        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
-        wait behind a fence of that stream; either way nothing changes.
-        Loop thread only.
-        """
-        self._check_thread()
-        return forget_stream([self._ledger, *(ps.ledger for ps in self._page_sets)], stream_key)
-
-    def agree(self, group: Any = None) -> tuple[int, int]:
-        """Settle pending fences identically on every tensor-parallel rank.
-
-        A collective over the ``torch.distributed`` process group ``group``
-        (None: the default group), for ``reclaim="explicit"`` pools: each
-        rank asks its pending fences (rows and pages) locally, ONE small
-        tensor of flags is all-reduced with MIN, and every rank releases
-        exactly what all of them saw complete, quarantines what any saw
-        fault (a transfer that failed on one rank only), marks overdue what
-        any saw not done past ``fence_timeout``, then grants waiters. Every
-        rank must call it at the same point of its loop; it blocks the loop
-        for the collective
-        (:mod:`asyncpool.agreement`). Returns ``(rows, pages)`` made free.
-        Raises :class:`AgreementError` on every rank, changing nothing,
-        when the ranks' pools hold different pending batches (in number or
-        in the ids they hold: they did not make the same calls) or were
-        built otherwise (``kv=`` on some ranks only), or when a fence's
-        ``query()`` raised ``KeyboardInterrupt``/``SystemExit`` on
-        another rank (that rank raises it, also changing nothing).
-        ``RuntimeError`` on an ``"auto"`` pool, :class:`WrongThreadError`
-        from a foreign thread and ``TypeError``/``ValueError`` for a bad
-        ``group`` (``RuntimeError`` when ``torch.distributed`` is not
-        initialised) raise on this rank alone, before the collective: the
-        other ranks then wait in it until the group's timeout.
-        """
-        self._check_thread()
-        led = self._ledger
-        check_explicit(led, "agree")
-        ledgers: list[Deferrals[Any]] = [led, *(ps.ledger for ps in self._page_sets)]
-        timeout = self._overdue.timeout if self._overdue is not None else None
-        res = agree(
-            group,
-            ledgers,
-            overdue_after=timeout,
-            pool_name=self._name,
-            page_groups=None if self._groups is None else tuple(self._groups),
-        )
-        rows = res.released[0]
-        pages = sum(res.released[1:])
-        if (rows or pages or res.quarantined) and self._waiters.count:
-            self._waiters.grant()
-        return rows, pages
-
-    def force_release(self, fence: Fences) -> tuple[int, int]:
-        """Release the rows and pages held behind ``fence``, done or not.
-
-        The escape hatch for an operator who knows the writer behind a stuck
-        fence (a transfer whose peer died) will never write again: memory
-        waiting on ``fence`` is treated as if it had completed (released, or
-        still waiting for its other fences), logged at WARNING, and the
-        waiters are served. Never asks ``fence`` anything, and stops
-        watching it. Rows still allocated with a use recorded on ``fence``
-        forget that use: freed later, they do not wait for it. Returns
-        ``(rows, pages)`` made free: ``(0, 0)`` when none is, which includes
-        memory that still waits for its other fences (it no longer waits for
-        this one). What it frees counts in ``stats().force_released`` and
-        ``pages_force_released``, not in ``reclaimed`` nor in the fence
-        latencies (the fence did not complete). Acts on what waits now and
-        is not remembered: a later free or use naming ``fence`` waits for it again, since a fence
-        object may be armed again (a CUDA event recorded anew); a transfer
-        known dead should answer ``query()`` True instead (docs/cuda.md).
-        Rows and pages quarantined behind a fence that *faulted* stay
-        quarantined (a faulted writer may still write; nothing returns
-        them).
-
-        ``fence`` may also be a sequence of fences (:data:`~asyncpool.Fences`;
-        :meth:`overdue_fences` is one): every one is released as above, at
-        once (none of them is asked anything, so memory behind two of them
-        is released), with one log line for the call; returns the summed
-        ``(rows, pages)``. An empty one releases nothing and logs nothing.
-        Memory also behind a fence not listed waits for that one, and
-        :meth:`overdue_fences` lists a batch under one fence at a time: a
-        batch behind several stuck fences (a dead pipeline's stages) takes
-        one call per fence, so repeat until it lists none.
-        ``TypeError`` for a non-fence, or a sequence with an element that
-        is not a fence (named by its position) or for another iterable (a
-        set, an iterator, text): every element is checked before anything
-        is released, and nothing changes.
-        """
-        self._check_thread()
-        fences = force_release_fences(fence)
-        if not fences:
-            return 0, 0
-        led = self._ledger
-        pleds = [ps.ledger for ps in self._page_sets]
-        held = led.holds_any(fences) or any(pled.holds_any(fences) for pled in pleds)
-        rows = led.force_release_all(fences)
-        pages = sum(pled.force_release_all(fences) for pled in pleds)
-        uses = led.forget_uses(fences)  # rows (and their pages) freed later skip them too
-        ids = {id(f) for f in fences}
-        if self._overdue is not None:
-            for f in fences:
-                self._overdue.forget(f)
-        self._wakeups.unwatch(fences)  # nothing waits on them: stop asking
-        if self._unwatched:
-            # Deferred while the pool's loop was closed, so not watched yet:
-            # the next loop must not start asking them either.
-            self._unwatched = [f for f in self._unwatched if id(f) not in ids]
-        log = self._log_to(logger)
-        if len(fences) > 1:
-            log_force_release_many(
-                log, fences, rows, pages, held, uses, remembers_fault=self._remembers_fault
-            )
-            if rows or pages:
-                self._waiters.grant()
-            return rows, pages
-        fence = fences[0]
-        if rows or pages:
-            log.warning(
-                "force_release(%r): %s and %s returned to circulation without the fence completing",
-                fence,
-                _count(rows, "row"),
-                _count(pages, "page"),
-            )
-            self._waiters.grant()
-        elif held:
-            log.warning(
-                "force_release(%r): the rows and pages behind this fence still wait for "
-                "other fences; they no longer wait for this one",
-                fence,
-            )
-        elif self._remembers_fault(fence):
-            # An operator releasing a dead peer's transfers meets this one:
-            # "never given to it" (or "holds no row", when a running row had
-            # a use recorded on it too) would read as if its memory were back.
-            log.warning(
-                "force_release(%r): this fence faulted; the rows and pages behind it are "
-                "quarantined for good (a faulted writer may still write) and stay so%s",
-                fence,
-                ""
-                if not uses
-                else f"; dropped it from the recorded uses of {_count(uses, 'allocated row')} "
-                "(freed later, they do not wait for it)",
-            )
-        elif uses:
-            log.warning(
-                "force_release(%r): this fence holds no row and no page of this pool; "
-                "dropped it from the recorded uses of %s (freed later, they do not "
-                "wait for it)",
-                fence,
-                _count(uses, "allocated row"),
-            )
-        else:
-            # Say so plainly: the operator may have passed the wrong object.
-            log.warning(
-                "force_release(%r): this fence holds no row and no page of this pool "
-                "(never given to it, already completed and reclaimed, or released "
-                "before); nothing changed",
-                fence,
-            )
-        return rows, pages
-
-    # ------------------------------------------------------------ fences pending
-
-    def _on_pending(self, fence: Fence) -> None:
-        # Called by either ledger in the loop's thread when a fence starts
-        # holding rows or pages: bind or move to the running loop as any
-        # call does, arm the overdue check, and have the wake-ups
-        # (asyncpool.wakeups) tell the loop when the fence completes.
-        loop = self._loop
-        running = _peek_running_loop()
-        if running is not loop:
-            if running is None:
-                if loop is None or loop.is_closed():
-                    # No loop (yet): watch it once a waiter binds one.
-                    self._unwatched.append(fence)
-                    return
-                # Set-up code between runs of the pool's (open) loop.
-            elif loop is None:
-                # Bound by bind() outside any loop: attach this one (its
-                # debug flag decides the fast paths).
-                self._rebind_loop(running)
-            elif loop.is_closed() or not (loop.is_running() or self._waiters.count):
-                # The pool's loop is gone, or stopped with nobody waiting on
-                # it (asyncio.run twice; a warm-up loop left open): move here.
-                self._rebind_loop(running)
-        overdue = self._overdue
-        if overdue is not None and overdue.timer is None:
-            self._arm_overdue(overdue.timeout)
-        self._wakeups.watch(fence)
-
     def _on_pages_freed(self) -> None:
         # KVPagePool.free/reclaim called by the caller (detached pages) made
         # pages free: the same grant loop as any other free.
         if self._waiters.count:
             self._waiters.grant()
-
-    def _arm_overdue(self, delay: float) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and not self._closed:
-            assert self._overdue is not None
-            # Weakly, as the fence wake-ups (wakeups._Wake): a pool nothing else holds
-            # is collected, not kept until a long fence_timeout passes.
-            self._overdue.timer = loop.call_later(delay, _check_overdue_of, weakref.ref(self), loop)
-
-    def _check_overdue(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        # Loop thread, while fences are pending: log newly overdue fences
-        # once, then look again when the next pending one becomes overdue.
-        # ``loop``: the loop the check was armed on; one the pool has left
-        # (bind() to another thread's loop) does nothing, as a stale wake-up.
-        if loop is not None and loop is not self._loop:
-            return
-        overdue = self._overdue
-        assert overdue is not None
-        overdue.timer = None
-        due = overdue.check()
-        if due is not None:
-            # After a check that logged, pause: fences turning overdue one
-            # after another (a burst of transfers freed behind a dead peer)
-            # are then logged by one check, not a few lines each.
-            self._arm_overdue(max(due + 0.001, _RECHECK_AFTER_LOGGING_S if overdue.logged else 0.0))
-
-    def _on_fault(self, fence: Fence, error: BaseException) -> None:
-        # A ledger quarantined rows or pages (loop thread, maybe inside the
-        # grant loop): a waiter that can no longer ever fit would block its
-        # queue forever, so fail those waiters on the next loop iteration.
-        loop = self._loop
-        if self._waiters.count and loop is not None and not self._drop_dead_waiters():
-            loop.call_soon(self._shed_unfittable)
-
-    def _remembers_fault(self, fence: Fence) -> bool:
-        """True if the row ledger or any page ledger saw ``fence`` fault
-        (``force_release``'s lines: its memory stays quarantined)."""
-        if self._ledger.remembers_fault(fence):
-            return True
-        return any(ps.ledger.remembers_fault(fence) for ps in self._page_sets)
-
-    def _on_group_fault(self, index: int, fence: Fence, error: BaseException) -> None:
-        # KV group `index`'s ledger quarantined pages behind a faulted fence.
-        # If that counted the fence there (its fence_errors moved) and another
-        # group counted it before, it is a repeat for page_fence_errors.
-        sets = self._page_sets
-        counted = sets[index].ledger.fence_errors
-        if counted != self._group_faults_seen[index]:
-            self._group_faults_seen[index] = counted
-            if any(
-                other.ledger.remembers_fault(fence) for i, other in enumerate(sets) if i != index
-            ):
-                self._page_fault_repeats += 1
-        self._on_fault(fence, error)
-
-    def _shed_unfittable(self) -> None:
-        self._waiters.shed(self._unfittable_need)
-
-    def _unfittable_need(self, need: Need) -> CapacityError | None:
-        """The error for a need that can never be met any more, else None."""
-        if need.__class__ is int:
-            n: int = need
-            if n > self._capacity - self._ledger.quarantined:
-                return self._unfittable(n)
-            return None
-        if self._ledger.quarantined >= self._capacity:
-            return self._unfittable(1)
-        k = need[1]  # type: ignore[index]
-        if isinstance(k, tuple):  # KV groups: one count per group
-            assert self._groups is not None
-            for name, pages, count in zip(self._groups, self._page_sets, k, strict=True):
-                cap, q = pages.capacity, pages.ledger.quarantined
-                if count > cap - q:
-                    return CapacityError(
-                        f"cannot admit a request for {_count(count, 'page')} of KV group "
-                        f"{name!r}: only {cap - q} of {cap} can ever be free again "
-                        f"({_count(q, 'page')} quarantined behind faulted fences, for the "
-                        "pool's life: a new pool is the way back)"
-                    )
-            return None
-        one = self._pages
-        assert one is not None
-        cap, q = one.capacity, one.ledger.quarantined
-        if k > cap - q:
-            return CapacityError(
-                f"cannot admit a request for {_count(k, 'page')}: only {cap - q} of {cap} "
-                f"can ever be free again ({_count(q, 'page')} quarantined behind faulted "
-                "fences, for the pool's life: a new pool is the way back)"
-            )
-        return None
-
-    def _unfittable(self, n: int) -> CapacityError:
-        q = self._ledger.quarantined
-        return CapacityError(
-            f"cannot allocate {_count(n, 'row')}: only {self._capacity - q} of "
-            f"{self._capacity} can ever be free again ({_count(q, 'row')} quarantined "
-            "behind faulted fences, for the pool's life: a new pool is the way back)"
-        )
 
     # ------------------------------------------------------------ leases
 
@@ -1642,301 +1303,6 @@ class AsyncReqToTokenPool(PoolCore, Admission, Growth, GiveBack, Lifecycle):
         if after is not None:
             check_after(after)
         return Lease(self, n, priority, timeout, after)
-
-    # ------------------------------------------------------------ views
-
-    def waiting(self) -> int:
-        """How many ``alloc`` and ``admit`` calls are queued.
-
-        A call cancelled while queued counts until its task unwinds (the
-        loop's next turn), as one whose event loop was closed under it
-        counts until the next call that looks at the queue: right after a
-        disconnect storm this may read hundreds while :meth:`queue_head`
-        reads None. :meth:`waiting_by_priority` counts live calls only.
-        Any thread (a scrape).
-        """
-        return self._waiters.count
-
-    def waiting_by_priority(self) -> dict[int, int]:
-        """The live queued ``alloc`` and ``admit`` calls per priority.
-
-        ``{priority: count}``, most urgent first, priorities with none left
-        out (``{}`` when nobody waits): a tier's queue depth, for per-tier
-        backpressure or a per-tier gauge (``max_waiters`` and the metrics
-        count every priority together). Live: a call cancelled (or timed
-        out) whose task has not unwound yet is not counted, nor one whose
-        event loop was closed under it. A read: it changes nothing.
-        O(calls queued); the event loop's thread only
-        (:class:`WrongThreadError` otherwise).
-        """
-        self._check_thread()
-        return self._waiters.by_priority()
-
-    def _zero_wait_allocs(self) -> int:
-        """Allocs granted without queueing, the inlined single-row ones included.
-
-        ``granted`` counts every row handed out; every hand-out but
-        alloc()'s inlined single-row path also counts in ``_popped``. The
-        difference is those inlined calls (one row each). ``granted`` is
-        read first and ``_popped`` is bumped before it, so a read racing a
-        hand-out on the owner's
-        thread (a scrape from another thread) can only undercount; the
-        figure reported is the largest seen so far, so a counter built on
-        it never goes down between scrapes and never runs ahead of the truth.
-        """
-        led = self._ledger
-        granted = led.granted
-        count = granted - led._popped + self._fast_allocs
-        if count > self._zero_waits_seen:
-            self._zero_waits_seen = count
-        return self._zero_waits_seen
-
-    # ------------------------------------------------------------ counts
-    # Reads, from any thread (a metrics scrape). One made on the owner's
-    # thread from a running loop the pool has left moves the pool there
-    # first (_follow_running_loop): it is the only call a scheduler that
-    # sizes its batches by the counts may make on a new loop.
-
-    def available_size(self) -> int:
-        """Rows free right now (not counting rows pending behind fences).
-
-        A read: rows whose fences completed come back when the event loop
-        runs the pool's wake-up, or at ``reclaim()`` (docs/api.md: *Counts
-        are reads; wake-ups need the loop*). On the owner's thread, from a
-        running loop the pool has left (its own closed, or stopped with
-        nobody waiting on it), it first moves the pool there and looks at
-        its fences, as any call does; from another thread it only reads.
-        """
-        if self._loop is not _peek_running_loop():
-            self._follow_running_loop()
-        return self._ledger.free_count
-
-    def pending_size(self) -> int:
-        """Rows freed but waiting for their fences to complete (a read; see
-        :meth:`available_size` for the one move it makes)."""
-        if self._loop is not _peek_running_loop():
-            self._follow_running_loop()
-        return self._ledger.pending
-
-    def quarantined_size(self) -> int:
-        """Rows kept out of circulation because their fence faulted (a read;
-        see :meth:`available_size` for the one move it makes)."""
-        if self._loop is not _peek_running_loop():
-            self._follow_running_loop()
-        return self._ledger.quarantined
-
-    def _follow_running_loop(self) -> None:
-        # A read from a running loop that is not the pool's. Fences that
-        # completed since the pool's loop stopped sent their wake-ups there
-        # (closed: dropped; stopped: queued where nothing runs them), so
-        # awaiting on this loop would never bring their memory back, and a
-        # scheduler that only reads the counts here makes no call that
-        # moves the pool. On the owner's thread, where any call would move
-        # the pool (its loop is gone, or stopped with nobody waiting on it),
-        # move here and look at the fences at once, as a call does; from
-        # then on wake-ups come here. Elsewhere (another thread's scrape,
-        # the pool's loop still live, a pool no call has bound) only read.
-        running = _peek_running_loop()
-        if running is None or self._owner != _get_ident():
-            return
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and (loop.is_running() or self._waiters.count):
-            return
-        self._fast = False  # no unchecked call may interleave with this one
-        self._prepare_wait(running)
-        self._wakeups.on_fences_done(running)
-
-    def stats(self, *, summaries: bool = True) -> PoolStats:
-        """A frozen snapshot of counts, totals, histograms and latency summaries.
-
-        Changes nothing a caller can see (it only caches a count it derives),
-        but for the move :meth:`available_size` makes from a loop the pool
-        has left. ``summaries=False`` leaves ``wait_time``, ``admit_wait`` and
-        ``fence_latency`` empty (sorting their sample windows is the costly
-        part); metrics scrapes use it. May be called from another thread (a
-        scrape): the figures are then read a few operations apart.
-        """
-        if self._loop is not _peek_running_loop():
-            self._follow_running_loop()
-        waiters = self._waiters
-        holds = self._holds  # read once: grants_held and grant_holds agree
-        waits = waiters.wait_snapshot(0, zeros=self._zero_wait_allocs())
-        extra: dict[str, Any] = {}
-        sets = self._page_sets
-        if sets:
-            # Admissions are counted on the first group's RowPages.
-            pages = sets[0]
-            groups = self._groups
-            if groups is None:
-                pled = pages.ledger
-                capacity, free = pled.capacity, pled.free_count
-                pending, quarantined = pled.pending, pled.quarantined
-                errors, refusals = pled.fence_errors, pages.growth_refusals
-                forced = pled.force_released
-            else:
-                # Each group's figures, read once; the page figures are their
-                # sums, so a scrape from another thread sees them agree.
-                per = self._kv_group_stats(groups, summaries)
-                capacity = sum(g.capacity for g in per.values())
-                free = sum(g.free for g in per.values())
-                pending = sum(g.pending for g in per.values())
-                quarantined = sum(g.quarantined for g in per.values())
-                errors = sum(g.fence_errors for g in per.values())
-                forced = sum(g.force_released for g in per.values())
-                # Calls refused, once each: read after the groups' counts.
-                refusals = sum(g.growth_refusals for g in per.values())
-                refusals -= self._growth_refusal_repeats
-            # Every grant of an admission is observed in the histogram (a
-            # zero wait for one granted without queueing), so its count is
-            # the number of admissions: one figure, never two counters read
-            # a few operations apart by a scrape from another thread.
-            admit_waits = waiters.wait_snapshot(1, zeros=pages.fast_admits)
-            extra = {
-                "pages_capacity": capacity,
-                "pages_free": free,
-                "pages_allocated": capacity - free - pending - quarantined,
-                "pages_pending": pending,
-                "pages_quarantined": quarantined,
-                "page_fence_errors": errors - self._page_fault_repeats,
-                "admits": admit_waits.count,
-                "admit_wait": LatencySummary.of(pages.waits) if summaries else LatencySummary(),
-                "admit_wait_histogram": admit_waits,
-                "growth_refusals": refusals,
-                "pages_force_released": forced,
-            }
-            if groups is not None:
-                extra["kv_groups"] = per
-        overdue = self._overdue_scanner()
-        if overdue is not None:
-            # Explicit: overdue is what agree() agreed (not done on some rank).
-            fences, held = overdue.counts(agreed=self._ledger.explicit)
-            extra["overdue_fences"] = fences
-            extra["overdue_rows"] = held.get("rows", 0)
-            extra["overdue_pages"] = held.get("pages", 0)
-        return self._stats(
-            summaries,
-            waiters=waiters.count,
-            oldest_wait_s=waiters.oldest_wait(),
-            timeouts=waiters.timeouts,
-            cancellations=waiters.cancellations,
-            rejections=waiters.rejections,
-            unfittable=waiters.unfittable,
-            closed=self._closed,
-            released=self.released,
-            grants_held=holds > 0,
-            grant_holds=holds,
-            wait_time=LatencySummary.of(self._wait_times) if summaries else LatencySummary(),
-            alloc_calls=waits.count,
-            wait_histogram=waits,
-            **self._priority_stats(),
-            **extra,
-        )
-
-    def _priority_stats(self) -> dict[str, Any]:
-        """``stats().by_priority`` and ``.other_priorities``; nothing (the
-        defaults) while no call queued. Any thread (a scrape)."""
-        waiters = self._waiters
-        tiers = sorted(list(waiters.tiers.items()))  # one C-level copy, then sorted
-        other = waiters.other
-        if not tiers:
-            return {}
-
-        def one(figures: PriorityFigures) -> PriorityStats:
-            allocs, admits = figures.histograms
-            return PriorityStats(
-                wait_histogram=allocs.snapshot(),
-                admit_wait_histogram=admits.snapshot(),
-                timeouts=figures.timeouts,
-                cancellations=figures.cancellations,
-                rejections=figures.rejections,
-                unfittable=figures.unfittable,
-            )
-
-        return {
-            "by_priority": FrozenDict({prio: one(figures) for prio, figures in tiers}),
-            "other_priorities": None if other is None else one(other),
-        }
-
-    @staticmethod
-    def _kv_group_stats(
-        groups: dict[str, RowPages], summaries: bool
-    ) -> FrozenDict[str, KVGroupStats]:
-        """``stats().kv_groups``: each group's own figures and its growth
-        refusals, in the groups' order."""
-        return FrozenDict(
-            {
-                name: KVGroupStats(
-                    **one.kv._figures(summaries), growth_refusals=one.growth_refusals
-                )
-                for name, one in groups.items()
-            }
-        )
-
-    def _overdue_scanner(self) -> OverdueFences | None:
-        # What stats() and overdue_fences() scan: the pool's own check, or
-        # (explicit, no fence_timeout here) the one for what agree() marked
-        # overdue, scanned only once it marked some batch.
-        overdue = self._overdue
-        if overdue is None and self._agreed_overdue is not None:
-            marked = self._ledger.agreed_overdue or any(
-                pages.ledger.agreed_overdue for pages in self._page_sets
-            )
-            overdue = self._agreed_overdue if marked else None
-        return overdue
-
-    def overdue_fences(self) -> list[Fence]:
-        """The fences overdue now, oldest first: the ones ``stats()``
-        counts in ``overdue_fences``, to act on (``force_release`` takes
-        the list, for fences whose writer is known to be dead).
-
-        A fence is overdue while some batch of rows or pages waits for it
-        (as the fence it waits for now) past ``fence_timeout`` since it was
-        freed; with ``reclaim="explicit"``, while ``agree()`` has agreed it
-        overdue. Oldest is the fence whose oldest such batch was freed
-        first. A batch freed behind several fences (``fence=[a, b]``, a row
-        used on two streams) waits for one at a time, so only the one it
-        waits for now is listed: once that one completes or is released,
-        the batch's next open fence is listed at once (the batch keeps its
-        free's time). Empty without ``fence_timeout`` (and, explicit, before
-        ``agree()`` marked any). A new list; the pool keeps no reference to
-        it. Changes nothing; O(pending batches). From the pool's thread, as
-        the calls that act on it (:class:`WrongThreadError` otherwise).
-        """
-        self._check_thread()
-        overdue = self._overdue_scanner()
-        if overdue is None:
-            return []
-        return overdue.fences(agreed=self._ledger.explicit)
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError unless ledger and waiter queues are consistent.
-
-        From the pool's thread only (:class:`WrongThreadError` otherwise): it
-        walks every record, which a call in the owner's thread may have half
-        updated, so from another thread it could report a fault that is not.
-        For the same reason it may report one while another thread's call
-        on an unchecked fast path is half-way (its row out of the free
-        queue, not yet marked allocated): those paths are safe for the
-        pool's state, not for an audit running beside them.
-        """
-        self._check_thread()
-        super().check_invariants()
-        self._waiters.check_invariants()
-        if self._holds < 0 or self._waiters.gated != self._gate_wanted():
-            raise AssertionError(
-                f"the grant loop is {'' if self._waiters.gated else 'not '}gated with "
-                f"closed={self._closed} released={self._released} holds={self._holds}"
-            )
-        for pages in self._page_sets:
-            pages.ledger.check_invariants()
-            pages.check_invariants(self._ledger.allocated_rows())
-        if self._groups is not None and (
-            self._pages is not None or tuple(self._groups.values()) != self._page_sets
-        ):
-            raise AssertionError("the KV groups and the pool's page sets disagree")
-        for row in self._unreset:
-            if self._ledger.state_of(row) != "allocated":
-                raise AssertionError(f"row {row} awaits its reset but is not allocated")
 
 
 class Lease:

@@ -1,6 +1,8 @@
 """Gaps found by a mechanical mutation sweep of the safety-critical part of
 ``asyncpool/pool.py`` (the grant hand-over, the free and alloc paths, reclaim,
-``force_release``, the fence wake-ups and shedding unfittable waiters).
+``force_release``, the fence wake-ups and shedding unfittable waiters;
+``reclaim``, ``force_release`` and the shedding are in
+``asyncpool/fence_control.py`` since).
 
 Each test pins one behaviour that a generated mutant broke while the focused
 pool test files still passed:

@@ -1,7 +1,9 @@
 """Gaps found by a mechanical mutation sweep of the rest of
 ``asyncpool/pool.py`` (``alloc``'s general path and inlined wait, loop and
 thread binding, ``retire``/``agree``, leases, the views and ``stats``, the
-overdue and fault hooks, the constructor).
+overdue and fault hooks, the constructor; ``retire``/``agree`` and the
+overdue and fault hooks are in ``asyncpool/fence_control.py`` since, the
+views and ``stats`` in ``asyncpool/figures.py``).
 
 Each test pins one behaviour that a generated mutant broke while every pool
 test file that reaches the mutated line still passed:

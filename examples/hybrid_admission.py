@@ -1,4 +1,4 @@
-"""KV groups for a hybrid model, with sliding-window early frees: a program that checks itself.
+"""KV groups for a hybrid model: window slides and retraction, in a program that checks itself.
 
 An overlap loop over one ``AsyncReqToTokenPool`` with three KV groups, as a
 model with full-attention, sliding-window (``--window`` tokens) and Mamba
@@ -7,27 +7,36 @@ layers needs them (``kv={"full": ..., "swa": ..., "mamba": KVPagePool(rows + 1, 
 * each request is a task that awaits ``pool.admit({"full": n, "swa": w,
   "mamba": 1})``: a row, its prompt's pages, the pages of the prompt's last
   window and a state slot, all or nothing (backpressure when short);
-* each step grows both attention groups at page boundaries in one
-  all-or-nothing call (``extend_rows(rows, {"full": 1, "swa": 1})``),
-  launches the forward, records one
-  fence and ties the batch to it (``record_use`` covers every group);
-* then ``drop_pages(rows, below, group="swa")`` gives back the swa pages
-  that slid out of the window, behind that fence (the step in flight may
-  still read the last of them); a finished request's ``free`` returns its
-  row and every group's pages behind the same fences.
+* each step grows both attention groups at page boundaries in one call,
+  oldest request first (``extend_fitting(rows, {"full": 1, "swa": 1})``):
+  every row of the run it answers got its page in both groups, or none;
+* when the run stops short, the groups that stopped it are those whose free
+  pages miss a page; the newest requests are retracted until what they give
+  back *in those groups* covers the stalled rows (a sliding-window row gives
+  back its window only), freed behind the step in flight and re-admitted
+  for recompute, ahead of new requests, while a ``hold_grants()`` hold
+  keeps the queued admissions from taking those pages first;
+* the step is launched, one fence recorded and the batch tied to it
+  (``record_use`` covers every group); then ``drop_pages(rows, below,
+  group="swa")`` gives back the swa pages that slid out of the next step's
+  window, behind that fence (the step in flight may still read the last of
+  them); a finished request's ``free`` returns its row and every group's
+  pages behind the same fences.
 
-The swa pool is sized for windows (a window's pages and two a row), not for
-whole contexts: the report shows how many swa pages the run would have held
-without the drops. The forward writes each position's KV, tagged with its
-owner, in every group, and checks that all it reads (the context, the
-window, the state) carries its own tag. ``--no-record-use`` leaves the
-fences out (the bug): freed pages and slots go to new requests while a step
-still reads them, and the check reports corruptions (in the Mamba group, a
-pool with no slack; the attention groups reuse the oldest-freed page first,
-which hides most of theirs, dropped ones included). Runs on
-:class:`~asyncpool.HostStream` without a GPU, on a CUDA stream when there is
-one (``--device cpu`` forces the host). Exit status: 0 when nothing was
-corrupted and the pool ends empty, 1 otherwise. Public API only.
+The pools are tight (``--full-pages``, ``--swa-pages``), so both groups come
+up short and the run retracts (the report counts it, by the group that was
+short); the swa pool holds windows, not whole contexts: the report shows how
+many swa pages the run would have held without the drops. The forward
+writes each position's KV, tagged with its owner, in every group, and
+checks that all it reads (the context, the window, the state) carries its
+own tag. ``--no-record-use`` leaves the fences out (the bug): freed,
+retracted and dropped pages and slots go to new requests while a step still
+reads them, and the check reports corruptions (in the Mamba group, a pool
+with no slack; the attention groups reuse the oldest-freed page first, which
+hides most of theirs). Runs on :class:`~asyncpool.HostStream` without a GPU,
+on a CUDA stream when there is one (``--device cpu`` forces the host). Exit
+status: 0 when nothing was corrupted and every row and page came back, 1
+otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -43,17 +52,25 @@ from typing import Any
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, record_fence, wait_fence
+from asyncpool import (
+    AsyncReqToTokenPool,
+    GrantHold,
+    HostStream,
+    KVPagePool,
+    record_fence,
+    wait_fence,
+)
 
 MAX_LEN = 128
 GROUPS = ("full", "swa", "mamba")
+GROWN = ("full", "swa")  # the groups a decode step grows (the Mamba state never grows)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     id: int
-    prompt_len: int
-    output_len: int
+    prompt_len: int  # prefilled at admission (after a retraction, with what it generated)
+    output_len: int  # still to generate
     row: int = -1
     done: int = 0  # output tokens whose step has been processed
     launched: int = 0  # output tokens whose step has been launched (>= done)
@@ -67,6 +84,12 @@ class Request:
     @property
     def tag(self) -> int:  # what its KV holds, in every group
         return self.id + 1
+
+    def retract(self) -> None:
+        """Back to the queue for recompute: what it generated becomes prompt,
+        and the token of its step in flight is lost."""
+        self.prompt_len, self.output_len = self.prompt_len + self.done, self.output_len - self.done
+        self.done = self.launched = 0
 
 
 class Engine:
@@ -135,8 +158,8 @@ async def run(args: argparse.Namespace) -> int:
     # Page ids live on the host (the scheduler computes slots from them); the
     # page tensors are the engine's, on its device.
     kv = {
-        "full": KVPagePool(args.rows * -(-MAX_LEN // ps) + 1, ps),  # whole contexts
-        "swa": KVPagePool(args.rows * (-(-window // ps) + 2) + 1, ps),  # windows only
+        "full": KVPagePool(args.full_pages + 1, ps),  # short of whole contexts: retractions
+        "swa": KVPagePool(args.swa_pages + 1, ps),  # windows only
         "mamba": KVPagePool(args.rows + 1, 1),  # one state slot a request
     }
     pool = AsyncReqToTokenPool(
@@ -144,7 +167,7 @@ async def run(args: argparse.Namespace) -> int:
     )
     engine = Engine(device, kv, forward)
     requests = [Request(i, rng.randint(4, 40), rng.randint(8, 80)) for i in range(args.requests)]
-    running: list[Request] = []
+    running: list[Request] = []  # oldest admission first
     arrived = asyncio.Event()
 
     def lo(pos: int) -> int:  # the first position the step at ``pos`` reads in the window
@@ -157,11 +180,12 @@ async def run(args: argparse.Namespace) -> int:
         pages, base = req.pages[g], req.base[g]
         return [engine.offset[g] + pages[q // ps - base] * ps + q % ps for q in positions]
 
-    async def admit(req: Request) -> None:
+    async def admit(req: Request, priority: int = 0) -> None:
         p = req.prompt_len
         n = -(-p // ps)  # the prompt's pages; the swa group's from its last window on
         req.base = {"full": 0, "swa": lo(p) // ps, "mamba": 0}
-        grant = await pool.admit({"full": n, "swa": n - req.base["swa"], "mamba": 1}, timeout=30)
+        need = {"full": n, "swa": n - req.base["swa"], "mamba": 1}
+        grant = await pool.admit(need, priority=priority, timeout=30)
         req.row = grant.row
         req.pages = {g: [int(x) for x in grant.pages[g].tolist()] for g in GROUPS}
         spans = {"full": range(p), "swa": range(lo(p), p), "mamba": [p]}
@@ -170,26 +194,63 @@ async def run(args: argparse.Namespace) -> int:
         running.append(req)
         arrived.set()
 
+    def gives_back(row: int, g: str) -> int:
+        """The pages a retraction of ``row`` returns in group ``g``: a
+        full-attention row its context, a sliding-window row its window."""
+        return len(pool.pages_of(row, host=True, group=g)) - pool.pages_dropped(row, group=g)
+
     tasks = {asyncio.create_task(admit(r)) for r in requests}
     prev: tuple[Any, list[Request]] | None = None
-    steps = finished = 0
+    hold: GrantHold | None = None  # held from a short growth until nothing is stalled
+    steps = finished = retractions = 0
+    short_in = dict.fromkeys(GROWN, 0)  # growths that this group stopped
     peak = dict.fromkeys(GROUPS, 0)  # pages allocated or pending, at the most
     undropped = 0  # the most swa pages the running rows would hold without drop_pages
     t0 = time.perf_counter()
     try:
         while finished < len(requests):
-            batch, launched = list(running), None
+            # Growth first, at page boundaries: both attention groups cross one
+            # at the same position, so one call grows both, oldest first, and
+            # stops at the first row that some group cannot cover.
+            grow = [r for r in running if r.pos // ps == len(r.pages["full"])]
+            stalled: list[Request] = []
+            if grow:
+                m, got = pool.extend_fitting([r.row for r in grow], dict.fromkeys(GROWN, 1))
+                for g, new in got.items():  # (m, 1): the run's pages, in each group
+                    for r, page in zip(grow[:m], new[:, 0].tolist(), strict=True):
+                        r.pages[g].append(int(page))
+                stalled = grow[m:]
+            if stalled:
+                # Before any free: a free with nothing to wait for grants the
+                # queued admissions at once, which would then need growth too.
+                if hold is None:
+                    hold = pool.hold_grants()
+                # The call answers how far it got, not why: the groups that
+                # stopped it are those whose free pages (its reclaim done)
+                # miss the next row's page. Only pages given back there help.
+                short = [g for g in GROWN if kv[g].available_size() < 1]
+                for g in short:
+                    short_in[g] += 1
+                back = dict.fromkeys(short, 0)
+                while stalled and any(back[g] < len(stalled) for g in short):
+                    victim = running.pop()  # the newest: the least work lost
+                    for g in short:
+                        back[g] += gives_back(victim.row, g)
+                    # Row and pages, behind its recorded use (the step in
+                    # flight reads them); a copy stream that still read them
+                    # would add after=copy_stream.
+                    pool.free([victim.row])
+                    if victim in stalled:
+                        stalled.remove(victim)
+                    if prev is not None and victim in prev[1]:
+                        prev[1].remove(victim)  # its token there is discarded
+                    victim.retract()
+                    tasks.add(asyncio.create_task(admit(victim, priority=-1)))
+                    retractions += 1
+            # The stalled rows sit this step out: their pages come back when
+            # the step in flight completes, and they grow next pass.
+            batch, launched = [r for r in running if r not in stalled], None
             if batch:
-                # Growth first, at page boundaries: both attention groups cross one
-                # at the same position, so one call grows both, all or nothing.
-                grow = [r for r in batch if r.pos // ps == len(r.pages["full"])]
-                if grow:
-                    got = pool.extend_rows([r.row for r in grow], {"full": 1, "swa": 1})
-                    if got is None:  # sized so that it never is (an engine would
-                        raise RuntimeError("short of pages")  # retract: paged_admission.py)
-                    for g, new in got.items():
-                        for r, page in zip(grow, new[:, 0].tolist(), strict=True):
-                            r.pages[g].append(int(page))
                 reads: list[int] = []
                 owners: list[int] = []
                 writes: list[int] = []
@@ -206,7 +267,8 @@ async def run(args: argparse.Namespace) -> int:
                 if args.record_use:
                     pool.record_use([r.row for r in batch], fence)  # every group's pages too
                 # Step t + 1 reads from lo(its position): the swa pages below slid out of
-                # the window. Step t may still read the last of them: behind its fence.
+                # the window. Step t may still read the last of them: after record_use,
+                # so they wait for it (before it, only for step t - 1).
                 below = [lo(r.pos) // ps - r.base["swa"] for r in batch]
                 pool.drop_pages([r.row for r in batch], below, group="swa")
                 for g, group in kv.items():
@@ -224,6 +286,9 @@ async def run(args: argparse.Namespace) -> int:
                         pool.free([r.row])  # every group's pages, behind step t's fence
                         finished += 1
             prev = launched
+            if hold is not None and not any(r in running for r in stalled):
+                hold.release()  # nobody stalled (and never idle with the hold held)
+                hold = None
             if not running and finished < len(requests):
                 arrived.clear()
                 async with asyncio.timeout(30):
@@ -247,7 +312,9 @@ async def run(args: argparse.Namespace) -> int:
     empty = st.allocated == st.pending == st.pages_allocated == st.pages_pending == 0
     print(
         f"hybrid_admission: {len(requests)} requests on {args.rows} rows, {steps} steps, "
-        f"window {window}, pages of {ps}, on {'CUDA stream' if cuda else 'HostStream'}"
+        f"{retractions} retractions (growth short in full {short_in['full']} times, "
+        f"in swa {short_in['swa']}), window {window}, pages of {ps}, "
+        f"on {'CUDA stream' if cuda else 'HostStream'}"
     )
     for g in GROUPS:
         note = f" ({undropped} without window drops)" if g == "swa" else ""
@@ -256,7 +323,10 @@ async def run(args: argparse.Namespace) -> int:
             f"pool of {kv[g].capacity}"
         )
     if bad == 0 and empty:
-        print(f"hybrid_admission: OK: corruptions=0, pool empty, {elapsed:.2f} s")
+        print(
+            f"hybrid_admission: OK: corruptions=0, pool empty (every row and page back), "
+            f"{retractions} retractions, {elapsed:.2f} s"
+        )
         return 0
     print(
         f"hybrid_admission: FAILED: corruptions={bad} (corrupted reads of another owner's KV), "
@@ -275,6 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--window", type=int, default=16, help="sliding window, in tokens")
     p.add_argument("--page-size", type=int, default=4, help="token slots a page")
+    p.add_argument(
+        "--full-pages",
+        type=int,
+        help="the full group's pages (default 12 a row: short of whole contexts)",
+    )
+    p.add_argument(
+        "--swa-pages",
+        type=int,
+        help="the swa group's pages (default a window's a row, and 4: short at times)",
+    )
     p.add_argument("--forward-ms", type=float, default=1.0, help="the forward's time per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -291,6 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rows, --window and --page-size must be at least 1, --requests at least 0")
     if not 0 <= args.forward_ms < float("inf"):
         p.error("--forward-ms must be a finite number >= 0")
+    # The longest request must fit alone (with the step in flight when it
+    # finishes, and in swa the pages its last drops leave pending), or it
+    # would retract itself and be re-admitted for ever.
+    alone = {"full": -(-MAX_LEN // args.page_size), "swa": -(-args.window // args.page_size) + 3}
+    default = {"full": 12 * args.rows, "swa": (alone["swa"] - 3) * args.rows + 4}
+    for g in GROWN:
+        flag = f"--{g}-pages"
+        given = getattr(args, f"{g}_pages")
+        if given is None:
+            setattr(args, f"{g}_pages", max(default[g], alone[g]))
+        elif given < alone[g]:
+            p.error(f"{flag} must be at least {alone[g]} (the longest request alone)")
     return asyncio.run(run(args))
 
 

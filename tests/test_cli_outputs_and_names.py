@@ -172,7 +172,16 @@ BAD_EXAMPLE_ARGS = [
         ("sync_dropin", [["--abort", "-0.1"], ["--requests", "-1"]]),
         ("paged_admission", [["--prefix-pages", "-1"], ["--headroom", "-1"], ["--abort", "nan"]]),
         ("speculative_decode", [["--low-water", "-1"], ["--headroom", "-1"]]),
-        ("hybrid_admission", [["--window", "0"], ["--page-size", "0"], ["--requests", "-1"]]),
+        (
+            "hybrid_admission",
+            [
+                ["--window", "0"],
+                ["--page-size", "0"],
+                ["--requests", "-1"],
+                ["--full-pages", "31"],  # the longest request alone needs 32 pages of 4
+                ["--swa-pages", "6"],  # a window of 16 in pages of 4, and 3
+            ],
+        ),
     ]
     for args in [
         ["--rows", "0"],

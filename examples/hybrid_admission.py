@@ -31,12 +31,10 @@ writes each position's KV, tagged with its owner, in every group, and
 checks that all it reads (the context, the window, the state) carries its
 own tag. ``--no-record-use`` leaves the fences out (the bug): freed,
 retracted and dropped pages and slots go to new requests while a step still
-reads them, and the check reports corruptions (in the Mamba group, a pool
-with no slack; the attention groups reuse the oldest-freed page first, which
-hides most of theirs). Runs on :class:`~asyncpool.HostStream` without a GPU,
-on a CUDA stream when there is one (``--device cpu`` forces the host). Exit
-status: 0 when nothing was corrupted and every row and page came back, 1
-otherwise. Public API only.
+reads them, and the check reports corruptions. Runs on
+:class:`~asyncpool.HostStream` without a GPU, on a CUDA stream when there is
+one (``--device cpu`` forces the host). Exit status: 0 when nothing was
+corrupted and every row and page came back, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations

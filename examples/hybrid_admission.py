@@ -26,7 +26,12 @@ layers needs them (``kv={"full": ..., "swa": ..., "mamba": KVPagePool(rows + 1, 
 The pools are tight (``--full-pages``, ``--swa-pages``), so both groups come
 up short and the run retracts (the report counts it, by the group that was
 short); the swa pool holds windows, not whole contexts: the report shows how
-many swa pages the run would have held without the drops. The forward
+many swa pages the run would have held without the drops. Retraction
+here is frequent (about 1.7 a request at the defaults: every request awaits
+its own ``admit``, so the pages a hold's release frees are admitted away
+at once); an engine that retracts rarely admits with headroom for growth
+(SGLang's ``new_token_ratio``, vLLM's watermark), from its loop with
+``try_admit``, as ``examples/paged_admission.py`` does. The forward
 writes each position's KV, tagged with its owner, in every group, and
 checks that all it reads (the context, the window, the state) carries its
 own tag. ``--no-record-use`` leaves the fences out (the bug): freed,

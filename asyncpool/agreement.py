@@ -125,8 +125,9 @@ def forget_stream(ledgers: Sequence[Deferrals[Any]], stream_key: object) -> bool
     """The pools' ``forget_stream``: drop the retired mark of ``stream_key``
     on every ledger of ``ledgers`` (all in explicit mode); True if any had
     one. ``TypeError`` for a key that is not an int, ``RuntimeError`` for
-    an ``"auto"`` pool or while batches still wait behind a fence of that
-    stream; either way nothing changes."""
+    an ``"auto"`` pool or while batches still wait for a fence of that
+    stream (queued behind it, or waiting for it after another stream's
+    fence: :meth:`Deferrals.waits_on_stream`); either way nothing changes."""
     check_explicit(ledgers[0], "forget_stream")
     if stream_key.__class__ is bool or not isinstance(stream_key, int):
         raise TypeError(
@@ -137,8 +138,9 @@ def forget_stream(ledgers: Sequence[Deferrals[Any]], stream_key: object) -> bool
     waiting = sum(led.waits_on_stream(stream_key) for led in ledgers)
     if waiting:
         raise RuntimeError(
-            f"forget_stream({stream_key}): {waiting} batch(es) still wait behind a fence "
-            "of that stream; retire it first (a stream is forgotten once done with), "
+            f"forget_stream({stream_key}): {waiting} batch(es) still wait for a fence of "
+            "that stream (behind it, or after another stream's fence); retire what they "
+            "wait for first (a stream is forgotten once done with), "
             "nothing was changed"
         )
     forgot = False

@@ -1105,8 +1105,20 @@ class Deferrals(Generic[T]):
 
     def waits_on_stream(self, key: int) -> int:
         """How many batches wait behind a fence of stream ``key`` (explicit
-        mode: until a :meth:`retire` of it)."""
-        return len(self._streams.get(key, ()))
+        mode: until a :meth:`retire` of it): those queued behind one (their
+        head), and those that wait for one after their head (a free behind
+        fences of several streams queues behind the first; a retire of a
+        later one only marks it, read when the walk reaches it). O(pending
+        batches): for :meth:`forget_stream`'s check, not a hot path."""
+        queue = self._streams.get(key)
+        waiting = len(queue) if queue else 0
+        for other in [*self._streams.values(), self._unordered]:
+            if other is queue:
+                continue  # their heads are of this stream: counted above
+            for batch in other:
+                if batch.more and any(stream_key(f) == key for f in batch.rest):
+                    waiting += 1
+        return waiting
 
     def forget_stream(self, key: int) -> bool:
         """Drop the retired mark of stream ``key``; True if there was one.
@@ -1119,9 +1131,11 @@ class Deferrals(Generic[T]):
         rank only would make a later free behind an old fence of that
         stream free at once there and wait elsewhere. The owner checks
         :meth:`waits_on_stream` first (every ledger of the call, so a
-        refusal changes nothing). After it, a fence of that stream is no
-        longer known retired: a free behind one waits, for a retire of the
-        stream or for ``agree()``.
+        refusal changes nothing): a batch that still waits for a fence of
+        the stream, as its head or after it, would otherwise lose the
+        retire that covered it and wait for one that never comes. After
+        it, a fence of that stream is no longer known retired: a free
+        behind one waits, for a retire of the stream or for ``agree()``.
         """
         return self._retired.pop(key, None) is not None
 

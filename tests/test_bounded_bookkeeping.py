@@ -279,3 +279,32 @@ def test_forget_stream_refuses_and_changes_nothing() -> None:
     assert pool._ledger._retired == marks and pool.pending_size() == 1
     with pytest.raises(RuntimeError, match="explicit"):
         ReqToTokenPool(8, 4).forget_stream(stream.key)
+
+
+def test_forget_stream_refuses_a_stream_a_batch_still_waits_for_behind_another() -> None:
+    """A free behind two streams' fences queues behind the first; the
+    second's retire marks it done for when the walk reaches it. Forgotten
+    meanwhile, that mark was gone when the first was retired: the row
+    waited for a retire of a stream done with (or for agree). A fence the
+    batch still waits for after its head counts as waiting behind it, on
+    every kind of explicit pool; refused, nothing changed."""
+    kv = KVPagePool(16, 4, reclaim="explicit")
+    pool = AsyncReqToTokenPool(8, 4, kv=kv, reclaim="explicit")
+    rows = ReqToTokenPool(8, 4, reclaim="explicit")
+    first, second = FakeStream(), FakeStream()
+    head, rest = first.record(), second.record()
+    row = rows.alloc(1)
+    page = kv.alloc(1)
+    assert row is not None and page is not None
+    rows.free(row, fence=[head, rest])
+    kv.free(page, fence=[head, rest])
+    assert rows.retire(rest) == 0 and pool.retire(rest) == (0, 0)
+    for owner in (rows, pool, kv):
+        with pytest.raises(RuntimeError, match="1 batch"):
+            owner.forget_stream(second.key)
+    assert rows._ledger._retired[second.key] == rest.seq
+    assert kv._ledger._retired[second.key] == rest.seq
+    assert rows.retire(head) == 1 and pool.retire(head) == (0, 1)
+    assert rows.pending_size() == 0 and kv.pending_size() == 0
+    # Nothing waits behind it now: forgotten.
+    assert rows.forget_stream(second.key) and pool.forget_stream(second.key)

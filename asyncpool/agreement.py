@@ -127,7 +127,11 @@ def forget_stream(ledgers: Sequence[Deferrals[Any]], stream_key: object) -> bool
     one. ``TypeError`` for a key that is not an int, ``RuntimeError`` for
     an ``"auto"`` pool or while batches still wait for a fence of that
     stream (queued behind it, or waiting for it after another stream's
-    fence: :meth:`Deferrals.waits_on_stream`); either way nothing changes."""
+    fence: :meth:`Deferrals.waits_on_stream`) or while an allocated row
+    carries a recorded use of it not yet retired; either way nothing
+    changes. The recorded uses its retire covers are dropped with the mark
+    (``SlotLedger.forget_stream``): a free of their rows stays free of them
+    at once, as with the mark."""
     check_explicit(ledgers[0], "forget_stream")
     if stream_key.__class__ is bool or not isinstance(stream_key, int):
         raise TypeError(
@@ -142,6 +146,13 @@ def forget_stream(ledgers: Sequence[Deferrals[Any]], stream_key: object) -> bool
             "that stream (behind it, or after another stream's fence); retire what they "
             "wait for first (a stream is forgotten once done with), "
             "nothing was changed"
+        )
+    using = sum(led.stream_uses(stream_key)[1] for led in ledgers)
+    if using:
+        raise RuntimeError(
+            f"forget_stream({stream_key}): {using} allocated row(s) carry a recorded use "
+            "of that stream not yet retired (their free would wait behind it); retire it "
+            "or free them first (a stream is forgotten once done with), nothing was changed"
         )
     forgot = False
     for led in ledgers:

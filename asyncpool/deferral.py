@@ -1120,6 +1120,13 @@ class Deferrals(Generic[T]):
                     waiting += 1
         return waiting
 
+    def stream_uses(self, key: int) -> tuple[list[Fence], int]:
+        """The fences of stream ``key`` recorded as uses of allocated rows
+        that a retire of it covers, and how many rows carry one it does
+        not: see :meth:`SlotLedger.stream_uses`. None here (a ledger
+        without recorded uses: pages)."""
+        return [], 0
+
     def forget_stream(self, key: int) -> bool:
         """Drop the retired mark of stream ``key``; True if there was one.
 

@@ -160,7 +160,11 @@ class FenceControl:
         of that stream waits for a retire of it or for ``agree``. Returns
         True if a mark was dropped. ``TypeError`` for a key that is not an
         int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
-        wait behind a fence of that stream; either way nothing changes.
+        wait for a fence of that stream (behind it, or after another
+        stream's), or while an allocated row carries a recorded use of it
+        not yet retired; either way nothing changes. The recorded uses its
+        retire covers go with the mark: a later free of their rows is free
+        of them at once, as it was with the mark.
         Loop thread only.
         """
         self._check_thread()

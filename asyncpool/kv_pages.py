@@ -1347,7 +1347,8 @@ class KVPagePool:
         of that stream waits for a retire of it or for ``agree``. Returns
         True if a mark was dropped. ``TypeError`` for a key that is not an
         int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
-        wait behind a fence of that stream; either way nothing changes.
+        wait for a fence of that stream (behind it, or after another
+        stream's); either way nothing changes.
         """
         if self._guard is not None:
             self._guard()

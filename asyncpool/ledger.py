@@ -523,6 +523,51 @@ class SlotLedger(Deferrals[int]):
         completed must not hold a row freed later. O(size)."""
         return self.forget_uses((fence,))
 
+    def stream_uses(self, key: int) -> tuple[list[Fence], int]:
+        """The fences of stream ``key`` recorded as uses of allocated rows
+        that a retire of it covers (``seq`` at or below its mark), which a
+        free of their rows no longer waits for, and how many rows carry
+        one it does not cover (a free of such a row waits for a retire of
+        the stream). For ``forget_stream``: the covered ones go with the
+        mark (:meth:`forget_stream`), or a free of their rows would wait for
+        a retire of a stream done with; a row with an uncovered one refuses
+        it. O(size) while some row carries a use, else O(1) in Python."""
+        uses = self._uses
+        if uses.count(None) == len(uses):
+            return [], 0
+        mark = self._retired.get(key)
+        covered: dict[int, Fence] = {}
+        open_rows = 0
+        # Rows recorded in one call share their tuple of uses: read it once.
+        seen: dict[int, tuple[Any, bool]] = {}
+        for use in uses:
+            if use is None:
+                continue
+            hit = seen.get(id(use))
+            if hit is None:
+                still = False
+                for f in use if use.__class__ is tuple else (use,):
+                    if stream_key(f) == key:
+                        if mark is not None and getattr(f, "seq", 0) <= mark:
+                            covered[id(f)] = f
+                        else:
+                            still = True
+                seen[id(use)] = hit = (use, still)
+            if hit[1]:
+                open_rows += 1
+        return list(covered.values()), open_rows
+
+    def forget_stream(self, key: int) -> bool:
+        """:meth:`Deferrals.forget_stream`, and the recorded uses of
+        allocated rows that its retire covers dropped with the mark: a free
+        of such a row would be free at once of them while the mark stays,
+        and must stay so (the owner checked first that no row carries one
+        it does not cover)."""
+        covered, _ = self.stream_uses(key)
+        if covered:
+            self.forget_uses(covered)
+        return super().forget_stream(key)
+
     def forget_uses(self, fences: Sequence[Fence]) -> int:
         """:meth:`forget_use` of every fence in ``fences``, in one pass:
         return how many rows any of them touched. O(size), however many."""

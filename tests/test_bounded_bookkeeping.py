@@ -11,6 +11,7 @@ reads (``device.index``, ``cuda_stream``, ``stream_id``), their events
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -308,3 +309,52 @@ def test_forget_stream_refuses_a_stream_a_batch_still_waits_for_behind_another()
     assert rows.pending_size() == 0 and kv.pending_size() == 0
     # Nothing waits behind it now: forgotten.
     assert rows.forget_stream(second.key) and pool.forget_stream(second.key)
+
+
+def test_forget_stream_drops_the_retired_uses_of_rows_and_refuses_the_open_ones() -> None:
+    """A row's recorded use is a fence its free waits for. Retired, the
+    free is free of it at once; the mark forgotten, that free waited for a
+    retire of a stream done with (or agree). Forgetting drops the uses its
+    retire covers with the mark, so the free stays free at once, and
+    refuses a stream a row's use of which is not retired yet, nothing
+    changed."""
+    rows = ReqToTokenPool(8, 4, reclaim="explicit")
+    stream, other = FakeStream(), FakeStream()
+    done, keep = rows.alloc(1), rows.alloc(1)
+    assert done is not None and keep is not None
+    old, other_fence = stream.record(), other.record()
+    rows.record_use(done, [old, other_fence])
+    rows.retire(old)
+    assert rows.forget_stream(stream.key) is True
+    assert rows._ledger._retired.get(stream.key) is None
+    rows.retire(other_fence)
+    assert rows.free(done) == 1 and rows.pending_size() == 0  # at once, as with the mark
+    # A use not retired yet: refused, the mark and the use as they were.
+    rows.retire(stream.record())
+    newer = stream.record()
+    rows.record_use(keep, newer)
+    marks = dict(rows._ledger._retired)
+    with pytest.raises(RuntimeError, match="1 allocated row"):
+        rows.forget_stream(stream.key)
+    assert rows._ledger._retired == marks
+    rows.retire(newer)
+    assert rows.forget_stream(stream.key) is True
+    assert rows.free(keep) == 1 and rows.pending_size() == 0
+
+
+async def test_forget_stream_on_a_pool_with_pages_drops_the_retired_use_for_both() -> None:
+    """The row's pages wait for its recorded uses too: dropped with the
+    mark, the row and its pages are free at once, as with the mark."""
+    kv = KVPagePool(16, 4, reclaim="explicit")
+    pool = AsyncReqToTokenPool(8, 4, kv=kv, reclaim="explicit")
+    stream = FakeStream()
+    start = (pool.available_size(), kv.available_size())
+    async with asyncio.timeout(WAIT_S):
+        row, _ = await pool.admit(2)
+    fence = stream.record()
+    pool.record_use(row, fence)
+    pool.retire(fence)
+    assert pool.forget_stream(stream.key) is True
+    pool.free(row)
+    assert pool.pending_size() == 0 and kv.pending_size() == 0
+    assert (pool.available_size(), kv.available_size()) == start

@@ -559,7 +559,9 @@ class PoolCollector:
     the pools and the counters' last values, held for a dict operation at
     a time: never across a pool's ``stats()``, nor while a scrape builds
     its families (it takes it per counter sample, for the read and write
-    of that counter's last value).
+    of that counter's last value). It is reentrant: a scrape let go of in
+    a reference cycle is closed by the cyclic GC, which may run on a thread
+    inside it, and its clean-up takes it too.
     """
 
     def __init__(
@@ -581,8 +583,13 @@ class PoolCollector:
         self._last: dict[tuple[object, object], float] = {}
         # Guards _pools (check then insert, pop) and _last (read, compare,
         # write): taken for one such step at a time, never across a call
-        # into a pool.
-        self._lock = threading.Lock()
+        # into a pool. Reentrant: the cyclic GC may run at any allocation
+        # made under it and close a scrape let go of in a reference cycle,
+        # whose finally takes it again on this thread (a plain Lock
+        # deadlocked there, and every later scrape, add and remove behind
+        # it). Each step under it leaves _pools and _last whole before it
+        # allocates, so such a nested step finds them consistent.
+        self._lock = threading.RLock()
         if pool is not None:
             self.add(pool, name)
 
@@ -725,7 +732,9 @@ class PoolCollector:
         samples.
         """
         with self._lock:  # a copy: add() and remove() may run meanwhile
-            pools = list(self._pools.items())
+            # One allocation, before the copy: no GC (see _lock) in it.
+            copied = self._pools.copy()
+        pools = list(copied.items())
         snapshots: list[tuple[str, object, PoolStats]] = []
         for name, (pool, token) in pools:
             # One pool that cannot answer must not fail the scrape (an HTTP

@@ -18,6 +18,7 @@ the calls run one after the other.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -117,3 +118,34 @@ def test_two_scrapes_at_once_never_export_a_counter_lower_later() -> None:
     assert errors == [None, None]
     # 5 was exported: a later scrape that reads 4 (skew) must export 5 again.
     assert in_thread(lambda: collector._never_down(key, 4.0)) == 5.0
+
+
+class _CollectsInLock(dict):  # type: ignore[type-arg]
+    """A counter's last values whose scan (``_forget``'s, which ``remove``
+    makes holding the lock) is where the cyclic GC happens to run, as it
+    may at any allocation: it closes a scrape let go of in a reference
+    cycle, whose ``finally`` takes the lock too."""
+
+    def __iter__(self) -> Any:
+        gc.collect()
+        return super().__iter__()
+
+
+def test_a_scrape_the_gc_closes_under_the_lock_does_not_deadlock() -> None:
+    """A scrape stopped early and left in a reference cycle (an exception
+    kept with its traceback, say) is closed by the cyclic GC, at whatever
+    allocation comes next: on a thread inside the collector's lock, its
+    ``finally`` blocked on that lock for good, and every later scrape,
+    add and remove with it. The lock is reentrant: it goes through."""
+    collector = PoolCollector(AsyncReqToTokenPool(3, 4), "a")
+    collector.add(AsyncReqToTokenPool(3, 4), "b")
+    scrape = collector.collect()
+    next(scrape)  # suspended in its try: closing it takes the lock
+    cycle: list[Any] = [scrape]
+    cycle.append(cycle)  # only the cyclic GC frees it now
+    del scrape, cycle
+    collector._last = _CollectsInLock(collector._last)
+    in_thread(lambda: collector.remove("b"), daemon=True)
+    assert collector.names == ("a",)
+    fams = [f for f in collector.collect() if f.name == "asyncpool_capacity_rows"]
+    assert [s.labels["pool"] for s in fams[0].samples] == ["a"]

@@ -1337,18 +1337,14 @@ class KVPagePool:
     def forget_stream(self, stream_key: int) -> bool:
         """Forget that stream ``stream_key`` was retired, on the pages.
 
-        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
-        mark (about 32 B) per stream key it ever retired, which a
-        ``new_stream_key()`` per connection grows for as long as the pool
-        serves; call this once a stream is done with (its last fence
-        retired, none to be freed behind or retired again), at the same
-        point on every rank, as :meth:`retire`. The pool never prunes a mark
-        itself: ranks must decide alike. Afterwards a free behind a fence
-        of that stream waits for a retire of it or for ``agree``. Returns
-        True if a mark was dropped. ``TypeError`` for a key that is not an
-        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
-        wait for a fence of that stream (behind it, or after another
-        stream's); either way nothing changes.
+        ``reclaim="explicit"`` only. The contract is
+        :meth:`AsyncReqToTokenPool.forget_stream
+        <asyncpool.AsyncReqToTokenPool.forget_stream>`'s, on this pool's
+        pages: a mark (about 32 B) stays per stream key :meth:`retire` ever
+        retired until this is called, once the stream is done with, at the
+        same point on every rank (the pool never prunes one itself); True if
+        a mark was dropped; ``TypeError`` or ``RuntimeError`` (batches still
+        wait for a fence of the stream) as there, nothing changed.
         """
         if self._guard is not None:
             self._guard()

@@ -191,21 +191,13 @@ class ReqToTokenPool(PoolCore):
     def forget_stream(self, stream_key: int) -> bool:
         """Forget that stream ``stream_key`` was retired.
 
-        ``reclaim="explicit"``: what :meth:`retire` keeps per stream is a
-        mark (about 32 B) per stream key it ever retired, which a
-        ``new_stream_key()`` per connection grows for as long as the pool
-        serves; call this once a stream is done with (its last fence
-        retired, none to be freed behind or retired again), at the same
-        point on every rank, as :meth:`retire`. The pool never prunes a mark
-        itself: ranks must decide alike. Afterwards a free behind a fence
-        of that stream waits for a retire of it or for ``agree``. Returns
-        True if a mark was dropped. ``TypeError`` for a key that is not an
-        int, ``RuntimeError`` on an ``"auto"`` pool or while batches still
-        wait for a fence of that stream (behind it, or after another
-        stream's), or while an allocated row carries a recorded use of it
-        not yet retired; either way nothing changes. The recorded uses its
-        retire covers go with the mark: a later free of their rows is free
-        of them at once, as it was with the mark.
+        ``reclaim="explicit"`` only. The contract is
+        :meth:`AsyncReqToTokenPool.forget_stream
+        <asyncpool.AsyncReqToTokenPool.forget_stream>`'s, on this pool's rows:
+        a mark (about 32 B) stays per stream key :meth:`retire` ever retired
+        until this is called, once the stream is done with, at the same point
+        on every rank (the pool never prunes one itself); True if a mark was
+        dropped; ``TypeError`` or ``RuntimeError`` as there, nothing changed.
         """
         return forget_stream([self._ledger], stream_key)
 

@@ -229,7 +229,11 @@ class _LockedOnly(dict):  # type: ignore[type-arg]
         self._lock = lock
 
     def _held(self) -> None:
-        assert self._lock.locked(), "the collector's state was walked without its lock"
+        # Held by this thread: an RLock (the collector's, reentrant) answers
+        # _is_owned(), as threading.Condition asks it; a Lock only locked().
+        owned = getattr(self._lock, "_is_owned", None)
+        held = owned() if owned is not None else self._lock.locked()
+        assert held, "the collector's state was walked without its lock"
 
     def __iter__(self) -> Any:
         self._held()

@@ -588,6 +588,41 @@ class RowPages:
 
     # ------------------------------------------------------------ freeing with rows
 
+    def _trimmed(
+        self, rows: Sequence[int], keeps: Sequence[int]
+    ) -> list[tuple[int, npt.NDArray[np.int64]]]:
+        """For :meth:`prepare_free` with ``keeps``: ``(row, its pages past
+        its first keeps[i] positions)`` for each row that has any."""
+        owned = self.owned
+        holes = self.holes
+        out: list[tuple[int, npt.NDArray[np.int64]]] = []
+        for row, keep in zip(rows, keeps, strict=True):
+            pages = owned[row]
+            if pages is None:
+                continue
+            if holes:
+                keep = max(0, keep - holes.get(row, 0))
+            if len(pages) > keep:
+                out.append((row, pages[keep:]))
+        return out
+
+    def _dropped(
+        self, rows: Sequence[int], belows: Sequence[int]
+    ) -> list[tuple[int, npt.NDArray[np.int64]]]:
+        """For :meth:`prepare_free` with ``belows``: ``(row, its live pages
+        below belows[i])`` for each row that has any."""
+        owned = self.owned
+        holes = self.holes
+        out: list[tuple[int, npt.NDArray[np.int64]]] = []
+        for row, below in zip(rows, belows, strict=True):
+            pages = owned[row]
+            if pages is None:
+                continue
+            n = below - holes.get(row, 0) if holes else below  # live pages below
+            if n > 0:
+                out.append((row, pages[:n]))
+        return out
+
     def prepare_free(
         self,
         rows: Sequence[int],
@@ -612,28 +647,40 @@ class RowPages:
         :meth:`free`.
         """
         owned = self.owned
-        holes = self.holes
+        sealed = self.sealed
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
-        for i, row in enumerate(rows):
-            pages = owned[row]
-            if pages is None:
-                continue
-            if keeps is not None:
-                keep = keeps[i]
-                if holes:
-                    keep = max(0, keep - holes.get(row, 0))
-                if pages.shape[0] <= keep:
-                    continue
-                self.check_record(row)
-                pages = pages[keep:]
-            elif belows is not None:
-                n = belows[i] - holes.get(row, 0)  # live pages below
-                if n <= 0:
-                    continue
-                self.check_record(row)
-                pages = pages[:n]
-            else:
-                self.check_record(row)
+        # The rows that give pages back and those pages (a free: all of
+        # theirs; a trim or a drop: a slice), then their records checked and
+        # grouped by use in a few C passes: the per-row cost of a batch.
+        picked: list[tuple[int, npt.NDArray[np.int64]]]
+        if keeps is not None:
+            picked = self._trimmed(rows, keeps)
+        elif belows is not None:
+            picked = self._dropped(rows, belows)
+        else:
+            picked = [(row, pages) for row in rows if (pages := owned[row]) is not None]
+        if len(picked) > 1:
+            # Every record against its seal at once (check_record for each):
+            # a record and its seal are equally long (check_invariants), so
+            # the joined bytes are equal only if each pair is; else the
+            # first row written into is found for its error.
+            records: list[Any] = [owned[row] for row, _ in picked]
+            seals: list[Any] = [sealed[row] for row, _ in picked]
+            if b"".join(records) != b"".join(seals):
+                for row, _ in picked:
+                    self.check_record(row)
+            first = uses[picked[0][0]]
+            if all(uses[row] is first for row, _ in picked):
+                # One recorded use for all (none, or the step's): one group.
+                groups[id(first)] = (
+                    first,
+                    [row for row, _ in picked],
+                    [pages for _, pages in picked],
+                )
+                picked = []
+        elif picked:
+            self.check_record(picked[0][0])
+        for row, pages in picked:
             use = uses[row]
             entry = groups.get(id(use))
             if entry is None:

@@ -49,38 +49,66 @@ def _page_counts(value: object, n: int, name: str) -> list[int]:
     sequence, 1-D array or 1-D tensor of ``n`` of them. ``name`` is the
     parameter's (``keep`` for ``trim_pages``, ``k`` for ``extend_rows``);
     :class:`CapacityError` otherwise."""
-    try:
-        one = as_index(value)
-    except TypeError:
-        pass
+    cls = value.__class__
+    if cls is int:  # one count for every row (never a bool: its class is bool)
+        if value < 0:  # type: ignore[operator]
+            raise CapacityError(f"{name} must be a page count >= 0, got {value}")
+        return [value] * n  # type: ignore[list-item]
+    if cls is list or cls is tuple:
+        # Counts per row, told apart without as_index's TypeError (about 1
+        # us a call to raise and catch): as the sequence branch below.
+        items: list[object] = list(value)  # type: ignore[call-overload]
+    elif isinstance(value, torch.Tensor | np.ndarray) and value.ndim:
+        # Likewise for an array or tensor of one or more dimensions, which
+        # as_index refuses: the branch below takes or refuses it.
+        items = _array_counts(value, name)
     else:
-        if one < 0:
-            raise CapacityError(f"{name} must be a page count >= 0, got {one}")
-        return [one] * n
-    if isinstance(value, torch.Tensor | np.ndarray):
-        if value.ndim != 1 or value.dtype in (torch.bool, np.bool_):
-            raise CapacityError(
-                f"{name} must be a page count or one per row (1-D, integers), got a "
-                f"{value.ndim}-D {value.dtype} {type(value).__name__}"
-            )
         try:
-            items: list[object] = value.tolist()
-        except (RuntimeError, NotImplementedError) as exc:
-            # Meta, sparse, quantized, sub-byte: bad input, as for rows. A
-            # strided integer tensor reads unless its device faulted.
-            if device_fault(value, exc):
-                raise
+            one = as_index(value)
+        except TypeError:
+            pass
+        else:
+            if one < 0:
+                raise CapacityError(f"{name} must be a page count >= 0, got {one}")
+            return [one] * n
+        if isinstance(value, torch.Tensor | np.ndarray):
+            items = _array_counts(value, name)
+        elif _per_row(value):  # a sequence: list, tuple, range, deque, array.array
+            items = list(value)  # type: ignore[call-overload]
+        else:
             raise CapacityError(
-                f"{name} must be page counts in a tensor with data (strided, on a real "
-                f"device) of an integer dtype, got {_attributes(value)}"
-            ) from None
-    elif _per_row(value):  # a sequence: list, tuple, range, deque, array.array
-        items = list(value)  # type: ignore[call-overload]
-    else:
+                f"{name} must be a page count (an integer) or one per row, got "
+                f"{describe(value)} of type {type(value).__name__}"
+            )
+    return _checked_counts(items, n, name)
+
+
+def _array_counts(value: torch.Tensor | npt.NDArray[Any], name: str) -> list[object]:
+    """A 1-D integer array's or tensor's counts as a list (``tolist()``,
+    checked by :func:`_checked_counts`); :class:`CapacityError` for any
+    other array or tensor (as :func:`_page_counts` refuses it)."""
+    if value.ndim != 1 or value.dtype in (torch.bool, np.bool_):
         raise CapacityError(
-            f"{name} must be a page count (an integer) or one per row, got {describe(value)} "
-            f"of type {type(value).__name__}"
+            f"{name} must be a page count or one per row (1-D, integers), got a "
+            f"{value.ndim}-D {value.dtype} {type(value).__name__}"
         )
+    try:
+        items: list[object] = value.tolist()
+    except (RuntimeError, NotImplementedError) as exc:
+        # Meta, sparse, quantized, sub-byte: bad input, as for rows. A
+        # strided integer tensor reads unless its device faulted.
+        if device_fault(value, exc):
+            raise
+        raise CapacityError(
+            f"{name} must be page counts in a tensor with data (strided, on a real "
+            f"device) of an integer dtype, got {_attributes(value)}"
+        ) from None
+    return items
+
+
+def _checked_counts(items: list[object], n: int, name: str) -> list[int]:
+    """``items`` (a fresh list, the caller's counts) as ``n`` page counts
+    >= 0; :class:`CapacityError` naming the first bad one otherwise."""
     if len(items) != n:
         raise CapacityError(f"{name} lists {len(items)} page counts for {n} rows")
     if set(map(type, items)) <= _INT_ONLY:

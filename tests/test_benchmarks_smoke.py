@@ -705,3 +705,22 @@ def test_decode_measures_vllms_engine_path_in_its_default_setting() -> None:
     }
     assert sorted(cls.caching for cls in managers.values()) == [False, True]
     assert all(decode_mod.PEERS[key][2] == decode_mod.BENCH_PAGES for key in managers)
+
+
+def test_batch_calls_measures_every_call_per_call_and_per_row(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m benchmarks.batch_calls``: each batched call and its
+    reference, tiny; a figure a call and one a row (the call's over the
+    rows), and the table printed for each batch size."""
+    from benchmarks import batch_calls
+
+    got = batch_calls.measure(4, rounds=1, steps=2)
+    labels = [label for label, _, _ in got]
+    for call in ("drop_pages", "trim_pages", "extend_rows", "pages_of_rows", "per row"):
+        assert any(call in label for label in labels), call
+    for _, per_call, per_row in got:
+        assert per_call > 0 and math.isclose(per_row, per_call / 4)
+    batch_calls.main(["--rows", "2,3", "--rounds", "1", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "2 rows: us a call, us a row" in out and "3 rows" in out

@@ -1,6 +1,6 @@
 """What the batched page calls a scheduler makes every step cost per row.
 
-``python -m benchmarks.batch_calls [--rows 8,32,256] [--rounds N]``. An
+``python -m benchmarks.batch_calls`` (``--rows 8,32,256``, ``--rounds 7``). An
 overlap scheduler calls these for its whole batch on every step, so their
 per-row Python work is paid every step. On a pool with KV groups
 (``{"full": ..., "swa": ...}``, 16 token slots a page) and, for the one-kv
@@ -224,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per case (best kept)")
     parser.add_argument("--steps", type=int, default=48, help="timed calls per round")
     args = parser.parse_args(argv)
-    for n in (int(x) for x in args.rows.split(",")):
+    try:
+        sizes = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows takes comma-separated whole numbers, got {args.rows!r}")
+    if min(sizes) < 1 or args.rounds < 1 or args.steps < 1:
+        parser.error("--rows sizes, --rounds and --steps must be at least 1")
+    for n in sizes:
         print(f"\n{n} rows: us a call, us a row")
         for label, call, row in measure(n, args.rounds, args.steps):
             print(f"  {label:56s} {call:9.1f} {row:7.2f}")

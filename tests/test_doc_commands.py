@@ -37,6 +37,7 @@ from helpers import PROSE_DOCS, load_example
 
 import benchmarks
 import benchmarks.ablation
+import benchmarks.batch_calls
 import benchmarks.grant_parts
 import benchmarks.history
 import benchmarks.profile
@@ -56,6 +57,7 @@ DOC_MODULES = (
     benchmarks,
     benchmarks.run,
     benchmarks.ablation,
+    benchmarks.batch_calls,
     benchmarks.grant_parts,
     benchmarks.history,
     benchmarks.profile,
@@ -180,6 +182,9 @@ def _stop_before_run(module: str, mp: pytest.MonkeyPatch) -> Callable[[list[str]
     if module == "benchmarks.ablation":
         mp.setattr(benchmarks.ablation, "run", _raise_reached)
         return benchmarks.ablation.main
+    if module == "benchmarks.batch_calls":
+        mp.setattr(benchmarks.batch_calls, "measure", _raise_reached)
+        return benchmarks.batch_calls.main
     if module == "benchmarks.grant_parts":
         mp.setattr(benchmarks.grant_parts, "run_on", _raise_reached)
         return benchmarks.grant_parts.main
@@ -235,7 +240,7 @@ def test_the_documents_show_commands_and_flags() -> None:
     assert ("scheduler_demo.compare", "--rounds 3") in shown  # the epilog
     assert ("benchmarks.profile", "uncontended --loop uvloop") in shown  # a docstring
     assert len(COMMANDS) >= 30, len(COMMANDS)
-    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 8
+    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 9
     assert len(FLAG_SPANS) >= 30, len(FLAG_SPANS)
 
 

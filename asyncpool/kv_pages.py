@@ -1345,9 +1345,23 @@ class KVPagePool:
         same point on every rank (the pool never prunes one itself); True if
         a mark was dropped; ``TypeError`` or ``RuntimeError`` (batches still
         wait for a fence of the stream) as there, nothing changed.
+        ``RuntimeError`` on the page pool of an ``AsyncReqToTokenPool``
+        (``kv=``), nothing changed: its rows' recorded uses of the stream,
+        which their pages' frees wait for too, go only with that pool's
+        ``forget_stream``, which forgets the rows' and the pages' marks
+        together (this pool's mark forgotten alone left a row's retired use
+        in place, and its pages, freed with the row, waited for a retire of
+        a stream done with).
         """
         if self._guard is not None:
             self._guard()
+        if self._on_free is not None:
+            raise RuntimeError(
+                "this KVPagePool serves an AsyncReqToTokenPool: call that pool's "
+                "forget_stream(key), which forgets the stream on its rows and pages together "
+                "(the rows' recorded uses of it, which their pages wait for too); nothing "
+                "was changed"
+            )
         return forget_stream([self._ledger], stream_key)
 
     def force_release(self, fence: Fences) -> int:

@@ -292,23 +292,26 @@ def test_forget_stream_refuses_a_stream_a_batch_still_waits_for_behind_another()
     kv = KVPagePool(16, 4, reclaim="explicit")
     pool = AsyncReqToTokenPool(8, 4, kv=kv, reclaim="explicit")
     rows = ReqToTokenPool(8, 4, reclaim="explicit")
+    bare = KVPagePool(16, 4, reclaim="explicit")
     first, second = FakeStream(), FakeStream()
     head, rest = first.record(), second.record()
     row = rows.alloc(1)
-    page = kv.alloc(1)
-    assert row is not None and page is not None
+    page, bare_page = kv.alloc(1), bare.alloc(1)
+    assert row is not None and page is not None and bare_page is not None
     rows.free(row, fence=[head, rest])
     kv.free(page, fence=[head, rest])
-    assert rows.retire(rest) == 0 and pool.retire(rest) == (0, 0)
-    for owner in (rows, pool, kv):
+    bare.free(bare_page, fence=[head, rest])
+    assert rows.retire(rest) == 0 and pool.retire(rest) == (0, 0) and bare.retire(rest) == 0
+    for owner in (rows, pool, bare):
         with pytest.raises(RuntimeError, match="1 batch"):
             owner.forget_stream(second.key)
-    assert rows._ledger._retired[second.key] == rest.seq
-    assert kv._ledger._retired[second.key] == rest.seq
-    assert rows.retire(head) == 1 and pool.retire(head) == (0, 1)
-    assert rows.pending_size() == 0 and kv.pending_size() == 0
+    for led in (rows._ledger, kv._ledger, bare._ledger):
+        assert led._retired[second.key] == rest.seq
+    assert rows.retire(head) == 1 and pool.retire(head) == (0, 1) and bare.retire(head) == 1
+    assert rows.pending_size() == 0 and kv.pending_size() == 0 and bare.pending_size() == 0
     # Nothing waits behind it now: forgotten.
     assert rows.forget_stream(second.key) and pool.forget_stream(second.key)
+    assert bare.forget_stream(second.key)
 
 
 def test_forget_stream_drops_the_retired_uses_of_rows_and_refuses_the_open_ones() -> None:
@@ -340,6 +343,32 @@ def test_forget_stream_drops_the_retired_uses_of_rows_and_refuses_the_open_ones(
     rows.retire(newer)
     assert rows.forget_stream(stream.key) is True
     assert rows.free(keep) == 1 and rows.pending_size() == 0
+
+
+def test_forget_stream_on_a_pools_page_pool_is_refused_for_the_pools() -> None:
+    """The page pool of an ``AsyncReqToTokenPool`` forgot its own mark and
+    left the rows' recorded uses its retire covered (they live in the
+    rows' ledger): a row freed after it was free at once, its pages then
+    waited behind that retired use for a retire of a stream done with.
+    Refused there, nothing changed; the pool's call forgets both, and the
+    row and its pages are free at once."""
+    kv = KVPagePool(16, 4, reclaim="explicit")
+    pool = AsyncReqToTokenPool(8, 4, kv=kv, reclaim="explicit")
+    stream = FakeStream()
+    grant = pool.try_admit(pages=3)
+    assert grant is not None
+    fence = stream.record()
+    pool.record_use(grant.row, fence)
+    pool.retire(fence)
+    marks = (dict(pool._ledger._retired), dict(kv._ledger._retired))
+    with pytest.raises(RuntimeError, match="call that pool's forget_stream"):
+        kv.forget_stream(stream.key)
+    assert (dict(pool._ledger._retired), dict(kv._ledger._retired)) == marks
+    assert pool.forget_stream(stream.key) is True
+    free = kv.available_size()
+    assert pool.free(grant.row) == 1
+    assert kv.pending_size() == 0 and kv.available_size() == free + 3
+    pool.check_invariants()
 
 
 async def test_forget_stream_on_a_pool_with_pages_drops_the_retired_use_for_both() -> None:

@@ -789,10 +789,11 @@ class RowPages:
 
         With ``keep`` (a trim: ``{row: pages it keeps}``, its dropped
         positions not counted), each row's record and seal are cut to its
-        first pages instead of dropped. The
-        record stays a view of the row's growth buffer, so a later
-        :meth:`extend` writes over the cut places: the page ledger keeps a
-        copy of what it holds behind fences. The caller then cuts the
+        first pages instead of dropped: nothing is written, and the row's
+        growth buffer is let go, so the next :meth:`extend` copies the
+        record into a new buffer instead of writing over the cut places,
+        which tensors handed out before (``pages_of`` on the host: views of
+        the record) still read. The caller then cuts the
         dropped counts (:meth:`trim_holes`). With ``below`` (a drop:
         ``{row: positions dropped from now on}``), each row's record loses
         its first pages instead (:meth:`_behead`). Returns the pages free

@@ -174,6 +174,15 @@ def _describe(need: Need, groups: Sequence[str] = ()) -> tuple[str, str]:
 MAX_KV_GROUPS = 4
 
 
+def _closed_answer(message: str) -> concurrent.futures.Future[Any]:
+    """A thread-safe submission's answer from a closed pool: a future that
+    raises ``PoolClosedError(message)``, set here, on the caller's thread
+    (closing is for good, so the answer needs no loop)."""
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    answer.set_exception(PoolClosedError(message))
+    return answer
+
+
 def _check_one_kv(kv: object, explicit: bool, what: str) -> None:
     """The rules for one page pool a pool is built with (``what`` names it)."""
     if not isinstance(kv, KVPagePool):
@@ -1057,13 +1066,18 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         ``cancel()`` False: ``result()`` has the rows. Free them on the loop
         (``loop.call_soon_threadsafe``). ``RuntimeError`` at once while the
         pool has no event loop (``bind()`` it in its loop first) or its loop
-        is closed; a stopped loop runs the call when it runs again, and a
-        loop closed with the call queued (``loop.close()`` without
-        cancelling its tasks) never resolves it, as with
-        ``run_coroutine_threadsafe``: bound the wait
+        is closed, unless the pool is closed: a closed pool answers at once
+        a future whose ``result()`` raises ``PoolClosedError``, as ``alloc``
+        would, whatever its loop (a replica shut down and its loop closed
+        reads as closed, not as a pool to bind again); a stopped loop runs
+        the call when it runs again, and a loop closed with the call queued
+        (``loop.close()`` without cancelling its tasks) never resolves it, as
+        with ``run_coroutine_threadsafe``: bound the wait
         (``result(timeout=...)``). On the loop's own thread, await
         :meth:`alloc` instead (blocking on the future there deadlocks).
         """
+        if self._closed:
+            return _closed_answer("the pool is closed; no rows can be allocated")
         return submit_wait(
             self._loop_for_submit(),
             lambda: self.alloc(n, priority=priority, timeout=timeout),
@@ -1097,6 +1111,8 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         is freed on the loop, row and pages, at once); False: ``result()``
         has the :class:`Grant` (or :class:`GroupGrant`).
         """
+        if self._closed:
+            return _closed_answer("the pool is closed; nothing can be admitted")
         fut: concurrent.futures.Future[Grant | GroupGrant] = submit_wait(
             self._loop_for_submit(),
             lambda: self.admit(pages, priority=priority, timeout=timeout),

@@ -115,6 +115,32 @@ def test_no_loop_yet_or_a_closed_loop_is_a_runtime_error() -> None:
     assert pool.stats().allocated == 0
 
 
+def test_a_closed_pool_answers_pool_closed_whatever_its_loop() -> None:
+    # A replica shut down for good, its loop closed after: a router thread's
+    # submission reads as closed (what alloc and admit raise), not as a pool
+    # to bind() again; the same on a closed pool that never had a loop.
+    pool = _admit_pool()
+    loop = asyncio.new_event_loop()
+
+    async def bind_and_close() -> None:
+        pool.bind()
+        await pool.close()
+
+    loop.run_until_complete(bind_and_close())
+    loop.close()
+    never_bound = _admit_pool()
+    asyncio.run(never_bound.close())
+    for closed in (pool, never_bound):
+        for submitted, what in (
+            (in_thread(lambda p=closed: p.alloc_threadsafe(1)), "no rows can be allocated"),
+            (in_thread(lambda p=closed: p.admit_threadsafe(pages=1)), "nothing can be admitted"),
+        ):
+            assert submitted.done()
+            with pytest.raises(PoolClosedError, match=what):
+                submitted.result(timeout=0)
+        assert closed.stats().allocated == 0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 async def test_frontend_threads_cancelling_at_random_leak_nothing(seed: int) -> None:
     async with bounded(4 * WAIT_S), _admit_pool() as pool:

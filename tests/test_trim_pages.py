@@ -24,6 +24,8 @@ from asyncpool import (
     CapacityError,
     InvalidSlotError,
     KVPagePool,
+    ReqToTokenPoolInfo,
+    wait_fence,
 )
 
 
@@ -403,3 +405,58 @@ async def test_growth_after_a_trim_leaves_tensors_handed_out_before_as_they_read
     pool.check_invariants()
     pool.free([g.row, other.row])
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("keep_rule", ["step in flight counted", "verified length"])
+async def test_an_overlap_rollback_keeps_what_the_step_in_flight_may_accept(
+    kit: Streams, keep_rule: str
+):
+    """docs/cuda.md, *Growth and keep in an overlap loop*: processing step
+    t-1 while step t (drafts at positions v..v+d) runs, a row keeps
+    ceil((v + d + 1) / page_size) pages, and step t's KV stays in its row.
+    Trimmed to ceil(v / page_size) instead, the fences still keep the
+    trimmed page from everyone (the pool stays consistent), but step t
+    writes its accepted tokens' KV into that page while the row's next
+    growth lists a fresh one at those positions: the row reads no KV there."""
+    ps, v, d = 2, 3, 2
+    stream = kit.stream()
+    gate = kit.gate(stream)
+    async with AsyncReqToTokenPool(3, 16, kv=KVPagePool(9, ps)) as pool:
+        kv = pool.kv
+        assert kv is not None
+        cache = torch.zeros(9 * ps, dtype=torch.int64)  # the KV: position + 1 per slot
+        g = await pool.admit(pages=-(-(v + d + 1) // ps))
+        slots = kv.slots(g.pages)
+        pool.set_req_pool_info(g.row, ReqToTokenPoolInfo(v, len(slots), slots))
+        cache[slots[:v]] = torch.arange(v) + 1
+        rtt, pos = pool.req_to_token, torch.arange(v, v + d + 1)
+
+        def step() -> None:  # step t reads the row's slots when it runs, as a kernel does
+            cache[rtt[g.row, pos].long()] = pos + 1
+
+        stream.launch(step)
+        pool.record_use([g.row], stream.record())
+        before = ids(pool.pages_of(g.row))
+        keep = -(-(v + d + 1) // ps) if keep_rule == "step in flight counted" else -(-v // ps)
+        assert pool.trim_pages(g.row, keep) == 0  # (what it trims waits for step t)
+        trimmed = before[keep:]
+        assert kv.pending_size() == len(trimmed)
+        # Step t+1's growth (no drafts), its slots listed on the forward stream after step t.
+        a = len(pool.pages_of(g.row)) * ps
+        new = pool.extend(g.row, -(-(v + d + 1 + 1) // ps) - len(pool.pages_of(g.row)))
+        assert new is not None
+        listed = kv.slots(new)
+        stream.launch(lambda: rtt.__setitem__((g.row, slice(a, a + len(listed))), listed))
+        gate.open()
+        async with bounded():
+            await wait_fence(stream.record())
+        pool.check_invariants()
+        read = cache[rtt[g.row, : v + d + 1].long()]
+        if keep_rule == "step in flight counted":
+            assert trimmed == []
+            assert read.tolist() == list(range(1, v + d + 2))
+        else:
+            lost = cache[kv.slots(trimmed)].tolist()
+            assert lost == [5, 6]  # step t's KV of positions 4 and 5, in the page given back
+            assert read.tolist() == [1, 2, 3, 4, 0, 0]  # the row reads none of it
+        pool.free([g.row])

@@ -27,6 +27,7 @@ from typing import Any, SupportsIndex, TypeVar, overload
 import numpy as np
 import torch
 
+from .base import count_of as _count
 from .errors import CapacityError, PoolClosedError
 from .kv_pages import OWNED, PageLedger
 from .ledger import Rows
@@ -211,8 +212,8 @@ class Growth(PageArgs):
         total = len(seq) * k
         if total > pages.capacity:
             raise CapacityError(
-                f"cannot extend {len(seq)} rows by {k} pages each: {total} pages, and the "
-                f"KV pool has only {pages.capacity}"
+                f"cannot extend {_count(len(seq), 'row')} by {_count(k, 'page')} each: "
+                f"{total} pages, and the KV pool has only {pages.capacity}"
             )
         if self._released:
             return None
@@ -232,8 +233,8 @@ class Growth(PageArgs):
         total = sum(counts)
         if total > pages.capacity:
             raise CapacityError(
-                f"cannot extend {len(seq)} rows by {total} pages in all, and the KV pool "
-                f"has only {pages.capacity}"
+                f"cannot extend {_count(len(seq), 'row')} by {total} pages in all, and the KV "
+                f"pool has only {pages.capacity}"
             )
         if self._released:
             return None
@@ -368,7 +369,8 @@ class Growth(PageArgs):
             for name, pages, k in wants:
                 if n * k > pages.capacity:
                     raise CapacityError(
-                        f"cannot extend {n} rows by {k} pages each in KV group {name!r}: "
+                        f"cannot extend {_count(n, 'row')} by {_count(k, 'page')} each in KV group "
+                        f"{name!r}: "
                         f"{n * k} pages, and its KV pool has only {pages.capacity}"
                     )
         if self._closed:
@@ -445,8 +447,8 @@ class Growth(PageArgs):
             total = sum(each)
             if total > pages.capacity:
                 raise CapacityError(
-                    f"KV group {name!r}: cannot extend {len(seq)} rows by {total} pages in "
-                    f"all, and its KV pool has only {pages.capacity}"
+                    f"KV group {name!r}: cannot extend {_count(len(seq), 'row')} by {total} "
+                    f"pages in all, and its KV pool has only {pages.capacity}"
                 )
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")

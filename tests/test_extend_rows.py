@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import BAD_COUNTS_FOR_TWO_ROWS, assert_pages_conserved, kv_of, kv_pool_state
+from helpers import (
+    BAD_COUNTS_FOR_TWO_ROWS,
+    assert_pages_conserved,
+    grouped_pool,
+    kv_of,
+    kv_pool_state,
+)
 from helpers import page_ids as ids
 
 from asyncpool import (
@@ -313,3 +319,26 @@ async def test_bad_counts_per_row_raise_typed_and_change_nothing(grow, k):
         with pytest.raises(CapacityError):
             getattr(pool, grow)([a.row, b.row], k)
         assert state(pool) == before
+
+
+async def test_a_refusal_names_one_row_or_one_page_in_the_singular() -> None:
+    # "cannot extend 1 rows" read as a slip: a count of one is named in the
+    # singular, on the one-kv and the grouped paths, and nothing changes.
+    pool = make(rows=5, pages=4)
+    row = (await pool.admit(pages=1)).row
+    five = [row, *await pool.alloc(4)]
+    before = state(pool)
+    with pytest.raises(CapacityError, match=r"cannot extend 1 row by 9 pages in all"):
+        pool.extend_rows([row], [9])
+    with pytest.raises(CapacityError, match=r"cannot extend 5 rows by 1 page each: 5 pages"):
+        pool.extend_rows(five, 1)
+    assert state(pool) == before
+    grouped = grouped_pool(rows=5, swa=4, full=4)
+    grow = (await grouped.admit(pages={"swa": 1, "full": 1})).row
+    rows = [grow, *await grouped.alloc(4)]
+    with pytest.raises(CapacityError, match=r"cannot extend 1 row by 9 pages in all"):
+        grouped.extend_rows([grow], {"swa": [9], "full": [0]})
+    with pytest.raises(CapacityError, match=r"cannot extend 5 rows by 1 page each in KV group"):
+        grouped.extend_rows(rows, {"swa": 1, "full": 0})
+    await pool.close()
+    await grouped.close()

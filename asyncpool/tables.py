@@ -512,9 +512,17 @@ class TokenTables:
         self.alloced_lens_cpu[row] = alloced
 
     def write(self, indices: Any, values: Any) -> None:
-        """``req_to_token[indices] = values`` (the seed's raw write)."""
+        """``req_to_token[indices] = values`` (the seed's raw write), a
+        tensor of values cast to the table's dtype first: a slice write
+        casts by itself, but an index write (tensors as ``indices``) refused
+        the int64 slot ids that page ids give (torch: "Index put requires
+        the source and destination dtypes match"). Unchecked otherwise, as
+        the seed: a value past int32 wraps, as a slice write's does."""
         self._after_resets()
-        self.req_to_token[indices] = values
+        table = self.req_to_token
+        if isinstance(values, torch.Tensor) and values.dtype != table.dtype:
+            values = values.to(table.dtype)
+        table[indices] = values
 
     def _after_resets(self) -> None:
         # Resets (and resume's zeroing) are queued on the pool's stream; a

@@ -107,6 +107,23 @@ async def test_one_row_as_an_integer_scalar_or_0d_tensor(form):
             await pool.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.int32])
+async def test_an_index_write_takes_slot_ids_of_any_integer_dtype(dtype):
+    # Page ids are int64, so the slots an engine computes from them are too:
+    # an index write (tensors as indices) refused them where a slice write
+    # casts; both land now, as the table's int32.
+    for pool in _pools():
+        row = (await _alloc(pool, 1))[0]
+        cols = torch.arange(3)
+        pool.write((torch.full((3,), row), cols), torch.tensor([5, 6, 7], dtype=dtype))
+        pool.write((row, slice(3, 5)), torch.tensor([8, 9], dtype=dtype))
+        assert pool.req_to_token[row, :5].tolist() == [5, 6, 7, 8, 9]
+        assert pool.req_to_token.dtype == torch.int32
+        pool.free([row])
+        if isinstance(pool, AsyncReqToTokenPool):
+            await pool.close()
+
+
 async def test_counts_accept_integer_scalars():
     sync = ReqToTokenPool(9, 16)
     assert sync.alloc(np.int64(3)) == [1, 2, 3]

@@ -393,14 +393,23 @@ class RowPages:
         buffer has room (the usual case under doubling), with the page as a
         Python int (no slice of ``arr``, no array-to-array copy, the seal
         grown by the id's bytes); anything else takes :meth:`_append`. The
-        ``old.base is buf`` test is :meth:`_append`'s: it sends a row that
-        dropped pages (its ``grown`` a view past them) there too."""
+        buffer tests are :meth:`_append`'s: the record a view of the row's
+        buffer, ``grown`` that buffer or, for a row that dropped pages
+        (:meth:`_behead`), its view from the record's start (a sliding
+        window's row, grown every step and beheaded every few, stays here:
+        through :meth:`_append` its growth cost about 2x)."""
         owned, grown, sealed = self.owned, self.grown, self.sealed
         for i, page in enumerate(arr.tolist()):
             row = rows[i]
             old = owned[row]
             buf = grown[row]
-            if old is not None and old.base is buf and buf is not None:
+            # The usual row's test first (its buffer is grown itself), then
+            # a beheaded row's (grown a view of the record's base).
+            if (
+                old is not None
+                and buf is not None
+                and (old.base is buf or old.base is buf.base is not None)
+            ):
                 n = len(old)  # len(): a third of .shape[0]'s cost
                 if n < len(buf):  # room left (else a new buffer, below)
                     buf[n] = page
@@ -810,9 +819,7 @@ class RowPages:
             immediate += free_prepared(ids, fresh, fences + extra)
             # One loop a form, hoisted out of the rows: a batch's per-row cost.
             if below is not None:
-                behead = self._behead
-                for row in group_rows:
-                    behead(row, below[row])
+                self._behead(group_rows, below)
             elif keep is not None:
                 for row in group_rows:
                     k = keep[row]
@@ -847,9 +854,10 @@ class RowPages:
                     grown[row] = None
         return immediate
 
-    def _behead(self, row: int, below: int) -> None:
-        """Drop ``row``'s pages at positions below ``below`` (more than it
-        had dropped, at most its positions) from its record and seal.
+    def _behead(self, rows: Sequence[int], below: dict[int, int]) -> None:
+        """Drop each of ``rows``' pages at positions below ``below[row]``
+        (more than it had dropped, at most its positions) from its record
+        and seal.
 
         O(pages dropped), not O(pages kept): the record becomes the view of
         its rest and nothing is written, so the tensors handed out before
@@ -858,27 +866,31 @@ class RowPages:
         with it, and :meth:`_append` keeps growing the record there (into a
         new buffer, from its start, at the end: amortised O(1) a page). The
         seal becomes a bytearray cut from its front (CPython moves its
-        start: no copy), once copied from bytes."""
-        pages = self.owned[row]
-        assert pages is not None
-        n = below - self.holes.get(row, 0)
-        if n >= pages.shape[0]:
-            self.owned[row] = None
-            self.sealed[row] = None
-            self.grown[row] = None
-        else:
-            self.owned[row] = pages[n:]
-            seal = self.sealed[row]
-            if seal.__class__ is bytearray:
-                assert isinstance(seal, bytearray)
-                del seal[: n * 8]
+        start: no copy), once copied from bytes. One loop for the rows, its
+        lookups hoisted: a window's slide pays it every few steps for every
+        row."""
+        owned, sealed, grown, holes = self.owned, self.sealed, self.grown, self.holes
+        for row in rows:
+            pages = owned[row]
+            assert pages is not None
+            b = below[row]
+            n = b - holes.get(row, 0)
+            if n >= len(pages):
+                owned[row] = None
+                sealed[row] = None
+                grown[row] = None
             else:
-                assert seal is not None
-                self.sealed[row] = bytearray(seal[n * 8 :])
-            buf = self.grown[row]
-            if buf is not None:  # the record starts it (check_invariants)
-                self.grown[row] = buf[n:]
-        self.holes[row] = below
+                owned[row] = pages[n:]
+                seal = sealed[row]
+                if seal.__class__ is bytearray:
+                    del seal[: n * 8]
+                else:
+                    assert seal is not None
+                    sealed[row] = bytearray(seal[n * 8 :])
+                buf = grown[row]
+                if buf is not None:  # the record starts it (check_invariants)
+                    grown[row] = buf[n:]
+            holes[row] = b
 
     # ------------------------------------------------------------ proof
 

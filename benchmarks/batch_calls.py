@@ -8,7 +8,10 @@ figures, a pool with one ``KVPagePool``, at each batch size:
 
 * ``drop_pages(rows, j, group="swa")``: a window's slide, one page a row
   (each step first grows every row a swa page, untimed), against the same
-  drop per row (``drop_pages([row], j, group="swa")``);
+  drop per row (``drop_pages([row], j, group="swa")``); and the slide's
+  growth, ``extend_rows(rows, 1, group="swa")`` after each step's drop
+  (untimed), against the same growth of rows that never dropped (the
+  grouped growth's below);
 * ``trim_pages(rows, {"full": keeps, "swa": keeps})``: a speculative
   rollback, 1 to 3 pages a row in both groups (each step's drafts grown
   first, untimed), against ``trim_pages(rows, keeps, group=...)`` per
@@ -117,6 +120,16 @@ def measure(n: int, rounds: int, steps: int) -> list[tuple[str, float, float]]:
         for row in rows:
             g.drop_pages([row], below, group="swa")
 
+    def drop_first(i: int) -> None:
+        if i % STEPS == 0:
+            fresh()
+        else:
+            g.drop_pages(rows, state["below"], group="swa")
+
+    def grow_after(i: int) -> None:
+        g.extend_rows(rows, 1, group="swa")
+        state["below"] += 1
+
     out.update(
         _bench(
             rounds,
@@ -124,6 +137,11 @@ def measure(n: int, rounds: int, steps: int) -> list[tuple[str, float, float]]:
             [
                 ('drop_pages(rows, below, group="swa")', grow_swa, drop),
                 ("  per row: drop_pages([row], ...)", grow_swa, drop_each),
+                (
+                    '  its growth: extend_rows(rows, 1, group="swa") after it',
+                    drop_first,
+                    grow_after,
+                ),
             ],
         )
     )

@@ -398,7 +398,7 @@ class RowPages:
         buffer, ``grown`` that buffer or, for a row that dropped pages
         (:meth:`_behead`), its view from the record's start (a sliding
         window's row, grown every step and beheaded every few, stays here:
-        through :meth:`_append` its growth cost about 2x)."""
+        through :meth:`_append` its growth cost 1.4-1.6x)."""
         owned, grown, sealed = self.owned, self.grown, self.sealed
         for i, page in enumerate(arr.tolist()):
             row = rows[i]

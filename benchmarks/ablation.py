@@ -39,6 +39,7 @@ from .harness import (
     PRESETS,
     Config,
     Sampler,
+    add_loop_option,
     clock_of,
     gathered,
     interleave,
@@ -231,12 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument(
-        "--loop",
-        action="append",
-        choices=sorted(loop_factories()),
-        help="a loop to run on (repeatable; default: all)",
-    )
+    add_loop_option(p)
     args = p.parse_args(argv)
     print(render(run(PRESETS[args.preset], args.loop)))
     return 0

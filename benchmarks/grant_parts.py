@@ -47,7 +47,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .ablation import unchecked_alloc_pool
-from .harness import loop_factories, run_on
+from .harness import add_loop_option, loop_factories, run_on
 
 __all__ = ["ALLOC_PARTS", "FREE_PARTS", "main", "measure", "render"]
 
@@ -356,12 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--loop",
-        action="append",
-        choices=sorted(loop_factories()),
-        help="a loop to run on (repeatable; default: all)",
-    )
+    add_loop_option(p)
     p.add_argument("--calls", type=int, default=20_000, help="calls per sample (default 20000)")
     p.add_argument("--repeats", type=int, default=7, help="samples; the best counts (default 7)")
     args = p.parse_args(argv)

@@ -18,6 +18,7 @@ pytest-asyncio parametrizes.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import statistics
@@ -446,6 +447,17 @@ def loop_factories() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     else:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+def add_loop_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--loop`` option of a benchmark's command line: one of
+    :func:`loop_factories`' names, repeatable; none given means all."""
+    parser.add_argument(
+        "--loop",
+        action="append",
+        choices=sorted(loop_factories()),
+        help="a loop to run on (repeatable; default: all)",
+    )
 
 
 def run_on(kind: str, main: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .harness import loop_factories, run_on
+from .harness import add_loop_option, loop_factories, run_on
 
 __all__ = ["main", "measure", "render"]
 
@@ -165,12 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--loop",
-        action="append",
-        choices=sorted(loop_factories()),
-        help="a loop to run on (repeatable; default: all)",
-    )
+    add_loop_option(p)
     p.add_argument("--priorities", type=int, default=16, help="priorities queued (default 16)")
     p.add_argument(
         "--pending",

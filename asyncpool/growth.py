@@ -370,8 +370,7 @@ class Growth(PageArgs):
                 if n * k > pages.capacity:
                     raise CapacityError(
                         f"cannot extend {_count(n, 'row')} by {_count(k, 'page')} each in KV group "
-                        f"{name!r}: "
-                        f"{n * k} pages, and its KV pool has only {pages.capacity}"
+                        f"{name!r}: {n * k} pages, and its KV pool has only {pages.capacity}"
                     )
         if self._closed:
             raise PoolClosedError("the pool is closed; no pages can be allocated")

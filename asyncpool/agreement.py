@@ -427,8 +427,8 @@ def agree(
             pool_log(logger, pool_name),
             oldest_first(overdue, since),
             "fence %r is overdue: not done on at least one rank %s; "
-            "held on every rank: %s (a late write may still land); "
-            "force_release(fence) on every rank only if its writer is known to be dead",
+            "held on every rank: %s (its work may still write or read it); "
+            "force_release(fence) on every rank only if that work is known to be dead",
             when,
         )
     return Agreement(

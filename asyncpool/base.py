@@ -73,7 +73,7 @@ def log_force_release(
     elif faulted:
         log.warning(
             "force_release(%r): this fence faulted; the %ss behind it are quarantined "
-            "for good (a faulted writer may still write) and stay so%s",
+            "for good (its faulted work may still write or read them) and stay so%s",
             fence,
             noun,
             aside,
@@ -159,7 +159,7 @@ def log_force_release_many(
         )
         log.warning(
             "force_release(%s): %s of these fences faulted; the %s behind %s are "
-            "quarantined for good (a faulted writer may still write) and stay so%s",
+            "quarantined for good (its faulted work may still write or read them) and stay so%s",
             what,
             "all" if faulted == len(fences) else faulted,
             nouns,

@@ -692,7 +692,7 @@ class Deferrals(Generic[T]):
     def force_release(self, fence: Fence) -> int:
         """Treat ``fence`` as completed for every batch waiting on it.
 
-        The escape hatch for a fence known never to complete (its writer is
+        The escape hatch for a fence known never to complete (its work is
         dead): batches waiting behind ``fence`` settle as if it had completed
         (released, or moved behind their next open fence) and ``fence`` is
         dropped from every other batch's remaining fences. Never asks

@@ -8,7 +8,7 @@ wake-ups and overdue check). It holds ``reclaim``/``reclaim_mode``;
 ``retire``, ``forget_stream`` and ``agree`` (``reclaim="explicit"``: memory
 returns by the scheduler's word and a collective over the ranks, never by a
 ``query()``, :mod:`asyncpool.agreement`); ``force_release`` (memory behind a
-fence whose writer is known dead, logged at WARNING under the
+fence whose work is known dead, logged at WARNING under the
 ``asyncpool.pool`` logger, as before this module split off); ``_on_pending``,
 the hook both ledgers call when a fence starts holding memory (bind or move
 to the running loop, arm the overdue check, have the wake-ups watch the
@@ -216,8 +216,8 @@ class FenceControl:
     def force_release(self, fence: Fences) -> tuple[int, int]:
         """Release the rows and pages held behind ``fence``, done or not.
 
-        The escape hatch for an operator who knows the writer behind a stuck
-        fence (a transfer whose peer died) will never write again: memory
+        The escape hatch for an operator who knows the work behind a stuck
+        fence (a transfer whose peer died) will never write or read again: memory
         waiting on ``fence`` is treated as if it had completed (released, or
         still waiting for its other fences), logged at WARNING, and the
         waiters are served. Never asks ``fence`` anything, and stops
@@ -232,8 +232,8 @@ class FenceControl:
         object may be armed again (a CUDA event recorded anew); a transfer
         known dead should answer ``query()`` True instead (docs/cuda.md).
         Rows and pages quarantined behind a fence that *faulted* stay
-        quarantined (a faulted writer may still write; nothing returns
-        them).
+        quarantined (its faulted work may still write or read them; nothing
+        returns them).
 
         ``fence`` may also be a sequence of fences (:data:`~asyncpool.Fences`;
         :meth:`overdue_fences` is one): every one is released as above, at
@@ -297,7 +297,8 @@ class FenceControl:
             # a use recorded on it too) would read as if its memory were back.
             log.warning(
                 "force_release(%r): this fence faulted; the rows and pages behind it are "
-                "quarantined for good (a faulted writer may still write) and stay so%s",
+                "quarantined for good (its faulted work may still write or read them) "
+                "and stay so%s",
                 fence,
                 ""
                 if not uses

@@ -332,7 +332,7 @@ class Figures(PoolCore):
     def overdue_fences(self) -> list[Fence]:
         """The fences overdue now, oldest first: the ones ``stats()``
         counts in ``overdue_fences``, to act on (``force_release`` takes
-        the list, for fences whose writer is known to be dead).
+        the list, for fences whose work is known to be dead).
 
         A fence is overdue while some batch of rows or pages waits for it
         (as the fence it waits for now) past ``fence_timeout`` since it was

@@ -1368,14 +1368,14 @@ class KVPagePool:
         """Return the pages held behind ``fence``, done or not (logged).
 
         The escape hatch ``ReqToTokenPool.force_release`` is for rows, for a
-        page pool used beside it: an operator who knows the writer behind a
-        stuck fence (a transfer whose peer died) will never write again has
+        page pool used beside it: an operator who knows the work behind a
+        stuck fence (a transfer whose peer died) will never write or read again has
         the pages waiting on ``fence`` treated as if it had completed (free,
         or still waiting for their other fences). Never asks ``fence``
         anything, in either reclaim mode (with ``"explicit"``, call it at the
         same point on every rank, as every call that changes what is free).
-        Pages quarantined behind a fence that *faulted* stay quarantined (a
-        faulted writer may still write). Returns the pages made free: 0 when
+        Pages quarantined behind a fence that *faulted* stay quarantined (its
+        faulted work may still write or read them). Returns the pages made free: 0 when
         none is, which includes pages that still wait for other fences (they
         no longer wait for this one). ``fence`` may also be a sequence of
         fences: all of them at once, one log line, the pages summed (an

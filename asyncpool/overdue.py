@@ -271,8 +271,8 @@ class OverdueFences:
                 self._log,
                 found,
                 "fence %r is overdue: pending for more than %.3g s (fence_timeout), holding "
-                "%s; the memory stays held (a late write may still land); call "
-                "force_release(fence) only if its writer is known to be dead",
+                "%s; the memory stays held (its work may still write or read it); call "
+                "force_release(fence) only if that work is known to be dead",
                 self.timeout,
             )
         return due

@@ -26,6 +26,7 @@ from asyncpool import (
     HostFence,
     HostStream,
     PoolClosedError,
+    ReqToTokenPool,
 )
 
 WATCHER = "asyncpool-fence-watcher"
@@ -327,6 +328,27 @@ async def test_fence_whose_query_raises_at_free(caplog: pytest.LogCaptureFixture
     finally:
         async with bounded():
             await pool.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_force_release_of_a_faulted_fence_names_a_write_or_a_read(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The line says why the rows stay quarantined without calling the
+    fence's work a writer: a transfer that reads the pages (the prefill side
+    of disaggregation, docs/cuda.md) faults too."""
+    caplog.set_level(logging.WARNING, logger="asyncpool")
+    pool = AsyncReqToTokenPool(5, 4) if kind == "async" else ReqToTokenPool(5, 4)
+    rows = pool.try_alloc(2) if kind == "async" else pool.alloc(2)
+    assert rows is not None
+    fence = FlakyFence()
+    fence.break_()
+    pool.free(rows, fence=fence)
+    assert pool.force_release(fence) == ((0, 0) if kind == "async" else 0)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith(f"force_release({fence!r}): this fence faulted; the rows"), line
+    assert "quarantined for good (its faulted work may still write or read them)" in line, line
+    assert pool.stats().quarantined == 2  # and they stay so
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unknown-origin", "ordered"])

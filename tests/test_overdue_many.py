@@ -92,8 +92,8 @@ def records() -> Iterator[Records]:
 def full_line(fence: Any, held: str) -> str:
     return (
         f"fence {fence!r} is overdue: pending for more than {TIMEOUT:.3g} s (fence_timeout), "
-        f"holding {held}; the memory stays held (a late write may still land); call "
-        "force_release(fence) only if its writer is known to be dead"
+        f"holding {held}; the memory stays held (its work may still write or read it); call "
+        "force_release(fence) only if that work is known to be dead"
     )
 
 

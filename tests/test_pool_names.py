@@ -682,8 +682,8 @@ async def test_without_a_name_the_lines_are_as_before(lines: Lines, kit: Streams
         f"fence {bad!r} faulted; quarantined pages [{', '.join(map(str, pages.tolist()))}]: "
         "illegal memory access (simulated)",
         f"fence {fence!r} is overdue: pending for more than 0.01 s (fence_timeout), holding "
-        "1 row; the memory stays held (a late write may still land); call "
-        "force_release(fence) only if its writer is known to be dead",
+        "1 row; the memory stays held (its work may still write or read it); call "
+        "force_release(fence) only if that work is known to be dead",
         f"force_release({fence!r}): 1 row and 0 pages returned to circulation without the "
         "fence completing",
         f"closed {pool!r}",

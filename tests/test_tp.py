@@ -115,6 +115,7 @@ def test_a_transfer_stuck_on_one_rank_is_overdue_on_every_rank(
         assert r["released"] == [0, 0] and r["pending"] == [1, 3]
         assert r["overdue"] == [1, 1, 3]
         assert any("not done on at least one rank" in m for m in r["log"]), r
+        assert any("(its work may still write or read it)" in m for m in r["log"]), r
 
 
 @pytest.mark.timeout(120)

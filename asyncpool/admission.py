@@ -114,7 +114,9 @@ class Admission(PageArgs):
 
         def _unfittable_need(self, need: Need) -> CapacityError | None: ...
 
-        def _count_oversized(self, count: object, capacity: int, priority: object) -> None: ...
+        def _count_oversized(
+            self, count: object, capacity: int, priority: object, timeout: object
+        ) -> None: ...
 
         def _prepare_to_queue(self, loop: asyncio.AbstractEventLoop) -> bool: ...
 
@@ -231,7 +233,7 @@ class Admission(PageArgs):
             k = self._page_count(pages, 0)
         except CapacityError:
             if self._pages is not None:  # more pages than the pool has: unfittable
-                self._count_oversized(pages, self._pages.capacity, priority)
+                self._count_oversized(pages, self._pages.capacity, priority, timeout)
             raise
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)
@@ -515,7 +517,7 @@ class Admission(PageArgs):
         self._page_sets[0].fast_admits += 1
         return grant
 
-    def _count_oversized_groups(self, pages: object, priority: object) -> None:
+    def _count_oversized_groups(self, pages: object, priority: object, timeout: object) -> None:
         """After :meth:`_group_counts` raised :class:`CapacityError` for
         ``pages`` (a mapping naming every group once): count the ``admit``
         in ``unfittable`` if the count it refused first, in the groups'
@@ -529,7 +531,7 @@ class Admission(PageArgs):
             if k < 0:
                 return
             if k > one.capacity:
-                self._count_oversized(k, one.capacity, priority)
+                self._count_oversized(k, one.capacity, priority, timeout)
                 return
 
     def _take_group_admission(self, counts: tuple[int, ...]) -> GroupGrant | None:
@@ -555,7 +557,7 @@ class Admission(PageArgs):
         try:
             counts = self._group_counts(pages)
         except CapacityError:
-            self._count_oversized_groups(pages, priority)
+            self._count_oversized_groups(pages, priority, timeout)
             raise
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)

@@ -746,7 +746,7 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
             self._bind_thread()
         self._fast = False  # no unchecked call may interleave with this one
         if n.__class__ is not int or not 0 < n <= self._capacity:
-            n = self._check_alloc_n(n, priority)
+            n = self._check_alloc_n(n, priority, timeout)
         if timeout is not None or priority.__class__ is not int:
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
@@ -803,28 +803,33 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
             # the caller's frames (and their locals) until the cycle collector.
             del waiter
 
-    def _check_alloc_n(self, n: object, priority: object) -> int:
+    def _check_alloc_n(self, n: object, priority: object, timeout: object) -> int:
         """``n`` as an int in ``1..capacity`` (:meth:`SlotLedger.check_n`);
         its :class:`CapacityError` for more rows than the pool has counts the
-        call in ``unfittable`` (at ``priority``, if that is a valid one; a
-        count that is not an int >= 1 is bad input, and counts nothing)."""
+        call in ``unfittable`` (at ``priority``, if ``priority`` and
+        ``timeout`` are valid; a count that is not an int >= 1 is bad input,
+        and counts nothing)."""
         try:
             return self._ledger.check_n(n)
         except CapacityError:
-            self._count_oversized(n, self._capacity, priority)
+            self._count_oversized(n, self._capacity, priority, timeout)
             raise
 
-    def _count_oversized(self, count: object, capacity: int, priority: object) -> None:
+    def _count_oversized(
+        self, count: object, capacity: int, priority: object, timeout: object
+    ) -> None:
         """Count an ``alloc``/``admit`` refused for asking more than
-        ``capacity`` (``count`` an integer past it, ``priority`` valid): a
-        call that can never be served. Anything else is bad input, and
-        counts nothing. The failing path only."""
+        ``capacity`` (``count`` an integer past it, ``priority`` and
+        ``timeout`` valid): a call that can never be served. Anything else
+        is bad input, and counts nothing (the size is refused first, so a
+        bad ``timeout`` must not let the call count). The failing path
+        only."""
         try:
             k = as_index(count)
-        except TypeError:
+            prio = _check_wait_args(priority, timeout)[0]
+        except (TypeError, ValueError):
             return
-        prio = priority if priority.__class__ is int else int_arg(priority)
-        if prio is not None and k > capacity:
+        if k > capacity:
             self._waiters.unfit(prio)
 
     def _prepare_wait(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:

@@ -9,7 +9,8 @@ alert on requests that can never be served. Each counts once now, pool-wide
 and at its priority, exported as ``asyncpool_alloc_unfittable_total`` and
 ``asyncpool_priority_unfittable_total``: a waiter failed so and cancelled
 before it resumes raises ``CancelledError`` and counts as a cancellation
-alone; bad counts and ``try_`` calls (None or raising) count nothing.
+alone; bad counts, bad priorities or timeouts beside a count past the
+pool's size, and ``try_`` calls (None or raising) count nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ async def test_bad_counts_and_try_calls_are_not_counted() -> None:
         lambda: pool.admit(pages=-1),
         lambda: pool.admit(pages="3"),  # type: ignore[arg-type]
         lambda: pool.alloc(5, priority=1.5),  # type: ignore[arg-type]
+        # A bad timeout is bad input too, though the size is refused first.
+        lambda: pool.alloc(5, timeout="x"),  # type: ignore[arg-type]
+        lambda: pool.alloc(5, timeout=-1.0),
+        lambda: pool.admit(pages=9, timeout=float("nan")),
     ):
         with pytest.raises(CapacityError):
             async with bounded():
@@ -90,6 +95,8 @@ async def test_a_group_count_past_its_group_is_counted() -> None:
         await pool.admit(pages={"swa": 9, "full": 1}, priority=4)
     with pytest.raises(CapacityError, match="'swa'"):
         await pool.admit(pages={"swa": -1, "full": 13}, priority=4)  # bad input first
+    with pytest.raises(CapacityError, match="'swa'"):
+        await pool.admit(pages={"swa": 9, "full": 1}, timeout=True)  # type: ignore[arg-type]
     assert unfittable(pool) == (1, {4: 1})
     pool.check_invariants()
     await pool.close()

@@ -613,9 +613,9 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         loop, and until then every call is checked (the unchecked fast paths
         open only once the loop's debug flag is known). From then on, calls
         from any other thread raise :class:`WrongThreadError`, except on the
-        two unchecked fast paths (``alloc(1)`` of a clean row, ``free([row])``
-        of one unfenced row while nobody waits; the module docstring says
-        why a foreign call there is safe).
+        two unchecked fast paths (``alloc(1)`` of a clean row, ``free(row)``
+        or ``free([row])`` of one unfenced row while nobody waits; the
+        module docstring says why a foreign call there is safe).
 
         The previous thread must have stopped calling the pool. Raises
         :class:`PoolBusyError` while an ``alloc`` or ``admit`` waits or a row
@@ -1236,10 +1236,11 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         record was written into (:class:`InvalidSlotError`). Allowed after
         :meth:`close`.
         """
-        if fence is None and after is None and rows.__class__ is list and len(rows) == 1:
-            # Inlined SlotLedger.free fast path: one row, no fence, no use,
-            # no pages (_rows_end is 0 with kv, so it never matches there).
-            row = rows[0]
+        if fence is None and after is None:
+            # Inlined SlotLedger.free fast path: one row (``[row]``, or the
+            # bare int the seed's callers pass), no fence, no use, no pages
+            # (_rows_end is 0 with kv, so it never matches there).
+            row = (rows[0] if len(rows) == 1 else None) if rows.__class__ is list else rows
             if (
                 row.__class__ is int
                 and 0 < row < self._rows_end

@@ -145,9 +145,13 @@ class GiveBack(PageArgs):
         pages free at once. Raises, changing nothing: :class:`CapacityError`
         for a ``keep`` that is not an int >= 0 (or one per row),
         :class:`InvalidSlotError` unless the rows are distinct allocated
-        rows or for a record written into (as :meth:`free`), ``TypeError``
-        for a non-fence (as :meth:`free`); :class:`CapacityError` on a pool
-        without ``kv``. On a pool with KV groups ``group=`` names the group
+        rows or for a record written into among the pages it gives back
+        (as :meth:`free`), ``TypeError`` for a non-fence (as :meth:`free`);
+        :class:`CapacityError` on a pool without ``kv``. A trim checks
+        only the pages it gives back against what the pool recorded, so it
+        costs those, not the pages the row keeps (a write into a kept page
+        is refused where that page is given back: the row's :meth:`free`,
+        a drop, a later trim). On a pool with KV groups ``group=`` names the group
         to trim (required there); elsewhere it must be None (``ValueError``
         for either mistake or an unknown name).
         Allowed after :meth:`close`, as :meth:`free`.

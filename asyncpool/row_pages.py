@@ -616,23 +616,29 @@ class RowPages:
         than ``_JOINED_CHECK`` rows, its per-row Python work cut: the rows
         that give pages back and the places they give (a free: all of a
         row's record; a trim or a drop: a run of it) in one loop a form,
-        then every record against its seal in one joined compare and, when
-        the rows share one recorded use (none, or the step's, as the usual
-        step's do), one group whose pages are cut from the joined records
-        with numpy, no slice and no lookup a row. Its one part lists many
+        then every record (a trim's: only the pages it gives back, as
+        :meth:`prepare_free` checks them) against its seal in one joined
+        compare and, when the rows share one recorded use (none, or the
+        step's, as the usual step's do), one group whose pages are cut
+        from the joined records with numpy, no slice and no lookup a row. Its one part lists many
         rows' pages, so :meth:`prepare_free` checks them distinct as it
         does several parts. The same checks, answers and errors as the
         loop for a few rows."""
         owned = self.owned
         sealed = self.sealed
         holes = self.holes
-        # The rows that give pages back, each with its first place given
-        # back and its first place kept (a free: all of its record, neither
-        # listed; a trim: its places past keep; a drop: its places below,
-        # only the first place kept listed, each run from its record's start).
+        # The rows that give pages back and, for a drop, each one's first
+        # place kept (its run starts its record); a trim's rows with the
+        # pages they give back (past keep) and those pages' seal, checked
+        # alone (O(pages trimmed): prepare_free); a free's, all of each
+        # record.
         picked: list[int] = []
-        froms: list[int] = []
         tos: list[int] = []
+        records: Sequence[Any]
+        seals: Sequence[Any]
+        used: Sequence[Any]
+        tails: list[Any] = []  # int64 arrays
+        tail_seals: list[bytes | bytearray] = []
         if keeps is not None:
             for i, row in enumerate(rows):  # enumerate: zip(strict=True) costs 3x
                 pages = owned[row]
@@ -641,11 +647,10 @@ class RowPages:
                 keep = keeps[i]
                 if holes:
                     keep = max(0, keep - holes.get(row, 0))
-                live = len(pages)
-                if live > keep:
+                if len(pages) > keep:
                     picked.append(row)
-                    froms.append(keep)
-                    tos.append(live)
+                    tails.append(pages[keep:])
+                    tail_seals.append(sealed[row][keep * 8 :])  # type: ignore[index]
         elif belows is not None:
             for i, row in enumerate(rows):
                 pages = owned[row]
@@ -654,7 +659,7 @@ class RowPages:
                 n = belows[i] - holes.get(row, 0) if holes else belows[i]  # live pages below
                 if n > 0:
                     picked.append(row)
-                    tos.append(n)  # from 0 (froms stays empty); at most its live pages
+                    tos.append(n)  # from 0; at most its live pages
         else:
             picked = [row for row in rows if owned[row] is not None]
         if not picked:
@@ -665,42 +670,37 @@ class RowPages:
         # records, seals and uses gathered by itemgetter (in C: a third of
         # a comprehension's cost a row); it answers one item for one row.
         gather = itemgetter(*picked)
-        records: Sequence[Any]
-        seals: Sequence[Any]
-        used: Sequence[Any]
-        if len(picked) > 1:
-            records, seals, used = gather(owned), gather(sealed), gather(uses)
+        used = gather(uses) if len(picked) > 1 else [gather(uses)]
+        if keeps is not None:
+            records, seals = tails, tail_seals
+        elif len(picked) > 1:
+            records, seals = gather(owned), gather(sealed)
         else:
-            records, seals, used = [gather(owned)], [gather(sealed)], [gather(uses)]
+            records, seals = [gather(owned)], [gather(sealed)]
         joined = b"".join(records)
         if joined != b"".join(seals):
-            for row in picked:
-                self.check_record(row)
+            for row, pages, seal in zip(picked, records, seals, strict=True):
+                if pages.tobytes() != seal:
+                    raise self.written_error(row)
         if len(set(map(id, used))) == 1:
-            # One group: its pages cut from the joined records in a few
-            # numpy passes (no slice a row); a fresh array, as the
-            # concatenation of slices was.
+            # One group: its pages cut from the joined records (a trim's:
+            # its joined tails) in a few numpy passes (no slice a row); a
+            # fresh array, as the concatenation of slices was.
             everything = np.frombuffer(joined, dtype=np.int64)
-            if keeps is None and belows is None:
+            if not tos:
                 part = everything.copy()
-            else:
+            else:  # a drop's: each row's run starts its record
                 lens = np.fromiter(map(len, records), np.int64, len(records))
                 starts = np.cumsum(lens) - lens
                 at = np.arange(len(everything)) - np.repeat(starts, lens)
                 hi = np.repeat(np.array(tos, dtype=np.int64), lens)
-                if froms:
-                    lo = np.repeat(np.array(froms, dtype=np.int64), lens)
-                    part = everything[(at >= lo) & (at < hi)]
-                else:  # a drop's: each row's run starts its record
-                    part = everything[at < hi]
+                part = everything[at < hi]
             first = used[0]
             groups[id(first)] = (first, picked, [part])
             return
         for i, row in enumerate(picked):
             pages = records[i]
-            if froms:
-                pages = pages[froms[i] : tos[i]]
-            elif tos:
+            if tos:
                 pages = pages[: tos[i]]
             use = used[i]
             entry = groups.get(id(use))
@@ -719,7 +719,12 @@ class RowPages:
     ) -> list[tuple[Any, Any, bool, tuple[Fence, ...]]]:
         """Check the pages of ``rows`` before they are freed; change nothing.
 
-        Raises for a record written into (:meth:`check_record`). Groups the
+        Raises for a record written into (:meth:`check_record`); a trim
+        checks only the pages it gives back against their seal, so that it
+        costs the pages trimmed, not those kept: those are the row's still,
+        and a write into them is refused where they are given back (the
+        row's free, a drop or a later trim; a detach hands out the seal's
+        pages), with nothing changed, as ever. Groups the
         rows' pages by the rows' recorded use (one group for the usual step
         whose rows share one fence) and validates each group with the page
         ledger, so pages freed behind the pool's back raise here; with
@@ -734,6 +739,7 @@ class RowPages:
         :meth:`free`.
         """
         owned = self.owned
+        sealed = self.sealed
         holes = self.holes
         groups: dict[int, tuple[Any, list[int], list[npt.NDArray[np.int64]]]] = {}
         if len(rows) > _JOINED_CHECK:
@@ -749,8 +755,12 @@ class RowPages:
                         keep = max(0, keep - holes.get(row, 0))
                     if pages.shape[0] <= keep:
                         continue
-                    self.check_record(row)
                     pages = pages[keep:]
+                    # The pages given back only (O(pages trimmed)): the kept
+                    # ones stay the row's, checked by whatever gives them
+                    # back (the row's free, a detach, a drop, a later trim).
+                    if pages.tobytes() != sealed[row][keep * 8 :]:  # type: ignore[index]
+                        raise self.written_error(row)
                 elif belows is not None:
                     n = belows[i] - holes.get(row, 0)  # live pages below
                     if n <= 0:

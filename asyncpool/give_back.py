@@ -147,11 +147,15 @@ class GiveBack(PageArgs):
         :class:`InvalidSlotError` unless the rows are distinct allocated
         rows or for a record written into among the pages it gives back
         (as :meth:`free`), ``TypeError`` for a non-fence (as :meth:`free`);
-        :class:`CapacityError` on a pool without ``kv``. A trim checks
-        only the pages it gives back against what the pool recorded, so it
-        costs those, not the pages the row keeps (a write into a kept page
-        is refused where that page is given back: the row's :meth:`free`,
-        a drop, a later trim). On a pool with KV groups ``group=`` names the group
+        :class:`CapacityError` on a pool without ``kv``. A trim costs the
+        pages it gives back, not those the row keeps: it checks only the
+        pages it gives back against what the pool recorded (a write into a
+        kept page is refused where that page is given back: the row's
+        :meth:`free`, a drop, a later trim), and the row's next growth
+        writes after the kept pages in the buffer the record grew in,
+        unless :meth:`pages_of` handed out a view of it since (on the
+        host): then it copies the kept pages into a new buffer, so that
+        the view keeps what it read. On a pool with KV groups ``group=`` names the group
         to trim (required there); elsewhere it must be None (``ValueError``
         for either mistake or an unknown name).
         Allowed after :meth:`close`, as :meth:`free`.

@@ -166,6 +166,17 @@ class RowPages:
         #: buffer itself, or after a drop (:meth:`_behead`) its rest past
         #: the dropped pages' places, so that the record still starts it.
         self.grown: list[npt.NDArray[np.int64] | None] = [None] * size
+        #: Rows whose record may be read by a view :meth:`of` handed out
+        #: (``pages_of`` on the host, or a pool on the CPU) since the record
+        #: was last copied into a new growth buffer (:meth:`_append`, which
+        #: forgets the row): a trim lets such a row's buffer go, since
+        #: growing in it would write places that view reads. Any other
+        #: row's buffer holds no place past its record that anything
+        #: handed out reads (grants and growths hand out the pages taken,
+        #: never the buffer), so a trim keeps it and the next growth
+        #: writes there: a trim and a growth cost the pages they move.
+        #: An entry of a row with no buffer means nothing.
+        self.lent: set[int] = set()
         #: Leading positions a row gave back early (:meth:`drop`, a sliding
         #: window's pages that slid out), for the rows with any: ``owned``
         #: lists only the pages after them, and :meth:`of` reads them as
@@ -454,6 +465,8 @@ class RowPages:
             buf = np.empty(min(max(2 * end, 16), self.capacity), dtype=np.int64)
             buf[:n] = old
             self.grown[row] = buf
+            # No view of the new buffer handed out yet (of() lends one).
+            self.lent.discard(row)
         assert buf is not None  # for mypy: `is not` widened it to old.base's type
         buf[n:end] = arr
         self.owned[row] = buf[:end]
@@ -466,10 +479,17 @@ class RowPages:
         seal += arr.tobytes()
 
     def of(self, row: int, host: bool = False) -> torch.Tensor:
+        """``row``'s pages by position (``pages_of``): on the host, a view
+        of its record unless it dropped pages (then :meth:`positions`), and
+        the row is noted ``lent`` (a trim keeps its buffer no more)."""
         pages = self.owned[row]
         if self.holes and row in self.holes:
             return self.out(self.positions(row), host)
-        return self.out(pages if pages is not None else _EMPTY, host)
+        if pages is None:
+            return self.out(_EMPTY, host)
+        if self._on_host or host:
+            self.lent.add(row)
+        return self.out(pages, host)
 
     def table(
         self, rows: Sequence[int], width: int | None, host: bool = False
@@ -822,11 +842,13 @@ class RowPages:
 
         With ``keep`` (a trim: ``{row: pages it keeps}``, its dropped
         positions not counted), each row's record and seal are cut to its
-        first pages instead of dropped: nothing is written, and the row's
-        growth buffer is let go, so the next :meth:`extend` copies the
-        record into a new buffer instead of writing over the cut places,
-        which tensors handed out before (``pages_of`` on the host: views of
-        the record) still read. The caller then cuts the
+        first pages instead of dropped, O(1) a row (a seal still bytes,
+        never grown: O(pages kept) once); nothing is written. The row's
+        growth buffer stays, so the next :meth:`extend` writes the cut
+        places in it, unless :meth:`of` lent a view of it (``lent``): then
+        it is let go and the next growth copies the record into a new
+        buffer instead of writing over the cut places, which that view
+        (``pages_of`` on the host) still reads. The caller then cuts the
         dropped counts (:meth:`trim_holes`). With ``below`` (a drop:
         ``{row: positions dropped from now on}``), each row's record loses
         its first pages instead (:meth:`_behead`). Returns the pages free
@@ -835,6 +857,7 @@ class RowPages:
         owned = self.owned
         sealed = self.sealed
         grown = self.grown
+        lent = self.lent
         free_prepared = self.ledger.free_prepared
         immediate = 0
         for group_rows, ids, fresh, fences in prepared:
@@ -848,18 +871,18 @@ class RowPages:
                 for row in group_rows:
                     k = keep[row]
                     if k:
-                        # The record and seal cut to the first k pages.
-                        # Nothing is written, and the row's growth buffer
-                        # is let go: growing in it would write the places
-                        # past k, which the tensors handed out before
-                        # (pages_of on the host: views of the record) still
-                        # read, so an in-flight step's block table would
-                        # change under it. The next growth copies the
-                        # record into a new buffer.
+                        # The record and seal cut to the first k pages;
+                        # nothing is written. The row's growth buffer is
+                        # kept (the next growth writes the places past k)
+                        # unless a view of it was handed out (lent): those
+                        # places are what it still reads, an in-flight
+                        # step's block table, so the buffer is let go and
+                        # the next growth copies the record into a new one.
                         pages = owned[row]
                         assert pages is not None
                         owned[row] = pages[:k]
-                        grown[row] = None
+                        if row in lent:
+                            grown[row] = None
                         seal = sealed[row]
                         if seal.__class__ is bytearray:  # grown by _append: cut in place
                             assert isinstance(seal, bytearray)

@@ -53,6 +53,40 @@ def table(pool: AsyncReqToTokenPool, row: int) -> list[int]:
     return ids(t)[: int(counts[0])]
 
 
+async def test_a_trim_keeps_the_buffer_and_the_growth_after_it_writes_there():
+    pool = make()
+    rp = pool._pages
+    assert rp is not None
+    g = pool.try_admit(pages=4)
+    assert g is not None
+    assert pool.extend(g.row, 4) is not None  # the record now lives in a growth buffer
+    buf = rp.grown[g.row]
+    assert buf is not None
+    for _ in range(3):  # a speculative step's rollback and the next step's growth
+        assert pool.trim_pages(g.row, 6) == 2
+        assert rp.grown[g.row] is buf
+        new = pool.extend(g.row, 2)
+        assert new is not None
+        assert rp.grown[g.row] is buf  # grown in place: no copy of the record
+        assert table(pool, g.row)[6:] == ids(new)
+    pool.check_invariants()
+    # A view handed out lends the buffer: the trim lets it go, the view
+    # keeps what it read, and the growth after it copies into a new one.
+    view = pool.pages_of(g.row)
+    read = ids(view)
+    assert pool.trim_pages(g.row, 5) == 3
+    assert rp.grown[g.row] is None
+    new = pool.extend(g.row, 3)
+    assert new is not None and ids(view) == read
+    assert table(pool, g.row) == read[:5] + ids(new)
+    fresh = rp.grown[g.row]
+    assert fresh is not None and fresh is not buf
+    assert pool.trim_pages(g.row, 6) == 2  # not lent since the new buffer
+    assert rp.grown[g.row] is fresh
+    pool.free([g.row])
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("rows", [1, ROWS])
 async def test_a_write_into_a_kept_page_is_refused_at_the_rows_free_not_at_the_trim(rows: int):
     """The trim gives back only its tail, checked against the seal; the

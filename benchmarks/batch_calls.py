@@ -20,7 +20,13 @@ figures, a pool with one ``KVPagePool``, at each batch size:
 * ``extend_rows(rows, {"full": 1, "swa": 1})`` against the two one-group
   calls and against ``extend_rows(rows, 1)`` on one kv (every 16 steps the
   rows are trimmed back, untimed);
-* ``pages_of_rows(rows, group="full")`` against ``pages_of`` per row.
+* ``pages_of_rows(rows, group="full")`` against ``pages_of`` per row;
+* on one row of ``--long`` pages (1,024 and 32,768; one kv, page size 1): a
+  speculative step's rollback and regrowth, ``trim_pages(row, n - 1)`` then
+  ``extend(row, 1)`` timed together, and ``trim_pages(row, n)`` alone (a
+  page grown first, untimed), each against the same cycle with a
+  ``pages_of(row)`` each step (untimed), which lends the row's record so
+  that the trim lets its growth buffer go and the growth copies the record.
 
 Each figure is the best of ``--rounds`` rounds (subject and reference
 alternated round by round) of a timed call, in microseconds a call and a
@@ -236,22 +242,77 @@ def measure(n: int, rounds: int, steps: int) -> list[tuple[str, float, float]]:
     return [(label, s * 1e6, s * 1e6 / n) for label, s in out.items()]
 
 
+def measure_long(n: int, rounds: int, steps: int) -> list[tuple[str, float]]:
+    """``[(label, us a call)]`` for one row of ``n`` pages (page size 1):
+    the rollback-and-regrowth cycle and the trim alone, each without and
+    with a ``pages_of`` of the row every step (untimed)."""
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+    pool: Any = AsyncReqToTokenPool(2, 1 << 22, kv=KVPagePool(n + 16, 1))
+    row = pool.try_admit(pages=n).row
+    pool.extend(row, 1)  # the record lives in a growth buffer, as a decoding row's
+    pool.trim_pages(row, n)
+
+    def cycle(i: int) -> None:
+        pool.trim_pages(row, n - 1)
+        pool.extend(row, 1)
+
+    def grow(i: int) -> None:
+        pool.extend(row, 1)
+
+    def read_and_grow(i: int) -> None:
+        pool.pages_of(row)
+        pool.extend(row, 1)
+
+    def read(i: int) -> None:
+        pool.pages_of(row)
+
+    def trim(i: int) -> None:
+        pool.trim_pages(row, n)
+
+    best = _bench(
+        rounds,
+        steps,
+        [
+            ("trim_pages(row, n - 1); extend(row, 1)", _nothing, cycle),
+            ("  with pages_of(row) each step (lent: a copy)", read, cycle),
+            ("trim_pages(row, n) after extend(row, 1)", grow, trim),
+            ("  with pages_of(row) each step (lent)", read_and_grow, trim),
+        ],
+    )
+    pool.free([row])
+    return [(label, s * 1e6) for label, s in best.items()]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="8,32,256", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=7, help="rounds per case (best kept)")
     parser.add_argument("--steps", type=int, default=48, help="timed calls per round")
+    parser.add_argument(
+        "--long", default="1024,32768", help="comma-separated page counts of the one long row"
+    )
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.rows.split(",")]
     except ValueError:
         parser.error(f"--rows takes comma-separated whole numbers, got {args.rows!r}")
+    try:
+        longs = [int(x) for x in args.long.split(",")]
+    except ValueError:
+        parser.error(f"--long takes comma-separated whole numbers, got {args.long!r}")
     if min(sizes) < 1 or args.rounds < 1 or args.steps < 1:
         parser.error("--rows sizes, --rounds and --steps must be at least 1")
+    if min(longs) < 2:
+        parser.error("--long page counts must be at least 2")
     for n in sizes:
         print(f"\n{n} rows: us a call, us a row")
         for label, call, row in measure(n, args.rounds, args.steps):
             print(f"  {label:56s} {call:9.1f} {row:7.2f}")
+    for n in longs:
+        print(f"\none row of {n} pages (page size 1): us a call")
+        for label, call in measure_long(n, args.rounds, args.steps):
+            print(f"  {label:56s} {call:9.1f}")
 
 
 if __name__ == "__main__":

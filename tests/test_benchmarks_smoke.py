@@ -721,6 +721,23 @@ def test_batch_calls_measures_every_call_per_call_and_per_row(
         assert any(call in label for label in labels), call
     for _, per_call, per_row in got:
         assert per_call > 0 and math.isclose(per_row, per_call / 4)
-    batch_calls.main(["--rows", "2,3", "--rounds", "1", "--steps", "2"])
+    batch_calls.main(["--rows", "2,3", "--rounds", "1", "--steps", "2", "--long", "16,32"])
     out = capsys.readouterr().out
     assert "2 rows: us a call, us a row" in out and "3 rows" in out
+    assert "one row of 16 pages (page size 1)" in out and "one row of 32 pages" in out
+
+
+def test_batch_calls_times_a_long_rows_trim_and_regrowth() -> None:
+    """The one long row's cycle, ``trim_pages(row, n - 1)`` then
+    ``extend(row, 1)``, and the trim alone, each without and with a lending
+    ``pages_of`` each step; a bad ``--long`` is a usage error."""
+    from benchmarks import batch_calls
+
+    got = batch_calls.measure_long(16, rounds=1, steps=2)
+    labels = [label for label, _ in got]
+    assert labels[0] == "trim_pages(row, n - 1); extend(row, 1)"
+    assert sum("pages_of(row)" in label for label in labels) == 2
+    assert all(us > 0 for _, us in got)
+    for bad in ("x", "1"):
+        with pytest.raises(SystemExit):
+            batch_calls.main(["--rows", "2", "--long", bad])

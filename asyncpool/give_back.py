@@ -155,9 +155,9 @@ class GiveBack(PageArgs):
         writes after the kept pages in the buffer the record grew in,
         unless :meth:`pages_of` handed out a view of it since (on the
         host): then it copies the kept pages into a new buffer, so that
-        the view keeps what it read. On a pool with KV groups ``group=`` names the group
-        to trim (required there); elsewhere it must be None (``ValueError``
-        for either mistake or an unknown name).
+        the view keeps what it read. On a pool with KV groups ``group=``
+        names the group to trim (required there); elsewhere it must be
+        None (``ValueError`` for either mistake or an unknown name).
         Allowed after :meth:`close`, as :meth:`free`.
 
         Every group at once (a hybrid model's rollback): ``keep`` a mapping

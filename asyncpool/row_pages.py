@@ -640,10 +640,10 @@ class RowPages:
         :meth:`prepare_free` checks them) against its seal in one joined
         compare and, when the rows share one recorded use (none, or the
         step's, as the usual step's do), one group whose pages are cut
-        from the joined records with numpy, no slice and no lookup a row. Its one part lists many
-        rows' pages, so :meth:`prepare_free` checks them distinct as it
-        does several parts. The same checks, answers and errors as the
-        loop for a few rows."""
+        from the joined records with numpy, no slice and no lookup a row.
+        Its one part lists many rows' pages, so :meth:`prepare_free` checks
+        them distinct as it does several parts. The same checks, answers
+        and errors as the loop for a few rows."""
         owned = self.owned
         sealed = self.sealed
         holes = self.holes
@@ -842,8 +842,8 @@ class RowPages:
 
         With ``keep`` (a trim: ``{row: pages it keeps}``, its dropped
         positions not counted), each row's record and seal are cut to its
-        first pages instead of dropped, O(1) a row (a seal still bytes,
-        never grown: O(pages kept) once); nothing is written. The row's
+        first pages instead of dropped, O(1) a row (a seal never grown,
+        still bytes: O(pages kept)); nothing is written. The row's
         growth buffer stays, so the next :meth:`extend` writes the cut
         places in it, unless :meth:`of` lent a view of it (``lent``): then
         it is let go and the next growth copies the record into a new

@@ -191,19 +191,20 @@ def test_the_few_rows_that_give_pages_back_wait_for_their_own_use(picked: int, c
 @pytest.mark.parametrize("call", ["free", "drop", "trim"])
 def test_a_written_record_among_few_that_give_is_refused(picked: int, call: str) -> None:
     """The last row giving pages back had its record written into (its
-    second page over its first): the batch is refused, naming it, and
-    nothing changes, however few rows give pages (the mutant checked one
-    row's record against itself: a trim gave back the places past the one
-    written, and a free or a drop failed on the page listed twice, not
-    naming the write)."""
+    first page over its second, a place every call here gives back; a trim
+    checks only the places it gives back): the batch is refused, naming it,
+    and nothing changes, however few rows give pages (the mutant checked one
+    row's record against itself: a trim gave back the row's kept page, and
+    a free or a drop failed on the page listed twice, not naming the
+    write)."""
     pool, rows = _few_give(picked)
     written = rows[picked - 1]
     record = pool.pages_of(written, group="swa")
-    first = int(record[0])
-    record[0] = int(record[1])
+    second = int(record[1])
+    record[1] = int(record[0])
     before = _state(pool, rows)
     with pytest.raises(InvalidSlotError, match=f"pages of row {written} were written into"):
         _give(pool, rows, call, picked)
     assert _state(pool, rows) == before
-    record[0] = first
+    record[1] = second
     pool.check_invariants()

@@ -251,8 +251,8 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         "",
         "extend() and extend_rows() calls answered None, and extend_fitting() calls "
-        "that grew fewer rows than given, short of KV pages: retractions the "
-        "scheduler had to make.",
+        "that grew fewer rows than given, short of pages: each a shortage the "
+        "scheduler had to answer (for KV, a retraction).",
         lambda s: s.growth_refusals,
     ),
     Family(

@@ -103,14 +103,21 @@ async def _open_pool(size: int) -> AsyncReqToTokenPool:
     return pool
 
 
-async def test_a_free_racing_a_free_of_the_same_row_frees_it_once() -> None:
+@pytest.mark.parametrize("form", ["list", "int", "mixed"])
+async def test_a_free_racing_a_free_of_the_same_row_frees_it_once(form: str) -> None:
+    """``free([row])`` and ``free(row)`` (the bare int takes the same
+    unchecked path since 9e44193), the owner's and the foreign call in
+    either form."""
     pools: list[AsyncReqToTokenPool] = []
 
     def setup() -> tuple[Any, Callable[[], Any], Callable[[], Any]]:
         pool = pools[-1]
         rows = _run_sync(pool.alloc(1))
         assert pool._fast
-        return (pool, rows), lambda: pool.free(rows), lambda: pool.free(rows)
+        row = rows[0]
+        mine = (lambda: pool.free(rows)) if form == "list" else (lambda: pool.free(row))
+        theirs = (lambda: pool.free(row)) if form == "int" else (lambda: pool.free(rows))
+        return (pool, rows), mine, theirs
 
     def check(state: Any, mine: tuple[str, Any], theirs: tuple[str, Any]) -> None:
         pool, rows = state

@@ -1,7 +1,7 @@
 """Fences that hold memory too long: counted, logged once, never released.
 
 A fence that never completes (a stuck KV transfer, a hung stream) must
-neither free its memory (a late write may still land) nor hang a pool
+neither free its memory (its work may still write or read it) nor hang a pool
 silently. Past ``fence_timeout`` seconds since it started holding ids, a
 pending fence is *overdue*: :class:`OverdueFences` logs it once, at WARNING,
 naming the fence and what it holds in each ledger, and counts it for

@@ -389,7 +389,7 @@ class PoolStats:
             (0 without it). With ``reclaim="explicit"``, those ``agree()``
             agreed overdue (not done past some rank's ``fence_timeout``):
             counted on every rank, one built without a timeout too. Their
-            memory stays held (a late write may still land) until they
+            memory stays held (their work may still write or read it) until they
             complete or ``force_release``.
         overdue_rows: rows held by the overdue fences.
         overdue_pages: pages held by the overdue fences.
@@ -416,8 +416,8 @@ class PoolStats:
             sum.
         force_released: rows that ``force_release`` returned to
             circulation without their fence completing, total: the
-            operator's escape hatch, each use a risk (a late write may
-            land), so counted apart from ``reclaimed`` and left out of the
+            operator's escape hatch, each use a risk (a late write or
+            read may land), so counted apart from ``reclaimed`` and left out of the
             fence latencies.
         pages_force_released: the same for KV pages (with KV groups, the
             sum over the groups).

@@ -452,11 +452,14 @@ class RowPages:
         n = len(old)  # len(): a third of .shape[0]'s cost
         end = n + len(arr)
         buf: npt.NDArray[np.int64] | None = self.grown[row]
-        if (buf is None or end > len(buf) or old.base is not buf) and (
-            # A row that dropped pages grows in the rest of its buffer
-            # (``grown`` a view of it from the record's start) while room is
-            # left: a window's drops and growths move along it.
-            buf is None or end > len(buf) or buf.base is None or old.base is not buf.base
+        if (
+            buf is None
+            or end > len(buf)
+            # The record a view of the row's buffer: ``grown`` that buffer
+            # or, for a row that dropped pages, its view from the record's
+            # start (a window's drops and growths move along it). The same
+            # test as _append_one_each's.
+            or not (old.base is buf or old.base is buf.base is not None)
         ):
             # A new buffer: the record as it reads now is copied (a write
             # into it stays visible against the seal) to its start; earlier

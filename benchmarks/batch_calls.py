@@ -293,14 +293,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--long", default="1024,32768", help="comma-separated page counts of the one long row"
     )
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows takes comma-separated whole numbers, got {args.rows!r}")
-    try:
-        longs = [int(x) for x in args.long.split(",")]
-    except ValueError:
-        parser.error(f"--long takes comma-separated whole numbers, got {args.long!r}")
+
+    def whole_numbers(option: str, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",")]
+        except ValueError:
+            parser.error(f"{option} takes comma-separated whole numbers, got {text!r}")
+
+    sizes = whole_numbers("--rows", args.rows)
+    longs = whole_numbers("--long", args.long)
     if min(sizes) < 1 or args.rounds < 1 or args.steps < 1:
         parser.error("--rows sizes, --rounds and --steps must be at least 1")
     if min(longs) < 2:

@@ -217,18 +217,19 @@ class FenceControl:
         """Release the rows and pages held behind ``fence``, done or not.
 
         The escape hatch for an operator who knows the work behind a stuck
-        fence (a transfer whose peer died) will never write or read again: memory
-        waiting on ``fence`` is treated as if it had completed (released, or
-        still waiting for its other fences), logged at WARNING, and the
-        waiters are served. Never asks ``fence`` anything, and stops
-        watching it. Rows still allocated with a use recorded on ``fence``
-        forget that use: freed later, they do not wait for it. Returns
-        ``(rows, pages)`` made free: ``(0, 0)`` when none is, which includes
-        memory that still waits for its other fences (it no longer waits for
-        this one). What it frees counts in ``stats().force_released`` and
-        ``pages_force_released``, not in ``reclaimed`` nor in the fence
-        latencies (the fence did not complete). Acts on what waits now and
-        is not remembered: a later free or use naming ``fence`` waits for it again, since a fence
+        fence (a transfer whose peer died) will never write or read again:
+        memory waiting on ``fence`` is treated as if it had completed
+        (released, or still waiting for its other fences), logged at
+        WARNING, and the waiters are served. Never asks ``fence`` anything,
+        and stops watching it. Rows still allocated with a use recorded on
+        ``fence`` forget that use: freed later, they do not wait for it.
+        Returns ``(rows, pages)`` made free: ``(0, 0)`` when none is, which
+        includes memory that still waits for its other fences (it no longer
+        waits for this one). What it frees counts in
+        ``stats().force_released`` and ``pages_force_released``, not in
+        ``reclaimed`` nor in the fence latencies (the fence did not
+        complete). Acts on what waits now and is not remembered: a later
+        free or use naming ``fence`` waits for it again, since a fence
         object may be armed again (a CUDA event recorded anew); a transfer
         known dead should answer ``query()`` True instead (docs/cuda.md).
         Rows and pages quarantined behind a fence that *faulted* stay

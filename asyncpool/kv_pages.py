@@ -1369,16 +1369,17 @@ class KVPagePool:
 
         The escape hatch ``ReqToTokenPool.force_release`` is for rows, for a
         page pool used beside it: an operator who knows the work behind a
-        stuck fence (a transfer whose peer died) will never write or read again has
-        the pages waiting on ``fence`` treated as if it had completed (free,
-        or still waiting for their other fences). Never asks ``fence``
-        anything, in either reclaim mode (with ``"explicit"``, call it at the
-        same point on every rank, as every call that changes what is free).
-        Pages quarantined behind a fence that *faulted* stay quarantined (its
-        faulted work may still write or read them). Returns the pages made free: 0 when
-        none is, which includes pages that still wait for other fences (they
-        no longer wait for this one). ``fence`` may also be a sequence of
-        fences: all of them at once, one log line, the pages summed (an
+        stuck fence (a transfer whose peer died) will never write or read
+        again has the pages waiting on ``fence`` treated as if it had
+        completed (free, or still waiting for their other fences). Never
+        asks ``fence`` anything, in either reclaim mode (with
+        ``"explicit"``, call it at the same point on every rank, as every
+        call that changes what is free). Pages quarantined behind a fence
+        that *faulted* stay quarantined (its faulted work may still write or
+        read them). Returns the pages made free: 0 when none is, which
+        includes pages that still wait for other fences (they no longer wait
+        for this one). ``fence`` may also be a sequence of fences: all of
+        them at once, one log line, the pages summed (an
         empty one: 0, nothing logged). Raises ``TypeError`` for a non-fence,
         or a sequence with one (named by its position) or another iterable,
         and ``RuntimeError`` on the page pool of an ``AsyncReqToTokenPool``

@@ -389,8 +389,8 @@ class PoolStats:
             (0 without it). With ``reclaim="explicit"``, those ``agree()``
             agreed overdue (not done past some rank's ``fence_timeout``):
             counted on every rank, one built without a timeout too. Their
-            memory stays held (their work may still write or read it) until they
-            complete or ``force_release``.
+            memory stays held (their work may still write or read it) until
+            they complete or ``force_release``.
         overdue_rows: rows held by the overdue fences.
         overdue_pages: pages held by the overdue fences.
         admits: ``admit``/``try_admit`` calls granted a row and its pages,

@@ -223,14 +223,15 @@ class ReqToTokenPool(PoolCore):
 
         The escape hatch :meth:`AsyncReqToTokenPool.force_release` is, for
         an operator who knows the work behind a stuck fence (a transfer
-        whose peer died) will never write or read again: rows waiting on ``fence``
-        are treated as if it had completed (released, or still waiting for
-        their other fences). Never asks ``fence`` anything. Rows still
-        allocated with a use recorded on ``fence`` forget that use. Rows
-        quarantined behind a fence that *faulted* stay quarantined (its faulted
-        work may still write or read them; nothing returns them). Returns the rows made
-        free: 0 when none is, which includes rows that still wait for their
-        other fences (they no longer wait for this one). ``fence`` may also
+        whose peer died) will never write or read again: rows waiting on
+        ``fence`` are treated as if it had completed (released, or still
+        waiting for their other fences). Never asks ``fence`` anything. Rows
+        still allocated with a use recorded on ``fence`` forget that use.
+        Rows quarantined behind a fence that *faulted* stay quarantined (its
+        faulted work may still write or read them; nothing returns them).
+        Returns the rows made free: 0 when none is, which includes rows that
+        still wait for their other fences (they no longer wait for this
+        one). ``fence`` may also
         be a sequence of fences: all of them at once, one log line, the rows
         summed (an empty one: 0, nothing logged). Raises ``TypeError`` for a
         non-fence, or a sequence with one (named by its position) or

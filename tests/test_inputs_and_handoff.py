@@ -124,6 +124,23 @@ async def test_an_index_write_takes_slot_ids_of_any_integer_dtype(dtype):
             await pool.close()
 
 
+async def test_an_index_write_wraps_past_int32_as_a_slice_write_does():
+    # write() is the seed's raw write: unchecked. An int64 value past int32
+    # wraps the same way whether the write indexes with tensors (cast first)
+    # or slices (torch casts), so the two forms never disagree on a slot.
+    big = torch.tensor([2**31 + 5, -(2**31) - 1], dtype=torch.int64)
+    wrapped = big.to(torch.int32).tolist()
+    assert wrapped == [-(2**31) + 5, 2**31 - 1]
+    for pool in _pools():
+        row = (await _alloc(pool, 1))[0]
+        pool.write((torch.full((2,), row), torch.arange(2)), big)
+        pool.write((row, slice(2, 4)), big)
+        assert pool.req_to_token[row, :4].tolist() == wrapped + wrapped
+        pool.free([row])
+        if isinstance(pool, AsyncReqToTokenPool):
+            await pool.close()
+
+
 async def test_counts_accept_integer_scalars():
     sync = ReqToTokenPool(9, 16)
     assert sync.alloc(np.int64(3)) == [1, 2, 3]

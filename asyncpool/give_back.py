@@ -251,15 +251,18 @@ class GiveBack(PageArgs):
         :meth:`pages_dropped` leaves the row as it is). The rest of each
         row's pages stays where it is: a drop writes nothing, so tensors
         handed out before (``grant.pages``, ``pages_of``, an extend's) keep
-        what they read, and it costs the pages dropped, not those kept
-        (only the check for a record written into, as at :meth:`free`,
-        reads the row's record whole). Returns the pages free at once. Raises, changing nothing:
-        :class:`CapacityError` for a ``below`` that is not an int >= 0 (or
-        one per row) or that is past a row's positions (the engine computes
-        it from the row's length: a larger one is a bug),
-        :class:`InvalidSlotError` unless the rows are distinct allocated
-        rows, for rows in a set with one ``below`` per row, or for a record
-        written into (as :meth:`free`), ``TypeError`` for a non-fence (as
+        what they read, and it costs the pages dropped, not those kept:
+        as :meth:`trim_pages`, it checks only the pages it gives back
+        against what the pool recorded (a write into a kept page is
+        refused where that page is given back: the row's :meth:`free`, a
+        later drop or trim). Returns the pages free at once. Raises,
+        changing nothing: :class:`CapacityError` for a ``below`` that is
+        not an int >= 0 (or one per row) or that is past a row's positions
+        (the engine computes it from the row's length: a larger one is a
+        bug), :class:`InvalidSlotError` unless the rows are distinct
+        allocated rows, for rows in a set with one ``below`` per row, or
+        for a record written into among the pages it gives back (as
+        :meth:`free`), ``TypeError`` for a non-fence (as
         :meth:`free`); :class:`CapacityError` on a pool without ``kv``. On
         a pool with KV groups ``group=`` names the group (required there;
         the sliding-window group); elsewhere it must be None (``ValueError``

@@ -137,7 +137,10 @@ class RowPages:
     and may write into it, against the contract; a record that differs from
     its seal lists pages the pool cannot vouch for (another row's, say), so
     freeing its row raises (:meth:`check_record`) until the caller detaches
-    the pages or restores them. A record as sealed lists distinct in-range
+    the pages or restores them. A trim or a drop checks only the pages it
+    gives back (:meth:`prepare_free`: it costs those, not the pages kept);
+    a write into a kept page is refused where that page is given back. A
+    record as sealed lists distinct in-range
     ids, extended or not: :meth:`take` and :meth:`extend` take FREE pages
     only, and nothing but this class makes an OWNED page anything else (a
     page freed behind the row's back and taken again by ``extend``, listed
@@ -639,29 +642,27 @@ class RowPages:
         than ``_JOINED_CHECK`` rows, its per-row Python work cut: the rows
         that give pages back and the places they give (a free: all of a
         row's record; a trim or a drop: a run of it) in one loop a form,
-        then every record (a trim's: only the pages it gives back, as
-        :meth:`prepare_free` checks them) against its seal in one joined
-        compare and, when the rows share one recorded use (none, or the
-        step's, as the usual step's do), one group whose pages are cut
-        from the joined records with numpy, no slice and no lookup a row.
+        then every record (a trim's or a drop's: only the pages it gives
+        back, as :meth:`prepare_free` checks them) against its seal in one
+        joined compare and, when the rows share one recorded use (none, or
+        the step's, as the usual step's do), one group whose pages are the
+        joined records, no slice and no lookup a row after the first loop.
         Its one part lists many rows' pages, so :meth:`prepare_free` checks
         them distinct as it does several parts. The same checks, answers
         and errors as the loop for a few rows."""
         owned = self.owned
         sealed = self.sealed
         holes = self.holes
-        # The rows that give pages back and, for a drop, each one's first
-        # place kept (its run starts its record); a trim's rows with the
-        # pages they give back (past keep) and those pages' seal, checked
-        # alone (O(pages trimmed): prepare_free); a free's, all of each
-        # record.
+        # The rows that give pages back; a trim's and a drop's with the
+        # pages they give back (a trim's past keep, a drop's below its
+        # live ones' first kept place) and those pages' seal, checked alone
+        # (O(pages given back): prepare_free); a free's, all of each record.
         picked: list[int] = []
-        tos: list[int] = []
         records: Sequence[Any]
         seals: Sequence[Any]
         used: Sequence[Any]
-        tails: list[Any] = []  # int64 arrays
-        tail_seals: list[bytes | bytearray] = []
+        parts: list[Any] = []  # int64 arrays
+        part_seals: list[bytes | bytearray] = []
         if keeps is not None:
             for i, row in enumerate(rows):  # enumerate: zip(strict=True) costs 3x
                 pages = owned[row]
@@ -672,17 +673,18 @@ class RowPages:
                     keep = max(0, keep - holes.get(row, 0))
                 if len(pages) > keep:
                     picked.append(row)
-                    tails.append(pages[keep:])
-                    tail_seals.append(sealed[row][keep * 8 :])  # type: ignore[index]
+                    parts.append(pages[keep:])
+                    part_seals.append(sealed[row][keep * 8 :])  # type: ignore[index]
         elif belows is not None:
             for i, row in enumerate(rows):
                 pages = owned[row]
                 if pages is None:
                     continue
                 n = belows[i] - holes.get(row, 0) if holes else belows[i]  # live pages below
-                if n > 0:
+                if n > 0:  # at most its live pages (_check_below)
                     picked.append(row)
-                    tos.append(n)  # from 0; at most its live pages
+                    parts.append(pages[:n])
+                    part_seals.append(sealed[row][: n * 8])  # type: ignore[index]
         else:
             picked = [row for row in rows if owned[row] is not None]
         if not picked:
@@ -694,8 +696,8 @@ class RowPages:
         # a comprehension's cost a row); it answers one item for one row.
         gather = itemgetter(*picked)
         used = gather(uses) if len(picked) > 1 else [gather(uses)]
-        if keeps is not None:
-            records, seals = tails, tail_seals
+        if keeps is not None or belows is not None:
+            records, seals = parts, part_seals
         elif len(picked) > 1:
             records, seals = gather(owned), gather(sealed)
         else:
@@ -706,25 +708,15 @@ class RowPages:
                 if pages.tobytes() != seal:
                     raise self.written_error(row)
         if len(set(map(id, used))) == 1:
-            # One group: its pages cut from the joined records (a trim's:
-            # its joined tails) in a few numpy passes (no slice a row); a
+            # One group: its pages are the joined records (a trim's: its
+            # joined tails; a drop's: its joined heads), no slice a row; a
             # fresh array, as the concatenation of slices was.
-            everything = np.frombuffer(joined, dtype=np.int64)
-            if not tos:
-                part = everything.copy()
-            else:  # a drop's: each row's run starts its record
-                lens = np.fromiter(map(len, records), np.int64, len(records))
-                starts = np.cumsum(lens) - lens
-                at = np.arange(len(everything)) - np.repeat(starts, lens)
-                hi = np.repeat(np.array(tos, dtype=np.int64), lens)
-                part = everything[at < hi]
+            part = np.frombuffer(joined, dtype=np.int64).copy()
             first = used[0]
             groups[id(first)] = (first, picked, [part])
             return
         for i, row in enumerate(picked):
             pages = records[i]
-            if tos:
-                pages = pages[: tos[i]]
             use = used[i]
             entry = groups.get(id(use))
             if entry is None:
@@ -743,11 +735,12 @@ class RowPages:
         """Check the pages of ``rows`` before they are freed; change nothing.
 
         Raises for a record written into (:meth:`check_record`); a trim
-        checks only the pages it gives back against their seal, so that it
-        costs the pages trimmed, not those kept: those are the row's still,
-        and a write into them is refused where they are given back (the
-        row's free, a drop or a later trim; a detach hands out the seal's
-        pages), with nothing changed, as ever. Groups the
+        or a drop checks only the pages it gives back against their seal,
+        so that it costs the pages trimmed or dropped, not those kept:
+        those are the row's still, and a write into them is refused where
+        they are given back (the row's free, a later drop or trim; a
+        detach hands out the seal's pages), with nothing changed, as ever.
+        Groups the
         rows' pages by the rows' recorded use (one group for the usual step
         whose rows share one fence) and validates each group with the page
         ledger, so pages freed behind the pool's back raise here; with
@@ -788,8 +781,12 @@ class RowPages:
                     n = belows[i] - holes.get(row, 0)  # live pages below
                     if n <= 0:
                         continue
-                    self.check_record(row)
                     pages = pages[:n]
+                    # The pages given back only (O(pages dropped)), as a
+                    # trim's: the kept ones are checked where they are
+                    # given back (the row's free, a later drop or trim).
+                    if pages.tobytes() != sealed[row][: n * 8]:  # type: ignore[index]
+                        raise self.written_error(row)
                 else:
                     self.check_record(row)
                 use = uses[row]
@@ -845,8 +842,10 @@ class RowPages:
 
         With ``keep`` (a trim: ``{row: pages it keeps}``, its dropped
         positions not counted), each row's record and seal are cut to its
-        first pages instead of dropped, O(1) a row (a seal never grown,
-        still bytes: O(pages kept)); nothing is written. The row's
+        first pages instead of dropped, O(pages trimmed) a row (a seal
+        never grown nor cut before, still bytes, is copied to a bytearray
+        of its first pages once: O(pages kept) that once); nothing is
+        written. The row's
         growth buffer stays, so the next :meth:`extend` writes the cut
         places in it, unless :meth:`of` lent a view of it (``lent``): then
         it is let go and the next growth copies the record into a new
@@ -887,12 +886,15 @@ class RowPages:
                         if row in lent:
                             grown[row] = None
                         seal = sealed[row]
-                        if seal.__class__ is bytearray:  # grown by _append: cut in place
+                        if seal.__class__ is bytearray:  # grown or cut before: in place
                             assert isinstance(seal, bytearray)
                             del seal[k * 8 :]
                         else:
+                            # A seal never grown (bytes) becomes a bytearray
+                            # of its first k pages, once: later trims cut it
+                            # in place, not copying it up to keep each time.
                             assert isinstance(seal, bytes)
-                            sealed[row] = seal[: k * 8]
+                            sealed[row] = bytearray(memoryview(seal)[: k * 8])
                     else:
                         owned[row] = None
                         sealed[row] = None
@@ -934,9 +936,9 @@ class RowPages:
                 seal = sealed[row]
                 if seal.__class__ is bytearray:
                     del seal[: n * 8]
-                else:
+                else:  # never grown nor cut: copied once (one copy, not two)
                     assert seal is not None
-                    sealed[row] = bytearray(seal[n * 8 :])
+                    sealed[row] = bytearray(memoryview(seal)[n * 8 :])
                 buf = grown[row]
                 if buf is not None:  # the record starts it (check_invariants)
                     grown[row] = buf[n:]

@@ -26,7 +26,11 @@ figures, a pool with one ``KVPagePool``, at each batch size:
   ``extend(row, 1)`` timed together, and ``trim_pages(row, n)`` alone (a
   page grown first, untimed), each against the same cycle with a
   ``pages_of(row)`` each step (untimed), which lends the row's record so
-  that the trim lets its growth buffer go and the growth copies the record.
+  that the trim lets its growth buffer go and the growth copies the record;
+  and a sliding window's step on a row of as many live pages,
+  ``drop_pages(row, d + 1)`` (``d``: ``pages_dropped(row)``) then
+  ``extend(row, 1)`` timed together, and the drop alone (a page grown
+  first, untimed).
 
 Each figure is the best of ``--rounds`` rounds (subject and reference
 alternated round by round) of a timed call, in microseconds a call and a
@@ -245,7 +249,9 @@ def measure(n: int, rounds: int, steps: int) -> list[tuple[str, float, float]]:
 def measure_long(n: int, rounds: int, steps: int) -> list[tuple[str, float]]:
     """``[(label, us a call)]`` for one row of ``n`` pages (page size 1):
     the rollback-and-regrowth cycle and the trim alone, each without and
-    with a ``pages_of`` of the row every step (untimed)."""
+    with a ``pages_of`` of the row every step (untimed); and a sliding
+    window's step on a row of ``n`` live pages, the drop of its first live
+    page and a growth of one, and the drop alone."""
     from asyncpool import AsyncReqToTokenPool, KVPagePool
 
     pool: Any = AsyncReqToTokenPool(2, 1 << 22, kv=KVPagePool(n + 16, 1))
@@ -270,6 +276,23 @@ def measure_long(n: int, rounds: int, steps: int) -> list[tuple[str, float]]:
     def trim(i: int) -> None:
         pool.trim_pages(row, n)
 
+    # A sliding window's step on a row of n live pages: the page that slid
+    # out dropped, one grown (its record a view past the dropped places).
+    window: Any = AsyncReqToTokenPool(2, 1 << 22, kv=KVPagePool(n + 16, 1))
+    slid = window.try_admit(pages=n).row
+    window.extend(slid, 1)
+    window.drop_pages(slid, 1)
+
+    def slide(i: int) -> None:
+        window.drop_pages(slid, window.pages_dropped(slid) + 1)
+        window.extend(slid, 1)
+
+    def grow_slid(i: int) -> None:
+        window.extend(slid, 1)
+
+    def drop(i: int) -> None:
+        window.drop_pages(slid, window.pages_dropped(slid) + 1)
+
     best = _bench(
         rounds,
         steps,
@@ -278,9 +301,12 @@ def measure_long(n: int, rounds: int, steps: int) -> list[tuple[str, float]]:
             ("  with pages_of(row) each step (lent: a copy)", read, cycle),
             ("trim_pages(row, n) after extend(row, 1)", grow, trim),
             ("  with pages_of(row) each step (lent)", read_and_grow, trim),
+            ("drop_pages(row, d + 1); extend(row, 1)", _nothing, slide),
+            ("drop_pages(row, d + 1) after extend(row, 1)", grow_slid, drop),
         ],
     )
     pool.free([row])
+    window.free([slid])
     return [(label, s * 1e6) for label, s in best.items()]
 
 

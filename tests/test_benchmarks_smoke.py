@@ -730,13 +730,19 @@ def test_batch_calls_measures_every_call_per_call_and_per_row(
 def test_batch_calls_times_a_long_rows_trim_and_regrowth() -> None:
     """The one long row's cycle, ``trim_pages(row, n - 1)`` then
     ``extend(row, 1)``, and the trim alone, each without and with a lending
-    ``pages_of`` each step; a bad ``--long`` is a usage error."""
+    ``pages_of`` each step, and a window's step on a row of as many live
+    pages, ``drop_pages(row, d + 1)`` then ``extend(row, 1)``, and the drop
+    alone; a bad ``--long`` is a usage error."""
     from benchmarks import batch_calls
 
     got = batch_calls.measure_long(16, rounds=1, steps=2)
     labels = [label for label, _ in got]
     assert labels[0] == "trim_pages(row, n - 1); extend(row, 1)"
     assert sum("pages_of(row)" in label for label in labels) == 2
+    assert labels[-2:] == [
+        "drop_pages(row, d + 1); extend(row, 1)",
+        "drop_pages(row, d + 1) after extend(row, 1)",
+    ]
     assert all(us > 0 for _, us in got)
     for bad in ("x", "1"):
         with pytest.raises(SystemExit):

@@ -140,13 +140,13 @@ class RowPages:
     the pages or restores them. A trim or a drop checks only the pages it
     gives back (:meth:`prepare_free`: it costs those, not the pages kept);
     a write into a kept page is refused where that page is given back. A
-    record as sealed lists distinct in-range
-    ids, extended or not: :meth:`take` and :meth:`extend` take FREE pages
-    only, and nothing but this class makes an OWNED page anything else (a
-    page freed behind the row's back and taken again by ``extend``, listed
-    twice, was possible before pages were OWNED). So freeing it only checks
-    that each is still OWNED (:meth:`PageLedger.free_owned`), and ``detach``
-    may vouch for it to the page pool.
+    record as sealed lists distinct in-range ids, extended or not:
+    :meth:`take` and :meth:`extend` take FREE pages only, and nothing but
+    this class makes an OWNED page anything else (a page freed behind the
+    row's back and taken again by ``extend``, listed twice, was possible
+    before pages were OWNED). So freeing it only checks that each is still
+    OWNED (:meth:`PageLedger.free_owned`), and ``detach`` may vouch for it
+    to the page pool.
 
     ``holes[row]`` counts the row's leading positions given back early
     (:meth:`prepare_free` with ``belows``, then :meth:`free`): ``owned``
@@ -740,19 +740,17 @@ class RowPages:
         those are the row's still, and a write into them is refused where
         they are given back (the row's free, a later drop or trim; a
         detach hands out the seal's pages), with nothing changed, as ever.
-        Groups the
-        rows' pages by the rows' recorded use (one group for the usual step
-        whose rows share one fence) and validates each group with the page
-        ledger, so pages freed behind the pool's back raise here; with
-        several groups, their pages together must be distinct as well (a
-        page freed behind one row's back and taken by another is listed by
-        both). With ``keeps`` (a trim), ``rows[i]`` gives back only its
-        pages past its first ``keeps[i]`` positions (dropped ones
-        included), and a row that has no more is left out. With ``belows``
-        (a drop), ``rows[i]`` gives back only its pages at positions below
-        ``belows[i]`` (at most its positions: the caller checks), and a row
-        with none there is left out. Returns ``[(rows, ids, owned, use_fences)]`` for
-        :meth:`free`.
+        Groups the rows' pages by the rows' recorded use (one group for the
+        usual step whose rows share one fence) and validates each group with
+        the page ledger, so pages freed behind the pool's back raise here; with
+        several groups, their pages together must be distinct as well (a page
+        freed behind one row's back and taken by another is listed by both).
+        With ``keeps`` (a trim), ``rows[i]`` gives back only its pages past its
+        first ``keeps[i]`` positions (dropped ones included), and a row that
+        has no more is left out. With ``belows`` (a drop), ``rows[i]`` gives
+        back only its pages at positions below ``belows[i]`` (at most its
+        positions: the caller checks), and a row with none there is left out.
+        Returns ``[(rows, ids, owned, use_fences)]`` for :meth:`free`.
         """
         owned = self.owned
         sealed = self.sealed

@@ -18,9 +18,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import uvloop
-from helpers import WAIT_S, bounded, in_thread, pool_snapshot
+from helpers import WAIT_S, EventFence, bounded, in_thread, pool_snapshot
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -85,6 +87,32 @@ async def test_a_bare_int_takes_the_one_row_fast_free() -> None:
             in_thread(lambda: pool.free(rows[1]))
         assert pool.free(rows[1]) == 1  # the owner's grants the waiter
         assert sorted(await waiter) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("form", ["np.int64", "torch scalar", "fence=", "after=", "two rows"])
+async def test_a_foreign_free_off_the_one_int_form_is_refused(form: str) -> None:
+    """docs/api.md (*threads*): only ``free(row)`` or ``free([row])`` of one
+    int row, unfenced, skips the thread check; ``free(np.int64(5))``, a
+    fenced free or two rows from another thread raise, nothing changed."""
+    async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
+        rows = await pool.alloc(2)  # binds; the fast paths are open
+        stream = HostStream()
+        try:
+            call = {
+                "np.int64": lambda: pool.free(np.int64(rows[0])),
+                "torch scalar": lambda: pool.free(torch.tensor(rows[0])),
+                "fence=": lambda: pool.free(rows[0], fence=EventFence()),
+                "after=": lambda: pool.free(rows[0], after=stream),
+                "two rows": lambda: pool.free(rows),
+            }[form]
+            # No checked call first: it would close the fast paths itself.
+            with pytest.raises(WrongThreadError):
+                in_thread(call)
+            assert pool.available_size() == 2 and pool.pending_size() == 0
+            assert pool.free(rows) == 2  # both still allocated: nothing changed
+            pool.check_invariants()
+        finally:
+            stream.close()
 
 
 async def test_foreign_fast_alloc_takes_a_row_of_its_own() -> None:

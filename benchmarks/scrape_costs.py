@@ -14,7 +14,14 @@ docs/api.md (*Metrics*) quotes that ``python -m benchmarks --only metrics``
   reads, of a pool with ``fence_timeout=`` set and ``--pending`` batches
   pending (one ``free(row, after=stream)`` each, behind a ``HostStream``
   held busy, so none is done and none is overdue): the overdue figures
-  need the scan that ``fence_timeout=`` adds.
+  need the scan that ``fence_timeout=`` adds;
+* **a router's reads** (docs/api.md, *A router over data-parallel
+  replicas*): from a thread other than the pool's (a replica serving on a
+  loop of its own, rows and pages allocated, some pending behind a step,
+  admissions queued), the five counts its recipe reads per replica and
+  decision (``available_size()`` and ``pending_size()`` of the pool and of
+  its ``kv``, and ``waiting()``) together, against one
+  ``stats(summaries=False)``.
 
 A measurement aid, not part of ``python -m benchmarks`` and not a target:
 the median of ``--repeats`` timed calls (wall clock, the collector on), on
@@ -31,6 +38,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from .harness import add_loop_option, loop_factories, run_on
 
@@ -120,16 +128,87 @@ async def _pending(n: int, repeats: int) -> float:
     return _median_ms(times)
 
 
+def _replica(ready: threading.Event, box: dict[str, Any]) -> None:
+    """A replica's thread: a pool serving on a loop of its own (rows and
+    pages allocated, some pending behind a step, two admissions queued)
+    until ``box["stop"]()`` is called."""
+    from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, PoolClosedError
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        pool = AsyncReqToTokenPool(65, 4096, device="cpu", kv=KVPagePool(513, 16))
+        stop: asyncio.Future[None] = loop.create_future()
+        queued: list[asyncio.Future[Any]] = []
+        with HostStream(name="replica") as stream:
+            gate = threading.Event()
+            stream.launch(gate.wait)  # the step in flight: what is freed waits
+            try:
+                grants = [await pool.admit(pages=16) for _ in range(30)]
+                done = [g.row for g in grants[:4]]
+                pool.record_use(done, stream.record())
+                pool.free(done)  # pending behind the step
+                queued += [asyncio.ensure_future(pool.admit(pages=500)) for _ in range(2)]
+                await asyncio.sleep(0)
+                assert pool.waiting() == 2 and pool.pending_size() == 4
+                box["pool"] = pool
+                box["stop"] = functools.partial(loop.call_soon_threadsafe, stop.set_result, None)
+                ready.set()
+                await stop
+            finally:
+                gate.set()
+                await pool.close()
+                for task in queued:
+                    with contextlib.suppress(PoolClosedError, asyncio.CancelledError):
+                        await task
+
+    asyncio.run(serve())
+
+
+def _router(repeats: int) -> dict[str, float]:
+    """Median us, read from this thread, of the five counts a router reads
+    per replica and decision together, and of ``stats(summaries=False)``."""
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=_replica, args=(ready, box), name="replica")
+    thread.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the replica's pool was not ready in 60 s")
+        pool = box["pool"]
+        kv = pool.kv
+        counts_ns: list[int] = []
+        stats_ns: list[int] = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            pool.available_size() + pool.pending_size()
+            kv.available_size() + kv.pending_size()
+            pool.waiting()
+            t1 = time.perf_counter_ns()
+            pool.stats(summaries=False)
+            t2 = time.perf_counter_ns()
+            counts_ns.append(t1 - t0)
+            stats_ns.append(t2 - t1)
+    finally:
+        if "stop" in box:
+            box["stop"]()
+        thread.join(60)
+    return {
+        "router: five counts, us": statistics.median(counts_ns) / 1e3,
+        "router: stats(summaries=False), us": statistics.median(stats_ns) / 1e3,
+    }
+
+
 async def measure(
     priorities: int = 16, waits: int = 20, pending: Sequence[int] = (2048, 32768), repeats: int = 51
 ) -> dict[str, float]:
-    """Every figure, on the running loop: ``{name: value}`` (ms, or a count)."""
+    """Every figure, on the running loop: ``{name: value}`` (ms, us, or a count)."""
     out = {
         f"{priorities} priorities: {key}": value
         for key, value in (await _priorities(priorities, waits, repeats)).items()
     }
     for n in pending:
         out[f"stats(), {n} pending batches: ms"] = await _pending(n, repeats)
+    out.update(_router(repeats))  # this loop waits while it reads, as a router's decision does
     return out
 
 
@@ -187,8 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(render(results))
     print(
-        f"Each time: the median of {args.repeats} calls, in ms (wall clock); "
-        "'samples': the samples one scrape of that pool exports."
+        f"Each time: the median of {args.repeats} calls, in ms (wall clock; us where "
+        "named); 'samples': the samples one scrape of that pool exports."
     )
     return 0
 

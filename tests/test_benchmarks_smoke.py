@@ -321,8 +321,9 @@ async def test_grant_parts() -> None:
 
 async def test_scrape_costs() -> None:
     """docs/api.md's scrape figures for many priorities and many pending
-    batches come from ``python -m benchmarks.scrape_costs``: each figure is
-    measured, and the priorities' scrape exports every priority's series."""
+    batches, and its router's reads, come from ``python -m
+    benchmarks.scrape_costs``: each figure is measured, and the priorities'
+    scrape exports every priority's series."""
     async with bounded(LONG_S):
         few = await scrape_costs.measure(priorities=1, waits=2, pending=(4,), repeats=1)
         got = await scrape_costs.measure(priorities=3, waits=2, pending=(4, 64), repeats=3)
@@ -332,6 +333,8 @@ async def test_scrape_costs() -> None:
         "3 priorities: generate_latest_ms",
         "stats(), 4 pending batches: ms",
         "stats(), 64 pending batches: ms",
+        "router: five counts, us",
+        "router: stats(summaries=False), us",
     ]
     assert all(x > 0 and math.isfinite(x) for x in got.values())
     assert got["3 priorities: samples"] > few["1 priorities: samples"]

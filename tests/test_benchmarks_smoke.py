@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -340,6 +341,24 @@ async def test_scrape_costs() -> None:
     assert got["3 priorities: samples"] > few["1 priorities: samples"]
     table = scrape_costs.render({"asyncio": got, "uvloop": got})
     assert all(name in table for name in got) and "| figure | asyncio | uvloop |" in table
+
+
+def _quoted_scrape_samples() -> int:
+    """The samples a pool docs/api.md says a scrape with 16 priorities exports."""
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs/api.md").read_text().split())
+    quoted = re.search(r"with 16 priorities queued, ([\d,]+) samples a pool", text)
+    assert quoted is not None
+    return int(quoted[1].replace(",", ""))
+
+
+async def test_the_scrape_samples_docs_api_quotes_are_what_a_scrape_exports() -> None:
+    """docs/api.md's "with 16 priorities queued, N samples a pool" is what
+    ``benchmarks.scrape_costs`` counts today (it read 853 after a family was
+    added and the scrape exported 870)."""
+    quoted = _quoted_scrape_samples()
+    async with bounded(LONG_S):
+        got = await scrape_costs.measure(priorities=16, waits=1, pending=(), repeats=1)
+    assert quoted == got["16 priorities: samples"]
 
 
 async def test_hand_over_floor_grants_in_order() -> None:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import threading
+import tracemalloc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -387,3 +390,56 @@ async def test_forget_stream_on_a_pool_with_pages_drops_the_retired_use_for_both
     pool.free(row)
     assert pool.pending_size() == 0 and kv.pending_size() == 0
     assert (pool.available_size(), kv.available_size()) == start
+
+
+def _bytes_a_retired_key(pool: Any, keys: int = 8_000) -> float:
+    """What ``retire`` keeps a stream key after its fence is gone: the mark
+    (a dict entry) and the key and seq it holds (traced allocations)."""
+
+    class _Ordered:
+        __slots__ = ("seq", "stream_key")
+
+        def __init__(self, stream_key: int, seq: int) -> None:
+            self.stream_key, self.seq = stream_key, seq
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for i in range(keys):
+            pool.retire(_Ordered(fences_mod.new_stream_key(), 1_000 + i))
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(s.size_diff for s in after.compare_to(before, "filename")) / keys
+
+
+def test_the_bytes_a_retired_key_costs_are_as_the_docs_say() -> None:
+    """The README and docs/api.md put a figure on a retired stream's mark
+    (what ``forget_stream`` gives back): about 100 B, the dict entry plus the
+    key and seq it keeps alive once the fence is gone (they said 32 B, the
+    entry alone); a pool with ``kv=`` keeps one in each ledger, sharing the
+    ints."""
+    one = _bytes_a_retired_key(ReqToTokenPool(8, 8, reclaim="explicit"))
+    both = _bytes_a_retired_key(
+        AsyncReqToTokenPool(8, 8, reclaim="explicit", kv=KVPagePool(16, 4, reclaim="explicit"))
+    )
+    assert one < both < 2 * one
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    api = " ".join((root / "docs/api.md").read_text().split())
+    quoted = re.findall(r"about (\d+) B a key", readme) + re.findall(
+        r"keeps a mark \(about (\d+) B", api
+    )
+    assert len(quoted) == 2, quoted
+    for figure in map(int, quoted):
+        assert 0.75 * one <= figure <= 1.25 * one, (figure, one)
+    with_kv = re.findall(r"`kv=`[^.]*?about (\d+) B", api)
+    assert with_kv and all(0.75 * both <= int(b) <= 1.25 * both for b in with_kv), (with_kv, both)

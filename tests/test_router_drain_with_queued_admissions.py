@@ -112,3 +112,29 @@ async def test_an_admission_granted_at_hand_over_is_handed_back_by_its_cancel() 
     stats = pool.stats()
     assert (stats.allocated, stats.pages_allocated) == (0, 0)
     await pool.close()
+
+
+async def test_a_hold_keeps_the_queued_admission_queued_through_the_drain() -> None:
+    """docs/api.md: a hold (``hold_grants()``) keeps the queued admissions
+    queued instead: the drain ends with nothing allocated and the admission
+    still waiting; released, it is granted."""
+    stream, gate = HostStream("forward"), threading.Event()
+    try:
+        pool, rows, queued = await replica_in_flight(stream, gate)
+        with pool.hold_grants():
+            for row in rows:
+                pool.free(row)
+            gate.set()
+            async with bounded():
+                await pool.drain(timeout=5)
+            stats = pool.stats()
+            assert (stats.allocated, stats.pages_allocated, stats.pending) == (0, 0, 0)
+            assert pool.waiting() == 1 and not queued.done()
+        async with bounded():
+            grant = await queued  # the hold released: granted
+        pool.free(grant.row)
+        pool.check_invariants()
+        await pool.close()
+    finally:
+        gate.set()
+        stream.close()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
+import weakref
 from typing import Any
 
 import pytest
 from helpers import (
     WAIT_S,
+    EventFence,
     FakeStream,
     Streams,
     bounded,
@@ -376,6 +379,39 @@ async def test_a_duplicate_registration_raises() -> None:
         # carry two TYPE blocks per name. More pools go into the same one.
         with pytest.raises(ValueError, match="Duplicated"):
             registry.register(PoolCollector(other, name="prefill"))
+
+
+async def test_a_replaced_replica_closed_and_removed_is_collected() -> None:
+    """docs/api.md (*A router over data-parallel replicas*, *Close and
+    forget*): a pool closed, drained, removed from the collector and held by
+    nothing else is collected, its watcher thread ended; the collector
+    exports the pool added under its label instead."""
+    registry = CollectorRegistry()
+    pool = AsyncReqToTokenPool(5, 4, kv=KVPagePool(9, 4), name="replaced-r0")
+    collector = PoolCollector(pool, name="r0")
+    registry.register(collector)
+    grant = await pool.admit(pages=2)
+    transfer = EventFence()  # of unknown origin: a watcher thread polls it
+    pool.free(grant.row, fence=transfer)
+    generate_latest(registry)
+    threads = [t for t in threading.enumerate() if "replaced-r0" in t.name]
+    assert threads
+    transfer.event.set()
+    async with bounded():
+        await pool.drain(timeout=5)
+        await pool.close()
+    collector.remove("r0")
+    replacement = AsyncReqToTokenPool(9, 4)
+    collector.add(replacement, name="r0")
+    ref = weakref.ref(pool)
+    del pool, grant
+    for thread in threads:
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+    gc.collect()
+    assert ref() is None
+    assert b'asyncpool_capacity_rows{pool="r0"} 8.0' in generate_latest(registry)
+    await replacement.close()
 
 
 async def test_one_collector_exports_several_pools() -> None:

@@ -344,7 +344,10 @@ class Lifecycle:
         (``alloc``/``admit`` wait while released) until
         :meth:`resume_memory` serves them; or :meth:`close` fails them. A
         waiter granted before the hold whose task has not run yet holds its
-        grant until it does (one ``await asyncio.sleep(0)``).
+        grant (the hold does not take it back) and the engine does not know
+        its row yet: yield once after taking the hold (``await
+        asyncio.sleep(0)``; one pass when the task awaits ``admit`` itself),
+        then free every row held, those included.
         """
         self._check_thread()
         if timeout is not None:

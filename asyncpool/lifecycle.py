@@ -345,10 +345,11 @@ class Lifecycle:
         :meth:`resume_memory` serves them; or :meth:`close` fails them. A
         waiter granted before the hold whose task has not run yet holds its
         grant (the hold does not take it back) and the engine does not know
-        its row yet: yield after taking the hold (``await asyncio.sleep(0)``:
-        one pass when the task awaits ``admit`` itself, more when ``admit``
-        runs in a task of its own, as under Python 3.11's
-        ``asyncio.wait_for``), then free every row held, those included.
+        its row yet: after taking the hold, free every row held and yield
+        (``await asyncio.sleep(0)``) until ``allocated_size()`` reads 0 (one
+        pass when the task awaits ``admit`` itself, more when ``admit`` runs
+        in a task of its own, as under Python 3.11's ``asyncio.wait_for``;
+        docs/api.md, *memory saver*, has the loop).
         """
         self._check_thread()
         if timeout is not None:

@@ -11,8 +11,11 @@ once (grant at hand-over); its task has not resumed, so the engine does not
 know the row yet and cannot free it, and the hold, taken after the grant, does
 not take it back. Yielding once after the hold (``await asyncio.sleep(0)``)
 lets that task return its grant; freed with the others, the release succeeds
-(0 in 5,000 on each loop). The pool behaves as documented; these tests pin
-both orders. Every await that could hang is bounded.
+(0 in 5,000 on each loop). An ``admit`` run in a task of its own (3.11's
+``asyncio.wait_for``) needs more passes, so the recipe frees and yields until
+``allocated_size()`` reads 0; the hold grants nothing meanwhile, so the loop
+ends. The pool behaves as documented; these tests pin the orders. Every
+await that could hang is bounded.
 """
 
 from __future__ import annotations
@@ -95,5 +98,80 @@ async def test_a_yield_after_the_hold_lets_the_granted_request_be_freed_too() ->
         await queued[1]
     assert len(running) == 1 and pool.stats().allocated == 1
     pool.free(running.pop())
+    pool.check_invariants()
+    await pool.close()
+
+
+async def engine_with_a_nested_grant_in_flight(
+    depth: int,
+) -> tuple[AsyncReqToTokenPool, list[int], asyncio.Task[None]]:
+    """One running request, one admission queued whose ``admit`` runs
+    ``depth`` tasks deep (3.11's ``asyncio.wait_for`` makes one such task),
+    granted by a free earlier in the pass, its tasks not yet resumed."""
+    pool = AsyncReqToTokenPool(2, 64, kv=KVPagePool(9, 4))
+    running: list[int] = []
+
+    async def nested(d: int) -> int:
+        if d == 0:
+            return (await pool.admit(pages=4)).row
+        return await asyncio.ensure_future(nested(d - 1))
+
+    async def request() -> None:
+        running.append(await nested(depth))
+
+    async with bounded():
+        first = await pool.admit(pages=8)
+    queued = asyncio.ensure_future(request())
+    await spin(depth + 3)
+    assert pool.waiting() == 1
+    pool.free(first.row)  # granted to the queued admission at once
+    assert pool.waiting() == 0 and pool.stats().allocated == 1
+    return pool, running, queued
+
+
+async def release_as_the_recipe_says(pool: AsyncReqToTokenPool, running: list[int]) -> int:
+    """docs/api.md's loop: free what the engine holds, yield until nothing
+    is allocated; returns the yields it took."""
+    yields = 0
+    async with bounded():
+        while True:
+            for row in running:
+                pool.free(row)
+            running.clear()
+            if not pool.allocated_size():
+                break
+            await asyncio.sleep(0)
+            yields += 1
+        await pool.release_memory()
+    return yields
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+async def test_the_recipes_loop_frees_a_grant_however_deep_its_admit_runs(depth: int) -> None:
+    pool, running, queued = await engine_with_a_nested_grant_in_flight(depth)
+    hold = pool.hold_grants()
+    yields = await release_as_the_recipe_says(pool, running)
+    assert pool.released and queued.done()
+    assert yields >= 1 + (depth > 0)  # one yield is not enough once admit runs in a task
+    hold.release()
+    await pool.resume_memory()
+    pool.check_invariants()
+    await pool.close()
+
+
+async def test_one_yield_is_not_enough_for_an_admit_in_a_task_of_its_own() -> None:
+    pool, running, queued = await engine_with_a_nested_grant_in_flight(1)
+    hold = pool.hold_grants()
+    await asyncio.sleep(0)
+    for row in running:
+        pool.free(row)
+    running.clear()
+    with pytest.raises(PoolBusyError, match="1 row is still allocated"):
+        async with bounded():
+            await pool.release_memory()
+    async with bounded():
+        await queued
+    pool.free(running.pop())
+    hold.release()
     pool.check_invariants()
     await pool.close()

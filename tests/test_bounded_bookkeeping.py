@@ -422,7 +422,7 @@ def _bytes_a_retired_key(pool: Any, keys: int = 8_000) -> float:
 
 
 def test_the_bytes_a_retired_key_costs_are_as_the_docs_say() -> None:
-    """The README and docs/api.md put a figure on a retired stream's mark
+    """The README, docs/api.md and docs/tp.md put a figure on a retired stream's mark
     (what ``forget_stream`` gives back): about 100 B, the dict entry plus the
     key and seq it keeps alive once the fence is gone (they said 32 B, the
     entry alone); a pool with ``kv=`` keeps one in each ledger, sharing the
@@ -435,11 +435,16 @@ def test_the_bytes_a_retired_key_costs_are_as_the_docs_say() -> None:
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
     api = " ".join((root / "docs/api.md").read_text().split())
-    quoted = re.findall(r"about (\d+) B a key", readme) + re.findall(
-        r"keeps a mark \(about (\d+) B", api
+    tp = " ".join((root / "docs/tp.md").read_text().split())
+    quoted = (
+        re.findall(r"about (\d+) B a key", readme)
+        + re.findall(r"keeps a mark \(about (\d+) B", api)
+        + re.findall(r"one mark per stream key it retired \(about (\d+) B", tp)
     )
-    assert len(quoted) == 2, quoted
+    assert len(quoted) == 3, quoted
     for figure in map(int, quoted):
         assert 0.75 * one <= figure <= 1.25 * one, (figure, one)
-    with_kv = re.findall(r"`kv=`[^.]*?about (\d+) B", api)
+    with_kv = re.findall(r"`kv=`[^.]*?about (\d+) B", api) + re.findall(
+        r"(\d+) B on a pool with `kv=`", tp
+    )
     assert with_kv and all(0.75 * both <= int(b) <= 1.25 * both for b in with_kv), (with_kv, both)

@@ -590,11 +590,15 @@ class RowPages:
         # them. They are the seal's: a record written into may list others
         # (another holder's page, which kv.free would then take from it),
         # so the caller gets a fresh copy of the row's own pages instead.
+        # No view of the seal outlives that copy: a seal grown or cut in
+        # place is a bytearray, and a view of it held by this frame's
+        # traceback (the tensor below raising; the row keeps its pages)
+        # would make its next growth, trim or drop raise BufferError
+        # halfway (pages taken or freed, the seal not cut).
         sealed = self.sealed[row]
         assert sealed is not None
-        own = np.frombuffer(sealed, dtype=np.int64)
         if pages.tobytes() != sealed:
-            pages = own.copy()
+            pages = np.frombuffer(sealed, dtype=np.int64).copy()
         elif pages.base is not None:
             # A view of the row's doubling buffer (up to twice its pages) or
             # of an extend_rows batch array (which the caller holds too): the
@@ -608,7 +612,7 @@ class RowPages:
         self.sealed[row] = None
         if self.holes:
             self.holes.pop(row, None)
-        self.ledger.disown(own)
+        self.ledger.disown(pages)  # the seal's pages, whichever array holds them
         if out is None:
             return self.kv._hand_out(pages)  # distinct and in range: vouched for
         return out

@@ -182,6 +182,7 @@ BAD_EXAMPLE_ARGS = [
                 ["--swa-pages", "6"],  # a window of 16 in pages of 4, and 3
             ],
         ),
+        ("weight_update", [["--update-every", "0"], ["--timeouts", "2"], ["--cancels", "-1"]]),
     ]
     for args in [
         ["--rows", "0"],
@@ -210,7 +211,14 @@ def test_an_example_refuses_a_bad_argument_with_a_usage_error(
 
 @pytest.mark.parametrize(
     "name",
-    ["overlap_step", "sync_dropin", "paged_admission", "speculative_decode", "hybrid_admission"],
+    [
+        "overlap_step",
+        "sync_dropin",
+        "paged_admission",
+        "speculative_decode",
+        "hybrid_admission",
+        "weight_update",
+    ],
 )
 def test_an_example_refuses_cuda_without_cuda(
     name: str,

@@ -71,6 +71,7 @@ EXAMPLES = (
     "paged_admission",
     "speculative_decode",
     "hybrid_admission",
+    "weight_update",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -455,3 +455,11 @@ def test_weight_update_without_the_yield_loop_is_refused() -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"weight_update: FAILED: (\d+) refused releases", proc.stdout)
     assert found is not None and int(found.group(1)) > 0, proc.stdout
+
+
+def test_the_readme_lists_every_example() -> None:
+    # A newcomer finds the runnable programs from the README's table, so a
+    # new example must be named there (and a removed one leaves no row).
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"^\| `examples/(\w+\.py)` \|", readme, flags=re.M))
+    assert listed == {p.name for p in EXAMPLES.glob("*.py")}, listed

@@ -72,6 +72,7 @@ EXAMPLES = (
     "speculative_decode",
     "hybrid_admission",
     "weight_update",
+    "n_samples",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -463,3 +463,40 @@ def test_the_readme_lists_every_example() -> None:
     readme = (REPO / "README.md").read_text()
     listed = set(re.findall(r"^\| `examples/(\w+\.py)` \|", readme, flags=re.M))
     assert listed == {p.name for p in EXAMPLES.glob("*.py")}, listed
+
+
+@pytest.mark.parametrize("seed", ["0", "1"])
+def test_n_samples_locks_at_grant_and_checks_out(seed: str) -> None:
+    # docs/api.md's *n samples of one prompt* recipe as a GRPO-style loop:
+    # nodes locked at each sample's grant after a re-check, evicted for the
+    # queue's head and after their last sample: no stall, no read of memory
+    # handed to another request or of an evicted node, every prompt's
+    # samples finished, the pool empty. The pool is tight, so nodes are
+    # evicted while their samples queue and those prefill again.
+    proc = _run("n_samples.py", "--device", "cpu", "--seed", seed)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    clean = "0 corrupted reads, no stall, every prompt's samples finished, pool empty"
+    assert f"n_samples: OK: {clean}" in proc.stdout, proc.stdout
+    counts = _counts(proc.stdout)
+    assert all(counts.get(w, 0) > 0 for w in ["recomputes", "evictions", "aborted"]), proc.stdout
+
+
+def test_n_samples_locking_before_admission_stalls() -> None:
+    # The recipe as once written (trialPin): queued samples pin their
+    # prompts' nodes; the head is a sample short of pages, nothing runs and
+    # every cached node is locked: nothing is ever granted again. Detected
+    # and bounded (--stall-passes), exit 1.
+    proc = _run("n_samples.py", "--device", "cpu", "--lock-before-admit")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = re.search(r"\(0 samples running\); queue head .*?(\d+) of (\d+) cached", proc.stdout)
+    assert found is not None and found[1] == found[2], proc.stdout
+    assert "n_samples: FAILED: 0 corrupted reads, a stall" in proc.stdout, proc.stdout
+
+
+def test_n_samples_without_the_recheck_reads_evicted_nodes() -> None:
+    # A granted sample that locks its node without re-checking it reads
+    # pages evicted while it queued, which other requests now hold.
+    proc = _run("n_samples.py", "--device", "cpu", "--no-recheck")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = re.search(r"n_samples: FAILED: (\d+) corrupted reads", proc.stdout)
+    assert found is not None and int(found.group(1)) > 0, proc.stdout

@@ -11,7 +11,9 @@ docs/api.md's *n samples of one prompt* recipe, as an engine's loop over
 * the prompt's n samples are then admitted at priority 0 (ahead of new
   prompts), each with its own pages only (the prompt's partial last page
   and its first output tokens); a sample's block table is the node's pages,
-  then its row's own; it grows with ``extend`` and each step's
+  then its row's own; it grows with ``extend`` (short, it holds the grant
+  loop with ``hold_grants()`` so that what comes back goes to growth, and
+  evicts a node or retracts its newest sample) and each step's
   ``record_use`` covers its row, while the node keeps the step's fence as
   its newest reader (``record_use`` does not cover borrowed pages);
 * a sample locks its node *at its grant*, after re-checking it: a node
@@ -28,8 +30,8 @@ Every step checks what it reads: each sample's context, read through its
 row (the prompt's values from the node's pages, then its own), must sum to
 what its positions hold, so a page handed to another request while a step
 still reads or writes it, or a read of an evicted node, shows up as a
-corrupted read. A stall (nothing granted for ``--stall-passes`` passes
-while nothing runs) is detected and ends the run. At the end every sample
+corrupted read. A stall (no sample finished and no prompt prefilled for
+``--stall-passes`` passes) is detected and ends the run. At the end every sample
 of every prompt must have finished and the pool must be empty.
 
 Two flags put the old bugs back, and the checks must then fail:

@@ -21,35 +21,42 @@ could hang is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 from helpers import bounded, spin
 
 from asyncpool import AsyncReqToTokenPool, Grant, HostStream, KVPagePool, record_fence
 
 
-async def replica_in_flight(
-    stream: HostStream, gate: threading.Event
-) -> tuple[AsyncReqToTokenPool, list[int], asyncio.Task[Grant]]:
+@contextlib.asynccontextmanager
+async def replica_in_flight() -> AsyncIterator[
+    tuple[AsyncReqToTokenPool, list[int], asyncio.Task[Grant], threading.Event]
+]:
     """Two running requests (4 pages each of the pool's 8) in a step held in
-    flight by ``gate``, and one admission queued behind them."""
-    pool = AsyncReqToTokenPool(4, 64, kv=KVPagePool(9, 4))
-    rows = []
-    for _ in range(2):
-        async with bounded():
-            rows.append((await pool.admit(pages=4)).row)
-    stream.launch(gate.wait)  # the step in flight
-    pool.record_use(rows, record_fence(stream))
-    queued = asyncio.ensure_future(pool.admit(pages=4))
-    await spin()
-    assert not queued.done() and pool.waiting() == 1
-    return pool, rows, queued
+    flight by the yielded gate, and one admission queued behind them. The gate
+    is set and the stream closed on the way out, whatever the test did."""
+    stream, gate = HostStream("forward"), threading.Event()
+    try:
+        pool = AsyncReqToTokenPool(4, 64, kv=KVPagePool(9, 4))
+        rows = []
+        for _ in range(2):
+            async with bounded():
+                rows.append((await pool.admit(pages=4)).row)
+        stream.launch(gate.wait)  # the step in flight
+        pool.record_use(rows, record_fence(stream))
+        queued = asyncio.ensure_future(pool.admit(pages=4))
+        await spin()
+        assert not queued.done() and pool.waiting() == 1
+        yield pool, rows, queued, gate
+    finally:
+        gate.set()
+        stream.close()
 
 
 async def test_drain_as_once_written_leaves_the_queued_admission_granted() -> None:
-    stream, gate = HostStream("forward"), threading.Event()
-    try:
-        pool, rows, queued = await replica_in_flight(stream, gate)
+    async with replica_in_flight() as (pool, rows, queued, gate):
         for row in rows:  # free every running row, behind the step in flight
             pool.free(row)
         gate.set()
@@ -62,15 +69,10 @@ async def test_drain_as_once_written_leaves_the_queued_admission_granted() -> No
             grant = await queued
         pool.free(grant.row)
         await pool.close()
-    finally:
-        gate.set()
-        stream.close()
 
 
 async def test_drain_after_handing_queued_admissions_back_leaves_nothing() -> None:
-    stream, gate = HostStream("forward"), threading.Event()
-    try:
-        pool, rows, queued = await replica_in_flight(stream, gate)
+    async with replica_in_flight() as (pool, rows, queued, gate):
         # Hand the queued admissions back first: cancel them and await them.
         queued.cancel()
         async with bounded():
@@ -85,9 +87,6 @@ async def test_drain_after_handing_queued_admissions_back_leaves_nothing() -> No
         assert (stats.allocated, stats.pages_allocated, stats.pending) == (0, 0, 0)
         pool.check_invariants()
         await pool.close()
-    finally:
-        gate.set()
-        stream.close()
 
 
 async def test_an_admission_granted_at_hand_over_is_handed_back_by_its_cancel() -> None:
@@ -118,9 +117,7 @@ async def test_a_hold_keeps_the_queued_admission_queued_through_the_drain() -> N
     """docs/api.md: a hold (``hold_grants()``) keeps the queued admissions
     queued instead: the drain ends with nothing allocated and the admission
     still waiting; released, it is granted."""
-    stream, gate = HostStream("forward"), threading.Event()
-    try:
-        pool, rows, queued = await replica_in_flight(stream, gate)
+    async with replica_in_flight() as (pool, rows, queued, gate):
         with pool.hold_grants():
             for row in rows:
                 pool.free(row)
@@ -135,6 +132,3 @@ async def test_a_hold_keeps_the_queued_admission_queued_through_the_drain() -> N
         pool.free(grant.row)
         pool.check_invariants()
         await pool.close()
-    finally:
-        gate.set()
-        stream.close()

@@ -73,6 +73,7 @@ EXAMPLES = (
     "hybrid_admission",
     "weight_update",
     "n_samples",
+    "router_drain",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

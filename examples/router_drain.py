@@ -1,0 +1,812 @@
+"""Replicas behind a router, drained and replaced while they serve: a program that checks itself.
+
+docs/api.md's *A router over data-parallel replicas* recipe, whole. Each of
+``--replicas`` replicas is a scheduler with its own
+``AsyncReqToTokenPool(kv=KVPagePool(...))``, its own forward stream, its
+own thread and event loop. A router on the main thread's loop picks a
+replica per request by the counts the recipe names (rows and pages free or
+pending, admissions queued, and the requests in its inbox), read from the
+router's thread, and hands the request over (a thread-safe deque and a
+``call_soon_threadsafe`` wake-up). A replica admits each request on its own
+loop (``await pool.admit(pages=k)`` in a task of its own) and runs an
+overlap loop, as ``examples/weight_update.py`` does: prefill (or
+recompute) the requests admitted since the last pass; grow a row by a page
+(``extend``) when its next token starts one; launch step t, one fence right
+after it, ``record_use`` of the batch's rows; process step t-1 (a finished
+request's row and pages are freed behind the steps that used them, and the
+router is told).
+
+At every eighth of the run the router drains a random replica for a weight
+update or replaces it, in turn. It stops routing to it first; the replica
+then follows the recipe: its queued admissions are cancelled and awaited
+(a grant already returned is freed with the running rows), every running
+row is freed behind the step in flight, every request it held (running,
+queued, in its inbox) goes back to the router, which routes it again
+elsewhere (recompute from what it had), and ``await pool.drain()``; then
+``stats().allocated`` and ``.pages_allocated`` must read 0. A weight update
+overwrites the replica's KV cache (the new weights' garbage) and serves
+again; a replaced replica closes its pool and its loop ends, and the router
+starts a new one under the same label (``collector.remove`` / ``add``).
+One ``PoolCollector`` on one registry exports every replica, scraped by a
+thread of its own every ``--scrape-ms`` (skipped, and said so, without
+``prometheus_client``, a dev dependency).
+
+Checks: every read a step makes matches what the request's positions hold,
+read through its row (``corrupted reads``: a row or page handed to another
+request while a step still used it, or a request routed again but not
+recomputed); no row or page handed out by a grant or ``extend`` is held
+by a live request of that replica, and the pool's pages of a row are the
+ones the replica noted (``shadow mismatches``); every request finishes
+exactly once, with all its tokens; each drain leaves nothing allocated;
+every replaced pool is collected (a weakref, after ``gc.collect()``); the
+scrape never raises. On :class:`~asyncpool.HostStream` a step reads and
+writes only once its replica has written the next step's prompts (a
+``threading.Event``), so memory handed out too early is caught each time;
+CUDA streams are used when available (``--device cpu`` forces host ones).
+
+Two flags put the bugs back, and the run must then fail:
+
+* ``--no-handback``: a drain frees the running rows without first handing
+  back the queued admissions (the recipe as once written): the frees go to
+  them when the step in flight completes (grant at hand-over), and drains
+  end with rows allocated (the replica then hands them back, so the run
+  completes);
+* ``--no-record-use``: steps record no use of their rows, so a finished
+  request's row and pages go to a queued admission while the step in
+  flight still reads them: corrupted reads.
+
+Exit status: 0 when everything checks out, 1 otherwise. Public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import gc
+import random
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncpool import (
+    AsyncReqToTokenPool,
+    Grant,
+    HostStream,
+    KVPagePool,
+    ReqToTokenPoolInfo,
+    record_fence,
+    wait_fence,
+)
+
+try:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from asyncpool.metrics import PoolCollector
+except ImportError:  # a dev dependency: the scrape is skipped without it
+    PoolCollector = None  # type: ignore[assignment,misc]
+
+MAX_PROMPT = 12
+MAX_OUTPUT = 8
+MAX_LEN = MAX_PROMPT + MAX_OUTPUT + 1  # the step in flight at the end writes one past
+UPDATE, REPLACE, STOP = "update", "replace", "stop"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_len: int
+    output_len: int
+    done: int = 0  # output tokens whose step has been processed
+    launched: int = 0  # output tokens whose step has been launched (>= done)
+    admission: int = 0  # bumped at each (re-)admission
+    row: int = -1
+    pages: list[int] = field(default_factory=list)
+    where: object = "new"  # "router", the Replica that holds it, or "finished"
+    routes: int = 0
+    finishes: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + self.done
+
+    def value(self, pos: int) -> int:
+        return self.id * MAX_LEN + pos + 1
+
+    def slot(self, pos: int, page_size: int) -> int:
+        return self.pages[pos // page_size] * page_size + pos % page_size
+
+
+class Engine:
+    """A replica's KV cache and forward stream (a HostStream or CUDA)."""
+
+    def __init__(self, device: torch.device, num_pages: int, page_size: int, forward_ms: float):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.page_size = page_size
+        self.forward_s = forward_ms / 1e3
+        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
+        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
+        self.gates: list[threading.Event] = []
+        self.forward: Any
+        if self.cuda:
+            self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.forward.wait_stream(torch.cuda.current_stream(device))
+        else:
+            self.forward = HostStream("forward")
+            self.forward.launch(torch.set_num_threads, 1)
+
+    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
+        """Prefill (or recompute): the KV and row entries of ``0..length-1``."""
+        n = req.length
+        slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
+        values = torch.tensor([req.value(p) for p in range(n)])
+        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                self.kv_cache[slots.to(self.device)] = values.to(self.device)
+                pool.set_req_pool_info(req.row, info)
+        else:
+            self.kv_cache[slots] = values
+            pool.set_req_pool_info(req.row, info)
+
+    def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
+        """Each request reads its context through its row, then writes its
+        next KV slot and row entry."""
+        ps = self.page_size
+        pos_list = [r.prompt_len + r.launched for r in batch]
+        rows = torch.tensor([r.row for r in batch])
+        pos = torch.tensor(pos_list)
+        slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
+        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
+        sums = torch.tensor(
+            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
+        )
+        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                tensors = (t.to(self.device) for t in (rows, pos, slots, values, sums))
+                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
+                _step(*args, *tensors)
+        else:
+            gate = threading.Event()
+            self.gates.append(gate)
+            self.forward.launch(
+                _host_step, self.forward_s, gate, *args, rows, pos, slots, values, sums
+            )
+
+    def planned(self) -> None:
+        """The next step's prompts are written: the host steps may run."""
+        for gate in self.gates:
+            gate.set()
+        self.gates.clear()
+
+    def update_weights(self) -> None:
+        """New weights: the KV cache holds garbage (a request kept on the
+        replica without a recompute would read it)."""
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                self.kv_cache.fill_(-7)
+        else:  # the drain waited for every step: nothing runs on the worker
+            self.kv_cache.fill_(-7)
+
+    def close(self) -> int:
+        """Let every step run, stop the stream; the corrupted reads."""
+        self.planned()
+        self.forward.synchronize()
+        if not self.cuda:
+            self.forward.close()
+        return int(self.bad_reads)
+
+
+def _step(
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    verified_lens: torch.Tensor,
+    bad_reads: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    values: torch.Tensor,
+    sums: torch.Tensor,
+) -> None:
+    context = kv_cache[req_to_token[rows].long()]
+    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
+    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
+    kv_cache[slots] = values
+    req_to_token[rows, pos] = slots.to(req_to_token.dtype)
+    verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
+
+
+def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
+    time.sleep(delay_s)  # the forward's compute, on the stream's worker
+    gate.wait()  # and no sooner than the scheduler has planned the next step
+    _step(*args)
+
+
+def _run_loop(main: Any, use_uvloop: bool) -> None:
+    """Run ``main`` to completion on a new event loop (uvloop's if asked)."""
+    if use_uvloop:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main)
+    else:
+        asyncio.run(main)
+
+
+@dataclass(eq=False)
+class Figures:
+    """What a replica counted; read by the router once its thread ended."""
+
+    corrupted_reads: int = 0
+    handed_out_live: int = 0
+    shadow_mismatches: int = 0
+    drains: int = 0
+    dirty_drains: int = 0  # drains that ended with rows or pages allocated
+    rows_left: int = 0  # rows allocated at their ends, in all
+    error: BaseException | None = None
+
+
+class Replica:
+    """One data-parallel replica: a scheduler on a thread and loop of its own."""
+
+    def __init__(self, label: str, args: argparse.Namespace, router: Router) -> None:
+        self.label = label
+        self.args = args
+        self.router = router
+        self.inbox: collections.deque[Request] = collections.deque()  # the router appends
+        self.serving = False  # the router's: routes to it only while True
+        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.figures = Figures()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pool: AsyncReqToTokenPool | None = None
+        self._command: str | None = None
+        self._drained: Callable[[], None] | None = None
+        self._wake: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._main, name=f"replica-{label}", daemon=True)
+
+    # -- the router's side (any thread) ----------------------------------
+
+    def counts(self) -> tuple[int, int, int]:
+        """The recipe's counts, read from the router's thread."""
+        pool = self.pool
+        assert pool is not None and pool.kv is not None
+        rows = pool.available_size() + pool.pending_size()  # pending: freed behind
+        pages = pool.kv.available_size() + pool.kv.pending_size()  # fences, soon free
+        return rows, pages, pool.waiting()
+
+    def hand(self, req: Request) -> None:
+        self.inbox.append(req)
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._poke)
+
+    def command(self, kind: str, done: Callable[[], None]) -> None:
+        """Drain (then serve again, or end): ``done`` runs on the router's
+        loop when the drain is over."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._set_command, kind, done)
+
+    # -- the replica's thread --------------------------------------------
+
+    def _poke(self) -> None:
+        assert self._wake is not None
+        self._wake.set()
+
+    def _set_command(self, kind: str, done: Callable[[], None]) -> None:
+        self._command, self._drained = kind, done
+        self._poke()
+
+    def _main(self) -> None:
+        try:
+            _run_loop(self._serve(), self.args.uvloop)
+        except BaseException as exc:  # reported by the router, which exits 1
+            self.figures.error = exc
+            if not self.ready.done():
+                self.ready.set_exception(exc)
+            self.router.call(self.router.replica_failed, self)
+
+    async def _serve(self) -> None:
+        args = self.args
+        self.loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        device = torch.device(args.device)
+        ps = args.page_size
+        # A full-length request's pages for every row: growth never comes up
+        # short (a freed row's pages are pending with it), only rows queue.
+        num_pages = args.rows * -(-MAX_LEN // ps)
+        self.engine = Engine(device, num_pages + 1, ps, args.forward_ms)
+        stream = self.engine.forward if self.engine.cuda else None
+        pool = AsyncReqToTokenPool(
+            args.rows + 1,
+            MAX_LEN,
+            device=device,
+            kv=KVPagePool(num_pages + 1, ps),
+            stream=stream,
+            name=self.label,
+        )
+        pool.bind()  # this thread's and loop's from now on
+        self.pool = pool
+        self.running: list[Request] = []
+        self.admitting: dict[asyncio.Task[Grant], Request] = {}
+        self.live_rows: dict[int, int] = {}  # row -> request id
+        self.live_pages: dict[int, int] = {}  # page -> request id
+        self.ready.set_result(None)
+        try:
+            await self._schedule()
+        finally:
+            self.figures.corrupted_reads += self.engine.close()
+            for task in self.admitting:  # (on an error)
+                task.cancel()
+            await asyncio.gather(*self.admitting, return_exceptions=True)
+            await pool.close()
+
+    def _admit(self, req: Request) -> None:
+        assert self.pool is not None
+        need = -(-(req.length + 1) // self.args.page_size)  # its context and its next token
+        task = asyncio.ensure_future(self.pool.admit(pages=need))
+        task.add_done_callback(lambda _: self._poke())
+        self.admitting[task] = req
+
+    def _take(self, req: Request, grant: Grant) -> None:
+        """A request granted: check what it got against the live ones."""
+        assert self.pool is not None
+        pages = grant.pages.tolist()
+        if grant.row in self.live_rows or any(p in self.live_pages for p in pages):
+            self.figures.handed_out_live += 1
+        self.live_rows[grant.row] = req.id
+        self.live_pages.update((p, req.id) for p in pages)
+        req.row, req.pages = grant.row, pages
+        req.admission += 1
+        req.launched = req.done
+
+    def _free(self, req: Request) -> None:
+        assert self.pool is not None
+        self.pool.free(req.row)  # row and pages, behind the steps that used them
+        del self.live_rows[req.row]
+        for page in req.pages:
+            del self.live_pages[page]
+
+    def _check_shadow(self, req: Request) -> None:
+        assert self.pool is not None
+        if self.pool.pages_of(req.row, host=True).tolist() != req.pages:
+            self.figures.shadow_mismatches += 1
+
+    async def _schedule(self) -> None:
+        args, engine, pool = self.args, self.engine, self.pool
+        assert pool is not None and self._wake is not None
+        ps = args.page_size
+        prev: tuple[Any, list[tuple[Request, int]]] | None = None
+        while True:
+            if self._command is not None:
+                kind, done = self._command, self._drained
+                self._command = self._drained = None
+                await self._drain(kind)
+                prev = None  # its step's tokens are discarded: recomputed elsewhere
+                assert done is not None
+                self.router.call(done)
+                if kind != UPDATE:
+                    return
+                continue
+            while self.inbox:
+                self._admit(self.inbox.popleft())
+            # 1. Arrivals: the admitted requests prefill (or recompute).
+            for task in [t for t in self.admitting if t.done()]:
+                req = self.admitting.pop(task)
+                self._take(req, task.result())
+                engine.write_prompt(pool, req)
+                self._check_shadow(req)
+                self.running.append(req)
+            # 2. Growth: a page for each request whose next token starts one.
+            for req in self.running:
+                if req.prompt_len + req.launched >= len(req.pages) * ps:
+                    page = pool.extend(req.row, 1)
+                    if page is None:
+                        raise RuntimeError("growth came up short: the pool is sized for it")
+                    new = int(page[0])
+                    if new in self.live_pages:
+                        self.figures.handed_out_live += 1
+                    self.live_pages[new] = req.id
+                    req.pages.append(new)
+                    self._check_shadow(req)
+            engine.planned()  # (host streams: step t-1 may read and write now)
+            # 3. Launch step t.
+            launched = None
+            if self.running:
+                engine.launch_step(pool, self.running)
+                fence = record_fence(engine.forward)
+                if not args.no_record_use:
+                    pool.record_use([r.row for r in self.running], fence)
+                for req in self.running:
+                    req.launched += 1
+                launched = (fence, [(r, r.admission) for r in self.running])
+            # 4. Process step t-1 while step t runs.
+            if prev is not None:
+                await wait_fence(prev[0])
+                for req, admission in prev[1]:
+                    if req.admission != admission or req not in self.running:
+                        continue  # finished or handed back since
+                    req.done += 1
+                    if req.done == req.output_len:
+                        self.running.remove(req)
+                        self._free(req)
+                        self.router.call(self.router.finished, self, req)
+            prev = launched
+            if prev is None and not self.inbox and self._command is None:
+                self._wake.clear()
+                if not any(t.done() for t in self.admitting):
+                    await self._wake.wait()  # a request, a grant or a command
+                continue
+            await asyncio.sleep(0)  # the scheduler is one task among the loop's
+
+    async def _hand_back_admissions(self, tasks: list[asyncio.Task[Grant]]) -> None:
+        """Cancel the queued admissions and await them: one granted at
+        hand-over whose task had not resumed gives its row and pages back;
+        one that already returned its grant is a running row: freed."""
+        assert self.pool is not None
+        for task in tasks:
+            task.cancel()
+        async with asyncio.timeout(10):
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Grant):
+                self.pool.free(outcome.row)  # nothing ran on it: at once
+
+    async def _drain(self, kind: str) -> None:
+        """docs/api.md's drain: the router stopped routing here already."""
+        args, pool, engine = self.args, self.pool, self.engine
+        assert pool is not None
+        tasks = list(self.admitting)
+        queued = [self.admitting[t] for t in tasks] + list(self.inbox)
+        self.inbox.clear()
+        if not args.no_handback:
+            await self._hand_back_admissions(tasks)
+        running, self.running = self.running, []
+        for req in running:
+            self._free(req)  # behind the step in flight, which used them
+        self.admitting.clear()
+        if running or queued:
+            self.router.call(self.router.requeue, self, running + queued)
+        engine.planned()  # the step in flight may run now
+        async with asyncio.timeout(10):
+            await pool.drain(timeout=10)
+        stats = pool.stats(summaries=False)
+        self.figures.drains += kind != STOP
+        if stats.allocated or stats.pages_allocated:
+            self.figures.dirty_drains += 1
+            self.figures.rows_left += stats.allocated
+        if args.no_handback:  # hand them back now, so that the run goes on
+            await self._hand_back_admissions(tasks)
+            async with asyncio.timeout(10):
+                await pool.drain(timeout=10)
+        pool.check_invariants()
+        if kind == UPDATE:
+            engine.update_weights()
+        else:
+            await pool.close()  # a replaced (or the run's last) replica
+
+
+class Router:
+    """The main thread's loop: routes requests, drains and replaces replicas."""
+
+    def __init__(self, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> None:
+        self.args = args
+        self.loop = loop
+        self.rng = random.Random(args.seed)
+        rng = self.rng
+        self.requests = [
+            Request(i, rng.randint(1, MAX_PROMPT), rng.randint(1, MAX_OUTPUT))
+            for i in range(args.requests)
+        ]
+        self.queue: collections.deque[Request] = collections.deque()  # handed back
+        self.spawned = self.finished_count = self.requeued = self.routes = 0
+        self.changed = asyncio.Event()
+        self.replicas: list[Replica] = []
+        self.retired: list[Figures] = []
+        self.replaced_pools: list[weakref.ref[AsyncReqToTokenPool]] = []
+        self.updates = self.replacements = 0
+        self.failures: list[str] = []
+        self.broken = False  # a replica's thread raised
+        self.per_row = -(-MAX_LEN // args.page_size)
+        self.collector: Any = None
+        self.registry: Any = None
+
+    def call(self, fn: Callable[..., None], *args: Any) -> None:
+        """From a replica's thread: run ``fn(*args)`` on the router's loop."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    # -- called on the router's loop ---------------------------------------
+
+    def finished(self, replica: Replica, req: Request) -> None:
+        if req.where is not replica or req.done != req.output_len:
+            self.failures.append(f"request {req.id} finished on {replica.label} unexpectedly")
+        req.finishes += 1
+        req.where = "finished"
+        self.finished_count += 1
+        self.changed.set()
+
+    def requeue(self, replica: Replica, reqs: list[Request]) -> None:
+        for req in reqs:
+            if req.where is not replica:
+                self.failures.append(f"request {req.id} handed back by {replica.label}")
+            req.where = "router"
+            self.queue.append(req)
+        self.requeued += len(reqs)
+        self.changed.set()
+
+    def replica_failed(self, replica: Replica) -> None:
+        self.failures.append(f"replica {replica.label}: {replica.figures.error!r}")
+        self.broken = True
+        self.changed.set()
+
+    # -- the router's work --------------------------------------------------
+
+    async def start(self, label: str) -> Replica:
+        replica = Replica(label, self.args, self)
+        replica.thread.start()
+        async with asyncio.timeout(10):
+            await asyncio.wrap_future(replica.ready)
+        if self.collector is not None:
+            assert replica.pool is not None
+            self.collector.add(replica.pool, name=label)
+        replica.serving = True
+        return replica
+
+    def pick(self) -> Replica | None:
+        """The serving replica with the most room: counts, not stats()."""
+        best, best_score = None, None
+        for replica in self.replicas:
+            if not replica.serving:
+                continue
+            rows, pages, queued = replica.counts()
+            score = min(rows, pages // self.per_row) - queued - len(replica.inbox)
+            if best_score is None or score > best_score:
+                best, best_score = replica, score
+        return best
+
+    def route(self, req: Request, replica: Replica) -> None:
+        if req.where not in ("new", "router"):
+            self.failures.append(f"request {req.id} routed again while held")
+        req.where = replica
+        req.routes += 1
+        self.routes += 1
+        replica.hand(req)
+
+    async def stop_replica(self, replica: Replica, kind: str) -> None:
+        """Drain ``replica`` (it serves again after an update; else it ends)."""
+        replica.serving = False  # stop routing to it first
+        drained: asyncio.Future[None] = self.loop.create_future()
+
+        def done() -> None:
+            if not drained.done():
+                drained.set_result(None)
+
+        replica.command(kind, done)
+        async with asyncio.timeout(20):
+            await drained
+        if kind == UPDATE:
+            replica.serving = True
+            return
+        async with asyncio.timeout(10):
+            await asyncio.to_thread(replica.thread.join)
+        if self.collector is not None:
+            self.collector.remove(replica.label)
+        self.retired.append(replica.figures)
+
+    async def cycle(self, index: int, kind: str) -> None:
+        """A weight update of ``replicas[index]``, or its replacement."""
+        replica = self.replicas[index]
+        await self.stop_replica(replica, kind)
+        if kind == REPLACE:
+            assert replica.pool is not None
+            self.replaced_pools.append(weakref.ref(replica.pool))
+            self.replicas[index] = await self.start(replica.label)
+            self.replacements += 1
+        else:
+            self.updates += 1
+        self.changed.set()
+
+    async def run(self) -> None:
+        args = self.args
+        cap = 2 * args.rows * args.replicas  # requests out at once: admissions queue
+        for i in range(args.replicas):
+            self.replicas.append(await self.start(f"r{i}"))
+        events = 0  # drains and replacements started
+        cycling: asyncio.Task[None] | None = None
+        while self.finished_count < len(self.requests):
+            if self.broken:
+                raise RuntimeError("a replica failed")
+            self.changed.clear()
+            due = (events + 1) * len(self.requests) // 8
+            if events < 7 and self.finished_count >= due and (cycling is None or cycling.done()):
+                if cycling is not None:
+                    await cycling  # (its errors)
+                kind = UPDATE if events % 2 == 0 else REPLACE
+                index = self.rng.randrange(len(self.replicas))
+                cycling = asyncio.ensure_future(self.cycle(index, kind))
+                events += 1
+            while True:
+                outstanding = self.spawned - self.finished_count
+                if self.queue:
+                    req = self.queue[0]
+                elif self.spawned < len(self.requests) and outstanding < cap:
+                    req = self.requests[self.spawned]
+                else:
+                    break
+                replica = self.pick()
+                if replica is None:
+                    break  # (every replica draining: routed when one serves)
+                if self.queue:
+                    self.queue.popleft()
+                else:
+                    self.spawned += 1
+                self.route(req, replica)
+            await self.changed.wait()
+        if cycling is not None:
+            await cycling
+        for replica in self.replicas:
+            await self.stop_replica(replica, STOP)
+
+
+def _scrape(registry: Any, stop: threading.Event, every_s: float, tally: dict[str, Any]) -> None:
+    """The scrape thread: the whole registry, every ``every_s``."""
+    while not stop.wait(every_s):
+        try:
+            generate_latest(registry)
+            tally["scrapes"] += 1
+        except Exception as exc:  # counted: the run fails
+            tally["errors"] += 1
+            tally["last"] = repr(exc)
+
+
+async def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    router = Router(args, asyncio.get_running_loop())
+    tally: dict[str, Any] = {"scrapes": 0, "errors": 0, "last": ""}
+    stop = threading.Event()
+    scraper = None
+    if PoolCollector is not None:
+        router.registry = CollectorRegistry()
+        router.collector = PoolCollector()
+        router.registry.register(router.collector)
+        scraper = threading.Thread(
+            target=_scrape,
+            args=(router.registry, stop, args.scrape_ms / 1e3, tally),
+            name="scrape",
+            daemon=True,
+        )
+        scraper.start()
+    try:
+        async with asyncio.timeout(60):
+            await router.run()
+    except Exception as exc:
+        router.failures.append(f"the router: {exc!r}")
+    finally:
+        stop.set()
+        if scraper is not None:
+            scraper.join(10)
+        for replica in router.replicas:
+            if replica.thread.is_alive():  # (on an error: let it end)
+                if replica.loop is not None and not replica.loop.is_closed():
+                    replica.command(STOP, lambda: None)
+                replica.thread.join(10)
+    elapsed = time.perf_counter() - t0
+    final = [r.figures for r in router.replicas]
+    if router.collector is not None:
+        for replica in router.replicas:
+            if replica.thread.is_alive() or replica.pool is None:
+                continue
+            try:
+                router.collector.remove(replica.label)
+            except (KeyError, ValueError):
+                pass
+    figures = router.retired + [f for f in final if f not in router.retired]  # (by identity)
+    router.replicas.clear()
+    gc.collect()
+    uncollected = sum(ref() is not None for ref in router.replaced_pools)
+
+    bad = sum(f.corrupted_reads for f in figures)
+    live = sum(f.handed_out_live for f in figures)
+    shadow = sum(f.shadow_mismatches for f in figures)
+    drains = sum(f.drains for f in figures)
+    dirty = sum(f.dirty_drains for f in figures)
+    rows_left = sum(f.rows_left for f in figures)
+    errors = [repr(f.error) for f in figures if f.error is not None]
+    unfinished = sum(r.finishes == 0 for r in router.requests)
+    twice = sum(r.finishes > 1 for r in router.requests)
+    short = sum(r.finishes and r.done != r.output_len for r in router.requests)
+    where = "CUDA streams" if args.device == "cuda" else "HostStream"
+    loop = "uvloop" if args.uvloop else "asyncio"
+    scrape = (
+        f"{tally['scrapes']} scrapes"
+        if PoolCollector is not None
+        else "0 scrapes (skipped: prometheus_client is not installed)"
+    )
+    print(
+        f"router_drain: {len(router.requests)} requests, {args.replicas} replicas "
+        f"of {args.rows} rows, {router.routes} routes, {router.requeued} handed back, "
+        f"{router.updates} drains for weight updates, {router.replacements} replacements, "
+        f"{drains} drains in all, {scrape}, on {where} and {loop}"
+    )
+    for failure in router.failures[:5]:
+        print(f"router_drain: {failure}")
+    if tally["errors"]:
+        print(f"router_drain: the scrape raised {tally['last']}")
+    ok = (
+        bad == live == shadow == dirty == uncollected == unfinished == twice == short == 0
+        and not errors
+        and not router.failures
+        and not tally["errors"]
+    )
+    if ok:
+        print(
+            f"router_drain: OK: 0 corrupted reads, 0 handed out while live, "
+            f"0 shadow mismatches, every request finished once, every drain left nothing "
+            f"allocated, every replaced pool collected, 0 scrape errors, {elapsed:.2f} s"
+        )
+        return 0
+    print(
+        f"router_drain: FAILED: {bad} corrupted reads, {dirty} drains with rows allocated "
+        f"({rows_left} rows), {live} handed out while live, {shadow} shadow mismatches, "
+        f"{unfinished} unfinished, {twice} finished twice, {short} short, "
+        f"{uncollected} replaced pools not collected, {tally['errors']} scrape errors, "
+        f"{len(errors)} replica errors"
+    )
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument(
+        "--rows", type=int, default=4, help="rows in each replica's pool (row 0 excluded)"
+    )
+    p.add_argument("--page-size", type=int, default=4, help="token slots a page")
+    p.add_argument("--forward-ms", type=float, default=0.5, help="the forward's time per step")
+    p.add_argument("--scrape-ms", type=float, default=20, help="time between scrapes")
+    p.add_argument("--uvloop", action="store_true", help="every loop a uvloop one")
+    p.add_argument(
+        "--no-handback",
+        action="store_true",
+        help="a drain frees the running rows without handing back the queued admissions first",
+    )
+    p.add_argument(
+        "--no-record-use",
+        action="store_true",
+        help="steps record no use of their rows (the bug): corrupted reads",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if min(args.replicas, args.rows, args.page_size) < 1 or args.requests < 0:
+        p.error("--replicas, --rows and --page-size must be at least 1, --requests at least 0")
+    if not (0 <= args.forward_ms < float("inf")) or not (0 < args.scrape_ms < float("inf")):
+        p.error("--forward-ms must be a finite number >= 0, --scrape-ms one > 0")
+    if args.uvloop:
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            p.error("--uvloop: uvloop is not installed")
+    box: list[int] = []
+
+    async def body() -> None:
+        box.append(await run(args))
+
+    _run_loop(body(), args.uvloop)
+    return box[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -656,14 +656,16 @@ class Router:
 
 
 def _scrape(registry: Any, stop: threading.Event, every_s: float, tally: dict[str, Any]) -> None:
-    """The scrape thread: the whole registry, every ``every_s``."""
-    while not stop.wait(every_s):
+    """The scrape thread: the whole registry at once, then every ``every_s``."""
+    while True:
         try:
             generate_latest(registry)
             tally["scrapes"] += 1
         except Exception as exc:  # counted: the run fails
             tally["errors"] += 1
             tally["last"] = repr(exc)
+        if stop.wait(every_s):
+            return
 
 
 async def run(args: argparse.Namespace) -> int:

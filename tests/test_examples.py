@@ -567,3 +567,48 @@ def test_router_drain_skips_the_scrape_without_prometheus_client(
     out = capsys.readouterr().out
     assert status == 0 and "router_drain: OK:" in out, out
     assert "0 scrapes (skipped: prometheus_client is not installed)" in out, out
+
+
+def test_router_drain_finds_a_replaced_pool_still_held(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The collection check is real: a router that keeps its replaced
+    # replicas (and so their pools) fails the run, one count a replacement.
+    mod = load_example("router_drain", monkeypatch)
+    kept: list[Any] = []
+    stop_replica = mod.Router.stop_replica
+
+    async def keeping(self: Any, replica: Any, kind: str) -> None:
+        await stop_replica(self, replica, kind)
+        if kind == mod.REPLACE:
+            kept.append(replica)
+
+    monkeypatch.setattr(mod.Router, "stop_replica", keeping)
+    status = mod.main(["--device", "cpu", "--requests", "40", "--forward-ms", "0"])
+    out = capsys.readouterr().out
+    assert status == 1 and kept, out
+    assert f"{len(kept)} replaced pools not collected" in out, out
+    assert f"{len(kept)} replacements," in out, out
+
+
+def test_router_drain_fails_on_a_scrape_that_raises(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The scrape check is real: the thread scrapes once as it starts, and a
+    # scrape that raises is counted and fails the run.
+    pytest.importorskip("prometheus_client")
+    mod = load_example("router_drain", monkeypatch)
+    real = mod.generate_latest
+    calls: list[int] = []
+
+    def first_raises(registry: Any) -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scrape")
+        return bytes(real(registry))
+
+    monkeypatch.setattr(mod, "generate_latest", first_raises)
+    status = mod.main(["--device", "cpu", "--requests", "40", "--forward-ms", "0"])
+    out = capsys.readouterr().out
+    assert status == 1 and "1 scrape errors" in out, out
+    assert "the scrape raised RuntimeError('scrape')" in out, out

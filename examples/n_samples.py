@@ -34,7 +34,7 @@ corrupted read. A stall (no sample finished and no prompt prefilled for
 ``--stall-passes`` passes) is detected and ends the run. At the end every sample
 of every prompt must have finished and the pool must be empty.
 
-Two flags put the old bugs back, and the checks must then fail:
+Three flags put old bugs back, and the checks must then fail:
 
 * ``--lock-before-admit``: the order the recipe once gave (each sample
   locks its node before it queues). Queued samples pin their prompts'
@@ -42,7 +42,23 @@ Two flags put the old bugs back, and the checks must then fail:
   node is locked by samples that still queue, nothing runs, nothing may be
   evicted, and the admission waits for ever: a stall;
 * ``--no-recheck``: a granted sample locks its node without re-checking
-  it, and its steps read a node evicted while it queued: corrupted reads.
+  it, and its steps read a node evicted while it queued: corrupted reads;
+* ``--no-hold``: growth that comes up short retracts without the
+  ``hold_grants()`` hold (the example's first version): what a retraction
+  frees goes to the queue's head, a sample that is granted, grows short and
+  is retracted in turn; grants go on and nothing finishes, a livelock the
+  stall check reports (with the grants made in those passes).
+
+``--stall-breaker`` is a policy, not a bug: each sample locks its node
+before it queues (it keeps its prompt's pages), and only when nothing runs,
+the queue's head is short and every cached node is locked, the engine
+cancels the queued samples of the newest locked node (a cancelled admission
+holds nothing; one granted but not resumed gives its row and pages back)
+and requeues them to lock at their grant after the re-check, so the node
+may be evicted. It recomputes far less than the lock at grant (docs/changes.md).
+``--min-full``, ``--max-full``, ``--max-samples``, ``--pages``,
+``--page-size`` and ``--rows`` size the run; the tally ``samples
+recomputed`` counts the samples that prefilled their prompt again.
 
 Runs on :class:`~asyncpool.HostStream` without a GPU and on CUDA streams
 when ``torch.cuda.is_available()`` (``--device cpu`` forces host streams).
@@ -76,7 +92,8 @@ from asyncpool import (
     wait_fence,
 )
 
-MAX_LEN = 64
+MAX_LEN = 64  # a row's slots, at least (more when the sizes need them)
+STRIDE = 1 << 12  # a request's values: its id times this, plus the position
 
 
 @dataclass
@@ -89,7 +106,7 @@ class Prompt:
     pages: list[int] = field(default_factory=list)
 
     def value(self, pos: int) -> int:
-        return -(self.id * MAX_LEN + pos + 1)
+        return -(self.id * STRIDE + pos + 1)
 
 
 @dataclass
@@ -101,7 +118,8 @@ class Node:
     read_fence: Any  # the newest step that read the pages
     last_read: int  # that step's number (least recently read goes first)
     remaining: int  # samples not finished yet
-    lock: int = 0  # samples granted that read it (at grant; before admission with the bug)
+    lock: int = 0  # samples granted that read it (at grant; before admission with the bug
+    # or with --stall-breaker)
     queued: int = 0  # samples that queue and will lock it at their grant
     evicted: bool = False
 
@@ -118,6 +136,7 @@ class Sample:
     pages: list[int] = field(default_factory=list)  # block table: node pages, then its own
     locked: bool = False  # holds a lock on its node
     plain: bool = False  # requeued with the prompt's pages of its own
+    task: asyncio.Task[None] | None = None  # its admission's, while it queues
 
     @property
     def prompt_len(self) -> int:
@@ -126,7 +145,7 @@ class Sample:
     def value(self, pos: int) -> int:
         if pos < self.prompt_len:
             return self.node.prompt.value(pos)
-        return self.id * MAX_LEN + pos + 1
+        return self.id * STRIDE + pos + 1
 
 
 Req = Prompt | Sample
@@ -251,11 +270,17 @@ async def run(args: argparse.Namespace) -> int:
     engine = Engine(device, args.pages + 1, ps, args.forward_ms)
     kv = KVPagePool(args.pages + 1, ps)
     pool = AsyncReqToTokenPool(
-        args.rows + 1, MAX_LEN, device=device, kv=kv, stream=engine.forward if engine.cuda else None
+        args.rows + 1,
+        max(MAX_LEN, _longest(args)),
+        device=device,
+        kv=kv,
+        stream=engine.forward if engine.cuda else None,
     )
+    # Locked before its admission: the old bug, or the stall breaker's policy.
+    lock_queued = args.lock_before_admit or args.stall_breaker
     prompts = []
     for i in range(args.prompts):
-        full = rng.randint(1, args.max_full)
+        full = rng.randint(args.min_full, args.max_full)
         prompts.append(
             Prompt(
                 i,
@@ -271,8 +296,17 @@ async def run(args: argparse.Namespace) -> int:
     wake = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     counts = dict(
-        finished=0, aborted=0, recomputes=0, requeues=0, retractions=0, evictions=0, grants=0
+        finished=0,
+        aborted=0,
+        recomputes=0,
+        requeues=0,
+        retractions=0,
+        evictions=0,
+        grants=0,
+        breaks=0,
+        unlocked=0,
     )
+    recomputed: set[int] = set()  # the samples that prefilled their prompt again
     finished_per_prompt = [0] * len(prompts)
     samples_made: list[Sample] = []
 
@@ -282,7 +316,10 @@ async def run(args: argparse.Namespace) -> int:
         wake.set()
 
     def submit(req: Req, pages: int, priority: int) -> None:
-        tasks.append(asyncio.ensure_future(queue(req, pages, priority)))
+        task = asyncio.ensure_future(queue(req, pages, priority))
+        tasks.append(task)
+        if isinstance(req, Sample):
+            req.task = task
 
     def own_pages(s: Sample) -> int:
         """A sample's own pages at admission: the prompt's partial last page
@@ -314,16 +351,19 @@ async def run(args: argparse.Namespace) -> int:
         if s.plain:  # requeued: the prompt's full pages are its own, first
             s.pages = own
             engine.write_prompt(pool, s.row, s.pages, values, 0)
-        elif args.lock_before_admit or not node.evicted or not args.recheck:
-            if not args.lock_before_admit:
-                node.queued -= 1
-                node.lock += 1  # locked at its grant: its steps read the node
-                s.locked = True
+        elif s.locked:  # locked before it queued: the node is still cached
+            s.pages = node.pages.tolist() + own
+            engine.write_prompt(pool, s.row, s.pages, values, node.prompt.full * ps)
+        elif not node.evicted or not args.recheck:
+            node.queued -= 1
+            node.lock += 1  # locked at its grant: its steps read the node
+            s.locked = True
             s.pages = node.pages.tolist() + own
             engine.write_prompt(pool, s.row, s.pages, values, node.prompt.full * ps)
         else:
             node.queued -= 1  # evicted while it queued: the prompt is gone
             counts["recomputes"] += 1
+            recomputed.add(s.id)
             got = pool.extend(s.row, node.prompt.full)  # never waits
             if got is None:  # nothing ran on the row: back at once, requeue
                 pool.free([s.row])
@@ -339,8 +379,8 @@ async def run(args: argparse.Namespace) -> int:
         running.remove(s)
         pool.free([s.row])  # its row and own pages, behind its recorded uses
         node = s.node
-        if s.locked and (finished or not args.lock_before_admit):
-            node.lock -= 1
+        if s.locked and (finished or not lock_queued):
+            node.lock -= 1  # (retracted, it keeps a lock taken before it queued)
             s.locked = False
         if finished:
             node.remaining -= 1
@@ -349,15 +389,39 @@ async def run(args: argparse.Namespace) -> int:
             if node.remaining == 0 and not node.evicted:
                 evict(node)  # its last sample: nothing reads it any more
         else:  # retracted: queue again
-            if not s.plain and not args.lock_before_admit:
+            if not s.plain and not s.locked:
                 node.queued += 1
             submit(s, node.prompt.full + own_pages(s) if s.plain else own_pages(s), 0)
+
+    async def break_stall() -> None:
+        """No row is allocated, the queue's head is short and every cached
+        node is locked by samples that queue: cancel the queued samples of the
+        newest locked node, which unlocks it (the next pass may evict it),
+        and requeue them, to lock at their grant after a re-check."""
+        node = next(n for n in reversed(nodes) if not n.evicted and n.lock > 0)
+        waiting = [
+            s
+            for s in samples_made
+            if s.node is node and s.locked and s.task is not None and not s.task.done()
+        ]
+        for s in waiting:
+            assert s.task is not None
+            s.task.cancel()  # granted at hand-over, it gives its row and pages back
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(s.task for s in waiting if s.task), return_exceptions=True)
+        for s in waiting:
+            s.locked = False
+            node.lock -= 1
+            node.queued += 1
+            submit(s, own_pages(s), 0)
+        counts["breaks"] += 1
+        counts["unlocked"] += len(waiting)
 
     for p in prompts:
         submit(p, p.full + 1, 1)
 
     prev: tuple[Any, list[tuple[Sample, int]]] | None = None
-    steps = passes = progress = last_progress = 0
+    steps = passes = progress = last_progress = grants_then = 0
     stalled = False
     hold: GrantHold | None = None
     t0 = time.perf_counter()
@@ -366,8 +430,13 @@ async def run(args: argparse.Namespace) -> int:
             pool.reclaim()
             # 1. Evict for the queue's head what it lacks (pending pages count).
             short = pool.pages_short()
-            if short:
-                evict_for(short)
+            if short and evict_for(short) < short and args.stall_breaker:
+                # A stall for good: no row is allocated (nothing runs, no grant
+                # waits to be resumed), pending pages are counted, and every
+                # cached node is locked by samples that queue.
+                live = [n for n in nodes if not n.evicted]
+                if pool.allocated_size() == 0 and live and all(n.lock for n in live):
+                    await break_stall()
             # 2. The grants: a prompt prefills; a sample re-checks its node.
             new_prompts: list[Prompt] = []
             grants, granted[:] = list(granted), []
@@ -391,7 +460,7 @@ async def run(args: argparse.Namespace) -> int:
                     s.pages.append(int(got[0]))
                     continue
                 sitting_out.add(s.id)
-                if hold is None:  # growth first: what comes back is growth's
+                if hold is None and args.hold:  # growth first: what comes back is growth's
                     hold = pool.hold_grants()  # (before a retraction's free)
                 if not evict_for(1):
                     victim = running[-1]
@@ -426,8 +495,8 @@ async def run(args: argparse.Namespace) -> int:
                     for out in p.outputs:
                         s = Sample(len(samples_made), node, out)
                         samples_made.append(s)
-                        if args.lock_before_admit:
-                            node.lock += 1  # the bug: locked before it queues
+                        if lock_queued:
+                            node.lock += 1  # locked before it queues (the bug, alone)
                             s.locked = True
                         else:
                             node.queued += 1
@@ -450,6 +519,7 @@ async def run(args: argparse.Namespace) -> int:
             passes += 1
             if counts["finished"] + len(nodes) > progress:
                 progress, last_progress = counts["finished"] + len(nodes), passes
+                grants_then = counts["grants"]
             elif passes - last_progress > args.stall_passes:
                 stalled = True  # no sample finished, no prompt prefilled
                 break
@@ -499,7 +569,9 @@ async def run(args: argparse.Namespace) -> int:
     print(
         f"n_samples: {len(prompts)} prompts, {total} samples on {args.rows} rows and "
         f"{args.pages} pages of {ps}, {steps} steps, {counts['grants']} grants, "
-        f"{counts['recomputes']} recomputes, {counts['requeues']} requeues, "
+        f"{counts['recomputes']} recomputes, {len(recomputed)} samples recomputed, "
+        f"{counts['requeues']} requeues, {counts['breaks']} stall breaks, "
+        f"{counts['unlocked']} samples unlocked, "
         f"{counts['evictions']} evictions, {counts['retractions']} retractions, "
         f"{counts['aborted']} aborted, on {where}"
     )
@@ -508,7 +580,8 @@ async def run(args: argparse.Namespace) -> int:
             f"n_samples: stalled after {counts['grants']} grants: no sample finished and no "
             f"prompt prefilled for {args.stall_passes} passes ({len(running)} samples "
             f"running); queue head {head}, "
-            f"{locked} of {cached} cached nodes locked"
+            f"{locked} of {cached} cached nodes locked, "
+            f"{counts['grants'] - grants_then} grants in those passes"
         )
     if bad_reads == 0 and empty and not stalled and unfinished == 0:
         print(
@@ -524,6 +597,11 @@ async def run(args: argparse.Namespace) -> int:
     return 1
 
 
+def _longest(args: argparse.Namespace) -> int:
+    """The most positions a sample may reach: its prompt, its output, one more."""
+    return int((args.max_full + 1) * args.page_size + max(args.max_output, args.reserve) + 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -531,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-samples", type=int, default=6, help="samples a prompt: 2 to this")
-    p.add_argument("--max-full", type=int, default=5, help="a prompt's full pages: 1 to this")
+    p.add_argument("--min-full", type=int, default=1, help="a prompt's full pages: this at least")
+    p.add_argument("--max-full", type=int, default=5, help="a prompt's full pages: at most this")
     p.add_argument("--max-output", type=int, default=16, help="a sample's output: 2 to this")
     p.add_argument(
         "--reserve", type=int, default=12, help="output tokens a sample's admission reserves"
@@ -554,6 +633,19 @@ def main(argv: list[str] | None = None) -> int:
         help="lock the node before each sample queues (the old recipe): stalls",
     )
     p.add_argument(
+        "--stall-breaker",
+        action="store_true",
+        help="lock the node before each sample queues, and when nothing runs and the "
+        "queue's head is short with every node locked, requeue the newest locked "
+        "node's queued samples to lock at their grant (unlocking it)",
+    )
+    p.add_argument(
+        "--no-hold",
+        dest="hold",
+        action="store_false",
+        help="retract on short growth without holding the grant loop: livelocks",
+    )
+    p.add_argument(
         "--no-recheck",
         dest="recheck",
         action="store_false",
@@ -562,15 +654,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
-    if args.page_size < 2 or min(args.rows, args.max_full, args.reserve, args.stall_passes) < 1:
-        p.error("--page-size must be at least 2; --rows, --max-full, --reserve, --stall-passes 1")
+    if args.page_size < 2 or min(args.rows, args.min_full, args.reserve, args.stall_passes) < 1:
+        p.error("--page-size must be at least 2; --rows, --min-full, --reserve, --stall-passes 1")
+    if args.max_full < args.min_full:
+        p.error("--max-full must be at least --min-full")
+    if args.lock_before_admit and args.stall_breaker:
+        p.error("--stall-breaker and --lock-before-admit: pick one")
     if min(args.prompts, args.max_samples - 2, args.max_output - 2) < 0:
         p.error("--prompts must be at least 0, --max-samples and --max-output at least 2")
     if not (0 <= args.forward_ms < float("inf") and 0 <= args.abort <= 1):
         p.error("--forward-ms must be a finite number >= 0 and --abort a probability")
-    longest = (args.max_full + 1) * args.page_size + max(args.max_output, args.reserve) + 1
-    if longest > MAX_LEN:
-        p.error(f"a sample may reach {longest} positions; a row holds {MAX_LEN}")
+    longest = _longest(args)
+    if longest > STRIDE:
+        p.error(f"a sample may reach {longest} positions; the example's values allow {STRIDE}")
     if args.pages < -(-longest // args.page_size):
         p.error(f"--pages must be at least {-(-longest // args.page_size)} here")
     return asyncio.run(run(args))

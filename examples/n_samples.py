@@ -50,12 +50,17 @@ Three flags put old bugs back, and the checks must then fail:
   stall check reports (with the grants made in those passes).
 
 ``--stall-breaker`` is a policy, not a bug: each sample locks its node
-before it queues (it keeps its prompt's pages), and only when nothing runs,
-the queue's head is short and every cached node is locked, the engine
-cancels the queued samples of the newest locked node (a cancelled admission
-holds nothing; one granted but not resumed gives its row and pages back)
-and requeues them to lock at their grant after the re-check, so the node
-may be evicted. It recomputes far less than the lock at grant (docs/changes.md).
+before it queues (it keeps its prompt's pages; retracted, it keeps the
+lock), and a lock held by queued samples gives way only when otherwise
+nothing could move: when no row is allocated and the queue's head is short
+with every cached node locked (the stall above), or when a sample's growth
+is short with nothing to evict (retracted instead, a lone runner may be
+granted, grow short and be retracted for ever). The engine then cancels the
+queued samples of the newest node that only they lock (a cancelled
+admission holds nothing; one granted but not resumed gives its row and
+pages back), awaits them, and requeues them to lock at their grant after
+the re-check, so the node may be evicted. It recomputes far less than the
+lock at grant (docs/changes.md).
 ``--min-full``, ``--max-full``, ``--max-samples``, ``--pages``,
 ``--page-size`` and ``--rows`` size the run; the tally ``samples
 recomputed`` counts the samples that prefilled their prompt again.
@@ -393,17 +398,27 @@ async def run(args: argparse.Namespace) -> int:
                 node.queued += 1
             submit(s, node.prompt.full + own_pages(s) if s.plain else own_pages(s), 0)
 
-    async def break_stall() -> None:
-        """No row is allocated, the queue's head is short and every cached
-        node is locked by samples that queue: cancel the queued samples of the
-        newest locked node, which unlocks it (the next pass may evict it),
-        and requeue them, to lock at their grant after a re-check."""
-        node = next(n for n in reversed(nodes) if not n.evicted and n.lock > 0)
-        waiting = [
+    def queue_locked(node: Node) -> list[Sample]:
+        """The node's samples that queue holding a lock on it."""
+        return [
             s
             for s in samples_made
             if s.node is node and s.locked and s.task is not None and not s.task.done()
         ]
+
+    def revocable() -> tuple[Node, list[Sample]] | None:
+        """The newest cached node locked by samples that queue and by no
+        other (none runs on it, none is granted), and those samples."""
+        for node in reversed(nodes):
+            if not node.evicted and node.lock:
+                waiting = queue_locked(node)
+                if len(waiting) == node.lock:
+                    return node, waiting
+        return None
+
+    async def break_lock(node: Node, waiting: list[Sample]) -> None:
+        """Cancel the node's queued samples, which unlocks it (it may be
+        evicted), and requeue them, to lock at their grant after a re-check."""
         for s in waiting:
             assert s.task is not None
             s.task.cancel()  # granted at hand-over, it gives its row and pages back
@@ -430,13 +445,18 @@ async def run(args: argparse.Namespace) -> int:
             pool.reclaim()
             # 1. Evict for the queue's head what it lacks (pending pages count).
             short = pool.pages_short()
-            if short and evict_for(short) < short and args.stall_breaker:
-                # A stall for good: no row is allocated (nothing runs, no grant
-                # waits to be resumed), pending pages are counted, and every
-                # cached node is locked by samples that queue.
-                live = [n for n in nodes if not n.evicted]
-                if pool.allocated_size() == 0 and live and all(n.lock for n in live):
-                    await break_stall()
+            # With the stall breaker, a stall for good: the head is still short
+            # (pending pages count), no row is allocated (nothing runs, no grant
+            # waits to be resumed) and every cached node is locked by samples
+            # that queue.
+            if (
+                short
+                and evict_for(short) < short
+                and args.stall_breaker
+                and pool.allocated_size() == 0
+                and (found := revocable()) is not None
+            ):
+                await break_lock(*found)
             # 2. The grants: a prompt prefills; a sample re-checks its node.
             new_prompts: list[Prompt] = []
             grants, granted[:] = list(granted), []
@@ -462,7 +482,15 @@ async def run(args: argparse.Namespace) -> int:
                 sitting_out.add(s.id)
                 if hold is None and args.hold:  # growth first: what comes back is growth's
                     hold = pool.hold_grants()  # (before a retraction's free)
-                if not evict_for(1):
+                if evict_for(1):
+                    continue
+                if args.stall_breaker and (found := revocable()) is not None:
+                    # Growth beats a lock held by samples that queue (retracted
+                    # instead, a lone runner can be granted, grow short and be
+                    # retracted for ever while queued samples pin every node).
+                    await break_lock(*found)
+                    evict_for(1)
+                else:
                     victim = running[-1]
                     stop(victim, finished=False)
                     counts["retractions"] += 1
@@ -635,9 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--stall-breaker",
         action="store_true",
-        help="lock the node before each sample queues, and when nothing runs and the "
-        "queue's head is short with every node locked, requeue the newest locked "
-        "node's queued samples to lock at their grant (unlocking it)",
+        help="lock the node before each sample queues; when nothing could move "
+        "otherwise (nothing allocated and the head short, or growth short, with "
+        "every node locked), requeue the queued samples of the newest node only "
+        "they lock, to lock at their grant (unlocking it)",
     )
     p.add_argument(
         "--no-hold",

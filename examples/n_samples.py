@@ -53,9 +53,9 @@ Three flags put old bugs back, and the checks must then fail:
 before it queues (it keeps its prompt's pages; retracted, it keeps the
 lock), and a lock held by queued samples gives way only when otherwise
 nothing could move: when no row is allocated and the queue's head is short
-with every cached node locked (the stall above), or when a sample's growth
-is short with nothing to evict (retracted instead, a lone runner may be
-granted, grow short and be retracted for ever). The engine then cancels the
+with every cached node locked (the stall above), or when the one sample
+running grows short with nothing to evict (retracted instead, a lone runner
+may be granted, grow short and be retracted for ever). The engine then cancels the
 queued samples of the newest node that only they lock (a cancelled
 admission holds nothing; one granted but not resumed gives its row and
 pages back), awaits them, and requeues them to lock at their grant after
@@ -484,10 +484,11 @@ async def run(args: argparse.Namespace) -> int:
                     hold = pool.hold_grants()  # (before a retraction's free)
                 if evict_for(1):
                     continue
-                if args.stall_breaker and (found := revocable()) is not None:
-                    # Growth beats a lock held by samples that queue (retracted
-                    # instead, a lone runner can be granted, grow short and be
-                    # retracted for ever while queued samples pin every node).
+                if args.stall_breaker and len(running) == 1 and (found := revocable()):
+                    # A lone runner's growth beats a lock that queued samples
+                    # hold (retracted instead, it can be granted, grow short
+                    # and be retracted for ever while they pin every node);
+                    # with others running, a retraction lets them grow.
                     await break_lock(*found)
                     evict_for(1)
                 else:
@@ -664,8 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         "--stall-breaker",
         action="store_true",
         help="lock the node before each sample queues; when nothing could move "
-        "otherwise (nothing allocated and the head short, or growth short, with "
-        "every node locked), requeue the queued samples of the newest node only "
+        "otherwise (nothing allocated and the head short, or the lone runner's "
+        "growth short, with every node locked), requeue the queued samples of the newest node only "
         "they lock, to lock at their grant (unlocking it)",
     )
     p.add_argument(

@@ -1,0 +1,227 @@
+"""Gaps found by a coverage run of the whole CPU suite and a hand-mutation
+pass over the least-tested modules (the table is filled in below as the
+sweep goes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+from helpers import EventFence, ManualClock, bounded
+
+from asyncpool import AsyncReqToTokenPool, wait_fence
+from asyncpool.fence_wait import _LoopWaits, _pending_waits
+from asyncpool.kv_pages import PageLedger
+from asyncpool.ledger import SlotLedger
+from asyncpool.overdue import OverdueFences
+from asyncpool.threadsafe import submit_wait
+
+# -- overdue.py -------------------------------------------------------------------
+
+TIMEOUT = 10.0
+
+
+def _ledgers(clock: ManualClock) -> tuple[SlotLedger, PageLedger, OverdueFences]:
+    rows_led = SlotLedger(16, clock=clock)
+    pages_led = PageLedger(16, clock=clock)
+    return rows_led, pages_led, OverdueFences(TIMEOUT, [rows_led, pages_led], clock=clock)
+
+
+def _free_rows(led: SlotLedger, n: int, fence: object) -> None:
+    rows = led.take(n)
+    assert rows is not None
+    led.free(rows, fence)  # type: ignore[arg-type]
+
+
+def _free_pages(led: PageLedger, n: int, fence: object) -> None:
+    pages = led.take(n)
+    assert pages is not None
+    led.free(pages, [fence])  # type: ignore[list-item]
+
+
+def test_overdue_fences_are_ordered_by_their_oldest_late_batch_in_any_ledger() -> None:
+    """A fence late in two ledgers is as old as its oldest late batch, wherever
+    that one sits: ``x`` holds rows freed at 8 (the rows ledger is walked
+    first) and pages freed at 0, so it comes before ``y``, freed at 4 (the
+    mutant kept the first batch seen, 8, and listed ``y`` first)."""
+    clock = ManualClock()
+    rows_led, pages_led, overdue = _ledgers(clock)
+    x, y = EventFence(), EventFence()
+    _free_pages(pages_led, 1, x)  # t0 = 0
+    clock.now = 4.0
+    _free_rows(rows_led, 1, y)
+    clock.now = 8.0
+    _free_rows(rows_led, 1, x)
+    clock.now = 30.0
+    assert overdue.fences() == [x, y]
+
+
+def test_the_next_check_is_due_when_the_youngest_pending_batch_turns_late() -> None:
+    """With a fence overdue, the next check is due when the oldest batch that
+    is not late yet turns late, whatever the order the ledgers are walked in:
+    ``y``'s rows freed at 8 are walked before ``z``'s pages freed at 6, due
+    at 6 + 10 - 12 = 4 s (the mutant took the first batch walked: 6 s)."""
+    clock = ManualClock()
+    rows_led, pages_led, overdue = _ledgers(clock)
+    x, y, z = EventFence(), EventFence(), EventFence()
+    _free_rows(rows_led, 1, x)  # t0 = 0: overdue at 12
+    clock.now = 6.0
+    _free_pages(pages_led, 1, z)
+    clock.now = 8.0
+    _free_rows(rows_led, 1, y)
+    clock.now = 12.0
+    found, due = overdue.scan()
+    assert [f for f, _ in found.values()] == [x]
+    assert due == 4.0
+    assert overdue.check() == 4.0
+
+
+def test_an_agreed_scan_is_never_due_in_the_past() -> None:
+    """``scan(agreed=True)``: overdue is what ``agree()`` marked; a batch past
+    the timeout that no agreement marked is due now (0), not a negative
+    number of seconds (the mutant dropped the floor at 0)."""
+    clock = ManualClock()
+    rows_led, _, overdue = _ledgers(clock)
+    x, y = EventFence(), EventFence()
+    _free_rows(rows_led, 1, x)
+    _free_rows(rows_led, 2, y)
+    rows_led.agreed_overdue = {b.did for b in rows_led.pending_batches() if b.fence is x}
+    clock.now = 30.0
+    found, due = overdue.scan(agreed=True)
+    assert [f for f, _ in found.values()] == [x]
+    assert due == 0.0
+
+
+def test_held_in_counts_only_the_ids_behind_overdue_fences() -> None:
+    """``held_in`` (admission's "memory not on its way back") counts the ids
+    of one ledger behind overdue fences only: 2 of the 5 pending rows, and
+    none of the pages ledger's (the mutant counted every pending batch)."""
+    clock = ManualClock()
+    rows_led, pages_led, overdue = _ledgers(clock)
+    x, y = EventFence(), EventFence()
+    _free_rows(rows_led, 2, x)
+    clock.now = 8.0
+    _free_rows(rows_led, 3, y)
+    _free_pages(pages_led, 4, y)
+    clock.now = 12.0
+    assert overdue.held_in(rows_led) == 2
+    assert overdue.held_in(pages_led) == 0
+
+
+def test_a_fence_force_released_is_forgotten_not_logged_as_completed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``forget`` (what ``force_release`` calls) drops a fence logged overdue:
+    the next ``settled()`` says nothing of it (it did not complete: its memory
+    was let go of), ``reported`` turns False, and should it hold memory again
+    and turn overdue, it is logged again (the mutant kept it: a "completed"
+    line for a fence that never completed, and no second warning)."""
+    clock = ManualClock()
+    rows_led, _, overdue = _ledgers(clock)
+    x = EventFence()
+    _free_rows(rows_led, 1, x)
+    clock.now = 12.0
+    with caplog.at_level(logging.INFO, logger="asyncpool.overdue"):
+        overdue.check()
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert rows_led.force_release_all([x]) == 1
+        overdue.forget(x)
+        caplog.clear()
+        overdue.settled()
+        assert not overdue.reported
+        assert caplog.records == []
+        _free_rows(rows_led, 1, x)
+        clock.now = 30.0
+        overdue.check()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "is overdue" in caplog.records[0].getMessage()
+
+
+# -- fence_wait.py ----------------------------------------------------------------
+
+
+async def test_a_fence_the_poller_dropped_is_watched_again() -> None:
+    """A fence whose ``query()`` raised on the watcher's poller (dropped
+    there, the loop notified) but answers "not yet" on the loop is handed
+    to the watcher again, and its waiter wakes when it completes (the
+    mutant left it unwatched: nobody asked it again, the wait hung)."""
+    loop_thread = threading.current_thread()
+
+    class Flaky(EventFence):
+        raised = False  # its one raise, on the poller
+        seen = False  # the loop asked it after that raise
+
+        def query(self) -> bool:
+            if threading.current_thread() is not loop_thread:
+                if not self.raised:
+                    self.raised = True
+                    raise RuntimeError("a flaky query")
+                return self.seen
+            if self.raised and not self.seen:
+                self.seen = True
+                return False  # "not yet", here: watched again
+            return self.seen
+
+    fence = Flaky()
+    async with bounded(5):
+        await wait_fence(fence)
+    assert fence.raised and fence.seen
+    assert _pending_waits(asyncio.get_running_loop()) == 0
+
+
+async def test_a_waiter_cancelled_before_the_check_does_not_stop_the_others() -> None:
+    """A task cancelled while the check that completes its fence is already
+    queued (its future cancelled, its ``finally`` not run yet) is skipped;
+    the others waiting for the fence are woken and the check raises nothing
+    (the mutant set a result on the cancelled future: ``InvalidStateError``
+    out of the check, the others never woken)."""
+    loop = asyncio.get_running_loop()
+    fence = EventFence()
+    quitter = asyncio.create_task(wait_fence(fence))
+    stayer = asyncio.create_task(wait_fence(fence))
+    await asyncio.sleep(0)
+    assert _pending_waits(loop) == 1
+    quitter.cancel()  # its future is cancelled now; the task unwinds next turn
+    fence.set()
+    _LoopWaits.of(loop)._check()  # the queued check runs first
+    assert stayer.done() is False  # woken: it resumes on the loop's next turn
+    async with bounded():
+        await stayer
+    with pytest.raises(asyncio.CancelledError):
+        async with bounded():
+            await quitter
+    assert _pending_waits(loop) == 0
+
+
+# -- threadsafe.py ----------------------------------------------------------------
+
+
+def test_a_submission_to_a_closed_loop_says_how_to_go_on() -> None:
+    """A thread-safe call on a pool whose loop is closed is refused at once
+    with a ``RuntimeError`` that says what to do (``bind()`` the pool in its
+    new loop), not asyncio's bare "Event loop is closed" (what the mutant
+    let through); nothing is taken."""
+    pool = AsyncReqToTokenPool(2, 16)
+    loop = asyncio.new_event_loop()
+
+    async def bind() -> None:
+        pool.bind()
+
+    loop.run_until_complete(bind())
+    loop.close()
+    free = pool.available_size()
+    for call in (lambda: pool.alloc_threadsafe(1), lambda: submit_wait(loop, _never, _unused)):
+        with pytest.raises(RuntimeError, match=r"bind\(\) the pool in its new loop"):
+            call()
+    assert pool.available_size() == free
+    assert pool.stats().allocated == 0
+
+
+async def _never() -> int:
+    raise AssertionError("never started")
+
+
+def _unused(_: int) -> None:
+    raise AssertionError("nothing to give back")

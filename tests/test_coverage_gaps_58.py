@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import Any
 
 import pytest
 from helpers import EventFence, ManualClock, bounded
 
-from asyncpool import AsyncReqToTokenPool, wait_fence
+from asyncpool import AsyncReqToTokenPool, KVPagePool, wait_fence
 from asyncpool.fence_wait import _LoopWaits, _pending_waits
 from asyncpool.kv_pages import PageLedger
 from asyncpool.ledger import SlotLedger
@@ -225,3 +226,44 @@ async def _never() -> int:
 
 def _unused(_: int) -> None:
     raise AssertionError("nothing to give back")
+
+
+# -- figures.py -------------------------------------------------------------------
+
+
+async def test_pages_alone_agreed_overdue_are_counted_and_listed(
+    group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit pool without ``fence_timeout`` scans for what ``agree()``
+    marked overdue once any ledger holds a mark, a page ledger's too: pages
+    trimmed off a live row behind a stuck transfer (no row pending) are
+    counted by ``stats()`` and listed by ``overdue_fences()`` (the mutant
+    looked at the rows ledger's marks only: 0 fences, an empty list)."""
+    import asyncpool.agreement as agreement
+
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4), reclaim="explicit")
+    g = pool.try_admit(pages=3)
+    assert g is not None
+    transfer = EventFence()
+    pool.trim_pages([g.row], 1, fence=transfer)
+    real = agreement._all_reduce_min
+    nh = len(agreement._HEADER) * agreement.SLOTS
+
+    def overdue_on_another_rank(values: list[int], grp: Any, dev: Any, **kw: Any) -> Any:
+        out = real(values, grp, dev, **kw)
+        for i in range(2 * nh + 1, len(out) - 1, 3):  # [done, -overdue, -faulted] each
+            out[i] = -1
+        return out
+
+    monkeypatch.setattr(agreement, "_all_reduce_min", overdue_on_another_rank)
+    assert pool.agree(group) == (0, 0)
+    st = pool.stats()
+    assert (st.overdue_fences, st.overdue_rows, st.overdue_pages) == (1, 0, 2)
+    assert pool.overdue_fences() == [transfer]
+    monkeypatch.setattr(agreement, "_all_reduce_min", real)
+    transfer.set()
+    assert pool.agree(group) == (0, 2)
+    assert pool.overdue_fences() == []
+    pool.free([g.row])
+    pool.check_invariants()
+    await pool.close()

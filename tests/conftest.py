@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -53,6 +54,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _trace_function_put_back() -> Iterator[None]:
+    """Every test leaves the trace function it found. A coverage run's is
+    one: a test that set its own and then ``sys.settrace(None)`` ended the
+    measurement of every later test in the session, silently (half the
+    suite measured as unrun). Checked only where one is set."""
+    before = sys.gettrace()
+    yield
+    if before is not None:
+        assert sys.gettrace() is before, "the test did not put back the trace function it found"
 
 
 @pytest.fixture

@@ -899,11 +899,12 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
 
     scrape = collector.collect()
     families = list(itertools.islice(scrape, 1))  # begun: its snapshots taken
+    previous = sys.gettrace()  # a coverage run's tracer: put back after
     sys.settrace(tracer)
     try:
         families += list(scrape)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     assert landed and families
     landed[0].join(10)
     assert not landed[0].is_alive()
@@ -943,11 +944,12 @@ def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
             return removes
         return None
 
+    previous = sys.gettrace()  # a coverage run's tracer: put back after
     sys.settrace(tracer)
     try:
         collector.add(new, name="c")
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     assert landed
     landed[0].join(10)
     assert not landed[0].is_alive()

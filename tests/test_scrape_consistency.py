@@ -199,11 +199,13 @@ def test_kv_stats_survive_a_queue_added_mid_read() -> None:
             return owner_frees  # inside the walk (a comprehension of it)
         return None
 
+    previous = sys.gettrace()  # a coverage run's tracer: put back after
+
     sys.settrace(tracer)
     try:
         st = kv.stats()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     assert landed and st.pending_fences in (2, 3)
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
     assert len(led.pending_fences()) == 3

@@ -501,12 +501,13 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
 
     tb = threading.Thread(target=thread_b, name="B")
     tb.start()
+    previous = sys.gettrace()  # a coverage run's tracer: put back after
     sys.settrace(tracer)
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(on_a())
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
         tb.join(WAIT_S)
     assert not tb.is_alive()
     if "error_b" in state:

@@ -5,19 +5,26 @@ sweep goes)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import weakref
 from typing import Any
 
+import numpy as np
 import pytest
-from helpers import EventFence, ManualClock, bounded
+import torch
+from helpers import EventFence, ManualClock, bounded, page_ids
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool, wait_fence
+from asyncpool import AsyncReqToTokenPool, CapacityError, KVPagePool, ReqToTokenPool, wait_fence
 from asyncpool.fence_wait import _LoopWaits, _pending_waits
+from asyncpool.fences import fence_list
 from asyncpool.kv_pages import PageLedger
 from asyncpool.ledger import SlotLedger
+from asyncpool.naming import NamedLog
 from asyncpool.overdue import OverdueFences
 from asyncpool.threadsafe import submit_wait
+from asyncpool.watcher import FenceWatcher
 
 # -- overdue.py -------------------------------------------------------------------
 
@@ -267,3 +274,108 @@ async def test_pages_alone_agreed_overdue_are_counted_and_listed(
     pool.free([g.row])
     pool.check_invariants()
     await pool.close()
+
+
+# -- lines no test ran (the coverage run) -------------------------------------------
+
+
+def test_a_named_log_says_what_it_wraps() -> None:
+    """``repr(NamedLog)`` names its logger and the pool's name (naming.py)."""
+    log = NamedLog(logging.getLogger("asyncpool.deferral"), "swa")
+    assert repr(log) == "<NamedLog asyncpool.deferral 'swa'>"
+
+
+def test_a_collected_fence_logged_overdue_is_forgotten_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fence logged overdue that completed and was collected before the
+    next ``settled()`` (only a weak reference is kept) is dropped without a
+    line: there is no fence left to name (the mutant went on and logged
+    ``None`` as completed)."""
+    clock = ManualClock()
+    rows_led, _, overdue = _ledgers(clock)
+    x = EventFence()
+    _free_rows(rows_led, 1, x)
+    clock.now = 12.0
+    with caplog.at_level(logging.ERROR, logger="asyncpool.overdue"):
+        overdue.check()  # logged (no record kept here: a record would hold the fence)
+    assert overdue.reported
+    x.set()
+    assert rows_led.reclaim() == 1
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+    with caplog.at_level(logging.INFO, logger="asyncpool.overdue"):
+        overdue.settled()
+    assert caplog.records == []
+    assert not overdue.reported
+
+
+def test_force_release_of_no_fences_releases_and_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``force_release([])`` on the sync row pool and on a page pool answers
+    0 and logs nothing (sync_pool.py, kv_pages.py)."""
+    rows = ReqToTokenPool(4, 8)
+    kv = KVPagePool(9, 4)
+    with caplog.at_level(logging.DEBUG, logger="asyncpool"):
+        assert rows.force_release([]) == 0
+        assert kv.force_release([]) == 0
+    assert caplog.records == []
+
+
+def test_a_stopped_watcher_refuses_to_poll_again() -> None:
+    """``FenceWatcher.rewatch`` after ``stop()`` raises, as ``watch`` does."""
+    watcher = FenceWatcher(lambda: None)
+    watcher.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        watcher.rewatch([EventFence()])
+
+
+def test_no_fence_is_an_empty_tuple() -> None:
+    """``fence_list(None)``: no fences (fences.py)."""
+    assert fence_list(None) == ()
+
+
+def test_a_kv_group_name_given_twice_is_refused() -> None:
+    """Two keys that are one name once checked (a ``str`` subclass is taken
+    as its plain characters) are refused, naming it, before anything is
+    built (pool.py)."""
+
+    class Other(str):
+        __slots__ = ()
+
+        def __hash__(self) -> int:
+            return hash(("other", str(self)))
+
+        def __eq__(self, other: object) -> bool:
+            return other.__class__ is Other and str.__eq__(self, other)
+
+    kv = {"swa": KVPagePool(9, 4), Other("swa"): KVPagePool(9, 4)}
+    assert len(kv) == 2
+    with pytest.raises(ValueError, match="the KV group name 'swa' is given twice"):
+        AsyncReqToTokenPool(3, 64, kv=kv)
+
+
+@pytest.mark.parametrize(
+    ("keep", "match"),
+    [
+        (np.int64(-1), "keep must be a page count >= 0, got -1"),
+        (torch.tensor(1.5), "got a 0-D torch.float32 Tensor"),
+    ],
+    ids=["numpy negative", "0-d float tensor"],
+)
+def test_one_bad_scalar_count_is_refused_and_changes_nothing(keep: object, match: str) -> None:
+    """One count for every row that is not a plain ``int``: a negative numpy
+    integer, a 0-d float tensor (``as_index`` refuses it; the array check
+    names it) are refused with ``CapacityError``, the row's pages as they
+    were (page_args.py)."""
+    pool = AsyncReqToTokenPool(3, 64, kv=KVPagePool(9, 4))
+    g = pool.try_admit(pages=3)
+    assert g is not None
+    before = page_ids(pool.pages_of(g.row))
+    with pytest.raises(CapacityError, match=match):
+        pool.trim_pages([g.row], keep)  # type: ignore[arg-type]
+    assert page_ids(pool.pages_of(g.row)) == before
+    pool.check_invariants()

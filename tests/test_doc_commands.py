@@ -74,6 +74,7 @@ EXAMPLES = (
     "weight_update",
     "n_samples",
     "router_drain",
+    "radix_cache",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -652,6 +652,9 @@ async def run(args: argparse.Namespace) -> int:
                         break
                     else:
                         engine.planned()  # (the step in flight holds pages too)
+                        if hold is not None:  # nothing runs: nothing to grow
+                            hold.release()
+                            hold = None
                         try:
                             async with asyncio.timeout(args.stall_s):
                                 grant = await pool.admit(pages=k)

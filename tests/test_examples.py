@@ -722,3 +722,53 @@ def test_radix_cache_awaiting_inline_stalls() -> None:
     # in force once stalled it with the pages free: 1 needed, 6 free).
     assert free < need <= free + cached, proc.stdout
     assert "radix_cache: FAILED: 0 corrupted reads" in proc.stdout and "a stall" in proc.stdout
+
+
+@pytest.mark.parametrize("lock_ancestors", [True, False])
+async def test_radix_cache_keeps_every_node_on_a_borrowed_path(
+    kit: Streams, monkeypatch: pytest.MonkeyPatch, lock_ancestors: bool
+) -> None:
+    """The example's RadixCache, step by step: a node split by a second
+    prompt that leaves it midway, then borrowed whole by a request whose
+    path locks both halves. Eviction of everything evictable takes only the
+    unlocked leaf. With ``lock_ancestors=False`` (``--evict-locked-ancestor``)
+    the top half looks unlocked, and the LRU order of unlocked nodes takes
+    it, and the borrowed node under it, while the borrower reads them."""
+    mod = load_example("radix_cache", monkeypatch)
+    kv = KVPagePool(9, 2)
+    pool = AsyncReqToTokenPool(4, 16, kv=kv)
+    forward = kit.stream("forward")
+    cache = mod.RadixCache(
+        kv, kit.stream("copy"), lock_ancestors=lock_ancestors, behind_write_fence=False
+    )
+    a = [(1, 2), (3, 4), (5, 6)]
+    b = [(1, 2), (3, 4), (7, 8)]
+    for step, keys in enumerate((a, b)):
+        hit = cache.peek(keys)
+        grant = await pool.admit(pages=len(keys) - hit)
+        fence = record_fence(forward)
+        pool.record_use([grant.row], fence)
+        fence.synchronize()
+        own = pool.detach_pages(grant.row, host=True).tolist()
+        assert cache.insert(keys, own, hit, fence, step) == []  # it took them all
+        pool.free([grant.row])
+    assert (cache.splits, cache.pages, cache.nodes) == (1, 4, 3)
+    node, hit = cache.match(a)  # the borrower of a, at its grant (as start does)
+    assert hit == 3 and len(cache.table(node)) == 3
+    for n in cache.borrowed(node):
+        n.lock += 1
+    for n in node.path():
+        n.last_use = 2
+    cache.evict(100)
+    if lock_ancestors:
+        assert (cache.pages, cache.non_leaf_evictions) == (3, 0)  # b's leaf only
+        assert [n.lock for n in node.path()] == [1, 1]
+    else:
+        assert (cache.pages, cache.non_leaf_evictions) == (0, 1)  # the borrowed path too
+    for n in cache.borrowed(node):
+        n.lock -= 1
+    cache.evict(0, everything=True)
+    async with bounded(WAIT_S):
+        await pool.drain()
+    assert pool.stats().pages_allocated == 0
+    await pool.close()

@@ -41,7 +41,7 @@ Every step checks what it reads: each request's context, read through its
 row (the borrowed nodes' pages, then its own), must sum to the KV markers of
 its positions (``corrupted reads``); every finished request's KV and row,
 copied out on the copy stream, are compared with what its steps wrote. Also
-checked: no stall (nothing granted and no token produced for
+checked: no stall (no token produced for
 ``--stall-passes`` passes), every request ends once (finished, aborted or
 cancelled), the cache's pages plus the rows' agree with the pool's count
 (``stats()``) whenever no admission is in flight, and the pool is empty
@@ -68,7 +68,8 @@ Three flags put documented bugs back, and the checks must then fail:
   requests run and an awaited ``admit`` when none does, and evicts nothing:
   the pages the head lacks are held by the cache, and nothing frees them
   while the loop waits. The wait is bounded (``--stall-s``) and reported as
-  a stall.
+  a stall (or, where growth comes up short first, requests retracted and
+  re-admitted with no token produced: a stall after ``--stall-passes``).
 
 Runs on :class:`~asyncpool.HostStream` workers without a GPU and on CUDA
 streams when ``torch.cuda.is_available()`` (``--device cpu`` forces host
@@ -738,13 +739,13 @@ async def run(args: argparse.Namespace) -> int:
                     end(req, how)
             prev = launched
             # Checks: progress, and the cache's pages against the pool's.
-            if len(grants) + done_tokens:
+            if done_tokens:  # (grants alone are no progress: retract, re-admit, ...)
                 progress, last_progress = progress + 1, passes
             elif passes - last_progress > args.stall_passes:
                 stall = (
-                    f"nothing granted and no token for {args.stall_passes} passes "
-                    f"({len(running)} running, {len(tasks)} queued, {pool.pages_short()} pages "
-                    f"short, {cache.pages} cached)"
+                    f"no token for {args.stall_passes} passes ({len(running)} running, "
+                    f"{len(tasks) + len(retry) + len(waiting)} queued, {kv.available_size()} "
+                    f"pages free, {cache.pages} cached)"
                 )
                 break
             if not tasks and not granted:  # no admission in flight: all is known
@@ -861,7 +862,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--admit-timeout", type=float, default=0.005, help="that timeout, in seconds")
     p.add_argument(
-        "--stall-passes", type=int, default=300, help="passes with no progress that make a stall"
+        "--stall-passes",
+        type=int,
+        default=300,
+        help="passes with no token produced that make a stall",
     )
     p.add_argument("--stall-s", type=float, default=1.0, help="--await-inline's bounded wait")
     p.add_argument("--seed", type=int, default=0)

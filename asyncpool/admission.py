@@ -463,7 +463,7 @@ class Admission(PageArgs):
             self._give_back([row])
             raise
         for pages, arr in zip(sets, taken, strict=True):
-            if arr.shape[0]:  # RowPages.attach, inlined
+            if arr.shape[0]:  # the row's record and seal, as RowPages.grant records them
                 pages.owned[row] = arr
                 pages.sealed[row] = arr.tobytes()
         return _new_grant(GroupGrant, (row, outs))

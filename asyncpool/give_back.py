@@ -52,7 +52,7 @@ def _check_below(
     for row, b in zip(rows, belows, strict=True):
         if not b:
             continue  # never past (b >= 0: checked)
-        # pages.position_count(row), inlined: the per-row cost of a drop.
+        # the row's positions (its dropped ones and its pages), inline: the per-row cost of a drop.
         record = owned[row]
         have = (0 if record is None else len(record)) + (holes.get(row, 0) if holes else 0)
         if b > have:

@@ -230,14 +230,6 @@ class RowPages:
             self.sealed[row] = pages.tobytes()
         return _new_grant(Grant, (row, out))
 
-    def attach(self, row: int, pages: npt.NDArray[np.int64]) -> None:
-        """Record ``pages`` (from :meth:`take`) as ``row``'s: :meth:`grant`
-        without the tensor, for a grouped admission, which makes every
-        group's tensor (:meth:`out`) before it records any."""
-        if pages.shape[0]:
-            self.owned[row] = pages
-            self.sealed[row] = pages.tobytes()
-
     def give_back(self, row: int) -> None:
         """Undo :meth:`grant` for a waiter cancelled before it resumed: the
         pages return to the head of the free ring, as if never taken."""
@@ -549,11 +541,6 @@ class RowPages:
         if pages is not None:
             out[d:] = pages
         return out
-
-    def position_count(self, row: int) -> int:
-        """How many positions ``row`` has: its dropped ones and its pages."""
-        pages = self.owned[row]
-        return self.holes.get(row, 0) + (0 if pages is None else pages.shape[0])
 
     def forget(self, rows: Sequence[int]) -> None:
         """Drop the dropped counts of ``rows`` (freed, or their pages detached)."""

@@ -30,8 +30,8 @@ What no test runs, after this file (120 lines):
   the invariant checks ``figures.py`` 381, ``waiters.py`` 704,
   ``deferral.py`` 1366 (only a corrupted state trips them). Never called
   from the library: ``RowPages.attach``, ``RowPages.position_count``
-  (inlined in ``give_back.py``) and ``PageLedger.frees`` (stats derive it):
-  left, not deleted.
+  (inlined in ``give_back.py``): deleted at the merge; ``PageLedger.frees``
+  (stats derive it) kept, as ``Ledger.frees``'s mirror that tests read.
 * A loop closed by another thread between a check and
   ``call_soon_threadsafe`` (``fence_wait.py`` 145, 233; ``threadsafe.py``
   85; ``lifecycle.py`` 91; ``wakeups.py`` 211, 465), and rollbacks of a

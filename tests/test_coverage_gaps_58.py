@@ -176,11 +176,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import EventFence, ManualClock, bounded, grouped_pool, page_ids
+from helpers import EventFence, FakeStream, ManualClock, bounded, grouped_pool, page_ids
 
 from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
+    HostStream,
     KVPagePool,
     ReqToTokenPool,
     wait_fence,
@@ -566,3 +567,119 @@ async def test_a_grouped_trim_without_a_fence_serves_the_queue_at_once() -> None
     pool.free([g.row, grant.row])
     pool.check_invariants()
     await pool.close()
+
+
+# -- lines the first pass left (covgaps2) -------------------------------------------
+
+
+class _StatusWord(EventFence):
+    """A fence whose ``query()`` answers ``False``, then a status word."""
+
+    def query(self) -> Any:
+        self.queries += 1
+        return "DONE" if self.event.is_set() else False
+
+
+def test_a_later_fence_of_a_free_that_answers_a_word_quarantines_it() -> None:
+    """A free behind two fences waits on the first and keeps the second
+    behind it; when the second, asked at a reclaim, answers a status word
+    (neither yes nor no), the row and its pages are quarantined as a fault
+    (deferral.py 649; the mutant took the truthy word for "done" and freed
+    them behind a transfer that may still write)."""
+    pool = AsyncReqToTokenPool(4, 8, kv=KVPagePool(9, 4))
+    g = pool.try_admit(pages=2)
+    assert g is not None
+    first, word = EventFence(), _StatusWord()
+    pool.free([g.row], fence=[first, word])
+    [batch] = pool._ledger.pending_batches()
+    assert batch.fence is first and batch.more == (word,)
+    first.set()
+    word.set()
+    assert pool.reclaim() == 0
+    st = pool.stats()
+    assert (st.free, st.pending, st.quarantined, st.fence_errors) == (2, 0, 1, 1)
+    assert (st.pages_free, st.pages_pending, st.pages_quarantined) == (6, 0, 2)
+    pool.check_invariants()
+
+
+def test_a_stream_given_to_a_page_ledger_as_a_fence_says_what_to_pass() -> None:
+    """``PageLedger.free`` refuses a stream among its fences with the error
+    that says to pass ``after=stream`` or a recorded fence (ledger.py 382;
+    the pool's calls refuse it earlier, in ``fence_list``), the pages as
+    they were (the mutant raised the bare "must be a fence")."""
+    led = PageLedger(8)
+    pages = led.take(2)
+    assert pages is not None
+    stream = HostStream()
+    try:
+        with pytest.raises(TypeError, match=r"a stream, not a fence.*after=stream"):
+            led.free(pages, [stream])  # type: ignore[list-item]
+    finally:
+        stream.close()
+    assert (led.free_count, led.pending) == (5, 0)
+    assert led.free(pages) == 2
+
+
+def test_many_fences_of_one_stream_recorded_at_once_keep_the_newest() -> None:
+    """More than ``_FOLD_AT`` fences recorded in one ``record_use`` are folded
+    in one pass: of one stream's, the newest replaces the older (ledger.py
+    1248-1249), so the row's free waits for the last, not the first (the
+    mutant kept the first: the row was reclaimed with 9 of 10 steps still
+    running)."""
+    pool = AsyncReqToTokenPool(4, 8)
+    rows = pool.try_alloc(1)
+    assert rows is not None
+    stream = FakeStream()
+    pool.record_use(rows, [stream.record() for _ in range(10)])
+    pool.free(rows)
+    stream.complete(1)
+    assert pool.reclaim() == 0
+    assert pool.stats().pending == 1
+    stream.complete()
+    assert pool.reclaim() == 1
+    pool.check_invariants()
+
+
+def test_a_fence_of_unknown_origin_recorded_again_among_many_is_kept_once() -> None:
+    """A fence of unknown origin a row already holds, recorded again among
+    more than ``_FOLD_AT`` fences, is kept once (ledger.py 1234): the free
+    is held once, and the free waits on the stream's newest and on it (the
+    mutant did not see the one held and held it twice: the free's own
+    newest-per-stream pass hid that, the row's uses grew)."""
+    pool = AsyncReqToTokenPool(4, 8)
+    rows = pool.try_alloc(1)
+    assert rows is not None
+    mine, stream = EventFence(), FakeStream()
+    pool.record_use(rows, mine)
+    fences = [mine, *(stream.record() for _ in range(9))]
+    pool.record_use(rows, fences)
+    assert pool._ledger._uses[rows[0]] == (mine, fences[-1])
+    pool.free(rows)
+    [batch] = pool._ledger.pending_batches()
+    assert (batch.fence, batch.more) == (fences[-1], (mine,))
+    stream.complete()
+    assert pool.reclaim() == 0
+    mine.set()
+    assert pool.reclaim() == 1
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("names", [["swa"], []], ids=["one group, one ledger", "no groups"])
+def test_agree_with_page_groups_that_do_not_match_its_ledgers_is_refused(
+    group: Any, names: list[str]
+) -> None:
+    """``agree(page_groups=...)`` takes the row ledger and one page ledger
+    per group, and at least one group: otherwise ``ValueError`` before any
+    collective (agreement.py 330), the ledgers untouched."""
+    from asyncpool.agreement import agree
+
+    rows_led = SlotLedger(4)
+    rows = rows_led.take(1)
+    assert rows is not None
+    fence = EventFence()
+    rows_led.free(rows, fence)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one page ledger per group"):
+        agree(group, [rows_led], page_groups=names)
+    assert rows_led.pending == 1
+    fence.set()
+    assert rows_led.reclaim() == 1

@@ -182,6 +182,7 @@ from asyncpool import (
     AsyncReqToTokenPool,
     CapacityError,
     HostStream,
+    InvalidSlotError,
     KVPagePool,
     ReqToTokenPool,
     wait_fence,
@@ -683,3 +684,41 @@ def test_agree_with_page_groups_that_do_not_match_its_ledgers_is_refused(
     assert rows_led.pending == 1
     fence.set()
     assert rows_led.reclaim() == 1
+
+
+def test_a_sparse_tensor_of_more_ids_than_pages_is_refused_typed() -> None:
+    """A sparse 1-D tensor longer than the page pool is refused whole with
+    ``InvalidSlotError`` naming its layout, the pages as they were
+    (kv_pages.py 486; the mutant sliced it: torch's ``NotImplementedError``
+    for ``as_strided`` on a sparse tensor escaped untyped)."""
+    kv = KVPagePool(9, 4)
+    pages = kv.alloc(2)
+    assert pages is not None
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 1]]), pages.to(torch.int64), (20,), check_invariants=True
+    )
+    with pytest.raises(InvalidSlotError, match=r"strided integer tensor.*sparse_coo"):
+        kv.free(sparse)
+    assert kv.free(pages) == 2
+    kv.check_invariants()
+
+
+def test_a_stream_faulted_again_after_256_others_is_an_error_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ledger remembers the newest 256 faulted streams (one WARNING, then
+    DEBUG lines, for a sticky stream's later fences); past that it forgets
+    the oldest (deferral.py 864), whose next fault is an ERROR again, as
+    for a stream never seen (the mutant kept every stream: the memory grew
+    with each, and the old stream's fault was a WARNING "faulted too")."""
+    led = SlotLedger(260)
+    streams = [FakeStream() for _ in range(258)]
+    for stream in streams:
+        stream.fault_at = 1
+    with caplog.at_level(logging.WARNING, logger="asyncpool.deferral"):
+        for stream in [*streams[:257], streams[0]]:
+            _free_rows(led, 1, stream.record())
+    assert (led.quarantined, led.fence_errors) == (258, 258)
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.ERROR] * 258
+    assert f"{streams[0].key}:2" in caplog.records[-1].getMessage()

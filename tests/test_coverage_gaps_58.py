@@ -722,3 +722,52 @@ def test_a_stream_faulted_again_after_256_others_is_an_error_again(
     levels = [r.levelno for r in caplog.records]
     assert levels == [logging.ERROR] * 258
     assert f"{streams[0].key}:2" in caplog.records[-1].getMessage()
+
+
+async def test_an_ordered_fence_the_poller_dropped_is_watched_again_for_the_pool() -> None:
+    """An ordered fence (``stream_key`` and ``seq``) a row waits behind that
+    answers done on the watcher's poller (dropped there) and "not done" on
+    the loop (until the poller asks it again) is found in its stream's
+    queue (deferral.py 1027) and watched again: the queued ``alloc`` is
+    served once it completes (the mutant did not find it: nobody asked it
+    again, the waiter hung)."""
+    loop_thread = threading.current_thread()
+
+    class Bouncing(EventFence):
+        stream_key = 987_654_320
+        seq = 1
+        polled = False  # answered done on the poller once (once set())
+        refused = False  # then "not done" on the loop
+        repolled = False  # asked on the poller again: done everywhere
+
+        def query(self) -> bool:
+            if threading.current_thread() is not loop_thread:
+                if not self.event.is_set():
+                    return False
+                if self.polled:
+                    self.repolled = True
+                self.polled = True
+                return True
+            if self.polled and not self.repolled:
+                self.refused = True
+            return self.repolled
+
+    pool = AsyncReqToTokenPool(2, 8)
+    fence = Bouncing()
+    try:
+        rows = pool.try_alloc(1)
+        assert rows is not None
+        pool.free(rows, fence=fence)
+        waiter = asyncio.ensure_future(pool.alloc(1))
+        await asyncio.sleep(0)
+        assert pool.waiting() == 1  # queued before the poller hears of any answer
+        fence.set()
+        async with bounded(5):
+            again = await waiter
+        assert again == rows
+        assert fence.refused and fence.repolled
+        pool.free(again)
+        pool.check_invariants()
+    finally:
+        async with bounded():
+            await pool.close()

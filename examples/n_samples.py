@@ -432,8 +432,25 @@ async def run(args: argparse.Namespace) -> int:
         counts["breaks"] += 1
         counts["unlocked"] += len(waiting)
 
-    for p in prompts:
-        submit(p, p.full + 1, 1)
+    # Arrivals: every prompt at the start, or (--burst N) bursts of 1 to N
+    # prompts every --burst-every passes, drawn from a generator of their own
+    # (the prompts are the same either way).
+    arriving = list(prompts)
+    arrivals = random.Random(f"burst-{args.seed}")
+    next_burst = 0
+
+    def arrive() -> None:
+        nonlocal next_burst
+        if not args.burst:
+            for p in arriving:
+                submit(p, p.full + 1, 1)
+            arriving.clear()
+        elif arriving and passes >= next_burst:  # the next burst is due
+            n = arrivals.randint(1, args.burst)
+            for p in arriving[:n]:
+                submit(p, p.full + 1, 1)
+            del arriving[:n]
+            next_burst = passes + args.burst_every
 
     prev: tuple[Any, list[tuple[Sample, int]]] | None = None
     steps = passes = progress = last_progress = grants_then = 0
@@ -441,7 +458,9 @@ async def run(args: argparse.Namespace) -> int:
     hold: GrantHold | None = None
     t0 = time.perf_counter()
     try:
+        arrive()  # (all of them, by default)
         while counts["finished"] < total:
+            arrive()
             pool.reclaim()
             # 1. Evict for the queue's head what it lacks (pending pages count).
             short = pool.pages_short()
@@ -549,6 +568,8 @@ async def run(args: argparse.Namespace) -> int:
             if counts["finished"] + len(nodes) > progress:
                 progress, last_progress = counts["finished"] + len(nodes), passes
                 grants_then = counts["grants"]
+            elif arriving and not running and not granted and pool.queue_head() is None:
+                last_progress = passes  # idle, the next burst not due yet: no stall
             elif passes - last_progress > args.stall_passes:
                 stalled = True  # no sample finished, no prompt prefilled
                 break
@@ -657,6 +678,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="prompts arrive in bursts of 1 to this (seeded), one every --burst-every "
+        "passes; 0 (the default): every prompt queues at the start",
+    )
+    p.add_argument(
+        "--burst-every", type=int, default=8, help="passes between two bursts (with --burst)"
+    )
+    p.add_argument(
         "--lock-before-admit",
         action="store_true",
         help="lock the node before each sample queues (the old recipe): stalls",
@@ -686,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device is available here")
     if args.page_size < 2 or min(args.rows, args.min_full, args.reserve, args.stall_passes) < 1:
         p.error("--page-size must be at least 2; --rows, --min-full, --reserve, --stall-passes 1")
+    if min(args.burst, args.burst_every - 1) < 0:
+        p.error("--burst must be at least 0 and --burst-every at least 1")
     if args.max_full < args.min_full:
         p.error("--max-full must be at least --min-full")
     if args.lock_before_admit and args.stall_breaker:

@@ -636,6 +636,22 @@ def test_n_samples_stall_breaker_checks_out(seed: str) -> None:
     assert found is not None and 2 * counts["samples recomputed"] < int(found[1]), proc.stdout
 
 
+def test_n_samples_stall_breaker_checks_out_under_bursts() -> None:
+    # --burst: prompts arrive over time, 1-6 at a time every 8 passes
+    # (seeded), as in trialPin's stalls, instead of all at the start. The
+    # breaker still breaks (5-6 times a run on seeds 0-2 here; the lock
+    # before admission alone stalls on each) and the run checks out.
+    args = ["--device", "cpu", "--seed", "0", "--stall-breaker", "--burst", "6"]
+    proc = _run("n_samples.py", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    clean = "0 corrupted reads, no stall, every prompt's samples finished, pool empty"
+    assert f"n_samples: OK: {clean}" in proc.stdout, proc.stdout
+    counts = _counts(proc.stdout)
+    assert counts.get("stall breaks", 0) > 0, proc.stdout
+    found = re.search(r"(\d+) samples on", proc.stdout)
+    assert found is not None and 2 * counts["samples recomputed"] < int(found[1]), proc.stdout
+
+
 def test_n_samples_without_the_hold_livelocks() -> None:
     # Retracting on short growth without a hold_grants() hold (the example's
     # first version): what a retraction frees goes to the queue's head, a
@@ -661,6 +677,8 @@ def test_n_samples_runs_long_prompts_and_refuses_bad_sizes() -> None:
         (["--min-full", "6", "--max-full", "5"], "--max-full must be at least --min-full"),
         (["--stall-breaker", "--lock-before-admit"], "pick one"),
         (["--min-full", "0"], "--min-full"),
+        (["--burst", "-1"], "--burst must be at least 0"),
+        (["--burst", "4", "--burst-every", "0"], "--burst-every at least 1"),
     ]:
         refused = _run("n_samples.py", *bad)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr

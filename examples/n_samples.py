@@ -64,6 +64,10 @@ lock at grant (docs/changes.md).
 ``--min-full``, ``--max-full``, ``--max-samples``, ``--pages``,
 ``--page-size`` and ``--rows`` size the run; the tally ``samples
 recomputed`` counts the samples that prefilled their prompt again.
+Every prompt queues at the start unless ``--burst N``: then prompts arrive
+in bursts of 1 to N (seeded, a generator of their own, so the prompts are
+the same) every ``--burst-every`` passes, and passes spent idle waiting for
+the next burst are no stall.
 
 Runs on :class:`~asyncpool.HostStream` without a GPU and on CUDA streams
 when ``torch.cuda.is_available()`` (``--device cpu`` forces host streams).

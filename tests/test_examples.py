@@ -639,8 +639,8 @@ def test_n_samples_stall_breaker_checks_out(seed: str) -> None:
 def test_n_samples_stall_breaker_checks_out_under_bursts() -> None:
     # --burst: prompts arrive over time, 1-6 at a time every 8 passes
     # (seeded), as in trialPin's stalls, instead of all at the start. The
-    # breaker still breaks (5-6 times a run on seeds 0-2 here; the lock
-    # before admission alone stalls on each) and the run checks out.
+    # breaker still breaks (5-6 times a run on seeds 0-2 here, where the lock
+    # before admission alone stalls, bursts or not) and the run checks out.
     args = ["--device", "cpu", "--seed", "0", "--stall-breaker", "--burst", "6"]
     proc = _run("n_samples.py", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr

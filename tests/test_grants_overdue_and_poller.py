@@ -277,16 +277,20 @@ async def test_a_stale_wake_up_flag_of_another_loop_does_not_suppress_wake_ups(k
 
 class _IdleCondition(threading.Condition):
     """Says whether a thread is blocked in ``wait()`` (``inside``, read under
-    the condition's lock, is True only while a waiter has released it) and
-    how each wait ended (``ended``: True notified, False timed out)."""
+    the condition's lock, is True only while a waiter has released it), for
+    how long (``timeout``: the poller's backoff sleep and its idle linger are
+    both waits on this condition), and how each wait ended (``ended``: True
+    notified, False timed out)."""
 
     def __init__(self, lock: threading.Lock) -> None:
         super().__init__(lock)
         self.inside = False
+        self.timeout: float | None = None
         self.ended: list[bool] = []
 
     def wait(self, timeout: float | None = None) -> bool:
         self.inside = True
+        self.timeout = timeout
         try:
             notified = super().wait(timeout)
         finally:
@@ -295,7 +299,13 @@ class _IdleCondition(threading.Condition):
         return notified
 
 
-def test_a_fence_watched_while_the_poller_idles_wakes_it():
+def test_a_fence_watched_while_the_poller_idles_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The idle wait is told from the backoff sleep by its timeout, made long
+    # so that it cannot time out while the test looks: in CI's first run the
+    # test once took the 50 µs backoff sleep after the first fence's pass
+    # (polled empty by then) for the idle wait, and that sleep timed out.
+    linger = 60.0
+    monkeypatch.setattr(watcher_mod, "_STREAM_LINGER_S", linger)
     fired = threading.Event()
     watcher = FenceWatcher(fired.set)
     cond = watcher._poll_cond = _IdleCondition(watcher._lock)
@@ -309,7 +319,7 @@ def test_a_fence_watched_while_the_poller_idles_wakes_it():
         deadline = time.monotonic() + WAIT_S
         while True:
             with watcher._lock:
-                if cond.inside and not watcher.polled:
+                if cond.inside and cond.timeout == linger and not watcher.polled:
                     idle_wait = len(cond.ended)  # the wait it is blocked in
                     break
             assert time.monotonic() < deadline, "the poller never went idle"

@@ -105,6 +105,19 @@ def doc_section(name: str, heading: str) -> str:
     return "\n".join(lines[start + 1 :])
 
 
+@contextlib.contextmanager
+def tracing(tracer: Any) -> Iterator[None]:
+    """``sys.settrace(tracer)`` for the block, then the trace function found
+    before it put back (a coverage run's: ``sys.settrace(None)`` would end the
+    measurement of every later test; tests/conftest.py checks it)."""
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 def in_thread(fn: Callable[[], Any], *, name: str = "foreign", daemon: bool = False) -> Any:
     """Run ``fn`` in a fresh thread named ``name`` (not the pool's); return
     its result or re-raise its error here. Bounded by ``WAIT_S``: a call

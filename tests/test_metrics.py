@@ -21,6 +21,7 @@ from helpers import (
     calling_from_a_thread,
     doc_section,
     spin,
+    tracing,
 )
 
 import asyncpool.waiters as waiters_module
@@ -870,7 +871,6 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
     the walk iterated the live dict and raised ``RuntimeError: dictionary
     changed size during iteration``. (The add waits for the collector's
     lock now, which the walk holds: it lands after the walk.)"""
-    import sys
 
     from asyncpool import metrics
 
@@ -899,12 +899,8 @@ def test_a_pool_added_while_a_scrape_forgets_removed_pools_breaks_nothing() -> N
 
     scrape = collector.collect()
     families = list(itertools.islice(scrape, 1))  # begun: its snapshots taken
-    previous = sys.gettrace()  # a coverage run's tracer: put back after
-    sys.settrace(tracer)
-    try:
+    with tracing(tracer):
         families += list(scrape)
-    finally:
-        sys.settrace(previous)
     assert landed and families
     landed[0].join(10)
     assert not landed[0].is_alive()
@@ -920,7 +916,6 @@ def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
     raised ``RuntimeError: dictionary changed size during iteration``. (The
     remove waits for the collector's lock now, which the add holds there.)"""
     import inspect
-    import sys
 
     from asyncpool import metrics
 
@@ -944,12 +939,8 @@ def test_a_pool_removed_while_another_is_added_breaks_nothing() -> None:
             return removes
         return None
 
-    previous = sys.gettrace()  # a coverage run's tracer: put back after
-    sys.settrace(tracer)
-    try:
+    with tracing(tracer):
         collector.add(new, name="c")
-    finally:
-        sys.settrace(previous)
     assert landed
     landed[0].join(10)
     assert not landed[0].is_alive()

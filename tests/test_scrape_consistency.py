@@ -25,11 +25,10 @@ fails on the code before the fix.)
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 import pytest
-from helpers import EventFence, FakeStream, bounded, spin
+from helpers import EventFence, FakeStream, bounded, spin, tracing
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, deferral
 
@@ -199,13 +198,8 @@ def test_kv_stats_survive_a_queue_added_mid_read() -> None:
             return owner_frees  # inside the walk (a comprehension of it)
         return None
 
-    previous = sys.gettrace()  # a coverage run's tracer: put back after
-
-    sys.settrace(tracer)
-    try:
+    with tracing(tracer):
         st = kv.stats()
-    finally:
-        sys.settrace(previous)
     assert landed and st.pending_fences in (2, 3)
     assert st.free + st.allocated + st.pending + st.quarantined == st.capacity
     assert len(led.pending_fences()) == 3

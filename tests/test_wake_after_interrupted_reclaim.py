@@ -33,7 +33,6 @@ import asyncio
 import gc
 import inspect
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -42,7 +41,16 @@ from typing import Any
 
 import pytest
 import uvloop
-from helpers import WAIT_S, EventFence, assert_granted, bounded, count_wake_ups, spin, until
+from helpers import (
+    WAIT_S,
+    EventFence,
+    assert_granted,
+    bounded,
+    count_wake_ups,
+    spin,
+    tracing,
+    until,
+)
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError
 from asyncpool import wakeups as wakeups_mod
@@ -501,13 +509,10 @@ def test_a_retry_left_on_the_old_loop_does_not_touch_the_pool_after_bind(
 
     tb = threading.Thread(target=thread_b, name="B")
     tb.start()
-    previous = sys.gettrace()  # a coverage run's tracer: put back after
-    sys.settrace(tracer)
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
+        with tracing(tracer), asyncio.Runner(loop_factory=factory) as runner:
             runner.run(on_a())
     finally:
-        sys.settrace(previous)
         tb.join(WAIT_S)
     assert not tb.is_alive()
     if "error_b" in state:

@@ -49,15 +49,16 @@ once everything is evicted at the end.
 
 Three flags put documented bugs back, and the checks must then fail:
 
-* ``--evict-behind-write-fence``: a node is evicted behind the fence it had
-  when the cache took it (its writer's), not its newest reader's: a step
-  still reading it, for a request that finished or was retracted a step
-  ago, reads a new request's prompt. (Only where the grant that takes the
-  pages waits for nothing behind that step: an awaited ``admit`` granted
-  once ``pages_short()`` is covered usually waits for the finished
-  request's own pages, pending behind the same step, and writes after it;
-  the loop's ``try_admit`` for a retracted request takes free pages at once.
-  1-10 corrupted reads a run at the defaults.)
+* ``--evict-behind-write-fence``: a node is evicted behind its writer's
+  fence (the step that wrote its pages: for a leaf, the first step of the
+  request that cached it, which wrote its prompt), not its newest
+  reader's: a step still reading it (the one in flight when its last
+  borrower, or the request that cached it, finished) reads a new
+  request's prompt, written into its pages by a grant of the next pass.
+  23-41 corrupted reads a run at the defaults (seeds 0-5, and in debug
+  mode). (Taking the fence at insert as the writer's, the newest step,
+  made it bite only where an older node was evicted: 1-10 reads a run, and
+  1 run in 12 clean in debug mode.)
 * ``--evict-locked-ancestor``: a borrower locks, and marks read, only the
   deepest node of its path, not its ancestors: an ancestor looks unlocked,
   and once it is the least recently used it is evicted (with the nodes under it) while its
@@ -122,7 +123,7 @@ class Node:
     pages: list[int]  # one a chunk, detached from the request that wrote them
     parent: Node | None
     read_fence: Any = None  # the newest step that read the pages
-    write_fence: Any = None  # the fence it had when cached (what the bug waits for)
+    write_fence: Any = None  # its writer's: the step that wrote its pages (what the bug waits for)
     last_use: int = 0  # its newest use (a grant's match, a leaf put under it): LRU
     lock: int = 0  # running requests whose path goes through it
     children: dict[Chunk, Node] = field(default_factory=dict)
@@ -146,6 +147,7 @@ class Request:
     done: int = 0  # output tokens whose step has been processed
     launched: int = 0  # output tokens whose step has been launched (>= done)
     admission: int = 0  # bumped at each (re-)admission
+    prefill: Any = None  # the fence of its first step since then: its prompt's writer
     row: int = -1
     hit: int = 0  # pages its path in the tree holds: the first of its table
     last: Node | None = None  # the deepest node it borrows (None: no hit)
@@ -250,18 +252,28 @@ class RadixCache:
         return [p for n in reversed(node.path()) for p in n.pages]
 
     def insert(
-        self, keys: list[Chunk], own: list[int], hit: int, fence: Any, step: int
+        self,
+        keys: list[Chunk],
+        own: list[int],
+        hit: int,
+        fence: Any,
+        step: int,
+        written: Any = None,
     ) -> list[int]:
         """Cache the pages of ``keys`` that the tree lacks, taken from
         ``own`` (the pages of positions from ``hit`` pages on: a request's
-        own, detached); return the pages of ``own`` it does not take."""
+        own, detached); return the pages of ``own`` it does not take.
+        ``fence``: the newest step that read them; ``written``: the step
+        that wrote them (the request's first since its admission wrote its
+        prompt), kept only for the bug (None: ``fence``)."""
         node, m = self.match(keys)
         take: range = range(0)
         if hit <= m < len(keys):  # (m < hit: its path was evicted under it, the bug)
             for n in node.path():  # a new leaf's ancestors are at least as new
                 n.last_use = step
             take = range(m - hit, len(keys) - hit)
-            leaf = Node(keys[m:], [own[i] for i in take], node, fence, fence, step)
+            writer = fence if written is None else written
+            leaf = Node(keys[m:], [own[i] for i in take], node, fence, writer, step)
             node.children[keys[m]] = leaf
             self.pages += len(take)
             self.nodes += 1
@@ -563,6 +575,7 @@ async def run(args: argparse.Namespace) -> int:
             counts["trims"] += 1
             pool.trim_pages(grant.row, k - (hit - req.queued_hit))
         req.row, req.hit, req.admission = grant.row, hit, req.admission + 1
+        req.prefill = None
         req.last = node if hit else None
         for n in cache.borrowed(req.last):
             n.lock += 1
@@ -710,6 +723,8 @@ async def run(args: argparse.Namespace) -> int:
                 pool.record_use([r.row for r in batch], fence)
                 for req in batch:
                     req.launched += 1
+                    if req.prefill is None:  # the step that writes its prompt's KV
+                        req.prefill = fence
                     for n in cache.borrowed(req.last):
                         n.read_fence = fence
                 launched = (fence, [(r, r.admission) for r in batch])
@@ -733,7 +748,7 @@ async def run(args: argparse.Namespace) -> int:
                     unlock(req)
                     engine.copy_out(pool, req)  # launched after step t's fence...
                     own = pool.detach_pages(req.row, host=True).tolist()
-                    rest = cache.insert(keys[req.id], own, req.hit, newest, steps)
+                    rest = cache.insert(keys[req.id], own, req.hit, newest, steps, req.prefill)
                     kv.free(torch.tensor(rest, dtype=torch.int64), fence=newest, after=engine.copy)
                     pool.free([req.row], after=engine.copy)  # ...so the frees wait for it too
                     end(req, how)

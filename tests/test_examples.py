@@ -712,18 +712,17 @@ def test_radix_cache_checks_out(seed: str) -> None:
 @pytest.mark.parametrize("flag", ["--evict-behind-write-fence", "--evict-locked-ancestor"])
 def test_radix_cache_detects_early_eviction(flag: str) -> None:
     # Each documented bug put back: a node evicted behind its writer's fence
-    # while a step (or a copy-out) still reads it (1-7 corrupted reads and
-    # 0-10 corrupted KV a run on seed 0, 22 of 22 runs, 12 with the suite
-    # running alongside), or an ancestor of a borrowed node evicted because
-    # only the deepest node was locked (38-78 reads, 10 of 10). On the host
-    # streams a step reads only once the next step's prompts are written, so
-    # each early reuse that a prompt write meets is caught.
+    # while a step still reads it (23-41 corrupted reads a run on seed 0, in
+    # debug mode too; when a leaf's writer was taken to be the step in flight
+    # at insert, 1-10, and 1 debug-mode run in 12 read clean: CI's did), or
+    # an ancestor of a borrowed node evicted because only the deepest node
+    # was locked (38-78 reads, 10 of 10). On the host streams a step reads
+    # only once the next pass's prompts are written, so each early reuse
+    # that a prompt write meets is caught.
     proc = _run("radix_cache.py", "--device", "cpu", flag)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    found = re.search(
-        r"radix_cache: FAILED: (\d+) corrupted reads, (\d+) corrupted KV", proc.stdout
-    )
-    assert found is not None and int(found[1]) + int(found[2]) > 0, proc.stdout
+    found = re.search(r"radix_cache: FAILED: (\d+) corrupted reads", proc.stdout)
+    assert found is not None and int(found[1]) > 0, proc.stdout
     if flag == "--evict-locked-ancestor":
         assert _counts(proc.stdout).get("evictions of inner nodes", 0) > 0, proc.stdout
 

@@ -403,7 +403,15 @@ def test_compare_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ratios = data["summary"]["ratios"]
     assert ratios["overlap_vs_sync_best"] > 0
     assert ratios["atomic_vs_row_first_median"] > 0
-    assert ratios["row_utilization_atomic_vs_row_first"] > 1.0
+    # The ratio of the two medians. Which is higher is
+    # test_row_first_admission_holds_rows_without_pages's claim, at twice
+    # the rows the pages keep busy (2.3-2.9x in 8 of 8 runs); at SMALL's 8
+    # rows the two are close (1.03-1.28x in 8 runs, 0.9985x in one CI run),
+    # and 16 rows here leave the unsafe run's rows uncorrupted now and then.
+    util = data["summary"]["overlap"]["row_utilization"]
+    util_row_first = data["summary"]["row-first"]["row_utilization"]
+    assert 0 < util <= 1.0 and 0 < util_row_first <= 1.0
+    assert ratios["row_utilization_atomic_vs_row_first"] == pytest.approx(util / util_row_first)
     assert data["verdict"] == {
         "ok": True,
         "fenced_clean": True,

@@ -732,7 +732,8 @@ async def run(args: argparse.Namespace) -> int:
         else "0 scrapes (skipped: prometheus_client is not installed)"
     )
     print(
-        f"router_drain: {len(router.requests)} requests, {args.replicas} replicas "
+        f"router_drain: {len(router.requests)} requests, {args.replicas} "
+        f"replica{'s' if args.replicas != 1 else ''} "
         f"of {args.rows} rows, {router.routes} routes, {router.requeued} handed back, "
         f"{router.updates} drains for weight updates, {router.replacements} replacements, "
         f"{drains} drains in all, {scrape}, on {where} and {loop}"

@@ -85,7 +85,6 @@ import asyncio
 import collections
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,12 +94,12 @@ import torch
 from asyncpool import (
     AsyncReqToTokenPool,
     Grant,
-    HostStream,
     KVPagePool,
-    ReqToTokenPoolInfo,
     record_fence,
     wait_fence,
 )
+
+from _engine import PagedEngine
 
 MAX_LEN = 128
 
@@ -186,37 +185,14 @@ class PrefixCache:
         return evicted
 
 
-class Engine:
+class Engine(PagedEngine):
     """The KV cache and the forward and copy streams (HostStreams or CUDA)."""
 
     def __init__(
         self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
     ) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.page_size = page_size
-        self.forward_s = forward_ms / 1e3
-        # The engine's KV cache, one value a slot; page 0 is the pool's padding.
-        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
-        # (step, request) pairs whose step read a context that was not theirs.
-        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
-        # Host streams: the steps launched and not yet let through (see planned).
-        self.gates: list[threading.Event] = []
-        self.forward: Any
-        self.copy: Any
-        if self.cuda:
-            self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.copy = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            # The zero fills above are queued on the current stream, which
-            # neither side stream waits for by itself.
-            self.forward.wait_stream(torch.cuda.current_stream(device))
-            self.copy.wait_stream(torch.cuda.current_stream(device))
-        else:
-            self.forward = HostStream("forward")
-            self.copy = HostStream("copy")
-            # torch's intra-op threads are per thread: keep the workers to one.
-            self.forward.launch(torch.set_num_threads, 1)
-            self.copy.launch(torch.set_num_threads, 1)
+        super().__init__(device, num_pages, page_size, forward_ms)
+        self.copy: Any = self.new_stream("copy")
 
     def write_prompt(self, pool: AsyncReqToTokenPool, req: Request, cached: int) -> None:
         """Prefill: the row's slots of positions ``0..length-1`` (the cached
@@ -224,14 +200,7 @@ class Engine:
         n = req.length
         slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
         values = torch.tensor([req.value(p) for p in range(cached, n)])
-        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache[slots[cached:].to(self.device)] = values.to(self.device)
-                pool.set_req_pool_info(req.row, info)
-        else:
-            self.kv_cache[slots[cached:]] = values
-            pool.set_req_pool_info(req.row, info)
+        self.write(pool, req.row, slots, values, cached)
 
     def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
         """The forward of one step: each request reads its context through
@@ -245,28 +214,7 @@ class Engine:
         sums = torch.tensor(
             [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
         )
-        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                tensors = (t.to(self.device) for t in (rows, pos, slots, values, sums))
-                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _step(*args, *tensors)
-        else:
-            gate = threading.Event()
-            self.gates.append(gate)
-            self.forward.launch(
-                _host_step, self.forward_s, gate, *args, rows, pos, slots, values, sums
-            )
-
-    def planned(self) -> None:
-        """The scheduler has admitted the next step's requests: the host
-        steps launched so far may read and write now. (So on host streams a
-        step in flight always reads and writes *after* the host wrote the
-        prompts of the requests admitted meanwhile, the latest overlap allows:
-        memory handed out too early is caught every time, not by timing.)"""
-        for gate in self.gates:
-            gate.set()
-        self.gates.clear()
+        self.launch_kernel(pool, rows, pos, slots, values, sums)
 
     def copy_out(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Copy a finished request's KV and row to the host, on the copy stream."""
@@ -283,43 +231,6 @@ class Engine:
         else:
             kv_cache = self.kv_cache
             self.copy.launch(lambda: req.copied.append((kv_cache[slots], row.clone())))
-
-    def synchronize(self) -> None:
-        self.planned()
-        self.forward.synchronize()
-        self.copy.synchronize()
-
-    def close(self) -> None:
-        self.planned()
-        if not self.cuda:
-            self.forward.close()
-            self.copy.close()
-
-
-def _step(
-    kv_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    verified_lens: torch.Tensor,
-    bad_reads: torch.Tensor,
-    rows: torch.Tensor,
-    pos: torch.Tensor,
-    slots: torch.Tensor,
-    values: torch.Tensor,
-    sums: torch.Tensor,
-) -> None:
-    # Attention: the KV of positions 0..pos-1, read through the row.
-    context = kv_cache[req_to_token[rows].long()]
-    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
-    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
-    kv_cache[slots] = values
-    req_to_token[rows, pos] = slots.to(req_to_token.dtype)
-    verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
-
-
-def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
-    time.sleep(delay_s)  # the forward's compute, on the stream's worker
-    gate.wait()  # and no sooner than the scheduler has planned the next step
-    _step(*args)
 
 
 def admission_pages(req: Request, page_size: int) -> int:

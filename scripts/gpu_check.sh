@@ -19,7 +19,8 @@
 #   4. the memory-saver test again with the LD_PRELOAD hooks (preload mode)
 #   5. the scheduler demo on CUDA, fenced: must complete with 0 corruptions
 #   6. the scheduler demo on CUDA, --unsafe: must show corruptions (exit 1)
-#   7. every examples/*.py with --device cuda (each checks itself, exit 0/1)
+#   7. every examples/*.py with --device cuda (each checks itself, exit 0/1;
+#      examples/_*.py are modules the examples share, not programs)
 #   8. the demo as one tensor-parallel replica over NCCL (--tp 1): explicit
 #      pools, agree() with CUDA tensors; must finish with 0 mismatches
 #   9. (FULL_SUITE=1) the whole suite on the CUDA machine, reported apart:
@@ -160,7 +161,7 @@ run_step demo_fenced 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --no-
 run_step demo_unsafe 90 "$PY" -m scheduler_demo --device cuda -n "$DEMO_N" --unsafe --no-progress \
     --timeout 80 --json "$OUT_DIR/demo_unsafe.json"
 # --------------------------------------------------------------------------- 7. examples
-run_step examples 240 bash -c 'for ex in examples/*.py; do echo "== $ex"; "$PY" "$ex" --device cuda || exit 1; done'
+run_step examples 240 bash -c 'for ex in examples/[!_]*.py; do echo "== $ex"; "$PY" "$ex" --device cuda || exit 1; done'
 # --------------------------------------------------------------------------- 8. --tp over NCCL
 run_step demo_tp 90 "$PY" -m scheduler_demo --device cuda --tp 1 -n 200 --no-progress --timeout 80
 # --------------------------------------------------------------------------- 9. whole suite

@@ -667,15 +667,23 @@ def gpu_busy(ms: float) -> None:
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A fresh copy of ``examples/<name>.py`` (its dataclasses need it in
-    ``sys.modules`` while it loads)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+def _load_module(name: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A fresh module ``name`` from ``path``, in ``sys.modules`` while the
+    test runs (an example's dataclasses need it there while it loads)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A fresh copy of ``examples/<name>.py``, and of the ``_engine`` module
+    it may import (run as a script it finds ``examples/_engine.py`` beside
+    it, its folder being first on ``sys.path``; the tests' is not)."""
+    _load_module("_engine", EXAMPLES / "_engine.py", monkeypatch)
+    return _load_module(f"example_{name}", EXAMPLES / f"{name}.py", monkeypatch)
 
 
 class WarningsSeen(logging.Handler):

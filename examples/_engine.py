@@ -1,0 +1,181 @@
+"""The engine plumbing that several examples share; not an example itself.
+
+``paged_admission.py``, ``weight_update.py``, ``router_drain.py``,
+``n_samples.py`` and ``radix_cache.py`` each run a stand-in for a model's
+forward over a paged KV cache: :class:`PagedEngine` is what they have in
+common, the KV cache and its check, the streams, the gated host step and
+the kernel. Each example's ``Engine`` subclasses it and keeps what is its
+own: the tensors its prefill and steps are built from (``write_prompt``,
+``launch_step``), copies out, weight updates, extra streams.
+
+The examples import this module by name (``from _engine import ...``): run
+as scripts (``python examples/x.py``, from any directory), their own folder
+is first on ``sys.path``; the tests load it beside them
+(``tests/helpers.py``, ``load_example``). It is not installed: the examples
+run from a checkout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncpool import AsyncReqToTokenPool, HostStream, ReqToTokenPoolInfo
+
+Kernel = Callable[..., None]
+
+
+def step(
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    verified_lens: torch.Tensor,
+    bad_reads: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    values: torch.Tensor,
+    sums: torch.Tensor,
+) -> None:
+    """One step of the batch ``rows``: each reads its context (positions
+    ``0..pos-1``) through its row, counts a read in ``bad_reads`` unless the
+    context sums to ``sums``, then writes ``values`` into its next KV slot
+    ``slots``, that slot into its row at ``pos``, and its verified length."""
+    # Attention: the KV of positions 0..pos-1, read through the row.
+    context = kv_cache[req_to_token[rows].long()]
+    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
+    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
+    kv_cache[slots] = values
+    req_to_token[rows, pos] = slots.to(req_to_token.dtype)
+    verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
+
+
+def _host_step(kernel: Kernel, delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
+    time.sleep(delay_s)  # the forward's compute, on the stream's worker
+    gate.wait()  # and no sooner than the scheduler has planned the next step
+    kernel(*args)
+
+
+class PagedEngine:
+    """A paged KV cache and the streams a step runs on (HostStreams or CUDA).
+
+    ``kv_cache`` holds one int64 value a slot (``num_pages * page_size``
+    slots; page 0 is the pool's padding); ``bad_reads`` counts the (step,
+    request) pairs whose step read a context that was not theirs. On CUDA
+    (``device.type == "cuda"``) the streams are CUDA streams and a step is a
+    kernel launch on ``forward`` after ``forward_ms`` of ``torch.cuda._sleep``;
+    otherwise they are :class:`~asyncpool.HostStream` workers, each kept to
+    one torch thread, and a step sleeps ``forward_ms`` on the worker.
+
+    A host step is *gated*: it reads and writes only once the scheduler
+    calls :meth:`planned`, which it does when it has planned the next step
+    (admitted its requests and written their prompts, from its own thread).
+    A step in flight so always reads after the writes of the requests
+    admitted meanwhile, the latest the overlap allows: memory handed to a
+    new request while a step still uses it is caught every time, not by
+    timing. (On CUDA the prompts are written on the forward stream, whose
+    order puts the old step first: docs/cuda.md.)
+    """
+
+    def __init__(
+        self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.page_size = page_size
+        self.forward_s = forward_ms / 1e3
+        # The engine's KV cache, one value a slot; page 0 is the pool's padding.
+        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
+        # (step, request) pairs whose step read a context that was not theirs.
+        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
+        # Host streams: the steps launched and not yet let through (see planned).
+        self.gates: list[threading.Event] = []
+        self.streams: list[Any] = []  # every stream made by new_stream, forward first
+        self.forward: Any = self.new_stream("forward")
+
+    def new_stream(self, name: str) -> Any:
+        """A stream of this engine's kind, closed with it by :meth:`close`.
+
+        A CUDA stream waits for the current stream first: the zero fills of
+        the tensors made so far are queued there, which a side stream does
+        not wait for by itself. A host stream's worker keeps torch to one
+        thread (torch's intra-op threads are per thread).
+        """
+        stream: Any
+        if self.cuda:
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            stream = self.host_stream(name)
+            stream.launch(torch.set_num_threads, 1)
+        self.streams.append(stream)
+        return stream
+
+    def host_stream(self, name: str) -> HostStream:
+        """The worker of host stream ``name`` (a test may hand out its own)."""
+        return HostStream(name)
+
+    def write(
+        self,
+        pool: AsyncReqToTokenPool,
+        row: int,
+        slots: torch.Tensor,
+        values: torch.Tensor,
+        lo: int,
+    ) -> None:
+        """Prefill ``row``: its slots of positions ``0..len(slots)-1`` (its
+        lengths too) and the KV ``values`` of the positions from ``lo`` on
+        (those before are cached, someone else's). On CUDA on the forward
+        stream; on host streams from the calling thread, outside the
+        forward's order (so a step still reading these slots is caught)."""
+        n = len(slots)
+        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                self.kv_cache[slots[lo:].to(self.device)] = values.to(self.device)
+                pool.set_req_pool_info(row, info)
+        else:
+            self.kv_cache[slots[lo:]] = values
+            pool.set_req_pool_info(row, info)
+
+    def launch_kernel(
+        self, pool: AsyncReqToTokenPool, *tensors: torch.Tensor, kernel: Kernel = step
+    ) -> None:
+        """Launch a step on the forward stream: ``kernel(kv_cache,
+        req_to_token, verified_lens, bad_reads, *tensors)`` (host tensors,
+        moved to the device on CUDA), after ``forward_ms``; on host streams
+        gated until the next :meth:`planned`."""
+        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                moved = (t.to(self.device) for t in tensors)
+                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
+                kernel(*args, *moved)
+        else:
+            gate = threading.Event()
+            self.gates.append(gate)
+            self.forward.launch(_host_step, kernel, self.forward_s, gate, *args, *tensors)
+
+    def planned(self) -> None:
+        """The scheduler has planned the next step (admitted its requests and
+        written their prompts): the host steps launched so far may read and
+        write now."""
+        for gate in self.gates:
+            gate.set()
+        self.gates.clear()
+
+    def synchronize(self) -> None:
+        """Let every step run and wait for every stream."""
+        self.planned()
+        for stream in self.streams:
+            stream.synchronize()
+
+    def close(self) -> None:
+        """:meth:`synchronize`, then stop the host streams' workers."""
+        self.synchronize()
+        if not self.cuda:
+            for stream in self.streams:
+                stream.close()

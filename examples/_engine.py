@@ -173,9 +173,11 @@ class PagedEngine:
         for stream in self.streams:
             stream.synchronize()
 
-    def close(self) -> None:
-        """:meth:`synchronize`, then stop the host streams' workers."""
+    def close(self) -> int:
+        """:meth:`synchronize`, then stop the host streams' workers; the
+        corrupted reads counted (``bad_reads``, every step done)."""
         self.synchronize()
         if not self.cuda:
             for stream in self.streams:
                 stream.close()
+        return int(self.bad_reads)

@@ -56,7 +56,6 @@ import asyncio
 import itertools
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,13 +64,13 @@ import torch
 
 from asyncpool import (
     AsyncReqToTokenPool,
-    HostStream,
     KVPagePool,
     PoolBusyError,
-    ReqToTokenPoolInfo,
     record_fence,
     wait_fence,
 )
+
+from _engine import PagedEngine
 
 MAX_PROMPT = 12
 MAX_OUTPUT = 8
@@ -107,38 +106,15 @@ class Request:
         return self.pages[pos // page_size] * page_size + pos % page_size
 
 
-class Engine:
+class Engine(PagedEngine):
     """The KV cache and the forward stream (a HostStream or CUDA)."""
-
-    def __init__(self, device: torch.device, num_pages: int, page_size: int, forward_ms: float):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.page_size = page_size
-        self.forward_s = forward_ms / 1e3
-        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
-        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
-        self.gates: list[threading.Event] = []
-        self.forward: Any
-        if self.cuda:
-            self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.forward.wait_stream(torch.cuda.current_stream(device))
-        else:
-            self.forward = HostStream("forward")
-            self.forward.launch(torch.set_num_threads, 1)
 
     def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Prefill (or recompute): the KV and row entries of ``0..length-1``."""
         n = req.length
         slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
         values = torch.tensor([req.value(p) for p in range(n)])
-        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache[slots.to(self.device)] = values.to(self.device)
-                pool.set_req_pool_info(req.row, info)
-        else:
-            self.kv_cache[slots] = values
-            pool.set_req_pool_info(req.row, info)
+        self.write(pool, req.row, slots, values, 0)
 
     def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
         """Each request reads its context through its row, then writes its
@@ -152,24 +128,7 @@ class Engine:
         sums = torch.tensor(
             [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
         )
-        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                tensors = (t.to(self.device) for t in (rows, pos, slots, values, sums))
-                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _step(*args, *tensors)
-        else:
-            gate = threading.Event()
-            self.gates.append(gate)
-            self.forward.launch(
-                _host_step, self.forward_s, gate, *args, rows, pos, slots, values, sums
-            )
-
-    def planned(self) -> None:
-        """The next step's prompts are written: the host steps may run."""
-        for gate in self.gates:
-            gate.set()
-        self.gates.clear()
+        self.launch_kernel(pool, rows, pos, slots, values, sums)
 
     def update_weights(self) -> None:
         """New weights; the released KV memory comes back holding nothing
@@ -179,39 +138,6 @@ class Engine:
                 self.kv_cache.fill_(-7)
         else:  # the drain waited for every step: nothing runs on the worker
             self.kv_cache.fill_(-7)
-
-    def close(self) -> None:
-        self.planned()
-        if self.cuda:
-            self.forward.synchronize()
-        else:
-            self.forward.synchronize()
-            self.forward.close()
-
-
-def _step(
-    kv_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    verified_lens: torch.Tensor,
-    bad_reads: torch.Tensor,
-    rows: torch.Tensor,
-    pos: torch.Tensor,
-    slots: torch.Tensor,
-    values: torch.Tensor,
-    sums: torch.Tensor,
-) -> None:
-    context = kv_cache[req_to_token[rows].long()]
-    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
-    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
-    kv_cache[slots] = values
-    req_to_token[rows, pos] = slots.to(req_to_token.dtype)
-    verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
-
-
-def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
-    time.sleep(delay_s)  # the forward's compute, on the stream's worker
-    gate.wait()  # and no sooner than the scheduler has planned the next step
-    _step(*args)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -83,7 +83,6 @@ import argparse
 import asyncio
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,12 +93,12 @@ from asyncpool import (
     AsyncReqToTokenPool,
     Grant,
     GrantHold,
-    HostStream,
     KVPagePool,
-    ReqToTokenPoolInfo,
     record_fence,
     wait_fence,
 )
+
+from _engine import PagedEngine
 
 MAX_LEN = 64  # a row's slots, at least (more when the sizes need them)
 STRIDE = 1 << 12  # a request's values: its id times this, plus the position
@@ -164,26 +163,8 @@ def slot(pages: list[int], pos: int, page_size: int) -> int:
     return pages[pos // page_size] * page_size + pos % page_size
 
 
-class Engine:
+class Engine(PagedEngine):
     """The KV cache and the forward stream (a HostStream or CUDA)."""
-
-    def __init__(
-        self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
-    ) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.page_size = page_size
-        self.forward_s = forward_ms / 1e3
-        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
-        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
-        self.gates: list[threading.Event] = []
-        self.forward: Any
-        if self.cuda:
-            self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.forward.wait_stream(torch.cuda.current_stream(device))
-        else:
-            self.forward = HostStream("forward")
-            self.forward.launch(torch.set_num_threads, 1)
 
     def write_prompt(
         self, pool: AsyncReqToTokenPool, row: int, pages: list[int], values: list[int], lo: int
@@ -193,14 +174,7 @@ class Engine:
         n = len(values)
         slots = torch.tensor([slot(pages, p, self.page_size) for p in range(n)])
         vals = torch.tensor(values[lo:], dtype=torch.int64)
-        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache[slots[lo:].to(self.device)] = vals.to(self.device)
-                pool.set_req_pool_info(row, info)
-        else:
-            self.kv_cache[slots[lo:]] = vals
-            pool.set_req_pool_info(row, info)
+        self.write(pool, row, slots, vals, lo)
 
     def launch_step(
         self, pool: AsyncReqToTokenPool, batch: list[tuple[Req, int, bool]], values: Any
@@ -214,32 +188,7 @@ class Engine:
         slots = torch.tensor([slot(r.pages, p, ps) if w else 0 for r, p, w in batch])
         vals = torch.tensor([values(r, p) if w else 0 for r, p, w in batch])
         sums = torch.tensor([sum(values(r, q) for q in range(p)) for r, p, _ in batch])
-        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                tensors = (t.to(self.device) for t in (rows, pos, writes, slots, vals, sums))
-                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _step(*args, *tensors)
-        else:
-            gate = threading.Event()
-            self.gates.append(gate)
-            self.forward.launch(
-                _host_step, self.forward_s, gate, *args, rows, pos, writes, slots, vals, sums
-            )
-
-    def planned(self) -> None:
-        """The next step's requests are admitted and written: the host steps
-        launched so far may read and write now."""
-        for gate in self.gates:
-            gate.set()
-        self.gates.clear()
-
-    def close(self) -> None:
-        self.planned()
-        if self.cuda:
-            self.forward.synchronize()
-        else:
-            self.forward.close()
+        self.launch_kernel(pool, rows, pos, writes, slots, vals, sums, kernel=_step)
 
 
 def _step(
@@ -254,18 +203,14 @@ def _step(
     values: torch.Tensor,
     sums: torch.Tensor,
 ) -> None:
+    """``_engine.step``, but only the entries that ``writes`` marks (the
+    samples') write; a prompt's entry only reads its context."""
     context = kv_cache[req_to_token[rows].long()]
     before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
     bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
     kv_cache[slots[writes]] = values[writes]
     req_to_token[rows[writes], pos[writes]] = slots[writes].to(req_to_token.dtype)
     verified_lens[rows[writes]] = (pos[writes] + 1).to(verified_lens.dtype)
-
-
-def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
-    time.sleep(delay_s)
-    gate.wait()
-    _step(*args)
 
 
 def _value(req: Req, pos: int) -> int:

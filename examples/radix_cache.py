@@ -90,7 +90,6 @@ import argparse
 import asyncio
 import random
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -102,12 +101,12 @@ from asyncpool import (
     AsyncReqToTokenPool,
     Grant,
     GrantHold,
-    HostStream,
     KVPagePool,
-    ReqToTokenPoolInfo,
     record_fence,
     wait_fence,
 )
+
+from _engine import PagedEngine
 
 MAX_LEN = 96
 HASH_MOD = 2**31 - 1
@@ -336,31 +335,14 @@ def _common(key: list[Chunk], keys: list[Chunk], i: int) -> int:
     return j
 
 
-class Engine:
+class Engine(PagedEngine):
     """The KV cache and the forward and copy streams (HostStreams or CUDA)."""
 
     def __init__(
         self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
     ) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.page_size = page_size
-        self.forward_s = forward_ms / 1e3
-        self.kv_cache = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)
-        self.bad_reads = torch.zeros((), dtype=torch.int64, device=device)
-        self.gates: list[threading.Event] = []
-        self.forward: Any
-        self.copy: Any
-        if self.cuda:
-            self.forward = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.copy = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.forward.wait_stream(torch.cuda.current_stream(device))
-            self.copy.wait_stream(torch.cuda.current_stream(device))
-        else:
-            self.forward = HostStream("forward")
-            self.copy = HostStream("copy")
-            self.forward.launch(torch.set_num_threads, 1)
-            self.copy.launch(torch.set_num_threads, 1)
+        super().__init__(device, num_pages, page_size, forward_ms)
+        self.copy: Any = self.new_stream("copy")
 
     def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Prefill: the row's slots of positions ``0..length-1`` and the KV
@@ -369,14 +351,7 @@ class Engine:
         cached = req.hit * ps
         slots = torch.tensor([req.slot(p, ps) for p in range(n)])
         values = torch.tensor(req.marks[cached:n], dtype=torch.int64)
-        info = ReqToTokenPoolInfo(n, n, slots.to(torch.int32))
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache[slots[cached:].to(self.device)] = values.to(self.device)
-                pool.set_req_pool_info(req.row, info)
-        else:
-            self.kv_cache[slots[cached:]] = values
-            pool.set_req_pool_info(req.row, info)
+        self.write(pool, req.row, slots, values, cached)
 
     def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
         """One step: each request reads its context through its row, then
@@ -388,25 +363,7 @@ class Engine:
         slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
         values = torch.tensor([r.marks[p] for r, p in zip(batch, pos_list, strict=True)])
         sums = torch.tensor([sum(r.marks[:p]) for r, p in zip(batch, pos_list, strict=True)])
-        args = (self.kv_cache, pool.req_to_token, pool.verified_lens, self.bad_reads)
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                tensors = (t.to(self.device) for t in (rows, pos, slots, values, sums))
-                torch.cuda._sleep(int(self.forward_s * 1.5e9))  # type: ignore[no-untyped-call]
-                _step(*args, *tensors)
-        else:
-            gate = threading.Event()
-            self.gates.append(gate)
-            self.forward.launch(
-                _host_step, self.forward_s, gate, *args, rows, pos, slots, values, sums
-            )
-
-    def planned(self) -> None:
-        """The next step's requests are admitted and written: the host steps
-        launched so far may read and write now."""
-        for gate in self.gates:
-            gate.set()
-        self.gates.clear()
+        self.launch_kernel(pool, rows, pos, slots, values, sums)
 
     def copy_out(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Copy a finished request's KV and row to the host, on the copy stream."""
@@ -423,39 +380,6 @@ class Engine:
         else:
             kv_cache = self.kv_cache
             self.copy.launch(lambda: req.copied.append((kv_cache[slots], row.clone())))
-
-    def close(self) -> None:
-        self.planned()
-        self.forward.synchronize()
-        self.copy.synchronize()
-        if not self.cuda:
-            self.forward.close()
-            self.copy.close()
-
-
-def _step(
-    kv_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    verified_lens: torch.Tensor,
-    bad_reads: torch.Tensor,
-    rows: torch.Tensor,
-    pos: torch.Tensor,
-    slots: torch.Tensor,
-    values: torch.Tensor,
-    sums: torch.Tensor,
-) -> None:
-    context = kv_cache[req_to_token[rows].long()]
-    before = torch.arange(context.shape[1], device=pos.device) < pos[:, None]
-    bad_reads += (torch.where(before, context, 0).sum(1) != sums).sum()
-    kv_cache[slots] = values
-    req_to_token[rows, pos] = slots.to(req_to_token.dtype)
-    verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
-
-
-def _host_step(delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:
-    time.sleep(delay_s)  # the forward's compute, on the stream's worker
-    gate.wait()  # and no sooner than the scheduler has planned the next step
-    _step(*args)
 
 
 def make_requests(args: argparse.Namespace, rng: random.Random) -> list[Request]:

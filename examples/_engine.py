@@ -10,9 +10,9 @@ own: the tensors its prefill and steps are built from (``write_prompt``,
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder
-is first on ``sys.path``; the tests load it beside them
-(``tests/helpers.py``, ``load_example``). It is not installed: the examples
-run from a checkout.
+is first on ``sys.path`` (not under ``python -P`` or ``-I``, which leave it
+off); the tests load it beside them (``tests/helpers.py``,
+``load_example``). It is not installed: the examples run from a checkout.
 """
 
 from __future__ import annotations
@@ -175,9 +175,13 @@ class PagedEngine:
 
     def close(self) -> int:
         """:meth:`synchronize`, then stop the host streams' workers; the
-        corrupted reads counted (``bad_reads``, every step done)."""
-        self.synchronize()
-        if not self.cuda:
-            for stream in self.streams:
-                stream.close()
+        corrupted reads counted (``bad_reads``, every step done). A step
+        that raised on a host worker raises here (``FenceError``), the
+        workers stopped all the same."""
+        try:
+            self.synchronize()
+        finally:
+            if not self.cuda:
+                for stream in self.streams:
+                    stream.close()
         return int(self.bad_reads)

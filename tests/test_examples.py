@@ -26,7 +26,7 @@ import pytest
 import torch
 from helpers import WAIT_S, Streams, bounded, gpu_busy, load_example
 
-from asyncpool import AsyncReqToTokenPool, HostStream, KVPagePool, record_fence
+from asyncpool import AsyncReqToTokenPool, FenceError, HostStream, KVPagePool, record_fence
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -467,6 +467,54 @@ def test_the_readme_lists_every_example() -> None:
     listed = set(re.findall(r"^\| `examples/(\w+\.py)` \|", readme, flags=re.M))
     programs = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
     assert listed == programs, listed
+
+
+@pytest.mark.parametrize("overwritten", [False, True])
+def test_the_shared_engine_runs_a_host_step_only_once_planned(
+    monkeypatch: pytest.MonkeyPatch, overwritten: bool
+) -> None:
+    """examples/_engine.py's gate: a step launched on a host stream reads
+    and writes only once the scheduler calls ``planned()``, so what the
+    scheduler writes meanwhile (a new owner's prompt in memory handed out
+    too early) is what the step reads, every time: the kernel counts it in
+    ``bad_reads``, which ``close()`` returns."""
+    load_example("weight_update", monkeypatch)  # ...and _engine beside it
+    engine = sys.modules["_engine"].PagedEngine(torch.device("cpu"), 4, 4, 0.0)
+    pool = AsyncReqToTokenPool(2, 8)
+    rows = pool.try_alloc(1)
+    assert rows is not None
+    try:
+        slots = torch.tensor([4, 5, 6])
+        engine.write(pool, rows[0], slots[:2], torch.tensor([10, 20]), 0)  # positions 0, 1
+        # Position 2's step: its context must sum to 10 + 20; it writes 30.
+        one = (torch.tensor(rows), torch.tensor([2]))
+        engine.launch_kernel(pool, *one, slots[2:], torch.tensor([30]), torch.tensor([30]))
+        launched = engine.forward.record()
+        assert not launched.query()  # at its gate
+        if overwritten:
+            engine.kv_cache[4] = 11  # another request's prompt, written early
+        engine.planned()
+        launched.synchronize()
+    finally:
+        bad_reads = engine.close()
+    assert bad_reads == int(overwritten)
+    assert engine.kv_cache[6] == 30 and pool.req_to_token[rows[0], :3].tolist() == [4, 5, 6]
+    assert pool.verified_lens[rows[0]] == 3
+
+
+def test_n_samples_engine_close_raises_what_a_step_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that raises on the host worker faults the forward stream; the
+    engine's ``close()`` raises that fault and still stops the worker. The
+    example's own ``close()`` once closed its host stream without waiting
+    on it, and a faulted step passed unseen there."""
+    mod = load_example("n_samples", monkeypatch)
+    engine = mod.Engine(torch.device("cpu"), 4, 4, 0.0)
+    pool = AsyncReqToTokenPool(2, 8)
+    prompt = mod.Prompt(0, 1, 0, [], row=5)  # no such row: the step raises IndexError
+    engine.launch_step(pool, [(prompt, 0, False)], lambda r, p: 0)
+    with pytest.raises(FenceError):
+        engine.close()
+    assert engine.forward.closed
 
 
 @pytest.mark.parametrize("seed", ["0", "1"])

@@ -66,7 +66,7 @@ class PagedEngine:
     slots; page 0 is the pool's padding); ``bad_reads`` counts the (step,
     request) pairs whose step read a context that was not theirs. On CUDA
     (``device.type == "cuda"``) the streams are CUDA streams and a step is a
-    kernel launch on ``forward`` after ``forward_ms`` of ``torch.cuda._sleep``;
+    ``torch.cuda._sleep`` of about ``forward_ms`` and the kernel on ``forward``;
     otherwise they are :class:`~asyncpool.HostStream` workers, each kept to
     one torch thread, and a step sleeps ``forward_ms`` on the worker.
 

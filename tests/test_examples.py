@@ -187,7 +187,8 @@ def test_paged_admission_detects_eviction_behind_the_write_fence() -> None:
     # request while a step (or a copy) still reads it. On the host streams a
     # step reads only once the next step's requests are admitted (an event,
     # not a sleep), so each such reuse is caught: 11-28 corrupted reads a run
-    # at 300 requests (42 runs, 36 of them 12 at a time on a 2-core VM).
+    # at 300 requests when written (42 runs, 36 of them 12 at a time on a
+    # 2-core VM); 17 in each of 8 runs, plain and debug mode, since.
     proc = _run(
         "paged_admission.py", "--device", "cpu", "--evict-behind-write-fence", "--requests", "300"
     )

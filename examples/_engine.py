@@ -3,10 +3,11 @@
 ``paged_admission.py``, ``weight_update.py``, ``router_drain.py``,
 ``n_samples.py`` and ``radix_cache.py`` each run a stand-in for a model's
 forward over a paged KV cache: :class:`PagedEngine` is what they have in
-common, the KV cache and its check, the streams, the gated host step and
-the kernel. Each example's ``Engine`` subclasses it and keeps what is its
-own: the tensors its prefill and steps are built from (``write_prompt``,
-``launch_step``), copies out, weight updates, extra streams.
+common, the KV cache and its check, the streams, the gated host step, the
+kernel and the copy of a finished request's KV and row to the host. Each
+example's ``Engine`` subclasses it and keeps what is its own: the tensors
+its prefill, steps and copies are built from (``write_prompt``,
+``launch_step``, ``copy_out``), weight updates, extra streams.
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder
@@ -158,6 +159,33 @@ class PagedEngine:
             gate = threading.Event()
             self.gates.append(gate)
             self.forward.launch(_host_step, kernel, self.forward_s, gate, *args, *tensors)
+
+    def copy_to_host(
+        self,
+        stream: Any,
+        pool: AsyncReqToTokenPool,
+        row: int,
+        slots: torch.Tensor,
+        out: list[Any],
+    ) -> None:
+        """Copy the KV of ``slots`` (host tensor) and ``row``'s first
+        ``len(slots)`` entries to the host on ``stream`` (one made by
+        :meth:`new_stream`): ``out`` gets the pair ``(kv, row)``, pinned
+        tensors filled once the stream gets there on CUDA, host copies
+        appended by the worker on host streams. A free behind the copy
+        waits for it with ``after=stream``."""
+        n = len(slots)
+        entries = pool.req_to_token[row, :n]
+        if self.cuda:
+            kv_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            row_host = torch.empty(n, dtype=entries.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                kv_host.copy_(self.kv_cache[slots.to(self.device)], non_blocking=True)
+                row_host.copy_(entries, non_blocking=True)
+            out.append((kv_host, row_host))
+        else:
+            kv_cache = self.kv_cache
+            stream.launch(lambda: out.append((kv_cache[slots], entries.clone())))
 
     def planned(self) -> None:
         """The scheduler has planned the next step (admitted its requests and

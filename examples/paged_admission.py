@@ -220,17 +220,7 @@ class Engine(PagedEngine):
         """Copy a finished request's KV and row to the host, on the copy stream."""
         n = req.prompt_len + req.output_len
         slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
-        row = pool.req_to_token[req.row, :n]
-        if self.cuda:
-            kv_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            row_host = torch.empty(n, dtype=row.dtype, pin_memory=True)
-            with torch.cuda.stream(self.copy):
-                kv_host.copy_(self.kv_cache[slots.to(self.device)], non_blocking=True)
-                row_host.copy_(row, non_blocking=True)
-            req.copied.append((kv_host, row_host))
-        else:
-            kv_cache = self.kv_cache
-            self.copy.launch(lambda: req.copied.append((kv_cache[slots], row.clone())))
+        self.copy_to_host(self.copy, pool, req.row, slots, req.copied)
 
 
 def admission_pages(req: Request, page_size: int) -> int:

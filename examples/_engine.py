@@ -1,7 +1,7 @@
 """The engine plumbing that several examples share; not an example itself.
 
 ``paged_admission.py``, ``weight_update.py``, ``router_drain.py``,
-``n_samples.py`` and ``radix_cache.py`` each run a stand-in for a model's
+``n_samples.py``, ``radix_cache.py`` and ``preempt_retry.py`` each run a stand-in for a model's
 forward over a paged KV cache: :class:`PagedEngine` is what they have in
 common, the KV cache and its check, the streams, the gated host step, the
 kernel and the copy of a finished request's KV and row to the host. Each

@@ -75,6 +75,7 @@ EXAMPLES = (
     "n_samples",
     "router_drain",
     "radix_cache",
+    "preempt_retry",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

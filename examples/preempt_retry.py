@@ -189,6 +189,18 @@ async def run(args: argparse.Namespace) -> int:
         heapq.heappush(waiting, (victim.priority, victim.id, victim))
         return returning
 
+    def lowest() -> Request:
+        """The running request retracted first: the lowest priority, newest."""
+        return max(running, key=lambda r: (r.priority, r.id))
+
+    def schedule(req: Request, lo: int, hi: int) -> None:
+        """Put positions ``lo..hi-1`` of ``req`` in this step."""
+        nonlocal budget
+        engine.write_chunk(pool, req, lo, hi)
+        budget -= hi - lo
+        req.pos_before, req.pos = lo, hi
+        batch.append((req, req.admission, hi))
+
     def chunk(req: Request, budget: int) -> int:
         """The end of the positions ``req`` computes this step."""
         if req.pos < req.target:
@@ -217,14 +229,14 @@ async def run(args: argparse.Namespace) -> int:
                         req.pages += got.tolist()
                         k = 0
                     elif args.verbatim:  # vLLM's loop: retract, retry at once
-                        victim = max(running, key=lambda r: (r.priority, r.id))
+                        victim = lowest()
                         retract(victim)
                         if victim is req:
                             break
                     else:  # the fix: retract until what comes back covers it
                         short = k - kv.available_size()
                         while coming < short:
-                            victim = max(running, key=lambda r: (r.priority, r.id))
+                            victim = lowest()
                             coming += retract(victim)
                             if victim is req:
                                 break
@@ -233,10 +245,7 @@ async def run(args: argparse.Namespace) -> int:
                         break
                 if k > 0:
                     continue  # retracted itself or sits this step out
-                engine.write_chunk(pool, req, req.pos, hi)
-                budget -= hi - req.pos
-                req.pos_before, req.pos = req.pos, hi
-                batch.append((req, req.admission, hi))
+                schedule(req, req.pos, hi)
             # Admission (vLLM: only in a step that retracted nothing).
             while not retracted and waiting and budget > 0:
                 req = waiting[0][2]
@@ -250,10 +259,7 @@ async def run(args: argparse.Namespace) -> int:
                 req.pages = pool.pages_of(grant.row, host=True).tolist()
                 req.admission += 1
                 running.append(req)
-                engine.write_chunk(pool, req, 0, hi)
-                budget -= hi
-                req.pos_before, req.pos = 0, hi
-                batch.append((req, req.admission, hi))
+                schedule(req, 0, hi)
             retractions += retracted
             most = max(most, retracted)
             engine.planned()  # (host streams: the step in flight may read now)

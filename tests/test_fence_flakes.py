@@ -113,8 +113,8 @@ async def test_a_handle_done_for_the_poller_and_not_for_the_loop_is_watched_agai
     """The poller's ask gets True once, the wake-up's reclaim then gets
     False: the memory stays pending and the poller watches the handle
     again, so once the handle answers True for good the waiter is served
-    within milliseconds with nobody calling the pool. Before: nothing
-    watched it again and the waiter hung."""
+    with nobody calling the pool (how soon is the wake-up benchmark's row,
+    not a test's). Before: nothing watched it again and the waiter hung."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
     handle = _TwoFaced(True, times=1)
     pool, wait = await _held_behind(side, handle)
@@ -127,12 +127,9 @@ async def test_a_handle_done_for_the_poller_and_not_for_the_loop_is_watched_agai
     await until(lambda: handle.denied.is_set() and watcher.polling(handle))
     assert not waiter.done()
     assert pool.quarantined_size() == 0 and pool._pending_any() == (1 if side == "rows" else 2)
-    t0 = time.perf_counter()
     handle.landed.set()  # only the poller can notice
-    async with bounded():
+    async with bounded():  # unwatched, it hangs: fails at the bound
         assert_granted(side, await waiter)
-    served_in = time.perf_counter() - t0
-    assert served_in < 0.5, f"served {served_in:.3f} s after the handle settled"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     pool.check_invariants()
     await pool.close()

@@ -4,10 +4,15 @@
 ``n_samples.py``, ``radix_cache.py`` and ``preempt_retry.py`` each run a stand-in for a model's
 forward over a paged KV cache: :class:`PagedEngine` is what they have in
 common, the KV cache and its check, the streams, the gated host step, the
-kernel and the copy of a finished request's KV and row to the host. Each
-example's ``Engine`` subclasses it and keeps what is its own: the tensors
-its prefill, steps and copies are built from (``write_prompt``,
-``launch_step``, ``copy_out``), weight updates, extra streams.
+kernel, the copy of a finished request's KV and row to the host and the
+weight update's overwrite of the KV cache. :class:`DecodeEngine` adds the
+prefill and step of requests whose position ``p`` holds ``req.value(p)``
+(a :class:`Decoder`), one token a step: ``weight_update.py`` and
+``router_drain.py`` run it as it is, ``paged_admission.py``'s ``Engine``
+subclasses it. The other examples' ``Engine`` subclasses
+:class:`PagedEngine` and keeps what is its own: the tensors its prefill,
+steps and copies are built from (``write_prompt``, ``launch_step``,
+``copy_out``), extra streams.
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder
@@ -20,8 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -187,6 +192,17 @@ class PagedEngine:
             kv_cache = self.kv_cache
             stream.launch(lambda: out.append((kv_cache[slots], entries.clone())))
 
+    def update_weights(self) -> None:
+        """New weights: the released KV memory comes back holding nothing of
+        what it held (garbage here: a request kept without a recompute
+        reads it). On CUDA on the forward stream; on host streams from the
+        calling thread, once every step is done (the caller drained)."""
+        if self.cuda:
+            with torch.cuda.stream(self.forward):
+                self.kv_cache.fill_(-7)
+        else:  # the drain waited for every step: nothing runs on the worker
+            self.kv_cache.fill_(-7)
+
     def planned(self) -> None:
         """The scheduler has planned the next step (admitted its requests and
         written their prompts): the host steps launched so far may read and
@@ -213,3 +229,51 @@ class PagedEngine:
                 for stream in self.streams:
                     stream.close()
         return int(self.bad_reads)
+
+
+class Decoder(Protocol):
+    """A request as :class:`DecodeEngine` reads it: the KV of its position
+    ``p`` is ``value(p)``, in the slot ``slot(p, page_size)`` of its pages."""
+
+    row: int  # its row of req_to_token
+    prompt_len: int
+    launched: int  # output tokens whose step has been launched
+
+    @property
+    def length(self) -> int:
+        """The positions whose KV is computed (its prompt and processed tokens)."""
+        ...
+
+    def value(self, pos: int) -> int: ...
+
+    def slot(self, pos: int, page_size: int) -> int: ...
+
+
+class DecodeEngine(PagedEngine):
+    """A :class:`PagedEngine` whose requests (:class:`Decoder`) each decode
+    one token a step, the KV of their position ``p`` being ``req.value(p)``:
+    the context a step reads must sum to ``value(0) + ... + value(p-1)``."""
+
+    def write_prompt(self, pool: AsyncReqToTokenPool, req: Decoder, cached: int = 0) -> None:
+        """Prefill (or recompute): the row's slots of positions
+        ``0..length-1`` (the cached ones included) and the KV of the
+        positions from ``cached`` on (those before are cached, someone
+        else's)."""
+        n = req.length
+        slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
+        values = torch.tensor([req.value(p) for p in range(cached, n)])
+        self.write(pool, req.row, slots, values, cached)
+
+    def launch_step(self, pool: AsyncReqToTokenPool, batch: Sequence[Decoder]) -> None:
+        """The forward of one step: each request reads its context through
+        its row, then writes its next KV slot and row entry."""
+        ps = self.page_size
+        pos_list = [r.prompt_len + r.launched for r in batch]
+        rows = torch.tensor([r.row for r in batch])
+        pos = torch.tensor(pos_list)
+        slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
+        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
+        sums = torch.tensor(
+            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
+        )
+        self.launch_kernel(pool, rows, pos, slots, values, sums)

@@ -99,7 +99,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import PagedEngine
+from _engine import DecodeEngine
 
 MAX_LEN = 128
 
@@ -185,36 +185,15 @@ class PrefixCache:
         return evicted
 
 
-class Engine(PagedEngine):
-    """The KV cache and the forward and copy streams (HostStreams or CUDA)."""
+class Engine(DecodeEngine):
+    """The KV cache and the forward and copy streams (HostStreams or CUDA);
+    the prefill (``write_prompt``) and steps are ``DecodeEngine``'s."""
 
     def __init__(
         self, device: torch.device, num_pages: int, page_size: int, forward_ms: float
     ) -> None:
         super().__init__(device, num_pages, page_size, forward_ms)
         self.copy: Any = self.new_stream("copy")
-
-    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request, cached: int) -> None:
-        """Prefill: the row's slots of positions ``0..length-1`` (the cached
-        ones included) and the KV of the positions from ``cached`` on."""
-        n = req.length
-        slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
-        values = torch.tensor([req.value(p) for p in range(cached, n)])
-        self.write(pool, req.row, slots, values, cached)
-
-    def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
-        """The forward of one step: each request reads its context through
-        its row, then writes its next KV slot and row entry."""
-        ps = self.page_size
-        pos_list = [r.prompt_len + r.launched for r in batch]
-        rows = torch.tensor([r.row for r in batch])
-        pos = torch.tensor(pos_list)
-        slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
-        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
-        sums = torch.tensor(
-            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
-        )
-        self.launch_kernel(pool, rows, pos, slots, values, sums)
 
     def copy_out(self, pool: AsyncReqToTokenPool, req: Request) -> None:
         """Copy a finished request's KV and row to the host, on the copy stream."""

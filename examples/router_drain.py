@@ -84,7 +84,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import PagedEngine
+from _engine import DecodeEngine
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest
@@ -122,40 +122,6 @@ class Request:
 
     def slot(self, pos: int, page_size: int) -> int:
         return self.pages[pos // page_size] * page_size + pos % page_size
-
-
-class Engine(PagedEngine):
-    """A replica's KV cache and forward stream (a HostStream or CUDA)."""
-
-    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
-        """Prefill (or recompute): the KV and row entries of ``0..length-1``."""
-        n = req.length
-        slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
-        values = torch.tensor([req.value(p) for p in range(n)])
-        self.write(pool, req.row, slots, values, 0)
-
-    def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
-        """Each request reads its context through its row, then writes its
-        next KV slot and row entry."""
-        ps = self.page_size
-        pos_list = [r.prompt_len + r.launched for r in batch]
-        rows = torch.tensor([r.row for r in batch])
-        pos = torch.tensor(pos_list)
-        slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
-        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
-        sums = torch.tensor(
-            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
-        )
-        self.launch_kernel(pool, rows, pos, slots, values, sums)
-
-    def update_weights(self) -> None:
-        """New weights: the KV cache holds garbage (a request kept on the
-        replica without a recompute would read it)."""
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache.fill_(-7)
-        else:  # the drain waited for every step: nothing runs on the worker
-            self.kv_cache.fill_(-7)
 
 
 def _run_loop(main: Any, use_uvloop: bool) -> None:
@@ -249,7 +215,7 @@ class Replica:
         # A full-length request's pages for every row: growth never comes up
         # short (a freed row's pages are pending with it), only rows queue.
         num_pages = args.rows * -(-MAX_LEN // ps)
-        self.engine = Engine(device, num_pages + 1, ps, args.forward_ms)
+        self.engine = DecodeEngine(device, num_pages + 1, ps, args.forward_ms)
         stream = self.engine.forward if self.engine.cuda else None
         pool = AsyncReqToTokenPool(
             args.rows + 1,

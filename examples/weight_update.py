@@ -70,7 +70,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import PagedEngine
+from _engine import DecodeEngine
 
 MAX_PROMPT = 12
 MAX_OUTPUT = 8
@@ -106,40 +106,6 @@ class Request:
         return self.pages[pos // page_size] * page_size + pos % page_size
 
 
-class Engine(PagedEngine):
-    """The KV cache and the forward stream (a HostStream or CUDA)."""
-
-    def write_prompt(self, pool: AsyncReqToTokenPool, req: Request) -> None:
-        """Prefill (or recompute): the KV and row entries of ``0..length-1``."""
-        n = req.length
-        slots = torch.tensor([req.slot(p, self.page_size) for p in range(n)])
-        values = torch.tensor([req.value(p) for p in range(n)])
-        self.write(pool, req.row, slots, values, 0)
-
-    def launch_step(self, pool: AsyncReqToTokenPool, batch: list[Request]) -> None:
-        """Each request reads its context through its row, then writes its
-        next KV slot and row entry."""
-        ps = self.page_size
-        pos_list = [r.prompt_len + r.launched for r in batch]
-        rows = torch.tensor([r.row for r in batch])
-        pos = torch.tensor(pos_list)
-        slots = torch.tensor([r.slot(p, ps) for r, p in zip(batch, pos_list, strict=True)])
-        values = torch.tensor([r.value(p) for r, p in zip(batch, pos_list, strict=True)])
-        sums = torch.tensor(
-            [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
-        )
-        self.launch_kernel(pool, rows, pos, slots, values, sums)
-
-    def update_weights(self) -> None:
-        """New weights; the released KV memory comes back holding nothing
-        of what it held (garbage here: a request not recomputed reads it)."""
-        if self.cuda:
-            with torch.cuda.stream(self.forward):
-                self.kv_cache.fill_(-7)
-        else:  # the drain waited for every step: nothing runs on the worker
-            self.kv_cache.fill_(-7)
-
-
 async def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     rng = random.Random(args.seed)
@@ -148,7 +114,7 @@ async def run(args: argparse.Namespace) -> int:
     # A full-length request's pages for every row: growth never comes up
     # short (a freed row's pages are pending with it), only rows queue.
     num_pages = args.rows * per_row
-    engine = Engine(device, num_pages + 1, ps, args.forward_ms)
+    engine = DecodeEngine(device, num_pages + 1, ps, args.forward_ms)
     kv = KVPagePool(num_pages + 1, ps)
     pool = AsyncReqToTokenPool(
         args.rows + 1, MAX_LEN, device=device, kv=kv, stream=engine.forward if engine.cuda else None

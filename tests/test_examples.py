@@ -506,6 +506,41 @@ def test_the_shared_engine_runs_a_host_step_only_once_planned(
     assert pool.verified_lens[rows[0]] == 3
 
 
+def test_the_shared_decode_engine_prefills_steps_and_forgets_at_an_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """examples/_engine.py's DecodeEngine, as weight_update, router_drain and
+    paged_admission run it: a prefill past ``cached`` leaves the cached
+    positions' KV alone (another's) and writes the rest, a recompute writes
+    it all, a step reads its context through the row against ``value``;
+    ``update_weights`` overwrites the KV, so a step with no recompute after
+    it reads garbage (one bad read, returned by ``close()``)."""
+    mod = load_example("weight_update", monkeypatch)
+    engine = sys.modules["_engine"].DecodeEngine(torch.device("cpu"), 4, 4, 0.0)
+    pool = AsyncReqToTokenPool(2, 8)
+    rows = pool.try_alloc(1)
+    assert rows is not None
+    req = mod.Request(1, 0, 3, 2, None, row=rows[0], pages=[2, 3])  # slots 8, 9, 10, 11
+    try:
+        engine.kv_cache[8:10] = 99  # positions 0 and 1: cached, someone else's
+        engine.write_prompt(pool, req, cached=2)
+        assert engine.kv_cache[8:11].tolist() == [99, 99, req.value(2)]
+        engine.write_prompt(pool, req)  # the recompute: every position
+        assert engine.kv_cache[8:11].tolist() == [req.value(p) for p in range(3)]
+        assert pool.req_to_token[req.row, :3].tolist() == [8, 9, 10]
+        engine.launch_step(pool, [req])  # position 3: reads 0..2, writes 3
+        engine.synchronize()
+        assert int(engine.bad_reads) == 0 and engine.kv_cache[11] == req.value(3)
+        assert pool.verified_lens[req.row] == 4
+        engine.update_weights()
+        assert engine.kv_cache.eq(-7).all()
+        req.done = req.launched = 1
+        engine.launch_step(pool, [req])  # position 4, not recomputed
+    finally:
+        bad_reads = engine.close()
+    assert bad_reads == 1
+
+
 def test_n_samples_engine_close_raises_what_a_step_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that raises on the host worker faults the forward stream; the
     engine's ``close()`` raises that fault and still stops the worker. The

@@ -215,6 +215,8 @@ class Replica:
         # A full-length request's pages for every row: growth never comes up
         # short (a freed row's pages are pending with it), only rows queue.
         num_pages = args.rows * -(-MAX_LEN // ps)
+        # The KV cache and forward stream (a HostStream or CUDA), the prefill, the
+        # step and the weight update: examples/_engine.py's DecodeEngine.
         self.engine = DecodeEngine(device, num_pages + 1, ps, args.forward_ms)
         stream = self.engine.forward if self.engine.cuda else None
         pool = AsyncReqToTokenPool(

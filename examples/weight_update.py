@@ -114,6 +114,8 @@ async def run(args: argparse.Namespace) -> int:
     # A full-length request's pages for every row: growth never comes up
     # short (a freed row's pages are pending with it), only rows queue.
     num_pages = args.rows * per_row
+    # The KV cache and forward stream (a HostStream or CUDA), the prefill, the
+    # step and the weight update: examples/_engine.py's DecodeEngine.
     engine = DecodeEngine(device, num_pages + 1, ps, args.forward_ms)
     kv = KVPagePool(num_pages + 1, ps)
     pool = AsyncReqToTokenPool(

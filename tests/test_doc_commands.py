@@ -76,6 +76,7 @@ EXAMPLES = (
     "router_drain",
     "radix_cache",
     "preempt_retry",
+    "lora_slots",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -1,60 +1,58 @@
 """The prefill server of a disaggregated deployment and its transfers: a program that checks itself.
 
 docs/cuda.md's *The prefill side: a transfer that reads the pages*, whole.
-A prefill server runs an overlap loop over ``AsyncReqToTokenPool(kv=
-KVPagePool(...), fence_timeout=...)``: it admits requests (a row and the
-prompt's pages in one ``try_admit``), launches a prefill step that writes
-each request's KV (markers: whose token, which position), records the
-step's use of their rows, and once the step's fence has completed starts a
-transfer per request. A transfer engine on a thread of its own reads the
-pages at the transfer's completion time, as an RDMA read shipping them to a
-decode server would, and compares them with what the prefill wrote: a
-*mismatched transfer* read a page handed to another request and rewritten
-while the transfer still read it. Transfer handles are plain objects with
-``query()`` and ``synchronize()`` (fences of unknown origin, which the pool
-polls). Each request's task waits for its transfer (``wait_fence`` under the
-server's deadline and the client's abort) and, seeded, meets:
+A prefill server's overlap loop over ``AsyncReqToTokenPool(kv=KVPagePool(
+...), fence_timeout=...)`` admits requests (a row and the prompt's pages in
+one ``try_admit``), launches a prefill step that writes their KV (markers:
+whose token, which position), ties their rows to the step's fence
+(``record_use``) and, once that fence has completed, starts a transfer per
+request. A transfer engine on a thread of its own reads a transfer's pages
+when it completes, as an RDMA read shipping them to a decode server would,
+and compares them with what the prefill wrote: a *mismatched transfer* read
+pages that another request had been granted and written meanwhile.
+Transfers are plain objects with ``query()`` and ``synchronize()`` (fences
+of unknown origin: the pool polls them). Each request's task awaits its
+transfer (``wait_fence`` under the server's deadline and the client's
+abort), and its transfer, seeded per try, is:
 
-* *accepted* (most): the transfer has landed, ``pool.free([row])`` frees
-  at once;
-* *rejected for now* by the decode server: the row goes back and the pages
-  are kept (``detach_pages``), shipped again later by a new transfer with a
-  new wrapper, up to three tries (then dropped);
-* *failed cleanly*: the transfer stopped reading and answers ``True``;
-  the request is dropped, its memory back at once;
-* *faulted*: ``query()`` raises (peer state unknown) and the transfer
-  still reads a little later: freed behind it, its pages are quarantined;
-* *hung*: never completes; the server gives it up at its deadline (pages
-  behind ``[step_fence, transfer]``), it turns overdue after
-  ``fence_timeout``, and the operator task cancels it in the engine,
-  which confirms it can no longer read, then ``pool.force_release``;
-* *slow*: lands after the server's deadline (given up as a hung one, read
-  late, so its pages wait for it; those still reading when overdue are
-  cancelled and released like hung ones);
-* *client aborts*: mid-prefill (``free([row])``: ``record_use`` holds row
-  and pages behind the step) and mid-transfer or between tries (the pages
-  behind ``[step_fence, transfer]``, or the parked pages behind the last
-  transfer, then the row).
+* *accepted* (most): landed, ``pool.free([row])`` frees at once;
+* *rejected for now* by the decode server: the row goes back, the pages
+  are kept (``detach_pages``) and shipped again by a new transfer, a new
+  wrapper (three tries, then the request is dropped);
+* *failed cleanly*: stopped reading, answers ``True``; dropped, freed at once;
+* *faulted* (``--faults`` a run, since their pages are quarantined for the
+  pool's life): ``query()`` raises and the transfer still reads once more,
+  later; the pages freed behind it are quarantined;
+* *hung*: never lands. The server gives it up at its deadline (the pages
+  behind ``[step_fence, transfer]``, then the row); it turns overdue after
+  ``fence_timeout``; the operator task has the engine cancel it, which
+  confirms it can no longer read, then calls ``pool.force_release``;
+* *slow*: lands after the deadline, given up the same way; the pages wait
+  for it, and one still reading when overdue is cancelled and released.
 
-Checks: 0 mismatched transfers; no page granted while a live transfer may
-still read it (the engine's own book, at each grant); at the end every row
-and page back but the quarantined ones, and exactly the faulted transfers'
-pages quarantined. The pool's log lines (one WARNING per overdue fence and
-per release, one ERROR per fault) show with ``--verbose``; the summary
-counts them. Two flags put a bug in, and the run must then fail:
+Clients abort too: mid-prefill (``free([row])``, held behind the step by
+``record_use``) and mid-transfer (the pages behind ``[step_fence,
+transfer]``, a retry's kept pages behind its transfer). Checks: 0
+mismatched transfers; no page granted while a live transfer may still read
+it (the engine's book, at each grant); every row and page back at the end
+but the faulted transfers' pages, quarantined. The pool's log lines (a
+WARNING per overdue fence and per release, an ERROR per fault) show with
+``--verbose``. Two flags put a bug in, and the run must then fail:
 
 * ``--free-without-transfer-fence``: an abort, a give-up or a fault frees
-  the pages behind the step fence only, as if the transfer wrote nothing:
-  they go to the next admission while the transfer still reads them;
-* ``--force-release-slow``: the operator force-releases every overdue
-  fence without having the engine cancel it: a slow transfer still reads
-  pages that new requests have written.
+  the pages behind the step fence only, as if the transfer did not read
+  them: the next admission gets them while the transfer still reads;
+* ``--force-release-slow``: the operator force-releases the overdue
+  transfers without having the engine cancel them: a slow one still reads.
 
-Runs on :class:`~asyncpool.HostStream` workers without a GPU and on CUDA
-streams when ``torch.cuda.is_available()`` (``--device cpu`` forces the host
-streams); the transfer engine is a host thread either way. Every wait is
-bounded (the deadline, the operator, ``asyncio.timeout``). Exit status: 0
-when everything checks out, 1 otherwise. Public API only.
+The catch is timing, not a gate: a transfer lasts several prefill steps,
+the pool is tight, and freed pages are granted and rewritten within a step
+or two. Runs on :class:`~asyncpool.HostStream` workers without a GPU and on
+CUDA streams when ``torch.cuda.is_available()`` (``--device cpu`` forces
+the host streams); the transfer engine is a host thread either way (on
+CUDA it reads on a stream of its own). Every wait is bounded (the
+deadline, the operator, ``asyncio.timeout``). Exit status: 0 when
+everything checks out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -253,12 +251,14 @@ def plan(rng: random.Random, i: int, args: argparse.Namespace, fault: bool) -> R
     (the first one faulted if ``fault``)."""
     tries: list[tuple[str, float]] = []
     while len(tries) < TRIES and (not tries or tries[-1][0] == "rejected"):
-        x, kind = rng.random(), "faulted" if fault and not tries else "accepted"
+        x, kind = rng.random(), "accepted"
         for name, p in MIX.items():
             if x < p:
                 kind = name
                 break
             x -= p
+        if fault and not tries:
+            kind = "faulted"
         ms = args.transfer_ms * rng.uniform(0.3, 1.7)
         if kind == "slow":
             ms = args.deadline_ms + rng.uniform(0.5, 4) * args.fence_timeout_ms

@@ -77,6 +77,7 @@ EXAMPLES = (
     "radix_cache",
     "preempt_retry",
     "lora_slots",
+    "disagg_transfer",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -952,13 +952,27 @@ def test_lora_slots_checks_out(loop: str) -> None:
     # its adapter's id through its slot, every hand-out is checked against
     # its last users' fences, and each path of the recipe ran (requeues of a
     # hit evicted while it queued, surplus slots of a miss loaded meanwhile).
+    # Requests grow a page at a time, a tenant at its page cap retracts its
+    # own newest request, a pool short of pages retracts by the documented
+    # count, and seeded aborts hit queued requests, requests at their grant
+    # (a slot loaded, never read) and mid-decode: each path ran. Measured
+    # (seeds 0-5, both loops, plain and debug mode: 24 runs): 38-114
+    # retractions at a tenant's cap, 32-98 for the pool, aborts 5-13
+    # queued, 7-15 at the grant, 3-7 mid-decode, 11-27 slots never read.
     proc = _lora_slots("--loop", loop)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     clean = "0 corrupted adapter reads, 0 corrupted reads, 0 early hand-outs, no stall"
-    assert f"lora_slots: OK: {clean}, every request finished, pool empty" in proc.stdout
+    assert f"lora_slots: OK: {clean}, every request finished or aborted, pool empty" in proc.stdout
     counts = _counts(proc.stdout)
     words = ["requeues", "surplus slots", "loads", "evictions", "finished"]
     assert all(counts.get(w, 0) > 0 for w in words), proc.stdout
+    paths = re.search(
+        r"(\d+) retractions at a tenant's page cap, (\d+) for the pool, \d+ most in a step; "
+        r"aborts: (\d+) queued, (\d+) at the grant, (\d+) mid-decode; (\d+) slots evicted "
+        r"loaded, never read",
+        proc.stdout,
+    )
+    assert paths is not None and all(int(n) > 0 for n in paths.groups()), proc.stdout
     checked = re.search(r"(\d+) hand-outs checked, 0 early", proc.stdout)
     assert checked is not None and int(checked[1]) > counts["finished"], proc.stdout
 
@@ -967,9 +981,9 @@ def test_lora_slots_lock_at_queue_stalls() -> None:
     # A hit that locks its adapter while it queues: the miss at the head
     # waits for a slot that only the hits queued behind it could unlock.
     # Measured (seeds 0-5, both loops, plain and debug mode: 24 runs):
-    # stalled every run, after 96-483 grants of 600 (seed 0: 239), the head
-    # short of one slot with 6 of 6 cached adapters locked; reported,
-    # bounded by passes (--stall-steps), exit 1.
+    # stalled every run, after 39-469 grants (before growth and aborts:
+    # 96-483), the head short of one slot with 6 of 6 cached adapters
+    # locked; reported, bounded by passes (--stall-steps), exit 1.
     proc = _lora_slots("--lock-at-queue")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     stall = re.search(
@@ -988,8 +1002,8 @@ def test_lora_slots_detects_unfenced_eviction() -> None:
     # lands before the step in flight reads the slot (on the host streams a
     # step reads only once the pass's prompts and loads are written): caught
     # each time, not by timing. Measured at the defaults (seeds 0-5, both
-    # loops, plain and debug mode: 24 runs): 118-148 corrupted adapter reads
-    # and 179-211 early hand-outs a run (seed 0: 141 and 201); never 0.
+    # loops, plain and debug mode: 24 runs): 84-150 corrupted adapter reads
+    # and 123-204 early hand-outs a run; never 0.
     proc = _lora_slots("--evict-unfenced")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(
@@ -1049,3 +1063,45 @@ def test_disagg_transfer_refuses_bad_sizes() -> None:
     ]:
         refused = _run("disagg_transfer.py", *bad)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+
+
+def test_lora_slots_detects_unfenced_eviction_of_a_slot_never_read() -> None:
+    # A slot loaded for a request aborted at its grant has no reader, only
+    # the load: freed with no fence, it goes to the next miss while the
+    # load still writes it (an early hand-out; where the next load, on the
+    # other stream, lands first, the aborted one overwrites it: corrupted
+    # adapter reads). Measured with --load-ms 5 (seeds 0-5, both loops,
+    # plain and debug mode: 24 runs): 4-18 early hand-outs a run, never 0
+    # (3-17 at --load-ms 2); 0-165 corrupted adapter reads, 0 in 6 runs. At
+    # --load-ms 0 the aborted load lands first: caught in 2 of 24 runs.
+    proc = _lora_slots("--evict-loaded-unread-unfenced", "--load-ms", "5")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = re.search(
+        r"lora_slots: FAILED: (\d+) corrupted adapter reads, \d+ corrupted reads, "
+        r"(\d+) early hand-outs",
+        proc.stdout,
+    )
+    assert found is not None and int(found[2]) > 0, proc.stdout
+
+
+def _burst_waits(*args: str) -> tuple[int, int]:
+    proc = _lora_slots("--burst", "300", "--rate", "0.5", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(
+        r"the other paid tenant's \d+ requests waited p50 (\d+), p99 (\d+) steps", proc.stdout
+    )
+    assert found is not None, proc.stdout
+    return int(found[1]), int(found[2])
+
+
+def test_lora_slots_caps_keep_a_burst_to_its_tenant() -> None:
+    # 300 requests at once from paid tenant 0: with the caps (rows and
+    # pages, counted before queueing) it queues 4 of them at a time, and the
+    # other paid tenant's requests are granted about as soon as they
+    # arrive; without the caps they queue behind the burst (FIFO within a
+    # priority). Measured (seeds 0-5, both loops, plain and debug mode: 24
+    # runs each): p99 9-17 steps with the caps, 271-307 without (p50 2-4
+    # and 4-36: too close to assert); the burst's own tenant p50 584-712
+    # with the caps, 107-134 without.
+    capped, uncapped = _burst_waits(), _burst_waits("--no-caps")
+    assert capped[1] * 4 < uncapped[1], (capped, uncapped)

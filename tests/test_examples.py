@@ -48,8 +48,10 @@ def _run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedP
 
 
 def _counts(stdout: str) -> dict[str, int]:
-    """The tallies of an example's first line: ``N words,``."""
-    return {word: int(num) for num, word in re.findall(r"(\d+) ([a-z ]+?),", stdout)}
+    """An example's tallies: ``N words`` before a comma or a line's end
+    (the words may hold hyphens: ``aborted mid-prefill``); a word that
+    recurs keeps its last count."""
+    return {word: int(num) for num, word in re.findall(r"(\d+) ([a-z -]+?)(?=[,\n])", stdout)}
 
 
 EXAMPLE_RUNS = [
@@ -1015,11 +1017,9 @@ def test_lora_slots_detects_unfenced_eviction() -> None:
 
 
 def _disagg(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
-    """A run (seed 0) and its tallies (``N words`` before a comma or a
-    line's end; the words may hold hyphens: ``aborted mid-prefill``)."""
+    """A run (seed 0) and its tallies."""
     proc = _run("disagg_transfer.py", "--device", "cpu", *args)
-    found = re.findall(r"(\d+) ([a-z -]+?)(?=[,\n])", proc.stdout)
-    return proc, {word: int(num) for num, word in found}
+    return proc, _counts(proc.stdout)
 
 
 def test_disagg_transfer_checks_out() -> None:

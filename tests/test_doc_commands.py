@@ -78,6 +78,7 @@ EXAMPLES = (
     "preempt_retry",
     "lora_slots",
     "disagg_transfer",
+    "hybrid_prefix",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

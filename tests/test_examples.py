@@ -895,6 +895,111 @@ async def test_radix_cache_keeps_every_node_on_a_borrowed_path(
     await pool.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_hybrid_prefix_checks_out(loop: str) -> None:
+    # docs/api.md's *Prefix caching* on a hybrid model's KV groups (full and
+    # swa): no read of another position's KV through either group, no page
+    # handed out while a step that used it still ran, no free refused, the
+    # tree's pages plus the rows' agreeing with each group's count, the
+    # pool empty after evicting everything. Each path ran: hits, hits cut
+    # short because the window before the longer cached prefix was gone,
+    # full evictions (never of an inner node) and windows evicted alone
+    # (tombstones), tombstones revived at insert, splits, retractions,
+    # aborts, and windows evicted while a step that read them still ran
+    # (behind its fence: 131-207 pages a run over seeds 0-5).
+    proc = _run("hybrid_prefix.py", "--device", "cpu", "--loop", loop)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    clean = (
+        r"hybrid_prefix: OK: 0 corrupted reads, 0 early hand-outs of \d+, 0 refused frees, "
+        "no stall, cache and pool agree, pool empty"
+    )
+    assert re.search(clean, proc.stdout), proc.stdout
+    counts = _counts(proc.stdout)
+    words = [
+        "hits",
+        "hits cut short for a window",
+        "evictions",
+        "windows evicted",
+        "swa pages evicted under a step in flight",
+        "swa pages revived",
+        "splits",
+        "retractions",
+        "aborts",
+        "agreement checks",
+    ]
+    assert all(counts.get(w, 0) > 0 for w in words), proc.stdout
+    assert counts.get("evictions of inner nodes") == 0, proc.stdout
+
+
+@pytest.mark.parametrize("flag,least", [("--evict-window-unfenced", 40), ("--keep-slid-out", 40)])
+def test_hybrid_prefix_detects_the_window_bugs(flag: str, least: int) -> None:
+    # A node's swa pages evicted with no fence go to the next grant, whose
+    # prompt is written before the step in flight reads them (the window of
+    # the request that cached them, or of a borrower that just finished), or
+    # a node built from a table that still lists the slid-out swa pages
+    # (freed by drop_pages, handed on since): hits read them, evictions free
+    # pages the tree does not own. On the host streams a step reads only
+    # once the next pass's prompts are written, so each one is caught.
+    # Measured over seeds 0-5, both loops, plain and debug mode: see
+    # docs/api.md, *Prefix caching for a hybrid model*.
+    proc = _run("hybrid_prefix.py", "--device", "cpu", flag)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = re.search(r"hybrid_prefix: FAILED: (\d+) corrupted reads", proc.stdout)
+    assert found is not None and int(found[1]) >= least, proc.stdout
+
+
+@pytest.mark.parametrize("window_unfenced", [False, True])
+async def test_hybrid_prefix_cache_keeps_windows(
+    kit: Streams, monkeypatch: pytest.MonkeyPatch, window_unfenced: bool
+) -> None:
+    """The example's HybridRadixCache, step by step (pages of 2, a window of
+    5 positions: a hit at page ``m`` needs the swa pages ``m - 2`` and
+    ``m - 1``). A prompt cached with its window's swa pages only is a hit
+    whole; a prompt that leaves it after two pages is cut to no hit (the
+    window before page 2 slid out). Its window evicted alone, the node keeps
+    its full pages, behind the step that read it (``--evict-window-unfenced``:
+    at once); a later request's swa pages revive it."""
+    mod = load_example("hybrid_prefix", monkeypatch)
+    kv = {"full": KVPagePool(9, 2), "swa": KVPagePool(9, 2)}
+    pool = AsyncReqToTokenPool(4, 16, kv=kv)
+    forward = kit.stream("forward")
+    cache = mod.HybridRadixCache(kv, 5, window_unfenced=window_unfenced)
+    a = [(1, 2), (3, 4), (5, 6)]
+    grant = await pool.admit({"full": 3, "swa": 3})
+    gate = kit.gate(forward)  # the step that reads the prompt stays in flight
+    fence = record_fence(forward)
+    pool.record_use([grant.row], fence)
+    pool.drop_pages(grant.row, 1, group="swa")  # position 0 slid out of the window
+    full = pool.detach_pages(grant.row, host=True, group="full").tolist()
+    live = pool.detach_pages(grant.row, host=True, group="swa").tolist()
+    assert cache.insert(a, 0, full, {1: live[0], 2: live[1]}, fence, 0) == ([], [])
+    pool.free([grant.row])
+    assert cache.pages == {"full": 3, "swa": 2}
+    assert cache.peek(a) == 3  # the window before page 3: pages 1 and 2
+    assert cache.peek([(1, 2), (3, 4), (9, 9)]) == 0  # before page 2: page 0 is gone
+    free_swa = kv["swa"].available_size()
+    assert cache.evict_swa(1) == 2 and cache.tombstoned == 1
+    assert cache.pages == {"full": 3, "swa": 0} and cache.peek(a) == 0
+    assert kv["swa"].available_size() == free_swa + (2 if window_unfenced else 0)
+    gate.open()
+    fence.synchronize()
+    grant = await pool.admit({"full": 3, "swa": 3})  # a miss, computed whole
+    fence = record_fence(forward)
+    pool.record_use([grant.row], fence)
+    full = pool.detach_pages(grant.row, host=True, group="full").tolist()
+    swa = dict(enumerate(pool.detach_pages(grant.row, host=True, group="swa").tolist()))
+    rest_full, rest_swa = cache.insert(a, 0, full, swa, fence, 1)
+    assert (rest_full, rest_swa) == (full, []) and cache.revived == 3
+    assert cache.pages == {"full": 3, "swa": 3} and cache.peek(a) == 3
+    kv["full"].free(torch.tensor(rest_full), fence=fence)
+    pool.free([grant.row])
+    cache.evict_full(0, everything=True)
+    async with bounded(WAIT_S):
+        await pool.drain()
+    assert pool.stats().pages_allocated == 0 and not cache.refused
+    await pool.close()
+
+
 def _preempt_retry(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
     proc = _run("preempt_retry.py", "--device", "cpu", *args)
     return proc, _counts(proc.stdout)

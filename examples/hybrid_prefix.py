@@ -20,7 +20,10 @@ the way SGLang's SWA radix cache keeps it:
   does). Short, the cache evicts in the group that is short (full: least
   recently used unlocked leaves, both groups' pages; swa: the swa pages of
   the least recently used unlocked nodes, which keep their full pages),
-  then it tries again; still short, the request waits for a later pass;
+  then it tries again; still short, the request waits for a later pass
+  (the shortfall counts the free pages only: the pending ones come back
+  once the step in flight is done, and evicting now lets the head in at
+  once);
 * at its grant a request locks every node of its path (one count that
   covers both groups); each step reads its context through the full group
   (every position) and its window through the swa group (on its first step
@@ -34,13 +37,17 @@ the way SGLang's SWA radix cache keeps it:
   a leaf with the swa pages it still had, a node already cached that lacks
   a position's swa page takes the request's (SGLang revives a tombstone
   so), and the rest is freed behind the newest step;
-* decode growth takes a page in both groups at once (``extend(row, {"full":
-  1, "swa": 1})``); short, the cache evicts in the group that was short, and
-  with nothing to evict the newest request is retracted.
+* decode growth, before admission, takes a page in both groups at once
+  (``extend(row, {"full": 1, "swa": 1})``); short, the request sits the
+  step out, the cache evicts in the group that was short, with nothing to
+  evict the newest request is retracted, and nothing is admitted that pass
+  (what comes back goes to growth first).
 
 Every step checks what it reads: each position of the full context and of
 the window must hold the KV of its position's prefix (``corrupted reads``:
-slots read that did not). Also checked: no stall (no token for
+slots read that did not); every page the pool hands out (a grant's, a
+growth's) is checked against the steps still running that used it
+(``early hand-outs``). Also checked: no stall (no token for
 ``--stall-passes`` passes), the tree's pages plus the rows' agree with each
 group's count in ``stats().kv_groups`` at every pass, no free refused, and
 the pool empty once everything is evicted at the end.
@@ -51,12 +58,15 @@ Two flags put bugs back, and the checks must then fail:
   fence, as if a window that slid on were read by nobody: the step in
   flight still reads the window of the request that cached them (and of a
   borrower that finished with it), and a request granted this pass
-  writes its prompt there first;
+  writes its prompt there first: 127-250 corrupted reads and 61-108 early
+  hand-outs a run at the defaults (seeds 0-5, both loops, debug mode too);
 * ``--keep-slid-out``: the engine's table of a request's swa pages is not
   cleared where ``drop_pages`` gave them back, and the node is built from
   that table: it lists pages the pool already freed and handed on. A hit
   reads another request's KV through them, and their eviction frees pages
-  the tree does not own (refused frees, or pages another node holds).
+  the tree does not own (refused frees, or pages another node holds):
+  100-658 corrupted reads and 17-36 refused frees a run, and a stall on
+  the pages those refusals kept.
 
 Runs on :class:`~asyncpool.HostStream` workers without a GPU and on a CUDA
 stream when ``torch.cuda.is_available()`` (``--device cpu`` forces the host
@@ -621,7 +631,7 @@ async def run(args: argparse.Namespace) -> int:
                 if grant is None:  # pending behind their readers: a later pass
                     return
             waiting.popleft()
-            pages = {g: [int(x) for x in grant.pages[g].tolist()] for g in GROUPS}
+            pages = {g: pool.pages_of(grant.row, host=True, group=g).tolist() for g in GROUPS}
             for g in GROUPS:
                 engine.handed_out(g, pages[g])
             start(req, pages["full"], pages["swa"], grant.row, hit)

@@ -161,10 +161,11 @@ class TransferEngine:
         slots: torch.Tensor,
         values: torch.Tensor,
         duration_s: float,
+        idle_s: float = 0.0,
     ) -> Transfer:
         """Write ``values`` into ``slots`` (the pages') in pieces spread over
-        ``duration_s``, then settle (a hung one stops before its last piece;
-        a failed one after its first)."""
+        ``duration_s`` past ``idle_s`` (a slow peer's stall), then settle (a
+        hung one stops before its last piece; a failed one after its first)."""
         t = Transfer(self, name, kind, pages)
         n = min(PIECES, len(slots))
         chunks = list(zip(slots.tensor_split(n), values.tensor_split(n), strict=True))
@@ -174,12 +175,13 @@ class TransferEngine:
         with self.cond:
             self.live.update(pages)
             for i, chunk in enumerate(chunks[:-1] if kind == "hung" else chunks):
-                due = now + duration_s * (i + 1) / (n + 1)
+                due = now + idle_s + duration_s * (i + 1) / (n + 1)
                 heapq.heappush(self.heap, (due, next(self.seq), t, chunk))
             if kind == "hung":
                 self.hung.append(t)
             else:
-                heapq.heappush(self.heap, (now + duration_s, next(self.seq), t, chunks))
+                end = now + idle_s + duration_s
+                heapq.heappush(self.heap, (end, next(self.seq), t, chunks))
             self.cond.notify()
         return t
 
@@ -352,7 +354,9 @@ async def run(args: argparse.Namespace) -> int:
         kv.free(pool.detach_pages(req.row, host=True), fence=fence)
         pool.free([req.row])
 
-    def transfer_kind(req: Request) -> tuple[str, float]:
+    def transfer_kind(req: Request) -> tuple[str, float, float]:
+        """A try's kind, the time it writes and how long it idles first (a
+        slow one: landing 0.5-4 fence timeouts past the deadline)."""
         x, kind = req.rng.random(), "landed"
         for name, p in MIX.items():
             if x < p:
@@ -361,10 +365,10 @@ async def run(args: argparse.Namespace) -> int:
             x -= p
         if req.fault and req.admission == 1:
             kind = "faulted"
-        ms = args.transfer_ms * req.rng.uniform(0.3, 1.7)
+        ms, idle = args.transfer_ms * req.rng.uniform(0.3, 1.7), 0.0
         if kind == "slow":
-            ms = args.deadline_ms + req.rng.uniform(0.5, 4) * args.fence_timeout_ms
-        return kind, ms / 1e3
+            idle = args.deadline_ms + req.rng.uniform(0.5, 4) * args.fence_timeout_ms - ms
+        return kind, ms / 1e3, max(idle, 0.0) / 1e3
 
     async def serve(req: Request) -> None:
         """Admit, transfer, decode (the scheduler's part) until it ends."""
@@ -380,11 +384,11 @@ async def run(args: argparse.Namespace) -> int:
             early += xfer.writing(req.pages)
             slots = req.slots(0, n, ps)
             engine.write(pool, req.row, slots, torch.zeros(0, dtype=torch.int64), n)  # the row
-            kind, duration = transfer_kind(req)
+            kind, duration, idle = transfer_kind(req)
             kinds[kind] += 1
             values = (req.id + 1) * MARK + torch.arange(n)
             handle = xfer.start(
-                f"req {req.id} try {req.admission}", kind, req.pages, slots, values, duration
+                f"req {req.id} try {req.admission}", kind, req.pages, slots, values, duration, idle
             )
             req.transfer = TransferFence(handle)  # one wrapper per transfer
             limit = loop.time() + args.deadline_ms / 1e3
@@ -547,11 +551,11 @@ async def run(args: argparse.Namespace) -> int:
     how = ("finished", "dropped", "aborted mid-transfer", "aborted mid-decode", "given up")
     print(
         f"disagg_decode: requests {', '.join(f'{ends[h]} {h}' for h in (*how, 'faulted'))}, "
-        f"{retries} retries, {retractions} retractions, {frees['whole-row']} whole-row and "
-        f"{frees['pages-only']} pages-only frees behind a transfer, {len(overdue_seen)} overdue "
-        f"fences seen, {len(released)} fences force released, {released_pages} pages force "
-        f"released, {stats.quarantined} rows quarantined, {stats.pages_quarantined} pages "
-        f"quarantined"
+        f"{retries} retries, {retractions} retractions, frees behind a transfer: "
+        f"{frees['whole-row']} whole-row, {frees['pages-only']} pages-only, "
+        f"{len(overdue_seen)} overdue fences seen, {len(released)} fences force released, "
+        f"{released_pages} pages force released, {stats.quarantined} rows quarantined, "
+        f"{stats.pages_quarantined} pages quarantined"
     )
     if corrupted == early == held == 0 and back:
         print(

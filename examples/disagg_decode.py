@@ -7,11 +7,13 @@ Each request's task awaits its admission (a row and the pages of its
 context, ``admit``, bounded) and hands the page ids to a transfer engine, a
 thread of its own that WRITES the request's KV into them (markers: whose
 request, which position), in pieces over the transfer's time, as an RDMA
-write from the prefill server would. Transfers are plain objects with
-``query()`` and ``synchronize()`` (fences of unknown origin: the pool polls
-them). Once its transfer lands the request joins the decode batch: each
-step reads its KV through its row and pages and checks every position
-(a *corrupted read*: a page that another request's late transfer wrote),
+write from the prefill server would. Its handles (``status()``, ``wait()``)
+are wrapped in docs/cuda.md's ``TransferFence`` (``query()``,
+``synchronize()``: fences of unknown origin, which the pool polls), one
+wrapper per transfer, kept with the request. Once its transfer lands the
+request joins the decode batch: each step reads its KV through its row and
+pages and checks every position (a *corrupted read*: a page that another
+request's late transfer wrote),
 writes its next token's KV, grows with ``extend`` (a short pool retracts
 the newest request: it is admitted again, its KV sent again) and ends
 finished or aborted by its client (``free([row])``, behind the steps). Each
@@ -26,8 +28,9 @@ try of a transfer, seeded, is:
 * *hung*: never lands. The server gives it up at its deadline; it turns
   overdue after ``fence_timeout``; the operator task has the engine cancel
   it, which confirms it can no longer write, then calls ``force_release``;
-* *slow*: lands after the deadline, given up the same way; still writing
-  when overdue, it is cancelled and released as a hung one.
+* *slow*: stalls, then writes at the usual pace and lands after the
+  deadline, given up the same way; still writing when overdue, it is
+  cancelled and released as a hung one.
 
 A client may abort while its transfer is in flight. An abort, a give-up or
 a fault frees behind the transfer, half of them the whole row

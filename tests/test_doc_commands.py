@@ -79,6 +79,7 @@ EXAMPLES = (
     "lora_slots",
     "disagg_transfer",
     "hybrid_prefix",
+    "disagg_decode",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -1,9 +1,10 @@
 """The engine plumbing that several examples share; not an example itself.
 
 ``paged_admission.py``, ``weight_update.py``, ``router_drain.py``,
-``n_samples.py``, ``radix_cache.py``, ``preempt_retry.py``, ``lora_slots.py``
-and ``disagg_transfer.py`` each run a stand-in for a model's forward over
-a paged KV cache: :class:`PagedEngine` is what they have in common, the KV cache and its
+``n_samples.py``, ``radix_cache.py``, ``preempt_retry.py``, ``lora_slots.py``,
+``disagg_transfer.py``, ``hybrid_prefix.py`` and ``disagg_decode.py`` each
+run a stand-in for a model's forward over a paged KV cache:
+:class:`PagedEngine` is what they have in common, the KV cache and its
 check, the streams, the gated host step, the kernel, the copy of a
 finished request's KV and row to the host and the weight update's
 overwrite of the KV cache. :class:`DecodeEngine` adds the

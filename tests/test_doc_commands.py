@@ -80,6 +80,7 @@ EXAMPLES = (
     "disagg_transfer",
     "hybrid_prefix",
     "disagg_decode",
+    "pd_router",
 )
 
 _FENCED = re.compile(r"^```.*?^```", re.M | re.S)

@@ -1,20 +1,20 @@
 """The engine plumbing that several examples share; not an example itself.
 
 ``paged_admission.py``, ``weight_update.py``, ``router_drain.py``,
-``n_samples.py``, ``radix_cache.py``, ``preempt_retry.py``, ``lora_slots.py``,
-``disagg_transfer.py``, ``hybrid_prefix.py`` and ``disagg_decode.py`` each
-run a stand-in for a model's forward over a paged KV cache:
-:class:`PagedEngine` is what they have in common, the KV cache and its
-check, the streams, the gated host step, the kernel, the copy of a
-finished request's KV and row to the host and the weight update's
-overwrite of the KV cache. :class:`DecodeEngine` adds the
-prefill and step of requests whose position ``p`` holds ``req.value(p)``
-(a :class:`Decoder`), one token a step: ``weight_update.py`` and
-``router_drain.py`` run it as it is, ``paged_admission.py``'s ``Engine``
-subclasses it. The other examples' ``Engine`` subclasses
-:class:`PagedEngine` and keeps what is its own: the tensors its prefill,
-steps and copies are built from (``write_prompt``, ``launch_step``,
-``copy_out``), extra streams.
+``n_samples.py``, ``radix_cache.py``, ``preempt_retry.py``,
+``lora_slots.py``, ``disagg_transfer.py``, ``hybrid_prefix.py``,
+``disagg_decode.py`` and ``pd_router.py`` each run a stand-in for a
+model's forward over a paged KV cache: :class:`PagedEngine` is what they
+have in common, the KV cache and its check, the streams, the gated host
+step, the kernel, the copy of a finished request's KV and row to the host
+and the weight update's overwrite of the KV cache. :class:`DecodeEngine`
+adds the prefill and step of requests whose position ``p`` holds
+``req.value(p)`` (a :class:`Decoder`), one token a step:
+``weight_update.py`` and ``router_drain.py`` run it as it is,
+``paged_admission.py``'s ``Engine`` subclasses it. The other examples'
+``Engine`` subclasses :class:`PagedEngine` and keeps what is its own: the
+tensors its prefill, steps and copies are built from (``write_prompt``,
+``launch_step``, ``copy_out``), extra streams.
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder

@@ -25,6 +25,8 @@ off); the tests load it beside them (``tests/helpers.py``,
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -279,3 +281,52 @@ class DecodeEngine(PagedEngine):
             [sum(map(r.value, range(p))) for r, p in zip(batch, pos_list, strict=True)]
         )
         self.launch_kernel(pool, rows, pos, slots, values, sums)
+
+
+class DueThread:
+    """A thread that runs each scheduled action at its time: the clock of
+    the transfer engines (``disagg_transfer.py``, ``disagg_decode.py``,
+    ``pd_router.py``).
+
+    ``at(when, action)``, called holding ``cond``, schedules ``action()``
+    for ``time.monotonic()`` reading ``when`` (actions due at once run in
+    the order they were scheduled). The thread runs each action holding
+    ``cond``, so an action may schedule more and settle what other threads
+    wait for under the same lock; on CUDA it runs on a stream of its own,
+    made waiting for the default stream (the KV cache's zero fill).
+    ``close()`` lets every scheduled action run at its time, then ends the
+    thread (joined for 30 s at most).
+    """
+
+    def __init__(self, device: torch.device, name: str = "transfer-engine") -> None:
+        self.device = device
+        self.cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        """Schedule ``action`` for ``when`` (the caller holds ``cond``)."""
+        heapq.heappush(self._heap, (when, next(self._seq), action))
+        self.cond.notify_all()  # the thread, whoever else waits on the lock
+
+    def close(self) -> None:
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":  # a stream of its own, not a forward's
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+            torch.cuda.set_stream(stream)
+        with self.cond:
+            while self._heap or not self._closing:
+                wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                if wait is None or wait > 0:
+                    self.cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)[2]()

@@ -61,12 +61,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import heapq
-import itertools
+import functools
 import logging
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +73,9 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine
+from _engine import DueThread, PagedEngine
+
+Chunk = tuple[torch.Tensor, torch.Tensor]  # a piece: its slots, its values
 
 MAX_LEN = 64
 MARK = 1 << 20  # the KV of request i's position p: (i + 1) * MARK + p
@@ -146,15 +146,11 @@ class TransferEngine:
 
     def __init__(self, engine: PagedEngine) -> None:
         self.kv_cache, self.device = engine.kv_cache, engine.device
-        self.cond = threading.Condition()
-        self.heap: list[tuple[float, int, Transfer, Any]] = []
-        self.seq = itertools.count()
+        self.clock = DueThread(engine.device)
+        self.cond = self.clock.cond
         self.live: collections.Counter[int] = collections.Counter()
         self.hung: list[Transfer] = []
         self.pieces = 0  # pieces written
-        self.closing = False
-        self.thread = threading.Thread(target=self._run, name="transfer-engine", daemon=True)
-        self.thread.start()
 
     def start(
         self,
@@ -179,13 +175,12 @@ class TransferEngine:
             self.live.update(pages)
             for i, chunk in enumerate(chunks[:-1] if kind == "hung" else chunks):
                 due = now + idle_s + duration_s * (i + 1) / (n + 1)
-                heapq.heappush(self.heap, (due, next(self.seq), t, chunk))
+                self.clock.at(due, functools.partial(self._piece, t, chunk))
             if kind == "hung":
                 self.hung.append(t)
             else:
                 end = now + idle_s + duration_s
-                heapq.heappush(self.heap, (end, next(self.seq), t, chunks))
-            self.cond.notify()
+                self.clock.at(end, functools.partial(self._end, t, chunks))
         return t
 
     def writing(self, pages: list[int]) -> int:
@@ -213,40 +208,27 @@ class TransferEngine:
             self.kv_cache[slots] = values
         self.pieces += 1
 
-    def _run(self) -> None:
-        if self.device.type == "cuda":  # a stream of its own, not the forward's
-            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.default_stream(self.device))  # the cache's zero fill
-            torch.cuda.set_stream(stream)
-        with self.cond:
-            while self.heap or not self.closing:
-                wait = self.heap[0][0] - time.monotonic() if self.heap else None
-                if wait is None or wait > 0:
-                    self.cond.wait(wait)
-                    continue
-                _, _, t, what = heapq.heappop(self.heap)
-                if isinstance(what, list):  # its end
-                    if t.state == "faulted":  # the late write, after query() raised
-                        for chunk in what:
-                            self._write(*chunk)
-                        self.live.subtract(t.pages)
-                    elif t.state == "writing" and t.kind == "faulted":
-                        t.state = "faulted"
-                        self.cond.notify_all()
-                        late = time.monotonic() + 0.005
-                        heapq.heappush(self.heap, (late, next(self.seq), t, what))
-                    elif t.state == "writing":
-                        self._settle(t, "failed" if t.kind == "failed" else "done")
-                elif t.state == "writing":  # a piece
-                    self._write(*what)
+    def _piece(self, t: Transfer, chunk: Chunk) -> None:  # on the clock's thread, locked
+        if t.state == "writing":
+            self._write(*chunk)
+
+    def _end(self, t: Transfer, chunks: list[Chunk]) -> None:  # on the clock's thread, locked
+        if t.state == "faulted":  # the late write, after query() raised
+            for chunk in chunks:
+                self._write(*chunk)
+            self.live.subtract(t.pages)
+        elif t.state == "writing" and t.kind == "faulted":
+            t.state = "faulted"
+            self.cond.notify_all()
+            late = functools.partial(self._end, t, chunks)
+            self.clock.at(time.monotonic() + 0.005, late)
+        elif t.state == "writing":
+            self._settle(t, "failed" if t.kind == "failed" else "done")
 
     def close(self) -> int:
         """Let every due write happen, then cancel what hangs; the pages a
         live transfer still held then (0 unless one was hung)."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        self.thread.join(30)
+        self.clock.close()
         with self.cond:
             held = sum(self.live.values())
         for t in self.hung:

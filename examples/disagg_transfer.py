@@ -60,13 +60,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import heapq
-import itertools
+import functools
 import logging
 import math
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +73,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine
+from _engine import DueThread, PagedEngine
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id + 1) * MARK + position
@@ -135,15 +133,11 @@ class TransferEngine:
 
     def __init__(self, engine: PagedEngine) -> None:
         self.kv_cache, self.device = engine.kv_cache, engine.device
-        self.cond = threading.Condition()
-        self.heap: list[tuple[float, int, Transfer]] = []
-        self.seq = itertools.count()
+        self.clock = DueThread(engine.device)
+        self.cond = self.clock.cond
         self.live: collections.Counter[int] = collections.Counter()
         self.hung: list[Transfer] = []  # never settled but by a cancel
         self.reads = self.mismatched = 0
-        self.closing = False
-        self.thread = threading.Thread(target=self._run, name="transfer-engine", daemon=True)
-        self.thread.start()
 
     def start(self, name: str, req: Request, kind: str, duration_s: float) -> Transfer:
         """A transfer of ``req``'s pages that settles ``duration_s`` from now
@@ -154,8 +148,7 @@ class TransferEngine:
             if kind == "hung":
                 self.hung.append(t)
             else:
-                heapq.heappush(self.heap, (time.monotonic() + duration_s, next(self.seq), t))
-                self.cond.notify()
+                self.clock.at(time.monotonic() + duration_s, functools.partial(self._due, t))
         return t
 
     def reading(self, pages: list[int]) -> int:
@@ -181,37 +174,24 @@ class TransferEngine:
         self.reads += 1
         self.mismatched += int(not torch.equal(got, t.expect))
 
-    def _run(self) -> None:
-        if self.device.type == "cuda":  # a stream of its own, not the forward's
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
-        with self.cond:
-            while self.heap or not self.closing:
-                wait = self.heap[0][0] - time.monotonic() if self.heap else None
-                if wait is None or wait > 0:
-                    self.cond.wait(wait)
-                    continue
-                _, _, t = heapq.heappop(self.heap)
-                if t.state == "faulted":  # its late read, after query() raised
-                    self._read(t)
-                    self.live.subtract(t.pages)
-                elif t.state == "reading" and t.kind == "failed":
-                    self._settle(t, "failed")
-                elif t.state == "reading" and t.kind == "faulted":
-                    t.state = "faulted"
-                    self.cond.notify_all()
-                    late = time.monotonic() + t.late_s
-                    heapq.heappush(self.heap, (late, next(self.seq), t))
-                elif t.state == "reading":
-                    self._read(t)
-                    self._settle(t, "done")
+    def _due(self, t: Transfer) -> None:  # on the clock's thread, under the lock
+        if t.state == "faulted":  # its late read, after query() raised
+            self._read(t)
+            self.live.subtract(t.pages)
+        elif t.state == "reading" and t.kind == "failed":
+            self._settle(t, "failed")
+        elif t.state == "reading" and t.kind == "faulted":
+            t.state = "faulted"
+            self.cond.notify_all()
+            self.clock.at(time.monotonic() + t.late_s, functools.partial(self._due, t))
+        elif t.state == "reading":
+            self._read(t)
+            self._settle(t, "done")
 
     def close(self) -> int:
         """Let every due read happen, then cancel what hangs; the pages a
         live transfer still held then (0 unless one was hung)."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        self.thread.join(30)
+        self.clock.close()
         with self.cond:
             held = sum(self.live.values())
         for t in self.hung:

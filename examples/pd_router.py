@@ -40,8 +40,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import heapq
-import itertools
+import functools
 import logging
 import random
 import sys
@@ -55,7 +54,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine
+from _engine import DueThread, PagedEngine
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id * 64 + routes) * MARK + position
@@ -108,14 +107,10 @@ class TransferEngine:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cond = threading.Condition()
-        self.heap: list[tuple[float, int, Transfer]] = []
-        self.seq = itertools.count()
+        self.clock = DueThread(device)
+        self.cond = self.clock.cond
         self.hung: list[Transfer] = []
         self.reads = self.mismatched = self.cancelled = 0
-        self.closing = False
-        self.thread = threading.Thread(target=self._run, name="transfer-engine", daemon=True)
-        self.thread.start()
 
     def start(self, kv_cache: torch.Tensor, req: Request) -> Transfer:
         t = Transfer(self, kv_cache, req)
@@ -123,8 +118,7 @@ class TransferEngine:
             if t.kind == "hung":
                 self.hung.append(t)
             else:
-                heapq.heappush(self.heap, (time.monotonic() + req.duration_s, next(self.seq), t))
-                self.cond.notify()
+                self.clock.at(time.monotonic() + req.duration_s, functools.partial(self._read, t))
         return t
 
     def cancel(self, t: Transfer) -> bool:
@@ -136,30 +130,18 @@ class TransferEngine:
                 self.cond.notify_all()
             return True
 
-    def _run(self) -> None:
-        if self.device.type == "cuda":  # a stream of its own, not a forward's
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
-        with self.cond:
-            while self.heap or not self.closing:
-                wait = self.heap[0][0] - time.monotonic() if self.heap else None
-                if wait is None or wait > 0:
-                    self.cond.wait(wait)
-                    continue
-                _, _, t = heapq.heappop(self.heap)
-                if t.state != "reading":
-                    continue
-                got = t.kv_cache[t.slots.to(t.kv_cache.device)].cpu()
-                self.reads += 1
-                self.mismatched += int(not torch.equal(got, t.expect))
-                t.state = "done"
-                self.cond.notify_all()
+    def _read(self, t: Transfer) -> None:  # on the clock's thread, under the lock
+        if t.state != "reading":
+            return
+        got = t.kv_cache[t.slots.to(t.kv_cache.device)].cpu()
+        self.reads += 1
+        self.mismatched += int(not torch.equal(got, t.expect))
+        t.state = "done"
+        self.cond.notify_all()
 
     def close(self) -> None:
         """Let every due read happen, then cancel what hangs."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        self.thread.join(30)
+        self.clock.close()
         for t in self.hung:
             self.cancel(t)
 

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -509,6 +510,38 @@ def test_the_shared_engine_runs_a_host_step_only_once_planned(
     assert bad_reads == int(overwritten)
     assert engine.kv_cache[6] == 30 and pool.req_to_token[rows[0], :3].tolist() == [4, 5, 6]
     assert pool.verified_lens[rows[0]] == 3
+
+
+def test_the_shared_clock_runs_actions_in_time_order_locked_and_all_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """examples/_engine.py's ``DueThread`` (the transfer engines' clock):
+    each action runs at its time, in time order whatever the order it was
+    scheduled in, holding ``cond`` (so it may schedule another), on the
+    clock's thread; ``close()`` waits for every action still scheduled to
+    run at its time, then ends the thread."""
+    load_example("disagg_transfer", monkeypatch)  # ...and _engine beside it
+    clock = sys.modules["_engine"].DueThread(torch.device("cpu"))
+    ran: list[str] = []
+    second = threading.Event()
+
+    def action(name: str) -> None:
+        assert clock.cond._is_owned() and threading.current_thread() is not main
+        ran.append(name)
+        if name == "b":  # an action schedules another, under the same lock
+            clock.at(time.monotonic(), lambda: (ran.append("c"), second.set()))
+
+    main = threading.current_thread()
+    now = time.monotonic()
+    with clock.cond:
+        clock.at(now + 0.05, lambda: action("b"))
+        clock.at(now, lambda: action("a"))
+        clock.at(now + 0.3, lambda: action("late"))  # due after the close begins
+    assert second.wait(WAIT_S), ran
+    assert ran[:3] == ["a", "b", "c"]  # "late" only after them, whenever it runs
+    clock.close()
+    assert ran == ["a", "b", "c", "late"]
+    assert not clock._thread.is_alive()
 
 
 def test_the_shared_decode_engine_prefills_steps_and_forgets_at_an_update(

@@ -68,12 +68,17 @@ CALLS: dict[str, Callable[..., Awaitable[Any]]] = {"ask": ask, "lease": lease_on
 
 
 def assert_settled(pool: AsyncReqToTokenPool, held: list[int]) -> None:
-    """Only ``held`` (rows, with their pages) is allocated; nobody waits."""
+    """Only ``held`` (rows, with the pages they own) is allocated; nobody waits."""
     assert_conserved(pool)
     assert pool.allocated_size() == len(held)
     assert pool.waiting() == 0
-    for group in pool.kv_groups.values() if pool.kv_groups else [pool.kv] if pool.kv else []:
-        group.check_invariants()
+    groups: dict[str | None, KVPagePool] = dict(pool.kv_groups or {})
+    if pool.kv is not None and not groups:
+        groups[None] = pool.kv
+    for name, kv in groups.items():
+        kv.check_invariants()
+        owned = sum(pool.pages_of(row, group=name).numel() for row in held)
+        assert kv.allocated_size() == owned, name
 
 
 async def assert_serves(pool: AsyncReqToTokenPool, kind: str, held: list[int]) -> None:

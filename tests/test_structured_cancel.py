@@ -1,6 +1,7 @@
 """The pool under structured concurrency: ``asyncio.timeout``, ``TaskGroup``,
-level-triggered cancel scopes (anyio's on asyncio), ``asyncio.shield``,
-cancel messages and a runner that ends with calls queued.
+level-triggered cancel scopes (anyio's on asyncio: a stand-in that makes
+the re-cancel at every turn explicit, and anyio's own ``CancelScope``),
+``asyncio.shield``, cancel messages and a runner that ends with calls queued.
 
 ``test_async_races.py`` covers a bare ``task.cancel()`` (and one
 ``asyncio.timeout``) meeting a grant on ``alloc``; here each waiting call
@@ -19,6 +20,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import uvloop
 from helpers import WAIT_S, assert_conserved, bounded, grouped_pool, spin
@@ -394,6 +396,65 @@ async def test_a_level_triggered_scope_around_a_lease_body():
                 await asyncio.sleep(WAIT_S)
         assert_settled(pool, [])
         await assert_serves(pool, "pages", [])
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("kind", KINDS)
+async def test_anyios_own_scope_around_a_queued_call(kind, call):
+    """:class:`LevelCancel` above stands in for anyio's scope; this is the
+    real one (anyio on the running asyncio or uvloop loop), cancelled while
+    the call waits in the queue."""
+    async with bounded():
+        pool = make(kind)
+        held = exhaust(pool, kind)
+        task = asyncio.current_task()
+        assert task is not None
+        with anyio.CancelScope() as scope:
+            asyncio.get_running_loop().call_soon(scope.cancel)
+            await CALLS[call](pool, kind)
+        assert scope.cancelled_caught and task.cancelling() == 0
+        assert_settled(pool, held)
+        await assert_serves(pool, kind, held)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_anyios_own_scope_cancelled_in_the_grant_turn(kind):
+    """anyio's scope cancelled in the turn the grant lands: the granted
+    call's result is delivered (anyio does not cancel a task whose awaited
+    future is done, as docs/api.md says) and the task's next await is
+    cancelled; a lease's exit frees its rows. Either way nothing stays
+    allocated."""
+    async with bounded():
+        pool = make(kind)
+        held = exhaust(pool, kind)
+        scopes: list[anyio.CancelScope] = []
+        got: list[list[int]] = []
+
+        async def asker() -> None:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                rows = await ask(pool, kind)
+                got.append(rows)
+                try:
+                    await asyncio.sleep(WAIT_S)  # cancelled here when granted first
+                finally:
+                    pool.free(rows)
+
+        async def leaser() -> None:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                await lease_one(pool, kind)
+
+        tasks = [asyncio.create_task(asker()), asyncio.create_task(leaser())]
+        await spin()
+        pool.free(held)
+        for scope in scopes:
+            scope.cancel()
+        await asyncio.gather(*tasks)
+        assert all(scope.cancelled_caught for scope in scopes)
+        assert got, "the first waiter's grant, made in the cancel's turn, was delivered"
+        assert_settled(pool, [])
+        await assert_serves(pool, kind, [])
 
 
 # ---------------------------------------------------------------- shield, messages

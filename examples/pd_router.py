@@ -190,6 +190,7 @@ class Replica:
         self.pool: AsyncReqToTokenPool | None = None
         self._command: tuple[str, Callable[[], None]] | None = None
         self._wake: asyncio.Event | None = None
+        self.busy = 0  # its transfers in flight: the router reads it, this thread writes it
         self.thread = threading.Thread(target=self._main, name=f"replica-{label}", daemon=True)
 
     # -- the router's side ------------------------------------------------
@@ -201,10 +202,6 @@ class Replica:
         pages = pool.kv.available_size() + pool.kv.pending_size()
         per = self.args.max_prompt_pages
         return int(min(rows, pages // per) - pool.waiting() - len(self.inbox))
-
-    def busy(self) -> int:
-        """Its transfers in flight (read from the router's thread)."""
-        return len(getattr(self, "shipping", ()))
 
     def hand(self, req: Request) -> None:
         self.inbox.append(req)
@@ -355,14 +352,19 @@ class Replica:
                 await wait_fence(prev[0])
                 for req in prev[1]:
                     ship = asyncio.ensure_future(self._ship(req))
-                    ship.add_done_callback(lambda t: self.shipping.pop(t, None))
+                    ship.add_done_callback(self._shipped)
                     self.shipping[ship] = req
+                self.busy = len(self.shipping)
             prev = launched
             self.prefilling = batch
             if prev is None and not any(t.done() for t in self.admitting):
                 await self._wake.wait()
             else:
                 await asyncio.sleep(0)
+
+    def _shipped(self, ship: asyncio.Task[None]) -> None:
+        self.shipping.pop(ship, None)
+        self.busy = len(self.shipping)
 
     async def _drain(self, kind: str) -> None:
         """The recipe: the router stopped routing here already."""
@@ -519,8 +521,9 @@ class Router:
                 if cycling is not None:
                     await cycling
                 kind = UPDATE if events % 2 == 0 else REPLACE
-                # The replica with the most transfers in flight: the worst case.
-                index = max(range(len(self.replicas)), key=lambda i: self.replicas[i].busy())
+                # The replica with the most transfers in flight: the worst case
+                # (the count its own thread publishes).
+                index = max(range(len(self.replicas)), key=lambda i: self.replicas[i].busy)
                 cycling = asyncio.ensure_future(self.cycle(index, kind))
                 events += 1
             while self.queue or (

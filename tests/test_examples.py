@@ -13,6 +13,7 @@ corruption, and its cache's own eviction is pinned by a gated test."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
 import re
@@ -1234,6 +1235,51 @@ def test_pd_router_detects_a_drain_that_does_not_wait_for_the_transfers() -> Non
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"pd_router: FAILED: (\d+) mismatched transfers", proc.stdout)
     assert found is not None and int(found[1]) > 0, proc.stdout
+
+
+def test_pd_router_reads_transfers_in_flight_from_a_count_the_replica_publishes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The router drains the replica with the most transfers in flight. It
+    # once read len() of the replica's own dict of them from the router's
+    # thread (a dict another thread changes); it reads an int the replica
+    # publishes instead, current whenever the replica's loop looks.
+    mod = load_example("pd_router", monkeypatch)
+    foreign: list[str] = []  # reads of a replica's dict from another thread
+    stale: list[tuple[Any, int]] = []  # the count unlike the dict at a drain
+
+    class Owned(dict[Any, Any]):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.owner = threading.current_thread()
+
+        def __len__(self) -> int:
+            if threading.current_thread() is not self.owner:
+                foreign.append(threading.current_thread().name)
+            return super().__len__()
+
+    class Watched(mod.Replica):  # type: ignore[misc,name-defined]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "shipping":
+                value = Owned(value)
+            super().__setattr__(name, value)
+
+        async def _drain(self, kind: str) -> None:
+            if self.busy != dict.__len__(self.shipping):
+                stale.append((self.busy, dict.__len__(self.shipping)))
+            await super()._drain(kind)
+
+    monkeypatch.setattr(mod, "Replica", Watched)
+    logger = logging.getLogger("asyncpool")
+    level = logger.level
+    try:
+        status = mod.main(["--device", "cpu", "--requests", "120"])
+    finally:
+        logger.setLevel(level)  # main() quiets the pool's overdue warnings: other tests see them
+    out = capsys.readouterr().out
+    assert status == 0 and "pd_router: OK:" in out, out
+    assert not foreign and not stale, (foreign[:3], stale[:3])
+    assert _counts(out)["transfers in flight at drains"] > 0, out
 
 
 def _disagg_decode(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:

@@ -32,33 +32,38 @@ given up), routed again only after a drain; every drain leaves nothing
 allocated nor pending. ``--drain-without-transfers`` (the bug: the drain
 frees behind the step fence only and overwrites without waiting for the
 transfers) must fail. Exit status 0 when everything checks out, else 1.
+
+The replicas' threads and loops, their inboxes and commands, the routing,
+the drains' turns and the hand-back of queued admissions are
+``examples/_router.py``'s, which ``router_drain.py`` shares; the prefill
+scheduler, the transfers, the drain and the checks are this program's. The
+router picks the replica to drain by the count of transfers in flight that
+the replica's own thread publishes (``Replica.busy``), not by reading its
+tasks from the router's thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import concurrent.futures
 import functools
 import logging
 import random
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, record_fence, wait_fence
+from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
+import _router
 from _engine import DueThread, PagedEngine
+from _router import STOP, UPDATE, run_loop
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id * 64 + routes) * MARK + position
-UPDATE, REPLACE, STOP = "update", "replace", "stop"
 MIX = {"hung": 0.01, "slow": 0.04}  # per request, seeded; the rest land in time
 
 
@@ -158,83 +163,25 @@ def prefill(
     kv_cache[slots] = values
 
 
-def _run_loop(main: Any, use_uvloop: bool) -> None:
-    if use_uvloop:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main)
-    else:
-        asyncio.run(main)
-
-
 @dataclass(eq=False)
-class Figures:
-    drains: int = 0
-    dirty_drains: int = 0  # drains that left rows or pages allocated or pending
+class Figures(_router.Figures):
+    """What a replica counted; read by the router once its thread ended."""
+
     in_flight: int = 0  # transfers in flight when a drain began
     released: int = 0  # transfers cancelled and force-released (a drain's or the operator's)
-    error: BaseException | None = None
 
 
-class Replica:
-    """A prefill server on a thread and loop of its own."""
+class Replica(_router.Replica[Request, Figures]):
+    """A prefill server on a thread and loop of its own (``_router.Replica``:
+    the inbox, the commands, the room)."""
 
     def __init__(self, label: str, args: argparse.Namespace, router: Router) -> None:
-        self.label, self.args, self.router, self.xfer = label, args, router, router.xfer
-        self.inbox: collections.deque[Request] = collections.deque()
-        self.serving = False
-        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.figures = Figures()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.pool: AsyncReqToTokenPool | None = None
-        self._command: tuple[str, Callable[[], None]] | None = None
-        self._wake: asyncio.Event | None = None
+        super().__init__(label, args, router, Figures(), args.max_prompt_pages)
+        self.xfer = router.xfer
         self.busy = 0  # its transfers in flight: the router reads it, this thread writes it
-        self.thread = threading.Thread(target=self._main, name=f"replica-{label}", daemon=True)
-
-    # -- the router's side ------------------------------------------------
-
-    def counts(self) -> int:
-        pool = self.pool
-        assert pool is not None and pool.kv is not None
-        rows = pool.available_size() + pool.pending_size()
-        pages = pool.kv.available_size() + pool.kv.pending_size()
-        per = self.args.max_prompt_pages
-        return int(min(rows, pages // per) - pool.waiting() - len(self.inbox))
-
-    def hand(self, req: Request) -> None:
-        self.inbox.append(req)
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._poke)
-
-    def command(self, kind: str, done: Callable[[], None]) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._set_command, kind, done)
-
-    # -- the replica's thread ----------------------------------------------
-
-    def _poke(self) -> None:
-        assert self._wake is not None
-        self._wake.set()
-
-    def _set_command(self, kind: str, done: Callable[[], None]) -> None:
-        self._command = (kind, done)
-        self._poke()
-
-    def _main(self) -> None:
-        try:
-            _run_loop(self._serve(), self.args.uvloop)
-        except BaseException as exc:
-            self.figures.error = exc
-            if not self.ready.done():
-                self.ready.set_exception(exc)
-            self.router.call(self.router.replica_failed, self)
 
     async def _serve(self) -> None:
         args = self.args
-        self.loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
         device = torch.device(args.device)
         self.engine = PagedEngine(device, args.pages + 1, args.page_size, args.forward_ms)
         self.kv = KVPagePool(args.pages + 1, args.page_size)
@@ -247,15 +194,12 @@ class Replica:
             fence_timeout=args.fence_timeout_ms / 1e3,
             name=self.label,
         )
-        pool.bind()
-        self.pool = pool
-        self.admitting: dict[asyncio.Task[Grant], Request] = {}
         self.prefilling: list[Request] = []
         self.shipping: dict[asyncio.Task[None], Request] = {}
         self.given_up: list[Transfer] = []  # may still read: pages behind them
+        self.started(pool)
         stop = asyncio.Event()
         operator = asyncio.ensure_future(self._operator(stop))
-        self.ready.set_result(None)
         try:
             await self._schedule()
         finally:
@@ -306,29 +250,21 @@ class Replica:
 
     async def _schedule(self) -> None:
         engine, pool = self.engine, self.pool
-        assert pool is not None and self._wake is not None
+        assert pool is not None
         ps = self.args.page_size
         prev: tuple[Any, list[Request]] | None = None
         while True:
-            self._wake.clear()
-            if self._command is not None:
-                kind, done = self._command
-                self._command = None
-                await self._drain(kind)
-                prev = None
-                self.router.call(done)
+            kind = await self.obey()
+            if kind is not None:
                 if kind != UPDATE:
                     return
+                prev = None
                 continue
             while self.inbox:
                 req = self.inbox.popleft()
-                admit = asyncio.ensure_future(pool.admit(pages=req.npages))
-                admit.add_done_callback(lambda _: self._poke())
-                self.admitting[admit] = req
+                self.admit(req, req.npages)
             batch: list[Request] = []
-            for admit in [t for t in self.admitting if t.done()]:
-                req = self.admitting.pop(admit)
-                grant = admit.result()
+            for req, grant in self.granted():
                 req.row, req.pages = grant.row, grant.pages.tolist()
                 req.slots = (torch.tensor(req.pages)[:, None] * ps + torch.arange(ps)).flatten()
                 base = (req.id * 64 + req.routes) * MARK
@@ -357,8 +293,8 @@ class Replica:
                 self.busy = len(self.shipping)
             prev = launched
             self.prefilling = batch
-            if prev is None and not any(t.done() for t in self.admitting):
-                await self._wake.wait()
+            if prev is None:
+                await self.idle()  # (at once if a request, a grant or a command came)
             else:
                 await asyncio.sleep(0)
 
@@ -370,17 +306,8 @@ class Replica:
         """The recipe: the router stopped routing here already."""
         args, pool, engine = self.args, self.pool, self.engine
         assert pool is not None
-        back = list(self.inbox)
-        self.inbox.clear()
-        tasks = list(self.admitting)  # queued admissions: handed back
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for task in tasks:
-            req = self.admitting.pop(task)
-            back.append(req)
-            if not task.cancelled() and task.exception() is None:
-                pool.free(task.result().row)  # nothing ran on it: at once
+        tasks, back = self.take_queued()
+        await self.hand_back_admissions(tasks)
         for req in self.prefilling:  # behind the step in flight (record_use)
             pool.free([req.row])
             back.append(req)
@@ -417,14 +344,14 @@ class Replica:
             await pool.close()
 
 
-class Router:
-    """The main thread's loop: routes requests, drains and replaces replicas."""
+class Router(_router.Router[Request, Replica, Figures]):
+    """The main thread's loop (``_router.Router``) and the transfer engine
+    that every replica's transfers share; drains the busiest replica."""
 
     def __init__(self, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> None:
-        self.args, self.loop = args, loop
-        self.rng = rng = random.Random(args.seed)
+        rng = random.Random(args.seed)
         self.xfer = TransferEngine(torch.device(args.device))
-        self.requests = []
+        requests = []
         for i in range(args.requests):
             x, kind = rng.random(), "landed"
             if x < MIX["hung"]:
@@ -434,116 +361,16 @@ class Router:
             ms = args.transfer_ms * rng.uniform(0.3, 1.7)
             if kind == "slow":
                 ms = args.deadline_ms + rng.uniform(0.5, 3) * args.fence_timeout_ms
-            self.requests.append(Request(i, rng.randint(1, args.max_prompt_pages), kind, ms / 1e3))
-        self.queue: collections.deque[Request] = collections.deque()
-        self.spawned = self.finished_count = self.requeued = self.routes = 0
-        self.ends: collections.Counter[str] = collections.Counter()
-        self.changed = asyncio.Event()
-        self.replicas: list[Replica] = []
-        self.retired: list[Figures] = []
-        self.updates = self.replacements = 0
-        self.failures: list[str] = []
+            requests.append(Request(i, rng.randint(1, args.max_prompt_pages), kind, ms / 1e3))
+        super().__init__(args, loop, requests)
 
-    def call(self, fn: Callable[..., None], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+    def new_replica(self, label: str) -> Replica:
+        return Replica(label, self.args, self)
 
-    def finished(self, replica: Replica, req: Request, how: str) -> None:
-        if req.where is not replica:
-            self.failures.append(f"request {req.id} finished on {replica.label} unexpectedly")
-        req.finishes += 1
-        req.where = "finished"
-        self.finished_count += 1
-        self.ends[how] += 1
-        self.changed.set()
-
-    def requeue(self, replica: Replica, reqs: list[Request]) -> None:
-        for req in reqs:
-            if req.where is not replica:
-                self.failures.append(f"request {req.id} handed back by {replica.label}")
-            req.where = "router"
-            self.queue.append(req)
-        self.requeued += len(reqs)
-        self.changed.set()
-
-    def replica_failed(self, replica: Replica) -> None:
-        self.failures.append(f"replica {replica.label}: {replica.figures.error!r}")
-        self.changed.set()
-
-    async def start(self, label: str) -> Replica:
-        replica = Replica(label, self.args, self)
-        replica.thread.start()
-        async with asyncio.timeout(10):
-            await asyncio.wrap_future(replica.ready)
-        replica.serving = True
-        return replica
-
-    async def stop_replica(self, replica: Replica, kind: str) -> None:
-        replica.serving = False  # stop routing to it first
-        drained: asyncio.Future[None] = self.loop.create_future()
-
-        def done() -> None:
-            if not drained.done():
-                drained.set_result(None)
-
-        replica.command(kind, done)
-        async with asyncio.timeout(20):
-            await drained
-        if kind == UPDATE:
-            replica.serving = True
-            return
-        async with asyncio.timeout(10):
-            await asyncio.to_thread(replica.thread.join)
-        self.retired.append(replica.figures)
-
-    async def cycle(self, index: int, kind: str) -> None:
-        replica = self.replicas[index]
-        await self.stop_replica(replica, kind)
-        if kind == REPLACE:
-            self.replicas[index] = await self.start(replica.label)
-            self.replacements += 1
-        else:
-            self.updates += 1
-        self.changed.set()
-
-    async def run(self) -> None:
-        args = self.args
-        cap = 2 * args.rows * args.replicas
-        for i in range(args.replicas):
-            self.replicas.append(await self.start(f"r{i}"))
-        events = 0
-        cycling: asyncio.Task[None] | None = None
-        while self.finished_count < len(self.requests):
-            if self.failures:
-                raise RuntimeError(self.failures[0])
-            self.changed.clear()
-            due = (events + 1) * len(self.requests) // 8
-            if events < 7 and self.finished_count >= due and (cycling is None or cycling.done()):
-                if cycling is not None:
-                    await cycling
-                kind = UPDATE if events % 2 == 0 else REPLACE
-                # The replica with the most transfers in flight: the worst case
-                # (the count its own thread publishes).
-                index = max(range(len(self.replicas)), key=lambda i: self.replicas[i].busy)
-                cycling = asyncio.ensure_future(self.cycle(index, kind))
-                events += 1
-            while self.queue or (
-                self.spawned < len(self.requests) and self.spawned - self.finished_count < cap
-            ):
-                serving = [r for r in self.replicas if r.serving]
-                if not serving:
-                    break
-                replica = max(serving, key=Replica.counts)
-                req = self.queue.popleft() if self.queue else self.requests[self.spawned]
-                if req.where == "new":
-                    self.spawned += 1
-                req.where, req.routes = replica, req.routes + 1
-                self.routes += 1
-                replica.hand(req)
-            await self.changed.wait()
-        if cycling is not None:
-            await cycling
-        for replica in self.replicas:
-            await self.stop_replica(replica, STOP)
+    def to_drain(self) -> int:
+        """The replica with the most transfers in flight: the worst case (the
+        count its own thread publishes)."""
+        return max(range(len(self.replicas)), key=lambda i: self.replicas[i].busy)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -555,15 +382,10 @@ async def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         router.failures.append(f"the router: {exc!r}")
     finally:
-        for replica in router.replicas:
-            if replica.thread.is_alive() and replica.loop is not None:
-                if not replica.loop.is_closed():
-                    replica.command(STOP, lambda: None)
-                replica.thread.join(10)
+        router.shutdown()
         router.xfer.close()
     elapsed = time.perf_counter() - t0
-    figures = router.retired + [r.figures for r in router.replicas]
-    figures = list({id(f): f for f in figures}.values())
+    figures = router.figures()
     xfer = router.xfer
     drains = sum(f.drains for f in figures)
     dirty = sum(f.dirty_drains for f in figures)
@@ -647,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     async def body() -> None:
         box.append(await run(args))
 
-    _run_loop(body(), args.uvloop)
+    run_loop(body(), args.uvloop)
     return box[0]
 
 

@@ -55,6 +55,11 @@ Two flags put the bugs back, and the run must then fail:
   request's row and pages go to a queued admission while the step in
   flight still reads them: corrupted reads.
 
+The replicas' threads and loops, their inboxes and commands, the routing,
+the drains' turns and the hand-back of queued admissions are
+``examples/_router.py``'s, which ``pd_router.py`` shares; the scheduler,
+the drain, the collector and the checks are this program's.
+
 Exit status: 0 when everything checks out, 1 otherwise. Public API only.
 """
 
@@ -62,29 +67,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import concurrent.futures
 import gc
 import random
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from asyncpool import (
-    AsyncReqToTokenPool,
-    Grant,
-    KVPagePool,
-    record_fence,
-    wait_fence,
-)
+from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, record_fence, wait_fence
 
+import _router
 from _engine import DecodeEngine
+from _router import REPLACE, STOP, UPDATE, run_loop
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest
@@ -96,7 +94,6 @@ except ImportError:  # a dev dependency: the scrape is skipped without it
 MAX_PROMPT = 12
 MAX_OUTPUT = 8
 MAX_LEN = MAX_PROMPT + MAX_OUTPUT + 1  # the step in flight at the end writes one past
-UPDATE, REPLACE, STOP = "update", "replace", "stop"
 
 
 @dataclass
@@ -124,97 +121,31 @@ class Request:
         return self.pages[pos // page_size] * page_size + pos % page_size
 
 
-def _run_loop(main: Any, use_uvloop: bool) -> None:
-    """Run ``main`` to completion on a new event loop (uvloop's if asked)."""
-    if use_uvloop:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main)
-    else:
-        asyncio.run(main)
-
-
 @dataclass(eq=False)
-class Figures:
+class Figures(_router.Figures):
     """What a replica counted; read by the router once its thread ended."""
 
     corrupted_reads: int = 0
     handed_out_live: int = 0
     shadow_mismatches: int = 0
-    drains: int = 0
-    dirty_drains: int = 0  # drains that ended with rows or pages allocated
-    rows_left: int = 0  # rows allocated at their ends, in all
-    error: BaseException | None = None
+    rows_left: int = 0  # rows allocated at the ends of dirty drains, in all
 
 
-class Replica:
-    """One data-parallel replica: a scheduler on a thread and loop of its own."""
+class Replica(_router.Replica[Request, Figures]):
+    """One data-parallel replica: a decode scheduler on a thread and loop of
+    its own (``_router.Replica``: the inbox, the commands, the room)."""
 
     def __init__(self, label: str, args: argparse.Namespace, router: Router) -> None:
-        self.label = label
-        self.args = args
-        self.router = router
-        self.inbox: collections.deque[Request] = collections.deque()  # the router appends
-        self.serving = False  # the router's: routes to it only while True
-        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.figures = Figures()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.pool: AsyncReqToTokenPool | None = None
-        self._command: str | None = None
-        self._drained: Callable[[], None] | None = None
-        self._wake: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self._main, name=f"replica-{label}", daemon=True)
-
-    # -- the router's side (any thread) ----------------------------------
-
-    def counts(self) -> tuple[int, int, int]:
-        """The recipe's counts, read from the router's thread."""
-        pool = self.pool
-        assert pool is not None and pool.kv is not None
-        rows = pool.available_size() + pool.pending_size()  # pending: freed behind
-        pages = pool.kv.available_size() + pool.kv.pending_size()  # fences, soon free
-        return rows, pages, pool.waiting()
-
-    def hand(self, req: Request) -> None:
-        self.inbox.append(req)
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._poke)
-
-    def command(self, kind: str, done: Callable[[], None]) -> None:
-        """Drain (then serve again, or end): ``done`` runs on the router's
-        loop when the drain is over."""
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._set_command, kind, done)
-
-    # -- the replica's thread --------------------------------------------
-
-    def _poke(self) -> None:
-        assert self._wake is not None
-        self._wake.set()
-
-    def _set_command(self, kind: str, done: Callable[[], None]) -> None:
-        self._command, self._drained = kind, done
-        self._poke()
-
-    def _main(self) -> None:
-        try:
-            _run_loop(self._serve(), self.args.uvloop)
-        except BaseException as exc:  # reported by the router, which exits 1
-            self.figures.error = exc
-            if not self.ready.done():
-                self.ready.set_exception(exc)
-            self.router.call(self.router.replica_failed, self)
+        # A row's pages at full length: the largest request's.
+        super().__init__(label, args, router, Figures(), -(-MAX_LEN // args.page_size))
 
     async def _serve(self) -> None:
         args = self.args
-        self.loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
         device = torch.device(args.device)
         ps = args.page_size
         # A full-length request's pages for every row: growth never comes up
         # short (a freed row's pages are pending with it), only rows queue.
-        num_pages = args.rows * -(-MAX_LEN // ps)
+        num_pages = args.rows * self.per_request
         # The KV cache and forward stream (a HostStream or CUDA), the prefill, the
         # step and the weight update: examples/_engine.py's DecodeEngine.
         self.engine = DecodeEngine(device, num_pages + 1, ps, args.forward_ms)
@@ -227,13 +158,10 @@ class Replica:
             stream=stream,
             name=self.label,
         )
-        pool.bind()  # this thread's and loop's from now on
-        self.pool = pool
         self.running: list[Request] = []
-        self.admitting: dict[asyncio.Task[Grant], Request] = {}
         self.live_rows: dict[int, int] = {}  # row -> request id
         self.live_pages: dict[int, int] = {}  # page -> request id
-        self.ready.set_result(None)
+        self.started(pool)
         try:
             await self._schedule()
         finally:
@@ -243,16 +171,8 @@ class Replica:
             await asyncio.gather(*self.admitting, return_exceptions=True)
             await pool.close()
 
-    def _admit(self, req: Request) -> None:
-        assert self.pool is not None
-        need = -(-(req.length + 1) // self.args.page_size)  # its context and its next token
-        task = asyncio.ensure_future(self.pool.admit(pages=need))
-        task.add_done_callback(lambda _: self._poke())
-        self.admitting[task] = req
-
     def _take(self, req: Request, grant: Grant) -> None:
         """A request granted: check what it got against the live ones."""
-        assert self.pool is not None
         pages = grant.pages.tolist()
         if grant.row in self.live_rows or any(p in self.live_pages for p in pages):
             self.figures.handed_out_live += 1
@@ -276,26 +196,22 @@ class Replica:
 
     async def _schedule(self) -> None:
         args, engine, pool = self.args, self.engine, self.pool
-        assert pool is not None and self._wake is not None
+        assert pool is not None
         ps = args.page_size
         prev: tuple[Any, list[tuple[Request, int]]] | None = None
         while True:
-            if self._command is not None:
-                kind, done = self._command, self._drained
-                self._command = self._drained = None
-                await self._drain(kind)
-                prev = None  # its step's tokens are discarded: recomputed elsewhere
-                assert done is not None
-                self.router.call(done)
+            kind = await self.obey()
+            if kind is not None:
                 if kind != UPDATE:
                     return
+                prev = None  # its step's tokens are discarded: recomputed elsewhere
                 continue
             while self.inbox:
-                self._admit(self.inbox.popleft())
+                req = self.inbox.popleft()
+                self.admit(req, -(-(req.length + 1) // ps))  # its context and next token
             # 1. Arrivals: the admitted requests prefill (or recompute).
-            for task in [t for t in self.admitting if t.done()]:
-                req = self.admitting.pop(task)
-                self._take(req, task.result())
+            for req, grant in self.granted():
+                self._take(req, grant)
                 engine.write_prompt(pool, req)
                 self._check_shadow(req)
                 self.running.append(req)
@@ -334,39 +250,21 @@ class Replica:
                         self._free(req)
                         self.router.call(self.router.finished, self, req)
             prev = launched
-            if prev is None and not self.inbox and self._command is None:
-                self._wake.clear()
-                if not any(t.done() for t in self.admitting):
-                    await self._wake.wait()  # a request, a grant or a command
+            if prev is None:
+                await self.idle()  # (at once if a request, a grant or a command came)
                 continue
             await asyncio.sleep(0)  # the scheduler is one task among the loop's
-
-    async def _hand_back_admissions(self, tasks: list[asyncio.Task[Grant]]) -> None:
-        """Cancel the queued admissions and await them: one granted at
-        hand-over whose task had not resumed gives its row and pages back;
-        one that already returned its grant is a running row: freed."""
-        assert self.pool is not None
-        for task in tasks:
-            task.cancel()
-        async with asyncio.timeout(10):
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, Grant):
-                self.pool.free(outcome.row)  # nothing ran on it: at once
 
     async def _drain(self, kind: str) -> None:
         """docs/api.md's drain: the router stopped routing here already."""
         args, pool, engine = self.args, self.pool, self.engine
         assert pool is not None
-        tasks = list(self.admitting)
-        queued = [self.admitting[t] for t in tasks] + list(self.inbox)
-        self.inbox.clear()
+        tasks, queued = self.take_queued()
         if not args.no_handback:
-            await self._hand_back_admissions(tasks)
+            await self.hand_back_admissions(tasks)
         running, self.running = self.running, []
         for req in running:
             self._free(req)  # behind the step in flight, which used them
-        self.admitting.clear()
         if running or queued:
             self.router.call(self.router.requeue, self, running + queued)
         engine.planned()  # the step in flight may run now
@@ -378,7 +276,7 @@ class Replica:
             self.figures.dirty_drains += 1
             self.figures.rows_left += stats.allocated
         if args.no_handback:  # hand them back now, so that the run goes on
-            await self._hand_back_admissions(tasks)
+            await self.hand_back_admissions(tasks)
             async with asyncio.timeout(10):
                 await pool.drain(timeout=10)
         pool.check_invariants()
@@ -388,166 +286,48 @@ class Replica:
             await pool.close()  # a replaced (or the run's last) replica
 
 
-class Router:
-    """The main thread's loop: routes requests, drains and replaces replicas."""
+class Router(_router.Router[Request, Replica, Figures]):
+    """The main thread's loop (``_router.Router``): drains a random replica,
+    keeps one collector of every replica's pool, checks what finished."""
 
     def __init__(self, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> None:
-        self.args = args
-        self.loop = loop
-        self.rng = random.Random(args.seed)
-        rng = self.rng
-        self.requests = [
+        self.rng = rng = random.Random(args.seed)
+        requests = [
             Request(i, rng.randint(1, MAX_PROMPT), rng.randint(1, MAX_OUTPUT))
             for i in range(args.requests)
         ]
-        self.queue: collections.deque[Request] = collections.deque()  # handed back
-        self.spawned = self.finished_count = self.requeued = self.routes = 0
-        self.changed = asyncio.Event()
-        self.replicas: list[Replica] = []
-        self.retired: list[Figures] = []
+        super().__init__(args, loop, requests)
         self.replaced_pools: list[weakref.ref[AsyncReqToTokenPool]] = []
-        self.updates = self.replacements = 0
-        self.failures: list[str] = []
-        self.broken = False  # a replica's thread raised
-        self.per_row = -(-MAX_LEN // args.page_size)
         self.collector: Any = None
         self.registry: Any = None
 
-    def call(self, fn: Callable[..., None], *args: Any) -> None:
-        """From a replica's thread: run ``fn(*args)`` on the router's loop."""
-        self.loop.call_soon_threadsafe(fn, *args)
+    def new_replica(self, label: str) -> Replica:
+        return Replica(label, self.args, self)
 
-    # -- called on the router's loop ---------------------------------------
+    def to_drain(self) -> int:
+        return self.rng.randrange(len(self.replicas))
 
-    def finished(self, replica: Replica, req: Request) -> None:
-        if req.where is not replica or req.done != req.output_len:
-            self.failures.append(f"request {req.id} finished on {replica.label} unexpectedly")
-        req.finishes += 1
-        req.where = "finished"
-        self.finished_count += 1
-        self.changed.set()
-
-    def requeue(self, replica: Replica, reqs: list[Request]) -> None:
-        for req in reqs:
-            if req.where is not replica:
-                self.failures.append(f"request {req.id} handed back by {replica.label}")
-            req.where = "router"
-            self.queue.append(req)
-        self.requeued += len(reqs)
-        self.changed.set()
-
-    def replica_failed(self, replica: Replica) -> None:
-        self.failures.append(f"replica {replica.label}: {replica.figures.error!r}")
-        self.broken = True
-        self.changed.set()
-
-    # -- the router's work --------------------------------------------------
+    def finished(self, replica: Replica, req: Request, how: str = "finished") -> None:
+        if req.done != req.output_len:
+            self.failures.append(f"request {req.id} finished on {replica.label} short")
+        super().finished(replica, req, how)
 
     async def start(self, label: str) -> Replica:
-        replica = Replica(label, self.args, self)
-        replica.thread.start()
-        async with asyncio.timeout(10):
-            await asyncio.wrap_future(replica.ready)
+        replica = await super().start(label)
         if self.collector is not None:
             assert replica.pool is not None
             self.collector.add(replica.pool, name=label)
-        replica.serving = True
         return replica
 
-    def pick(self) -> Replica | None:
-        """The serving replica with the most room: counts, not stats()."""
-        best, best_score = None, None
-        for replica in self.replicas:
-            if not replica.serving:
-                continue
-            rows, pages, queued = replica.counts()
-            score = min(rows, pages // self.per_row) - queued - len(replica.inbox)
-            if best_score is None or score > best_score:
-                best, best_score = replica, score
-        return best
-
-    def route(self, req: Request, replica: Replica) -> None:
-        if req.where not in ("new", "router"):
-            self.failures.append(f"request {req.id} routed again while held")
-        req.where = replica
-        req.routes += 1
-        self.routes += 1
-        replica.hand(req)
-
     async def stop_replica(self, replica: Replica, kind: str) -> None:
-        """Drain ``replica`` (it serves again after an update; else it ends)."""
-        replica.serving = False  # stop routing to it first
-        drained: asyncio.Future[None] = self.loop.create_future()
-
-        def done() -> None:
-            if not drained.done():
-                drained.set_result(None)
-
-        replica.command(kind, done)
-        async with asyncio.timeout(20):
-            await drained
+        await super().stop_replica(replica, kind)
         if kind == UPDATE:
-            replica.serving = True
             return
-        async with asyncio.timeout(10):
-            await asyncio.to_thread(replica.thread.join)
         if self.collector is not None:
             self.collector.remove(replica.label)
-        self.retired.append(replica.figures)
-
-    async def cycle(self, index: int, kind: str) -> None:
-        """A weight update of ``replicas[index]``, or its replacement."""
-        replica = self.replicas[index]
-        await self.stop_replica(replica, kind)
         if kind == REPLACE:
             assert replica.pool is not None
             self.replaced_pools.append(weakref.ref(replica.pool))
-            self.replicas[index] = await self.start(replica.label)
-            self.replacements += 1
-        else:
-            self.updates += 1
-        self.changed.set()
-
-    async def run(self) -> None:
-        args = self.args
-        cap = 2 * args.rows * args.replicas  # requests out at once: admissions queue
-        for i in range(args.replicas):
-            self.replicas.append(await self.start(f"r{i}"))
-        events = 0  # drains and replacements started
-        cycling: asyncio.Task[None] | None = None
-        while self.finished_count < len(self.requests):
-            if self.broken:
-                raise RuntimeError("a replica failed")
-            self.changed.clear()
-            due = (events + 1) * len(self.requests) // 8
-            if events < 7 and self.finished_count >= due and (cycling is None or cycling.done()):
-                if cycling is not None:
-                    await cycling  # (its errors)
-                kind = UPDATE if events % 2 == 0 else REPLACE
-                index = self.rng.randrange(len(self.replicas))
-                cycling = asyncio.ensure_future(self.cycle(index, kind))
-                events += 1
-            while True:
-                outstanding = self.spawned - self.finished_count
-                if self.queue:
-                    req = self.queue[0]
-                elif self.spawned < len(self.requests) and outstanding < cap:
-                    req = self.requests[self.spawned]
-                else:
-                    break
-                replica = self.pick()
-                if replica is None:
-                    break  # (every replica draining: routed when one serves)
-                if self.queue:
-                    self.queue.popleft()
-                else:
-                    self.spawned += 1
-                self.route(req, replica)
-            await self.changed.wait()
-        if cycling is not None:
-            await cycling
-        for replica in self.replicas:
-            await self.stop_replica(replica, STOP)
 
 
 def _scrape(registry: Any, stop: threading.Event, every_s: float, tally: dict[str, Any]) -> None:
@@ -589,13 +369,8 @@ async def run(args: argparse.Namespace) -> int:
         stop.set()
         if scraper is not None:
             scraper.join(10)
-        for replica in router.replicas:
-            if replica.thread.is_alive():  # (on an error: let it end)
-                if replica.loop is not None and not replica.loop.is_closed():
-                    replica.command(STOP, lambda: None)
-                replica.thread.join(10)
+        router.shutdown()
     elapsed = time.perf_counter() - t0
-    final = [r.figures for r in router.replicas]
     if router.collector is not None:
         for replica in router.replicas:
             if replica.thread.is_alive() or replica.pool is None:
@@ -604,7 +379,7 @@ async def run(args: argparse.Namespace) -> int:
                 router.collector.remove(replica.label)
             except (KeyError, ValueError):
                 pass
-    figures = router.retired + [f for f in final if f not in router.retired]  # (by identity)
+    figures = router.figures()
     router.replicas.clear()
     gc.collect()
     uncollected = sum(ref() is not None for ref in router.replaced_pools)
@@ -702,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     async def body() -> None:
         box.append(await run(args))
 
-    _run_loop(body(), args.uvloop)
+    run_loop(body(), args.uvloop)
     return box[0]
 
 

@@ -679,10 +679,12 @@ def _load_module(name: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> Modu
 
 
 def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A fresh copy of ``examples/<name>.py``, and of the ``_engine`` module
-    it may import (run as a script it finds ``examples/_engine.py`` beside
-    it, its folder being first on ``sys.path``; the tests' is not)."""
+    """A fresh copy of ``examples/<name>.py``, and of the ``_engine`` and
+    ``_router`` modules it may import (run as a script it finds
+    ``examples/_engine.py`` beside it, its folder being first on
+    ``sys.path``; the tests' is not)."""
     _load_module("_engine", EXAMPLES / "_engine.py", monkeypatch)
+    _load_module("_router", EXAMPLES / "_router.py", monkeypatch)
     return _load_module(f"example_{name}", EXAMPLES / f"{name}.py", monkeypatch)
 
 

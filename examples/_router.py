@@ -39,9 +39,10 @@ from asyncpool import AsyncReqToTokenPool, Grant
 UPDATE, REPLACE, STOP = "update", "replace", "stop"
 
 
-def run_loop(main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
-    """Run ``main`` to completion on a new event loop (uvloop's if asked)."""
-    if use_uvloop:
+def run_loop(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """Run ``main`` to completion on a new event loop: ``loop`` is ``--loop``'s
+    choice, ``"asyncio"`` or ``"uvloop"``."""
+    if loop == "uvloop":
         import uvloop
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -141,7 +142,7 @@ class Replica(Generic[Req, Fig]):
 
     def _main(self) -> None:
         try:
-            run_loop(self._run(), self.args.uvloop)
+            run_loop(self._run(), self.args.loop)
         except BaseException as exc:  # reported by the router, which exits 1
             self.figures.error = exc
             if not self.ready.done():

@@ -51,7 +51,7 @@ bug in, and the run must then fail:
 Runs on :class:`~asyncpool.HostStream` workers without a GPU and on CUDA
 streams when ``torch.cuda.is_available()`` (``--device cpu`` forces the host
 streams); the transfer engine is a host thread either way (on CUDA it writes
-on a stream of its own). ``--uvloop`` runs it on uvloop. Every wait is
+on a stream of its own). ``--loop uvloop`` runs it on uvloop. Every wait is
 bounded. Exit status: 0 when everything checks out, 1 otherwise. Public API
 only.
 """
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--abort", type=float, default=0.1, help="the share of requests aborted")
     p.add_argument("--faults", type=int, default=3, help="transfers that raise (seeded requests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--verbose", action="store_true", help="show the pool's log lines")
     p.add_argument(
         "--free-without-transfer-fence",
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO)
     else:  # the summary counts what the pool logs
         logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    if args.uvloop:
+    if args.loop == "uvloop":
         import uvloop
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

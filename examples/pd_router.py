@@ -395,7 +395,7 @@ async def run(args: argparse.Namespace) -> int:
     unfinished = sum(r.finishes == 0 for r in router.requests)
     twice = sum(r.finishes > 1 for r in router.requests)
     where = "CUDA streams" if args.device == "cuda" else "HostStream"
-    loop = "uvloop" if args.uvloop else "asyncio"
+    loop = args.loop
     print(
         f"pd_router: {len(router.requests)} requests, {args.replicas} prefill replicas, "
         f"{router.routes} routes, {router.requeued} handed back, {router.updates} drains for "
@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fence-timeout-ms", type=float, default=40.0, help="the pool's fence_timeout")
     p.add_argument("--drain-timeout-ms", type=float, default=50.0, help="a drain's wait")
     p.add_argument("--operator-ms", type=float, default=5.0, help="the operator's period")
-    p.add_argument("--uvloop", action="store_true", help="every loop a uvloop one")
+    p.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help="every replica's loop"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--drain-without-transfers",
@@ -458,18 +460,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--forward-ms, --transfer-ms, --deadline-ms and --drain-timeout-ms: finite, >= 0")
     if not (0 < args.fence_timeout_ms < float("inf") and 0 < args.operator_ms < float("inf")):
         p.error("--fence-timeout-ms and --operator-ms must be finite and positive")
-    if args.uvloop:
+    if args.loop == "uvloop":
         try:
             import uvloop  # noqa: F401
         except ImportError:
-            p.error("--uvloop: uvloop is not installed")
+            p.error("--loop uvloop: uvloop is not installed")
     logging.getLogger("asyncpool").setLevel(logging.CRITICAL)  # overdue lines: expected
     box: list[int] = []
 
     async def body() -> None:
         box.append(await run(args))
 
-    run_loop(body(), args.uvloop)
+    run_loop(body(), args.loop)
     return box[0]
 
 

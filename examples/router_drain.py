@@ -395,7 +395,7 @@ async def run(args: argparse.Namespace) -> int:
     twice = sum(r.finishes > 1 for r in router.requests)
     short = sum(r.finishes and r.done != r.output_len for r in router.requests)
     where = "CUDA streams" if args.device == "cuda" else "HostStream"
-    loop = "uvloop" if args.uvloop else "asyncio"
+    loop = args.loop
     scrape = (
         f"{tally['scrapes']} scrapes"
         if PoolCollector is not None
@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=4, help="token slots a page")
     p.add_argument("--forward-ms", type=float, default=0.5, help="the forward's time per step")
     p.add_argument("--scrape-ms", type=float, default=20, help="time between scrapes")
-    p.add_argument("--uvloop", action="store_true", help="every loop a uvloop one")
+    p.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help="every replica's loop"
+    )
     p.add_argument(
         "--no-handback",
         action="store_true",
@@ -467,17 +469,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--replicas, --rows and --page-size must be at least 1, --requests at least 0")
     if not (0 <= args.forward_ms < float("inf")) or not (0 < args.scrape_ms < float("inf")):
         p.error("--forward-ms must be a finite number >= 0, --scrape-ms one > 0")
-    if args.uvloop:
+    if args.loop == "uvloop":
         try:
             import uvloop  # noqa: F401
         except ImportError:
-            p.error("--uvloop: uvloop is not installed")
+            p.error("--loop uvloop: uvloop is not installed")
     box: list[int] = []
 
     async def body() -> None:
         box.append(await run(args))
 
-    run_loop(body(), args.uvloop)
+    run_loop(body(), args.loop)
     return box[0]
 
 

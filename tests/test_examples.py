@@ -633,7 +633,7 @@ def test_n_samples_without_the_recheck_reads_evicted_nodes() -> None:
     assert found is not None and int(found.group(1)) > 0, proc.stdout
 
 
-@pytest.mark.parametrize("extra", [(), ("--seed", "1"), ("--uvloop",)])
+@pytest.mark.parametrize("extra", [(), ("--seed", "1"), ("--loop", "uvloop")])
 def test_router_drain_drains_and_replaces_replicas_and_checks_out(extra: tuple[str, ...]) -> None:
     # docs/api.md's router over data-parallel replicas, whole: replicas on
     # threads and loops of their own, drained for weight updates and
@@ -643,7 +643,7 @@ def test_router_drain_drains_and_replaces_replicas_and_checks_out(extra: tuple[s
     # allocated, every replaced pool was collected, the scrape never raised;
     # and each path ran: requests handed back and routed again, updates,
     # replacements, scrapes (where prometheus_client is installed).
-    if extra == ("--uvloop",):
+    if extra == ("--loop", "uvloop"):
         pytest.importorskip("uvloop")
     proc = _run("router_drain.py", "--device", "cpu", *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -1204,7 +1204,7 @@ def test_disagg_transfer_refuses_bad_sizes() -> None:
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
 
 
-@pytest.mark.parametrize("extra", [(), ("--uvloop",)])
+@pytest.mark.parametrize("extra", [(), ("--loop", "uvloop")])
 def test_pd_router_drains_prefill_replicas_with_transfers_in_flight(extra: tuple[str, ...]) -> None:
     # Prefill replicas under a router, drained for weight updates and
     # replaced while their transfers are in flight: no transfer read KV
@@ -1289,7 +1289,7 @@ def _disagg_decode(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[s
     return proc, {word: int(num) for num, word in found}
 
 
-@pytest.mark.parametrize("loop", [(), ("--uvloop",)])
+@pytest.mark.parametrize("loop", [(), ("--loop", "uvloop")])
 def test_disagg_decode_checks_out(loop: tuple[str, ...]) -> None:
     # docs/cuda.md's *A transfer handle as a fence*, the decode side, whole:
     # no decode step read a position that a late transfer had overwritten,

@@ -1,0 +1,87 @@
+"""A short soak (``benchmarks/soak.py``): nothing the pools keep grows with use.
+
+``python -m benchmarks.soak`` runs the pool's whole surface for millions of
+operations and measures, at a quiet point after each round, the length of
+every container reachable from the pools and of the library's module-level
+ones (docs/testing.md has its figures). Here a short version of it: ten
+rounds of about 500 pool calls, on each loop. A dict, list or set that
+gains an entry per grant, per fence, per waiter, per stream or per overdue
+fence and is never trimmed is longer at round 10 than at round 2; the
+second test shows the check sees one (a list that gains an entry per
+grant, installed on each pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks import soak as soak_mod
+
+OPS = 5000
+ROUNDS = 10
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    """Overdue transfers, force_release() and faults each log a line."""
+    log = logging.getLogger("asyncpool")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+async def test_a_short_soak_leaves_every_structure_as_long_at_round_10_as_at_round_2() -> None:
+    async with asyncio.timeout(60):
+        result = await soak_mod.soak(OPS, ROUNDS)
+    assert len(result.rounds) == ROUNDS
+    # The walk reaches the pools' insides: ledgers, waiter queues, the
+    # page pools' ledgers, the collector, the library's modules.
+    sizes = result.rounds[-1].sizes
+    assert len(sizes) > 100
+    for path in ("paged._ledger._uses", "hybrid._waiters.tiers", "collector._last"):
+        assert path in sizes, path
+    assert any(k.startswith("paged._wakeups.watcher.") for k in sizes)
+    assert any(k.startswith("asyncpool.fences.") for k in sizes)
+    # Every path was taken: queued calls timed out and were cancelled, frees
+    # were deferred, growth was refused, overdue transfers were released,
+    # faulted ones quarantined, grants held, streams used once.
+    for name, n in result.touched.items():
+        assert n > 0, f"the soak never took the path of {name!r}: {result.touched}"
+    assert soak_mod.grown(result) == {}
+    # The windows (recent latencies, waits) stay within their bound.
+    for one in result.rounds:
+        assert all(n <= cap for n, cap in one.windows.values())
+    # Idle, the fence watchers' threads ended; closed and dropped: no pool,
+    # page pool, stream or watcher thread left.
+    assert result.watchers_idle == []
+    assert result.threads_left == []
+    assert result.objects_left == {}
+
+
+async def test_the_short_soak_sees_a_list_that_gains_an_entry_per_grant() -> None:
+    def leak(pool: Any) -> None:
+        kept: list[object] = []
+        pool.leaked = kept
+        for name in ("try_admit", "try_alloc"):
+            real = getattr(pool, name)
+
+            def counting(*args: Any, _real: Any = real, **kw: Any) -> Any:
+                got = _real(*args, **kw)
+                if got is not None:
+                    kept.append(got)
+                return got
+
+            setattr(pool, name, counting)
+
+    async with asyncio.timeout(60):
+        result = await soak_mod.soak(OPS // 2, 4, on_pool=leak)
+    grew = soak_mod.grown(result)
+    assert set(grew) == {"rows.leaked", "paged.leaked", "hybrid.leaked"}, grew

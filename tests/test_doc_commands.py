@@ -43,6 +43,7 @@ import benchmarks.history
 import benchmarks.profile
 import benchmarks.run
 import benchmarks.scrape_costs
+import benchmarks.soak
 import scheduler_demo
 import scheduler_demo.cli
 import scheduler_demo.compare
@@ -62,6 +63,7 @@ DOC_MODULES = (
     benchmarks.history,
     benchmarks.profile,
     benchmarks.scrape_costs,
+    benchmarks.soak,
 )
 #: Modules the documents run that are not this project's programs.
 NOT_OURS = {"pytest", "venv", "pip"}
@@ -207,6 +209,9 @@ def _stop_before_run(module: str, mp: pytest.MonkeyPatch) -> Callable[[list[str]
     if module == "benchmarks.profile":
         mp.setattr(benchmarks.profile, "profile", _raise_reached)
         return benchmarks.profile.main
+    if module == "benchmarks.soak":
+        mp.setattr(benchmarks.soak, "run_on", _raise_reached)
+        return benchmarks.soak.main
     pytest.fail(f"the documents run `python -m {module}`, which this test does not know")
 
 
@@ -250,7 +255,7 @@ def test_the_documents_show_commands_and_flags() -> None:
     assert ("scheduler_demo.compare", "--rounds 3") in shown  # the epilog
     assert ("benchmarks.profile", "uncontended --loop uvloop") in shown  # a docstring
     assert len(COMMANDS) >= 30, len(COMMANDS)
-    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 9
+    assert len({module for _, module, _ in COMMANDS} - NOT_OURS) == 10
     assert len(FLAG_SPANS) >= 30, len(FLAG_SPANS)
 
 
@@ -276,6 +281,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
         "benchmarks.grant_parts": _capture_parser(benchmarks.grant_parts.main),
         "benchmarks.history": _capture_parser(benchmarks.history.main),
         "benchmarks.profile": _capture_parser(benchmarks.profile.main),
+        "benchmarks.soak": _capture_parser(benchmarks.soak.main),
     }
     with pytest.MonkeyPatch.context() as mp:
         for name in EXAMPLES:

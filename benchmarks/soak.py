@@ -718,44 +718,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tracemalloc", action="store_true", help="trace (about 3x slower)")
     args = p.parse_args(argv)
-    # Overdue transfers, force_release() and faults log a line each, by design.
-    logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
     if args.rounds < 3 or args.ops < args.rounds:
         p.error("--rounds must be at least 3 and --ops at least --rounds")
-    failed = False
-    for kind in args.loop or list(loop_factories()):
-        count = iter(range(1, args.rounds + 1))
+    # Overdue transfers, force_release() and faults log a line each, by design;
+    # the level is put back however the run ends (main() runs inside tests too).
+    log = logging.getLogger("asyncpool")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        failed = False
+        for kind in args.loop or list(loop_factories()):
+            count = iter(range(1, args.rounds + 1))
 
-        def show(r: Round, kind: str = kind, count: Any = count) -> None:
-            print(_line(kind, next(count), r), flush=True)
+            def show(r: Round, kind: str = kind, count: Any = count) -> None:
+                print(_line(kind, next(count), r), flush=True)
 
-        result = run_on(
-            kind,
-            functools.partial(
-                soak, args.ops, args.rounds, seed=args.seed, trace=args.tracemalloc, report=show
-            ),
-        )
-        last = result.rounds[-1]
-        paths = ", ".join(f"{k} {v:,}" for k, v in result.touched.items())
-        print(f"{kind}: {paths}, overdue released {result.overdue:,}")
-        full = sorted(k for k, (n, cap) in last.windows.items() if n == cap)
-        print(f"{kind}: {len(last.sizes)} containers tracked; windows full: {len(full)}")
-        growth = grown(result)
-        for path, (then, now) in sorted(growth.items()):
-            print(f"{kind}: GREW {path}: {then} at round 2 -> {now} at round {args.rounds}")
-        first = result.rounds[1].objects
-        more = {k: (first.get(k, 0), v) for k, v in last.objects.items() if v > first.get(k, 0)}
-        if more:  # a watcher started or not yet ended: reported, not failed
-            print(f"{kind}: library objects more at the last round than at round 2: {more}")
-        if result.watchers_idle:
-            print(f"{kind}: fence watcher threads still running, idle: {result.watchers_idle}")
-        if result.threads_left or result.objects_left:
-            print(f"{kind}: LEFT after close: {result.threads_left} {result.objects_left}")
-        failed = failed or bool(
-            growth or result.watchers_idle or result.threads_left or result.objects_left
-        )
-        if not growth:
-            print(f"{kind}: no container grew from round 2 to round {args.rounds}")
+            result = run_on(
+                kind,
+                functools.partial(
+                    soak, args.ops, args.rounds, seed=args.seed, trace=args.tracemalloc, report=show
+                ),
+            )
+            last = result.rounds[-1]
+            paths = ", ".join(f"{k} {v:,}" for k, v in result.touched.items())
+            print(f"{kind}: {paths}, overdue released {result.overdue:,}")
+            full = sorted(k for k, (n, cap) in last.windows.items() if n == cap)
+            print(f"{kind}: {len(last.sizes)} containers tracked; windows full: {len(full)}")
+            growth = grown(result)
+            for path, (then, now) in sorted(growth.items()):
+                print(f"{kind}: GREW {path}: {then} at round 2 -> {now} at round {args.rounds}")
+            first = result.rounds[1].objects
+            more = {k: (first.get(k, 0), v) for k, v in last.objects.items() if v > first.get(k, 0)}
+            if more:  # a watcher started or not yet ended: reported, not failed
+                print(f"{kind}: library objects more at the last round than at round 2: {more}")
+            if result.watchers_idle:
+                print(f"{kind}: fence watcher threads still running, idle: {result.watchers_idle}")
+            if result.threads_left or result.objects_left:
+                print(f"{kind}: LEFT after close: {result.threads_left} {result.objects_left}")
+            failed = failed or bool(
+                growth or result.watchers_idle or result.threads_left or result.objects_left
+            )
+            if not growth:
+                print(f"{kind}: no container grew from round 2 to round {args.rounds}")
+    finally:
+        log.setLevel(level)
     return 1 if failed else 0
 
 

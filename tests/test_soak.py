@@ -85,3 +85,34 @@ async def test_the_short_soak_sees_a_list_that_gains_an_entry_per_grant() -> Non
         result = await soak_mod.soak(OPS // 2, 4, on_pool=leak)
     grew = soak_mod.grown(result)
     assert set(grew) == {"rows.leaked", "paged.leaked", "hybrid.leaked"}, grew
+
+
+@pytest.mark.parametrize("ends", ["ran", "raised"])
+def test_the_soak_program_puts_the_library_log_level_back(
+    ends: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m benchmarks.soak`` quiets the library's lines for its run
+    only: left at CRITICAL, every later test in the process that waits for
+    a warning (a ``force_release`` line) failed."""
+
+    class Stop(Exception):
+        pass
+
+    def run_on(kind: str, main: Any) -> Any:
+        if ends == "raised":
+            raise Stop
+        return soak_mod.Soak([_round(), _round()], [], [], {}, {}, 0)
+
+    def _round() -> soak_mod.Round:
+        return soak_mod.Round(0, 0, 0.0, 0, None, 1, {}, {}, {}, [])
+
+    log = logging.getLogger("asyncpool")
+    log.setLevel(logging.NOTSET)
+    monkeypatch.setattr(soak_mod, "run_on", run_on)
+    if ends == "raised":
+        with pytest.raises(Stop):
+            soak_mod.main(["--loop", "asyncio", "--ops", "30", "--rounds", "3"])
+    else:
+        assert soak_mod.main(["--loop", "asyncio", "--ops", "30", "--rounds", "3"]) == 0
+        assert "no container grew" in capsys.readouterr().out
+    assert log.level == logging.NOTSET

@@ -90,7 +90,7 @@ class Soak:
     rounds: list[Round]
     watchers_idle: list[str]  # fence watcher threads still running, the pools idle 10 s
     threads_left: list[str]  # threads other than the caller's, after close
-    objects_left: dict[str, int]  # pools, page pools, streams still alive
+    objects_left: dict[str, int]  # pools, page pools, streams, watchers more than before
     touched: dict[str, int]  # the paths taken: stats() totals over the pools, and more
     overdue: int  # fences found overdue and force-released (by time: may be 0 in a short run)
 
@@ -220,6 +220,9 @@ def grown(result: Soak, since: int = 2) -> dict[str, tuple[int, int]]:
     first, last = result.rounds[since - 1].sizes, result.rounds[-1].sizes
     return {k: (first.get(k, 0), v) for k, v in last.items() if v > first.get(k, 0)}
 
+
+#: The library objects the soak makes that must not outlive it.
+_OWNERS = ("AsyncReqToTokenPool", "KVPagePool", "HostStream", "FenceWatcher")
 
 _TOUCHED = (
     "admits",
@@ -575,6 +578,8 @@ async def soak(
         tracemalloc.start(1)
         started = True
     threads_before = set(threading.enumerate())
+    gc.collect()
+    objects_before = library_objects()  # others' in this process (a test suite's)
     rng = random.Random(seed)
     tally = _Tally()
     frontend = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="soak-frontend")
@@ -690,9 +695,9 @@ async def soak(
             break
         await asyncio.sleep(0.02)
     alive = {
-        k: v
+        k: v - objects_before.get(k, 0)
         for k, v in library_objects().items()
-        if k in ("AsyncReqToTokenPool", "KVPagePool", "HostStream", "FenceWatcher")
+        if k in _OWNERS and v > objects_before.get(k, 0)
     }
     return Soak(out, idle, left, alive, dict(touched), tally.overdue)
 

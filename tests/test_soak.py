@@ -116,3 +116,15 @@ def test_the_soak_program_puts_the_library_log_level_back(
         assert soak_mod.main(["--loop", "asyncio", "--ops", "30", "--rounds", "3"]) == 0
         assert "no container grew" in capsys.readouterr().out
     assert log.level == logging.NOTSET
+
+
+async def test_what_other_code_keeps_alive_is_not_counted_as_left_by_the_soak() -> None:
+    """In a test suite's process, pools (and their watchers) other tests
+    keep alive are theirs: only what outlives the soak's own counts."""
+    from asyncpool import AsyncReqToTokenPool, KVPagePool
+
+    kept = AsyncReqToTokenPool(3, 8, kv=KVPagePool(5, 4))
+    async with asyncio.timeout(60):
+        result = await soak_mod.soak(600, 3)
+    assert result.objects_left == {}
+    await kept.close()

@@ -68,6 +68,22 @@ def _trace_function_put_back() -> Iterator[None]:
         assert sys.gettrace() is before, "the test did not put back the trace function it found"
 
 
+@pytest.fixture(autouse=True)
+def _asyncpool_logger_put_back() -> Iterator[None]:
+    """Every test leaves the ``asyncpool`` logger as it found it (level,
+    propagation, disabled). Programs whose summary counts what the pool logs
+    set it to CRITICAL in their ``main()`` (``disagg_transfer``,
+    ``disagg_decode``, ``pd_router``); a test that ran one in-process left
+    every later test's warnings unlogged, and a test waiting for a warning
+    failed far from the cause (twice in one session). Put back here, not
+    asserted: running such a ``main()`` is a fair test."""
+    logger = logging.getLogger("asyncpool")
+    before = (logger.level, logger.propagate, logger.disabled)
+    yield
+    logger.setLevel(before[0])
+    logger.propagate, logger.disabled = before[1], before[2]
+
+
 @pytest.fixture
 def kit() -> Iterator[Streams]:
     """HostStreams and gates that the test opens and closes at teardown."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,16 +25,8 @@ OPS = 5000
 ROUNDS = 10
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    """Overdue transfers, force_release() and faults each log a line."""
-    log = logging.getLogger("asyncpool")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+# Overdue transfers, force_release() and faults each log a line.
+pytestmark = pytest.mark.usefixtures("quiet_asyncpool_logs")
 
 
 async def test_a_short_soak_leaves_every_structure_as_long_at_round_10_as_at_round_2() -> None:

@@ -14,7 +14,8 @@ adds the prefill and step of requests whose position ``p`` holds
 ``paged_admission.py``'s ``Engine`` subclasses it. The other examples'
 ``Engine`` subclasses :class:`PagedEngine` and keeps what is its own: the
 tensors its prefill, steps and copies are built from (``write_prompt``,
-``launch_step``, ``copy_out``), extra streams.
+``launch_step``, ``copy_out``), extra streams. :func:`run_loop` runs a
+program on ``--loop``'s choice (the five that offer uvloop).
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder
@@ -25,18 +26,33 @@ off); the tests load it beside them (``tests/helpers.py``,
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from asyncpool import AsyncReqToTokenPool, HostStream, ReqToTokenPoolInfo
 
 Kernel = Callable[..., None]
+
+
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
+    """Run ``main`` to completion on a new event loop and return its result:
+    ``loop`` is ``--loop``'s choice, ``"asyncio"`` or ``"uvloop"``."""
+    if loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
 
 
 def step(
@@ -61,6 +77,20 @@ def step(
     kv_cache[slots] = values
     req_to_token[rows, pos] = slots.to(req_to_token.dtype)
     verified_lens[rows] = (pos + 1).to(verified_lens.dtype)
+
+
+def prefill(
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    verified_lens: torch.Tensor,
+    bad_reads: torch.Tensor,
+    slots: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """The prefill step's write, a kernel for :meth:`PagedEngine.launch_kernel` with
+    no reads (``disagg_transfer.py``, ``pd_router.py``): each request's KV
+    into its pages' slots."""
+    kv_cache[slots] = values
 
 
 def _host_step(kernel: Kernel, delay_s: float, gate: threading.Event, *args: torch.Tensor) -> None:

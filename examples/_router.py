@@ -30,25 +30,15 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from asyncpool import AsyncReqToTokenPool, Grant
 
+from _engine import run_loop
+
 UPDATE, REPLACE, STOP = "update", "replace", "stop"
-
-
-def run_loop(main: Coroutine[Any, Any, None], loop: str) -> None:
-    """Run ``main`` to completion on a new event loop: ``loop`` is ``--loop``'s
-    choice, ``"asyncio"`` or ``"uvloop"``."""
-    if loop == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main)
-    else:
-        asyncio.run(main)
 
 
 class Routed(Protocol):

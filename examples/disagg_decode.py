@@ -73,7 +73,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import DueThread, PagedEngine
+from _engine import DueThread, PagedEngine, run_loop
 
 Chunk = tuple[torch.Tensor, torch.Tensor]  # a piece: its slots, its values
 
@@ -617,12 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO)
     else:  # the summary counts what the pool logs
         logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    if args.loop == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(run(args))
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import DueThread, PagedEngine
+from _engine import DueThread, PagedEngine, prefill
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id + 1) * MARK + position
@@ -212,18 +212,6 @@ class Request:
     slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     values: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     step: Any = None  # the prefill step's fence
-
-
-def prefill(
-    kv_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    verified_lens: torch.Tensor,
-    bad_reads: torch.Tensor,
-    slots: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """The prefill step's write: each request's KV into its pages' slots."""
-    kv_cache[slots] = values
 
 
 def plan(rng: random.Random, i: int, args: argparse.Namespace, fault: bool) -> Request:

@@ -93,7 +93,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine
+from _engine import PagedEngine, run_loop
 
 MAX_LEN = 96
 HASH_MOD = 2**31 - 1
@@ -870,12 +870,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in GROUPS:
         if getattr(args, f"{g}_pages") < least[g]:
             p.error(f"--{g}-pages must be at least {least[g]} here")
-    if args.loop == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(run(args))
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

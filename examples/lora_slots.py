@@ -79,7 +79,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, Grant, GroupGrant, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine, step
+from _engine import PagedEngine, run_loop, step
 
 MAX_PROMPT = 24
 MAX_OUTPUT = 24
@@ -637,12 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--pages must be at least {-(-MAX_LEN // args.page_size)} here")
     if args.page_cap < -(-MAX_LEN // args.page_size):  # it would retract itself for ever
         p.error(f"--page-cap must be at least {-(-MAX_LEN // args.page_size)} here")
-    if args.loop == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(run(args))
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ import torch
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
 import _router
-from _engine import DueThread, PagedEngine
-from _router import STOP, UPDATE, run_loop
+from _engine import DueThread, PagedEngine, prefill, run_loop
+from _router import STOP, UPDATE
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id * 64 + routes) * MARK + position
@@ -149,18 +149,6 @@ class TransferEngine:
         self.clock.close()
         for t in self.hung:
             self.cancel(t)
-
-
-def prefill(
-    kv_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    verified_lens: torch.Tensor,
-    bad_reads: torch.Tensor,
-    slots: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """The prefill step's write: each request's KV into its pages' slots."""
-    kv_cache[slots] = values
 
 
 @dataclass(eq=False)
@@ -466,13 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             p.error("--loop uvloop: uvloop is not installed")
     logging.getLogger("asyncpool").setLevel(logging.CRITICAL)  # overdue lines: expected
-    box: list[int] = []
-
-    async def body() -> None:
-        box.append(await run(args))
-
-    run_loop(body(), args.loop)
-    return box[0]
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -81,8 +81,8 @@ import torch
 from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool, record_fence, wait_fence
 
 import _router
-from _engine import DecodeEngine
-from _router import REPLACE, STOP, UPDATE, run_loop
+from _engine import DecodeEngine, run_loop
+from _router import REPLACE, STOP, UPDATE
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest
@@ -474,13 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             import uvloop  # noqa: F401
         except ImportError:
             p.error("--loop uvloop: uvloop is not installed")
-    box: list[int] = []
-
-    async def body() -> None:
-        box.append(await run(args))
-
-    run_loop(body(), args.loop)
-    return box[0]
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -361,13 +361,28 @@ class Router(Generic[Req, Rep, Fig]):
         for replica in self.replicas:
             await self.stop_replica(replica, STOP)
 
+    async def run_bounded(self, seconds: float = 60) -> None:
+        """:meth:`run` within ``seconds``; whatever its end, :meth:`shutdown`.
+        An exception of it (its timeout included) is recorded in
+        ``failures``, so the program reports it and exits 1."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.run()
+        except Exception as exc:
+            self.failures.append(f"the router: {exc!r}")
+        finally:
+            self.shutdown()
+
     def shutdown(self) -> None:
         """After :meth:`run`, whatever its end: the threads still running
         (on an error) are told to stop and joined."""
         for replica in self.replicas:
             if replica.thread.is_alive():
-                if replica.loop is not None and not replica.loop.is_closed():
-                    replica.command(STOP, lambda: None)
+                if replica.loop is not None:
+                    try:
+                        replica.command(STOP, lambda: None)
+                    except RuntimeError:
+                        pass  # its loop closed meanwhile: the thread is ending
                 replica.thread.join(10)
 
     def figures(self) -> list[Fig]:

@@ -365,12 +365,8 @@ async def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     router = Router(args, asyncio.get_running_loop())
     try:
-        async with asyncio.timeout(60):
-            await router.run()
-    except Exception as exc:
-        router.failures.append(f"the router: {exc!r}")
+        await router.run_bounded()
     finally:
-        router.shutdown()
         router.xfer.close()
     elapsed = time.perf_counter() - t0
     figures = router.figures()

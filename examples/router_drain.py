@@ -361,15 +361,11 @@ async def run(args: argparse.Namespace) -> int:
         )
         scraper.start()
     try:
-        async with asyncio.timeout(60):
-            await router.run()
-    except Exception as exc:
-        router.failures.append(f"the router: {exc!r}")
+        await router.run_bounded()
     finally:
         stop.set()
         if scraper is not None:
             scraper.join(10)
-        router.shutdown()
     elapsed = time.perf_counter() - t0
     if router.collector is not None:
         for replica in router.replicas:

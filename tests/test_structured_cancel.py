@@ -51,6 +51,19 @@ def exhaust(pool: AsyncReqToTokenPool, kind: str) -> list[int]:
     return [grant.row, *rest]
 
 
+def full(kind: str) -> tuple[AsyncReqToTokenPool, list[int]]:
+    """A new pool of the kind with everything taken: the pool and the rows held."""
+    pool = make(kind)
+    return pool, exhaust(pool, kind)
+
+
+def this_task() -> asyncio.Task[Any]:
+    """The running task (whose ``cancelling()`` count the tests check)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task
+
+
 async def ask(pool: AsyncReqToTokenPool, kind: str, timeout: float | None = None) -> list[int]:
     """The kind's waiting call for one row (and pages); the rows granted."""
     if kind == "rows":
@@ -105,10 +118,8 @@ async def test_an_outer_timeout_raises_its_own_timeout_error(kind, call, own):
     ``TimeoutError`` (a call that raised anything else would pass through
     unconverted), and the task's cancel count is back at 0."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with pytest.raises(TimeoutError) as caught:
             async with asyncio.timeout(0.01) as cm:
                 await CALLS[call](pool, kind, timeout=own)
@@ -126,10 +137,8 @@ async def test_the_pools_own_shorter_timeout_passes_through_an_outer_one(kind, c
     """``timeout=`` shorter than the block: the pool's ``TimeoutError``
     comes out, the block never expired, and nothing was cancelled."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with pytest.raises(TimeoutError, match=r"timed out after 0\.01 s") as caught:
             async with asyncio.timeout(WAIT_S) as cm:
                 await CALLS[call](pool, kind, timeout=0.01)
@@ -146,10 +155,8 @@ async def test_nested_timeouts_each_raise_where_they_expired(kind):
     ``TimeoutError``, which the outer block (not expired) lets through;
     the cancel count is 0 at both levels."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with pytest.raises(TimeoutError) as caught:
             async with asyncio.timeout(WAIT_S) as outer:
                 try:
@@ -170,8 +177,7 @@ async def test_a_timeout_firing_after_the_grant_before_the_task_resumes(kind):
     runs: the waiter gives the grant back and the block raises its
     ``TimeoutError`` (``test_async_races.py`` pins this for ``alloc``)."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         loop = asyncio.get_running_loop()
         blocks: list[asyncio.Timeout] = []
 
@@ -203,8 +209,7 @@ async def test_a_cancel_in_the_turn_a_timeout_expires_is_not_eaten(kind, call):
     ``TimeoutError``: the pool must not take back (``uncancel``) or
     swallow the cancellation it re-raises."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         loop = asyncio.get_running_loop()
         blocks: list[asyncio.Timeout] = []
 
@@ -233,8 +238,7 @@ async def test_a_failing_sibling_ends_the_queued_waiters_of_its_task_group(kind)
     their grant lands: each ends cancelled, gives its grant back, and a
     waiter queued outside the group behind them is served."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         loop = asyncio.get_running_loop()
         ended: list[str] = []
 
@@ -278,10 +282,8 @@ async def test_a_timeout_around_a_task_group_of_waiters(kind):
     leases): the group's members are cancelled, the block raises
     ``TimeoutError``, and nothing stays queued or allocated."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.01), asyncio.TaskGroup() as tg:
                 for call in (ask, lease_one, ask):
@@ -349,10 +351,8 @@ async def test_a_level_triggered_scope_around_a_queued_call(kind, call):
     (leave the queue, give a grant back, free a lease's rows) runs without
     awaiting, so it is done before the first re-cancel."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with level_cancel_after(3) as scope:
             await CALLS[call](pool, kind)
         assert scope.cancels >= 1 and task.cancelling() == 0
@@ -366,8 +366,7 @@ async def test_a_level_triggered_scope_cancelling_in_the_grant_turn(kind):
     cancelling: the grant is given back, or (a lease) its body is
     cancelled and its exit frees the rows."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         scopes: list[LevelCancel] = []
 
         async def waiter(call: Callable[..., Awaitable[Any]]) -> None:
@@ -405,10 +404,8 @@ async def test_anyios_own_scope_around_a_queued_call(kind, call):
     real one (anyio on the running asyncio or uvloop loop), cancelled while
     the call waits in the queue."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
-        task = asyncio.current_task()
-        assert task is not None
+        pool, held = full(kind)
+        task = this_task()
         with anyio.CancelScope() as scope:
             asyncio.get_running_loop().call_soon(scope.cancel)
             await CALLS[call](pool, kind)
@@ -425,8 +422,7 @@ async def test_anyios_own_scope_cancelled_in_the_grant_turn(kind):
     cancelled; a lease's exit frees its rows. Either way nothing stays
     allocated."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         scopes: list[anyio.CancelScope] = []
         got: list[list[int]] = []
 
@@ -467,8 +463,7 @@ async def test_a_shielded_call_keeps_its_place_and_grants_the_task_kept(kind):
     grant like any other (no cancellation counted). docs/api.md: shielding
     a bare coroutine loses the grant; keep the task and free what it got."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         inner = asyncio.ensure_future(ask(pool, kind))
 
         async def outer() -> list[int]:
@@ -500,8 +495,7 @@ async def test_a_cancel_message_survives_the_pool(kind, call, granted):
     resumed): the ``CancelledError`` raised in the task, and by awaiting
     it, carries ``msg``: the pool re-raises the cancellation it got."""
     async with bounded():
-        pool = make(kind)
-        held = exhaust(pool, kind)
+        pool, held = full(kind)
         seen: list[tuple[Any, ...]] = []
 
         async def waiter() -> None:

@@ -20,6 +20,7 @@ from .errors import (
     PoolBusyError,
     PoolClosedError,
     PoolError,
+    WrongProcessError,
     WrongThreadError,
 )
 from .fence_wait import wait_fence
@@ -80,6 +81,7 @@ __all__ = [
     "ReqToTokenPool",
     "ReqToTokenPoolInfo",
     "Rows",
+    "WrongProcessError",
     "WrongThreadError",
     "new_stream_key",
     "record_fence",

@@ -7,11 +7,12 @@ import math
 import numbers
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 
 from .fences import Fence, Fences, HostStream, check_after, fence_list, is_fence, record_fence
+from .forks import refuse_copy
 from .ledger import FREE, Rows, SlotLedger, as_index, check_size, describe
 from .naming import Log, check_name, pool_log
 from .stats import LatencySummary, PoolStats
@@ -256,6 +257,11 @@ class PoolCore:
     verified_lens: torch.Tensor
     alloced_lens: torch.Tensor
     alloced_lens_cpu: torch.Tensor
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # pickle, copy.copy and copy.deepcopy: refused with the rule, a live
+        # object (asyncpool.forks); not "cannot pickle '_thread.lock'".
+        refuse_copy(self)
 
     def __init__(
         self,

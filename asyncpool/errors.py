@@ -27,6 +27,7 @@ __all__ = [
     "PoolBusyError",
     "PoolClosedError",
     "PoolError",
+    "WrongProcessError",
     "WrongThreadError",
 ]
 
@@ -102,6 +103,17 @@ class WrongThreadError(PoolError, RuntimeError):
     The pool is not thread-safe, like every asyncio object: call it from its
     event loop's thread, or hand work over with ``loop.call_soon_threadsafe``
     (``alloc_threadsafe`` / ``admit_threadsafe`` for a wait).
+    """
+
+
+class WrongProcessError(WrongThreadError):
+    """A pool built in another process was called in a forked child.
+
+    ``os.fork()`` (multiprocessing's ``"fork"`` start method) copies a pool
+    but not its threads, its event loop's waiters or its fence watchers: in
+    the child it would hang or lose rows. Build the pool in the process that
+    uses it, after the fork (see :mod:`asyncpool.forks`). A
+    :class:`WrongThreadError`, as a call from a thread of another process.
     """
 
 

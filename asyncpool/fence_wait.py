@@ -24,6 +24,7 @@ Knows nothing of pools.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -257,6 +258,16 @@ class _LoopWaits:
                     fut.set_result(None)
                 else:
                     fut.set_exception(error)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's loops cannot be waited on here, and a parent thread may
+    # have held the registry's lock (asyncpool.forks).
+    _LoopWaits._registry_lock = threading.Lock()
+    _LoopWaits._by_loop = {}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _ask(fence: Fence) -> tuple[bool, BaseException | None]:

@@ -28,6 +28,7 @@ import inspect
 import itertools
 import logging
 import operator
+import os
 import queue
 import threading
 import weakref
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
+    NoReturn,
     Protocol,
     Self,
     SupportsIndex,
@@ -45,6 +47,7 @@ from typing import (
 
 import numpy as np
 
+from . import forks
 from .errors import FenceError
 
 if TYPE_CHECKING:
@@ -280,6 +283,9 @@ class HostFence:
         for fn in callbacks or ():
             _run_callback(fn, BaseException)
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        forks.refuse_copy(self)
+
     def _fault(self) -> FenceError:
         err = FenceError(
             f"HostStream {self._stream()} faulted before fence {self.seq}: {self._error!r}; "
@@ -424,6 +430,11 @@ class HostStream:
     torch's intra-op thread count is per thread: work that runs torch ops on
     the worker may want ``stream.launch(torch.set_num_threads, 1)`` first, so
     it does not fight the event loop's thread for the cores.
+
+    Made before ``os.fork()``, a stream refuses new work in the child (its
+    worker exists only in the parent; ``RuntimeError``) and its fences
+    still pending there fault (:mod:`asyncpool.forks`); pickling or copying
+    it is a ``TypeError``.
     """
 
     def __init__(self, name: str | None = None) -> None:
@@ -444,6 +455,41 @@ class HostStream:
         # Dropped without close(): end the worker after the queued work.
         # SimpleQueue.put may run inside a finalizer (it is reentrant).
         weakref.finalize(self, worker.queue.put, _CLOSE)
+        forks.track(self)  # refused in a forked child (asyncpool.forks)
+
+    #: The pid of the process the stream was made in, once it finds itself
+    #: in a forked child (None in its own process).
+    _forked_from: int | None = None
+
+    def _after_fork_in_child(self, parent_pid: int) -> None:
+        # The worker thread does not exist here, and a parent thread may have
+        # held the lock: renew it, refuse new work as closed (the check every
+        # launch and record already makes), and fault the fences still queued
+        # (they would never complete). Their done-callbacks are the parent's
+        # (its pools' wake-ups): dropped, not run. Only this thread exists.
+        if self._forked_from is None:  # a grandchild names the maker too
+            self._forked_from = parent_pid
+        self._lock = threading.Lock()
+        self._closed = True
+        error = RuntimeError(
+            f"{self.name} was made in process {self._forked_from}; its worker thread does not "
+            f"exist in this forked child (process {os.getpid()})"
+        )
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item.__class__ is HostFence and item._state == _PENDING:
+                item._lock = threading.Lock()
+                item._callbacks = None
+                item._error = error
+                item._state = _FAULTED
+                item._event = threading.Event()
+                item._event.set()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        forks.refuse_copy(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("faulted" if self._worker.error else "open")
@@ -573,6 +619,13 @@ class HostStream:
 
     def _check_open(self) -> None:
         if self._closed:
+            if self._forked_from is not None:
+                raise RuntimeError(
+                    f"{self.name} was made in process {self._forked_from} and this is a "
+                    f"forked child of it (process {os.getpid()}): its worker thread exists "
+                    "only there. Make streams (and pools) in the process that uses them, "
+                    "after the fork"
+                )
             raise RuntimeError(f"{self.name} is closed; no more work can be launched")
 
 

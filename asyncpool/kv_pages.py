@@ -66,7 +66,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, SupportsIndex, TypeAlias
+from typing import Any, NoReturn, SupportsIndex, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,7 @@ from .base import force_release_fences, log_force_release, log_force_release_man
 from .deferral import Deferrals, check_ordered
 from .errors import CapacityError, DoubleFreeError, InvalidSlotError, PoolBusyError
 from .fences import Fence, Fences, HostStream, check_after, fence_list, record_fence
+from .forks import refuse_copy
 from .ledger import (
     _CHECKING,
     _NOT_IDS,
@@ -1007,6 +1008,12 @@ class KVPagePool:
         self._handed: dict[int, tuple[torch.Tensor, int, PageArray, bytes, int]] = {}
         self._handed_pages = 0
         self._handed_limit = _HANDED_SLACK
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # A live object (asyncpool.forks): a shallow copy would share the
+        # ledger behind two objects' cached counts, a pickled one lose its
+        # fences and the pool it serves. Build another from the arguments.
+        refuse_copy(self)
 
     def __repr__(self) -> str:
         led = self._ledger

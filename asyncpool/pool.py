@@ -42,6 +42,10 @@ changing nothing. Synchronous calls made while no loop runs (building and
 warming a pool in a set-up thread) do not bind, so an engine may build the
 pool in one thread and run its scheduler in another.
 :meth:`AsyncReqToTokenPool.bind` hands a bound pool over explicitly.
+A pool built before ``os.fork()`` refuses every checked call in the child
+with :class:`WrongProcessError` (:mod:`asyncpool.forks`: build the pool in
+the process that uses it, after the fork); pickling or copying it is a
+``TypeError``.
 Another thread submits waits with ``alloc_threadsafe`` / ``admit_threadsafe``
 (a ``concurrent.futures.Future`` whose ``cancel()`` never loses a grant). Fence
 completions on other threads reach the loop only through
@@ -100,6 +104,7 @@ import concurrent.futures
 import functools
 import logging
 import operator
+import os
 import sys
 import threading
 import weakref
@@ -109,6 +114,7 @@ from typing import Any, Self, SupportsIndex, overload
 
 import torch
 
+from . import forks
 from .admission import Admission, Need
 from .agreement import check_reclaim_mode
 from .base import PoolCore, int_arg
@@ -120,6 +126,7 @@ from .errors import (
     DoubleFreeError,
     PoolBusyError,
     PoolClosedError,
+    WrongProcessError,
     WrongThreadError,
 )
 from .fence_control import FenceControl
@@ -144,6 +151,8 @@ __all__ = ["AsyncReqToTokenPool", "Lease"]
 logger: logging.Logger = logging.getLogger(__name__)
 
 _get_ident = threading.get_ident
+#: The owner of a pool in a forked child: no thread's ident (idents are >= 0).
+_NO_THREAD = -1
 _get_running_loop = asyncio.get_running_loop
 _peek_running_loop = asyncio._get_running_loop  # None outside a loop; never raises
 
@@ -503,6 +512,32 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
                     if id(fence) not in seen:
                         seen.add(id(fence))
                         self._on_pending(fence)
+        forks.track(self)  # refuses every checked call in a forked child
+
+    #: The pid of the process the pool was built in, once it finds itself in
+    #: a forked child (None in its own process): see :mod:`asyncpool.forks`.
+    _forked_from: int | None = None
+
+    def _after_fork_in_child(self, parent_pid: int) -> None:
+        # os.register_at_fork (asyncpool.forks): the threads, waiters and loop
+        # this pool knows are the parent's. An owner no thread has sends
+        # every checked call to _bind_thread, which refuses; the unchecked
+        # fast paths close for good (_unchecked never reopens them). No
+        # per-call cost: those calls already compare the owner.
+        if self._forked_from is None:  # a grandchild names the builder too
+            self._forked_from = parent_pid
+        self._owner = _NO_THREAD
+        self._owner_name = f"a thread of process {self._forked_from}"
+        self._unchecked = False
+        self._fast = False
+
+    def _refuse_forked(self) -> WrongProcessError:
+        return WrongProcessError(
+            f"{self._who()} was built in process {self._forked_from} and this is a forked "
+            f"child of it (process {os.getpid()}): its fence watchers, stream threads and "
+            "waiters exist only there. Build the pool in the process that uses it, after "
+            "the fork (multiprocessing 'fork' or os.fork), or start workers with 'spawn'"
+        )
 
     def __repr__(self) -> str:
         led = self._ledger
@@ -567,6 +602,8 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         # that says why a page pool call is refused.
         try:
             self._check_thread()
+        except WrongProcessError:
+            raise
         except WrongThreadError as exc:
             raise WrongThreadError(
                 f"this KVPagePool serves an AsyncReqToTokenPool, so it too may be "
@@ -582,7 +619,9 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
 
     def _bind_thread(self) -> None:
         # Off the fast path: the pool is unbound, or called from a thread
-        # that does not own it.
+        # that does not own it (or from a forked child: _after_fork_in_child).
+        if self._forked_from is not None:
+            raise self._refuse_forked()
         ident = _get_ident()
         owner = self._owner
         if owner is None:
@@ -624,7 +663,12 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         first, and waiters of a loop that was closed under them (their tasks
         can never resume) are dropped, not counted. A :meth:`hold_grants`
         hold carries over: the new thread releases it.
+
+        :class:`WrongProcessError` in a forked child of the process that
+        built the pool (:mod:`asyncpool.forks`): build one there instead.
         """
+        if self._forked_from is not None:
+            raise self._refuse_forked()
         self._drop_dead_waiters()
         self._reclaim_both()  # fences done while no loop could be told
         if self._waiters.count or self._pending_any():
@@ -1126,6 +1170,8 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         return fut  # type: ignore[return-value]
 
     def _loop_for_submit(self) -> asyncio.AbstractEventLoop:
+        if self._forked_from is not None:
+            raise self._refuse_forked()  # the loop is the parent's: nothing would run
         loop = self._loop
         if loop is None:
             raise RuntimeError(

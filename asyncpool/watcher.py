@@ -60,6 +60,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import forks
 from .fences import CudaFence, Fence, is_done, use_device
 from .naming import pool_log
 
@@ -154,6 +155,20 @@ class FenceWatcher:
         #: that answers per thread): the owner asks each again and watches
         #: again those it still waits for. Emptied by :meth:`stop`.
         self.dropped: list[Fence] = []
+        forks.track(self)  # forgets the parent's threads in a forked child
+
+    def _after_fork_in_child(self, parent_pid: int) -> None:
+        # asyncpool.forks: only the forking thread exists here, and a parent
+        # thread may have held the lock. Renew the lock and its conditions
+        # and forget the threads, so the next watch() starts new ones (they
+        # then ask every fence still watched). Nothing is started here.
+        lock = self._lock = threading.Lock()
+        self._poll_cond = threading.Condition(lock)
+        self._thread = None
+        for stream in self._streams.values():
+            stream.cond = threading.Condition(lock)
+            stream.thread = None
+            stream.busy = False
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"

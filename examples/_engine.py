@@ -16,6 +16,8 @@ adds the prefill and step of requests whose position ``p`` holds
 tensors its prefill, steps and copies are built from (``write_prompt``,
 ``launch_step``, ``copy_out``), extra streams. :func:`run_loop` runs a
 program on ``--loop``'s choice (the five that offer uvloop).
+:func:`make_requests` is the prompts of ``radix_cache.py`` and
+``hybrid_prefix.py``, down a seeded tree of token blocks.
 
 The examples import this module by name (``from _engine import ...``): run
 as scripts (``python examples/x.py``, from any directory), their own folder
@@ -26,9 +28,11 @@ off); the tests load it beside them (``tests/helpers.py``,
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import heapq
 import itertools
+import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -42,6 +46,10 @@ Kernel = Callable[..., None]
 
 
 T = TypeVar("T")
+R = TypeVar("R")
+
+# A position's KV marker in ``make_requests``: a hash of its prefix, modulo this prime.
+HASH_MOD = 2**31 - 1
 
 
 def run_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
@@ -53,6 +61,52 @@ def run_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(main)
     return asyncio.run(main)
+
+
+def make_requests(
+    args: argparse.Namespace,
+    rng: random.Random,
+    max_len: int,
+    request: Callable[[int, list[int], int, list[int]], R],
+) -> list[R]:
+    """Prompts down a seeded tree of token blocks, then a tail of their own
+    (``radix_cache.py``, ``hybrid_prefix.py``): ``args.requests`` of them,
+    each ``request(id, tokens, output_len, marks)``.
+
+    The tree has ``args.branch`` branches a level, at most ``args.depth``
+    levels, a block of one or two pages (``args.page_size``) a node; a
+    prompt's own tail is 1 to ``args.tail`` tokens, its output 2 to
+    ``args.max_output``. ``marks`` holds each position's KV marker (prompt,
+    then output and one more: the step in flight at the end), a hash of
+    every token up to it modulo :data:`HASH_MOD`, plus 1 (never 0). Tokens
+    of different requests' tails and outputs differ (``max_len`` apart).
+    The same ``rng`` state gives the same requests and leaves ``rng`` in
+    the same state.
+    """
+    ps = args.page_size
+    blocks: dict[tuple[int, ...], list[int]] = {}  # path of branch choices -> its tokens
+
+    def block(path: tuple[int, ...]) -> list[int]:
+        if path not in blocks:
+            blocks[path] = [rng.randrange(1, 50_000) for _ in range(ps * rng.randint(1, 2))]
+        return blocks[path]
+
+    requests = []
+    for i in range(args.requests):
+        path: tuple[int, ...] = ()
+        tokens: list[int] = []
+        for _ in range(rng.randint(0, args.depth)):
+            path += (rng.randrange(args.branch),)
+            tokens += block(path)
+        tokens += [100_000 + i * max_len + t for t in range(rng.randint(1, args.tail))]
+        output_len = rng.randint(2, args.max_output)
+        seq = tokens + [200_000 + i * max_len + t for t in range(output_len + 1)]
+        marks, h = [], 0
+        for tok in seq:  # a position's KV depends on every token up to it
+            h = (h * 1_000_003 + tok) % HASH_MOD
+            marks.append(h + 1)
+        requests.append(request(i, tokens, output_len, marks))
+    return requests
 
 
 def step(

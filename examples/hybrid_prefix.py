@@ -93,10 +93,9 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, InvalidSlotError, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine, run_loop
+from _engine import HASH_MOD, PagedEngine, make_requests, run_loop
 
 MAX_LEN = 96
-HASH_MOD = 2**31 - 1
 GROUPS = ("full", "swa")
 
 Chunk = tuple[int, ...]  # the tokens of one page: a tree key's unit
@@ -507,34 +506,6 @@ class Engine(PagedEngine):
         )
 
 
-def make_requests(args: argparse.Namespace, rng: random.Random) -> list[Request]:
-    """Prompts down a seeded tree of token blocks, then a tail of their own."""
-    ps = args.page_size
-    blocks: dict[tuple[int, ...], list[int]] = {}  # path of branch choices -> its tokens
-
-    def block(path: tuple[int, ...]) -> list[int]:
-        if path not in blocks:
-            blocks[path] = [rng.randrange(1, 50_000) for _ in range(ps * rng.randint(1, 2))]
-        return blocks[path]
-
-    requests = []
-    for i in range(args.requests):
-        path: tuple[int, ...] = ()
-        tokens: list[int] = []
-        for _ in range(rng.randint(0, args.depth)):
-            path += (rng.randrange(args.branch),)
-            tokens += block(path)
-        tokens += [100_000 + i * MAX_LEN + t for t in range(rng.randint(1, args.tail))]
-        output_len = rng.randint(2, args.max_output)
-        seq = tokens + [200_000 + i * MAX_LEN + t for t in range(output_len + 1)]
-        marks, h = [], 0
-        for tok in seq:  # a position's KV depends on every token up to it
-            h = (h * 1_000_003 + tok) % HASH_MOD
-            marks.append(h + 1)
-        requests.append(Request(i, tokens, output_len, marks))
-    return requests
-
-
 async def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     rng = random.Random(args.seed)
@@ -548,7 +519,7 @@ async def run(args: argparse.Namespace) -> int:
     )
     cache = HybridRadixCache(kv, args.window, window_unfenced=args.evict_window_unfenced)
     lo = cache.lo
-    requests = make_requests(args, rng)
+    requests = make_requests(args, rng, MAX_LEN, Request)
     keys = {r.id: chunks(r.tokens, ps) for r in requests}
     waiting: deque[Request] = deque(requests)  # retracted ones go back in front
     running: list[Request] = []  # oldest admission first

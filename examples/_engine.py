@@ -15,7 +15,9 @@ adds the prefill and step of requests whose position ``p`` holds
 ``Engine`` subclasses :class:`PagedEngine` and keeps what is its own: the
 tensors its prefill, steps and copies are built from (``write_prompt``,
 ``launch_step``, ``copy_out``), extra streams. :func:`run_loop` runs a
-program on ``--loop``'s choice (the five that offer uvloop).
+program on ``--loop``'s choice, asyncio or uvloop: every example but
+``sync_dropin.py`` (synchronous) takes it, ``overlap_step.py``,
+``speculative_decode.py`` and ``hybrid_admission.py`` only it from here.
 :func:`make_requests` is the prompts of ``radix_cache.py`` and
 ``hybrid_prefix.py``, down a seeded tree of token blocks.
 

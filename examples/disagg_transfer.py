@@ -50,9 +50,10 @@ the pool is tight, and freed pages are granted and rewritten within a step
 or two. Runs on :class:`~asyncpool.HostStream` workers without a GPU and on
 CUDA streams when ``torch.cuda.is_available()`` (``--device cpu`` forces
 the host streams); the transfer engine is a host thread either way (on
-CUDA it reads on a stream of its own). Every wait is bounded (the
-deadline, the operator, ``asyncio.timeout``). Exit status: 0 when
-everything checks out, 1 otherwise. Public API only.
+CUDA it reads on a stream of its own). ``--loop uvloop`` runs it on
+uvloop. Every wait is bounded (the deadline, the operator,
+``asyncio.timeout``). Exit status: 0 when everything checks out, 1
+otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import DueThread, PagedEngine, prefill
+from _engine import DueThread, PagedEngine, prefill, run_loop
 
 MAX_LEN = 64
 MARK = 1 << 20  # a request's KV value: (id + 1) * MARK + position
@@ -448,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--rows", type=int, default=16, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=40, help="KV pages (page 0 excluded)")
@@ -494,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO)
     else:  # the summary counts what the pool logs
         logging.getLogger("asyncpool").setLevel(logging.CRITICAL)
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

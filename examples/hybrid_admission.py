@@ -38,8 +38,9 @@ own tag. ``--no-record-use`` leaves the fences out (the bug): freed,
 retracted and dropped pages and slots go to new requests while a step still
 reads them, and the check reports corruptions. Runs on
 :class:`~asyncpool.HostStream` without a GPU, on a CUDA stream when there is
-one (``--device cpu`` forces the host). Exit status: 0 when nothing was
-corrupted and every row and page came back, 1 otherwise. Public API only.
+one (``--device cpu`` forces the host). ``--loop uvloop`` runs it on
+uvloop. Exit status: 0 when nothing was corrupted and every row and page
+came back, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ from asyncpool import (
     record_fence,
     wait_fence,
 )
+
+from _engine import run_loop
 
 MAX_LEN = 128
 GROUPS = ("full", "swa", "mamba")
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--window", type=int, default=16, help="sliding window, in tokens")
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, f"{g}_pages", max(default[g], alone[g]))
         elif given < alone[g]:
             p.error(f"{flag} must be at least {alone[g]} (the longest request alone)")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ streams). On host streams a step reads only once the scheduler has written
 the prompts of the next pass's grants, so a page handed out while a step
 still reads it is caught every time, not by timing (on CUDA the prompts are
 written on the forward stream, whose order puts the old step first: the
-flags are checked on host streams). Exit status: 0 when everything checks
-out, 1 otherwise. Public API only.
+flags are checked on host streams). ``--loop uvloop`` runs it on uvloop.
+Exit status: 0 when everything checks out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ streams; on CUDA whether a load overtakes a step or a load is timing):
 On host streams a step reads only once the scheduler has written the next
 step's prompts and the loads it reads have landed (``PagedEngine``'s gate):
 a hand-out too early is caught every time, not by timing. CUDA streams when
-``torch.cuda.is_available()`` (``--device cpu`` forces host streams). Exit
-status: 0 when everything checks out, 1 otherwise. Public API only.
+``torch.cuda.is_available()`` (``--device cpu`` forces host streams).
+``--loop uvloop`` runs it on uvloop. Exit status: 0 when everything checks
+out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ when ``torch.cuda.is_available()`` (``--device cpu`` forces host streams).
 On host streams a step reads and writes only once the scheduler has
 written the prompts of the next step's requests (a ``threading.Event`` per
 step), so memory handed out too early is caught every time, not by timing.
-Exit status: 0 when everything checks out, 1 otherwise. Public API only.
+``--loop uvloop`` runs it on uvloop. Exit status: 0 when everything checks
+out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import PagedEngine
+from _engine import PagedEngine, run_loop
 
 MAX_LEN = 64  # a row's slots, at least (more when the sizes need them)
 STRIDE = 1 << 12  # a request's values: its id times this, plus the position
@@ -606,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-samples", type=int, default=6, help="samples a prompt: 2 to this")
     p.add_argument("--min-full", type=int, default=1, help="a prompt's full pages: this at least")
@@ -681,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"a sample may reach {longest} positions; the example's values allow {STRIDE}")
     if args.pages < -(-longest // args.page_size):
         p.error(f"--pages must be at least {-(-longest // args.page_size)} here")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

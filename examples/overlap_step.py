@@ -27,8 +27,9 @@ from its own thread. On CUDA the prefix is written on the forward stream, so
 stream order alone puts the old step's late write first; see docs/cuda.md,
 "What stream order does and does not cover".)
 
-Exit status: 0 when every row checks out and the pool ends empty, 1 otherwise.
-Public API only; see docs/cuda.md for the CUDA wiring.
+``--loop uvloop`` runs it on uvloop. Exit status: 0 when every row checks
+out and the pool ends empty, 1 otherwise. Public API only; see docs/cuda.md
+for the CUDA wiring.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from asyncpool import (
     record_fence,
     wait_fence,
 )
+
+from _engine import run_loop
 
 MAX_LEN = 128
 
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--forward-ms", type=float, default=1.0, help="the forward's time per step")
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rows must be at least 1 and --requests at least 0")
     if not (0 <= args.forward_ms < float("inf") and 0 <= args.retract <= 1):
         p.error("--forward-ms must be a finite number >= 0 and --retract a probability")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ On host streams the copies of the requests finished in a step land before
 the next admissions (the earliest a copy can end), so a row or page freed
 behind the copy alone is reused while a step still reads it every run, not
 by the copy thread's timing. The test runs each with ``--requests 300``.
-Exit status: 0 when everything checks out and the pool ends empty, 1
-otherwise. Public API only.
+``--loop uvloop`` runs it on uvloop. Exit status: 0 when everything checks
+out and the pool ends empty, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import DecodeEngine
+from _engine import DecodeEngine, run_loop
 
 MAX_LEN = 128
 
@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=24, help="KV pages (page 0 excluded)")
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         # Its tokens would not fit even alone: it would be retracted and
         # re-admitted for ever (growing for that last step, it retracts itself).
         p.error(f"--pages must be at least {least} here")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

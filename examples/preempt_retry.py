@@ -46,8 +46,9 @@ chunk written into a victim's page meets the step in flight that still
 reads it.
 
 Prints the steps, retractions, the most in one step, the requests finished
-and the corruptions found. Exit status: 0 when everything checks out and the
-pool ends empty, 1 otherwise. Public API only.
+and the corruptions found. ``--loop uvloop`` runs it on uvloop. Exit
+status: 0 when everything checks out and the pool ends empty, 1 otherwise.
+Public API only.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ import torch
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, record_fence, wait_fence
 
-from _engine import PagedEngine
+from _engine import PagedEngine, run_loop
 
 MAX_PROMPT = 96
 MAX_OUTPUT = 96
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--steps", type=int, default=1000, help="steps to run")
     p.add_argument("--rows", type=int, default=32, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=512, help="KV pages (page 0 excluded)")
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     least = -(-(MAX_LEN - 1) // args.page_size)
     if args.pages < least:  # it would retract itself for ever
         p.error(f"--pages must be at least {least} here")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ per step), and the grants that a pass's evictions make are written before
 that, so a page handed out while a step still reads it is caught every
 time, not by timing (on CUDA the prompt is written on the forward stream,
 whose order puts the old step first: the first two flags are checked on the
-host streams). Exit status: 0 when everything checks out, 1 otherwise.
-Public API only.
+host streams). ``--loop uvloop`` runs it on uvloop. Exit status: 0 when
+everything checks out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import PagedEngine, make_requests
+from _engine import PagedEngine, make_requests, run_loop
 
 MAX_LEN = 96
 
@@ -744,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=24, help="KV pages (page 0 excluded)")
@@ -803,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     least = -(-longest // args.page_size)
     if args.pages < least:
         p.error(f"--pages must be at least {least} here")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

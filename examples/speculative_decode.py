@@ -30,8 +30,9 @@ early is caught each time; CUDA streams are used when available (``--device
 cpu`` forces host ones), where the scheduler writes on the forward stream,
 whose order puts a late write first (docs/cuda.md). ``--no-record-use`` leaves
 out ``record_use``: trimmed pages go back at once while the step in flight
-still writes them, and the checks must report it. Exit status: 0 when all
-checks out and the pool ends empty, 1 otherwise.
+still writes them, and the checks must report it. ``--loop uvloop`` runs
+it on uvloop. Exit status: 0 when all checks out and the pool ends empty, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ from asyncpool import (
     record_fence,
     wait_fence,
 )
+
+from _engine import run_loop
 
 MAX_LEN = 128
 TALLIES = ["steps", "retractions", "speculation turned off", "pages rolled back"]
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rows", type=int, default=8, help="rows in the pool (row 0 excluded)")
     p.add_argument("--pages", type=int, default=64, help="KV pages (page 0 excluded)")
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     least = -(-(81 + args.draft) // args.page_size)
     if args.pages < least:
         p.error(f"--pages must be at least {least} here")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

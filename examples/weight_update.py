@@ -45,8 +45,9 @@ available (``--device cpu`` forces host ones).
 ``--no-yield`` frees the running rows once, without the loop (the recipe
 as once written): the request granted just before the hold still holds its
 row, and ``release_memory`` refuses (counted; the engine then frees and
-yields as the recipe says, so the run completes), and the run fails. Exit
-status: 0 when everything checks out, 1 otherwise. Public API only.
+yields as the recipe says, so the run completes), and the run fails.
+``--loop uvloop`` runs it on uvloop. Exit status: 0 when everything checks
+out, 1 otherwise. Public API only.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from asyncpool import (
     wait_fence,
 )
 
-from _engine import DecodeEngine
+from _engine import DecodeEngine, run_loop
 
 MAX_PROMPT = 12
 MAX_OUTPUT = 8
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--requests", type=int, default=150)
     p.add_argument("--rows", type=int, default=6, help="rows in the pool (row 0 excluded)")
     p.add_argument("--page-size", type=int, default=4, help="token slots a page")
@@ -398,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--forward-ms must be a finite number >= 0")
     if not (0 <= args.timeouts <= 1 and 0 <= args.cancels <= 1):
         p.error("--timeouts and --cancels must be probabilities")
-    return asyncio.run(run(args))
+    return run_loop(run(args), args.loop)
 
 
 if __name__ == "__main__":

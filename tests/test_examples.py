@@ -89,18 +89,34 @@ EXAMPLE_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("script,name,clean,_,__", EXAMPLE_RUNS)
+# Engines run uvloop (SGLang does): each async example also runs on it, the
+# same checks. sync_dropin is synchronous: no loop to choose.
+UVLOOP = ("--loop", "uvloop")
+EXAMPLE_RUNS_ON_LOOPS = [
+    pytest.param(*run, loop, id=f"{run[1]}-{'uvloop' if loop else 'asyncio'}")
+    for run in EXAMPLE_RUNS
+    for loop in [(), UVLOOP]
+    if not (loop and run[0] == "sync_dropin.py")
+]
+
+
+@pytest.mark.parametrize("script,name,clean,_,__,loop", EXAMPLE_RUNS_ON_LOOPS)
 def test_example_runs_clean(
-    script: str, name: str, clean: str, _: str, __: tuple[str, ...]
+    script: str, name: str, clean: str, _: str, __: tuple[str, ...], loop: tuple[str, ...]
 ) -> None:
-    proc = _run(script)
+    proc = _run(script, *loop)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{name}: OK: {clean}" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("script,name,_,none_corrupted,extra", EXAMPLE_RUNS)
+@pytest.mark.parametrize("script,name,_,none_corrupted,extra,loop", EXAMPLE_RUNS_ON_LOOPS)
 def test_example_detects_corruption_without_record_use(
-    script: str, name: str, _: str, none_corrupted: str, extra: tuple[str, ...]
+    script: str,
+    name: str,
+    _: str,
+    none_corrupted: str,
+    extra: tuple[str, ...],
+    loop: tuple[str, ...],
 ) -> None:
     # On the host stream the scheduler writes a new owner's prefix from its
     # own thread, outside the forward's stream order: the race is real there.
@@ -110,7 +126,7 @@ def test_example_detects_corruption_without_record_use(
     # paged_admission lands its copies before it reclaims, so its early reuse
     # does not depend on the copy thread's timing (0 detections in 2 of 32
     # runs on a loaded 2-core machine before).
-    proc = _run(script, "--device", "cpu", "--no-record-use", "--forward-ms", "3", *extra)
+    proc = _run(script, "--device", "cpu", "--no-record-use", "--forward-ms", "3", *extra, *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{name}: FAILED:" in proc.stdout and "corrupted" in proc.stdout, proc.stdout
     assert f"{name}: FAILED: {none_corrupted}" not in proc.stdout
@@ -185,7 +201,8 @@ def test_speculative_decode_detects_trims_without_record_use_on_other_seeds(seed
     assert found is not None and int(found.group(1)) > 0, proc.stdout
 
 
-def test_paged_admission_detects_eviction_behind_the_write_fence() -> None:
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
+def test_paged_admission_detects_eviction_behind_the_write_fence(loop: tuple[str, ...]) -> None:
     # Borrowed pages are not covered by the borrowing row's record_use: an
     # entry evicted behind the fence of the row that wrote it goes to a new
     # request while a step (or a copy) still reads it. On the host streams a
@@ -194,7 +211,13 @@ def test_paged_admission_detects_eviction_behind_the_write_fence() -> None:
     # at 300 requests when written (42 runs, 36 of them 12 at a time on a
     # 2-core VM); 17 in each of 8 runs, plain and debug mode, since.
     proc = _run(
-        "paged_admission.py", "--device", "cpu", "--evict-behind-write-fence", "--requests", "300"
+        "paged_admission.py",
+        "--device",
+        "cpu",
+        "--evict-behind-write-fence",
+        "--requests",
+        "300",
+        *loop,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"paged_admission: FAILED: .*?(\d+) corrupted reads", proc.stdout)
@@ -435,7 +458,11 @@ async def test_paged_admission_cache_evicts_behind_the_copy_stream(
     await pool.close()
 
 
-@pytest.mark.parametrize("extra", [(), ("--seed", "1"), ("--abort-running",)])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--seed", "1"), ("--abort-running",), UVLOOP],
+    ids=["seed0", "seed1", "abort-running", "uvloop"],
+)
 def test_weight_update_releases_with_requests_queued_and_checks_out(extra: tuple[str, ...]) -> None:
     # docs/api.md's memory-saver recipe as an engine's loop: every update
     # released the memory (no PoolBusyError), no step read memory handed to
@@ -458,12 +485,13 @@ def test_weight_update_releases_with_requests_queued_and_checks_out(extra: tuple
     assert all(counts.get(word, 0) > 0 for word in words), proc.stdout
 
 
-def test_weight_update_without_the_yield_loop_is_refused() -> None:
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
+def test_weight_update_without_the_yield_loop_is_refused(loop: tuple[str, ...]) -> None:
     # The recipe as once written (free the running rows once after the
     # hold): the request granted by a free just before the hold still holds
     # its row, and release_memory refuses it (15-22 refusals a run at the
     # defaults over seeds 0-14; trialRelease's 93 in 5,000 releases).
-    proc = _run("weight_update.py", "--no-yield")
+    proc = _run("weight_update.py", "--no-yield", *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"weight_update: FAILED: (\d+) refused releases", proc.stdout)
     assert found is not None and int(found.group(1)) > 0, proc.stdout
@@ -595,15 +623,17 @@ def test_n_samples_engine_close_raises_what_a_step_raised(monkeypatch: pytest.Mo
     assert engine.forward.closed
 
 
-@pytest.mark.parametrize("seed", ["0", "1"])
-def test_n_samples_locks_at_grant_and_checks_out(seed: str) -> None:
+@pytest.mark.parametrize(
+    "seed,loop", [("0", ()), ("1", ()), ("0", UVLOOP)], ids=["0", "1", "0-uvloop"]
+)
+def test_n_samples_locks_at_grant_and_checks_out(seed: str, loop: tuple[str, ...]) -> None:
     # docs/api.md's *n samples of one prompt* recipe as a GRPO-style loop:
     # nodes locked at each sample's grant after a re-check, evicted for the
     # queue's head and after their last sample: no stall, no read of memory
     # handed to another request or of an evicted node, every prompt's
     # samples finished, the pool empty. The pool is tight, so nodes are
     # evicted while their samples queue and those prefill again.
-    proc = _run("n_samples.py", "--device", "cpu", "--seed", seed)
+    proc = _run("n_samples.py", "--device", "cpu", "--seed", seed, *loop)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     clean = "0 corrupted reads, no stall, every prompt's samples finished, pool empty"
     assert f"n_samples: OK: {clean}" in proc.stdout, proc.stdout
@@ -624,10 +654,11 @@ def test_n_samples_locking_before_admission_stalls() -> None:
     assert "n_samples: FAILED: 0 corrupted reads, a stall" in proc.stdout, proc.stdout
 
 
-def test_n_samples_without_the_recheck_reads_evicted_nodes() -> None:
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
+def test_n_samples_without_the_recheck_reads_evicted_nodes(loop: tuple[str, ...]) -> None:
     # A granted sample that locks its node without re-checking it reads
     # pages evicted while it queued, which other requests now hold.
-    proc = _run("n_samples.py", "--device", "cpu", "--no-recheck")
+    proc = _run("n_samples.py", "--device", "cpu", "--no-recheck", *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"n_samples: FAILED: (\d+) corrupted reads", proc.stdout)
     assert found is not None and int(found.group(1)) > 0, proc.stdout
@@ -813,8 +844,10 @@ def test_n_samples_runs_long_prompts_and_refuses_bad_sizes() -> None:
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
 
 
-@pytest.mark.parametrize("seed", ["0", "1"])
-def test_radix_cache_checks_out(seed: str) -> None:
+@pytest.mark.parametrize(
+    "seed,loop", [("0", ()), ("1", ()), ("0", UVLOOP)], ids=["0", "1", "0-uvloop"]
+)
+def test_radix_cache_checks_out(seed: str, loop: tuple[str, ...]) -> None:
     # docs/api.md's *Prefix caching* recipe on a radix tree of several
     # levels: no read of memory handed to another request, no stall, every
     # request ended once, the tree's pages plus the rows' agreeing with the
@@ -824,7 +857,7 @@ def test_radix_cache_checks_out(seed: str) -> None:
     # used unlocked node a leaf), retractions, a longer hit found at grant
     # (trims), aborts and cancellations. (Timeouts and the extends of a
     # prefix evicted while queued depend on the host's speed: not required.)
-    proc = _run("radix_cache.py", "--device", "cpu", "--seed", seed)
+    proc = _run("radix_cache.py", "--device", "cpu", "--seed", seed, *loop)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     clean = (
         "0 corrupted reads, 0 corrupted KV, 0 corrupted rows, no stall, every request ended, "
@@ -838,8 +871,9 @@ def test_radix_cache_checks_out(seed: str) -> None:
     assert counts.get("evictions of inner nodes") == 0, proc.stdout
 
 
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
 @pytest.mark.parametrize("flag", ["--evict-behind-write-fence", "--evict-locked-ancestor"])
-def test_radix_cache_detects_early_eviction(flag: str) -> None:
+def test_radix_cache_detects_early_eviction(flag: str, loop: tuple[str, ...]) -> None:
     # Each documented bug put back: a node evicted behind its writer's fence
     # while a step still reads it (23-41 corrupted reads a run on seed 0, in
     # debug mode too; when a leaf's writer was taken to be the step in flight
@@ -848,7 +882,7 @@ def test_radix_cache_detects_early_eviction(flag: str) -> None:
     # was locked (38-78 reads, 10 of 10). On the host streams a step reads
     # only once the next pass's prompts are written, so each early reuse
     # that a prompt write meets is caught.
-    proc = _run("radix_cache.py", "--device", "cpu", flag)
+    proc = _run("radix_cache.py", "--device", "cpu", flag, *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"radix_cache: FAILED: (\d+) corrupted reads", proc.stdout)
     assert found is not None and int(found[1]) > 0, proc.stdout
@@ -1039,7 +1073,9 @@ def _preempt_retry(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[s
     return proc, _counts(proc.stdout)
 
 
-@pytest.mark.parametrize("mode", [(), ("--verbatim",)])
+@pytest.mark.parametrize(
+    "mode", [(), ("--verbatim",), UVLOOP], ids=["counted", "verbatim", "counted-uvloop"]
+)
 def test_preempt_retry_checks_out(mode: tuple[str, ...]) -> None:
     # vLLM's retract-and-retry loop over deferred frees, the documented fix
     # (counted) and the loop as is (verbatim): wasteful, not unsafe, so both
@@ -1066,8 +1102,11 @@ def test_preempt_retry_verbatim_loop_cascades() -> None:
     assert verbatim["finished"] < fixed["finished"], (fixed, verbatim)
 
 
-@pytest.mark.parametrize("mode", [(), ("--verbatim",)])
-def test_preempt_retry_detects_pages_freed_at_once(mode: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("mode", [(), ("--verbatim",)], ids=["counted", "verbatim"])
+def test_preempt_retry_detects_pages_freed_at_once(
+    mode: tuple[str, ...], loop: tuple[str, ...]
+) -> None:
     # A victim's pages detached and given to kv.free with no fence: the
     # retried extend (or a later request's) takes them, and a prefill chunk
     # the scheduler writes into them meets the step in flight that still
@@ -1075,7 +1114,7 @@ def test_preempt_retry_detects_pages_freed_at_once(mode: tuple[str, ...]) -> Non
     # writes are done: caught each time, not by timing). At the defaults,
     # 12 runs each plain and in debug mode: 7-93 corrupted reads a run
     # counted, 97-490 verbatim; never 0.
-    proc, _ = _preempt_retry("--free-at-once", *mode)
+    proc, _ = _preempt_retry("--free-at-once", *mode, *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"preempt_retry: FAILED: (\d+) corrupted reads", proc.stdout)
     assert found is not None and int(found[1]) > 0, proc.stdout
@@ -1161,7 +1200,8 @@ def _disagg(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, int
     return proc, _counts(proc.stdout)
 
 
-def test_disagg_transfer_checks_out() -> None:
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
+def test_disagg_transfer_checks_out(loop: tuple[str, ...]) -> None:
     # docs/cuda.md's prefill-side recipe, whole: no transfer read a page
     # handed to another request, no page was granted while a live transfer
     # could read it, and every row and page came back but the faulted
@@ -1170,7 +1210,7 @@ def test_disagg_transfer_checks_out() -> None:
     # mid-prefill and mid-transfer, transfers given up at the deadline and
     # the hung ones made overdue and released by the operator (seed 0, 300
     # requests: two hang, seven are slow, three raise).
-    proc, counts = _disagg("--requests", "300")
+    proc, counts = _disagg("--requests", "300", *loop)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "disagg_transfer: OK: 0 mismatched transfers, 0 pages granted while read" in proc.stdout
     words = ["rejected", "failed", "raised", "hung", "slow", "aborted mid-prefill"]
@@ -1179,8 +1219,11 @@ def test_disagg_transfer_checks_out() -> None:
     assert all(counts.get(w, 0) > 0 for w in words), proc.stdout
 
 
+@pytest.mark.parametrize("loop", [(), UVLOOP], ids=["asyncio", "uvloop"])
 @pytest.mark.parametrize("flag", ["--free-without-transfer-fence", "--force-release-slow"])
-def test_disagg_transfer_detects_pages_reused_under_a_transfer(flag: str) -> None:
+def test_disagg_transfer_detects_pages_reused_under_a_transfer(
+    flag: str, loop: tuple[str, ...]
+) -> None:
     # Each bug put in: pages given up (an abort, the deadline, a fault)
     # freed behind the step fence only, or overdue transfers force-released
     # without the engine's confirmation that they stopped reading; new
@@ -1188,7 +1231,7 @@ def test_disagg_transfer_detects_pages_reused_under_a_transfer(flag: str) -> Non
     # Seed 0, 600 requests, 5 runs each plain and in debug mode on a loaded
     # 2-core machine: 30-46 and 8-14 mismatched transfers a run (at 300,
     # over seeds 0-5, --force-release-slow read as few as 2: too close).
-    proc, _ = _disagg("--requests", "600", flag)
+    proc, _ = _disagg("--requests", "600", flag, *loop)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = re.search(r"disagg_transfer: FAILED: (\d+) mismatched transfers", proc.stdout)
     assert found is not None and int(found[1]) > 0, proc.stdout

@@ -112,6 +112,7 @@ class WaiterQueues:
         "_describe",
         "_give_back",
         "_gone",
+        "_granting",
         "_kinds",
         "_max",
         "_prios",
@@ -156,6 +157,9 @@ class WaiterQueues:
         # them here, gone, instead of searching for them.
         self._dead: set[asyncio.Future[Any]] = set()
         self._gone: set[asyncio.Future[Any]] = set()
+        # The grant loop under way: 0 (none), 1 (running), 2 (running, and
+        # asked to run again by a grant() made inside its take; see grant).
+        self._granting = 0
         self.count: int = 0
         self.gated: bool = False
         self.timeouts: int = 0
@@ -476,51 +480,79 @@ class WaiterQueues:
         Runs synchronously and resolves each granted waiter's future with its
         grant, so nobody else can take it in between. A cancelled head still
         queued (its task has not run its handler yet) is dropped on the way.
+
+        Re-entrant calls are safe. ``take`` may run code that is not the
+        owner's: reclaiming asks fences' ``query()``, and a ``query()`` may
+        call the owner (a free, a close, a cancel of the head's task), or
+        create a task that does, which under ``asyncio.eager_task_factory``
+        (Python 3.12+) runs at once, inside this loop. A ``grant()`` made
+        meanwhile only asks this loop to run again once its ``take``
+        returns (two loops would grant one head twice); a head cancelled or
+        failed meanwhile, or a gate closed, gets nothing: what was taken for
+        it is given back.
         """
         if not self.count or self.gated:
             return
-        take = self._take
-        queues = self._queues
-        prios = self._prios
-        supply = self._supply
-        now = 0.0
-        while self.count:
-            prio = prios[0]
-            queue = queues[prio]
-            need, fut, t0, _, window, histogram = queue[0]
-            if fut.done():
-                # Cancelled: dead (uncounted already), or its task has not
-                # run its handler yet (then it finds the waiter gone).
+        if self._granting:
+            self._granting = 2  # the loop under way runs again (see above)
+            return
+        self._granting = 1
+        try:
+            take = self._take
+            queues = self._queues
+            prios = self._prios
+            supply = self._supply
+            now = 0.0
+            while self.count and not self.gated:
+                prio = prios[0]
+                queue = queues[prio]
+                need, fut, t0, _, window, histogram = queue[0]
+                if fut.done():
+                    # Cancelled: dead (uncounted already), or its task has not
+                    # run its handler yet (then it finds the waiter gone).
+                    queue.popleft()
+                    if fut in self._dead:
+                        self._dead.discard(fut)
+                    else:
+                        self.count -= 1
+                        self._gone.add(fut)
+                    if not queue:
+                        del queues[prio]
+                        prios.pop(0)
+                    continue
+                got = take(need)
+                if got is None:
+                    if self._granting == 2:
+                        # A grant() inside the take: memory came back there,
+                        # after the take looked. Ask the head again.
+                        self._granting = 1
+                        continue
+                    return  # the head does not fit: it blocks those behind it
+                if fut.done() or self.gated:
+                    # take() ran code that cancelled or failed the head (a
+                    # close), or closed the gate: the grant is nobody's.
+                    self._give_back(got)
+                    continue
                 queue.popleft()
-                if fut in self._dead:
-                    self._dead.discard(fut)
-                else:
-                    self.count -= 1
-                    self._gone.add(fut)
+                self.count -= 1
                 if not queue:
                     del queues[prio]
-                    prios.pop(0)
-                continue
-            got = take(need)
-            if got is None:
-                return  # the head does not fit: it blocks those behind it
-            queue.popleft()
-            self.count -= 1
-            if not queue:
-                del queues[prio]
-                prios.pop(0)
-            fut.set_result(got)
-            if not now:
-                now = _perf_counter()
-            waited = now - t0
-            window.append(waited)
-            # Histogram.observe, inlined (a call is a third of its cost here).
-            histogram._counts[_bisect_left(histogram.bounds, waited)] += 1
-            histogram._sum += waited
-            if supply is not None and not supply:
-                break  # nothing left to take without a reclaim (see above)
-        if self._dead and not self.count:
-            self._clear_dead()  # nobody counted is left: the rest is dead
+                    # Not pop(0): take() may have queued a more urgent waiter.
+                    prios.remove(prio)
+                fut.set_result(got)
+                if not now:
+                    now = _perf_counter()
+                waited = now - t0
+                window.append(waited)
+                # Histogram.observe, inlined (a call is a third of its cost here).
+                histogram._counts[_bisect_left(histogram.bounds, waited)] += 1
+                histogram._sum += waited
+                if supply is not None and not supply:
+                    break  # nothing left to take without a reclaim (see above)
+            if self._dead and not self.count:
+                self._clear_dead()  # nobody counted is left: the rest is dead
+        finally:
+            self._granting = 0
 
     # ------------------------------------------------------------ failing waiters
 

@@ -1,0 +1,296 @@
+"""The pool under ``asyncio.eager_task_factory`` (Python 3.12+), and code the
+pool runs calling it back.
+
+With the eager factory (engines turn it on for speed), ``create_task(coro)``
+runs the coroutine at once, inside the caller, up to its first suspension. A
+fence's ``query()`` that creates a task (a transfer handle that admits the
+request once its transfer is done, say) then calls the pool from inside the
+pool: from the grant loop's ``take``, which reclaims completed fences. Before
+the grant loop was made re-entrant, such a call lost or doubled grants: a
+free there ran a second grant loop that granted the head the first one was
+taking for (``InvalidStateError`` out of the free, a waiter behind it never
+granted), a cancel of the head's task left its grant to nobody (rows
+allocated for ever), and a more urgent waiter queued there made the loop drop
+the wrong priority from its index (the next grant hung or raised).
+
+Each case runs twice: ``by hand``, the task's code started inside the
+``query()`` by stepping its coroutine to its first suspension (what the
+eager factory does; any Python, so CI's 3.11 runs it), and ``eager``, a real
+``create_task`` on a loop with ``asyncio.eager_task_factory`` (3.12+; skipped
+on 3.11, which has no eager factory). ``ASYNCPOOL_TEST_EAGER=1`` runs the
+whole suite with the eager factory on every test loop (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from helpers import WAIT_S, bounded, in_thread, queued_call, settled, until
+
+from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool
+
+HAS_EAGER = hasattr(asyncio, "eager_task_factory")
+HOW = [
+    "by hand",
+    pytest.param(
+        "eager",
+        marks=pytest.mark.skipif(
+            not HAS_EAGER, reason="asyncio.eager_task_factory needs Python 3.12+"
+        ),
+    ),
+]
+
+
+@contextmanager
+def eager_tasks(how: str) -> Iterator[None]:
+    """The running loop's task factory is the eager one while the block runs
+    (``how == "eager"``); put back after."""
+    loop = asyncio.get_running_loop()
+    before = loop.get_task_factory()
+    if how == "eager":
+        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+    try:
+        yield
+    finally:
+        loop.set_task_factory(before)
+
+
+def start_task(coro: Coroutine[Any, Any, Any], how: str) -> asyncio.Future[Any]:
+    """A task of ``coro`` started as the eager factory starts one: its code
+    runs now, up to its first suspension. ``eager``: ``create_task`` on the
+    eager loop. ``by hand``: the coroutine is stepped here, then a task
+    carries it on (it awaits what the coroutine awaited, then resumes it)."""
+    loop = asyncio.get_running_loop()
+    if how == "eager":
+        return loop.create_task(coro)
+    try:
+        yielded = coro.send(None)
+    except StopIteration as stop:
+        done = loop.create_future()
+        done.set_result(stop.value)
+        return done
+
+    async def rest() -> Any:
+        nonlocal yielded
+        while True:
+            try:
+                if yielded is None:
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.wait([yielded])  # done: resume the coroutine, which reads it
+            except asyncio.CancelledError:
+                yielded.cancel()  # as a task's cancel() cancels what it awaits
+            try:
+                yielded = coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+
+    return loop.create_task(rest())
+
+
+class CallingFence:
+    """A fence of unknown origin, done on :meth:`set`, whose ``query()`` on
+    the loop's thread runs ``call`` once, the first time it answers done
+    (``early``: the first time it is asked there; the fence watcher's
+    threads only read it)."""
+
+    def __init__(self, call: Callable[[], object] | None) -> None:
+        self.call = call
+        self.early = False  # run the call at the first query on the loop, done or not
+        self.event = threading.Event()
+        self.loop_thread = threading.get_ident()
+        self.calls = 0
+
+    def set(self) -> None:
+        self.event.set()
+
+    def query(self) -> bool:
+        done = self.event.is_set()
+        if (
+            (done or self.early)
+            and self.call is not None
+            and threading.get_ident() == self.loop_thread
+        ):
+            call, self.call = self.call, None
+            self.calls += 1
+            call()
+        return done
+
+    def synchronize(self) -> None:
+        self.event.wait(WAIT_S)
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_free_inside_the_grant_loops_take_grants_each_waiter_once(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)  # every row
+        a = await queued_call(pool.alloc(2))
+        b = await queued_call(pool.alloc(1))
+
+        async def free_last() -> None:
+            pool.free([rows[2]])  # runs the grant loop, inside the one under way
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: start_task(free_last(), how))
+            pool.free([rows[0]], fence)
+            fence.set()
+            # The grant loop: the head needs 2, one row is free, so its take
+            # reclaims, and the fence's query() frees the third row.
+            pool.free([rows[1]])
+            # Granted at hand-over, both, by this free: not left for a
+            # wake-up to find (the fence watcher's would, a moment later).
+            assert pool.waiting() == 0
+        assert fence.calls == 1
+        got_a, got_b = await settled(a), await settled(b)
+        assert isinstance(got_a, list) and isinstance(got_b, list), (got_a, got_b)
+        assert len(got_a) == 2 and len(got_b) == 1
+        assert sorted(got_a + got_b) == sorted(rows)
+        pool.check_invariants()
+        assert pool.stats().allocated == 3
+        pool.free(got_a + got_b)
+        assert pool.available_size() == 3
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_free_inside_a_take_that_came_up_short_is_granted_at_once(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a = await queued_call(pool.alloc(2))
+
+        async def free_last() -> None:
+            pool.free([rows[2]])
+
+        with eager_tasks(how):
+            fence = CallingFence(None)
+            pool.free([rows[0]], fence)  # pending: the take below asks it
+            fence.call, fence.early = (lambda: start_task(free_last(), how)), True
+            # The head needs 2, one is free: the take reclaims, the fence is
+            # not done (the take comes up short), but its query() freed a
+            # row, after the take counted the free ones. The loop asks again.
+            pool.free([rows[1]])
+            assert fence.calls == 1
+            assert pool.waiting() == 0  # granted by this free, not by a later wake-up
+        assert sorted(await settled(a)) == sorted(rows[1:])
+        fence.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        assert pool.stats().allocated == 2
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_head_cancelled_inside_the_grant_loops_take_gets_nothing(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a = await queued_call(pool.alloc(2))
+
+        async def cancel_head() -> None:
+            a.cancel()  # the request gave up: the transfer handle cancels its admit
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: start_task(cancel_head(), how))
+            pool.free([rows[0]], fence)
+            fence.set()
+            pool.free([rows[1]])  # take(2) for the head reclaims: the head is cancelled there
+        assert fence.calls == 1
+        assert isinstance(await settled(a), asyncio.CancelledError)
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.allocated, stats.free, stats.waiters) == (1, 2, 0)  # nothing left to nobody
+        assert pool.try_alloc(2) is not None
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_more_urgent_waiter_queued_inside_the_grant_loops_take(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a = await queued_call(pool.alloc(2, priority=1))
+        urgent: list[asyncio.Future[Any]] = []
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: urgent.append(start_task(pool.alloc(1, priority=0), how)))
+            pool.free([rows[0]], fence)
+            fence.set()
+            # The head (priority 1) takes 2 rows; meanwhile a waiter queued at
+            # priority 0, ahead of it, in a queue of its own.
+            pool.free([rows[1]])
+        assert fence.calls == 1 and len(urgent) == 1
+        got_a = await settled(a)
+        assert isinstance(got_a, list) and sorted(got_a) == sorted(rows[:2])
+        pool.check_invariants()  # the priority index agrees with the queues
+        assert pool.waiting() == 1 and not urgent[0].done()
+        pool.free([rows[2]])  # the urgent waiter's row
+        assert await settled(urgent[0]) == [rows[2]]
+        pool.check_invariants()
+        assert pool.waiting() == 0
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_hold_taken_inside_the_grant_loops_take_holds_that_grant(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a = await queued_call(pool.alloc(2))
+        holds: list[Any] = []
+
+        async def hold() -> None:
+            holds.append(pool.hold_grants())  # the scheduler holds for its growth
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: start_task(hold(), how))
+            pool.free([rows[0]], fence)
+            fence.set()
+            pool.free([rows[1]])
+            assert fence.calls == 1 and len(holds) == 1
+            assert pool.waiting() == 1  # held: the rows taken for the head went back
+        assert pool.try_alloc(1) is None  # the hold keeps them for growth
+        pool.check_invariants()
+        holds[0].release()  # the grant loop runs at once
+        assert sorted(await settled(a)) == sorted(rows[:2])
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_close_inside_the_grant_loops_take_fails_the_head_and_keeps_nothing(
+    how: str,
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a = await queued_call(pool.alloc(2))
+        closing: list[asyncio.Future[Any]] = []
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: closing.append(start_task(pool.close(), how)))
+            pool.free([rows[0]], fence)
+            fence.set()
+            pool.free([rows[1]])
+        assert fence.calls == 1
+        await settled(closing[0])
+        assert type(await settled(a)).__name__ == "PoolClosedError"
+        pool.check_invariants()
+        assert pool.stats().allocated == 1  # rows[2]: none to the failed head
+
+
+@pytest.mark.skipif(not HAS_EAGER, reason="asyncio.eager_task_factory needs Python 3.12+")
+async def test_threadsafe_waits_on_an_eager_loop() -> None:
+    # submit_wait creates its task on the loop: eager, the wait runs inside
+    # the hand-over callback, and one granted at once is delivered there.
+    async with bounded(), AsyncReqToTokenPool(3, 4, kv=KVPagePool(8, 2)) as pool:
+        with eager_tasks("eager"):
+            pool.bind()
+            fut = await asyncio.to_thread(pool.admit_threadsafe, pages=3)
+            grant = await asyncio.wrap_future(fut)
+            assert isinstance(grant, Grant) and len(grant.pages) == 3
+            assert in_thread(fut.cancel) is False
+            other = (await pool.admit(pages=1)).row
+            queued = await asyncio.to_thread(pool.admit_threadsafe, pages=1)
+            await until(lambda: pool.waiting() == 1)
+            assert in_thread(queued.cancel) is True  # cancelled on the loop, nothing taken
+            assert queued.cancelled()
+            await until(lambda: pool.waiting() == 0)
+            pool.free([grant.row, other])
+            stats = pool.stats()
+            assert (stats.allocated, stats.pages_allocated, stats.waiters) == (0, 0, 0)

@@ -10,6 +10,12 @@
 # plain PyPI serves the CUDA build, several GB; its CUDA tests skip cleanly
 # without a GPU) and the project with its test extra, and runs the README's
 # test command. Nothing here is part of CI: it downloads too much.
+#
+#   ASYNCPOOL_TEST_EAGER=1 bash scripts/test_other_pythons.sh python3.12
+#
+# runs every async test with asyncio.eager_task_factory set on its loop
+# (asyncio and uvloop; tests/conftest.py), as engines that turn it on do;
+# Python 3.12+ only (on 3.11 the suite refuses it with a usage error).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -34,10 +34,43 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# ASYNCPOOL_TEST_EAGER=1 (Python 3.12+, opt-in, never in CI): every test loop
+# runs with asyncio.eager_task_factory, as engines that turn it on for speed
+# do, so create_task() runs its coroutine up to its first suspension inside
+# the caller. Unset (or empty, or 0), nothing changes. Loops a test makes
+# itself (asyncio.run, a thread's own loop) keep the lazy default.
+_EAGER = os.environ.get("ASYNCPOOL_TEST_EAGER", "") not in ("", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _EAGER and not hasattr(asyncio, "eager_task_factory"):
+        raise pytest.UsageError(
+            "ASYNCPOOL_TEST_EAGER is set, but asyncio.eager_task_factory needs Python 3.12+ "
+            f"(this is {sys.version.split()[0]}): unset it, or run the suite on 3.12+"
+        )
+
+
+def _with_eager_tasks(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
+    def make() -> asyncio.AbstractEventLoop:
+        loop = new_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+        return loop
+
+    return make
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop,
+        "uvloop": uvloop.new_event_loop,
+    }
+    if _EAGER:
+        return {name: _with_eager_tasks(new) for name, new in factories.items()}
+    return factories
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

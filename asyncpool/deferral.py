@@ -552,11 +552,19 @@ class Deferrals(Generic[T]):
                     if done is not True and done is not False:
                         done = is_done(done)
                 except Exception as exc:
-                    queue.popleft()
-                    self._fault_batch(batch, batch.fence, exc)
+                    if queue and queue[0] is batch:
+                        queue.popleft()
+                        self._fault_batch(batch, batch.fence, exc)
                     continue
                 if not done:
                     break
+                if not queue or queue[0] is not batch:
+                    # The query() called the owner (or created a task that
+                    # did: an eager task factory runs it inside the query),
+                    # which reclaimed this batch in a reclaim of its own.
+                    # Popping now would release the next batch, its fence
+                    # not asked. Look at the head again.
+                    continue
                 queue.popleft()
                 released += self._settle(batch)
             if not queue:

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from helpers import WAIT_S, bounded, in_thread, queued_call, settled, until
 
-from asyncpool import AsyncReqToTokenPool, Grant, KVPagePool
+from asyncpool import AsyncReqToTokenPool, FenceError, Grant, KVPagePool, new_stream_key
 
 HAS_EAGER = hasattr(asyncio, "eager_task_factory")
 HOW = [
@@ -105,6 +105,7 @@ class CallingFence:
         self.event = threading.Event()
         self.loop_thread = threading.get_ident()
         self.calls = 0
+        self.error: Exception | None = None  # raised by every query() once set
 
     def set(self) -> None:
         self.event.set()
@@ -119,10 +120,79 @@ class CallingFence:
             call, self.call = self.call, None
             self.calls += 1
             call()
+        if self.error is not None:
+            raise self.error
         return done
 
     def synchronize(self) -> None:
         self.event.wait(WAIT_S)
+
+
+class CallingStreamFence(CallingFence):
+    """:class:`CallingFence` of a stream: ordered (``stream_key``, ``seq``),
+    so the ledger keeps it in its stream's queue, behind the one before."""
+
+    def __init__(self, key: int, seq: int) -> None:
+        super().__init__(None)
+        self.stream_key, self.seq = key, seq
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_reclaim_inside_a_reclaim_releases_no_batch_before_its_fence(how: str) -> None:
+    # The ledger's reclaim asks the head of a stream's queue, then pops it.
+    # A query() whose code reclaimed too (a try_alloc short of rows) had
+    # popped that head already: the outer pop took the next batch, its
+    # fence never asked, and its row went free while the stream could
+    # still write it (the ledger's invariant broken too).
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        key = new_stream_key()
+        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
+        pool.free([rows[0]], first)
+        pool.free([rows[1]], second)
+        inner: list[Any] = []
+
+        async def take_one() -> None:
+            inner.append(pool.try_alloc(1))
+
+        with eager_tasks(how):
+            first.set()
+            first.call = lambda: start_task(take_one(), how)
+            assert pool.try_alloc(2) is None  # one row came back, and the inner call has it
+        assert first.calls == 1
+        assert inner == [[rows[0]]]
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.available_size()) == (1, 0)  # rows[1] waits for `second`
+        second.set()
+        await pool.drain(timeout=WAIT_S)
+        assert pool.try_alloc(1) == [rows[1]]
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        key = new_stream_key()
+        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
+        pool.free([rows[0]], first)
+        pool.free([rows[1]], second)
+        inner: list[Any] = []
+
+        async def take_one() -> None:
+            inner.append(pool.try_alloc(1))
+
+        with eager_tasks(how):
+            first.error = FenceError("the stream faulted")
+            first.early = True
+            first.call = lambda: start_task(take_one(), how)
+            assert pool.try_alloc(1) is None  # the inner reclaim quarantined rows[0]
+        assert first.calls == 1 and inner == [None]
+        pool.check_invariants()
+        # rows[1] still waits for `second`: not quarantined with the faulted batch.
+        assert (pool.quarantined_size(), pool.pending_size()) == (1, 1)
+        second.set()
+        await pool.drain(timeout=WAIT_S)
+        assert pool.try_alloc(1) == [rows[1]]
 
 
 @pytest.mark.parametrize("how", HOW)

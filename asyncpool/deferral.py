@@ -569,9 +569,12 @@ class Deferrals(Generic[T]):
                 released += self._settle(batch)
             if not queue:
                 empty.append(key)
+        streams = self._streams
         for key in empty:
-            if not self._streams[key]:  # a move may have refilled it
-                del self._streams[key]
+            # A move may have refilled it; a reclaim that a query() ran
+            # (see above) may have dropped it already.
+            if not streams.get(key, True):
+                del streams[key]
         if self._unordered:
             # The index follows the list: the batches that leave it leave the
             # index (O(those), not a rebuild at the next free).

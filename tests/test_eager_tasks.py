@@ -169,6 +169,31 @@ async def test_a_reclaim_inside_a_reclaim_releases_no_batch_before_its_fence(how
 
 
 @pytest.mark.parametrize("how", HOW)
+async def test_a_reclaim_inside_a_reclaim_that_empties_a_stream(how: str) -> None:
+    # The inner reclaim settles the stream's last batch and drops its empty
+    # queue; the outer one, done with the same stream, dropped it again
+    # (KeyError out of the pool's call).
+    async with bounded(), AsyncReqToTokenPool(3, 4) as pool:
+        rows = await pool.alloc(2)
+        only = CallingStreamFence(new_stream_key(), 1)
+        pool.free([rows[0]], only)
+        inner: list[Any] = []
+
+        async def take_one() -> None:
+            inner.append(pool.try_alloc(1))
+
+        with eager_tasks(how):
+            only.set()
+            only.call = lambda: start_task(take_one(), how)
+            assert pool.try_alloc(1) is None  # the inner call has the row
+        assert inner == [[rows[0]]]
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.stats().allocated) == (0, 2)
+        pool.free([rows[1]], CallingStreamFence(only.stream_key, 2))  # the stream goes on
+        assert pool.pending_size() == 1
+
+
+@pytest.mark.parametrize("how", HOW)
 async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
         rows = await pool.alloc(3)

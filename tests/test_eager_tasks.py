@@ -11,7 +11,11 @@ free there ran a second grant loop that granted the head the first one was
 taking for (``InvalidStateError`` out of the free, a waiter behind it never
 granted), a cancel of the head's task left its grant to nobody (rows
 allocated for ever), and a more urgent waiter queued there made the loop drop
-the wrong priority from its index (the next grant hung or raised).
+the wrong priority from its index (the next grant hung or raised). And a
+call there that reclaims (a ``try_alloc`` short of rows) ran a reclaim inside
+the ledger's own: the outer one then popped the batch behind the one it had
+asked, releasing a row whose fence was still open, and dropped a stream's
+emptied queue twice (``KeyError``).
 
 Each case runs twice: ``by hand``, the task's code started inside the
 ``query()`` by stepping its coroutine to its first suspension (what the

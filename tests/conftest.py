@@ -38,7 +38,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # runs with asyncio.eager_task_factory, as engines that turn it on for speed
 # do, so create_task() runs its coroutine up to its first suspension inside
 # the caller. Unset (or empty, or 0), nothing changes. Loops a test makes
-# itself (asyncio.run, a thread's own loop) keep the lazy default.
+# itself (asyncio.run, a thread's own loop) keep the lazy default, and so do
+# tests marked lazy_tasks (each says what it assumes: a task created, then a
+# check made before it ran; an assumption of the test, not of the pool).
 _EAGER = os.environ.get("ASYNCPOOL_TEST_EAGER", "") not in ("", "0")
 
 
@@ -68,7 +70,7 @@ def pytest_asyncio_loop_factories(
         "asyncio": asyncio.new_event_loop,
         "uvloop": uvloop.new_event_loop,
     }
-    if _EAGER:
+    if _EAGER and item.get_closest_marker("lazy_tasks") is None:
         return {name: _with_eager_tasks(new) for name, new in factories.items()}
     return factories
 

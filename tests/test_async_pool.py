@@ -86,6 +86,9 @@ async def test_fast_path_completes_without_suspending():
         assert_conserved(pool)
 
 
+@pytest.mark.lazy_tasks(
+    "its probe is a task created and not yet run: eager, the probe runs at once"
+)
 async def test_fast_path_lets_no_other_task_run():
     async with bounded(), make(5) as pool:
         ran: list[str] = []

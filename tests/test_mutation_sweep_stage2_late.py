@@ -322,6 +322,9 @@ async def test_a_wait_cancelled_on_the_loop_cancels_the_future() -> None:
         pool.free(held)
 
 
+@pytest.mark.lazy_tasks(
+    "it looks at submit_wait's task before the task ran: eager, the wait ran inside the hand-over"
+)
 async def test_an_ended_wait_leaves_the_future_without_its_task() -> None:
     """Once the wait ended, the caller's future no longer holds the task
     (its done callback reaches the task through a list the task's end
@@ -347,6 +350,9 @@ class _Interrupt(BaseException):
     """Not an Exception: as KeyboardInterrupt or SystemExit."""
 
 
+@pytest.mark.lazy_tasks(
+    "it looks at submit_wait's task before the task ran: eager, the wait ran inside the hand-over"
+)
 async def test_a_base_exception_of_the_wait_reaches_the_loop_too() -> None:
     """A ``BaseException`` that is not an ``Exception`` (KeyboardInterrupt,
     SystemExit) raised by the wait is the future's and ends the task with
@@ -365,6 +371,9 @@ async def test_a_base_exception_of_the_wait_reaches_the_loop_too() -> None:
     assert isinstance(fut.exception(timeout=0), _Interrupt)
 
 
+@pytest.mark.lazy_tasks(
+    "it looks at submit_wait's task before the task ran: eager, the wait ran inside the hand-over"
+)
 async def test_an_error_of_a_wait_cancelled_meanwhile_ends_the_task_quietly() -> None:
     """The caller cancels after the task started and before its error: the
     future stays cancelled and the task ends without an error of its own

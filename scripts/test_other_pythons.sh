@@ -15,7 +15,9 @@
 #
 # runs every async test with asyncio.eager_task_factory set on its loop
 # (asyncio and uvloop; tests/conftest.py), as engines that turn it on do;
-# Python 3.12+ only (on 3.11 the suite refuses it with a usage error).
+# Python 3.12+ only (on 3.11 the suite refuses it with a usage error). The
+# tests marked lazy_tasks assume a task created does not run at once: they
+# keep the lazy factory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

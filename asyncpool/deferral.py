@@ -698,6 +698,25 @@ class Deferrals(Generic[T]):
         self.reclaimed += n
         return n
 
+    def _refill(
+        self, key: int, queue: collections.deque[Deferred[T]], keep: list[Deferred[T]]
+    ) -> None:
+        """Stream ``key``'s ``queue`` holds ``keep`` now (dropped when empty).
+
+        In place, never a new deque: a :meth:`reclaim` walking this queue
+        may be under way, this call made from a ``query()`` it asked (or a
+        task an eager task factory ran there). It holds the queue it walks
+        and re-reads its head after each ``query()``: in place, it sees the
+        batches taken out here; a new deque would leave it walking the old
+        one, settling again a batch settled here (its ids handed out twice)
+        and one left in the new queue (settled twice later).
+        """
+        queue.clear()
+        if keep:
+            queue.extend(keep)
+        elif self._streams.get(key) is queue:
+            del self._streams[key]
+
     # ------------------------------------------------------------ force release
 
     def force_release(self, fence: Fence) -> int:
@@ -726,7 +745,7 @@ class Deferrals(Generic[T]):
         for key, queue in list(self._streams.items()):
             if not any(id(b.fence) in ids or b.rest for b in queue):
                 continue
-            keep: collections.deque[Deferred[T]] = collections.deque()
+            keep: list[Deferred[T]] = []
             for batch in queue:
                 if batch.rest and any(id(f) in ids for f in batch.rest):
                     batch.rest = tuple(f for f in batch.rest if id(f) not in ids)
@@ -734,10 +753,7 @@ class Deferrals(Generic[T]):
                     hits.append(batch)
                     continue
                 keep.append(batch)
-            if keep:
-                self._streams[key] = keep
-            else:
-                del self._streams[key]
+            self._refill(key, queue, keep)
         if self._unordered:
             keep_list: list[Deferred[T]] = []
             for batch in self._unordered:
@@ -1171,11 +1187,7 @@ class Deferrals(Generic[T]):
         for key, queue in list(self._streams.items()):
             if any(b.fence is fence for b in queue):
                 hits.extend(b for b in queue if b.fence is fence)
-                keep = collections.deque(b for b in queue if b.fence is not fence)
-                if keep:
-                    self._streams[key] = keep
-                else:
-                    del self._streams[key]
+                self._refill(key, queue, [b for b in queue if b.fence is not fence])
         hits.extend(b for b in self._unordered if b.fence is fence)
         self._unordered = [b for b in self._unordered if b.fence is not fence]
         self._drop_solo()
@@ -1305,11 +1317,7 @@ class Deferrals(Generic[T]):
         if gone:
             for key, queue in list(self._streams.items()):
                 if any(b.did in gone for b in queue):
-                    keep = collections.deque(b for b in queue if b.did not in gone)
-                    if keep:
-                        self._streams[key] = keep
-                    else:
-                        del self._streams[key]
+                    self._refill(key, queue, [b for b in queue if b.did not in gone])
             self._unordered = [b for b in self._unordered if b.did not in gone]
             self._drop_solo()
         released = 0

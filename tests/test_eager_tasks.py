@@ -198,6 +198,39 @@ async def test_a_reclaim_inside_a_reclaim_that_empties_a_stream(how: str) -> Non
 
 
 @pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_reclaim_releases_each_batch_once(how: str) -> None:
+    # force_release rebuilt the stream's queue as a new deque; the reclaim
+    # that asked the query() (a watchdog task there force-releasing its
+    # dead transfer) walked the old one: it settled the batch again (the
+    # same row handed out twice by one try_alloc), and the new queue kept
+    # a batch it had settled (released a second time at a later reclaim).
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        key = new_stream_key()
+        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
+        pool.free([rows[0]], first)
+        pool.free([rows[1]], second)
+
+        async def give_up() -> None:
+            pool.force_release(first)
+
+        with eager_tasks(how):
+            first.set()
+            first.call = lambda: start_task(give_up(), how)
+            assert pool.try_alloc(2) is None  # one row back: rows[1] waits for `second`
+        assert first.calls == 1
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.available_size()) == (1, 1)
+        assert pool.try_alloc(1) == [rows[0]]
+        second.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        assert pool.try_alloc(2) is None  # rows[1] only, once
+        assert pool.try_alloc(1) == [rows[1]]
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("how", HOW)
 async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
         rows = await pool.alloc(3)

@@ -356,6 +356,10 @@ class GiveBack(PageArgs):
         if after is not None and any(prepared):
             extra = (*extra, record_fence(after))
         answers: dict[Any, Any] = {}
+        # Put back after (not None): a fence's query() may call the pool
+        # back, and a call there that shares answers must not end the
+        # outer call's (whose next answer() would fail, quarantining).
+        before = [pages.ledger.answers for _, pages, _ in plans]
         for _, pages, _ in plans:
             pages.ledger.answers = answers
         immediate = 0
@@ -372,8 +376,8 @@ class GiveBack(PageArgs):
                 if holes:
                     pages.trim_holes(seq, counts)
         finally:
-            for _, pages, _ in plans:
-                pages.ledger.answers = None
+            for (_, pages, _), was in zip(plans, before, strict=True):
+                pages.ledger.answers = was
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate
@@ -397,11 +401,12 @@ class GiveBack(PageArgs):
         if after is not None:
             extra = (*extra, record_fence(after))
         pled = pages.ledger
+        before = pled.answers  # put back after: see _give_back's
         pled.answers = {}
         try:
             return pages.free(prepared, extra, keep, below)
         finally:
-            pled.answers = None
+            pled.answers = before
 
     def pages_dropped(self, row: SupportsIndex, *, group: str | None = None) -> int:
         """How many of ``row``'s first positions :meth:`drop_pages` gave back
@@ -486,6 +491,10 @@ class GiveBack(PageArgs):
         # One verdict per fence for a row and its pages (and every group of
         # pages): both ledgers share the answers of this call (Deferrals.answer).
         pled = pages.ledger
+        # Put back after (not None): a call made from a fence's query()
+        # (or a task an eager factory runs there) must not end this call's
+        # answers, whose next answer() would fail and quarantine the rows.
+        before, pbefore = led.answers, pled.answers
         led.answers = pled.answers = {}
         try:
             freed_pages = pages.free(prepared, extra)
@@ -493,7 +502,7 @@ class GiveBack(PageArgs):
                 pages.forget(seq)
             immediate = led.free(seq, fence)
         finally:
-            led.answers = pled.answers = None
+            led.answers, pled.answers = before, pbefore
         if (immediate or freed_pages) and self._waiters.count:
             self._waiters.grant()
         return immediate
@@ -538,6 +547,8 @@ class GiveBack(PageArgs):
             led.record_use(seq, step, "freed")
             extra = (*extra, step)
         answers: dict[Any, Any] = {}
+        before = led.answers  # put back after: see _free_with_pages
+        pbefore = [pages.ledger.answers for pages in sets]
         led.answers = answers
         for pages in sets:
             pages.ledger.answers = answers
@@ -549,9 +560,9 @@ class GiveBack(PageArgs):
                     pages.forget(seq)
             immediate = led.free(seq, fence)
         finally:
-            led.answers = None
-            for pages in sets:
-                pages.ledger.answers = None
+            led.answers = before
+            for pages, was in zip(sets, pbefore, strict=True):
+                pages.ledger.answers = was
         if (immediate or freed_pages) and self._waiters.count:
             self._waiters.grant()
         return immediate

@@ -258,6 +258,43 @@ async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how:
 
 
 @pytest.mark.parametrize("how", HOW)
+async def test_a_fenced_free_inside_a_fenced_free_quarantines_nothing(how: str) -> None:
+    # A free with pages asks each fence once for the row and its pages
+    # (the ledgers share the call's answers). A fenced free made from a
+    # query() it asked ended that sharing on its way out: the outer call's
+    # next fence failed to be asked (AssertionError, read as the fence
+    # faulting), and the row's pages went to quarantine for good.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(8, 2)) as pool:
+        first, other = (await pool.admit(pages=2)), (await pool.admit(pages=1))
+
+        async def free_other() -> None:
+            pool.free([other.row], inner)
+
+        inner = CallingFence(None)
+        with eager_tasks(how):
+            a = CallingFence(lambda: start_task(free_other(), how))
+            b = CallingFence(None)
+            a.set()
+            pool.free([first.row], [a, b])  # waits for b
+        assert a.calls == 1
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.quarantined, stats.pages_quarantined, stats.fence_errors) == (0, 0, 0)
+        assert (stats.pending, stats.pages_pending) == (2, 3)
+        b.set()
+        inner.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.allocated, stats.pages_allocated, stats.free, stats.pages_free) == (
+            0,
+            0,
+            3,
+            7,
+        )
+
+
+@pytest.mark.parametrize("how", HOW)
 async def test_a_free_inside_the_grant_loops_take_grants_each_waiter_once(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
         rows = await pool.alloc(3)  # every row

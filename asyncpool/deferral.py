@@ -618,6 +618,12 @@ class Deferrals(Generic[T]):
                         if not batch.more:
                             solo.setdefault(id(batch.fence), batch)
                     self._solo, self._solo_of = solo, keep
+                elif self._solo_of is not keep:
+                    # A free that a query() made (or a task an eager
+                    # factory ran there) indexed the list that was in use
+                    # during the walk, gone now: drop that index, which
+                    # would keep its batches (and their fences) alive.
+                    self._drop_solo()
         return released
 
     def _settle(self, batch: Deferred[T], forced: bool = False) -> int:

@@ -295,6 +295,34 @@ async def test_a_fenced_free_inside_a_fenced_free_quarantines_nothing(how: str) 
 
 
 @pytest.mark.parametrize("how", HOW)
+async def test_a_free_inside_a_reclaim_of_the_side_list_leaves_no_stale_index(how: str) -> None:
+    # The reclaim walks the side list (fences of unknown origin) as a list
+    # of its own; a free that a query() made indexed the list in use then,
+    # which the walk then replaced: that index was kept, holding settled
+    # batches and their fences alive (and the invariant check failed).
+    async with bounded(), AsyncReqToTokenPool(5, 4) as pool:
+        rows = await pool.alloc(4)
+        first, second = CallingFence(None), CallingFence(None)
+        pool.free([rows[0]], first)
+        pool.force_release(CallingFence(None))  # holds nothing: the index is dropped
+
+        async def free_one() -> None:
+            pool.free([rows[1]], second)
+
+        with eager_tasks(how):
+            first.call, first.early = (lambda: start_task(free_one(), how)), True
+            assert pool.try_alloc(4) is None
+        assert first.calls == 1
+        pool.check_invariants()
+        assert pool.pending_size() == 2
+        first.set()
+        second.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        assert sorted(pool.try_alloc(2) or []) == sorted(rows[:2])
+
+
+@pytest.mark.parametrize("how", HOW)
 async def test_a_free_inside_the_grant_loops_take_grants_each_waiter_once(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
         rows = await pool.alloc(3)  # every row

@@ -141,6 +141,19 @@ class CallingStreamFence(CallingFence):
         self.stream_key, self.seq = key, seq
 
 
+async def two_batches_on_a_stream(
+    pool: AsyncReqToTokenPool,
+) -> tuple[list[int], CallingStreamFence, CallingStreamFence]:
+    """Three rows taken; the first freed behind one fence of a new stream,
+    the second behind the next fence of that stream (the third kept)."""
+    rows = await pool.alloc(3)
+    key = new_stream_key()
+    first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
+    pool.free([rows[0]], first)
+    pool.free([rows[1]], second)
+    return rows, first, second
+
+
 @pytest.mark.parametrize("how", HOW)
 async def test_a_reclaim_inside_a_reclaim_releases_no_batch_before_its_fence(how: str) -> None:
     # The ledger's reclaim asks the head of a stream's queue, then pops it.
@@ -149,11 +162,7 @@ async def test_a_reclaim_inside_a_reclaim_releases_no_batch_before_its_fence(how
     # fence never asked, and its row went free while the stream could
     # still write it (the ledger's invariant broken too).
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
-        rows = await pool.alloc(3)
-        key = new_stream_key()
-        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
-        pool.free([rows[0]], first)
-        pool.free([rows[1]], second)
+        rows, first, second = await two_batches_on_a_stream(pool)
         inner: list[Any] = []
 
         async def take_one() -> None:
@@ -205,11 +214,7 @@ async def test_a_force_release_inside_a_reclaim_releases_each_batch_once(how: st
     # same row handed out twice by one try_alloc), and the new queue kept
     # a batch it had settled (released a second time at a later reclaim).
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
-        rows = await pool.alloc(3)
-        key = new_stream_key()
-        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
-        pool.free([rows[0]], first)
-        pool.free([rows[1]], second)
+        rows, first, second = await two_batches_on_a_stream(pool)
 
         async def give_up() -> None:
             pool.force_release(first)
@@ -233,11 +238,7 @@ async def test_a_force_release_inside_a_reclaim_releases_each_batch_once(how: st
 @pytest.mark.parametrize("how", HOW)
 async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
-        rows = await pool.alloc(3)
-        key = new_stream_key()
-        first, second = CallingStreamFence(key, 1), CallingStreamFence(key, 2)
-        pool.free([rows[0]], first)
-        pool.free([rows[1]], second)
+        rows, first, second = await two_batches_on_a_stream(pool)
         inner: list[Any] = []
 
         async def take_one() -> None:

@@ -213,7 +213,11 @@ class GiveBack(PageArgs):
                 pages.trim_holes(seq, keeps)
             return 0
         kept = _kept_pages(pages, seq, keeps)
-        immediate = self._give_back_positions(pages, prepared, extra, after, keep=kept)
+        led.hold(seq)  # while fences are asked: see SlotLedger.hold
+        try:
+            immediate = self._give_back_positions(pages, prepared, extra, after, keep=kept)
+        finally:
+            led.unhold(seq)
         if holes:
             pages.trim_holes(seq, keeps)
         if immediate and self._waiters.count:
@@ -294,9 +298,13 @@ class GiveBack(PageArgs):
         prepared = pages.prepare_free(seq, self._uses, belows=belows)
         if not prepared:
             return 0
-        immediate = self._give_back_positions(
-            pages, prepared, extra, after, below=dict(zip(seq, belows, strict=True))
-        )
+        led.hold(seq)  # while fences are asked: see SlotLedger.hold
+        try:
+            immediate = self._give_back_positions(
+                pages, prepared, extra, after, below=dict(zip(seq, belows, strict=True))
+            )
+        finally:
+            led.unhold(seq)
         if immediate and self._waiters.count:
             self._waiters.grant()
         return immediate
@@ -363,6 +371,7 @@ class GiveBack(PageArgs):
         for _, pages, _ in plans:
             pages.ledger.answers = answers
         immediate = 0
+        led.hold(seq)  # while fences are asked: see SlotLedger.hold
         try:
             for (_, pages, counts), one in zip(plans, prepared, strict=True):
                 holes = pages.holes
@@ -376,6 +385,7 @@ class GiveBack(PageArgs):
                 if holes:
                     pages.trim_holes(seq, counts)
         finally:
+            led.unhold(seq)
             for (_, pages, _), was in zip(plans, before, strict=True):
                 pages.ledger.answers = was
         if immediate and self._waiters.count:
@@ -497,7 +507,13 @@ class GiveBack(PageArgs):
         before, pbefore = led.answers, pled.answers
         led.answers = pled.answers = {}
         try:
-            freed_pages = pages.free(prepared, extra)
+            # The rows held while their pages' fences are asked (see
+            # SlotLedger.hold); the row ledger's free holds them itself.
+            led.hold(seq)
+            try:
+                freed_pages = pages.free(prepared, extra)
+            finally:
+                led.unhold(seq)
             if pages.holes:
                 pages.forget(seq)
             immediate = led.free(seq, fence)
@@ -554,10 +570,14 @@ class GiveBack(PageArgs):
             pages.ledger.answers = answers
         try:
             freed_pages = 0
-            for pages, one in zip(sets, prepared, strict=True):
-                freed_pages += pages.free(one, extra)
-                if pages.holes:
-                    pages.forget(seq)
+            led.hold(seq)  # as in _free_with_pages
+            try:
+                for pages, one in zip(sets, prepared, strict=True):
+                    freed_pages += pages.free(one, extra)
+                    if pages.holes:
+                        pages.forget(seq)
+            finally:
+                led.unhold(seq)
             immediate = led.free(seq, fence)
         finally:
             led.answers = before

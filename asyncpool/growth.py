@@ -30,22 +30,37 @@ import torch
 from .base import count_of as _count
 from .errors import CapacityError, PoolClosedError
 from .kv_pages import OWNED, PageLedger
-from .ledger import Rows
+from .ledger import Rows, SlotLedger
 from .page_args import Counts, PageArgs, _check_ordered, _page_counts, _per_row
 from .row_pages import RowPages, check_page_count
 
 __all__ = ["Growth"]
 
 
-def _reclaim_short(led: PageLedger, need: int) -> bool:
-    """A grouped growth's step for one group: when fewer than ``need`` of
-    its pages are free, reclaim its completed fences; True if that
-    returned any (the grant loop then runs after the growth)."""
-    if need <= led.free_count or not led.pending:
+def _reclaim_short(
+    rows: SlotLedger, held: Sequence[int], needs: Sequence[tuple[PageLedger, int]]
+) -> bool:
+    """A grouped growth's reclaim: each group with fewer than its need of
+    pages free reclaims its completed fences, with the growth's rows
+    ``held`` (:meth:`SlotLedger.hold`: a fence's ``query()`` may call the
+    pool back, and must not change them meanwhile); True if that returned
+    any (the grant loop then runs after the growth). The caller counts
+    what is free after all of them: code run by a later group's
+    ``query()`` may take pages an earlier group made free."""
+    short = [led for led, need in needs if need > led.free_count and led.pending]
+    if not short:
         return False
-    before = led.reclaimed
-    led.reclaim()
-    return led.reclaimed != before
+    reclaimed = False
+    rows.hold(held)
+    try:
+        for led in short:
+            before = led.reclaimed
+            led.reclaim()
+            if led.reclaimed != before:
+                reclaimed = True
+    finally:
+        rows.unhold(held)
+    return reclaimed
 
 
 _Got = TypeVar("_Got")  # what a growth answers: pages, None, or (m, pages)
@@ -396,7 +411,7 @@ class Growth(PageArgs):
             raise PoolClosedError("the pool is closed; no pages can be allocated")
         n = len(seq)
         m, shorts, reclaimed = self._fitting_run(
-            wants, n, lambda k: n * k, lambda k, free: free // k
+            wants, seq, lambda k: n * k, lambda k, free: free // k
         )
         if m:
             got = self._take_groups(wants, seq[:m], lines=True)
@@ -458,29 +473,31 @@ class Growth(PageArgs):
     def _fitting_run(
         self,
         wants: Sequence[tuple[str, RowPages, _C]],
-        n: int,
+        rows: Sequence[int],
         need: Callable[[_C], int],
         fitting: Callable[[_C, int], int],
     ) -> tuple[int, list[RowPages], bool]:
-        """The grouped :meth:`extend_fitting`'s run: how many of its ``n``
-        rows every group's free pages cover (0 while released). A group
+        """The grouped :meth:`extend_fitting`'s run: how many of its
+        ``rows`` every group's free pages cover (0 while released). A group
         short of ``need(count)`` pages reclaims its completed fences first;
         one still short caps the run at ``fitting(count, free)`` rows and is
         listed, to count the call as a refusal of its own. Answers the run's
         length, the short groups, and whether a reclaim returned pages (the
         grant loop runs after the growth)."""
-        m = 0 if self._released else n
+        m = 0 if self._released else len(rows)
         shorts: list[RowPages] = []
-        reclaimed = False
         if not m:
-            return m, shorts, reclaimed
-        for _, pages, count in wants:
-            led = pages.ledger
-            total = need(count)
-            if _reclaim_short(led, total):
-                reclaimed = True
-            if total > led.free_count:
-                m = min(m, fitting(count, led.free_count))
+            return m, shorts, False
+        totals = [need(count) for _, _, count in wants]
+        reclaimed = _reclaim_short(
+            self._ledger,
+            rows,
+            [(pages.ledger, total) for (_, pages, _), total in zip(wants, totals, strict=True)],
+        )
+        for (_, pages, count), total in zip(wants, totals, strict=True):
+            free = pages.ledger.free_count
+            if total > free:
+                m = min(m, fitting(count, free))
                 shorts.append(pages)
         return m, shorts, reclaimed
 
@@ -507,7 +524,7 @@ class Growth(PageArgs):
         # ones up to what is free.
         m, shorts, reclaimed = self._fitting_run(
             wants,
-            len(seq),
+            seq,
             sum,
             lambda each, free: bisect.bisect_right(list(itertools.accumulate(each)), free),
         )
@@ -556,15 +573,17 @@ class Growth(PageArgs):
         :meth:`extend_rows`'.
         """
         n = len(rows)
-        reclaimed = False
-        shorts: list[RowPages] = []
-        for _, pages, k in wants:
-            led = pages.ledger
-            total = n * k if isinstance(k, int) else sum(k)
-            if _reclaim_short(led, total):
-                reclaimed = True
-            if total > led.free_count:
-                shorts.append(pages)
+        totals = [n * k if isinstance(k, int) else sum(k) for _, _, k in wants]
+        reclaimed = _reclaim_short(
+            self._ledger,
+            rows,
+            [(pages.ledger, total) for (_, pages, _), total in zip(wants, totals, strict=True)],
+        )
+        shorts = [
+            pages
+            for (_, pages, _), total in zip(wants, totals, strict=True)
+            if total > pages.ledger.free_count
+        ]
         if shorts:
             self._count_refusal(shorts)
             got = None

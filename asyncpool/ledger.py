@@ -311,7 +311,10 @@ class SlotLedger(Deferrals[int]):
         state = self._state[row]
         if state == _CHECKING:
             return InvalidSlotError(
-                f"row {row} appears twice in this call; a call may name each row once"
+                f"row {row} appears twice in this call, or a call under way holds it (it "
+                "asked a fence's query(), which called the pool back); a call may name "
+                "each row once, and code run inside a query() may not name the rows of "
+                "the call that asked it"
             )
         if state in (FREE, PENDING):
             if self.generation(row) == 0:
@@ -339,6 +342,29 @@ class SlotLedger(Deferrals[int]):
                 self._unmark(rows[:i])
                 raise error
             state[row] = _CHECKING
+
+    def hold(self, rows: Iterable[int]) -> None:
+        """Hold ``rows`` while a call that changes them asks fences.
+
+        For the owner's calls that run code not theirs in the middle of a
+        change to rows (a fence's ``query()``, asked as pages are given
+        back or reclaimed): that code may call the pool back (directly, or
+        through a task an eager task factory runs at once), and a call
+        there that names one of these rows (a free, a trim, a detach, an
+        extend, a ``record_use``) would change them under the call that
+        holds them. Held rows are marked CHECKING, which every such call
+        refuses with :class:`InvalidSlotError` (changing nothing), as it
+        refuses a row named twice. ``rows``: distinct allocated rows,
+        checked by the caller with nothing run since. Undo with
+        :meth:`unhold`, in a ``finally``.
+        """
+        state = self._state
+        for row in rows:
+            state[row] = _CHECKING
+
+    def unhold(self, rows: Iterable[int]) -> None:
+        """Undo :meth:`hold`: each row back to ALLOCATED or USED."""
+        self._unmark(rows)
 
     def _unmark(self, rows: Iterable[int]) -> None:
         """Undo :meth:`_mark_allocated`: each row back to ALLOCATED or USED."""
@@ -454,33 +480,44 @@ class SlotLedger(Deferrals[int]):
         # is asked there). `asked`: this call's answers, one per fence.
         prune = what != "freed"
         asked: dict[int, tuple[Fence, Any]] | None = None
-        for row in seq:
-            state[row] = USED
-            prev = uses[row]
-            if prev is None or prev is fence:
-                uses[row] = fence
-            elif prev is last_prev:
-                uses[row] = last_new
-            else:
-                hit = None if seen is None else seen.get(id(prev))
-                if hit is not None:
-                    new = hit[1]
+        # A prune asks fences: code not ours, which may call the pool back.
+        # From the first prune on, the call's rows are held (hold()), the
+        # rest marked as held as the loop reaches them, all USED at the end.
+        mark = USED
+        try:
+            for row in seq:
+                state[row] = mark
+                prev = uses[row]
+                if prev is None or prev is fence:
+                    uses[row] = fence
+                elif prev is last_prev:
+                    uses[row] = last_new
                 else:
-                    if key is not None and stream_key(prev) == key:
-                        new = fence if prev.seq <= fseq else prev
+                    hit = None if seen is None else seen.get(id(prev))
+                    if hit is not None:
+                        new = hit[1]
                     else:
-                        new = _merge_uses(prev, fence)
-                        if len(new) > _PRUNE_AT and prune and not self.explicit:
-                            if asked is None:
-                                asked = {} if self.answers is None else self.answers
-                            new = _pruned(prev, new, asked)
-                    if last_prev is not None:
-                        # Each entry keeps its use alive: no id is reused.
-                        if seen is None:
-                            seen = {id(last_prev): (last_prev, last_new)}
-                        seen[id(prev)] = (prev, new)
-                uses[row] = last_new = new
-                last_prev = prev
+                        if key is not None and stream_key(prev) == key:
+                            new = fence if prev.seq <= fseq else prev
+                        else:
+                            new = _merge_uses(prev, fence)
+                            if len(new) > _PRUNE_AT and prune and not self.explicit:
+                                if asked is None:
+                                    asked = {} if self.answers is None else self.answers
+                                if mark == USED:
+                                    mark = _CHECKING
+                                    self.hold(seq)
+                                new = _pruned(prev, new, asked)
+                        if last_prev is not None:
+                            # Each entry keeps its use alive: no id is reused.
+                            if seen is None:
+                                seen = {id(last_prev): (last_prev, last_new)}
+                            seen[id(prev)] = (prev, new)
+                    uses[row] = last_new = new
+                    last_prev = prev
+        finally:
+            if mark != USED:
+                self._unmark(seq)
 
     def _record_uses(self, seq: Sequence[int], fences: tuple[Fence, ...], prune: bool) -> None:
         """:meth:`record_use` of several fences (checked, rows allocated):
@@ -496,26 +533,34 @@ class SlotLedger(Deferrals[int]):
         seen: dict[int, tuple[Any, Any]] | None = None  # as in record_use
         prune = prune and not self.explicit
         asked: dict[int, tuple[Fence, Any]] | None = None  # as in record_use
-        for row in seq:
-            state[row] = USED
-            prev = uses[row]
-            if prev is not last_prev:
-                hit = None if seen is None else seen.get(id(prev))
-                if hit is not None:
-                    new = hit[1]
-                else:
-                    new = _fold_uses(prev, fences)
-                    if prune and new.__class__ is tuple and len(new) > _PRUNE_AT:
-                        if asked is None:
-                            asked = {} if self.answers is None else self.answers
-                        new = _pruned(prev, new, asked)
-                    if last_prev is not _NO_USE:
-                        if seen is None:
-                            seen = {id(last_prev): (last_prev, last_new)}
-                        seen[id(prev)] = (prev, new)
-                last_new = new
-                last_prev = prev
-            uses[row] = last_new
+        mark = USED  # held from the first prune on, as in record_use
+        try:
+            for row in seq:
+                state[row] = mark
+                prev = uses[row]
+                if prev is not last_prev:
+                    hit = None if seen is None else seen.get(id(prev))
+                    if hit is not None:
+                        new = hit[1]
+                    else:
+                        new = _fold_uses(prev, fences)
+                        if prune and new.__class__ is tuple and len(new) > _PRUNE_AT:
+                            if asked is None:
+                                asked = {} if self.answers is None else self.answers
+                            if mark == USED:
+                                mark = _CHECKING
+                                self.hold(seq)
+                            new = _pruned(prev, new, asked)
+                        if last_prev is not _NO_USE:
+                            if seen is None:
+                                seen = {id(last_prev): (last_prev, last_new)}
+                            seen[id(prev)] = (prev, new)
+                    last_new = new
+                    last_prev = prev
+                uses[row] = last_new
+        finally:
+            if mark != USED:
+                self._unmark(seq)
 
     def forget_use(self, fence: Fence) -> int:
         """Drop ``fence`` from the uses recorded on allocated rows; return how

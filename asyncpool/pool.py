@@ -429,7 +429,9 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         self._pages: RowPages | None = None
         self._groups: dict[str, RowPages] | None = None
         if groups is not None:
-            self._groups = {name: RowPages(one, self.size) for name, one in groups.items()}
+            self._groups = {
+                name: RowPages(one, self.size, self._ledger) for name, one in groups.items()
+            }
             for name, one in groups.items():
                 if one.name is None:
                     # An unnamed group's page lines (a fault, a quarantine)
@@ -443,7 +445,7 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
                 (name, pages, pages.capacity) for name, pages in self._groups.items()
             )
         elif kv is not None:
-            self._pages = RowPages(kvs[0], self.size)
+            self._pages = RowPages(kvs[0], self.size, self._ledger)
             if kvs[0].name is None and self._name is not None:
                 # An unnamed page pool's lines (a fault, a quarantine) would
                 # not say whose pages they are about, where every row line

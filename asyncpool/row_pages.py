@@ -30,7 +30,7 @@ import torch
 from .errors import CapacityError, InvalidSlotError
 from .fences import Fence
 from .kv_pages import OWNED, KVPagePool, PageLedger, has_duplicates
-from .ledger import as_index, describe
+from .ledger import SlotLedger, as_index, describe
 from .tables import host_to_device
 
 __all__ = ["Grant", "GroupGrant", "RowPages", "check_page_count"]
@@ -156,8 +156,11 @@ class RowPages:
     A drop writes nothing and copies no kept page (:meth:`_behead`).
     """
 
-    def __init__(self, kv: KVPagePool, size: int) -> None:
+    def __init__(self, kv: KVPagePool, size: int, rows: SlotLedger) -> None:
         self.kv: KVPagePool = kv
+        #: The pool's row ledger: a growth holds its rows there while it
+        #: reclaims (:meth:`_reclaim_holding`).
+        self.rows: SlotLedger = rows
         self.ledger: PageLedger = kv.ledger
         self.capacity: int = kv.capacity
         self.owned: list[npt.NDArray[np.int64] | None] = [None] * size
@@ -249,7 +252,7 @@ class RowPages:
         full (``grown``), and the seal grows in place, so a request grown a
         page per decode step to n pages costs O(n) in all, not O(n**2).
         """
-        arr = self._take_reclaiming(k)
+        arr = self._take_reclaiming(k, row)
         if arr is None:
             return None
         try:
@@ -266,7 +269,7 @@ class RowPages:
 
         One take from the page ledger and one tensor for the whole batch.
         """
-        arr = self._take_reclaiming(len(rows) * k)
+        arr = self._take_reclaiming(len(rows) * k, rows)
         if arr is None:
             return None
         try:
@@ -284,7 +287,7 @@ class RowPages:
 
         One take from the page ledger and one tensor for the batch.
         """
-        arr = self._take_reclaiming(sum(counts))
+        arr = self._take_reclaiming(sum(counts), rows)
         if arr is None:
             return None
         try:
@@ -313,7 +316,7 @@ class RowPages:
         led = self.ledger
         n = len(rows)
         if n * k > led.free_count and led.pending:
-            led.reclaim()
+            self._reclaim_holding(rows)
         m = min(n, led.free_count // k)
         if not m:
             return 0, self.out(_EMPTY.reshape(0, k))
@@ -340,7 +343,7 @@ class RowPages:
         led = self.ledger
         ends = list(itertools.accumulate(counts))  # ends[i]: the run rows[: i + 1]'s pages
         if ends and ends[-1] > led.free_count and led.pending:
-            led.reclaim()
+            self._reclaim_holding(rows)
         m = bisect.bisect_right(ends, led.free_count)  # ends never decrease
         need = ends[m - 1] if m else 0
         if not need:
@@ -430,12 +433,30 @@ class RowPages:
                     continue
             self._append(row, arr[i : i + 1])
 
-    def _take_reclaiming(self, n: int) -> npt.NDArray[np.int64] | None:
+    def _take_reclaiming(self, n: int, rows: int | Sequence[int]) -> npt.NDArray[np.int64] | None:
+        """``n`` pages for a growth of ``rows`` (one row or several),
+        reclaiming completed fences first when short; None if still short."""
         led = self.ledger
         arr = led.take(n, OWNED)
-        if arr is None and led.pending and led.reclaim():
+        if arr is None and led.pending and self._reclaim_holding(rows):
             arr = led.take(n, OWNED)
         return arr
+
+    def _reclaim_holding(self, rows: int | Sequence[int]) -> int:
+        """Reclaim the page ledger's completed fences for a growth of
+        ``rows`` (validated allocated, nothing run since), held meanwhile
+        (:meth:`SlotLedger.hold`): a fence's ``query()`` may call the pool
+        back, and a call there that freed, trimmed or detached one of them
+        would leave the growth appending pages to a row that no longer owns
+        what it did (a free row's record: pages owned by nobody). The pages
+        made free."""
+        held: Sequence[int] = (rows,) if rows.__class__ is int else rows  # type: ignore[assignment]
+        ledger = self.rows
+        ledger.hold(held)
+        try:
+            return self.ledger.reclaim()
+        finally:
+            ledger.unhold(held)
 
     def _append(self, row: int, arr: npt.NDArray[np.int64]) -> None:
         """Grow ``row``'s record and seal by ``arr`` (pages just taken OWNED)."""

@@ -37,7 +37,15 @@ from typing import Any
 import pytest
 from helpers import WAIT_S, bounded, in_thread, queued_call, settled, until
 
-from asyncpool import AsyncReqToTokenPool, FenceError, Grant, KVPagePool, new_stream_key
+from asyncpool import (
+    AsyncReqToTokenPool,
+    FenceError,
+    Grant,
+    GroupGrant,
+    InvalidSlotError,
+    KVPagePool,
+    new_stream_key,
+)
 
 HAS_EAGER = hasattr(asyncio, "eager_task_factory")
 HOW = [
@@ -519,3 +527,230 @@ async def test_threadsafe_waits_on_an_eager_loop() -> None:
             pool.free([grant.row, other])
             stats = pool.stats()
             assert (stats.allocated, stats.pages_allocated, stats.waiters) == (0, 0, 0)
+
+
+# ---------------------------------------------------------------- held rows
+#
+# A call that gives a row's pages back (a fenced free, a trim, a drop) or
+# grows a row asks fences while it changes that row: the give-back asks them
+# as it defers the pages, a growth short of pages as it reclaims. Code run
+# there that named the same row changed it under the call: a trim or free
+# made there deferred the pages the outer trim was deferring a second time
+# ("a page is pending in two batches", then the ring and the states
+# disagreed), an extend there had its pages cut from the record by the
+# outer trim (owned by nobody), a free there let the outer growth append
+# its pages to a free row. The row is held while the call asks: every call
+# there that names it is refused, changing nothing.
+
+GIVE_BACKS: dict[str, Callable[[AsyncReqToTokenPool, int, Any], object]] = {
+    "free": lambda pool, row, fence: pool.free([row], fence),
+    "trim_pages": lambda pool, row, fence: pool.trim_pages([row], 1, fence),
+    "drop_pages": lambda pool, row, fence: pool.drop_pages([row], 1, fence),
+}
+GROWTHS: dict[str, Callable[[AsyncReqToTokenPool, int], object]] = {
+    "extend": lambda pool, row: pool.extend(row, 1),
+    "extend_rows": lambda pool, row: pool.extend_rows([row], 1),
+    "extend_fitting": lambda pool, row: pool.extend_fitting([row], 1),
+}
+ROW_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int], object]] = {
+    "free": lambda pool, row: pool.free([row]),
+    "trim_pages": lambda pool, row: pool.trim_pages([row], 1),
+    "drop_pages": lambda pool, row: pool.drop_pages([row], 1),
+    "detach_pages": lambda pool, row: pool.detach_pages(row),
+    "extend": lambda pool, row: pool.extend(row, 1),
+    "record_use": lambda pool, row: pool.record_use([row], CallingFence(None)),
+}
+
+
+def calling_back(
+    pool: AsyncReqToTokenPool, call: str, row: int, how: str, refused: list[Exception]
+) -> Callable[[], object]:
+    """What a fence's ``query()`` runs: a task (started as ``how`` starts
+    one) that makes ``ROW_CALLS[call]`` on ``row``, its refusal kept."""
+
+    async def call_back() -> None:
+        try:
+            ROW_CALLS[call](pool, row)
+        except InvalidSlotError as exc:
+            refused.append(exc)
+
+    return lambda: start_task(call_back(), how)
+
+
+async def all_back(pool: AsyncReqToTokenPool, free: int, pages_free: int) -> None:
+    """Once every fence is done: nothing left pending or allocated, and
+    every row and page free again."""
+    await pool.drain(timeout=WAIT_S)
+    pool.check_invariants()
+    stats = pool.stats()
+    assert (stats.allocated, stats.pages_allocated, stats.pending, stats.pages_pending) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert (stats.free, stats.pages_free) == (free, pages_free)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("inner", list(ROW_CALLS))
+@pytest.mark.parametrize("outer", list(GIVE_BACKS))
+async def test_a_call_inside_a_give_back_cannot_change_the_rows_it_gives_back(
+    outer: str, inner: str, how: str
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(10, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        grant = await pool.admit(pages=3)
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            fence = CallingFence(calling_back(pool, inner, grant.row, how, refused))
+            fence.early = True  # asked as the call defers what it gives back
+            GIVE_BACKS[outer](pool, grant.row, fence)
+        assert fence.calls == 1
+        assert len(refused) == 1 and "a call under way holds it" in str(refused[0])
+        pool.check_invariants()
+        first, *rest = grant.pages.tolist()
+        if outer != "free":  # as the outer call alone leaves the row
+            kept = [0, *rest] if outer == "drop_pages" else [first]
+            assert pool.pages_of(grant.row).tolist() == kept
+        fence.set()
+        if outer != "free":
+            pool.free([grant.row])
+        await all_back(pool, free, pages_free)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("inner", list(ROW_CALLS))
+@pytest.mark.parametrize("outer", list(GROWTHS))
+async def test_a_call_inside_a_growths_reclaim_cannot_change_the_rows_it_grows(
+    outer: str, inner: str, how: str
+) -> None:
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(4, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        grown = await pool.admit(pages=1)
+        other = await pool.admit(pages=pages_free - 1)  # every page taken
+        fence = CallingFence(None)
+        pool.free([other.row], fence)  # its pages wait for the fence
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            fence.call = calling_back(pool, inner, grown.row, how, refused)
+            fence.early = True
+            fence.set()
+            got = GROWTHS[outer](pool, grown.row)  # short: it reclaims
+        assert fence.calls == 1
+        assert len(refused) == 1 and "a call under way holds it" in str(refused[0])
+        pool.check_invariants()
+        assert got is not None and len(pool.pages_of(grown.row)) == 2
+        pool.free([grown.row])
+        await all_back(pool, free, pages_free)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("inner", list(ROW_CALLS))
+@pytest.mark.parametrize("several", [False, True], ids=["one fence", "a list"])
+async def test_a_call_inside_a_record_uses_prune_cannot_change_its_rows(
+    several: bool, inner: str, how: str
+) -> None:
+    # A row recorded with a transfer handle every step asks its older
+    # handles when its uses grow long (the prune). A free made there freed
+    # the row under the record, which then gave the pending row new uses.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(10, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        grant = await pool.admit(pages=2)
+        older = [CallingFence(None) for _ in range(8)]
+        pool.record_use([grant.row], older)
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            for fence in older:
+                fence.call, fence.early = calling_back(pool, inner, grant.row, how, refused), True
+            newer = [CallingFence(None), CallingFence(None)] if several else CallingFence(None)
+            pool.record_use([grant.row], newer)  # long enough: the older ones are asked
+        asked = sum(fence.calls for fence in older)
+        assert asked >= 1 and len(refused) == asked
+        assert all("a call under way holds it" in str(exc) for exc in refused)
+        pool.check_invariants()
+        for fence in [*older, *(newer if isinstance(newer, list) else [newer])]:
+            fence.set()
+        pool.free([grant.row])
+        await all_back(pool, free, pages_free)
+
+
+GROUPED_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int, Any], object]] = {
+    "free": lambda pool, row, fence: pool.free([row], fence),
+    "trim_pages": lambda pool, row, fence: pool.trim_pages([row], {"full": 1}, fence),
+    "drop_pages": lambda pool, row, fence: pool.drop_pages([row], {"swa": 1}, fence),
+    "extend": lambda pool, row, _: pool.extend(row, {"full": 1, "swa": 1}),
+    "extend_fitting": lambda pool, row, _: pool.extend_fitting([row], {"full": 1, "swa": 1}),
+}
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("outer", list(GROUPED_CALLS))
+async def test_a_call_inside_a_grouped_give_back_or_growth_cannot_change_its_rows(
+    outer: str, how: str
+) -> None:
+    groups = {"full": KVPagePool(6, 2), "swa": KVPagePool(6, 2)}
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=groups) as pool:
+        free = pool.stats().free
+        grant = await pool.admit(pages={"full": 2, "swa": 2})
+        fence = CallingFence(None)
+        if outer.startswith("extend"):  # every page taken, some behind the fence
+            other = await pool.admit(pages={"full": 3, "swa": 3})
+            pool.free([other.row], fence)
+            fence.set()
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            fence.call, fence.early = calling_back(pool, "free", grant.row, how, refused), True
+            got = GROUPED_CALLS[outer](pool, grant.row, fence)
+        assert fence.calls == 1
+        assert len(refused) == 1 and "a call under way holds it" in str(refused[0])
+        pool.check_invariants()
+        if outer.startswith("extend"):
+            assert got is not None
+        fence.set()
+        if outer != "free":
+            pool.free([grant.row])
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.allocated, stats.free, stats.pending) == (0, free, 0)
+        assert [one.available_size() for one in groups.values()] == [5, 5]
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("growth", ["extend", "extend_fitting"])
+async def test_a_grouped_growth_counts_each_group_after_every_reclaim(
+    growth: str, how: str
+) -> None:
+    # A grouped growth reclaims each short group, then takes. It counted a
+    # group free before the next group's reclaim, whose query() may take
+    # that group's pages (an admission): the take then found fewer pages
+    # than counted (AssertionError). Now it counts after every reclaim.
+    groups = {"full": KVPagePool(6, 2), "swa": KVPagePool(6, 2)}
+    async with bounded(), AsyncReqToTokenPool(5, 4, kv=groups) as pool:
+        grown = await pool.admit(pages={"full": 1, "swa": 1})
+        full_only = await pool.admit(pages={"full": 4, "swa": 0})
+        swa_only = await pool.admit(pages={"full": 0, "swa": 4})
+        a, b = CallingFence(None), CallingFence(None)
+        pool.free([full_only.row], a)
+        pool.free([swa_only.row], b)
+        a.set()
+        b.set()
+        admitted: list[asyncio.Future[Any]] = []
+        with eager_tasks(how):
+            # Asked by the second group's reclaim: takes the first group's pages.
+            b.call = lambda: admitted.append(
+                start_task(pool.admit(pages={"full": 2, "swa": 0}), how)
+            )
+            if growth == "extend":
+                got: object = pool.extend(grown.row, {"full": 3, "swa": 1})
+                assert got is None  # 2 pages of "full" left: short
+            else:
+                m, got = pool.extend_fitting([grown.row], {"full": 3, "swa": 1})
+                assert m == 0
+        assert b.calls == 1
+        grant = await settled(admitted[0])
+        assert isinstance(grant, GroupGrant) and len(grant.pages["full"]) == 2
+        pool.check_invariants()
+        assert pool.extend(grown.row, {"full": 2, "swa": 1}) is not None
+        pool.check_invariants()

@@ -140,6 +140,7 @@ PAGE_STATE_NAMES = (*STATE_NAMES, "owned by a row")
 _ALLOCATED_0D = _state_0d(ALLOCATED)
 _OWNED_0D = _state_0d(OWNED)
 _FREE_0D = _state_0d(FREE)
+_CHECKING_0D = _state_0d(_CHECKING)
 _TOP_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64's eight
 
 
@@ -488,13 +489,27 @@ class PageLedger(Deferrals[PageArray]):
             return self._checked(*self._tensor_array(pages[:head]), what, expect)
         return self._checked(*self._numpy_array(pages[:head], owned=False), what, expect)
 
-    def free_prepared(self, ids: PageIds, owned: bool, fences: Sequence[Fence] = ()) -> int:
-        """:meth:`free` for ids that :meth:`prepare` returned, fences checked."""
+    def free_prepared(
+        self, ids: PageIds, owned: bool, fences: Sequence[Fence] = (), hold: int | None = None
+    ) -> int:
+        """:meth:`free` for ids that :meth:`prepare` returned, fences checked.
+
+        ``hold``: the state the ids are in (``ALLOCATED``), for a caller
+        whose ids nothing else holds while the fences are asked: they are
+        marked CHECKING meanwhile, so that a call made from a ``query()``
+        (code not ours, which may call the pool back) that frees them
+        again is refused as the double free it is (:meth:`_page_error`),
+        not deferred twice. A row's pages need no hold: their row is held
+        (:meth:`SlotLedger.hold`), and only it may give them back.
+        """
         n = len(ids)
         if not n:
             return 0
         if fences:
-            waits, faulted, error = self._open_fences(fences)
+            if hold is not None and not self.explicit:
+                waits, faulted, error = self._open_fences_holding(ids, fences, hold)
+            else:
+                waits, faulted, error = self._open_fences(fences)
             if faulted is not None:
                 self._fault([self._own(ids, owned)], n, faulted, error)
                 return 0
@@ -505,6 +520,29 @@ class PageLedger(Deferrals[PageArray]):
                 return 0
         self._push(ids)
         return n
+
+    def _open_fences_holding(
+        self, ids: PageIds, fences: Sequence[Fence], hold: int
+    ) -> tuple[list[Fence], Fence | None, Any]:
+        """:meth:`_open_fences` with ``ids`` marked CHECKING while the
+        fences are asked (the caller then marks them PENDING, FREE or
+        QUARANTINED); put back in ``hold`` if a ``query()`` raises what is
+        not an ``Exception``, which propagates."""
+        state = self._state_bytes
+        if ids.__class__ is list:
+            for page in ids:
+                state[page] = _CHECKING
+        else:
+            self._state[ids] = _CHECKING_0D
+        try:
+            return self._open_fences(fences)
+        except BaseException:
+            if ids.__class__ is list:
+                for page in ids:
+                    state[page] = hold
+            else:
+                self._state[ids] = _state_0d(hold)
+            raise
 
     @staticmethod
     def _own(ids: PageIds, owned: bool) -> PageArray:
@@ -742,6 +780,14 @@ class PageLedger(Deferrals[PageArray]):
                     f"page {page} is not owned by a row (handed out by KVPagePool.alloc "
                     f"or detached) and cannot be {what} with one"
                 )
+            if state == _CHECKING:
+                under_way = (
+                    f"page {page} is being given back by a call under way (it asked a "
+                    "fence's query(), which called the pool back)"
+                )
+                if what == "freed":
+                    return DoubleFreeError(f"double free: {under_way}")
+                return InvalidSlotError(f"{under_way} and cannot be {what}")
             if state == FREE and page > self._taken:
                 return InvalidSlotError(f"page {page} was never allocated and cannot be {what}")
             if state in (FREE, PENDING):
@@ -1296,7 +1342,7 @@ class KVPagePool:
             self._handed_pages -= entry[4]  # checked above, not trusted
         if after is not None and len(ids):  # an empty free records no fence
             fences.append(record_fence(after))
-        n = led.free_prepared(ids, owned, fences)
+        n = led.free_prepared(ids, owned, fences, ALLOCATED)
         if n and self._on_free is not None:
             self._on_free()
         return n

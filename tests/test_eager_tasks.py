@@ -39,6 +39,7 @@ from helpers import WAIT_S, bounded, in_thread, queued_call, settled, until
 
 from asyncpool import (
     AsyncReqToTokenPool,
+    DoubleFreeError,
     FenceError,
     Grant,
     GroupGrant,
@@ -754,3 +755,40 @@ async def test_a_grouped_growth_counts_each_group_after_every_reclaim(
         pool.check_invariants()
         assert pool.extend(grown.row, {"full": 2, "swa": 1}) is not None
         pool.check_invariants()
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("inner_fence", [False, True], ids=["at once", "fenced"])
+async def test_a_page_free_inside_its_own_fenced_free_is_a_double_free(
+    inner_fence: bool, how: str
+) -> None:
+    # Pages a prefix cache holds (detached) freed behind a fence whose
+    # query() frees them again: the second free found them still
+    # allocated, and the pages went free (or pending) twice: the free ring
+    # and the states disagreed, or a page was pending in two batches.
+    kv = KVPagePool(10, 2)
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=kv) as pool:
+        pages_free = kv.available_size()
+        grant = await pool.admit(pages=3)
+        cached = pool.detach_pages(grant.row, host=True)
+        pool.free([grant.row])
+        refused: list[Exception] = []
+
+        async def free_again() -> None:
+            try:
+                kv.free(cached, fence=CallingFence(None) if inner_fence else None)
+            except DoubleFreeError as exc:
+                refused.append(exc)
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: start_task(free_again(), how))
+            fence.early = True
+            kv.free(cached, fence=fence)
+        assert fence.calls == 1
+        assert len(refused) == 1 and "a call under way" in str(refused[0])
+        kv.check_invariants()
+        assert kv.pending_size() == 3
+        fence.set()
+        await pool.drain(timeout=WAIT_S)
+        kv.check_invariants()
+        assert (kv.available_size(), kv.pending_size()) == (pages_free, 0)

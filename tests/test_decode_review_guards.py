@@ -118,7 +118,7 @@ async def test_grant_parts_semaphore_release_does_not_count_the_acquires_remove(
 
 def _old_extend_rows(self: RowPages, rows: Any, k: int) -> Any:
     """``RowPages.extend_rows`` at bd0215d: ``_append`` per row, whatever k."""
-    arr = self._take_reclaiming(len(rows) * k)
+    arr = self._take_reclaiming(len(rows) * k, rows)
     if arr is None:
         return None
     for i, row in enumerate(rows):

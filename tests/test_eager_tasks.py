@@ -28,14 +28,23 @@ whole suite with the eager factory on every test loop (tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import threading
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import WAIT_S, bounded, in_thread, queued_call, settled, until
+from helpers import (
+    HAS_EAGER,
+    HOW,
+    WAIT_S,
+    bounded,
+    eager_tasks,
+    in_thread,
+    queued_call,
+    settled,
+    start_task,
+    until,
+)
 
 from asyncpool import (
     AsyncReqToTokenPool,
@@ -47,90 +56,6 @@ from asyncpool import (
     KVPagePool,
     new_stream_key,
 )
-
-HAS_EAGER = hasattr(asyncio, "eager_task_factory")
-HOW = [
-    "by hand",
-    pytest.param(
-        "eager",
-        marks=pytest.mark.skipif(
-            not HAS_EAGER, reason="asyncio.eager_task_factory needs Python 3.12+"
-        ),
-    ),
-]
-
-
-@contextmanager
-def eager_tasks(how: str) -> Iterator[None]:
-    """The running loop's task factory is the eager one while the block runs
-    (``how == "eager"``); put back after."""
-    loop = asyncio.get_running_loop()
-    before = loop.get_task_factory()
-    if how == "eager":
-        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
-    try:
-        yield
-    finally:
-        loop.set_task_factory(before)
-
-
-def start_task(coro: Coroutine[Any, Any, Any], how: str) -> asyncio.Future[Any]:
-    """A task of ``coro`` started as the eager factory starts one: its code
-    runs now, up to its first suspension. ``eager``: ``create_task`` on the
-    eager loop. ``by hand``: the coroutine is stepped here, then a task
-    carries it on from where it stopped (:class:`_Stepped`)."""
-    loop = asyncio.get_running_loop()
-    if how == "eager":
-        return loop.create_task(coro)
-    try:
-        yielded = coro.send(None)
-    except StopIteration as stop:
-        done = loop.create_future()
-        done.set_result(stop.value)
-        return done
-    return loop.create_task(_Stepped(coro, yielded))
-
-
-class _Stepped(collections.abc.Coroutine):  # type: ignore[type-arg]
-    """A coroutine already stepped once, for a task to carry on as if it had
-    run that step: the task's first step is handed what the coroutine
-    yielded (the future it waits on, which the task then watches: a
-    ``cancel()`` reaches that future, and the coroutine resumes after the
-    callbacks queued before it completed, as in a task), every later one
-    goes to the coroutine. A cancel before that first step cancels the
-    future, as it would have in a task suspended on it (or, the future
-    done, is thrown in)."""
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
-        self._coro = coro
-        self._yielded: Any = yielded
-        self._first = True
-
-    def send(self, value: Any) -> Any:
-        if self._first:
-            self._first = False
-            return self._yielded
-        return self._coro.send(value)
-
-    def __next__(self) -> Any:  # a task sends None through tp_iternext
-        return self.send(None)
-
-    def throw(self, *exc: Any) -> Any:
-        if self._first:
-            self._first = False
-            fut = self._yielded
-            if isinstance(exc[0], asyncio.CancelledError) and fut is not None and fut.cancel():
-                return self._coro.send(None)  # it reads the cancelled future
-        return self._coro.throw(*exc)
-
-    def close(self) -> None:
-        self._coro.close()
-
-    def __await__(self) -> Any:
-        return self
-
-    def __iter__(self) -> Any:
-        return self
 
 
 class CallingFence:

@@ -46,6 +46,7 @@ Not thread-safe: the owning pool serialises calls.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import sys
@@ -53,7 +54,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from .errors import FenceError
 from .fences import Fence, FenceAnswer, chained, is_done
@@ -355,6 +356,20 @@ class Deferrals(Generic[T]):
         # None (outside such a call): ask afresh. The owner sets one dict on
         # every ledger of the call and resets them to None in a finally.
         self.answers: dict[int, tuple[Fence, Any]] | None = None
+        # The batches a call holds out of every queue while it asks fences
+        # (whose query() may call force_release: a transfer handle's
+        # watchdog giving up): the side list a reclaim walks, the batches a
+        # force_release or conclude settles. One list per such call, in
+        # call order; a slot is None once its batch left the holder's hands
+        # (settled, or taken by a force_release made meanwhile, which
+        # settles it itself). _taken counts those taken, so a holder tells
+        # whether its index of the side list still holds. _settling: the
+        # batches _settle is asking the further fences of (a
+        # force_release drops its fences from their remaining ones there).
+        # Empty outside such calls; read by force_release and holds only.
+        self._held: list[list[Deferred[T] | None]] = []
+        self._taken: int = 0
+        self._settling: list[Deferred[T]] = []
 
     def set_hooks(
         self,
@@ -580,40 +595,55 @@ class Deferrals(Generic[T]):
             # index (O(those), not a rebuild at the next free).
             solo = self._solo if self._solo_of is self._unordered else None
             self._drop_solo()
-            unordered, self._unordered = self._unordered, []
+            # Walked as a list of its own, kept in self._held while the walk
+            # holds it: a force_release that a query() makes finds the
+            # batches in it there. A slot goes None when its batch leaves the
+            # walk (settled here, or taken by such a force_release, which
+            # settled it: then the walk settles it no more); the batches
+            # left in it are those still waiting.
+            unordered: list[Any] = self._unordered
+            self._unordered = []
+            held = self._held
+            held.append(unordered)
+            taken = self._taken
             keep: list[Deferred[T]] = []
-            asked = 0
             whole = False
             try:
-                for batch in unordered:
-                    fence = batch.fence
+                for i, side in enumerate(unordered):
+                    if side is None:
+                        continue  # taken by a force_release made in a query() here
+                    fence = side.fence
                     try:
                         done = fence.query()
                         if done is not True and done is not False:
                             done = is_done(done)
                     except Exception as exc:
-                        if solo is not None and solo.get(id(fence)) is batch:
-                            del solo[id(fence)]
-                        self._fault_batch(batch, fence, exc)
-                        asked += 1
+                        if unordered[i] is side:  # not taken in that query()
+                            unordered[i] = None
+                            if solo is not None and solo.get(id(fence)) is side:
+                                del solo[id(fence)]
+                            self._fault_batch(side, fence, exc)
                         continue
-                    asked += 1
-                    if done:
-                        if solo is not None and solo.get(id(fence)) is batch:
+                    if not done:
+                        keep.append(side)
+                    elif unordered[i] is side:  # not taken in that query()
+                        unordered[i] = None
+                        if solo is not None and solo.get(id(fence)) is side:
                             del solo[id(fence)]
-                        released += self._settle(batch)
-                    else:
-                        keep.append(batch)
+                        released += self._settle(side)
                 whole = True
             finally:
+                held.pop()
                 # A batch moved here during the loop went to the new list;
                 # after a BaseException from a query() the batches not yet
                 # settled stay too (and the index is rebuilt when next needed).
                 moved = self._unordered
-                keep.extend(unordered[asked:])
+                if not whole or self._taken != taken:
+                    # Those kept, and those not asked: every slot left.
+                    keep = [b for b in unordered if b is not None]
                 keep.extend(moved)
                 self._unordered = keep
-                if whole and solo is not None:
+                if whole and solo is not None and self._taken == taken:
                     for batch in moved:
                         if not batch.more:
                             solo.setdefault(id(batch.fence), batch)
@@ -621,8 +651,9 @@ class Deferrals(Generic[T]):
                 elif self._solo_of is not keep:
                     # A free that a query() made (or a task an eager
                     # factory ran there) indexed the list that was in use
-                    # during the walk, gone now: drop that index, which
-                    # would keep its batches (and their fences) alive.
+                    # during the walk, gone now, or a force_release made
+                    # there took batches the index names: drop that index,
+                    # which would keep its batches (and their fences) alive.
                     self._drop_solo()
         return released
 
@@ -649,12 +680,17 @@ class Deferrals(Generic[T]):
         """
         more = batch.more
         if more:
-            at = batch.at
+            at = start = batch.at
             end = len(more)
             answers = self.answers
             explicit = self.explicit
             fence = batch.fence
             done: FenceAnswer  # a bool, or a query()'s 0/1 until is_done reads it
+            # Out of every queue while its fences are asked: listed for a
+            # force_release that a query() makes (it drops its fences from
+            # this batch's remaining ones, read again below).
+            settling = self._settling
+            settling.append(batch)
             try:
                 while at < end:
                     fence = more[at]
@@ -666,6 +702,12 @@ class Deferrals(Generic[T]):
                             done = is_done(done)  # not a yes or no: a fault
                     else:
                         done = self.answer(fence)
+                    if batch.more is not more:
+                        more, at = _after_force_release(batch, more, start, at, bool(done))
+                        start, end = batch.at, len(more)
+                        if not done and at < end and more[at] is fence:
+                            break
+                        continue
                     if not done:
                         break
                     at += 1
@@ -677,6 +719,8 @@ class Deferrals(Generic[T]):
                 # CancelledError): the batch waits as it did, behind its head.
                 self._enqueue(batch, notify=False)
                 raise
+            finally:
+                settling.pop()
             if at < end:
                 batch.fence = fence
                 at += 1
@@ -734,6 +778,16 @@ class Deferrals(Generic[T]):
         dropped from every other batch's remaining fences. Never asks
         ``fence`` anything. Returns the ids released; 0 if it held nothing.
         O(pending batches).
+
+        Made from a ``query()`` that a call of this ledger asked (a reclaim
+        walking its queues or side list, another force_release or a
+        conclude settling its batches), it also finds the batches that call
+        holds out of every queue: those waiting behind ``fence`` it settles
+        itself (the holder then leaves them alone: no id is released
+        twice), and ``fence`` is dropped from the rest's remaining fences,
+        including a batch whose further fences are being asked, which that
+        call then releases (counted there, not here) or moves behind its
+        next open one.
         """
         return self.force_release_all((fence,))
 
@@ -771,16 +825,57 @@ class Deferrals(Generic[T]):
                 keep_list.append(batch)
             self._unordered = keep_list
             self._drop_solo()
+        if self._held or self._settling:
+            self._take_held(ids, hits)
+        return self._settle_held(hits, forced=True)
+
+    def _take_held(self, ids: set[int], hits: list[Deferred[T]]) -> None:
+        """:meth:`force_release_all` made while calls hold batches out of
+        every queue (this one made from a ``query()`` they asked): drop the
+        fences ``ids`` from those batches' remaining ones, and take the ones
+        waiting behind one of them (their holder's slot goes None, so it
+        settles them no more) into ``hits``. A batch :meth:`_settle` is
+        asking the further fences of is past its head: it reads its
+        remaining fences again. O(batches held)."""
+        for batch in self._settling:
+            if batch.more and any(id(f) in ids for f in batch.rest):
+                batch.rest = tuple(f for f in batch.rest if id(f) not in ids)
+        for held in self._held:
+            for index, found in enumerate(held):
+                if found is None:
+                    continue
+                if found.more and any(id(f) in ids for f in found.rest):
+                    found.rest = tuple(f for f in found.rest if id(f) not in ids)
+                if id(found.fence) in ids:
+                    held[index] = None
+                    hits.append(found)
+                    self._taken += 1
+
+    def _settle_held(self, hits: list[Deferred[T]], forced: bool = False) -> int:
+        """:meth:`_settle` each of ``hits`` (out of every queue), in order;
+        the ids released. ``hits`` is held (``_held``) meanwhile: a
+        ``force_release`` that a ``query()`` asked here makes takes those
+        not settled yet that it names (settling them itself), and they are
+        skipped here."""
         released = 0
-        for index, batch in enumerate(hits):
-            try:
-                released += self._settle(batch, forced=True)
-            except BaseException:
-                # Mid-way (see _settle): the batches not yet settled wait as
-                # they did, behind the fence; those settled stay settled.
-                for later in hits[index + 1 :]:
-                    self._enqueue(later, notify=False)
-                raise
+        held = cast("list[Deferred[T] | None]", hits)
+        self._held.append(held)
+        try:
+            for index, batch in enumerate(held):
+                if batch is None:
+                    continue  # taken by a force_release made meanwhile
+                held[index] = None
+                try:
+                    released += self._settle(batch, forced=forced)
+                except BaseException:
+                    # Mid-way (see _settle): the batches not yet settled wait as
+                    # they did, behind the fence; those settled stay settled.
+                    for later in held[index + 1 :]:
+                        if later is not None:
+                            self._enqueue(later, notify=False)
+                    raise
+        finally:
+            self._held.pop()
         return released
 
     # ------------------------------------------------------------ faults
@@ -1029,13 +1124,27 @@ class Deferrals(Generic[T]):
     def holds(self, fence: Fence) -> bool:
         """Whether any pending batch waits for ``fence`` (at its head or
         behind another fence); O(pending batches), for ``force_release``."""
-        return any(b.fence is fence or any(f is fence for f in b.rest) for b in self._batches())
+        return any(
+            b.fence is fence or any(f is fence for f in b.rest)
+            for b in itertools.chain(self._batches(), self._held_batches())
+        )
 
     def holds_any(self, fences: Sequence[Fence]) -> bool:
         """Whether any pending batch waits for one of ``fences`` (as
         :meth:`holds`); O(pending batches), however many fences."""
         ids = {id(f) for f in fences}
-        return any(id(b.fence) in ids or any(id(f) in ids for f in b.rest) for b in self._batches())
+        return any(
+            id(b.fence) in ids or any(id(f) in ids for f in b.rest)
+            for b in itertools.chain(self._batches(), self._held_batches())
+        )
+
+    def _held_batches(self) -> Iterator[Deferred[T]]:
+        """The batches calls hold out of every queue now (see ``_held``),
+        empty but while a ``query()`` they asked runs: a batch held there
+        waits for its fences as any other."""
+        for held in self._held:
+            yield from (b for b in held if b is not None)
+        yield from self._settling
 
     def waiting_on(self, fences: Sequence[Fence]) -> list[Fence]:
         """Those of ``fences`` that a pending batch waits for now (as the
@@ -1199,8 +1308,7 @@ class Deferrals(Generic[T]):
         self._drop_solo()
         released = 0
         if error is None:
-            for batch in hits:
-                released += self._settle(batch)
+            released = self._settle_held(hits)
         elif hits:
             items: list[T] = []
             n = 0
@@ -1396,6 +1504,28 @@ class Deferrals(Generic[T]):
         if total != self.pending:
             fail(f"pending count {self.pending} != ids in batches {total}")
         return items
+
+
+def _after_force_release(
+    batch: Deferred[Any], more: tuple[Fence, ...], start: int, at: int, done: bool
+) -> tuple[tuple[Fence, ...], int]:
+    """Where :meth:`Deferrals._settle` goes on once a ``query()`` it asked
+    made a ``force_release`` that dropped fences from ``batch``'s remaining
+    ones (``more[start:]``, the batch's ``rest`` when the settle began or
+    last came here): the batch's new ``more`` and the place in it past the
+    fences found complete so far (``more[start:at]``, and ``more[at]``
+    when it answered ``done``). ``batch.more`` keeps the order of those
+    fences, less the ones dropped, so those found complete that are left
+    are its first. Off the hot paths: only after such a call.
+    """
+    passed = more[start : at + 1 if done else at]
+    now = batch.more
+    end = len(now)
+    place = 0
+    for f in passed:
+        if place < end and now[place] is f:
+            place += 1
+    return now, place
 
 
 def _drop_pinning_tracebacks(err: BaseException) -> None:

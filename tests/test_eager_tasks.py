@@ -196,6 +196,178 @@ async def test_a_force_release_inside_a_reclaim_releases_each_batch_once(how: st
         pool.check_invariants()
 
 
+def give_up_from_query(
+    pool: AsyncReqToTokenPool, asker: CallingFence, dead: CallingFence, how: str
+) -> list[tuple[int, int]]:
+    """``asker``'s ``query()`` (the first time the loop asks it) starts a
+    task that force-releases ``dead`` (a transfer's watchdog giving up on
+    its dead peer); the returned list gets what that ``force_release``
+    returned."""
+    got: list[tuple[int, int]] = []
+
+    async def give_up() -> None:
+        got.append(pool.force_release(dead))
+
+    asker.call, asker.early = (lambda: start_task(give_up(), how)), True
+    return got
+
+
+@pytest.mark.parametrize("which", ["its own", "a later", "an earlier"])
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_reclaim_of_the_side_list_finds_the_batches_it_walks(
+    how: str, which: str
+) -> None:
+    # The reclaim walks the side list (fences of unknown origin) as a list
+    # of its own. A force_release made from a query() it asked looked for
+    # the fence's batches in the queues and in the side list, empty during
+    # the walk: it missed the batch the walk held (the one asked, or one
+    # asked before or after it), which kept waiting for a fence that never
+    # completes, though the operator had released it.
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        fences = [CallingFence(None), CallingFence(None)]
+        pool.free([rows[0]], fences[0])
+        pool.free([rows[1]], fences[1])
+        asker, dead = {"its own": (0, 0), "a later": (0, 1), "an earlier": (1, 0)}[which]
+        with eager_tasks(how):
+            got = give_up_from_query(pool, fences[asker], fences[dead], how)
+            assert pool.try_alloc(2) is None  # one row came back: the dead fence's
+        assert fences[asker].calls == 1
+        assert got == [(1, 0)]
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.available_size()) == (1, 1)
+        assert pool.try_alloc(1) == [rows[dead]]
+        fences[1 - dead].set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        assert pool.try_alloc(2) is None  # each row back once
+        assert pool.try_alloc(1) == [rows[1 - dead]]
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("dead", ["the fence asked", "a fence after it"])
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_reclaim_finds_the_batch_it_settles(
+    how: str, dead: str
+) -> None:
+    # A row freed behind fences of three streams queues behind the first;
+    # once that one completed, the reclaim takes the batch out of its queue
+    # and asks the next ones in order. A force_release made from one of
+    # those query() calls looked for the batch in the queues only: the fence
+    # stayed among those it waits for, and the batch moved behind it (the
+    # one asked, which never answers done, or the next, never asked again
+    # by the operator's leave), held for good.
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(3)
+        a, b, c = (CallingStreamFence(new_stream_key(), 1) for _ in range(3))
+        pool.free([rows[0]], [a, b, c])
+        a.set()
+        if dead == "the fence asked":
+            c.set()
+        else:
+            b.set()
+        with eager_tasks(how):
+            got = give_up_from_query(pool, b, b if dead == "the fence asked" else c, how)
+            assert pool.try_alloc(1) == [rows[0]]  # short: its reclaim asks b
+        assert b.calls == 1
+        # It made nothing free itself: the batch still waited for its other
+        # fences then; the reclaim that asked b released it once that one was dropped.
+        assert got == [(0, 0)]
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.available_size()) == (0, 0)
+        pool.free(rows)
+        pool.check_invariants()
+        assert pool.available_size() == 3
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_reclaim_finds_the_rows_and_pages_it_walks(
+    how: str,
+) -> None:
+    # The row ledger's walk held the row behind the dead fence; the page
+    # ledger, not walking yet, gave back its pages: the force_release
+    # returned the pages and not the row, which kept waiting.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(8, 2)) as pool:
+        first, second = (await pool.admit(pages=2)), (await pool.admit(pages=2))
+        await pool.admit(pages=1)  # the third row: none left
+        f1, f2 = CallingFence(None), CallingFence(None)
+        pool.free([first.row], f1)
+        pool.free([second.row], f2)
+        with eager_tasks(how):
+            got = give_up_from_query(pool, f1, f2, how)
+            pool.reclaim()
+        assert f1.calls == 1
+        assert got == [(1, 2)]
+        pool.check_invariants()
+        stats = pool.stats()
+        # The dead fence's row and pages are back; the first row's wait for f1.
+        assert (stats.pending, stats.pages_pending, stats.free, stats.pages_free) == (1, 2, 1, 4)
+        f1.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.allocated, stats.pages_allocated, stats.free, stats.pages_free) == (
+            1,
+            1,
+            2,
+            6,
+        )
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_reclaim_of_pages_finds_the_pages_it_walks(
+    how: str,
+) -> None:
+    # The page ledger walks its side list as the row ledger does: pages
+    # given back behind a fence of unknown origin (detached, then freed to
+    # the page pool), the dead fence's held by the walk, kept waiting.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(8, 2)) as pool:
+        kv = pool.kv
+        assert kv is not None
+        a, b = (await pool.admit(pages=2)), (await pool.admit(pages=2))
+        f1, f2 = CallingFence(None), CallingFence(None)
+        kv.free(pool.detach_pages(a.row), fence=f1)
+        kv.free(pool.detach_pages(b.row), fence=f2)
+        with eager_tasks(how):
+            got = give_up_from_query(pool, f1, f2, how)
+            pool.reclaim()
+        assert f1.calls == 1
+        assert got == [(0, 2)]
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.pages_pending, stats.pages_free) == (2, 5)
+        f1.set()
+        await pool.drain(timeout=WAIT_S)
+        pool.check_invariants()
+        assert pool.stats().pages_free == 7
+
+
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_force_release_finds_the_batches_it_settles(
+    how: str,
+) -> None:
+    # force_release(x) takes the batches behind x out of their queues, then
+    # settles them in turn, asking each one's next fence. One made from such
+    # a query() (y's, below) missed the batches the first had taken and not
+    # settled yet: the one behind x and z kept z, was asked it, and moved
+    # behind it, held for good.
+    async with bounded(), AsyncReqToTokenPool(4, 4) as pool:
+        rows = await pool.alloc(2)
+        x, y, z = CallingFence(None), CallingFence(None), CallingFence(None)
+        pool.free([rows[0]], [x, y])
+        pool.free([rows[1]], [x, z])
+        y.set()
+        with eager_tasks(how):
+            got = give_up_from_query(pool, y, z, how)
+            assert pool.force_release(x) == (2, 0)
+        assert y.calls == 1
+        assert got == [(0, 0)]  # the batch it freed of z was the outer call's to settle
+        pool.check_invariants()
+        assert (pool.pending_size(), pool.available_size()) == (0, 3)
+        assert pool.try_alloc(3) is not None
+        pool.check_invariants()
+
+
 @pytest.mark.parametrize("how", HOW)
 async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:

@@ -339,6 +339,10 @@ def agree(
     check_group(group)
     t0 = time.perf_counter()
     views: list[list[Deferred[Any]]] = [led.pending_batches() for led in ledgers]
+    # A query() asked below may call the pool (a transfer handle's
+    # watchdog force-releasing): apply_agreement then leaves the batches
+    # that settled meanwhile.
+    marks = [led.settled_mark() for led in ledgers]
     cache: dict[int, tuple[Fence, int, BaseException | None]] = {}
     # A query() that raised KeyboardInterrupt or SystemExit here: the
     # agreement still runs its first collective, so no other rank waits in
@@ -402,10 +406,10 @@ def agree(
     # naming what it holds in every ledger; oldest first.
     overdue: dict[int, tuple[Fence, dict[str, int]]] = {}
     since: dict[int, float] = {}
-    for led, batches in zip(ledgers, views, strict=True):
+    for led, batches, mark in zip(ledgers, views, marks, strict=True):
         k = len(batches)
         before = led.quarantined
-        n, new = led.apply_agreement(batches, agreed[3 * offset : 3 * (offset + k)], cache)
+        n, new = led.apply_agreement(batches, agreed[3 * offset : 3 * (offset + k)], cache, mark)
         offset += k
         released.append(n)
         quarantined += led.quarantined - before

@@ -1391,6 +1391,13 @@ class Deferrals(Generic[T]):
             out.extend((done, overdue, faulted))
         return out
 
+    def settled_mark(self) -> tuple[int, int, int]:
+        """What moves whenever a pending batch leaves its wait (released by
+        a fence or by ``force_release``, or quarantined): an agreement
+        reads it with the batches it covers, and :meth:`apply_agreement`
+        tells by it whether some of them left meanwhile."""
+        return self.reclaimed, self.force_released, self.quarantined
+
     def unagreed_fault(self, fence: Fence) -> BaseException | None:
         """The error ``fence`` raised at an agreement that settled nothing
         (None if none): still a fault, whatever it answers now."""
@@ -1412,6 +1419,7 @@ class Deferrals(Generic[T]):
         batches: Sequence[Deferred[T]],
         flags: Sequence[int],
         cache: dict[int, tuple[Fence, int, BaseException | None]],
+        mark: tuple[int, int, int] | None = None,
     ) -> tuple[int, list[Deferred[T]]]:
         """Act on flags agreed by every replica, in deferral order: per
         batch ``[done, overdue, faulted]`` of :meth:`agreement_flags`, done
@@ -1423,9 +1431,21 @@ class Deferrals(Generic[T]):
         not done on some rank past the timeout) joins
         :attr:`agreed_overdue`. Returns the ids released and the batches
         newly agreed overdue. O(pending batches).
+
+        ``mark``: :meth:`settled_mark` when ``batches`` were read. If it
+        moved since (code a ``query()`` ran while :meth:`agreement_flags`
+        asked it, a ``force_release`` or ``retire``, settled some of them),
+        the batches no longer pending are left alone: acting on them would
+        release or quarantine their ids a second time.
         """
+        skip: list[bool] | None = None
+        if mark is not None and mark != self.settled_mark():
+            live = {id(b) for b in self._batches()}
+            skip = [id(b) not in live for b in batches]
         gone: set[int] = set()
         for i, batch in enumerate(batches):
+            if skip is not None and skip[i]:
+                continue
             if flags[3 * i] or flags[3 * i + 2]:
                 gone.add(batch.did)
         if gone:
@@ -1437,6 +1457,8 @@ class Deferrals(Generic[T]):
         released = 0
         newly: list[Deferred[T]] = []
         for i, batch in enumerate(batches):
+            if skip is not None and skip[i]:
+                continue
             done, overdue, faulted = flags[3 * i : 3 * i + 3]
             if faulted:
                 culprit = batch.fence

@@ -368,6 +368,39 @@ async def test_a_force_release_inside_a_force_release_finds_the_batches_it_settl
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("verdict", ["done", "faulted"])
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_an_agreement_is_not_settled_again(
+    how: str, verdict: str, group: Any
+) -> None:
+    # agree() reads the pending batches, asks their fences, agrees the
+    # flags, then acts on the batches it read. A force_release made from
+    # one of those query() calls released a batch it had read: the
+    # agreement released its rows again (each in the free queue twice, to
+    # be handed out twice) or quarantined rows already free.
+    async with bounded(), AsyncReqToTokenPool(5, 4, reclaim="explicit") as pool:
+        rows = await pool.alloc(4)
+        t1, t2 = CallingFence(None), CallingFence(None)
+        pool.free(rows[:2], t1)
+        pool.free(rows[2:], t2)
+        if verdict == "done":
+            t2.set()
+        else:
+            t2.error = FenceError("the peer died")
+        with eager_tasks(how):
+            got = give_up_from_query(pool, t1, t2, how)
+            assert pool.agree(group) == (0, 0)  # t2's rows: released by the force_release
+        assert t1.calls == 1
+        assert got == [(2, 0)]
+        pool.check_invariants()
+        stats = pool.stats()
+        assert (stats.pending, stats.quarantined, stats.free) == (2, 0, 2)
+        t1.set()
+        assert pool.agree(group) == (2, 0)
+        pool.check_invariants()
+        assert sorted(pool.try_alloc(4) or []) == sorted(rows)
+
+
 @pytest.mark.parametrize("how", HOW)
 async def test_a_fault_seen_inside_a_reclaim_quarantines_only_its_own_batch(how: str) -> None:
     async with bounded(), AsyncReqToTokenPool(4, 4) as pool:

@@ -609,7 +609,9 @@ class Deferrals(Generic[T]):
             keep: list[Deferred[T]] = []
             whole = False
             try:
-                for i, side in enumerate(unordered):
+                i = -1
+                for side in unordered:
+                    i += 1
                     if side is None:
                         continue  # taken by a force_release made in a query() here
                     fence = side.fence

@@ -257,9 +257,11 @@ class FenceControl:
         led = self._ledger
         pleds = [ps.ledger for ps in self._page_sets]
         held = led.holds_any(fences) or any(pled.holds_any(fences) for pled in pleds)
+        # The rows' uses first: rows (and their pages) freed later skip them,
+        # those freed from a query() the settles below ask included.
+        uses = led.forget_uses(fences)
         rows = led.force_release_all(fences)
         pages = sum(pled.force_release_all(fences) for pled in pleds)
-        uses = led.forget_uses(fences)  # rows (and their pages) freed later skip them too
         ids = {id(f) for f in fences}
         if self._overdue is not None:
             for f in fences:

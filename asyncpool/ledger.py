@@ -123,6 +123,10 @@ class SlotLedger(Deferrals[int]):
         self._gen: list[int] = [0] * size
         self._granted = 0
         self._uses: list[Any] = [None] * size
+        # One list per record_use under way that prunes (nested: a query()
+        # it asks may record again): the fences forget_uses dropped while it
+        # asked, which its uses worked out before may still hold.
+        self._forgetting: list[list[Fence]] = []
         super().__init__(
             on_pending=on_pending, on_fault=on_fault, clock=clock, latency_window=latency_window
         )
@@ -482,7 +486,9 @@ class SlotLedger(Deferrals[int]):
         asked: dict[int, tuple[Fence, Any]] | None = None
         # A prune asks fences: code not ours, which may call the pool back.
         # From the first prune on, the call's rows are held (hold()), the
-        # rest marked as held as the loop reaches them, all USED at the end.
+        # rest marked as held as the loop reaches them, all USED at the end;
+        # and a force_release made there is undone in the uses worked out
+        # before it (_forgot_while_held).
         mark = USED
         try:
             for row in seq:
@@ -507,6 +513,7 @@ class SlotLedger(Deferrals[int]):
                                 if mark == USED:
                                     mark = _CHECKING
                                     self.hold(seq)
+                                    self._forgetting.append([])
                                 new = _pruned(prev, new, asked)
                         if last_prev is not None:
                             # Each entry keeps its use alive: no id is reused.
@@ -517,7 +524,7 @@ class SlotLedger(Deferrals[int]):
                     last_prev = prev
         finally:
             if mark != USED:
-                self._unmark(seq)
+                self._forgot_while_held(seq)
 
     def _record_uses(self, seq: Sequence[int], fences: tuple[Fence, ...], prune: bool) -> None:
         """:meth:`record_use` of several fences (checked, rows allocated):
@@ -550,6 +557,7 @@ class SlotLedger(Deferrals[int]):
                             if mark == USED:
                                 mark = _CHECKING
                                 self.hold(seq)
+                                self._forgetting.append([])
                             new = _pruned(prev, new, asked)
                         if last_prev is not _NO_USE:
                             if seen is None:
@@ -560,7 +568,19 @@ class SlotLedger(Deferrals[int]):
                 uses[row] = last_new
         finally:
             if mark != USED:
-                self._unmark(seq)
+                self._forgot_while_held(seq)
+
+    def _forgot_while_held(self, seq: Sequence[int]) -> None:
+        """End a pruning record's hold of ``seq``: the fences a
+        ``force_release`` made from one of its ``query()`` calls dropped
+        from the rows' uses are dropped again (the uses the record worked
+        out before, from the rows' old ones, still held them: the rows
+        would wait for a fence the operator released), then each row back
+        to ALLOCATED or USED."""
+        forgot = self._forgetting.pop()  # nested records end first
+        if forgot:
+            self.forget_uses(forgot)
+        self._unmark(seq)
 
     def forget_use(self, fence: Fence) -> int:
         """Drop ``fence`` from the uses recorded on allocated rows; return how
@@ -615,7 +635,12 @@ class SlotLedger(Deferrals[int]):
 
     def forget_uses(self, fences: Sequence[Fence]) -> int:
         """:meth:`forget_use` of every fence in ``fences``, in one pass:
-        return how many rows any of them touched. O(size), however many."""
+        return how many rows any of them touched. O(size), however many.
+        A row held by a call under way (CHECKING: :meth:`hold`, made from a
+        ``query()`` that call asked) keeps its mark: the holder's
+        :meth:`unhold` reads what its uses became."""
+        for forgot in self._forgetting:
+            forgot.extend(fences)
         ids = {id(f) for f in fences}
         uses = self._uses
         state = self._state
@@ -638,13 +663,15 @@ class SlotLedger(Deferrals[int]):
                 if hit[1] is not None:
                     if hit[1] is _ALL_FORGOTTEN:  # every fence of it forgotten
                         uses[row] = None
-                        state[row] = ALLOCATED
+                        if state[row] == USED:  # not a held row's mark
+                            state[row] = ALLOCATED
                     else:
                         uses[row] = hit[1]
                     touched += 1
             elif id(use) in ids:
                 uses[row] = None
-                state[row] = ALLOCATED
+                if state[row] == USED:  # not a held row's mark
+                    state[row] = ALLOCATED
                 touched += 1
         return touched
 

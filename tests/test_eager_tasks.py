@@ -806,6 +806,105 @@ async def test_a_call_inside_a_record_uses_prune_cannot_change_its_rows(
         await all_back(pool, free, pages_free)
 
 
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("uses", [1, 2])
+@pytest.mark.parametrize("inner", ["free", "extend"])
+@pytest.mark.parametrize("outer", list(GIVE_BACKS))
+async def test_a_force_release_of_a_held_rows_uses_leaves_it_held(
+    outer: str, inner: str, uses: int, how: str
+) -> None:
+    # force_release drops the fence from the rows' recorded uses, and a row
+    # whose uses it emptied went back to ALLOCATED whatever its mark: made
+    # from a query() a give-back asked, it ended that give-back's hold on
+    # its row, and a call made next there changed the row under it (a free
+    # there: the outer trim found the row's record gone, AssertionError).
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(10, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        grant = await pool.admit(pages=3)
+        dead = [CallingFence(None) for _ in range(uses)]  # one use, or a tuple of them
+        pool.record_use([grant.row], dead)
+        refused: list[Exception] = []
+        got: list[tuple[int, int]] = []
+        then = calling_back(pool, inner, grant.row, how, refused)
+
+        async def give_up() -> None:
+            got.append(pool.force_release(dead))
+
+        with eager_tasks(how):
+            fence = CallingFence(lambda: (start_task(give_up(), how), then()))
+            fence.early = True
+            GIVE_BACKS[outer](pool, grant.row, fence)
+        assert fence.calls == 1 and len(got) == 1
+        assert len(refused) == 1 and "a call under way holds it" in str(refused[0])
+        pool.check_invariants()
+        fence.set()
+        for use in dead:  # the give-back read them before the force_release: it may wait
+            use.set()
+        if outer != "free":
+            pool.free([grant.row])
+        await all_back(pool, free, pages_free)
+
+
+@pytest.mark.parametrize("inner", ["free", "trim_pages", "drop_pages"])
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_forgets_the_uses_before_its_settles_ask_fences(
+    how: str, inner: str
+) -> None:
+    # force_release settled the batches behind the fence (asking the next
+    # fence of a batch behind several) before it dropped the fence from the
+    # rows' uses: a row freed (or pages given back) from such a query() was
+    # deferred behind the released fence, held for good.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(10, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        other, grant = await pool.admit(pages=1), await pool.admit(pages=3)
+        dead, after = CallingFence(None), CallingFence(None)
+        pool.record_use([grant.row], dead)
+        pool.free([other.row], [dead, after])  # settled by the force_release: asks `after`
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            after.call, after.early = calling_back(pool, inner, grant.row, how, refused), True
+            assert pool.force_release(dead) == (0, 0)
+        assert after.calls == 1 and not refused
+        pool.check_invariants()
+        stats = pool.stats()
+        # Waiting: the other row and its page, behind `after`; nothing behind `dead`.
+        assert (stats.pending, stats.pages_pending) == (1, 1)
+        after.set()
+        if inner != "free":
+            pool.free([grant.row])
+        await all_back(pool, free, pages_free)
+
+
+@pytest.mark.parametrize("whose", ["its own", "another's"])
+@pytest.mark.parametrize("how", HOW)
+async def test_a_force_release_inside_a_record_uses_prune_is_not_undone(
+    how: str, whose: str
+) -> None:
+    # A record_use whose row's uses grew long asks the older handles (the
+    # prune) and works out the row's new uses from its old ones. A
+    # force_release made from one of those query() calls dropped a handle
+    # from the row's uses; the record then wrote back the uses it had
+    # worked out, the released handle among them: a free of the row waited
+    # for it, held for good.
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=KVPagePool(10, 2)) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        grant = await pool.admit(pages=2)
+        older = [CallingFence(None) for _ in range(8)]
+        pool.record_use([grant.row], older)
+        dead = older[0] if whose == "its own" else older[1]
+        with eager_tasks(how):
+            got = give_up_from_query(pool, older[0], dead, how)
+            newer = CallingFence(None)
+            pool.record_use([grant.row], newer)  # long enough: older[0] and older[1] are asked
+        assert older[0].calls == 1 and got == [(0, 0)]
+        pool.check_invariants()
+        for fence in [*older, newer]:
+            if fence is not dead:
+                fence.set()
+        pool.free([grant.row])
+        await all_back(pool, free, pages_free)
+
+
 GROUPED_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int, Any], object]] = {
     "free": lambda pool, row, fence: pool.free([row], fence),
     "trim_pages": lambda pool, row, fence: pool.trim_pages([row], {"full": 1}, fence),

@@ -16,10 +16,19 @@ row and page back. A call refused because the call that asked the
 ``query()`` holds what it names (docs/api.md: *An eager task factory*)
 changes nothing, and the model keeps it so.
 
+``force_release`` of a pending fence, from a step or from a ``query()``: the
+operator's verdict holds from the call on (memory it frees may be handed out
+by calls its ``query()`` calls make before it returns), so the model drops
+the fence from what waits before the call; a stream's older fences go with
+it where the forced one is waited behind them. After every step no ledger
+may still hold anything behind a forced fence, unless a call under way names
+it (that call may defer behind it again, and the fence then completes as
+any other).
+
 Before the holds (and the re-entrant grant loop and reclaim before them),
 most seeds of this fuzz failed; see docs/changes.md (trialReenter, and
-"What a call changes is held while it asks fences"). ``force_release`` is
-left out: the model's account of what a forced fence releases is not exact.
+"What a call changes is held while it asks fences"; reForce, for
+``force_release``).
 Each fence calls back at most twice, as a transfer handle's completion does
 once: a model whose fences call back at every ask, dozens pending, keeps the
 grant loop re-running as long as each pass returns memory.
@@ -28,9 +37,11 @@ grant loop re-running as long as each pass returns memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -96,6 +107,9 @@ class _Fuzz:
         self.pages_behind: dict[int, list[_Fence]] = {}
         self.detached: list[tuple[list[int], list[_Fence]]] = []  # pages, their row's uses
         self.fences: list[_Fence] = []  # not yet complete
+        self.forced: list[_Fence] = []  # force-released, never to complete (until the end)
+        self.force_log: list[_Fence] = []  # every fence forced, in order
+        self.inflight: list[list[_Fence]] = []  # the fences of the calls under way
         self.tasks: list[asyncio.Future[Any]] = []
         self.streams = [new_stream_key() for _ in range(2)]
         self.seqs = {key: itertools.count(1) for key in self.streams}
@@ -166,6 +180,11 @@ class _Fuzz:
             self.kv.check_invariants()
         except AssertionError as exc:
             raise self.broken(f"invariant: {exc}") from None
+        ledgers = [("row", self.pool._ledger), ("page", self.kv.ledger)]
+        for fence in self.forced:
+            for unit, ledger in ledgers:
+                if ledger.holds(fence):
+                    raise self.broken(f"a {unit} still held behind a force-released fence")
         owner: dict[int, object] = {}
         for row in self.held:
             for page in self.live_pages(row):
@@ -198,8 +217,9 @@ class _Fuzz:
             {r: list(u) for r, u in self.held.items()},
             {r: list(f) for r, f in self.behind.items()},
             {p: list(f) for p, f in self.pages_behind.items()},
-            list(self.detached),
+            [(pages, list(uses)) for pages, uses in self.detached],
         )
+        forced_before = len(self.force_log)
         self.depth += 1
         try:
             self.step(inner=True)
@@ -210,20 +230,22 @@ class _Fuzz:
                 raise self.broken(f"a call from a query() raised {exc!r}") from exc
             self.log.append(f"refused: {type(exc).__name__}")
             self.held, self.behind, self.pages_behind, self.detached = saved
+            for fence in self.force_log[forced_before:]:  # made from its query(): they stand
+                self.forget(fence)
         finally:
             self.depth -= 1
 
     def step(self, inner: bool) -> None:
         rng, pool = self.rng, self.pool
         calls = ["try_alloc", "try_admit", "admit", "free", "free", "record_use", "extend"]
-        calls += ["extend_rows", "extend_fitting", "detach", "kv_free", "trim", "drop"]
+        calls += ["extend_rows", "extend_fitting", "detach", "kv_free", "trim", "drop", "force"]
         if not inner:
             calls += ["complete", "complete", "cancel"]
         elif rng.random() < 0.02:
             calls.append("close")
         name = rng.choice(calls)
         self.log.append(("in " if inner else "") + name)
-        if self.closed and name not in ("free", "kv_free", "complete"):
+        if self.closed and name not in ("free", "kv_free", "complete", "force"):
             return
         getattr(self, "_" + name)(rng, pool)
 
@@ -257,6 +279,45 @@ class _Fuzz:
         if self.fences:
             self.complete_one()
 
+    def _force(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        if not self.fences:
+            return
+        fence = rng.choice(self.fences)
+        self.force_log.append(fence)
+        self.forget(fence)
+        if not any(fence in fences for fences in self.inflight):
+            self.fences.remove(fence)  # never named again: nothing may wait for it now
+            self.forced.append(fence)
+        pool.force_release(fence)
+
+    def forget(self, fence: _Fence) -> None:
+        """What waits for ``fence`` waits no more (a stream's older fences
+        with it, where they are waited together); a row's recorded use of
+        it is forgotten (with the stream's older uses, which the row's
+        record had dropped for it)."""
+        key = getattr(fence, "stream_key", None)
+
+        def gone(other: _Fence, waits: list[_Fence]) -> bool:
+            if other is fence:
+                return True
+            if key is None or getattr(other, "stream_key", None) != key:
+                return False
+            return other.seq < fence.seq and fence in waits
+
+        for waiting in (self.behind, self.pages_behind):
+            for unit, waits in waiting.items():
+                waiting[unit] = [f for f in waits if not gone(f, waits)]
+        for uses in [*self.held.values(), *(uses for _, uses in self.detached)]:
+            uses[:] = [f for f in uses if not gone(f, uses)]  # the row kept the newest
+
+    @contextlib.contextmanager
+    def under_way(self, fences: list[_Fence]) -> Iterator[None]:
+        self.inflight.append(fences)
+        try:
+            yield
+        finally:
+            self.inflight.pop()
+
     def _close(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         self.closed = True
         self.tasks.append(start_task(pool.close(), self.how))
@@ -271,13 +332,15 @@ class _Fuzz:
         self.behind[row] = list(waits)
         for page in pages:
             self.pages_behind[page] = list(waits)
-        pool.free([row], arg)
+        with self.under_way(waits):
+            pool.free([row], arg)
 
     def _record_use(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if self.held:
             row = rng.choice(list(self.held))
             fence = self.new_fence()
-            pool.record_use([row], fence)
+            with self.under_way([fence]):
+                pool.record_use([row], fence)
             self.held[row].append(fence)
 
     def _extend(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
@@ -317,7 +380,8 @@ class _Fuzz:
         arg = [*([] if arg is None else arg if isinstance(arg, list) else [arg]), *uses]
         for page in pages:
             self.pages_behind[page] = fences + uses
-        self.kv.free(pages, fence=arg or None)
+        with self.under_way(fences + uses):
+            self.kv.free(pages, fence=arg or None)
 
     def _trim(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         self._give_back(rng, pool, trim=True)
@@ -337,10 +401,11 @@ class _Fuzz:
         for page in positions[at:] if trim else positions[:at]:
             if page:
                 self.pages_behind[page] = fences + self.held[row]
-        if trim:
-            pool.trim_pages([row], at, arg)
-        else:
-            pool.drop_pages([row], at, arg)
+        with self.under_way(fences + self.held[row]):
+            if trim:
+                pool.trim_pages([row], at, arg)
+            else:
+                pool.drop_pages([row], at, arg)
 
     # ------------------------------------------------------------ a run
 
@@ -362,7 +427,7 @@ class _Fuzz:
                 break
         # Wind down: every fence done, every waiter gone, everything back.
         self.p_call_back = 0.0
-        for fence in self.fences:
+        for fence in self.fences + self.forced:
             fence.complete()
         for task in self.tasks:
             task.cancel()

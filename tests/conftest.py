@@ -40,16 +40,73 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # the caller. Unset (or empty, or 0), nothing changes. Loops a test makes
 # itself (asyncio.run, a thread's own loop) keep the lazy default, and so do
 # tests marked lazy_tasks (each says what it assumes: a task created, then a
-# check made before it ran; an assumption of the test, not of the pool).
+# check made before it ran; an assumption of the test, not of the pool). A
+# loop that cannot run the factory at all (uvloop on Python 3.13.0) keeps the
+# lazy default too, as the run's header says.
 _EAGER = os.environ.get("ASYNCPOOL_TEST_EAGER", "") not in ("", "0")
 
 
+_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+# The loops that run the eager factory under ASYNCPOOL_TEST_EAGER=1, and why
+# the others keep the lazy default (filled by pytest_configure).
+_EAGER_LOOPS: set[str] = set()
+_LAZY_WHY: dict[str, str] = {}
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if _EAGER and not hasattr(asyncio, "eager_task_factory"):
+    if not _EAGER:
+        return
+    if not hasattr(asyncio, "eager_task_factory"):
         raise pytest.UsageError(
             "ASYNCPOOL_TEST_EAGER is set, but asyncio.eager_task_factory needs Python 3.12+ "
             f"(this is {sys.version.split()[0]}): unset it, or run the suite on 3.12+"
         )
+    for name, new_loop in _LOOPS.items():
+        why = _eager_refused(new_loop)
+        if why is None:
+            _EAGER_LOOPS.add(name)
+        else:
+            _LAZY_WHY[name] = why
+    if not _EAGER_LOOPS:
+        raise pytest.UsageError(f"ASYNCPOOL_TEST_EAGER is set, but no loop runs it: {_LAZY_WHY}")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not _EAGER:
+        return []
+    lines = [f"ASYNCPOOL_TEST_EAGER: the eager task factory on {sorted(_EAGER_LOOPS)}"]
+    lines += [f"  {name} keeps the lazy default: {why}" for name, why in _LAZY_WHY.items()]
+    return lines
+
+
+async def _nothing() -> None:
+    pass
+
+
+def _eager_refused(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> str | None:
+    """Why a loop of ``new_loop`` cannot run ``asyncio.eager_task_factory``
+    at all, or None. uvloop 0.22+ passes ``eager_start=`` to a task factory,
+    which the factory takes only from Python 3.14: on 3.13.0 every
+    ``create_task`` raised ``TypeError`` (tests/helpers.eager_tasks skips
+    its cases there alike)."""
+    loop = new_loop()
+    try:
+        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+        probe = _nothing()
+        try:
+            task = loop.create_task(probe)
+        except TypeError as exc:
+            probe.close()  # never started: closed, not left unawaited
+            if "eager_start" not in str(exc):
+                raise
+            return f"{type(loop).__module__} passes eager_start= to the task factory ({exc})"
+        loop.run_until_complete(task)
+        return None
+    finally:
+        loop.close()
 
 
 def _with_eager_tasks(
@@ -66,13 +123,12 @@ def _with_eager_tasks(
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-        "asyncio": asyncio.new_event_loop,
-        "uvloop": uvloop.new_event_loop,
-    }
     if _EAGER and item.get_closest_marker("lazy_tasks") is None:
-        return {name: _with_eager_tasks(new) for name, new in factories.items()}
-    return factories
+        return {
+            name: _with_eager_tasks(new) if name in _EAGER_LOOPS else new
+            for name, new in _LOOPS.items()
+        }
+    return dict(_LOOPS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -353,11 +353,13 @@ class Admission(PageArgs):
         assert pages is not None
         free = self._free_q
         pled = pages.ledger
-        # Capacity only waiting on a fence is not exhaustion: reclaim once.
-        if (not free or k > pled.free_count) and (
-            not self._reclaim_both() or not free or k > pled.free_count
-        ):
-            return None
+        # Capacity only waiting on a fence is not exhaustion: reclaim once,
+        # then count again whatever it answers (a query() it asks may free
+        # a row or pages at once: see try_alloc).
+        if not free or k > pled.free_count:
+            self._reclaim_both()
+            if not free or k > pled.free_count:
+                return None
         # The row first: taking a dirty one runs its reset, a device op that
         # may raise, and then nothing must have been taken (taking the pages
         # cannot fail once counted).
@@ -504,11 +506,12 @@ class Admission(PageArgs):
 
     def _admit_groups_now(self, counts: tuple[int, ...]) -> GroupGrant | None:
         free = self._free_q
-        # Capacity only waiting on a fence is not exhaustion: reclaim once.
-        if (not free or self._groups_short(counts)) and (
-            not self._reclaim_both() or not free or self._groups_short(counts)
-        ):
-            return None
+        # Capacity only waiting on a fence is not exhaustion: reclaim once,
+        # then count again (as _admit_now).
+        if not free or self._groups_short(counts):
+            self._reclaim_both()
+            if not free or self._groups_short(counts):
+                return None
         # The row first (its reset may raise; nothing taken yet), then the
         # pages of every group.
         rows = self._take(1)

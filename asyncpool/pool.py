@@ -799,8 +799,10 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         if not waiters.count and not waiters.gated:
             led = self._ledger
             rows = self._take(n)
-            if rows is None and led.pending and led.reclaim():
-                # Capacity only waiting on a fence is not exhaustion.
+            if rows is None and led.pending:
+                # Capacity only waiting on a fence is not exhaustion. Taken
+                # again whatever the reclaim answers: see try_alloc.
+                led.reclaim()
                 rows = self._take(n)
             if rows is not None:
                 self._fast_allocs += 1
@@ -1221,7 +1223,11 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         if self._try_must_wait(prio):
             return None
         rows = self._take(n)
-        if rows is None and led.pending and led.reclaim():
+        if rows is None and led.pending:
+            # Taken again whatever the reclaim answers: a fence's query() it
+            # asks may free rows at once (a transfer handle's code, or a task
+            # an eager task factory runs there), which it does not count.
+            led.reclaim()
             rows = self._take(n)
         if rows is not None:
             self._fast_allocs += 1

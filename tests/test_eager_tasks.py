@@ -905,6 +905,55 @@ async def test_a_force_release_inside_a_record_uses_prune_is_not_undone(
         await all_back(pool, free, pages_free)
 
 
+@pytest.mark.parametrize(
+    ("call", "grouped"),
+    [(c, False) for c in ("try_alloc", "alloc", "try_admit", "admit")]
+    + [("try_admit", True), ("admit", True)],  # a pool with KV groups: its own admission
+)
+@pytest.mark.parametrize("how", HOW)
+async def test_a_take_counts_what_its_reclaims_query_freed(
+    how: str, call: str, grouped: bool
+) -> None:
+    # A take short of memory reclaims completed fences, and took again only
+    # when the reclaim released something: a row (and its pages) freed at
+    # once from a query() the reclaim asked went uncounted. try_alloc and
+    # try_admit answered None with it free; alloc and admit queued for it,
+    # waiting until something else ran the grant loop (here: never).
+    kv: Any = {"full": KVPagePool(4, 2), "swa": KVPagePool(4, 2)} if grouped else KVPagePool(4, 2)
+
+    def pages(n: int) -> Any:
+        return {"full": n, "swa": n} if grouped else n
+
+    async with bounded(), AsyncReqToTokenPool(3, 4, kv=kv) as pool:
+        free, pages_free = pool.stats().free, pool.stats().pages_free
+        pending, other = await pool.admit(pages=pages(1)), await pool.admit(pages=pages(2))
+        assert pool.available_size() == 0 and pool.stats().pages_free == 0
+        fence = CallingFence(None)
+        pool.free([pending.row], fence)  # open: the take's reclaim asks it
+        refused: list[Exception] = []
+        with eager_tasks(how):
+            fence.call, fence.early = calling_back(pool, "free", other.row, how, refused), True
+            if call == "try_alloc":
+                got: Any = pool.try_alloc(1)
+            elif call == "alloc":
+                got = await pool.alloc(1)
+            elif call == "try_admit":
+                got = pool.try_admit(pages=pages(2))
+            else:
+                got = await pool.admit(pages=pages(2))
+        assert fence.calls == 1 and not refused
+        row = got[0] if isinstance(got, list) else got.row
+        assert row == other.row
+        if isinstance(got, Grant):
+            assert sorted(got.pages.tolist()) == sorted(other.pages.tolist())
+        if isinstance(got, GroupGrant):
+            assert got.pages.keys() == {"full", "swa"}
+        pool.check_invariants()
+        fence.set()
+        pool.free([row])
+        await all_back(pool, free, pages_free)
+
+
 GROUPED_CALLS: dict[str, Callable[[AsyncReqToTokenPool, int, Any], object]] = {
     "free": lambda pool, row, fence: pool.free([row], fence),
     "trim_pages": lambda pool, row, fence: pool.trim_pages([row], {"full": 1}, fence),

@@ -4,13 +4,14 @@ The pool asks fences (code not its own) in the middle of its own calls: as a
 free defers, as a reclaim walks, as a growth or an admission reclaims, as a
 ``record_use`` prunes. A transfer handle's ``query()`` may call the pool back
 there (directly, or through a task that ``asyncio.eager_task_factory`` runs
-at once). Each seed runs a pool with a ``KVPagePool`` through random calls
+at once). Each seed runs a pool with a ``KVPagePool`` (and again one with
+two KV groups, calls naming one group or all at once) through random calls
 (``try_alloc``, ``try_admit``, ``admit`` waiters, fenced frees with one or
 several fences, ``record_use``, ``extend``/``extend_rows``/``extend_fitting``,
 ``detach_pages`` and ``kv.free``, ``trim_pages``, ``drop_pages``, cancels,
 fences completing), with fences of unknown origin and of two streams whose
 ``query()`` makes such calls itself, nested two deep. After every step:
-both ledgers' invariants, no row or page handed out twice or owned twice,
+every ledger's invariants, no row or page handed out twice or owned twice,
 nothing handed out while a fence it waits for is open; at the end, every
 row and page back. A call refused because the call that asked the
 ``query()`` holds what it names (docs/api.md: *An eager task factory*)
@@ -49,7 +50,10 @@ from helpers import HOW, WAIT_S, bounded, eager_tasks, start_task
 
 from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError, new_stream_key
 
+Page = tuple[str | None, int]  # (KV group, page id): group None on a pool with one KVPagePool
+
 ROWS, PAGES = 6, 14
+GROUPS = ("full", "swa")  # a grouped pool's KV groups, PAGES pages each
 STEPS = 300
 SEEDS = range(24)
 _NEST = 2  # calls made from a query(), nested at most this deep
@@ -94,18 +98,22 @@ class _Fence:
 
 
 class _Fuzz:
-    def __init__(self, seed: int, how: str) -> None:
+    def __init__(self, seed: int, how: str, grouped: bool = False) -> None:
         self.rng = random.Random(seed)
         self.how = how
+        self.grouped = grouped
         self.p_call_back = self.rng.choice([0.2, 0.5, 0.9])
         self.loop_thread = threading.get_ident()
         self.depth = 0
-        self.kv = KVPagePool(PAGES, 2)
-        self.pool = AsyncReqToTokenPool(ROWS, 8, kv=self.kv)
+        # A page is (group, id): group None on a pool with one KVPagePool.
+        self.kvs = (
+            {g: KVPagePool(PAGES, 2) for g in GROUPS} if grouped else {None: KVPagePool(PAGES, 2)}
+        )
+        self.pool = AsyncReqToTokenPool(ROWS, 8, kv=self.kvs if grouped else self.kvs[None])
         self.held: dict[int, list[_Fence]] = {}  # row -> the fences of its recorded uses
         self.behind: dict[int, list[_Fence]] = {}  # row -> fences it was freed behind
-        self.pages_behind: dict[int, list[_Fence]] = {}
-        self.detached: list[tuple[list[int], list[_Fence]]] = []  # pages, their row's uses
+        self.pages_behind: dict[Page, list[_Fence]] = {}
+        self.detached: list[tuple[list[Page], list[_Fence]]] = []  # pages, their row's uses
         self.fences: list[_Fence] = []  # not yet complete
         self.forced: list[_Fence] = []  # force-released, never to complete (until the end)
         self.force_log: list[_Fence] = []  # every fence forced, in order
@@ -159,7 +167,7 @@ class _Fuzz:
             self.failure = error
         return error
 
-    def got_row(self, row: int, pages: list[int]) -> None:
+    def got_row(self, row: int, pages: list[Page]) -> None:
         if row in self.held:
             raise self.broken(f"row {row} handed out twice")
         if any(not f.done for f in self.behind.pop(row, [])):
@@ -167,7 +175,7 @@ class _Fuzz:
         self.held[row] = []
         self.got_pages(pages)
 
-    def got_pages(self, pages: list[int]) -> None:
+    def got_pages(self, pages: list[Page]) -> None:
         if len(set(pages)) != len(pages):
             raise self.broken(f"a page handed out twice in one call: {pages}")
         for page in pages:
@@ -177,15 +185,16 @@ class _Fuzz:
     def check(self) -> None:
         try:
             self.pool.check_invariants()
-            self.kv.check_invariants()
+            for kv in self.kvs.values():
+                kv.check_invariants()
         except AssertionError as exc:
             raise self.broken(f"invariant: {exc}") from None
-        ledgers = [("row", self.pool._ledger), ("page", self.kv.ledger)]
+        ledgers = [("row", self.pool._ledger), *(("page", kv.ledger) for kv in self.kvs.values())]
         for fence in self.forced:
             for unit, ledger in ledgers:
                 if ledger.holds(fence):
                     raise self.broken(f"a {unit} still held behind a force-released fence")
-        owner: dict[int, object] = {}
+        owner: dict[Page, object] = {}
         for row in self.held:
             for page in self.live_pages(row):
                 if page in owner:
@@ -197,10 +206,28 @@ class _Fuzz:
                     raise self.broken(f"page {page} owned by {owner[page]} and a prefix cache")
                 owner[page] = "a prefix cache"
 
-    def live_pages(self, row: int) -> list[int]:
-        return [p for p in self.pool.pages_of(row).tolist() if p]  # 0: a dropped position
+    def live_pages(self, row: int) -> list[Page]:
+        return [(g, p) for g in self.kvs for p in self.positions(row, g) if p]  # 0: dropped
 
-    def still_owned(self, rows: list[int], pages: list[int]) -> list[int]:
+    def positions(self, row: int, group: str | None) -> list[int]:
+        return self.pool.pages_of(row, group=group).tolist()  # type: ignore[no-any-return]
+
+    def pages(self, got: Any, group: str | None = None) -> list[Page]:
+        """What a call handed out (a tensor of ``group``'s pages, or a dict
+        of each group's) as pages."""
+        if isinstance(got, dict):
+            return [(g, p) for g, t in got.items() for p in t.reshape(-1).tolist()]
+        return [(group, p) for p in got.reshape(-1).tolist()]
+
+    def count(self, n: int) -> Any:
+        """A page count for every group: ``n`` on a pool with one
+        KVPagePool, ``{group: n or fewer}`` on a grouped one."""
+        return {g: self.rng.randint(0, n) for g in GROUPS} if self.grouped else n
+
+    def one_group(self) -> str | None:
+        return self.rng.choice(GROUPS) if self.grouped else None
+
+    def still_owned(self, rows: list[int], pages: list[Page]) -> list[Page]:
         """``pages`` a growth of ``rows`` handed out, less those the growth's
         trailing grant loop gave back (a ``query()`` there freed, trimmed or
         dropped them): those went with their row, behind its fences."""
@@ -254,19 +281,19 @@ class _Fuzz:
             self.got_row(row, [])
 
     def _try_admit(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
-        grant = pool.try_admit(pages=rng.randint(0, 3))
+        grant = pool.try_admit(pages=self.count(rng.randint(0, 3)))
         if grant is not None:
-            self.got_row(grant.row, grant.pages.tolist())
+            self.got_row(grant.row, self.pages(grant.pages))
 
     def _admit(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
-        n = rng.randint(0, 2)
+        n = self.count(rng.randint(0, 2))
 
         async def admit() -> None:
             try:
                 grant = await pool.admit(pages=n)
             except (asyncio.CancelledError, PoolClosedError):
                 return
-            self.got_row(grant.row, grant.pages.tolist())
+            self.got_row(grant.row, self.pages(grant.pages))
 
         self.tasks.append(start_task(admit(), self.how))
 
@@ -346,9 +373,13 @@ class _Fuzz:
     def _extend(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if self.held:
             row = rng.choice(list(self.held))
-            new = pool.extend(row, rng.randint(1, 2))
+            group = self.one_group()
+            if self.grouped and rng.random() < 0.5:  # every group at once
+                new: Any = pool.extend(row, self.count(2))
+            else:
+                new = pool.extend(row, rng.randint(1, 2), group=group)
             if new is not None:
-                self.got_pages(self.still_owned([row], new.tolist()))
+                self.got_pages(self.still_owned([row], self.pages(new, group)))
 
     def _extend_rows(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         self._grow(rng, pool, fitting=False)
@@ -360,15 +391,23 @@ class _Fuzz:
         if not self.held:
             return
         rows = rng.sample(sorted(self.held), rng.randint(1, min(3, len(self.held))))
-        k = rng.randint(1, 2)
-        new = pool.extend_fitting(rows, k)[1] if fitting else pool.extend_rows(rows, k)
+        group = self.one_group()
+        k: Any = rng.randint(1, 2)
+        if self.grouped and rng.random() < 0.5:  # every group at once
+            k, group = {g: rng.randint(0, 2) for g in GROUPS}, None
+        new: Any
+        if fitting:
+            new = pool.extend_fitting(rows, k, group=group)[1]
+        else:
+            new = pool.extend_rows(rows, k, group=group)
         if new is not None:
-            self.got_pages(self.still_owned(rows, new.reshape(-1).tolist()))
+            self.got_pages(self.still_owned(rows, self.pages(new, group)))
 
     def _detach(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if self.held:
             row = rng.choice(list(self.held))
-            pages = pool.detach_pages(row, host=True).tolist()
+            group = self.one_group()
+            pages = self.pages(pool.detach_pages(row, host=True, group=group), group)
             if pages:  # their later free waits for the row's steps too
                 self.detached.append((pages, list(self.held[row])))
 
@@ -380,8 +419,9 @@ class _Fuzz:
         arg = [*([] if arg is None else arg if isinstance(arg, list) else [arg]), *uses]
         for page in pages:
             self.pages_behind[page] = fences + uses
+        [group] = {g for g, _ in pages}  # detached from one group
         with self.under_way(fences + uses):
-            self.kv.free(pages, fence=arg or None)
+            self.kvs[group].free([p for _, p in pages], fence=arg or None)
 
     def _trim(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         self._give_back(rng, pool, trim=True)
@@ -393,19 +433,29 @@ class _Fuzz:
         if not self.held:
             return
         row = rng.choice(list(self.held))
-        positions = pool.pages_of(row).tolist()
-        if not positions:
+        every = self.grouped and rng.random() < 0.5  # every group at once: {group: at}
+        counts: dict[str | None, int] = {}
+        for group in GROUPS if every else [self.one_group()]:
+            positions = self.positions(row, group)
+            if not positions:
+                continue
+            at = rng.randrange(len(positions)) if trim else rng.randint(0, len(positions))
+            counts[group] = at
+        if not counts:
             return
-        at = rng.randrange(len(positions)) if trim else rng.randint(0, len(positions))
         arg, fences = self.fence_arg()
-        for page in positions[at:] if trim else positions[:at]:
-            if page:
-                self.pages_behind[page] = fences + self.held[row]
+        for group, at in counts.items():
+            positions = self.positions(row, group)
+            for page in positions[at:] if trim else positions[:at]:
+                if page:
+                    self.pages_behind[group, page] = fences + self.held[row]
+        give_back = pool.trim_pages if trim else pool.drop_pages
         with self.under_way(fences + self.held[row]):
-            if trim:
-                pool.trim_pages([row], at, arg)
+            if every:
+                give_back([row], counts, arg)  # type: ignore[arg-type]
             else:
-                pool.drop_pages([row], at, arg)
+                [(group, at)] = counts.items()
+                give_back([row], at, arg, group=group)
 
     # ------------------------------------------------------------ a run
 
@@ -440,23 +490,31 @@ class _Fuzz:
             del self.held[row]
             pool.free([row])
         for pages, _ in self.detached:
-            self.kv.free(pages)
+            [group] = {g for g, _ in pages}
+            self.kvs[group].free([p for _, p in pages])
         self.detached = []
         await pool.drain(timeout=WAIT_S)
         self.check()
         stats = pool.stats()
-        left = (stats.allocated, stats.pages_allocated, stats.pending, stats.pages_pending)
-        if left != (0, 0, 0, 0):
-            raise self.broken(f"left allocated or pending (rows, pages, rows, pages): {left}")
-        if not self.closed and (stats.free, stats.pages_free) != (ROWS - 1, PAGES - 1):
-            raise self.broken(f"not all back: {stats.free} rows, {stats.pages_free} pages")
+        left = (stats.allocated, stats.pending)
+        left += tuple(
+            n for kv in self.kvs.values() for n in (kv.allocated_size(), kv.pending_size())
+        )
+        if any(left):
+            raise self.broken(f"left allocated or pending (rows, then pages by group): {left}")
+        back = (stats.free, *(kv.available_size() for kv in self.kvs.values()))
+        if not self.closed and back != (ROWS - 1, *(PAGES - 1 for _ in self.kvs)):
+            raise self.broken(f"not all back: {back[0]} rows, pages by group {back[1:]}")
         await pool.close()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["one kv", "kv groups"])
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_fences_that_call_the_pool_back_lose_and_double_nothing(seed: int, how: str) -> None:
+async def test_fences_that_call_the_pool_back_lose_and_double_nothing(
+    seed: int, how: str, grouped: bool
+) -> None:
     async with bounded(4 * WAIT_S):
-        fuzz = _Fuzz(seed, how)
+        fuzz = _Fuzz(seed, how, grouped)
         with eager_tasks(how):
             await fuzz.run()

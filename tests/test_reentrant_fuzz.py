@@ -42,13 +42,20 @@ import contextlib
 import itertools
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from helpers import HOW, WAIT_S, bounded, eager_tasks, start_task
 
-from asyncpool import AsyncReqToTokenPool, KVPagePool, PoolClosedError, new_stream_key
+from asyncpool import (
+    AsyncReqToTokenPool,
+    DoubleFreeError,
+    InvalidSlotError,
+    KVPagePool,
+    PoolClosedError,
+    new_stream_key,
+)
 
 Page = tuple[str | None, int]  # (KV group, page id): group None on a pool with one KVPagePool
 
@@ -118,6 +125,7 @@ class _Fuzz:
         self.forced: list[_Fence] = []  # force-released, never to complete (until the end)
         self.force_log: list[_Fence] = []  # every fence forced, in order
         self.inflight: list[list[_Fence]] = []  # the fences of the calls under way
+        self.freeing: list[tuple[int, int]] = []  # rows frees under way give back, their tags
         self.tasks: list[asyncio.Future[Any]] = []
         self.streams = [new_stream_key() for _ in range(2)]
         self.seqs = {key: itertools.count(1) for key in self.streams}
@@ -249,6 +257,9 @@ class _Fuzz:
         forced_before = len(self.force_log)
         self.depth += 1
         try:
+            if self.freeing and self.rng.random() < 0.3:
+                self.name_a_row_being_freed()
+                return
             self.step(inner=True)
         except _Broken:
             raise
@@ -261,6 +272,31 @@ class _Fuzz:
                 self.forget(fence)
         finally:
             self.depth -= 1
+
+    def name_a_row_being_freed(self) -> None:
+        """From a ``query()``: a call naming a row that a free under way
+        gives back, which the model no longer lists (so no step picks it).
+        Unless the row was handed out again since (its generation tag
+        moved: the free's trailing grant loop, or a take made here), the
+        call must be refused: the free holds the row while it asks, and
+        the row is not allocated once freed."""
+        row, tag = self.rng.choice(self.freeing)
+        if self.pool.generation(row) != tag:
+            return
+        pool = self.pool
+        calls: dict[str, Callable[[], object]] = {
+            "free": lambda: pool.free([row]),
+            "extend": lambda: pool.extend(row, 1, group=self.one_group()),
+            "detach": lambda: pool.detach_pages(row, group=self.one_group()),
+            "record_use": lambda: pool.record_use([row], []),
+        }
+        name = self.rng.choice(list(calls))
+        self.log.append(f"in {name} of a row being freed")
+        try:
+            calls[name]()
+        except (InvalidSlotError, DoubleFreeError):
+            return
+        raise self.broken(f"{name} of row {row}, which a free under way gives back, was served")
 
     def step(self, inner: bool) -> None:
         rng, pool = self.rng, self.pool
@@ -359,8 +395,12 @@ class _Fuzz:
         self.behind[row] = list(waits)
         for page in pages:
             self.pages_behind[page] = list(waits)
-        with self.under_way(waits):
-            pool.free([row], arg)
+        self.freeing.append((row, pool.generation(row)))
+        try:
+            with self.under_way(waits):
+                pool.free([row], arg)
+        finally:
+            self.freeing.pop()
 
     def _record_use(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if self.held:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import uvloop
-from helpers import Streams
+from helpers import Streams, eager_factory_refused
 from hypothesis import settings
 
 # The property tests draw the same examples on every run, so a CI run cannot
@@ -82,10 +82,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-async def _nothing() -> None:
-    pass
-
-
 def _eager_refused(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> str | None:
     """Why a loop of ``new_loop`` cannot run ``asyncio.eager_task_factory``
     at all, or None. uvloop 0.22+ passes ``eager_start=`` to a task factory,
@@ -95,16 +91,7 @@ def _eager_refused(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> str | N
     loop = new_loop()
     try:
         loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
-        probe = _nothing()
-        try:
-            task = loop.create_task(probe)
-        except TypeError as exc:
-            probe.close()  # never started: closed, not left unawaited
-            if "eager_start" not in str(exc):
-                raise
-            return f"{type(loop).__module__} passes eager_start= to the task factory ({exc})"
-        loop.run_until_complete(task)
-        return None
+        return eager_factory_refused(loop)
     finally:
         loop.close()
 

@@ -798,18 +798,31 @@ def _check_eager_factory(loop: asyncio.AbstractEventLoop, before: Any) -> None:
     not). That pairing is uvloop's and CPython's to settle; the eager
     cases run wherever the two agree (3.12 on either loop, 3.13 on
     asyncio)."""
+    why = eager_factory_refused(loop)
+    if why is not None:
+        loop.set_task_factory(before)
+        pytest.skip(why)
+
+
+def eager_factory_refused(loop: asyncio.AbstractEventLoop) -> str | None:
+    """Why ``loop``, its task factory the eager one, cannot create a task
+    at all (see :func:`_check_eager_factory`), or None. A probe task it
+    creates is run to its end (at once on a running loop: it never
+    suspends). Also tests/conftest.py's check for ASYNCPOOL_TEST_EAGER."""
     probe = _nothing()
     try:
-        loop.create_task(probe)
+        task = loop.create_task(probe)
     except TypeError as exc:
         probe.close()  # never started: closed, not left unawaited
         if "eager_start" not in str(exc):
             raise
-        loop.set_task_factory(before)
-        pytest.skip(
+        return (
             f"{type(loop).__module__} passes eager_start= to the task factory, which "
             f"asyncio.eager_task_factory on Python {sys.version.split()[0]} does not take"
         )
+    if not loop.is_running():
+        loop.run_until_complete(task)
+    return None
 
 
 def start_task(coro: Coroutine[Any, Any, Any], how: str) -> asyncio.Future[Any]:

@@ -105,7 +105,10 @@ class _Fence:
 
 
 class _Fuzz:
-    def __init__(self, seed: int, how: str, grouped: bool = False) -> None:
+    #: The steps still made once the pool is closed (a subclass adds its own).
+    AFTER_CLOSE: tuple[str, ...] = ("free", "kv_free", "complete", "force")
+
+    def __init__(self, seed: int, how: str, grouped: bool = False, reclaim: str = "auto") -> None:
         self.rng = random.Random(seed)
         self.how = how
         self.grouped = grouped
@@ -116,7 +119,9 @@ class _Fuzz:
         self.kvs = (
             {g: KVPagePool(PAGES, 2) for g in GROUPS} if grouped else {None: KVPagePool(PAGES, 2)}
         )
-        self.pool = AsyncReqToTokenPool(ROWS, 8, kv=self.kvs if grouped else self.kvs[None])
+        self.pool = AsyncReqToTokenPool(
+            ROWS, 8, kv=self.kvs if grouped else self.kvs[None], reclaim=reclaim
+        )
         self.held: dict[int, list[_Fence]] = {}  # row -> the fences of its recorded uses
         self.behind: dict[int, list[_Fence]] = {}  # row -> fences it was freed behind
         self.pages_behind: dict[Page, list[_Fence]] = {}
@@ -306,11 +311,16 @@ class _Fuzz:
             calls += ["complete", "complete", "cancel"]
         elif rng.random() < 0.02:
             calls.append("close")
+        calls += self.more_calls(inner)
         name = rng.choice(calls)
         self.log.append(("in " if inner else "") + name)
-        if self.closed and name not in ("free", "kv_free", "complete", "force"):
+        if self.closed and name not in self.AFTER_CLOSE:
             return
         getattr(self, "_" + name)(rng, pool)
+
+    def more_calls(self, inner: bool) -> list[str]:
+        """A subclass's own steps (each ``_name(rng, pool)``): none here."""
+        return []
 
     def _try_alloc(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         for row in pool.try_alloc(rng.randint(1, 2)) or []:

@@ -3,17 +3,19 @@
 ``reclaim="explicit"`` (one scheduler replica per tensor-parallel rank): the
 pool never asks a fence on its own. Memory behind fences returns only by
 ``retire(fence)`` (an ordered fence: everything of its stream up to it, in
-record order, never asking ``query()``), by ``agree(group)`` (the one call
+record order, never asking ``query()``), by ``agree(group)`` (the call
 that asks every pending fence's ``query()``; here on a single-rank gloo
-group) and by ``force_release``; ``forget_stream`` drops a stream's retired
-mark, refused while a batch waits for a fence of it or an allocated row
-carries a use of it not retired. So here the fences' ``query()`` calls the
-pool back from inside ``agree`` only, and every call is made there: frees,
+group), by ``force_release`` and by ``drain`` (it asks the first pending
+fence, and settles what waits behind it while they answer done; here with
+``timeout=0``); ``forget_stream`` drops a stream's retired mark, refused
+while a batch waits for a fence of it or an allocated row carries a use of
+it not retired. So here the fences' ``query()`` calls the pool back from
+inside ``agree`` and ``drain`` only, and every call is made there: frees,
 admits, growths, ``retire``, ``force_release``, ``forget_stream``, ``agree``
 itself (nested two deep, as the auto fuzz nests).
 
-The model (``_Fuzz``, with the steps ``retire``, ``agree`` and
-``forget_stream`` added) keeps, beside the auto fuzz's checks, what the
+The model (``_Fuzz``, with the steps ``retire``, ``agree``,
+``forget_stream`` and ``drain`` added) keeps, beside the auto fuzz's checks, what the
 ledgers hold pending: for each row and page, the fences it still waits for,
 head first, as the ledgers keep them (the order among one free's fences is
 taken from the pool, once the set is checked: the newest of each stream and
@@ -21,11 +23,14 @@ every fence of unknown origin the free named, less those retired). It
 predicts every change: a retire passes the heads of that stream up to the
 fence, then every retired fence after them; a ``force_release`` drops its
 fence, and passes it as a head; an ``agree`` releases what waited only for
-fences complete or retired when it began. It cannot tell, and so reads from
-the ledgers (checking the rule only), what a ``query()`` made meanwhile:
-a row or page freed during the agreement (a free behind the one fence of a
-batch it covers joins that batch), and one whose remaining fences were
-retired or forced there (the agreement asked them before, or after). After
+fences complete or retired when it began; a ``drain`` settles, as their
+head, only fences that are complete (which ones, in what order, is the
+pool's choice: the model learns it from the row ledger's ``conclude``).
+It cannot tell, and so reads from the ledgers (checking the rule only),
+what a ``query()`` made meanwhile: a row or page freed during the
+agreement (a free behind the one fence of a batch it covers joins that
+batch), and one whose remaining fences were retired or forced there (the
+agreement asked them before, or after). After
 every call, made from a ``query()`` or not, the pending rows and pages and
 what each waits for must be as the model says; a ``forget_stream`` must be
 refused exactly when the model says. The rule: nothing is handed out while
@@ -35,13 +40,15 @@ nor forced.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import HOW, WAIT_S, bounded, eager_tasks
+from helpers import HOW, WAIT_S, bounded, eager_tasks, start_task
 from test_reentrant_fuzz import SEEDS, _Fence, _Fuzz
 
 from asyncpool import AsyncReqToTokenPool
@@ -64,7 +71,7 @@ class _Wait:
 
 
 class _ExplicitFuzz(_Fuzz):
-    AFTER_CLOSE = (*_Fuzz.AFTER_CLOSE, "retire", "agree", "forget_stream")
+    AFTER_CLOSE = (*_Fuzz.AFTER_CLOSE, "retire", "agree", "forget_stream", "drain")
 
     def __init__(self, seed: int, how: str, grouped: bool, group: Any) -> None:
         super().__init__(seed, how, grouped, reclaim="explicit")
@@ -73,11 +80,20 @@ class _ExplicitFuzz(_Fuzz):
         self.waits: dict[Unit, _Wait] = {}  # pending in the ledgers, and on what
         self.ordered: list[_Fence] = []  # every fence made on a stream
         self.agreeing: list[list[_Wait]] = []  # per agree under way: waits made meanwhile
+        # drain() settles a fence by the ledgers' conclude(): which one, its own choice.
+        led = self.pool._ledger
+        conclude = led.conclude
+
+        def concluding(fence: Any, error: BaseException | None) -> int:
+            self.concluding(fence, error)
+            return conclude(fence, error)
+
+        led.conclude = concluding  # type: ignore[method-assign]
 
     def more_calls(self, inner: bool) -> list[str]:
         if inner:
             return ["retire", "agree", "forget_stream"]
-        return ["retire", "retire", "agree", "agree", "forget_stream"]
+        return ["retire", "retire", "agree", "agree", "forget_stream", "drain"]
 
     def new_fence(self) -> _Fence:
         fence = super().new_fence()
@@ -200,6 +216,13 @@ class _ExplicitFuzz(_Fuzz):
         if not self.ordered:
             return
         fence = rng.choice(self.ordered)
+        released = self.retired(fence)
+        got = pool.retire(fence)
+        if got != self.count_released(released):
+            raise self.broken(f"retire made {got} free, the model {released}")
+
+    def retired(self, fence: _Fence) -> list[Unit]:
+        """The model of a retire of ``fence``: what it releases."""
         key, seq = fence.stream_key, fence.seq
         self.marks[key] = max(self.marks.get(key, seq), seq)
         released: list[Unit] = []
@@ -210,9 +233,37 @@ class _ExplicitFuzz(_Fuzz):
                 if self.walk(unit, wait.fences):
                     released.append(unit)
         self.prune_covered()
-        got = pool.retire(fence)
-        if got != self.count_released(released):
-            raise self.broken(f"retire made {got} free, the model {released}")
+        return released
+
+    def _drain(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        """``drain(timeout=0)``: it asks the first pending fence and settles
+        what waits behind it (as a retire, for an ordered one) while they
+        answer done, and times out at the first that does not. By hand, a
+        task that runs at the step's end (``asyncio.timeout`` needs one)."""
+
+        async def drain() -> None:
+            with contextlib.suppress(TimeoutError):
+                await pool.drain(timeout=0)
+
+        if self.how == "eager":
+            self.tasks.append(start_task(drain(), self.how))
+        else:
+            self.tasks.append(asyncio.ensure_future(drain()))
+
+    def concluding(self, fence: _Fence, error: BaseException | None) -> None:
+        """The row ledger's ``conclude``, as ``drain`` calls it (then each
+        page ledger's): ``fence`` answered done; what waits behind it, as
+        its head, settles."""
+        if error is not None or not fence.done:
+            raise self.broken(f"drain settled behind {fence!r}, not done ({error!r})")
+        self.log.append("drain settled a fence")
+        if _key(fence) is not None:
+            self.retired(fence)
+            return
+        for unit, wait in list(self.waits.items()):
+            if wait.fences[0] is fence:
+                del wait.fences[0]
+                self.walk(unit, wait.fences)
 
     def _force(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         forced = len(self.force_log)

@@ -104,6 +104,8 @@ class Admission(PageArgs):
 
         def _try_must_wait(self, priority: int | None = None) -> bool: ...
 
+        def _passed_meanwhile(self, priority: int | None) -> bool: ...
+
         def _reclaim_both(self) -> bool: ...
 
         def _drop_dead_waiters(self) -> bool: ...
@@ -334,7 +336,7 @@ class Admission(PageArgs):
                     raise error
             if self._try_must_wait(prio):
                 return None
-            return self._admit_groups_now(counts)
+            return self._admit_groups_now(counts, prio)
         k = self._page_count(pages, 0)
         if self._closed:
             raise PoolClosedError("the pool is closed; nothing can be admitted")
@@ -346,19 +348,20 @@ class Admission(PageArgs):
                 raise error
         if self._try_must_wait(prio):
             return None
-        return self._admit_now(k)
+        return self._admit_now(k, prio)
 
-    def _admit_now(self, k: int) -> Grant | None:
+    def _admit_now(self, k: int, priority: int | None = None) -> Grant | None:
         pages = self._pages
         assert pages is not None
         free = self._free_q
         pled = pages.ledger
         # Capacity only waiting on a fence is not exhaustion: reclaim once,
         # then count again whatever it answers (a query() it asks may free
-        # a row or pages at once: see try_alloc).
+        # a row or pages at once: see try_alloc), unless a call it queued
+        # or a hold it took comes first (_passed_meanwhile).
         if not free or k > pled.free_count:
             self._reclaim_both()
-            if not free or k > pled.free_count:
+            if self._passed_meanwhile(priority) or not free or k > pled.free_count:
                 return None
         # The row first: taking a dirty one runs its reset, a device op that
         # may raise, and then nothing must have been taken (taking the pages
@@ -504,13 +507,15 @@ class Admission(PageArgs):
         items[0][1].fast_admits += 1
         return grant
 
-    def _admit_groups_now(self, counts: tuple[int, ...]) -> GroupGrant | None:
+    def _admit_groups_now(
+        self, counts: tuple[int, ...], priority: int | None = None
+    ) -> GroupGrant | None:
         free = self._free_q
         # Capacity only waiting on a fence is not exhaustion: reclaim once,
         # then count again (as _admit_now).
         if not free or self._groups_short(counts):
             self._reclaim_both()
-            if not free or self._groups_short(counts):
+            if self._passed_meanwhile(priority) or not free or self._groups_short(counts):
                 return None
         # The row first (its reset may raise; nothing taken yet), then the
         # pages of every group.

@@ -803,7 +803,7 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
                 # Capacity only waiting on a fence is not exhaustion. Taken
                 # again whatever the reclaim answers: see try_alloc.
                 led.reclaim()
-                rows = self._take(n)
+                rows = None if self._passed_meanwhile(None) else self._take(n)
             if rows is not None:
                 self._fast_allocs += 1
                 self._fast = self._unchecked  # reopen the fast paths
@@ -1089,6 +1089,23 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
                 )
                 self._tables.reset_rows_each(rows)
 
+    def _passed_meanwhile(self, priority: int | None) -> bool:
+        """For a call that serves at once (``try_alloc``, ``try_admit``;
+        ``alloc`` and ``admit`` with nobody queued), after the reclaim it
+        made when short: True if it must not take now. A ``query()`` that
+        reclaim asked may have queued a call (a transfer handle's task, run
+        at once by an eager task factory), held the grants or closed the
+        pool. The memory the reclaim returned goes first to the calls
+        queued there, by the grant loop, run here: taken by this call, it
+        would jump their queue and leave what remains to nobody until the
+        next free or wake-up. With ``priority`` (a ``try_`` call's), only
+        calls of that priority or a more urgent one hold it back, as
+        before the reclaim. The slow path only (a take came up short)."""
+        waiters = self._waiters
+        if waiters.count and not waiters.gated:
+            waiters.grant()
+        return self._closed or self._try_must_wait(priority)
+
     def _try_must_wait(self, priority: int | None = None) -> bool:
         """For ``try_alloc``/``try_admit``: True while anyone is queued (no
         queue jumping; with ``priority``, anyone of that priority or a more
@@ -1228,6 +1245,8 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
             # asks may free rows at once (a transfer handle's code, or a task
             # an eager task factory runs there), which it does not count.
             led.reclaim()
+            if self._passed_meanwhile(prio):
+                return None
             rows = self._take(n)
         if rows is not None:
             self._fast_allocs += 1

@@ -1070,3 +1070,51 @@ async def test_a_page_free_inside_its_own_fenced_free_is_a_double_free(
         await pool.drain(timeout=WAIT_S)
         kv.check_invariants()
         assert (kv.available_size(), kv.pending_size()) == (pages_free, 0)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize(
+    "call", ["try_alloc", "alloc", "try_admit", "admit", "grouped try_admit", "grouped admit"]
+)
+async def test_a_call_queued_inside_a_direct_calls_reclaim_is_served_first(
+    call: str, how: str
+) -> None:
+    # A call that serves at once (try_alloc, try_admit, or alloc and admit
+    # with nobody queued) reclaims when short, then takes. A query() that
+    # reclaim asks may queue an alloc (a transfer handle's task), which
+    # finds nothing free: the reclaim walks the side list, out of reach of
+    # the reclaim that alloc makes. The reclaim then returns two rows. The
+    # direct call took the first, queued after it (a queue jump), and left
+    # the second free with the alloc still queued, granted by nobody until
+    # the next free or wake-up.
+    grouped = call.startswith("grouped")
+    kv: Any = (
+        {"full": KVPagePool(10, 2), "swa": KVPagePool(10, 2)} if grouped else KVPagePool(10, 2)
+    )
+    pages: Any = {"full": 1, "swa": 1} if grouped else 1
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=kv) as pool:
+        rows = await pool.alloc(3)  # every row
+        queued: list[asyncio.Future[Any]] = []
+        with eager_tasks(how):
+            fence = CallingFence(lambda: queued.append(start_task(pool.alloc(1), how)))
+            other = CallingFence(None)
+            pool.free([rows[0]], fence)  # both on the side list (fences of no stream)
+            pool.free([rows[1]], other)
+            fence.set()
+            other.set()
+            got: Any
+            if call == "try_alloc":
+                got = pool.try_alloc(1)
+            elif call == "alloc":
+                got = await pool.alloc(1)
+            elif call.endswith("try_admit"):
+                got = pool.try_admit(pages=pages)
+            else:
+                got = await pool.admit(pages=pages)
+            assert fence.calls == 1 and len(queued) == 1
+            assert pool.waiting() == 0  # served at once, not left to a wake-up
+        got_row = got[0] if isinstance(got, list) else got.row
+        assert got_row == rows[1]  # the queued alloc asked first: it got the first row back
+        assert await settled(queued[0]) == [rows[0]]
+        pool.check_invariants()
+        assert pool.stats().allocated == 3

@@ -26,10 +26,30 @@ may still hold anything behind a forced fence, unless a call under way names
 it (that call may defer behind it again, and the fence then completes as
 any other).
 
+The pool's explicit ``reclaim()`` (and a page pool's), leases,
+``hold_grants()`` and its releases, each as a step and from a ``query()``.
+A lease is a task in ``async with pool.lease(n)``, held until the model
+ends it (or cancels the task); its rows are the model's as any other (a
+step may grow, trim, record a use on, or now and then free one), and its
+exit frees the rest behind their recorded uses, a call under way: one
+that the body freed it must name in a ``DoubleFreeError`` (noted on the
+``CancelledError`` of a cancelled task) and not free again. While a hold
+is held no queued waiter is granted a row (``stats().allocs`` less the
+rows of the calls that never queued), and ``try_alloc``/``try_admit``
+answer None and ``alloc``/``admit`` queue (a hold taken from a
+``query()`` they asked counts too). Between steps, with no hold held and
+no cancel on its way to a task, the queue's head does not fit what is
+free: whatever made memory free (a hold's release, a reclaim, a free, a
+lease's exit) ran the grant loop.
+
 Before the holds (and the re-entrant grant loop and reclaim before them),
 most seeds of this fuzz failed; see docs/changes.md (trialReenter, and
 "What a call changes is held while it asks fences"; reForce, for
-``force_release``).
+``force_release``). The extension with reclaim, leases and holds found
+``try_alloc``/``try_admit`` (and ``alloc``/``admit`` served at once)
+taking, after their reclaim, what belonged to a call queued from a
+``query()`` it asked, and leaving the rest granted to nobody
+(tests/test_eager_tasks.py; docs/changes.md, fzMore).
 Each fence calls back at most twice, as a transfer handle's completion does
 once: a model whose fences call back at every ask, dozens pending, keeps the
 grant loop re-running as long as each pass returns memory.
@@ -42,7 +62,7 @@ import contextlib
 import itertools
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +71,7 @@ from helpers import HOW, WAIT_S, bounded, eager_tasks, start_task
 from asyncpool import (
     AsyncReqToTokenPool,
     DoubleFreeError,
+    GrantHold,
     InvalidSlotError,
     KVPagePool,
     PoolClosedError,
@@ -65,6 +86,10 @@ STEPS = 300
 SEEDS = range(24)
 _NEST = 2  # calls made from a query(), nested at most this deep
 _CALLS_A_FENCE = 2
+_HOLDS = 2  # hold_grants() holds held at once, at most
+# The steps still made once the pool is closed (a hold is allowed there,
+# holding nothing).
+_AFTER_CLOSE = ("free", "kv_free", "complete", "force", "lease_end", "hold", "release")
 
 
 class _Broken(BaseException):
@@ -104,9 +129,21 @@ class _Fence:
         self.landed.set()
 
 
+class _Lease:
+    """One ``async with pool.lease(n)`` of the model: held until ``gate`` is
+    set (or its task cancelled)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.rows: list[int] = []  # granted
+        self.freed: list[int] = []  # freed by a step inside the body
+        self.exiting = 0  # how many rows its exit gives back
+        self.task: asyncio.Future[Any] | None = None
+
+
 class _Fuzz:
     #: The steps still made once the pool is closed (a subclass adds its own).
-    AFTER_CLOSE: tuple[str, ...] = ("free", "kv_free", "complete", "force")
+    AFTER_CLOSE: tuple[str, ...] = _AFTER_CLOSE
 
     def __init__(self, seed: int, how: str, grouped: bool = False, reclaim: str = "auto") -> None:
         self.rng = random.Random(seed)
@@ -137,6 +174,15 @@ class _Fuzz:
         self.closed = False
         self.log: list[str] = []
         self.failure: _Broken | None = None  # the first, wherever it was raised
+        self.leases: list[_Lease] = []  # not yet told to end
+        self.leased: dict[int, _Lease] = {}  # row -> the live lease that holds it
+        self.holds: list[GrantHold] = []  # hold_grants() holds the model holds
+        # Rows handed out by calls that never queued (try_*, an alloc or
+        # admit served at once): stats().allocs less these counts the rows
+        # granted to waiters, which must not grow while a hold is held.
+        self.direct_rows = 0
+        self.grant_mark = 0  # that count when the hold began (or lower since)
+        self.starting: set[object] = set()  # tokens of the tasks being started
 
     # ------------------------------------------------------------ fences
 
@@ -218,6 +264,40 @@ class _Fuzz:
                 if page in owner:
                     raise self.broken(f"page {page} owned by {owner[page]} and a prefix cache")
                 owner[page] = "a prefix cache"
+        self.check_holds()
+        self.check_no_lost_grant()
+
+    def waiter_grants(self) -> int:
+        return self.pool.stats(summaries=False).allocs - self.direct_rows
+
+    def check_holds(self) -> None:
+        """The pool counts the holds the model holds, and while any is held
+        no queued waiter was granted a row (a count that may step down: a
+        granted waiter cancelled gives its rows back)."""
+        if self.pool.grant_holds != len(self.holds):
+            raise self.broken(f"{self.pool.grant_holds} holds counted, {len(self.holds)} held")
+        if self.holds:
+            now = self.waiter_grants()
+            if now > self.grant_mark:
+                raise self.broken(f"{now - self.grant_mark} rows granted to waiters while held")
+            self.grant_mark = now
+
+    def check_no_lost_grant(self) -> None:
+        """Between steps, with nothing holding the grant loop and no cancel
+        on its way to a task, the queue's head does not fit what is free:
+        whatever made memory free ran the grant loop (a hold's release, a
+        reclaim, a free, a lease's exit)."""
+        pool = self.pool
+        if self.holds or self.closed:
+            return
+        if any(not t.done() and getattr(t, "cancelling", lambda: 0)() for t in self.tasks):
+            return  # its waiter leaves the queue, and runs the loop, when the task unwinds
+        head = pool.queue_head()
+        if head is None or head.rows > pool.available_size():
+            return
+        wants = {None: head.pages} if isinstance(head.pages, int) else dict(head.pages)
+        if all(k <= self.kvs[g].available_size() for g, k in wants.items()):
+            raise self.broken(f"the queue's head {head} fits what is free, and waits")
 
     def live_pages(self, row: int) -> list[Page]:
         return [(g, p) for g in self.kvs for p in self.positions(row, g) if p]  # 0: dropped
@@ -258,6 +338,7 @@ class _Fuzz:
             {r: list(f) for r, f in self.behind.items()},
             {p: list(f) for p, f in self.pages_behind.items()},
             [(pages, list(uses)) for pages, uses in self.detached],
+            dict(self.leased),
         )
         forced_before = len(self.force_log)
         self.depth += 1
@@ -266,13 +347,14 @@ class _Fuzz:
                 self.name_a_row_being_freed()
                 return
             self.step(inner=True)
+            self.check_holds()
         except _Broken:
             raise
         except Exception as exc:
             if "under way" not in str(exc):
                 raise self.broken(f"a call from a query() raised {exc!r}") from exc
             self.log.append(f"refused: {type(exc).__name__}")
-            self.held, self.behind, self.pages_behind, self.detached = saved
+            self.held, self.behind, self.pages_behind, self.detached, self.leased = saved
             for fence in self.force_log[forced_before:]:  # made from its query(): they stand
                 self.forget(fence)
         finally:
@@ -307,6 +389,7 @@ class _Fuzz:
         rng, pool = self.rng, self.pool
         calls = ["try_alloc", "try_admit", "admit", "free", "free", "record_use", "extend"]
         calls += ["extend_rows", "extend_fitting", "detach", "kv_free", "trim", "drop", "force"]
+        calls += ["reclaim", "lease", "lease_end", "hold", "release", "release"]
         if not inner:
             calls += ["complete", "complete", "cancel"]
         elif rng.random() < 0.02:
@@ -323,25 +406,180 @@ class _Fuzz:
         return []
 
     def _try_alloc(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
-        for row in pool.try_alloc(rng.randint(1, 2)) or []:
+        held = bool(self.holds)
+        rows = pool.try_alloc(rng.randint(1, 2)) or []
+        if rows and (held or self.holds):  # held before it, or from a query() it asked
+            raise self.broken("try_alloc served while a hold_grants() hold is held")
+        self.direct_rows += len(rows)
+        for row in rows:
             self.got_row(row, [])
 
     def _try_admit(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        held = bool(self.holds)
         grant = pool.try_admit(pages=self.count(rng.randint(0, 3)))
         if grant is not None:
+            if held or self.holds:
+                raise self.broken("try_admit served while a hold_grants() hold is held")
+            self.direct_rows += 1
             self.got_row(grant.row, self.pages(grant.pages))
+
+    def start(self, coro: Callable[[object], Coroutine[Any, Any, None]]) -> asyncio.Future[Any]:
+        """A task of ``coro(token)``, started as the eager factory starts
+        one: ``token`` is in ``self.starting`` until it is started, so the
+        task's code sees whether it is still running inside its start (a
+        call that never queued)."""
+        token = object()
+        self.starting.add(token)
+        try:
+            task = start_task(coro(token), self.how)
+        finally:
+            self.starting.discard(token)
+        self.tasks.append(task)
+        return task
+
+    def served_at_once(self, call: str, held: bool, rows: int) -> None:
+        """An ``alloc`` or ``admit`` served without queueing: never while a
+        hold is held (taken before it, or from a ``query()`` it asked)."""
+        if held or self.holds:
+            raise self.broken(f"{call} served at once while a hold_grants() hold is held")
+        self.direct_rows += rows
 
     def _admit(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         n = self.count(rng.randint(0, 2))
 
-        async def admit() -> None:
+        async def admit(token: object) -> None:
+            held = bool(self.holds)
             try:
                 grant = await pool.admit(pages=n)
             except (asyncio.CancelledError, PoolClosedError):
                 return
+            if token in self.starting:  # served at once, not queued
+                self.served_at_once("admit", held, 1)
             self.got_row(grant.row, self.pages(grant.pages))
 
-        self.tasks.append(start_task(admit(), self.how))
+        self.start(admit)
+
+    # ------------------------------------------------------------ leases
+
+    def _lease(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        """A task that holds ``pool.lease(n)`` until the model ends it. Its
+        rows are the model's as any other (a step may grow, trim, record a
+        use on, or now and then free one); the exit frees the rest behind
+        their recorded uses, and raises ``DoubleFreeError`` for those the
+        body freed (a cancellation goes on, carrying it as a note)."""
+        lease = _Lease()
+        n = rng.randint(1, 2)
+
+        async def hold(token: object) -> None:
+            exiting = False
+            held = bool(self.holds)
+            try:
+                try:
+                    async with pool.lease(n) as rows:
+                        if token in self.starting:  # served at once, not queued
+                            self.served_at_once("lease", held, len(rows))
+                        lease.rows = list(rows)
+                        for row in rows:
+                            self.got_row(row, [])
+                            self.leased[row] = lease
+                        try:
+                            await lease.gate.wait()
+                        finally:
+                            self.lease_exit(lease)
+                            exiting = True
+                finally:
+                    if exiting:  # the exit's free has returned
+                        self.inflight.pop()
+                        del self.freeing[len(self.freeing) - lease.exiting :]
+            except DoubleFreeError as exc:
+                if not lease.freed or any(str(row) not in str(exc) for row in lease.freed):
+                    error = self.broken(f"lease exit raised {exc!r}; the body freed {lease.freed}")
+                    raise error from exc
+                return
+            except asyncio.CancelledError as exc:
+                notes = getattr(exc, "__notes__", [])
+                if lease.freed and not any("lease exit" in note for note in notes):
+                    error = self.broken("a cancelled lease's exit did not note the rows freed")
+                    raise error from exc
+                return
+            except PoolClosedError:
+                return
+            except Exception as exc:
+                raise self.broken(f"a lease task raised {exc!r}") from exc
+            if lease.freed:
+                raise self.broken(f"lease exit raised nothing; the body freed {lease.freed}")
+
+        lease.task = self.start(hold)
+        self.leases.append(lease)
+
+    def lease_exit(self, lease: _Lease) -> None:
+        """The lease's rows it still holds go, behind their recorded uses:
+        the exit frees them next. Until that free returns it is under way,
+        naming those uses, and gives those rows back."""
+        waits: list[_Fence] = []
+        freeing: list[tuple[int, int]] = []
+        for row in lease.rows:
+            if self.leased.get(row) is lease:
+                del self.leased[row]
+                uses = self.held.pop(row)
+                self.behind[row] = list(uses)
+                for page in self.live_pages(row):
+                    self.pages_behind[page] = list(uses)
+                waits += uses
+                freeing.append((row, self.pool.generation(row)))
+        lease.exiting = len(freeing)
+        self.freeing += freeing
+        self.inflight.append(waits)
+
+    def _lease_end(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        if not self.leases:
+            return
+        lease = self.leases.pop(rng.randrange(len(self.leases)))
+        assert lease.task is not None
+        if rng.random() < 0.5:
+            lease.gate.set()  # the body returns at the loop's next turn
+        else:
+            lease.task.cancel()
+
+    # ------------------------------------------------------------ holds, reclaim
+
+    def _hold(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        if len(self.holds) >= _HOLDS:
+            return
+        if not self.holds:
+            self.grant_mark = self.waiter_grants()
+        self.holds.append(pool.hold_grants())
+
+    def _release(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        """Release a hold (now and then twice: a no-op), or every hold at
+        once; the last one runs the grant loop, which
+        :meth:`check_no_lost_grant` checks after the step."""
+        if not self.holds:
+            return
+        if rng.random() < 0.2:
+            holds, self.holds = self.holds, []
+            ended = pool.release_grant_holds()
+            if ended != len(holds) or any(hold.held for hold in holds):
+                raise self.broken(f"release_grant_holds() ended {ended} of {len(holds)}")
+            if rng.random() < 0.5:
+                holds[0].release()  # ended already: nothing
+            if not self.depth:
+                self.check_no_lost_grant()
+            return
+        hold = self.holds.pop(rng.randrange(len(self.holds)))
+        hold.release()
+        if rng.random() < 0.2:
+            hold.release()
+        if not self.depth:  # granted by the call, not by a wake-up to come
+            self.check_no_lost_grant()
+
+    def _reclaim(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
+        if rng.random() < 0.7:
+            pool.reclaim()
+        else:  # the pages alone: the pool's waiters are granted too
+            self.kvs[self.one_group()].reclaim()
+        if not self.depth:  # granted by the call, not by a wake-up to come
+            self.check_no_lost_grant()
 
     def _cancel(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         live = [t for t in self.tasks if not t.done()]
@@ -396,9 +634,12 @@ class _Fuzz:
         self.tasks.append(start_task(pool.close(), self.how))
 
     def _free(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
-        if not self.held:
+        mine = [row for row in self.held if row not in self.leased]
+        if rng.random() < 0.2:  # a lease's row now and then
+            mine = list(self.held)
+        if not mine:
             return
-        row = rng.choice(list(self.held))
+        row = rng.choice(mine)
         pages = self.live_pages(row)
         arg, fences = self.fence_arg()
         waits = fences + self.held.pop(row)
@@ -411,6 +652,9 @@ class _Fuzz:
                 pool.free([row], arg)
         finally:
             self.freeing.pop()
+        lease = self.leased.pop(row, None)
+        if lease is not None:  # freed in its body: its exit frees it no more
+            lease.freed.append(row)
 
     def _record_use(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if self.held:
@@ -529,11 +773,17 @@ class _Fuzz:
         self.p_call_back = 0.0
         for fence in self.fences + self.forced:
             fence.complete()
+        holds, self.holds = self.holds, []
+        for hold in holds:
+            hold.release()
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        results = await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.failure is not None:
             raise self.failure
+        for result in results:
+            if isinstance(result, Exception):
+                raise self.broken(f"a task raised {result!r}")
         await pool.drain(timeout=WAIT_S)
         self.check()
         for row in list(self.held):

@@ -485,12 +485,14 @@ class _Fuzz:
                         try:
                             await lease.gate.wait()
                         finally:
+                            mark = self.exit_mark()
                             self.lease_exit(lease)
                             exiting = True
                 finally:
                     if exiting:  # the exit's free has returned
                         self.inflight.pop()
                         del self.freeing[len(self.freeing) - lease.exiting :]
+                        self.exited(mark)
             except DoubleFreeError as exc:
                 if not lease.freed or any(str(row) not in str(exc) for row in lease.freed):
                     error = self.broken(f"lease exit raised {exc!r}; the body freed {lease.freed}")
@@ -530,6 +532,14 @@ class _Fuzz:
         lease.exiting = len(freeing)
         self.freeing += freeing
         self.inflight.append(waits)
+
+    def exit_mark(self) -> Any:
+        """Before a lease's exit frees its rows: what a subclass keeps to
+        check that free by, once made (:meth:`exited`). Nothing here."""
+        return None
+
+    def exited(self, mark: Any) -> None:
+        """A lease's exit has freed its rows (``mark``: :meth:`exit_mark`'s)."""
 
     def _lease_end(self, rng: random.Random, pool: AsyncReqToTokenPool) -> None:
         if not self.leases:

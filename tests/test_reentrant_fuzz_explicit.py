@@ -170,6 +170,18 @@ class _ExplicitFuzz(_Fuzz):
         less the retired ones (none left: free at once)."""
         before = self.lists()
         call()
+        self.adopt(before)
+
+    def exit_mark(self) -> Any:
+        return self.lists()
+
+    def exited(self, mark: Any) -> None:
+        """A lease's exit freed its rows: checked as :meth:`adopting` checks
+        a step's free."""
+        self.adopt(mark)
+        self.compare()
+
+    def adopt(self, before: dict[Unit, list[_Fence]]) -> None:
         fresh = [(u, fences) for u, fences in self.lists().items() if before.get(u) is not fences]
         if not fresh:
             return

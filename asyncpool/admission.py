@@ -241,7 +241,7 @@ class Admission(PageArgs):
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
-            grant = self._admit_now(k)
+            grant = self._admit_now(k, priority)
             if grant is not None:
                 return grant
         if self._closed:
@@ -571,7 +571,7 @@ class Admission(PageArgs):
             priority, timeout = _check_wait_args(priority, timeout)
         waiters = self._waiters
         if not waiters.count and not waiters.gated:
-            grant = self._admit_groups_now(counts)
+            grant = self._admit_groups_now(counts, priority)
             if grant is not None:
                 return grant
         if self._closed:

@@ -803,7 +803,7 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
                 # Capacity only waiting on a fence is not exhaustion. Taken
                 # again whatever the reclaim answers: see try_alloc.
                 led.reclaim()
-                rows = None if self._passed_meanwhile(None) else self._take(n)
+                rows = None if self._passed_meanwhile(priority) else self._take(n)
             if rows is not None:
                 self._fast_allocs += 1
                 self._fast = self._unchecked  # reopen the fast paths
@@ -1098,9 +1098,11 @@ class AsyncReqToTokenPool(FenceControl, Figures, PoolCore, Admission, Growth, Gi
         pool. The memory the reclaim returned goes first to the calls
         queued there, by the grant loop, run here: taken by this call, it
         would jump their queue and leave what remains to nobody until the
-        next free or wake-up. With ``priority`` (a ``try_`` call's), only
-        calls of that priority or a more urgent one hold it back, as
-        before the reclaim. The slow path only (a take came up short)."""
+        next free or wake-up. Only calls of ``priority`` (the call's own)
+        or a more urgent one hold it back (``None``, a ``try_`` call's
+        without one: any), as they would have queued ahead of it; a less
+        urgent one queued there that the grant loop could not serve does
+        not. The slow path only (a take came up short)."""
         waiters = self._waiters
         if waiters.count and not waiters.gated:
             waiters.grant()

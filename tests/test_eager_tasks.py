@@ -1118,3 +1118,37 @@ async def test_a_call_queued_inside_a_direct_calls_reclaim_is_served_first(
         assert await settled(queued[0]) == [rows[0]]
         pool.check_invariants()
         assert pool.stats().allocated == 3
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("call", ["alloc", "admit", "grouped admit"])
+async def test_a_less_urgent_call_queued_inside_a_direct_calls_reclaim_does_not_hold_it(
+    call: str, how: str
+) -> None:
+    # As above, but the call a query() queues is less urgent (priority 5)
+    # and wants more than the reclaim returns: queued ahead of nobody the
+    # direct call (priority 0) would have passed, it must not make that
+    # call queue (a turn of the loop, and a wait counted) for a row it may
+    # take at once.
+    grouped = call.startswith("grouped")
+    kv: Any = (
+        {"full": KVPagePool(10, 2), "swa": KVPagePool(10, 2)} if grouped else KVPagePool(10, 2)
+    )
+    pages: Any = {"full": 1, "swa": 1} if grouped else 1
+    async with bounded(), AsyncReqToTokenPool(4, 4, kv=kv) as pool:
+        rows = await pool.alloc(3)  # every row
+        queued: list[asyncio.Future[Any]] = []
+        with eager_tasks(how):
+            fence = CallingFence(lambda: queued.append(start_task(pool.alloc(3, priority=5), how)))
+            pool.free([rows[0]], fence)
+            fence.set()
+            coro = pool.alloc(1) if call == "alloc" else pool.admit(pages=pages)
+            with pytest.raises(StopIteration) as done:  # served without suspending
+                coro.send(None)
+            assert fence.calls == 1 and len(queued) == 1
+        got = done.value.value
+        assert (got[0] if isinstance(got, list) else got.row) == rows[0]
+        assert pool.waiting() == 1  # the less urgent call, still short
+        queued[0].cancel()
+        await asyncio.gather(queued[0], return_exceptions=True)
+        pool.check_invariants()

@@ -1072,6 +1072,14 @@ async def test_a_page_free_inside_its_own_fenced_free_is_a_double_free(
         assert (kv.available_size(), kv.pending_size()) == (pages_free, 0)
 
 
+def _kv_and_one_page(*, grouped: bool) -> tuple[Any, Any]:
+    """A pool's ``kv=`` (one KV pool, or KV groups) and ``pages=`` for one
+    page of each."""
+    if grouped:
+        return {"full": KVPagePool(10, 2), "swa": KVPagePool(10, 2)}, {"full": 1, "swa": 1}
+    return KVPagePool(10, 2), 1
+
+
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize(
     "call", ["try_alloc", "alloc", "try_admit", "admit", "grouped try_admit", "grouped admit"]
@@ -1087,11 +1095,7 @@ async def test_a_call_queued_inside_a_direct_calls_reclaim_is_served_first(
     # direct call took the first, queued after it (a queue jump), and left
     # the second free with the alloc still queued, granted by nobody until
     # the next free or wake-up.
-    grouped = call.startswith("grouped")
-    kv: Any = (
-        {"full": KVPagePool(10, 2), "swa": KVPagePool(10, 2)} if grouped else KVPagePool(10, 2)
-    )
-    pages: Any = {"full": 1, "swa": 1} if grouped else 1
+    kv, pages = _kv_and_one_page(grouped=call.startswith("grouped"))
     async with bounded(), AsyncReqToTokenPool(4, 4, kv=kv) as pool:
         rows = await pool.alloc(3)  # every row
         queued: list[asyncio.Future[Any]] = []
@@ -1130,11 +1134,7 @@ async def test_a_less_urgent_call_queued_inside_a_direct_calls_reclaim_does_not_
     # direct call (priority 0) would have passed, it must not make that
     # call queue (a turn of the loop, and a wait counted) for a row it may
     # take at once.
-    grouped = call.startswith("grouped")
-    kv: Any = (
-        {"full": KVPagePool(10, 2), "swa": KVPagePool(10, 2)} if grouped else KVPagePool(10, 2)
-    )
-    pages: Any = {"full": 1, "swa": 1} if grouped else 1
+    kv, pages = _kv_and_one_page(grouped=call.startswith("grouped"))
     async with bounded(), AsyncReqToTokenPool(4, 4, kv=kv) as pool:
         rows = await pool.alloc(3)  # every row
         queued: list[asyncio.Future[Any]] = []

@@ -35,7 +35,9 @@ every call, made from a ``query()`` or not, the pending rows and pages and
 what each waits for must be as the model says; a ``forget_stream`` must be
 refused exactly when the model says. The rule: nothing is handed out while
 a fence it waits for is neither complete (as ``agree`` saw it) nor retired
-nor forced.
+nor forced. The auto fuzz's leases, ``hold_grants`` and ``reclaim()`` (which
+returns 0 on an explicit pool) run here too; a lease's exit, which frees its
+rows from the lease's task between steps, is checked as a step's free is.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ class Admission(PageArgs):
             return None
         return self._admit_now(k, prio)
 
-    def _admit_now(self, k: int, priority: int | None = None) -> Grant | None:
+    def _admit_now(self, k: int, priority: int | None) -> Grant | None:
         pages = self._pages
         assert pages is not None
         free = self._free_q
@@ -507,9 +507,7 @@ class Admission(PageArgs):
         items[0][1].fast_admits += 1
         return grant
 
-    def _admit_groups_now(
-        self, counts: tuple[int, ...], priority: int | None = None
-    ) -> GroupGrant | None:
+    def _admit_groups_now(self, counts: tuple[int, ...], priority: int | None) -> GroupGrant | None:
         free = self._free_q
         # Capacity only waiting on a fence is not exhaustion: reclaim once,
         # then count again (as _admit_now).

@@ -291,6 +291,13 @@ class _Fuzz:
         kvs = self.kvs.values()
         return [self.pool.quarantined_size(), *(kv.quarantined_size() for kv in kvs)]
 
+    def unfittable(self, exc: CapacityError, where: str) -> None:
+        """A request refused as one that can never fit: only quarantine (a
+        faulted fence's) makes one of the model's requests so."""
+        if not any(self.quarantined()):
+            raise self.broken(f"CapacityError without quarantine ({where}): {exc}") from exc
+        self.log.append(f"{where} unfittable")
+
     def waiter_grants(self) -> int:
         return self.pool.stats(summaries=False).allocs - self.direct_rows
 
@@ -374,8 +381,8 @@ class _Fuzz:
             self.check_holds()
         except _Broken:
             raise
-        except CapacityError:
-            self.log.append("inner unfittable")
+        except CapacityError as exc:
+            self.unfittable(exc, "inner")
         except Exception as exc:
             if "under way" not in str(exc):
                 raise self.broken(f"a call from a query() raised {exc!r}") from exc
@@ -477,7 +484,10 @@ class _Fuzz:
             held = bool(self.holds)
             try:
                 grant = await pool.admit(pages=n)
-            except (asyncio.CancelledError, PoolClosedError, CapacityError):
+            except (asyncio.CancelledError, PoolClosedError):
+                return
+            except CapacityError as exc:
+                self.unfittable(exc, "admit")
                 return
             if token in self.starting:  # served at once, not queued
                 self.served_at_once("admit", held, 1)
@@ -530,7 +540,10 @@ class _Fuzz:
                     error = self.broken("a cancelled lease's exit did not note the rows freed")
                     raise error from exc
                 return
-            except (PoolClosedError, CapacityError):
+            except PoolClosedError:
+                return
+            except CapacityError as exc:
+                self.unfittable(exc, "lease")
                 return
             except Exception as exc:
                 raise self.broken(f"a lease task raised {exc!r}") from exc
@@ -809,9 +822,7 @@ class _Fuzz:
             except _Broken:
                 raise
             except CapacityError as exc:
-                if not any(self.quarantined()):
-                    raise self.broken(f"CapacityError without quarantine: {exc}") from exc
-                self.log.append("unfittable")
+                self.unfittable(exc, "outer")
             except Exception as exc:  # a refusal made to the outer call: none expected
                 raise self.broken(f"{type(exc).__name__}: {exc}") from exc
             for _ in range(self.rng.randint(0, 2)):
